@@ -1,0 +1,21 @@
+from slime_rl.config.groups import (
+    AlgoConfig,
+    BatchConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    EngineConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RolloutConfig,
+    WeightSyncConfig,
+)
+from slime_rl.config.load import ConfigError, build_config, parse_flags
+
+__all__ = [
+    "AlgoConfig", "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EngineConfig",
+    "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig",
+    "WeightSyncConfig", "build_config", "parse_flags",
+]

@@ -1,0 +1,131 @@
+"""The command-line surface of `slime-rl train`.
+
+Megatron's own flag names for everything Megatron owns (parallel sizes, batch sizes, optimizer,
+checkpoints) so that users carry their Megatron scripts over unchanged; slime's names for the RL
+flags; `--sglang-*` passed through to SGLang's server under its own ServerArgs names.
+
+We mirror Megatron's names instead of calling `megatron.training.arguments.parse_args`: this room
+may not import Megatron (DESIGN.md), and Megatron's parser adds ~800 flags of which the trainer
+derives the architecture ones from the HF config anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+SGLANG_PREFIX = "--sglang-"
+ROUTER_PREFIX = "--router-"
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+ADVANTAGE_ESTIMATORS = ("grpo",)
+KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
+ROLLOUT_BACKENDS = ("embedded", "sglang")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """All flags of `slime-rl train`. Defaults follow Megatron (optimizer) and slime (RL)."""
+    p = argparse.ArgumentParser(
+        prog="slime-rl train",
+        description="RL post-training: Megatron-core trainer, SGLang (or built-in) rollout engines, Ray.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--config", default=None, help="YAML file whose keys are these flags' names")
+    p.add_argument("--dry-run", action="store_true", help="print the placement plan and engine commands")
+
+    g = p.add_argument_group("parallelism (Megatron names)")
+    g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--actor-num-nodes", type=_positive_int, default=1)
+    g.add_argument("--actor-num-gpus-per-node", type=_positive_int, default=1,
+                   help="trainer ranks per node (CPU processes when there is no GPU)")
+
+    g = p.add_argument_group("batches (Megatron names)")
+    g.add_argument("--micro-batch-size", type=_positive_int, default=1)
+    g.add_argument("--global-batch-size", type=_positive_int, default=None,
+                   help="samples per optimizer step; default: one step per rollout")
+
+    g = p.add_argument_group("optimizer (Megatron names)")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--lr", type=float, default=1e-6)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
+    g.add_argument("--lr-warmup-iters", type=_nonneg_int, default=0)
+    g.add_argument("--lr-decay-iters", type=_positive_int, default=None)
+    g.add_argument("--weight-decay", type=_nonneg_float, default=0.0)
+    g.add_argument("--clip-grad", type=_nonneg_float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+
+    g = p.add_argument_group("checkpoints (Megatron names)")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=_positive_int, default=None)
+
+    g = p.add_argument_group("model and data")
+    g.add_argument("--hf-checkpoint", default=None, help="HF model folder (config, safetensors, tokenizer)")
+    g.add_argument("--prompt-data", default=None, help="jsonl file of prompts")
+    g.add_argument("--input-key", default="input")
+    g.add_argument("--label-key", default="label")
+    g.add_argument("--apply-chat-template", action="store_true")
+    g.add_argument("--rollout-shuffle", action="store_true")
+    g.add_argument("--rollout-max-prompt-len", type=_positive_int, default=None)
+
+    g = p.add_argument_group("rollout")
+    g.add_argument("--rollout-batch-size", type=_positive_int, default=None, help="prompts per step")
+    g.add_argument("--n-samples-per-prompt", type=_positive_int, default=1)
+    g.add_argument("--rollout-max-response-len", type=_positive_int, default=1024)
+    g.add_argument("--rollout-temperature", type=float, default=1.0)
+    g.add_argument("--rollout-top-p", type=float, default=1.0)
+    g.add_argument("--rollout-top-k", type=int, default=-1)
+    g.add_argument("--rollout-seed", type=int, default=42)
+    g.add_argument("--num-rollout", type=_positive_int, default=None, help="training steps")
+    g.add_argument("--rm-type", default=None, help="built-in reward: " + ", ".join(("digit",)))
+    g.add_argument("--custom-rm-path", default=None, help="module:function or module.function")
+
+    g = p.add_argument_group("rollout engines")
+    g.add_argument("--rollout-backend", choices=ROLLOUT_BACKENDS, default="embedded")
+    g.add_argument("--rollout-num-gpus", type=_positive_int, default=1,
+                   help="devices for all engines (CPU processes when there is no GPU)")
+    g.add_argument("--rollout-num-gpus-per-engine", type=_positive_int, default=1)
+    g.add_argument("--update-weight-buffer-size", type=_positive_int, default=512 * 1024**2,
+                   help="bytes per weight-sync bucket")
+
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
+    g.add_argument("--eps-clip", type=float, default=0.2)
+    g.add_argument("--eps-clip-high", type=float, default=None, help="default: --eps-clip")
+    g.add_argument("--kl-loss-coef", type=_nonneg_float, default=0.0)
+    g.add_argument("--kl-loss-type", choices=KL_LOSS_TYPES, default="low_var_kl")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--run-dir", default=None, help="where metrics.jsonl goes; default runs/<time>")
+    g.add_argument("--use-wandb", action="store_true")
+    g.add_argument("--wandb-project", default="slime_rl")
+    g.add_argument("--wandb-group", default=None)
+    g.add_argument("--wandb-mode", choices=("online", "offline", "disabled"), default="online")
+    g.add_argument("--use-tensorboard", action="store_true")
+    return p

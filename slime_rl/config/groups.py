@@ -1,0 +1,145 @@
+"""Typed config groups built from the flat flags. Functions take the group they need."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    actor_num_nodes: int = 1
+    actor_num_gpus_per_node: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    optimizer: str = "adam"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hf_checkpoint: str = ""
+    bf16: bool = False
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    advantage_estimator: str = "grpo"
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.2
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    # log-probs are taken of logits / temperature on both sides (engine and trainer)
+    temperature: float = 1.0
+
+    @property
+    def use_reference(self) -> bool:
+        return self.kl_loss_coef > 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    prompt_data: str = ""
+    input_key: str = "input"
+    label_key: str = "label"
+    apply_chat_template: bool = False
+    rollout_shuffle: bool = False
+    rollout_max_prompt_len: int | None = None
+    seed: int = 42
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    rollout_batch_size: int = 1
+    n_samples_per_prompt: int = 1
+    max_response_len: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 42
+    num_rollout: int = 1
+    rm_type: str | None = None
+    custom_rm_path: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    backend: str = "embedded"
+    num_gpus: int = 1
+    num_gpus_per_engine: int = 1
+    # --sglang-<name> VALUE, keyed by SGLang's ServerArgs field name (dashes -> underscores)
+    sglang_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_engines(self) -> int:
+        return self.num_gpus // self.num_gpus_per_engine
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    update_weight_buffer_size: int = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    use_wandb: bool = False
+    wandb_project: str = "slime_rl"
+    wandb_group: str | None = None
+    wandb_mode: str = "online"
+    use_tensorboard: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    parallel: ParallelConfig
+    batch: BatchConfig
+    optimizer: OptimizerConfig
+    model: ModelConfig
+    algo: AlgoConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    engine: EngineConfig
+    weight_sync: WeightSyncConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    dry_run: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

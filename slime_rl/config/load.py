@@ -1,0 +1,207 @@
+"""Flags (+ YAML overlay) -> validated, typed `Config`.
+
+Order of precedence: parser defaults < YAML file (`--config`) < command line. Every user error
+raises `ConfigError` whose message names the flag (or the YAML file and key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from slime_rl.config.flags import ROUTER_PREFIX, SGLANG_PREFIX, build_parser
+from slime_rl.config.groups import (
+    AlgoConfig,
+    BatchConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    EngineConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RolloutConfig,
+    WeightSyncConfig,
+)
+
+
+class ConfigError(ValueError):
+    """A user error in flags or the YAML file; the message names the flag."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print and exit(2); we want an exception
+        raise ConfigError(message)
+
+
+def _make_parser() -> argparse.ArgumentParser:
+    base = build_parser()
+    parser = _Parser(prog=base.prog, description=base.description, allow_abbrev=False,
+                     parents=[base], add_help=False, conflict_handler="resolve")
+    return parser
+
+
+def _split_passthrough(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """Pull `--sglang-<name> [VALUE]` out of argv; returns (rest, {name: value})."""
+    rest: list[str] = []
+    sglang: dict[str, Any] = {}
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        tok = argv[i]
+        if tok.startswith(SGLANG_PREFIX) or tok.startswith(ROUTER_PREFIX):
+            key, _, inline = tok.partition("=")
+            name = key[len(SGLANG_PREFIX):] if key.startswith(SGLANG_PREFIX) else "router_" + key[
+                len(ROUTER_PREFIX):]
+            name = name.replace("-", "_")
+            if inline:
+                value: Any = inline
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value = argv[i + 1]
+                i += 1
+            else:
+                value = True
+            sglang[name] = value
+        else:
+            rest.append(tok)
+        i += 1
+    return rest, sglang
+
+
+def _yaml_overlay(parser: argparse.ArgumentParser, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--config: file not found: {path}")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: top level must be a mapping of flag names to values")
+    dests = {a.dest: a for a in parser._actions}
+    defaults: dict[str, Any] = {}
+    sglang: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).lstrip("-").replace("-", "_")
+        if key.startswith("sglang_"):
+            sglang[key[len("sglang_"):]] = value
+            continue
+        if key in ("config", "help") or key not in dests:
+            raise ConfigError(f"--config {path}: unknown key '{raw_key}' (not a flag of slime-rl train)")
+        action = dests[key]
+        if value is not None and action.type is not None and not isinstance(value, bool):
+            try:
+                value = action.type(str(value))
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                raise ConfigError(f"--config {path}: key '{raw_key}': {exc}") from exc
+        if action.choices is not None and value is not None and value not in action.choices:
+            raise ConfigError(f"--config {path}: key '{raw_key}': {value!r} is not one of {list(action.choices)}")
+        defaults[key] = value
+    return defaults, sglang
+
+
+def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """Parse argv (YAML overlay included); returns the flat namespace and the --sglang-* args."""
+    rest, sglang_cli = _split_passthrough(argv)
+    parser = _make_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(rest)
+    sglang: dict[str, Any] = {}
+    if known.config:
+        defaults, sglang = _yaml_overlay(parser, known.config)
+        parser.set_defaults(**defaults)
+    args = parser.parse_args(rest)
+    sglang.update(sglang_cli)
+    return args, sglang
+
+
+def _require(args: argparse.Namespace, flag: str) -> Any:
+    value = getattr(args, flag.lstrip("-").replace("-", "_"))
+    if value is None or value == "":
+        raise ConfigError(f"{flag} is required")
+    return value
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
+    """argv of `slime-rl train` -> a validated Config. Raises ConfigError naming the flag."""
+    a, sglang = parse_flags(argv)
+    hf = _require(a, "--hf-checkpoint")
+    prompt_data = _require(a, "--prompt-data")
+    rbs = _require(a, "--rollout-batch-size")
+    num_rollout = _require(a, "--num-rollout")
+    if check_paths:
+        _check(Path(hf, "config.json").is_file(),
+               f"--hf-checkpoint {hf}: no config.json there (an HF model folder is expected)")
+        _check(Path(prompt_data).is_file(), f"--prompt-data {prompt_data}: file not found")
+
+    parallel = ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                              a.actor_num_nodes, a.actor_num_gpus_per_node)
+    mp = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+    _check(parallel.world_size % mp == 0,
+           f"--tensor-model-parallel-size ({a.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
+           f"({a.pipeline_model_parallel_size}) must divide the trainer world size "
+           f"--actor-num-nodes x --actor-num-gpus-per-node = {parallel.world_size}")
+    _check(parallel.pipeline_model_parallel_size == 1,
+           "--pipeline-model-parallel-size > 1 is not supported yet (trainer parallelism issue)")
+
+    samples = rbs * a.n_samples_per_prompt
+    gbs = a.global_batch_size or samples
+    dp = parallel.data_parallel_size
+    _check(samples % gbs == 0,
+           f"--global-batch-size ({gbs}) must divide --rollout-batch-size x --n-samples-per-prompt ({samples})")
+    _check(gbs % (a.micro_batch_size * dp) == 0,
+           f"--global-batch-size ({gbs}) must be a multiple of --micro-batch-size ({a.micro_batch_size}) "
+           f"x data-parallel size ({dp})")
+    _check(0 < a.eps_clip < 1, f"--eps-clip must be in (0, 1), got {a.eps_clip}")
+    eps_high = a.eps_clip if a.eps_clip_high is None else a.eps_clip_high
+    _check(0 < eps_high < 10, f"--eps-clip-high must be in (0, 10), got {eps_high}")
+    _check(a.lr > 0, f"--lr must be > 0, got {a.lr}")
+    _check(0 <= a.min_lr <= a.lr, f"--min-lr must be in [0, --lr], got {a.min_lr}")
+    _check(0 <= a.adam_beta1 < 1, f"--adam-beta1 must be in [0, 1), got {a.adam_beta1}")
+    _check(0 <= a.adam_beta2 < 1, f"--adam-beta2 must be in [0, 1), got {a.adam_beta2}")
+    _check(a.rollout_temperature > 0, f"--rollout-temperature must be > 0, got {a.rollout_temperature}")
+    _check(0 < a.rollout_top_p <= 1, f"--rollout-top-p must be in (0, 1], got {a.rollout_top_p}")
+    _check(a.rollout_num_gpus % a.rollout_num_gpus_per_engine == 0,
+           f"--rollout-num-gpus-per-engine ({a.rollout_num_gpus_per_engine}) must divide "
+           f"--rollout-num-gpus ({a.rollout_num_gpus})")
+    _check(a.rm_type is not None or a.custom_rm_path is not None, "--rm-type or --custom-rm-path is required")
+    if a.rollout_backend == "embedded":
+        _check(not sglang, f"--sglang-* flags given ({', '.join(sorted(sglang))}) but --rollout-backend "
+               "is embedded")
+    _check(a.save_interval is None or a.save is not None, "--save-interval needs --save")
+
+    run_dir = a.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    return Config(
+        parallel=parallel,
+        batch=BatchConfig(a.micro_batch_size, gbs),
+        optimizer=OptimizerConfig(a.optimizer, a.lr, a.min_lr, a.lr_decay_style, a.lr_warmup_iters,
+                                  a.lr_decay_iters, a.weight_decay, a.clip_grad, a.adam_beta1,
+                                  a.adam_beta2, a.adam_eps),
+        model=ModelConfig(hf, a.bf16, a.seed),
+        algo=AlgoConfig(a.advantage_estimator, a.eps_clip, eps_high, a.kl_loss_coef, a.kl_loss_type,
+                        a.rollout_temperature),
+        data=DataConfig(prompt_data, a.input_key, a.label_key, a.apply_chat_template, a.rollout_shuffle,
+                        a.rollout_max_prompt_len, a.rollout_seed),
+        rollout=RolloutConfig(rbs, a.n_samples_per_prompt, a.rollout_max_response_len,
+                              a.rollout_temperature, a.rollout_top_p, a.rollout_top_k, a.rollout_seed,
+                              num_rollout, a.rm_type, a.custom_rm_path),
+        engine=EngineConfig(a.rollout_backend, a.rollout_num_gpus, a.rollout_num_gpus_per_engine, sglang),
+        weight_sync=WeightSyncConfig(a.update_weight_buffer_size),
+        checkpoint=CheckpointConfig(a.save, a.load, a.save_interval),
+        logging=LoggingConfig(run_dir, a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_mode,
+                              a.use_tensorboard),
+        dry_run=a.dry_run,
+    )

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny HF checkpoints built locally (no hub), CPU thread limits, gpu marker."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _load_tool(name: str):
+    """tools/ is not a package (nothing imports it); load a tool module by path for the tests."""
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    """Tiny Qwen2 (tied embeddings, qkv bias), vocab 64, hidden 64, 2 layers, GQA 4/2."""
+    out = tmp_path_factory.mktemp("tiny_qwen2")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """Tiny Llama (untied embeddings, no bias), vocab 64, hidden 64, 2 layers, GQA 4/2."""
+    out = tmp_path_factory.mktemp("tiny_llama")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="llama", seed=1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

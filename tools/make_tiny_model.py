@@ -1,0 +1,130 @@
+"""Write a complete tiny HF checkpoint folder, with a tokenizer trained here (no model hub).
+
+    python tools/make_tiny_model.py --out DIR [--arch qwen2|llama] [--seed N] [--vocab-size V]
+
+The folder has config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a
+ChatML chat template), generation_config.json. Same seed -> same bytes of weights and the same
+tokenizer. The tokenizer uses Qwen2's pre-tokenizer (NFC, Qwen2's split regex, ByteLevel without
+its own regex) so that `AutoTokenizer`, which returns `Qwen2Tokenizer` for model_type=qwen2 and
+rebuilds the pre-tokenizer, gives the same ids as the trained `tokenizers` object.
+
+Norm weights and q/k/v biases are drawn at random rather than left at 1 and 0: a loader that maps
+them wrongly must change the log-probs, or the layout tests would not see it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from slime_rl.data.digits import corpus_lines
+
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+
+
+def train_tokenizer(vocab_size: int, seed: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIALS), show_progress=False)
+    lines = corpus_lines(seed)
+    lines += ["<|im_start|>user\n" + ln + "<|im_end|>\n<|im_start|>assistant\n" for ln in lines[:50]]
+    tok.train_from_iterator(lines, trainer=trainer)
+    tok.add_special_tokens(SPECIALS)
+    if tok.get_vocab_size() != vocab_size:
+        raise SystemExit(f"--vocab-size {vocab_size}: the corpus gives {tok.get_vocab_size()} tokens; "
+                         "choose a size the corpus can fill (the alphabet alone is about 40)")
+    return tok
+
+
+def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: argparse.Namespace):
+    common = dict(
+        vocab_size=vocab_size, hidden_size=args.hidden_size, intermediate_size=args.hidden_size * 2,
+        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads, max_position_embeddings=512, rms_norm_eps=1e-6,
+        rope_theta=10000.0, initializer_range=0.02, eos_token_id=eos_id, pad_token_id=pad_id,
+        bos_token_id=None, dtype="float32",
+    )
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+        return Qwen2Config(tie_word_embeddings=True, use_sliding_window=False, **common)
+    if arch == "llama":
+        from transformers import LlamaConfig
+        return LlamaConfig(tie_word_embeddings=False, attention_bias=False, mlp_bias=False, **common)
+    raise SystemExit(f"--arch {arch}: unsupported (qwen2, llama)")
+
+
+def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_size: int = 64,
+                    hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                    num_kv_heads: int = 2) -> Path:
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+
+    args = argparse.Namespace(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                              num_kv_heads=num_kv_heads)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab_size, seed)
+    eos_id, pad_id = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    config = build_config(arch, vocab_size, eos_id, pad_id, args)
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out, safe_serialization=True)
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg["tokenizer_class"] = "Qwen2Tokenizer" if arch == "qwen2" else "PreTrainedTokenizerFast"
+    tok_cfg["chat_template"] = CHAT_TEMPLATE
+    tok_cfg["model_max_length"] = 512
+    cfg_path.write_text(json.dumps(tok_cfg, indent=2))
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, temperature=1.0,
+                     top_p=1.0).save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=64)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    a = p.parse_args(argv)
+    out = make_tiny_model(a.out, a.arch, a.seed, a.vocab_size, a.hidden_size, a.num_layers, a.num_heads,
+                          a.num_kv_heads)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
