@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Creates ./.venv (Python >= 3.12, which megatron-core 0.19 needs) and installs slime_rl with its
+# test tools. Safe to run again: an existing, working venv is only refreshed.
+#   bash launch/setup.sh            (VENV=path to put the venv elsewhere)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+
+find_python() {
+  # PYTHON given by the caller wins; then any python3.12+ on PATH; then pyenv's 3.12/3.13.
+  local cands=("${PYTHON:-}" python3.13 python3.12 python3)
+  if command -v pyenv >/dev/null 2>&1; then
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' | sort -rV); do
+      cands+=("$(pyenv root)/versions/$v/bin/python3")
+    done
+  fi
+  for p in "${cands[@]}"; do
+    [ -n "$p" ] || continue
+    if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      command -v "$p"; return 0
+    fi
+  done
+  return 1
+}
+
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import slime_rl, megatron.core, ray, transformers, pytest' 2>/dev/null; then
+  "$VENV/bin/python" -m pip install -q --no-deps -e . >/dev/null
+  exit 0
+fi
+PY=$(find_python) || { echo "setup.sh: no Python >= 3.12 found (set PYTHON=/path/to/python3.12)" >&2; exit 1; }
+echo "setup.sh: creating $VENV with $PY ($("$PY" --version))"
+"$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -e ".[dev]"
+echo "setup.sh: done"

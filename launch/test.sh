@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set-up, lint and the test suite (CPU). Extra arguments go to pytest.
+#   bash launch/test.sh [-k pattern ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/setup.sh
+PY=${VENV:-.venv}/bin/python
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+"$PY" -m ruff check slime_rl tools tests
+exec "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,37 @@
+"""`Sample`: one response to one prompt, from generation through reward to training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Sample:
+    """A prompt, one response to it, and what the loop learns about that response.
+
+    `group_index` ties the n samples of one prompt together (GRPO normalises within a group);
+    `index` is unique over the run. `loss_mask` has one entry per response token (1 = trained).
+    """
+
+    index: int
+    group_index: int
+    prompt: str
+    prompt_ids: list[int]
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    response: str = ""
+    response_ids: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    reward: float | None = None
+    weight_version: str | None = None
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids

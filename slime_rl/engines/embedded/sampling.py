@@ -1,0 +1,143 @@
+"""Per-request sampling parameters and the vectorised sampler of the embedded engine.
+
+Field names and defaults follow SGLang's `SamplingParams` (python/sglang/srt/sampling/sampling_params.py,
+SGLang 0.5.23): max_new_tokens=128, temperature=1.0, top_p=1.0, top_k=-1 (whole vocabulary),
+min_p=0.0, stop, stop_token_ids, ignore_eos, skip_special_tokens, no_stop_trim, sampling_seed.
+As in SGLang, a temperature below 1e-6 means greedy: the temperature becomes 1.0 and top_k 1, so the
+log-probs of a greedy request are those of softmax(logits).
+
+Log-prob convention (the trainer computes the same, so `train/rollout_logprob_abs_diff` is ~0): the
+returned log-prob of a token is log_softmax(logits / temperature) over the FULL vocabulary, taken
+before any top-p / top-k / min-p truncation. Truncation only decides which tokens can be drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_SAMPLING_EPS = 1e-6
+# Sampling fields we honour; the others SGLang accepts (penalties, grammars, n>1, ...) are refused
+# with a 400 naming them rather than silently ignored, so a recipe never trains on the wrong
+# distribution without noticing.
+SUPPORTED_FIELDS = frozenset({
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "sampling_seed", "n",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+})
+# Accepted only at their neutral value.
+_NEUTRAL = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+            "min_new_tokens": 0}
+
+
+class RequestError(ValueError):
+    """A bad request: the HTTP layer answers 400 with this message (which names the field)."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: set[int] = field(default_factory=set)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any] | None, vocab_size: int) -> SamplingParams:
+        """Validate SGLang's `sampling_params` dict. `None` values mean "default", as in SGLang."""
+        if raw is not None and not isinstance(raw, dict):
+            raise RequestError("sampling_params: expected a JSON object")
+        raw = {k: v for k, v in (raw or {}).items() if v is not None}
+        unknown = sorted(set(raw) - SUPPORTED_FIELDS)
+        if unknown:
+            raise RequestError(f"sampling_params.{unknown[0]}: not supported by the embedded engine")
+        for name, neutral in _NEUTRAL.items():
+            if name in raw and raw[name] != neutral:
+                raise RequestError(f"sampling_params.{name}: only {neutral} is supported by the embedded engine")
+        p = cls()
+        p.max_new_tokens = _int(raw, "max_new_tokens", p.max_new_tokens, lo=0)
+        p.temperature = _float(raw, "temperature", p.temperature, lo=0.0)
+        p.top_p = _float(raw, "top_p", p.top_p, lo=0.0, hi=1.0)
+        if "top_p" in raw and p.top_p <= 0.0:
+            raise RequestError("sampling_params.top_p: must be in (0, 1]")
+        p.top_k = _int(raw, "top_k", p.top_k, lo=-1)
+        if p.top_k == 0:
+            raise RequestError("sampling_params.top_k: must be -1 (all) or >= 1")
+        p.min_p = _float(raw, "min_p", p.min_p, lo=0.0, hi=1.0)
+        stop = raw.get("stop", [])
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise RequestError("sampling_params.stop: expected a non-empty string or a list of them")
+        p.stop = stop
+        ids = raw.get("stop_token_ids", [])
+        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+            raise RequestError(f"sampling_params.stop_token_ids: expected a list of ints in [0, {vocab_size})")
+        p.stop_token_ids = set(ids)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if name in raw:
+                if not isinstance(raw[name], bool):
+                    raise RequestError(f"sampling_params.{name}: expected a bool")
+                setattr(p, name, raw[name])
+        if "sampling_seed" in raw:
+            p.sampling_seed = _int(raw, "sampling_seed", 0)
+        if p.temperature < _SAMPLING_EPS:  # SGLang: greedy is top_k=1 at temperature 1
+            p.temperature, p.top_k = 1.0, 1
+        return p
+
+
+def _int(raw: dict, name: str, default: int, lo: int | None = None) -> int:
+    v = raw.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+        raise RequestError(f"sampling_params.{name}: expected an int" + (f" >= {lo}" if lo is not None else ""))
+    return v
+
+
+def _float(raw: dict, name: str, default: float, lo: float, hi: float | None = None) -> float:
+    v = raw.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int | float) or v < lo or (hi is not None and v > hi):
+        raise RequestError(f"sampling_params.{name}: expected a number in [{lo}, {hi if hi is not None else 'inf'}]")
+    return float(v)
+
+
+def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits / T) over the full vocabulary in float32; logits [B, V], temperature [B]."""
+    return torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
+
+
+def sample(logprobs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor,
+           generators: list[torch.Generator]) -> torch.Tensor:
+    """Draw one token per row from the temperature-scaled distribution truncated by top-k/top-p/min-p.
+
+    logprobs [B, V] (from `token_logprobs`); top_p, min_p float [B]; top_k long [B] (-1 = all);
+    generators: one per row, so a request with its own `sampling_seed` gets the same tokens whatever
+    batch it lands in. Returns token ids [B] (long).
+    """
+    B, V = logprobs.shape
+    sorted_lp, order = logprobs.sort(dim=-1, descending=True)
+    sorted_p = sorted_lp.exp()
+    rank = torch.arange(V, device=logprobs.device).expand(B, V)
+    k = torch.where(top_k < 1, torch.full_like(top_k, V), top_k.clamp(max=V))
+    drop = rank >= k[:, None]
+    # top-p: keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    drop |= mass_before > top_p[:, None]
+    drop |= sorted_p < (min_p[:, None] * sorted_p[:, :1])
+    drop[:, 0] = False
+    masked = sorted_lp.masked_fill(drop, float("-inf"))
+    # Gumbel-max: argmax(log p + G) is a draw from p; the noise is drawn row by row so each row uses
+    # its own generator (and the draw of one row does not depend on its neighbours).
+    noise = torch.stack([
+        torch.rand(V, generator=g, device=logprobs.device, dtype=torch.float32) for g in generators
+    ]).clamp_(min=1e-20)
+    gumbel = -torch.log(-torch.log(noise))
+    pick = torch.argmax(masked + gumbel, dim=-1)
+    return order.gather(1, pick[:, None]).squeeze(1)

@@ -1,0 +1,101 @@
+"""Metric sinks. `<run_dir>/metrics.jsonl` always (one JSON object per step); wandb and
+tensorboard when asked. Only the driver writes, so there is one line per step."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from slime_rl.config import LoggingConfig
+
+# The keys every step's line must have (DESIGN.md, contracts).
+REQUIRED_KEYS = (
+    "step", "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/kl", "train/entropy",
+    "train/grad_norm", "train/rollout_logprob_abs_diff", "perf/step_s", "perf/rollout_s", "perf/train_s",
+    "perf/weight_sync_s", "perf/weight_sync_GBps",
+)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep the fact visible
+    return value
+
+
+class MetricsLogger:
+    """Append-only metrics.jsonl plus optional wandb / tensorboard."""
+
+    def __init__(self, cfg: LoggingConfig, run_config: dict[str, Any] | None = None) -> None:
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._wandb = None
+        self._tb = None
+        if cfg.use_wandb:
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.wandb_project, group=cfg.wandb_group, mode=cfg.wandb_mode,
+                                     dir=str(self.run_dir), config=run_config or {})
+        if cfg.use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        row = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+        return row
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class Timer:
+    """Named wall-clock sections: `with timer("rollout"): ...` then `timer.pop()` -> {"perf/rollout_s": s}."""
+
+    def __init__(self) -> None:
+        self._times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._times[name] = self._times.get(name, 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        out = {f"perf/{k}_s": v for k, v in self._times.items()}
+        self._times = {}
+        return out
+
+
+def summary_line(row: dict[str, Any]) -> str:
+    """The one line per step printed by the driver."""
+    def f(key: str, fmt: str = ".3f") -> str:
+        v = row.get(key)
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    return (f"step {row['step']:>4} | reward {f('rollout/reward_mean')} | len {f('rollout/response_len_mean', '.1f')}"
+            f" | loss {f('train/loss', '.4f')} | kl {f('train/kl', '.2e')} | ent {f('train/entropy')}"
+            f" | gnorm {f('train/grad_norm')} | lp_diff {f('train/rollout_logprob_abs_diff', '.1e')}"
+            f" | {f('perf/step_s', '.2f')}s (rollout {f('perf/rollout_s', '.2f')}, train {f('perf/train_s', '.2f')},"
+            f" sync {f('perf/weight_sync_s', '.2f')})")

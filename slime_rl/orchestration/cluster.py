@@ -1,0 +1,86 @@
+"""Brings the run's actors up on Ray and down again: placement group, engines, trainer group,
+RolloutManager and Buffer. The driver (train.py) sees only generate / train / sync_weights."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from slime_rl.config import Config
+from slime_rl.orchestration.buffer import Buffer
+from slime_rl.orchestration.engines import EngineActor, engine_command
+from slime_rl.orchestration.placement import PlacementPlan
+from slime_rl.orchestration.rollout_manager import RolloutManager
+from slime_rl.orchestration.trainer_group import TrainerGroup
+from slime_rl.weight_sync.broadcast import EngineTarget
+
+
+def init_ray(plan: PlacementPlan) -> None:
+    """Join the cluster of `ray start` / `ray job submit`, or start a local one sized for the plan."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"])
+        return
+    # Ray's CPU slots are logical: a 2-core laptop still gets one slot per bundle.
+    ray.init(num_cpus=max(len(plan.bundles) + 1, os.cpu_count() or 1), include_dashboard=False,
+             log_to_driver=True)
+
+
+class Cluster:
+    def __init__(self, cfg: Config, plan: PlacementPlan, api_key: str | None) -> None:
+        self.cfg, self.plan, self.api_key = cfg, plan, api_key
+        self.pg = None
+        self.engines: list = []
+        self.trainers: TrainerGroup | None = None
+        self.rollout_manager = None
+        self.buffer = None
+
+    def start(self, train_iters: int) -> None:
+        init_ray(self.plan)
+        self.pg = placement_group(list(self.plan.bundles), strategy="PACK")
+        ray.get(self.pg.ready())
+        gpu = 1 if self.plan.use_gpu else 0
+        urls, targets, started = [], [], []
+        for slot in self.plan.engines:
+            actor = EngineActor.options(
+                num_cpus=1, num_gpus=gpu,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, slot.bundles[0]),
+            ).remote(slot.engine_id)
+            host, port = ray.get([actor.node_ip.remote(), actor.pick_port.remote()])
+            cmd = engine_command(self.cfg, slot, host, port, self.api_key, self.plan.use_gpu)
+            self.engines.append(actor)
+            urls.append(f"http://{host}:{port}")
+            targets.append(EngineTarget(urls[-1], slot.rank_offset, self.api_key))
+            started.append(actor.start.remote(cmd, urls[-1]))
+        # trainer ranks build Megatron while the engines load
+        self.trainers = TrainerGroup(self.cfg, self.pg, self.plan.trainer_bundles, self.plan.use_gpu)
+        threads = max(1, (os.cpu_count() or 1) // self.cfg.parallel.world_size)
+        self.trainers.init(train_iters, threads)
+        ray.get(started)
+        self.buffer = Buffer.remote()
+        self.rollout_manager = RolloutManager.remote(self.cfg, urls, self.api_key)
+        self.trainers.connect_engines(targets, self.plan.weight_update_world_size)
+
+    def generate(self, step: int) -> dict[str, float]:
+        return ray.get(self.rollout_manager.generate.remote(step, self.buffer))
+
+    def train(self, step: int) -> dict[str, float]:
+        return self.trainers.train(step, self.buffer)
+
+    def sync_weights(self, version: str) -> dict[str, float]:
+        return self.trainers.sync_weights(version)
+
+    def shutdown(self) -> None:
+        if self.trainers is not None:
+            try:
+                self.trainers.shutdown()
+            except ray.exceptions.RayError as exc:
+                print(f"[slime_rl] trainer shutdown: {exc}")
+        if self.engines:
+            ray.get([e.stop.remote() for e in self.engines])
+        if self.pg is not None:
+            remove_placement_group(self.pg)

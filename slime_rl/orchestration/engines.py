@@ -1,0 +1,74 @@
+"""Engine actors: each holds its placement bundle(s) and runs one engine server process
+(the built-in engine or SGLang), prefixing the server's log lines with the engine id."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import ray
+
+from slime_rl.config import Config
+from slime_rl.engines.launch import embedded_command, sglang_command, wait_healthy
+from slime_rl.orchestration.placement import EngineSlot
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key: str | None, use_gpu: bool,
+                   nccl_port: int | None = None) -> list[str]:
+    """The launch command of one engine: what the actor runs and what --dry-run prints."""
+    seed = cfg.rollout.seed + slot.engine_id
+    if cfg.engine.backend == "sglang":
+        return sglang_command(model_path=cfg.model.hf_checkpoint, host=host, port=port,
+                              tp_size=cfg.engine.num_gpus_per_engine, nccl_port=nccl_port or port + 1,
+                              dist_init_addr=None, base_gpu_id=0, random_seed=seed, api_key=api_key,
+                              extra=dict(cfg.engine.sglang_args))
+    return embedded_command(model_path=cfg.model.hf_checkpoint, host=host, port=port, api_key=api_key, seed=seed,
+                            device="cuda" if use_gpu else "cpu", dtype="bfloat16" if cfg.model.bf16 else "float32")
+
+
+@ray.remote
+class EngineActor:
+    """Owns one engine server process for the life of the run."""
+
+    def __init__(self, engine_id: int) -> None:
+        self.engine_id = engine_id
+        self.process: subprocess.Popen | None = None
+        self.url: str | None = None
+
+    def start(self, cmd: list[str], url: str, timeout: float = 300.0) -> str:
+        env = dict(os.environ)
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+        wait_healthy(url, timeout=timeout, process=self.process)
+        self.url = url
+        return url
+
+    def _pump(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            sys.stdout.write(f"[engine {self.engine_id}] {line}")
+            sys.stdout.flush()
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def pick_port(self) -> int:
+        return free_port("0.0.0.0")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()

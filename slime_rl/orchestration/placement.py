@@ -1,0 +1,94 @@
+"""Where every process goes. Pure functions over the config and the cluster's size: no Ray here,
+so the plan is tested without a cluster and printed by `--dry-run`.
+
+Layout (disaggregated): bundles 0 .. W-1 hold the W trainer ranks (rank r in bundle r), the next
+bundles hold the engines, `rollout_num_gpus_per_engine` consecutive bundles each. On a machine
+without GPUs a bundle is one CPU slot instead of one GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slime_rl.config import EngineConfig, ParallelConfig
+
+
+class PlacementError(ValueError):
+    """The cluster cannot hold the requested layout; the message names the flags."""
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    engine_id: int
+    bundles: tuple[int, ...]
+    # rank of the engine's first device in the weight-update group; the trainer's source is rank 0
+    rank_offset: int
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    use_gpu: bool
+    bundles: tuple[dict[str, float], ...]
+    trainer_bundles: tuple[int, ...]
+    engines: tuple[EngineSlot, ...]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def weight_update_world_size(self) -> int:
+        """One trainer source rank plus every engine device."""
+        return 1 + sum(len(e.bundles) for e in self.engines)
+
+    def describe(self) -> str:
+        kind = "GPU" if self.use_gpu else "CPU"
+        lines = [f"placement ({kind} bundles: {len(self.bundles)})"]
+        lines.append(f"  trainer ranks 0..{len(self.trainer_bundles) - 1} -> bundles {list(self.trainer_bundles)}")
+        for e in self.engines:
+            lines.append(f"  engine {e.engine_id} -> bundles {list(e.bundles)}, weight-update rank_offset "
+                         f"{e.rank_offset}")
+        lines.append(f"  weight-update group world size {self.weight_update_world_size}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def plan_placement(parallel: ParallelConfig, engine: EngineConfig, cluster_gpus: int,
+                   cluster_cpus: int | None = None) -> PlacementPlan:
+    """The bundle layout for the trainer ranks and engines, checked against the cluster.
+
+    cluster_gpus == 0 means a CPU-only cluster: each bundle asks for one CPU slot. Ray's CPU
+    slots are logical, so a 2-core laptop can host 3 bundles; the note says when it oversubscribes.
+    """
+    trainer_n = parallel.world_size
+    engine_n = engine.num_gpus
+    total = trainer_n + engine_n
+    use_gpu = cluster_gpus > 0
+    notes: list[str] = []
+    if use_gpu and total > cluster_gpus:
+        raise PlacementError(
+            f"need {total} GPUs (--actor-num-nodes x --actor-num-gpus-per-node = {trainer_n} for the trainer + "
+            f"--rollout-num-gpus = {engine_n} for the engines), the cluster has {cluster_gpus}")
+    if not use_gpu and cluster_cpus is not None and total > cluster_cpus:
+        notes.append(f"{total} CPU bundles on {cluster_cpus} cores: processes share cores")
+    bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
+    engines = []
+    per = engine.num_gpus_per_engine
+    for e in range(engine.num_engines):
+        first = trainer_n + e * per
+        engines.append(EngineSlot(e, tuple(range(first, first + per)), rank_offset=1 + e * per))
+    return PlacementPlan(use_gpu, tuple(dict(bundle) for _ in range(total)), tuple(range(trainer_n)),
+                         tuple(engines), notes)
+
+
+def dp_shard(n_samples: int, global_batch_size: int, dp_rank: int, dp_size: int) -> list[int]:
+    """Indices of the samples DP rank `dp_rank` trains on, in order.
+
+    Optimizer step k uses samples [k*gbs, (k+1)*gbs); rank r takes the r-th contiguous slice of
+    gbs/dp of each, so the ranks' k-th local mini-batches together are exactly global mini-batch k.
+    """
+    if n_samples % global_batch_size or global_batch_size % dp_size:
+        raise ValueError(f"{n_samples} samples, global batch {global_batch_size}, dp {dp_size}: not divisible")
+    per_rank = global_batch_size // dp_size
+    out: list[int] = []
+    for start in range(0, n_samples, global_batch_size):
+        first = start + dp_rank * per_rank
+        out.extend(range(first, first + per_rank))
+    return out

@@ -1,0 +1,80 @@
+"""RolloutManager: draws prompts, generates scored groups on the engines, turns them into the
+trainer's batch (GRPO advantages included) and puts it in the Buffer."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ray
+import torch
+from transformers import AutoTokenizer
+
+from slime_rl.algo import grpo_advantages
+from slime_rl.config import Config
+from slime_rl.data import PromptDataset, Sample
+from slime_rl.rewards import load_reward
+from slime_rl.rollout.client import AsyncEngineClient
+from slime_rl.rollout.generate import generate_groups
+
+
+def samples_to_batch(groups: list[list[Sample]]) -> dict[str, Any]:
+    """Scored groups -> the trainer's batch: lists, one entry per sample, groups contiguous."""
+    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float64)
+    adv = grpo_advantages(rewards).flatten().tolist()
+    flat = [s for g in groups for s in g]
+    return {
+        "tokens": [s.tokens for s in flat],
+        "response_lengths": [s.response_length for s in flat],
+        "loss_masks": [s.loss_mask for s in flat],
+        "advantages": adv,
+        "rollout_logprobs": [s.rollout_logprobs for s in flat],
+        "rewards": [s.reward for s in flat],
+    }
+
+
+def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
+    flat = [s for g in groups for s in g]
+    rewards = torch.tensor([s.reward for s in flat], dtype=torch.float64)
+    lengths = torch.tensor([s.response_length for s in flat], dtype=torch.float64)
+    group_std = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float64).std(dim=1)
+    return {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std().item() if len(flat) > 1 else 0.0,
+        "rollout/response_len_mean": lengths.mean().item(),
+        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in flat) / len(flat),
+        "rollout/zero_std_group_frac": (group_std == 0).double().mean().item(),
+    }
+
+
+@ray.remote(num_cpus=0)
+class RolloutManager:
+    def __init__(self, cfg: Config, engine_urls: list[str], api_key: str | None = None) -> None:
+        self.cfg = cfg
+        self.engine_urls = engine_urls
+        self.api_key = api_key
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
+        self.dataset = PromptDataset(cfg.data, self.tokenizer)
+        self.reward_fn = load_reward(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
+        self.next_index = 0
+        self.next_group = 0
+
+    async def _generate(self, rows) -> list[list[Sample]]:
+        clients = [AsyncEngineClient(url, api_key=self.api_key) for url in self.engine_urls]
+        try:
+            return await generate_groups(clients, rows, self.cfg.rollout, self.reward_fn, self.tokenizer,
+                                         first_index=self.next_index, first_group=self.next_group)
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    def generate(self, step: int, buffer) -> dict[str, float]:
+        rows = self.dataset.next_batch(self.cfg.rollout.rollout_batch_size)
+        groups = asyncio.run(self._generate(rows))
+        self.next_index += sum(len(g) for g in groups)
+        self.next_group += len(groups)
+        ray.get(buffer.put.remote(step, samples_to_batch(groups)))
+        return rollout_metrics(groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data": self.dataset.state_dict(), "next_index": self.next_index, "next_group": self.next_group}

@@ -1,0 +1,102 @@
+"""The trainer group: one Ray actor per Megatron rank, each in its own placement bundle."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from slime_rl.config import Config
+from slime_rl.orchestration.placement import dp_shard
+from slime_rl.weight_sync.broadcast import EngineTarget, WeightBroadcaster
+
+
+def _select(batch: dict[str, Any], indices: list[int]) -> dict[str, Any]:
+    return {k: [v[i] for i in indices] for k, v in batch.items()}
+
+
+@ray.remote
+class TrainerActor:
+    """One Megatron rank (TrainerWorker) plus its part of the weight sync."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.worker = None
+        self.broadcaster: WeightBroadcaster | None = None
+        # Ray gives each actor its own GPU as cuda:0; on CPU one thread per rank avoids oversubscription
+        os.environ["LOCAL_RANK"] = "0"
+
+    def master_address(self) -> tuple[str, int]:
+        from slime_rl.orchestration.engines import free_port
+
+        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+
+    def init(self, cfg: Config, master_addr: str, master_port: int, train_iters: int, threads: int) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            torch.set_num_threads(threads)
+        from slime_rl.trainer.worker import TrainerWorker
+
+        self.cfg = cfg
+        self.worker = TrainerWorker(self.rank, self.world_size, master_addr, master_port, cfg.parallel, cfg.batch,
+                                    cfg.optimizer, cfg.model, cfg.algo, train_iters)
+
+    def connect_engines(self, targets: list[EngineTarget], master_addr: str, master_port: int,
+                        world_size: int) -> None:
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.broadcaster = WeightBroadcaster(targets, self.cfg.weight_sync, self.rank == 0, master_addr,
+                                             master_port, world_size, backend)
+        self.broadcaster.connect()
+
+    def train(self, step: int, buffer) -> dict[str, float]:
+        batch = ray.get(buffer.get.remote(step, readers=self.world_size))
+        n = len(batch["tokens"])
+        idx = dp_shard(n, self.cfg.batch.global_batch_size, self.worker.dp_rank, self.worker.dp_size)
+        return self.worker.train_step(_select(batch, idx))
+
+    def sync_weights(self, version: str) -> dict[str, float]:
+        assert self.broadcaster is not None, "connect_engines first"
+        return self.broadcaster.sync(self.worker.iter_hf_weights(), version)
+
+    def shutdown(self) -> None:
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+        if self.worker is not None:
+            self.worker.shutdown()
+
+
+class TrainerGroup:
+    """Handles to every trainer rank; methods call all ranks and return rank 0's answer."""
+
+    def __init__(self, cfg: Config, placement_group, bundles: tuple[int, ...], use_gpu: bool) -> None:
+        self.cfg = cfg
+        world = cfg.parallel.world_size
+        self.actors = [
+            TrainerActor.options(
+                num_cpus=1, num_gpus=1 if use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, bundles[r]),
+            ).remote(r, world)
+            for r in range(world)
+        ]
+
+    def init(self, train_iters: int, threads: int) -> None:
+        addr, port = ray.get(self.actors[0].master_address.remote())
+        ray.get([a.init.remote(self.cfg, addr, port, train_iters, threads) for a in self.actors])
+
+    def connect_engines(self, targets: list[EngineTarget], world_size: int) -> None:
+        addr, port = ray.get(self.actors[0].master_address.remote())
+        ray.get([a.connect_engines.remote(targets, addr, port, world_size) for a in self.actors])
+
+    def train(self, step: int, buffer) -> dict[str, float]:
+        return ray.get([a.train.remote(step, buffer) for a in self.actors])[0]
+
+    def sync_weights(self, version: str) -> dict[str, float]:
+        return ray.get([a.sync_weights.remote(version) for a in self.actors])[0]
+
+    def shutdown(self) -> None:
+        ray.get([a.shutdown.remote() for a in self.actors])

@@ -1,0 +1,94 @@
+"""`slime-rl train`: the RL loop.
+
+    generate (engines) -> reward -> advantages -> train (Megatron ranks) -> broadcast weights -> ...
+
+Everything the loop touches is validated before any actor starts: flags (ConfigError names the
+flag), the dataset (DataError names the row) and the reward function (RewardError names the flag).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoTokenizer
+
+from slime_rl.config import Config, ConfigError, build_config
+from slime_rl.data import DataError, PromptDataset
+from slime_rl.observability import MetricsLogger, Timer, summary_line
+from slime_rl.orchestration.placement import PlacementPlan, plan_placement
+from slime_rl.rewards import RewardError, load_reward
+
+
+def preflight(cfg: Config) -> PlacementPlan:
+    """Check data, reward and placement before anything is started; returns the plan."""
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
+    dataset = PromptDataset(cfg.data, tokenizer)
+    if dataset.filtered_too_long:
+        print(f"[slime_rl] {dataset.filtered_too_long} prompts longer than --rollout-max-prompt-len dropped")
+    load_reward(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
+    return plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
+                          cluster_cpus=os.cpu_count())
+
+
+def dry_run(cfg: Config, plan: PlacementPlan) -> None:
+    from slime_rl.orchestration.engines import engine_command
+
+    print(plan.describe())
+    for slot in plan.engines:
+        cmd = engine_command(cfg, slot, host="<node-ip>", port=30000 + 10 * slot.engine_id, api_key="<run-secret>",
+                             use_gpu=plan.use_gpu)
+        print(f"engine {slot.engine_id}: {' '.join(cmd)}")
+
+
+def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
+    """Run the loop; returns the metrics rows (also in <run_dir>/metrics.jsonl)."""
+    from slime_rl.orchestration.cluster import Cluster
+
+    steps_per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt // cfg.batch.global_batch_size
+    logger = MetricsLogger(cfg.logging, cfg.to_dict())
+    timer = Timer()
+    rows = []
+    cluster = Cluster(cfg, plan, api_key=secrets.token_hex(16))
+    try:
+        cluster.start(train_iters=cfg.rollout.num_rollout * steps_per_rollout)
+        for step in range(cfg.rollout.num_rollout):
+            start = time.perf_counter()
+            with timer("rollout"):
+                metrics = cluster.generate(step)
+            with timer("train"):
+                metrics |= cluster.train(step)
+            with timer("weight_sync"):
+                metrics |= cluster.sync_weights(version=str(step + 1))
+            metrics |= timer.pop()
+            metrics["perf/step_s"] = time.perf_counter() - start
+            row = logger.log(step, metrics)
+            rows.append(row)
+            print(summary_line(row), flush=True)
+    finally:
+        cluster.shutdown()
+        logger.close()
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = build_config(argv)
+        plan = preflight(cfg)
+    except (ConfigError, DataError, RewardError, ValueError) as exc:
+        print(f"slime-rl train: error: {exc}", file=sys.stderr)
+        return 2
+    if cfg.dry_run:
+        dry_run(cfg, plan)
+        return 0
+    train(cfg, plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

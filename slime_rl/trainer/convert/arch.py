@@ -1,0 +1,98 @@
+"""The architecture of an HF checkpoint, read from its config.json, in Megatron's terms.
+
+The user passes no architecture flags: every field below is derived from config.json, and a
+config this code cannot reproduce exactly (sliding window, o_proj bias, rope scaling) raises.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slime_rl.trainer.convert.registry import Family, get_family
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    norm_eps: float
+    rotary_base: float
+    max_position_embeddings: int
+    vocab_size: int  # the HF vocabulary; log-probs never put mass outside it
+    padded_vocab_size: int  # rows of Megatron's embedding/output layer (a multiple of TP)
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_layernorm: bool
+
+    @property
+    def family(self) -> Family:
+        return get_family(self.model_type)
+
+
+def read_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--hf-checkpoint {checkpoint_dir}: no config.json there")
+    return json.loads(path.read_text())
+
+
+def _rope_theta(cfg: dict[str, Any], where: str) -> float:
+    # transformers 5 writes rope_parameters = {rope_theta, rope_type}; older configs a flat key.
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{where}: rope_type {rope_type!r} is not supported (only 'default' RoPE)")
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise ValueError(f"{where}: neither rope_parameters.rope_theta nor rope_theta is set")
+    return float(theta)
+
+
+def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multiple: int = 1,
+                        where: str = "config.json") -> ModelArch:
+    """Derive the Megatron architecture; `pad_vocab_multiple` pads the vocab to a multiple of
+    pad_vocab_multiple * tp_size (Megatron's --make-vocab-size-divisible-by)."""
+    family = get_family(cfg.get("model_type", ""), where)
+    for key, allowed in family.required_config.items():
+        if cfg.get(key, allowed) != allowed:
+            raise ValueError(f"{where}: {key}={cfg[key]!r} is not supported for model_type "
+                             f"{family.model_type!r} (needs {allowed!r})")
+    heads = int(cfg["num_attention_heads"])
+    groups = int(cfg.get("num_key_value_heads") or heads)
+    hidden = int(cfg["hidden_size"])
+    if groups % tp_size != 0:
+        raise ValueError(f"{where}: num_key_value_heads={groups} is not divisible by "
+                         f"--tensor-model-parallel-size {tp_size}; each TP rank must own whole "
+                         "query groups")
+    vocab = int(cfg["vocab_size"])
+    multiple = pad_vocab_multiple * tp_size
+    return ModelArch(
+        model_type=family.model_type,
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=int(cfg.get("head_dim") or hidden // heads),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rotary_base=_rope_theta(cfg, where),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        vocab_size=vocab,
+        padded_vocab_size=-(-vocab // multiple) * multiple,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.default_tied)),
+        qkv_bias=family.qkv_bias,
+        qk_layernorm=family.qk_layernorm,
+    )
+
+
+def load_arch(checkpoint_dir: str | Path, tp_size: int = 1, pad_vocab_multiple: int = 1) -> ModelArch:
+    return arch_from_hf_config(read_hf_config(checkpoint_dir), tp_size, pad_vocab_multiple,
+                               where=f"{checkpoint_dir}/config.json")

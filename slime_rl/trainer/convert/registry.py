@@ -1,0 +1,118 @@
+"""One registry of model families, keyed by HF `model_type`: explicit name tables HF <-> Megatron.
+
+Megatron names are those of megatron-core 0.19's GPTModel with the *local* layer spec (no
+TransformerEngine): norms are separate modules (`input_layernorm.weight`,
+`pre_mlp_layernorm.weight`), not fused into the linear (`linear_qkv.layer_norm_weight` is the TE
+spec's name). Each entry says how the tensor is laid out over tensor-parallel ranks (`Layout`);
+the tensor math lives in `shards.py`. No dispatch by substring: a family lists every parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Layout(Enum):
+    REPLICATED = "replicated"  # norms: every TP rank holds the full tensor
+    VOCAB = "vocab"  # embedding / output layer: rows padded to the padded vocab, split on dim 0
+    QKV = "qkv"  # fused [q; k; v] per query group, split by whole groups on dim 0 (weight or bias)
+    FC1 = "fc1"  # fused [gate; up], each half split on dim 0 (SwiGLU)
+    ROW = "row"  # row-parallel linear (linear_proj, linear_fc2): split on dim 1
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    mcore: str  # Megatron name; "{i}" is the layer index
+    hf: tuple[str, ...]  # HF names, in the order they are fused (q, k, v) / (gate, up)
+    layout: Layout
+    untied_only: bool = False  # present only when input and output embeddings are separate
+
+    def at_layer(self, i: int) -> ParamMap:
+        return ParamMap(self.mcore.format(i=i), tuple(h.format(i=i) for h in self.hf), self.layout,
+                        self.untied_only)
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    global_params: tuple[ParamMap, ...]
+    layer_params: tuple[ParamMap, ...]
+    qkv_bias: bool
+    qk_layernorm: bool
+    default_tied: bool
+    # config.json keys whose value must equal this one (features the Megatron model lacks)
+    required_config: dict[str, Any] = field(default_factory=dict)
+
+    def param_maps(self, num_layers: int, tied: bool) -> list[ParamMap]:
+        """Every parameter of the model, embedding first, in layer order, output layer last."""
+        first = [p for p in self.global_params if p.mcore.startswith("embedding.")]
+        last = [p for p in self.global_params if not p.mcore.startswith("embedding.")]
+        maps = list(first)
+        for i in range(num_layers):
+            maps += [p.at_layer(i) for p in self.layer_params]
+        maps += last
+        return [p for p in maps if not (p.untied_only and tied)]
+
+
+_L = "decoder.layers.{i}."
+_H = "model.layers.{i}."
+
+_GLOBAL = (
+    ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Layout.VOCAB),
+    ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), Layout.REPLICATED),
+    ParamMap("output_layer.weight", ("lm_head.weight",), Layout.VOCAB, untied_only=True),
+)
+
+_NORMS = (
+    ParamMap(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), Layout.REPLICATED),
+    ParamMap(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",),
+             Layout.REPLICATED),
+)
+_QKV_W = ParamMap(_L + "self_attention.linear_qkv.weight",
+                  tuple(_H + f"self_attn.{x}_proj.weight" for x in "qkv"), Layout.QKV)
+_QKV_B = ParamMap(_L + "self_attention.linear_qkv.bias",
+                  tuple(_H + f"self_attn.{x}_proj.bias" for x in "qkv"), Layout.QKV)
+_PROJ = ParamMap(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), Layout.ROW)
+_MLP = (
+    ParamMap(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+             Layout.FC1),
+    ParamMap(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), Layout.ROW),
+)
+_QK_NORM = (
+    ParamMap(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",),
+             Layout.REPLICATED),
+    ParamMap(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",),
+             Layout.REPLICATED),
+)
+_SWIGLU = {"hidden_act": "silu"}
+
+FAMILIES: dict[str, Family] = {
+    "qwen2": Family(
+        model_type="qwen2", global_params=_GLOBAL,
+        layer_params=(_NORMS[0], _QKV_W, _QKV_B, _PROJ, _NORMS[1], *_MLP),
+        qkv_bias=True, qk_layernorm=False, default_tied=False,
+        required_config={**_SWIGLU, "use_sliding_window": False},
+    ),
+    "llama": Family(
+        model_type="llama", global_params=_GLOBAL,
+        layer_params=(_NORMS[0], _QKV_W, _PROJ, _NORMS[1], *_MLP),
+        qkv_bias=False, qk_layernorm=False, default_tied=False,
+        # attention_bias adds an o_proj bias too, which needs add_bias_linear for every linear
+        required_config={**_SWIGLU, "attention_bias": False, "mlp_bias": False},
+    ),
+    "qwen3": Family(
+        model_type="qwen3", global_params=_GLOBAL,
+        layer_params=(_NORMS[0], _QKV_W, *_QK_NORM, _PROJ, _NORMS[1], *_MLP),
+        qkv_bias=False, qk_layernorm=True, default_tied=False,
+        required_config={**_SWIGLU, "attention_bias": False, "use_sliding_window": False},
+    ),
+}
+
+
+def get_family(model_type: str, where: str = "config.json") -> Family:
+    if model_type not in FAMILIES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported; known families: "
+                         f"{sorted(FAMILIES)} (add one in slime_rl/trainer/convert/registry.py)")
+    return FAMILIES[model_type]

@@ -1,0 +1,211 @@
+"""Run megatron-core 0.19.x on a CPU-only torch (gloo backend): the CPU compatibility layer.
+
+megatron-core assumes CUDA in a few dozen places that have nothing to do with the math: the RNG
+tracker saves/restores the CUDA generator, ~200 call sites allocate on
+`torch.cuda.current_device()`, schedules and the optimizer create tensors with device="cuda",
+the optimizer and grad clipping assert `tensor.type() == 'torch.cuda.FloatTensor'`, and the DDP
+grad-sync path calls `torch.cuda.current_stream()` unconditionally. Each patch below removes one
+of those assumptions. `apply()` runs all of them; it is a no-op when CUDA is available, so the
+GPU path runs megatron untouched. Call it before building any model (megatron may already be
+imported, except for the triton stub which must precede the first megatron import).
+
+The device-rewriting TorchFunctionMode is pushed for the life of the process and is thread-local;
+CPU autograd runs the backward pass on the calling thread, so backward hooks see it too. Only
+trainer processes call `apply()`: it changes global torch state and must not run inside a
+process that also needs the real `Tensor.type()` (e.g. a pytest process running other rooms).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import sys
+import types
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+_applied: set[str] = set()
+_mode: TorchFunctionMode | None = None
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    # torch reads a bare int device as cuda:<int>
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrite device="cuda" / .cuda() / .to("cuda") to CPU and report CUDA tensor types.
+
+    `Tensor.type()` with no argument returns the CUDA name ('torch.cuda.FloatTensor') because the
+    megatron optimizer and clip_grads assert on it; `Tensor.type('torch.cuda.X')` casts to the CPU
+    type instead.
+    """
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type:
+            if len(args) == 1 and not kwargs:
+                name = func(args[0])
+                return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+            if len(args) > 1 and isinstance(args[1], str):
+                args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoopStream:
+    """Stands in for torch.cuda.Stream: CPU ops are synchronous, so every wait is already done."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _NoopEvent:
+        return _NoopEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        return (0, 0)
+
+    def __enter__(self) -> _NoopStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+
+class _NoopEvent:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+def patch_rng() -> None:
+    """CUDA RNG tracker -> the CPU default generator.
+
+    `model_parallel_cuda_manual_seed` and `CudaRNGStatesTracker.add/fork` read and write the CUDA
+    generator state, which raises without a GPU. Each tracked state becomes a CPU generator state.
+    (torch.manual_seed itself calls torch.cuda.manual_seed_all, which is lazy on CPU: left alone.)
+    """
+    cpu_get, cpu_set = torch.get_rng_state, torch.set_rng_state
+
+    def get_state(device: Any = "cuda") -> torch.Tensor:
+        return cpu_get()
+
+    def set_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+        cpu_set(new_state)
+
+    def manual_seed(seed: int) -> None:
+        torch.default_generator.manual_seed(int(seed))
+
+    torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = get_state
+    torch.cuda.set_rng_state = torch.cuda.random.set_rng_state = set_state
+    torch.cuda.manual_seed = torch.cuda.random.manual_seed = manual_seed
+    import megatron.core.tensor_parallel.random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: cpu_get()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: cpu_set(new_state)
+    # fork() compares the CPU state before/after to catch CPU randomness inside a CUDA-RNG region;
+    # here the two generators are the same one, so it would warn on every dropout call.
+    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+
+
+def patch_current_device() -> None:
+    """torch.cuda.current_device() -> cpu (used as an allocation device all over megatron)."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def patch_device_mode() -> None:
+    """Push CudaToCpuMode for the life of the process (see the class docstring)."""
+    global _mode
+    _mode = CudaToCpuMode()
+    _mode.__enter__()
+
+
+def patch_streams() -> None:
+    """CUDA streams/events/synchronize -> no-ops (DDP's grad sync asks for the current stream)."""
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoopStream()
+    torch.cuda.default_stream = lambda *args, **kwargs: _NoopStream()
+    torch.cuda.Stream = _NoopStream
+    torch.cuda.Event = _NoopEvent
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+def stub_paged_stash_if_no_triton() -> bool:
+    """Register a stub for megatron's paged_stash module when triton cannot be imported.
+
+    megatron-core 0.19 imports triton unconditionally in exactly one module (MoE paged stash,
+    reached from pipeline_parallel.schedules <- megatron.core); every other triton use is guarded.
+    Must run before the first megatron import. Returns True when the stub was installed.
+    """
+    if importlib.util.find_spec("triton") is not None:
+        return False
+    stub = types.ModuleType(_PAGED_STASH)
+    stub.GLOBAL_BLOCK_SIZE = 1024
+    stub.paged_stash_copy_kernel = None
+    stub.paged_stash_pop_kernel = None
+    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    sys.modules[_PAGED_STASH] = stub
+    return True
+
+
+PATCHES = {
+    "paged_stash": stub_paged_stash_if_no_triton,
+    "rng": patch_rng,
+    "current_device": patch_current_device,
+    "device_mode": patch_device_mode,
+    "streams": patch_streams,
+}
+
+
+def apply(only: tuple[str, ...] | None = None) -> None:
+    """Apply the CPU patches (all, or the named ones); idempotent; no-op when CUDA is available."""
+    if torch.cuda.is_available():
+        return
+    for name in only or tuple(PATCHES):
+        if name not in _applied:
+            PATCHES[name]()
+            _applied.add(name)
+
+
+def applied() -> frozenset[str]:
+    return frozenset(_applied)

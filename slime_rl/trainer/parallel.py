@@ -1,0 +1,95 @@
+"""torch.distributed + Megatron parallel state for one trainer rank, and its teardown.
+
+The same code runs on GPUs (nccl, one device per local rank) and on a CPU-only machine (gloo, with
+the CPU compatibility layer applied before megatron sees a tensor).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from slime_rl.trainer import cpu_compat
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """Where this rank sits in the TP x DP x PP grid."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+
+
+def _pick_device(rank: int) -> tuple[torch.device, str]:
+    if torch.cuda.is_available():
+        # LOCAL_RANK when a launcher (torchrun, Ray with one GPU per actor) sets it; otherwise
+        # assume ranks fill a node's GPUs in order.
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    cpu_compat.apply()
+    return torch.device("cpu"), "gloo"
+
+
+def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp_size: int = 1,
+                  pp_size: int = 1, seed: int = 1234, timeout_minutes: int = 30) -> ParallelInfo:
+    """Create the default process group and Megatron's TP/PP/DP groups; seed the RNG tracker.
+
+    Raises ValueError when world_size is not a multiple of tp_size * pp_size.
+    """
+    if world_size % (tp_size * pp_size) != 0:
+        raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                         f"{tp_size} x --pipeline-model-parallel-size {pp_size}")
+    device, backend = _pick_device(rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=rank, world_size=world_size,
+                                timeout=timedelta(minutes=timeout_minutes))
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                  pipeline_model_parallel_size=pp_size,
+                                  distributed_timeout_minutes=timeout_minutes)
+    # Megatron offsets the seed per TP rank for dropout inside TP regions and per PP stage for
+    # the default generator; with the CPU layer both live in the CPU generator.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ParallelInfo(
+        device=device, rank=rank, world_size=world_size,
+        tp_rank=mpu.get_tensor_model_parallel_rank(), tp_size=tp_size,
+        pp_rank=mpu.get_pipeline_model_parallel_rank(), pp_size=pp_size,
+        dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
+    )
+
+
+def tp_group() -> dist.ProcessGroup:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_tensor_model_parallel_group()
+
+
+def dp_group() -> dist.ProcessGroup:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_data_parallel_group()
+
+
+def teardown_parallel() -> None:
+    """Destroy Megatron's groups and the default group (safe to call twice)."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

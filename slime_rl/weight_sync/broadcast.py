@@ -1,0 +1,124 @@
+"""Disaggregated weight sync: the trainer's source rank broadcasts HF-named tensors to every
+engine device through one torch.distributed group (gloo on CPU, NCCL on GPU).
+
+Every trainer rank runs `sync()`: gathering TP shards is collective, so all ranks walk the
+weights together; only the source rank (global rank 0) buckets and sends. The engines are driven
+through SGLang's endpoints: `/init_weights_update_group` once, then per bucket
+`/update_weights_from_distributed` (names, dtypes, shapes), whose HTTP call returns only after the
+engine has received and loaded the bucket, so it must be in flight while we broadcast.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from slime_rl.config import WeightSyncConfig
+from slime_rl.engines.dist_group import broadcast, init_custom_group
+from slime_rl.rollout.client import EngineClient
+
+GROUP_NAME = "weight_update_group"
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    url: str
+    rank_offset: int
+    api_key: str | None = None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'torch.bfloat16' -> 'bfloat16', the spelling SGLang's update request carries."""
+    return str(dtype).removeprefix("torch.")
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors of at most max_bytes each (a larger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class WeightBroadcaster:
+    """One per trainer rank. `connect()` once, then `sync(version)` after every update."""
+
+    def __init__(self, engines: Sequence[EngineTarget], cfg: WeightSyncConfig, is_source: bool, master_addr: str,
+                 master_port: int, world_size: int, backend: str) -> None:
+        self.engines = list(engines)
+        self.cfg = cfg
+        self.is_source = is_source
+        self.master_addr, self.master_port = master_addr, master_port
+        self.world_size = world_size
+        self.backend = backend
+        self.group = None
+        self._clients = [EngineClient(e.url, api_key=e.api_key) for e in self.engines] if is_source else []
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines))) if is_source else None
+
+    def connect(self) -> None:
+        """Create the group: rank 0 here (hosting the rendezvous), rank_offset.. on each engine."""
+        if not self.is_source:
+            return
+        futures = [
+            self._pool.submit(c.init_weights_update_group, master_address=self.master_addr,
+                              master_port=self.master_port, rank_offset=e.rank_offset, world_size=self.world_size,
+                              group_name=GROUP_NAME, backend=self.backend)
+            for c, e in zip(self._clients, self.engines, strict=True)
+        ]
+        self.group = init_custom_group(self.master_addr, self.master_port, 0, self.world_size, GROUP_NAME,
+                                       self.backend)
+        for f in futures:
+            _check_ok(f.result(), "init_weights_update_group")
+
+    def sync(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
+        """Send every tensor of `named_weights` (HF names) to every engine; returns perf metrics."""
+        start = time.perf_counter()
+        total = 0
+        if not self.is_source:
+            for _ in named_weights:  # take part in the TP/PP gathers that produce the tensors
+                pass
+            return {}
+        for c in self._clients:
+            c.pause_generation()
+        try:
+            for bucket in buckets(named_weights, self.cfg.update_weight_buffer_size):
+                names = [n for n, _ in bucket]
+                futures = [
+                    self._pool.submit(c.update_weights_from_distributed, names=names,
+                                      dtypes=[dtype_name(t.dtype) for _, t in bucket],
+                                      shapes=[list(t.shape) for _, t in bucket], group_name=GROUP_NAME,
+                                      flush_cache=True, weight_version=version)
+                    for c in self._clients
+                ]
+                for _, tensor in bucket:
+                    broadcast(self.group, tensor.contiguous(), 0)
+                    total += tensor.numel() * tensor.element_size()
+                for f in futures:
+                    _check_ok(f.result(), "update_weights_from_distributed")
+        finally:
+            for c in self._clients:
+                c.continue_generation()
+        seconds = time.perf_counter() - start
+        return {"perf/weight_sync_GBps": total / seconds / 1e9, "weight_sync/bytes": float(total)}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        for c in self._clients:
+            c.close()
+
+
+def _check_ok(response: dict, endpoint: str) -> None:
+    if isinstance(response, dict) and response.get("success") is False:
+        raise RuntimeError(f"engine refused /{endpoint}: {response.get('message')}")
