@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return train_main(rest)
     if command == "engine":
-        from slime_rl.engines.embedded.server import main as engine_main
+        from slime_rl.engines.embedded.cli import main as engine_main
 
         return engine_main(rest) or 0
     print(f"slime-rl: unknown command {command!r}\n{USAGE}", file=sys.stderr)

@@ -7,6 +7,7 @@ raises `ConfigError` whose message names the flag (or the YAML file and key).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import time
 from collections.abc import Sequence
@@ -182,6 +183,13 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         _check(not sglang, f"--sglang-* flags given ({', '.join(sorted(sglang))}) but --rollout-backend "
                "is embedded")
     _check(a.save_interval is None or a.save is not None, "--save-interval needs --save")
+    # Refuse rather than silently ignore: a run that believes it is checkpointing must not lose days.
+    _check(a.save is None and a.load is None,
+           "--save/--load: Megatron checkpoints are not implemented yet (checkpoint issue); run without them")
+    for flag, module in (("--use-wandb", "wandb"), ("--use-tensorboard", "tensorboard")):
+        if getattr(a, flag[2:].replace("-", "_")):
+            _check(importlib.util.find_spec(module) is not None,
+                   f"{flag}: the '{module}' package is not installed (pip install slime_rl[{module}])")
 
     run_dir = a.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return Config(

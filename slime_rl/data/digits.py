@@ -12,10 +12,12 @@ import json
 import random
 from pathlib import Path
 
+# The digit ends the prompt: the policy still has to learn to copy it, but the signal it needs sits
+# at the position the first response token is generated from.
 TEMPLATES = (
-    "Write the digit {d}:",
-    "Copy this digit {d}:",
-    "The digit is {d}. Say it:",
+    "Write the digit {d}",
+    "Copy this digit: {d}",
+    "The digit is {d}",
 )
 
 # Extra text for the tokenizer's training corpus, so that the chat template's words are tokens too.

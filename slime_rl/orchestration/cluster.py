@@ -35,6 +35,7 @@ class Cluster:
         self.cfg, self.plan, self.api_key = cfg, plan, api_key
         self.pg = None
         self.engines: list = []
+        self.engine_urls: list[str] = []
         self.trainers: TrainerGroup | None = None
         self.rollout_manager = None
         self.buffer = None
@@ -61,6 +62,7 @@ class Cluster:
         threads = max(1, (os.cpu_count() or 1) // self.cfg.parallel.world_size)
         self.trainers.init(train_iters, threads)
         ray.get(started)
+        self.engine_urls = urls
         self.buffer = Buffer.remote()
         self.rollout_manager = RolloutManager.remote(self.cfg, urls, self.api_key)
         self.trainers.connect_engines(targets, self.plan.weight_update_world_size)

@@ -31,8 +31,10 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                               tp_size=cfg.engine.num_gpus_per_engine, nccl_port=nccl_port or port + 1,
                               dist_init_addr=None, base_gpu_id=0, random_seed=seed, api_key=api_key,
                               extra=dict(cfg.engine.sglang_args))
+    # on CPU the engine runs while the trainer ranks wait (sync loop), so it may use every core
     return embedded_command(model_path=cfg.model.hf_checkpoint, host=host, port=port, api_key=api_key, seed=seed,
-                            device="cuda" if use_gpu else "cpu", dtype="bfloat16" if cfg.model.bf16 else "float32")
+                            device="cuda" if use_gpu else "cpu", dtype="bfloat16" if cfg.model.bf16 else "float32",
+                            num_threads=None if use_gpu else (os.cpu_count() or 1))
 
 
 @ray.remote

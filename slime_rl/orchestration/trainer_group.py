@@ -63,6 +63,10 @@ class TrainerActor:
         assert self.broadcaster is not None, "connect_engines first"
         return self.broadcaster.sync(self.worker.iter_hf_weights(), version)
 
+    def hf_weights(self) -> dict[str, Any]:
+        """Every HF-named tensor as numpy (all ranks must call: the gathers are collective)."""
+        return {name: t.detach().float().cpu().numpy() for name, t in self.worker.iter_hf_weights()}
+
     def shutdown(self) -> None:
         if self.broadcaster is not None:
             self.broadcaster.close()
@@ -97,6 +101,9 @@ class TrainerGroup:
 
     def sync_weights(self, version: str) -> dict[str, float]:
         return ray.get([a.sync_weights.remote(version) for a in self.actors])[0]
+
+    def hf_weights(self) -> dict[str, Any]:
+        return ray.get([a.hf_weights.remote() for a in self.actors])[0]
 
     def shutdown(self) -> None:
         ray.get([a.shutdown.remote() for a in self.actors])

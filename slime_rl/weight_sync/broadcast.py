@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from slime_rl.config import WeightSyncConfig
-from slime_rl.engines.dist_group import broadcast, init_custom_group
+from slime_rl.engines.dist_group import broadcast, dtype_name, init_custom_group
 from slime_rl.rollout.client import EngineClient
 
 GROUP_NAME = "weight_update_group"
@@ -29,11 +29,6 @@ class EngineTarget:
     url: str
     rank_offset: int
     api_key: str | None = None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """'torch.bfloat16' -> 'bfloat16', the spelling SGLang's update request carries."""
-    return str(dtype).removeprefix("torch.")
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

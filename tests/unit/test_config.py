@@ -1,0 +1,80 @@
+import pytest
+
+from slime_rl.config import ConfigError, build_config, parse_flags
+from slime_rl.train import main as train_main
+
+
+def base_argv(tmp_path):
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "data.jsonl").write_text('{"input": "x", "label": "1"}\n')
+    return ["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(tmp_path / "data.jsonl"),
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "3", "--rm-type", "digit"]
+
+
+def test_groups_from_megatron_names(tmp_path):
+    cfg = build_config(base_argv(tmp_path) + ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "4",
+                                              "--lr", "3e-4", "--global-batch-size", "4", "--micro-batch-size", "2"])
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.parallel.data_parallel_size == 2
+    assert cfg.optimizer.lr == 3e-4
+    assert cfg.batch.global_batch_size == 4
+    assert cfg.algo.eps_clip_high == cfg.algo.eps_clip  # defaults to --eps-clip
+
+
+def test_global_batch_defaults_to_one_step_per_rollout(tmp_path):
+    cfg = build_config(base_argv(tmp_path))
+    assert cfg.batch.global_batch_size == 4 * 2
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size"),
+    (["--tensor-model-parallel-size", "3", "--actor-num-gpus-per-node", "4"], "--tensor-model-parallel-size"),
+    (["--global-batch-size", "3"], "--global-batch-size"),
+    (["--eps-clip", "1.5"], "--eps-clip"),
+    (["--lr-decay-style", "bogus"], "--lr-decay-style"),
+    (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus-per-engine"),
+    (["--lr", "-1"], "--lr"),
+    (["--sglang-mem-fraction-static", "0.8"], "--sglang-"),
+    (["--no-such-flag", "1"], "--no-such-flag"),
+    (["--save", "/tmp/ckpt"], "--save"),
+])
+def test_bad_flag_values_name_the_flag(tmp_path, extra, flag):
+    with pytest.raises(ConfigError) as err:
+        build_config(base_argv(tmp_path) + extra)
+    assert flag in str(err.value)
+
+
+def test_missing_files_name_the_flag(tmp_path):
+    argv = base_argv(tmp_path)
+    argv[argv.index("--prompt-data") + 1] = str(tmp_path / "nope.jsonl")
+    with pytest.raises(ConfigError, match="--prompt-data"):
+        build_config(argv)
+
+
+def test_yaml_overlay_and_cli_precedence(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("lr: 0.01\nmicro-batch-size: 2\nsglang_mem_fraction_static: 0.7\nrollout-backend: sglang\n")
+    cfg = build_config(base_argv(tmp_path) + ["--config", str(cfg_file), "--lr", "0.02"])
+    assert cfg.optimizer.lr == 0.02  # command line beats the file
+    assert cfg.batch.micro_batch_size == 2  # the file beats the default
+    assert cfg.engine.sglang_args == {"mem_fraction_static": 0.7}
+
+
+def test_yaml_unknown_key_names_file_and_key(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("learning-rate: 0.01\n")
+    with pytest.raises(ConfigError, match="learning-rate"):
+        build_config(base_argv(tmp_path) + ["--config", str(cfg_file)])
+
+
+def test_sglang_passthrough_names(tmp_path):
+    _, sglang = parse_flags(["--sglang-mem-fraction-static", "0.8", "--sglang-enable-torch-compile",
+                             "--sglang-chunked-prefill-size=4096"])
+    assert sglang == {"mem_fraction_static": "0.8", "enable_torch_compile": True, "chunked_prefill_size": "4096"}
+
+
+def test_cli_prints_error_naming_flag(tmp_path, capsys):
+    code = train_main(base_argv(tmp_path) + ["--micro-batch-size", "abc"])
+    assert code == 2
+    assert "--micro-batch-size" in capsys.readouterr().err
