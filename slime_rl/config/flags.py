@@ -15,6 +15,8 @@ import argparse
 
 SGLANG_PREFIX = "--sglang-"
 ROUTER_PREFIX = "--router-"
+# --sglang-* flags that are ours (slime's names), not SGLang ServerArgs to pass through
+OWN_SGLANG_FLAGS = ("--sglang-server-concurrency",)
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 ADVANTAGE_ESTIMATORS = ("grpo",)
@@ -111,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-num-gpus", type=_positive_int, default=1,
                    help="devices for all engines (CPU processes when there is no GPU)")
     g.add_argument("--rollout-num-gpus-per-engine", type=_positive_int, default=1)
+    g.add_argument("--sglang-server-concurrency", type=_positive_int, default=64,
+                   help="most requests in flight per engine (the client queues the rest)")
     g.add_argument("--update-weight-buffer-size", type=_positive_int, default=512 * 1024**2,
                    help="bytes per weight-sync bucket")
 

@@ -89,6 +89,7 @@ class RolloutConfig:
     num_rollout: int = 1
     rm_type: str | None = None
     custom_rm_path: str | None = None
+    concurrency_per_engine: int = 64
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from slime_rl.config.flags import ROUTER_PREFIX, SGLANG_PREFIX, build_parser
+from slime_rl.config.flags import OWN_SGLANG_FLAGS, ROUTER_PREFIX, SGLANG_PREFIX, build_parser
 from slime_rl.config.groups import (
     AlgoConfig,
     BatchConfig,
@@ -57,7 +57,9 @@ def _split_passthrough(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     argv = list(argv)
     while i < len(argv):
         tok = argv[i]
-        if tok.startswith(SGLANG_PREFIX) or tok.startswith(ROUTER_PREFIX):
+        if tok.partition("=")[0] in OWN_SGLANG_FLAGS:
+            rest.append(tok)
+        elif tok.startswith(SGLANG_PREFIX) or tok.startswith(ROUTER_PREFIX):
             key, _, inline = tok.partition("=")
             name = key[len(SGLANG_PREFIX):] if key.startswith(SGLANG_PREFIX) else "router_" + key[
                 len(ROUTER_PREFIX):]
@@ -91,7 +93,7 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str) -> tuple[dict[str,
     sglang: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).lstrip("-").replace("-", "_")
-        if key.startswith("sglang_"):
+        if key.startswith("sglang_") and "--" + key.replace("_", "-") not in OWN_SGLANG_FLAGS:
             sglang[key[len("sglang_"):]] = value
             continue
         if key in ("config", "help") or key not in dests:
@@ -205,7 +207,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
                         a.rollout_max_prompt_len, a.rollout_seed),
         rollout=RolloutConfig(rbs, a.n_samples_per_prompt, a.rollout_max_response_len,
                               a.rollout_temperature, a.rollout_top_p, a.rollout_top_k, a.rollout_seed,
-                              num_rollout, a.rm_type, a.custom_rm_path),
+                              num_rollout, a.rm_type, a.custom_rm_path, a.sglang_server_concurrency),
         engine=EngineConfig(a.rollout_backend, a.rollout_num_gpus, a.rollout_num_gpus_per_engine, sglang),
         weight_sync=WeightSyncConfig(a.update_weight_buffer_size),
         checkpoint=CheckpointConfig(a.save, a.load, a.save_interval),

@@ -3,7 +3,6 @@ trainer's batch (GRPO advantages included) and puts it in the Buffer."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import ray
@@ -68,12 +67,13 @@ class RolloutManager:
             for c in clients:
                 await c.aclose()
 
-    def generate(self, step: int, buffer) -> dict[str, float]:
+    async def generate(self, step: int, buffer) -> dict[str, float]:
+        # an async actor: Ray runs its methods on one event loop, so the HTTP fan-out awaits here
         rows = self.dataset.next_batch(self.cfg.rollout.rollout_batch_size)
-        groups = asyncio.run(self._generate(rows))
+        groups = await self._generate(rows)
         self.next_index += sum(len(g) for g in groups)
         self.next_group += len(groups)
-        ray.get(buffer.put.remote(step, samples_to_batch(groups)))
+        await buffer.put.remote(step, samples_to_batch(groups))
         return rollout_metrics(groups)
 
     def state_dict(self) -> dict[str, Any]:

@@ -28,16 +28,19 @@ class EngineEndpoint:
 
 
 class LoadBalancer:
-    """Least-in-flight routing over engine clients; counts requests per engine."""
+    """Least-in-flight routing over engine clients, at most `per_engine` requests in flight on each
+    (the rest wait here, not in the server's accept queue); counts requests per engine."""
 
-    def __init__(self, clients: Sequence[AsyncEngineClient]) -> None:
+    def __init__(self, clients: Sequence[AsyncEngineClient], per_engine: int = 64) -> None:
         if not clients:
             raise ValueError("no rollout engines")
         self.clients = list(clients)
         self.in_flight = [0] * len(clients)
         self.sent = [0] * len(clients)
+        self._slots = asyncio.Semaphore(per_engine * len(clients))
 
-    def acquire(self) -> int:
+    async def acquire(self) -> int:
+        await self._slots.acquire()
         i = min(range(len(self.clients)), key=lambda k: (self.in_flight[k], self.sent[k]))
         self.in_flight[i] += 1
         self.sent[i] += 1
@@ -45,6 +48,7 @@ class LoadBalancer:
 
     def release(self, i: int) -> None:
         self.in_flight[i] -= 1
+        self._slots.release()
 
 
 def sampling_params(cfg: RolloutConfig, stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
@@ -62,7 +66,7 @@ def sampling_params(cfg: RolloutConfig, stop_token_ids: Sequence[int] = ()) -> d
 
 async def _generate_one(balancer: LoadBalancer, sample: Sample, params: dict[str, Any], reward_fn: RewardFn,
                         tokenizer) -> Sample:
-    i = balancer.acquire()
+    i = await balancer.acquire()
     try:
         out = await balancer.clients[i].generate(input_ids=sample.prompt_ids, sampling_params=params,
                                                  return_logprob=True, rid=f"sample-{sample.index}")
@@ -88,7 +92,7 @@ async def generate_groups(clients: Sequence[AsyncEngineClient], rows: Sequence[P
                           reward_fn: RewardFn, tokenizer, first_index: int = 0, first_group: int = 0,
                           stop_token_ids: Sequence[int] = (), progress: bool = True) -> list[list[Sample]]:
     """One group of `cfg.n_samples_per_prompt` scored samples per row, in row order."""
-    balancer = LoadBalancer(clients)
+    balancer = LoadBalancer(clients, cfg.concurrency_per_engine)
     params = sampling_params(cfg, stop_token_ids)
     counter = itertools.count(first_index)
     groups = [

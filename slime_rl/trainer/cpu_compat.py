@@ -21,6 +21,7 @@ import contextlib
 import importlib.util
 import logging
 import sys
+import threading
 import types
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 _PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
 _applied: set[str] = set()
-_mode: TorchFunctionMode | None = None
+_thread = threading.local()  # TorchFunctionModes are per thread: which threads have one pushed
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -154,10 +155,10 @@ def patch_current_device() -> None:
 
 
 def patch_device_mode() -> None:
-    """Push CudaToCpuMode for the life of the process (see the class docstring)."""
-    global _mode
-    _mode = CudaToCpuMode()
-    _mode.__enter__()
+    """Push CudaToCpuMode on this thread for the life of the thread (see the class docstring)."""
+    if getattr(_thread, "mode", None) is None:
+        _thread.mode = CudaToCpuMode()
+        _thread.mode.__enter__()
 
 
 def patch_streams() -> None:
@@ -198,11 +199,15 @@ PATCHES = {
 
 
 def apply(only: tuple[str, ...] | None = None) -> None:
-    """Apply the CPU patches (all, or the named ones); idempotent; no-op when CUDA is available."""
+    """Apply the CPU patches (all, or the named ones); idempotent; no-op when CUDA is available.
+
+    The process-wide patches run once; the device mode is pushed once per calling thread, so a
+    host that calls the trainer from another thread (e.g. an actor's executor) calls apply() again.
+    """
     if torch.cuda.is_available():
         return
     for name in only or tuple(PATCHES):
-        if name not in _applied:
+        if name not in _applied or name == "device_mode":
             PATCHES[name]()
             _applied.add(name)
 

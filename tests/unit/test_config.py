@@ -69,8 +69,9 @@ def test_yaml_unknown_key_names_file_and_key(tmp_path):
 
 
 def test_sglang_passthrough_names(tmp_path):
-    _, sglang = parse_flags(["--sglang-mem-fraction-static", "0.8", "--sglang-enable-torch-compile",
-                             "--sglang-chunked-prefill-size=4096"])
+    args, sglang = parse_flags(["--sglang-mem-fraction-static", "0.8", "--sglang-enable-torch-compile",
+                                "--sglang-chunked-prefill-size=4096", "--sglang-server-concurrency", "8"])
+    assert args.sglang_server_concurrency == 8  # ours (slime's name), not passed through
     assert sglang == {"mem_fraction_static": "0.8", "enable_torch_compile": True, "chunked_prefill_size": "4096"}
 
 
@@ -78,3 +79,19 @@ def test_cli_prints_error_naming_flag(tmp_path, capsys):
     code = train_main(base_argv(tmp_path) + ["--micro-batch-size", "abc"])
     assert code == 2
     assert "--micro-batch-size" in capsys.readouterr().err
+
+
+def test_dry_run_prints_plan_and_engine_commands(tiny_qwen2, tmp_path, capsys):
+    from slime_rl.data.digits import make_rows, write_jsonl
+
+    data = write_jsonl(make_rows(8, seed=0), tmp_path / "d.jsonl")
+    code = train_main(["--hf-checkpoint", str(tiny_qwen2), "--prompt-data", str(data), "--rollout-batch-size", "2",
+                       "--num-rollout", "1", "--rm-type", "digit", "--tensor-model-parallel-size", "2",
+                       "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "trainer ranks 0..1 -> bundles [0, 1]" in out
+    assert "engine 1 -> bundles [3], weight-update rank_offset 2" in out
+    engine_lines = [ln for ln in out.splitlines() if ln.startswith("engine 0:") or ln.startswith("engine 1:")]
+    assert len(engine_lines) == 2 and all("--model-path " + str(tiny_qwen2) in ln for ln in engine_lines)
+    assert "<run-secret>" in engine_lines[0]  # the real per-run secret is never printed

@@ -15,10 +15,14 @@ from slime_rl.weight_sync.broadcast import buckets, dtype_name
 class FakeClient:
     def __init__(self, name, answer):
         self.base_url, self.answer, self.calls = name, answer, []
+        self.in_flight = self.peak = 0
 
     async def generate(self, input_ids, sampling_params, return_logprob, rid):
         self.calls.append((rid, sampling_params))
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
         await asyncio.sleep(0.001 * (len(self.calls) % 3))
+        self.in_flight -= 1
         ids = [ord(c) for c in self.answer]
         return {"text": self.answer, "output_ids": ids,
                 "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "3",
@@ -33,11 +37,13 @@ class CharTok:
 def test_groups_scored_balanced_and_batched():
     a, b = FakeClient("a", "7"), FakeClient("b", "3")
     rows = [PromptRow("p0", [1, 2], "7", {}), PromptRow("p1", [3], "3", {})]
-    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=4, max_response_len=5, temperature=0.7)
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=4, max_response_len=5, temperature=0.7,
+                        concurrency_per_engine=2)
     groups = asyncio.run(generate_groups([a, b], rows, cfg, lambda s: 1.0 if s.response == s.label else 0.0,
                                          CharTok(), progress=False))
     assert [len(g) for g in groups] == [4, 4]
     assert len(a.calls) == len(b.calls) == 4  # least-in-flight routing spreads the load evenly
+    assert a.peak + b.peak <= 4  # the concurrency cap (2 per engine) held
     assert {p["max_new_tokens"] for _, p in a.calls} == {5}
     flat = [s for g in groups for s in g]
     assert sorted(s.index for s in flat) == list(range(8))

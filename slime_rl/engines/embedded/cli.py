@@ -1,0 +1,63 @@
+"""Command line of the embedded engine: `main(argv)`, also `python -m slime_rl.engines.embedded`.
+
+Flag names are SGLang's ServerArgs names where SGLang has the option (sglang/srt/arg_groups/fields/*.py,
+SGLang 0.5.23: --model-path, --host, --port, --api-key, --random-seed, --dtype, --device,
+--max-running-requests, --weight-version, --tp-size, --log-level), so a launcher builds the same argv
+for either engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from slime_rl.engines.embedded.server import EmbeddedServer, ServerConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m slime_rl.engines.embedded",
+                                description="Serve an HF causal LM with SGLang's native HTTP API.")
+    p.add_argument("--model-path", "--model", dest="model_path", required=True, help="HF checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (not on /health*)")
+    p.add_argument("--random-seed", type=int, default=0, help="seed of requests without sampling_seed")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float", "bfloat16", "float16", "half"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--max-running-requests", type=int, default=64, help="rows in the running batch")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                   help="only 1 (the embedded engine is one process)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, load the model and serve until SIGTERM/SIGINT."""
+    args = build_parser().parse_args(argv)
+    if args.tp_size != 1:
+        raise SystemExit(f"--tp-size {args.tp_size}: the embedded engine supports only 1")
+    if args.max_running_requests < 1:
+        raise SystemExit("--max-running-requests: must be >= 1")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    server = EmbeddedServer(ServerConfig(
+        model_path=args.model_path, host=args.host, port=args.port, api_key=args.api_key,
+        random_seed=args.random_seed, dtype=args.dtype, device=args.device,
+        max_running_requests=args.max_running_requests, weight_version=args.weight_version,
+        num_threads=args.num_threads))
+
+    def stop(signum: int, _frame) -> None:
+        # serve_forever runs in this thread; shutdown() must be called from another one.
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+        signal.signal(signal.SIGTERM, stop)
+    print(f"embedded engine serving {args.model_path} at {server.url}", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        server.shutdown()

@@ -1,0 +1,335 @@
+"""The embedded engine's scheduler: continuous batching of generate requests on one HF model.
+
+One scheduler thread owns the model forward and the running batch. Each turn it (1) finishes rows
+whose abort was requested, (2) admits waiting requests up to `max_running_requests` (prefill them
+together, sample their first token, merge them into the running batch), (3) runs one decode step
+for every running row. HTTP threads only enqueue requests, set flags and wait on events.
+
+Pause and weight updates follow SGLang's semantics (tokenizer_manager.py / io_struct.py,
+SGLang 0.5.23):
+- pause mode "abort" (default): abort every request, wait until none is running; new requests wait
+  for `continue`. "in_place": running requests stay, with their KV cache, and resume on `continue`.
+  "retract": running requests go back to the waiting queue and are re-prefilled (prompt + output so
+  far) after `continue`, so their KV cache is recomputed with whatever weights are loaded then.
+- a weight update while paused runs at once; otherwise it blocks admission, waits for the running
+  requests to finish (SGLang's model_update_lock writer), and new requests wait for it.
+- abort_request(rid) aborts every request whose rid starts with `rid` (SGLang's scheduler matches
+  by prefix); the request finishes normally with finish_reason {"type": "abort", ...} and the
+  tokens it had.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from slime_rl.engines.embedded.batch import Row, RunningBatch, can_merge, left_pad
+from slime_rl.engines.embedded.sampling import SamplingParams, sample, token_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    generator: torch.Generator | None = None
+    # results, written by the scheduler thread
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    finish_reason: dict | None = None
+    aborted: bool = False
+    retractions: int = 0
+    created: float = field(default_factory=time.monotonic)
+    finished_at: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def abort_reason(message: str = "Aborted", status_code: int | None = None, err_type: str | None = None) -> dict:
+    # SGLang's FINISH_ABORT.to_json(). status_code None: an ordinary finish (200, partial output);
+    # 400..599: the HTTP layer answers that status with the message, as SGLang does for non-streams.
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, tokenizer, eos_ids: set[int], pad_id: int,
+                 max_running_requests: int = 64, seed: int = 0) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        self.eos_ids, self.pad_id = eos_ids, pad_id
+        self.max_running = max_running_requests
+        # transformers renamed the forward's `past_key_values` to `cache` (5.2x); take either.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.default_gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.model_lock = threading.Lock()  # held for every forward and every weight copy
+        self._cond = threading.Condition()
+        self._waiting: deque[GenRequest] = deque()
+        self._batch = RunningBatch()
+        self._admitting: list[GenRequest] = []  # popped from the queue, being prefilled
+        self._paused: str | None = None  # None or the pause mode
+        self._updating = 0
+        self._abort_pending = False
+        self._stopping = False
+        self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "max_running_rows": 0,
+                      "requests_finished": 0, "requests_aborted": 0}
+        self._thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- called from HTTP threads ----
+    def submit(self, reqs: list[GenRequest]) -> None:
+        with self._cond:
+            self._waiting.extend(reqs)
+            self._cond.notify_all()
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        if not abort_all and not rid:  # an empty rid would prefix-match everything (as SGLang says)
+            return
+        with self._cond:
+            for req in list(self._waiting):
+                if abort_all or req.rid.startswith(rid):
+                    self._waiting.remove(req)
+                    self._finish(req, abort_reason("Abort in waiting queue"))
+            for req in self._admitting + [row.req for row in self._batch.rows]:
+                if abort_all or req.rid.startswith(rid):
+                    req.aborted = self._abort_pending = True
+            self._cond.notify_all()
+
+    def pause(self, mode: str = "abort") -> None:
+        with self._cond:
+            self._paused = mode
+        if mode == "abort":
+            self.abort(abort_all=True)
+        with self._cond:
+            self._cond.notify_all()
+            if mode != "in_place":  # abort: wait until drained; retract: until rows are requeued
+                self._cond.wait_for(self._drained)
+
+    def _drained(self) -> bool:
+        return (not self._batch.rows and not self._admitting) or self._stopping
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = None
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> str | None:
+        return self._paused
+
+    @contextlib.contextmanager
+    def weights_exclusive(self) -> Iterator[None]:
+        """No forward runs inside; when not paused, running requests finish first and none start."""
+        with self._cond:
+            self._updating += 1
+            if self._paused is None:
+                self._cond.wait_for(self._drained)
+        try:
+            with self.model_lock:
+                yield
+        finally:
+            with self._cond:
+                self._updating -= 1
+                self._cond.notify_all()
+
+    def load(self) -> dict:
+        with self._cond:
+            return {"num_running_reqs": len(self._batch), "num_waiting_reqs": len(self._waiting),
+                    "paused": self._paused, **self.stats}
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    # ---- scheduler thread ----
+    def _can_step(self) -> bool:
+        if self._stopping or self._abort_pending:
+            return True
+        if self._paused is not None:
+            return self._paused == "retract" and bool(self._batch.rows)
+        return bool(self._batch.rows) or (bool(self._waiting) and not self._updating)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._can_step)
+                if self._stopping:
+                    for req in [r.req for r in self._batch.rows] + list(self._waiting):
+                        self._finish(req, abort_reason("Server shutting down"))
+                    self._batch.clear()
+                    self._waiting.clear()
+                    self._cond.notify_all()
+                    return
+                self._reap_aborted()
+                if self._paused == "retract" and self._batch.rows:
+                    for row in self._batch.rows:
+                        row.req.retractions += 1
+                    self._waiting.extendleft(reversed([r.req for r in self._batch.rows]))
+                    self._batch.clear()
+                    self._cond.notify_all()
+                    continue
+                admit: list[GenRequest] = []
+                merge_ok = self._batch.cache is None or can_merge(self._batch.cache)
+                if self._paused is None and not self._updating and merge_ok:
+                    while self._waiting and len(self._batch) + len(admit) < self.max_running:
+                        admit.append(self._waiting.popleft())
+                self._admitting = admit
+                run_decode = self._paused is None and bool(self._batch.rows)
+            try:
+                if admit:
+                    self._prefill(admit)
+                if run_decode:
+                    self._decode()
+            except Exception as e:  # the scheduler must outlive a failed forward, or every caller hangs
+                logger.exception("embedded engine: forward failed; failing the running requests")
+                self._fail_all(f"engine error: {type(e).__name__}: {e}")
+
+    def _fail_all(self, message: str) -> None:
+        with self._cond:
+            for req in self._admitting + [r.req for r in self._batch.rows]:
+                if not req.done.is_set():
+                    self._finish(req, abort_reason(message, 500, "InternalServerError"))
+            self._admitting = []
+            self._batch.clear()
+            self._cond.notify_all()
+
+    def _reap_aborted(self) -> None:
+        self._abort_pending = False
+        keep = []
+        for i, row in enumerate(self._batch.rows):
+            if row.req.aborted:
+                self._finish(row.req, abort_reason())
+            else:
+                keep.append(i)
+        self._batch.keep(keep)
+        self._cond.notify_all()
+
+    def _prefill(self, reqs: list[GenRequest]) -> None:
+        ready = []
+        for req in reqs:
+            if req.params.max_new_tokens - len(req.output_ids) <= 0:
+                with self._cond:
+                    self._finish(req, {"type": "length", "length": req.params.max_new_tokens})
+            else:
+                ready.append(req)
+        if not ready:
+            with self._cond:
+                self._admitting = []
+                self._cond.notify_all()
+            return
+        seqs = [r.input_ids + r.output_ids for r in ready]
+        ids, mask, pos = left_pad(seqs, self.pad_id, self.device)
+        want_input_lp = any(r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in ready)
+        with self.model_lock, torch.no_grad():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                             logits_to_keep=0 if want_input_lp else 1)
+        self.stats["prefill_forwards"] += 1
+        if want_input_lp:
+            self._input_logprobs(ready, out.logits, ids.shape[1])
+        rows = [Row(req=r, next_pos=len(s)) for r, s in zip(ready, seqs, strict=True)]
+        keep = self._sample_and_check(rows, out.logits[:, -1, :])
+        with self._cond:
+            n_old = len(self._batch)
+            self._batch.merge(rows, mask, _out_cache(out))
+            self._batch.keep(list(range(n_old)) + [n_old + i for i in keep])
+            self._admitting = []
+            self.stats["max_running_rows"] = max(self.stats["max_running_rows"], len(self._batch))
+            self._cond.notify_all()
+
+    def _decode(self) -> None:
+        b = self._batch
+        ids = torch.tensor([[r.pending] for r in b.rows], device=self.device)
+        pos = torch.tensor([[r.next_pos] for r in b.rows], device=self.device)
+        b.mask = torch.cat([b.mask, b.mask.new_ones((len(b), 1))], dim=1)
+        with self.model_lock, torch.no_grad():
+            out = self.model(input_ids=ids, attention_mask=b.mask, position_ids=pos, use_cache=True,
+                             **{self._cache_kw: b.cache})
+        self.stats["decode_forwards"] += 1
+        for r in b.rows:
+            r.next_pos += 1
+        keep = self._sample_and_check(b.rows, out.logits[:, -1, :])
+        with self._cond:
+            b.keep(keep)
+            self._cond.notify_all()
+
+    def _input_logprobs(self, reqs: list[GenRequest], logits: torch.Tensor, width: int) -> None:
+        """Prompt log-probs from `logprob_start_len` on; the first prompt token has none (None)."""
+        for i, req in enumerate(reqs):
+            if not (req.return_logprob and req.logprob_start_len >= 0):
+                continue
+            n, off = len(req.input_ids), width - len(req.input_ids)
+            temp = torch.tensor([req.params.temperature], device=self.device)
+            lp = token_logprobs(logits[i, off:off + n - 1], temp.expand(n - 1))
+            vals = lp.gather(1, torch.tensor(req.input_ids[1:], device=self.device)[:, None]).squeeze(1)
+            req.input_logprobs = ([None] + vals.tolist())[req.logprob_start_len:]
+
+    def _sample_and_check(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
+        """Sample one token per row, record it, finish rows that stop; returns the indices to keep."""
+        params = [r.req.params for r in rows]
+        dev = self.device
+        temp = torch.tensor([p.temperature for p in params], device=dev)
+        logprobs = token_logprobs(logits, temp)
+        tokens = sample(logprobs, torch.tensor([p.top_p for p in params], device=dev),
+                        torch.tensor([p.top_k for p in params], device=dev),
+                        torch.tensor([p.min_p for p in params], device=dev),
+                        [r.req.generator or self.default_gen for r in rows])
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        keep = []
+        for i, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), chosen, strict=True)):
+            req = row.req
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            row.pending = tok
+            reason = self._finish_reason(req, tok)
+            if reason is None:
+                keep.append(i)
+            else:
+                with self._cond:
+                    self._finish(req, reason)
+        return keep
+
+    def _finish_reason(self, req: GenRequest, tok: int) -> dict | None:
+        # SGLang's order (schedule_batch.update_finish_state): stop string, then stop token / EOS
+        # (both skipped under ignore_eos), then length.
+        p = req.params
+        if p.stop:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
+            for s in p.stop:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        if not p.ignore_eos and (tok in p.stop_token_ids or tok in self.eos_ids):
+            return {"type": "stop", "matched": tok}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        return None
+
+    def _finish(self, req: GenRequest, reason: dict) -> None:
+        """Caller holds self._cond."""
+        req.finish_reason = reason
+        req.finished_at = time.monotonic()
+        self.stats["requests_finished"] += 1
+        if reason["type"] == "abort":
+            self.stats["requests_aborted"] += 1
+        req.done.set()
+
+
+def _out_cache(out) -> object:
+    cache = out.get("cache")
+    return cache if cache is not None else out.get("past_key_values")

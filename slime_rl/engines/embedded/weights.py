@@ -1,0 +1,167 @@
+"""Engine side of SGLang's weight-sync endpoints, on an HF model.
+
+- init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name,
+  backend}: join the trainer's group as rank `rank_offset` (TP 1: the local TP rank is 0).
+- update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache,
+  abort_all_requests, weight_version, load_format, ...}: receive one broadcast from rank 0 per name,
+  in order (or, with load_format "flattened_bucket", ONE uint8 broadcast holding every tensor's
+  bytes back to back, as SGLang's FlattenedTensorBucket), then copy into the HF parameters by HF
+  name. The tensors are received BEFORE taking the model, so the trainer's broadcast is not held up
+  by running requests; they are copied under `Engine.weights_exclusive()`, so no forward sees
+  half-updated weights.
+- get_weights_by_name {name, truncate_size}: `param.float().tolist()[:truncate_size]`, as SGLang's
+  models answer it (rows, not elements, are truncated).
+Responses are SGLang's (success, message) pairs.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from slime_rl.engines import dist_group
+from slime_rl.engines.embedded.engine import Engine
+from slime_rl.engines.embedded.sampling import RequestError
+
+
+class WeightSync:
+    def __init__(self, model: torch.nn.Module, engine: Engine, weight_version: str) -> None:
+        self.model, self.engine = model, engine
+        self.device = next(model.parameters()).device
+        # remove_duplicate=False keeps both names of a tied tensor (lm_head.weight and
+        # model.embed_tokens.weight): updating either one updates the shared storage.
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.groups: dict[str, object] = {}
+        self.weight_version = weight_version
+        self._lock = threading.Lock()  # one group operation at a time
+
+    def init_group(self, body: dict) -> tuple[bool, str]:
+        master_address = _field(body, "master_address", str)
+        master_port = _field(body, "master_port", int)
+        rank_offset = _field(body, "rank_offset", int)
+        world_size = _field(body, "world_size", int)
+        group_name = _field(body, "group_name", str, "weight_update_group")
+        backend = _field(body, "backend", str, "nccl")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise RequestError("backend: 'nccl' needs the engine on CUDA; this engine runs on "
+                               f"{self.device.type} (use backend 'gloo')")
+        with self._lock:
+            if group_name in self.groups:
+                return False, f"Group {group_name} already exists; destroy it first."
+            try:
+                self.groups[group_name] = dist_group.init_custom_group(
+                    master_address, master_port, rank_offset, world_size, group_name, backend)
+            except (RuntimeError, ValueError) as e:
+                return False, f"Failed to initialize custom process group: {e}."
+        return True, "Succeeded to initialize custom process group."
+
+    def destroy_group(self, body: dict) -> tuple[bool, str]:
+        group_name = _field(body, "group_name", str, "weight_update_group")
+        with self._lock:
+            group = self.groups.pop(group_name, None)
+        if group is None:
+            return False, "The group to be destroyed does not exist."
+        dist_group.destroy_group(group)
+        return True, "Succeeded to destroy custom process group."
+
+    def update_from_distributed(self, body: dict) -> tuple[bool, str]:
+        names = _field(body, "names", list)
+        dtypes = _field(body, "dtypes", list)
+        shapes = _field(body, "shapes", list)
+        group_name = _field(body, "group_name", str, "weight_update_group")
+        version = _field(body, "weight_version", str, None)
+        load_format = body.get("load_format")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise RequestError(f"load_format: {load_format!r} is not supported by the embedded engine "
+                               "(None or 'flattened_bucket')")
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise RequestError(f"names, dtypes, shapes: lengths differ ({len(names)}, {len(dtypes)}, "
+                               f"{len(shapes)})")
+        try:
+            torch_dtypes = [dist_group.dtype_from_name(d) for d in dtypes]
+        except ValueError as e:
+            raise RequestError(f"dtypes: {e}") from e
+        if not all(isinstance(s, list) and all(isinstance(x, int) and x >= 0 for x in s) for s in shapes):
+            raise RequestError("shapes: expected a list of lists of non-negative ints")
+        group = self.groups.get(group_name)
+        if group is None:
+            return False, (f"Group {group_name} not in {sorted(self.groups)}. "
+                           "Please call `init_weights_update_group` first.")
+        if body.get("abort_all_requests"):
+            self.engine.abort(abort_all=True)
+        # Receive every tensor even if a name is wrong: the trainer broadcasts them all, and a rank
+        # that leaves the collective early would hang it.
+        if load_format == "flattened_bucket":
+            received = self._receive_flat(group, names, torch_dtypes, shapes)
+        else:
+            received = []
+            with self._lock:
+                for name, dtype, shape in zip(names, torch_dtypes, shapes, strict=True):
+                    t = torch.empty(shape, dtype=dtype, device=self.device)
+                    dist_group.broadcast(group, t, src=0)
+                    received.append((name, t))
+        problems = [self._check(name, t) for name, t in received]
+        problems = [p for p in problems if p]
+        if problems:
+            return False, "Failed to update parameter online: " + "; ".join(problems)
+        with self.engine.weights_exclusive(), torch.no_grad():
+            for name, t in received:
+                self.params[name].copy_(t)
+            if version is not None:
+                self.weight_version = version
+        message = "Succeeded to update parameter online."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return True, message
+
+    def _receive_flat(self, group: object, names: list[str], dtypes: list[torch.dtype],
+                      shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+        """One uint8 buffer: tensor i occupies bytes [offset_i, offset_i + numel_i * itemsize_i), in order;
+        each offset must be a multiple of its dtype's item size (SGLang refuses unaligned buckets too)."""
+        spans, offset = [], 0
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            if offset % dtype.itemsize:
+                raise RequestError(f"names: {name} starts at byte {offset}, not aligned for {dtype}")
+            size = torch.Size(shape).numel() * dtype.itemsize
+            spans.append((name, dtype, shape, offset, offset + size))
+            offset += size
+        flat = torch.empty(offset, dtype=torch.uint8, device=self.device)
+        with self._lock:
+            dist_group.broadcast(group, flat, src=0)
+        return [(name, flat[a:b].view(dtype).reshape(shape)) for name, dtype, shape, a, b in spans]
+
+    def _check(self, name: str, t: torch.Tensor) -> str | None:
+        param = self.params.get(name)
+        if param is None:
+            return f"{name}: no such parameter in the model"
+        if tuple(param.shape) != tuple(t.shape):
+            return f"{name}: shape {list(t.shape)} does not match the model's {list(param.shape)}"
+        return None
+
+    def get_by_name(self, body: dict) -> list:
+        name = _field(body, "name", str)
+        truncate = _field(body, "truncate_size", int, 100)
+        param = self.params.get(name)
+        if param is None:
+            raise RequestError(f"name: no parameter {name!r} in the model")
+        with self.engine.model_lock:
+            return param.detach().float().cpu().tolist()[:truncate]
+
+
+_MISSING = object()
+
+
+def _field(body: Any, name: str, kind: type, default: Any = _MISSING) -> Any:
+    """A typed field of a JSON body; a missing required or mistyped field is a 400 naming it."""
+    if not isinstance(body, dict):
+        raise RequestError("body: expected a JSON object")
+    value = body.get(name)
+    if value is None:
+        if default is _MISSING:
+            raise RequestError(f"{name}: required")
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise RequestError(f"{name}: expected {kind.__name__}")
+    return value

@@ -1,0 +1,258 @@
+"""HTTP client for rollout engines speaking SGLang's native API (real SGLang or the embedded engine).
+
+One function per endpoint builds the JSON body with SGLang's own field names (GenerateReqInput,
+InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput, AbortReq, ... in
+python/sglang/srt/managers/io_struct.py, SGLang 0.5.23; tests/rollout/sglang_fields.json is the
+checked-in snapshot the contract test holds them to). Fields left at None are not sent, so the
+server's defaults apply. `EngineClient` (sync) and `AsyncEngineClient` share these builders and the
+endpoint table; they differ only in how a request is sent.
+
+Errors: any status >= 400 raises `EngineError` naming the URL, endpoint, status and the server's
+message (SGLang answers {"error": {"message"}}, {"success": false, "message"} or plain text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+
+
+class EngineError(RuntimeError):
+    def __init__(self, url: str, endpoint: str, status: int | None, message: str) -> None:
+        self.url, self.endpoint, self.status, self.message = url, endpoint, status, message
+        where = f"{url}{endpoint}"
+        super().__init__(f"engine {where} answered {status}: {message}" if status is not None
+                         else f"engine {where} unreachable: {message}")
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def generate_payload(input_ids: Sequence[int] | Sequence[Sequence[int]] | None, sampling_params: dict[str, Any],
+                     return_logprob: bool = True, rid: str | list[str] | None = None, image_data: Any = None,
+                     logprob_start_len: int | None = None, text: str | list[str] | None = None,
+                     return_text_in_logprobs: bool | None = None) -> dict[str, Any]:
+    """GenerateReqInput body: exactly one of `input_ids` / `text`; a list of lists is a batch."""
+    if (input_ids is None) == (text is None):
+        raise ValueError("generate_payload: give exactly one of input_ids and text")
+    if input_ids is not None:
+        input_ids = [list(x) for x in input_ids] if input_ids and isinstance(input_ids[0], Sequence) \
+            else list(input_ids)
+    return _drop_none({"input_ids": input_ids, "text": text, "sampling_params": dict(sampling_params),
+                       "return_logprob": return_logprob, "logprob_start_len": logprob_start_len, "rid": rid,
+                       "image_data": image_data, "return_text_in_logprobs": return_text_in_logprobs})
+
+
+def abort_request_payload(rid: str = "", abort_all: bool = False) -> dict[str, Any]:
+    """AbortReq body; the server aborts every request whose rid starts with `rid`."""
+    return {"rid": rid, "abort_all": abort_all}
+
+
+def pause_generation_payload(mode: str = "abort") -> dict[str, Any]:
+    """PauseGenerationReqInput: mode "abort" (default), "retract" or "in_place"."""
+    if mode not in ("abort", "retract", "in_place"):
+        raise ValueError(f"pause mode {mode!r}: expected 'abort', 'retract' or 'in_place'")
+    return {"mode": mode}
+
+
+def continue_generation_payload() -> dict[str, Any]:
+    return {}
+
+
+def init_weights_update_group_payload(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                      group_name: str = DEFAULT_GROUP, backend: str = "nccl") -> dict[str, Any]:
+    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend}
+
+
+def update_weights_from_distributed_payload(names: Sequence[str], dtypes: Sequence[Any],
+                                            shapes: Sequence[Sequence[int]], group_name: str = DEFAULT_GROUP,
+                                            flush_cache: bool = True, weight_version: str | None = None,
+                                            abort_all_requests: bool | None = None,
+                                            load_format: str | None = None) -> dict[str, Any]:
+    """UpdateWeightsFromDistributedReqInput; dtypes may be torch dtypes or names ("bfloat16")."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"names, dtypes, shapes: lengths differ ({len(names)}, {len(dtypes)}, {len(shapes)})")
+    return _drop_none({
+        "names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+        "shapes": [[int(x) for x in s] for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
+        "abort_all_requests": abort_all_requests, "weight_version": weight_version, "load_format": load_format})
+
+
+def destroy_weights_update_group_payload(group_name: str = DEFAULT_GROUP) -> dict[str, Any]:
+    return {"group_name": group_name}
+
+
+def get_weights_by_name_payload(name: str, truncate_size: int = 100) -> dict[str, Any]:
+    return {"name": name, "truncate_size": truncate_size}
+
+
+def update_weight_version_payload(new_version: str, abort_all_requests: bool = True) -> dict[str, Any]:
+    return {"new_version": new_version, "abort_all_requests": abort_all_requests}
+
+
+def memory_occupation_payload(tags: list[str] | None = None) -> dict[str, Any]:
+    """Release/ResumeMemoryOccupationReqInput; tags e.g. ["weights", "kv_cache"] (None = all)."""
+    return _drop_none({"tags": tags})
+
+
+class _Endpoints:
+    """Endpoint methods shared by both clients; `_call` sends (sync) or returns a coroutine (async)."""
+
+    def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        raise NotImplementedError
+
+    def generate(self, input_ids: Any = None, sampling_params: dict[str, Any] | None = None,
+                 return_logprob: bool = True, rid: Any = None, image_data: Any = None, **kwargs: Any) -> Any:
+        """POST /generate: one response dict, or a list of them for a batch of prompts."""
+        return self._call("POST", "/generate", generate_payload(input_ids, sampling_params or {}, return_logprob,
+                                                                rid, image_data, **kwargs))
+
+    def get_model_info(self) -> Any:
+        return self._call("GET", "/get_model_info")
+
+    def get_server_info(self) -> Any:
+        return self._call("GET", "/get_server_info")
+
+    def flush_cache(self) -> Any:
+        return self._call("POST", "/flush_cache")
+
+    def pause_generation(self, mode: str = "abort") -> Any:
+        return self._call("POST", "/pause_generation", pause_generation_payload(mode))
+
+    def continue_generation(self) -> Any:
+        return self._call("POST", "/continue_generation", continue_generation_payload())
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> Any:
+        return self._call("POST", "/abort_request", abort_request_payload(rid, abort_all))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = DEFAULT_GROUP, backend: str = "nccl") -> Any:
+        return self._call("POST", "/init_weights_update_group", init_weights_update_group_payload(
+            master_address, master_port, rank_offset, world_size, group_name, backend))
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[Any],
+                                        shapes: Sequence[Sequence[int]], group_name: str = DEFAULT_GROUP,
+                                        flush_cache: bool = True, weight_version: str | None = None,
+                                        **kwargs: Any) -> Any:
+        return self._call("POST", "/update_weights_from_distributed", update_weights_from_distributed_payload(
+            names, dtypes, shapes, group_name, flush_cache, weight_version, **kwargs))
+
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> Any:
+        return self._call("POST", "/destroy_weights_update_group", destroy_weights_update_group_payload(group_name))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        return self._call("POST", "/get_weights_by_name", get_weights_by_name_payload(name, truncate_size))
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> Any:
+        return self._call("POST", "/update_weight_version",
+                          update_weight_version_payload(new_version, abort_all_requests))
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return self._call("POST", "/release_memory_occupation", memory_occupation_payload(tags))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return self._call("POST", "/resume_memory_occupation", memory_occupation_payload(tags))
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _timeout(timeout: float | None) -> httpx.Timeout:
+    # Generation can legitimately take minutes; `timeout` bounds every phase, connect is always bounded.
+    return httpx.Timeout(timeout, connect=30.0 if timeout is None else min(timeout, 30.0))
+
+
+def _decode(base_url: str, path: str, r: httpx.Response) -> Any:
+    if r.status_code >= 400:
+        raise EngineError(base_url, path, r.status_code, _message(r))
+    if not r.content:
+        return None
+    if r.headers.get("content-type", "").startswith("application/json"):
+        return r.json()
+    return r.text
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text.strip() or r.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if err is not None:
+            return str(err)
+        for key in ("message", "detail"):
+            if key in body:
+                return str(body[key])
+    return str(body)
+
+
+class EngineClient(_Endpoints):
+    """Blocking client of one engine (`base_url` like http://127.0.0.1:30000)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, headers=_headers(api_key), timeout=_timeout(timeout))
+
+    def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        try:
+            r = self._http.request(method, path, json=payload)
+        except httpx.HTTPError as e:
+            raise EngineError(self.base_url, path, None, f"{type(e).__name__}: {e}") from e
+        return _decode(self.base_url, path, r)
+
+    def health(self) -> bool:
+        """True when GET /health answers 200; False when it answers otherwise or not at all."""
+        try:
+            return self._http.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncEngineClient(_Endpoints):
+    """asyncio client of one engine; every endpoint method returns an awaitable."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=_headers(api_key),
+                                       timeout=_timeout(timeout))
+
+    async def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        try:
+            r = await self._http.request(method, path, json=payload)
+        except httpx.HTTPError as e:
+            raise EngineError(self.base_url, path, None, f"{type(e).__name__}: {e}") from e
+        return _decode(self.base_url, path, r)
+
+    async def health(self) -> bool:
+        try:
+            return (await self._http.get("/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

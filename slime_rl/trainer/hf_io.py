@@ -1,0 +1,128 @@
+"""HF safetensors <-> this rank's Megatron parameters.
+
+`load_hf_weights` reads only the tensors this rank needs (safetensors opens lazily) and copies its
+TP shard of each into the model. `iter_hf_weights` is the inverse used by weight sync: every TP
+rank all-gathers each parameter over the TP group and every rank yields the same full HF tensors,
+in a fixed order (so all ranks run the same collectives).
+
+Pipeline parallelism is not handled yet (asserted): with PP each stage would own a slice of the
+layers, rename its layer indices with its layer offset, and one source rank per stage would send.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from slime_rl.trainer.convert import ModelArch, hf_to_mcore_shard, mcore_shards_to_hf
+from slime_rl.trainer.model import unwrap
+
+
+def _tp() -> tuple[int, int, dist.ProcessGroup | None]:
+    from megatron.core import parallel_state as mpu
+
+    if not mpu.model_parallel_is_initialized():
+        return 0, 1, None
+    if mpu.get_pipeline_model_parallel_world_size() != 1:
+        raise NotImplementedError("HF weight I/O with --pipeline-model-parallel-size > 1 is not "
+                                  "implemented yet (one source rank per PP stage is the plan)")
+    return (mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_tensor_model_parallel_group())
+
+
+def safetensors_index(checkpoint_dir: str | Path) -> dict[str, Path]:
+    """HF tensor name -> the .safetensors file that holds it (single file or sharded + index)."""
+    folder = Path(checkpoint_dir)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"--hf-checkpoint {folder}: neither model.safetensors nor "
+                                "model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}  # safe_open is not a dict
+
+
+def read_hf_tensors(checkpoint_dir: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The named tensors (all when None) from the checkpoint, on CPU, in their stored dtype."""
+    where = safetensors_index(checkpoint_dir)
+    names = list(where) if names is None else names
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise KeyError(f"--hf-checkpoint {checkpoint_dir}: tensors missing from the safetensors: "
+                       f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for n in names:
+        by_file.setdefault(where[n], []).append(n)
+    for file, file_names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for n in file_names:
+                out[n] = f.get_tensor(n)
+    return out
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, arch: ModelArch) -> None:
+    """Copy this TP rank's shard of every HF tensor into `model` (GPTModel or a wrapper).
+
+    Strict both ways: every Megatron parameter must be written and every registry tensor must
+    exist in the checkpoint (a tied model's lm_head.weight, if saved, is ignored)."""
+    tp_rank, tp_size, _ = _tp()
+    params = dict(unwrap(model).named_parameters())
+    maps = arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings)
+    extra = set(params) - {pm.mcore for pm in maps}
+    if extra:
+        raise AssertionError(f"Megatron parameters without a registry entry: {sorted(extra)}")
+    hf = read_hf_tensors(checkpoint_dir, [n for pm in maps for n in pm.hf])
+    for pm in maps:
+        shard = hf_to_mcore_shard(pm, [hf[n] for n in pm.hf], arch, tp_rank, tp_size)
+        target = params[pm.mcore]
+        if tuple(shard.shape) != tuple(target.shape):
+            raise ValueError(f"{checkpoint_dir}: {pm.hf} -> {pm.mcore} gives shape {tuple(shard.shape)}, "
+                             f"the model has {tuple(target.shape)} (config.json and weights disagree?)")
+        target.copy_(shard.to(target.dtype))
+
+
+def _gather_tp(t: torch.Tensor, tp_size: int, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    if tp_size == 1:
+        return [t]
+    t = t.contiguous()
+    out = [torch.empty_like(t) for _ in range(tp_size)]
+    dist.all_gather(out, t, group=group)
+    return out
+
+
+@torch.no_grad()
+def iter_hf_weights(model: torch.nn.Module, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, full tensor) for every HF tensor of the model, identical on every rank.
+
+    Every rank of the TP group must consume the generator to the end (it runs all-gathers). The
+    tensors are in the model's dtype and on its device. Tied models yield only
+    `model.embed_tokens.weight`, as HF's own state dict does."""
+    _, tp_size, group = _tp()
+    params = dict(unwrap(model).named_parameters())
+    for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings):
+        shards = _gather_tp(params[pm.mcore].detach(), tp_size, group)
+        yield from mcore_shards_to_hf(pm, shards, arch)
+
+
+def hf_weight_metadata(model: torch.nn.Module, arch: ModelArch) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(hf_name, dtype, shape) of what `iter_hf_weights` yields, in the same order, with no
+    communication (weight sync announces the tensors before sending them). Shapes come from the
+    same conversion code run on meta tensors, so they cannot drift from `iter_hf_weights`."""
+    _, tp_size, _ = _tp()
+    params = dict(unwrap(model).named_parameters())
+    out = []
+    for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings):
+        local = params[pm.mcore]
+        shards = [torch.empty(local.shape, dtype=local.dtype, device="meta")] * tp_size
+        out += [(name, t.dtype, tuple(t.shape)) for name, t in mcore_shards_to_hf(pm, shards, arch)]
+    return out

@@ -1,0 +1,111 @@
+"""forward_step functions for megatron's `get_forward_backward_func()` schedules.
+
+Loss scaling, read from megatron-core 0.19.2 (pipeline_parallel/schedules.py forward_step_calc_loss
+and distributed/distributed_data_parallel.py), with calculate_per_token_loss=False (default):
+  * a loss_func returning (loss, extra) has its loss divided by num_microbatches (and multiplied
+    by the context-parallel size, 1 here) before backward;
+  * DDP pre-scales every gradient bucket by 1/dp_size and all-reduces with SUM (a DP mean).
+We want the DAPO token mean over the whole mini-batch on all DP ranks:
+    L = sum_{all ranks, micro-batches, tokens} mask * loss_t / N,  N = global masked-token count,
+so each micro-batch returns  sum_mb(mask * loss_t) * num_microbatches * dp_size / N,  which the
+two divisions above turn back into its exact share of L. The gradient is then independent of the
+micro-batch size, the number of micro-batches and the DP split (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from slime_rl.algo.losses import kl_penalty, masked_sum, ppo_clip_loss
+from slime_rl.config.groups import AlgoConfig
+from slime_rl.trainer.batching import MicroBatch
+from slime_rl.trainer.logprobs import gather_response_logits, vocab_parallel_entropy, vocab_parallel_logprobs
+
+# order of the per-micro-batch sums returned by the policy loss (summed over micro-batches and DP)
+STAT_KEYS = ("pg", "kl", "clipped", "k1_old_new", "tokens")
+
+
+def model_forward(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
+    """Vocab-parallel logits [b, s, V_pad / tp] (float32 on the last stage). attention_mask=None:
+    the local spec's causal mask type builds the causal mask itself; padding is on the right."""
+    return model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
+
+
+def response_logprobs(output: Tensor, mb: MicroBatch, temperature: float, vocab_size: int) -> Tensor:
+    """[b, s, V_local] logits -> [b, T] log-probs of the response tokens (differentiable)."""
+    logits = gather_response_logits(output, mb.logit_index)
+    return vocab_parallel_logprobs(logits, mb.targets, temperature=temperature, vocab_size=vocab_size)
+
+
+def forward_only_step(temperature: float, vocab_size: int, with_entropy: bool) -> Callable:
+    """forward_step_func collecting {"logp": [b, T], "entropy": [b, T] (optional), "mb"}."""
+
+    def step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+        mb = next(data_iterator)
+        output = model_forward(model, mb)
+
+        def loss_func(output_tensor: Tensor):
+            out = {"mb": mb, "logp": response_logprobs(output_tensor, mb, temperature, vocab_size)}
+            if with_entropy:
+                logits = gather_response_logits(output_tensor, mb.logit_index)
+                out["entropy"] = vocab_parallel_entropy(logits, temperature=temperature,
+                                                        vocab_size=vocab_size)
+            # the schedule scales the first element in place; it is not used in forward-only runs
+            return torch.zeros((), device=output_tensor.device), out
+
+        return output, loss_func
+
+    return step
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Factor that turns a micro-batch's masked sum into its share of the DAPO token mean."""
+
+    num_microbatches: int
+    dp_size: int
+    global_tokens: float  # N: masked tokens in this mini-batch over all DP ranks
+
+    @property
+    def factor(self) -> float:
+        if self.global_tokens <= 0:
+            return 0.0  # nothing trained in this mini-batch: zero loss, zero gradient
+        return self.num_microbatches * self.dp_size / self.global_tokens
+
+
+def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale) -> Callable:
+    """forward_step_func for one training micro-batch (see the module docstring for the scale).
+
+    Per token ([b, T]): loss_t = ppo_clip(logp, old_logp, A) + kl_loss_coef * kl(logp, ref_logp)
+    (the KL term only when a reference model is used). The micro-batch returns
+    masked_sum(loss_t, loss_mask) * scale.factor, plus detached sums for the metrics
+    (STAT_KEYS: pg sum, kl sum, clipped-token count, sum(old_logp - logp), token count).
+    """
+
+    def step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+        mb = next(data_iterator)
+        output = model_forward(model, mb)
+
+        def loss_func(output_tensor: Tensor):
+            logp = response_logprobs(output_tensor, mb, algo.temperature, vocab_size)  # [b, T]
+            old = mb.per_token["old_logp"]  # [b, T]
+            mask = mb.loss_mask  # [b, T]
+            pg, clipped = ppo_clip_loss(logp, old, mb.per_token["advantages"], algo.eps_clip,
+                                        algo.eps_clip_high)
+            per_token = pg
+            kl = torch.zeros_like(pg)
+            if "ref_logp" in mb.per_token:
+                kl = kl_penalty(logp, mb.per_token["ref_logp"], algo.kl_loss_type)
+                per_token = pg + algo.kl_loss_coef * kl
+            loss = masked_sum(per_token, mask) * scale.factor
+            sums = torch.stack([masked_sum(pg, mask), masked_sum(kl, mask), masked_sum(clipped, mask),
+                                masked_sum(old - logp, mask), mask.sum()]).detach().float()
+            return loss, {"sums": sums}
+
+        return output, loss_func
+
+    return step

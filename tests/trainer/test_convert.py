@@ -1,0 +1,99 @@
+"""HF <-> Megatron conversion tables and shard math, without megatron (pure tensors).
+
+The expected Megatron QKV layout is built here by hand from its definition (per query group: that
+group's q heads, then its k head, then its v head), not by the code under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime_rl.trainer.convert import (
+    FAMILIES,
+    Layout,
+    arch_from_hf_config,
+    get_family,
+    hf_to_mcore_shard,
+    mcore_shards_to_hf,
+)
+
+CFG = dict(model_type="qwen2", hidden_size=8, intermediate_size=6, num_hidden_layers=1,
+           num_attention_heads=4, num_key_value_heads=2, vocab_size=10, rms_norm_eps=1e-6,
+           rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, tie_word_embeddings=True,
+           hidden_act="silu")
+
+
+def _maps(arch, tied):
+    return {pm.mcore: pm for pm in arch.family.param_maps(arch.num_layers, tied)}
+
+
+def test_arch_from_config_reads_every_field():
+    arch = arch_from_hf_config(CFG, tp_size=2, pad_vocab_multiple=4)
+    assert (arch.kv_channels, arch.num_query_groups, arch.rotary_base) == (2, 2, 1e6)
+    assert arch.padded_vocab_size == 16 and arch.vocab_size == 10  # multiple of 4 * tp
+    assert arch.qkv_bias and arch.tie_word_embeddings
+    old_style = {k: v for k, v in CFG.items() if k != "rope_parameters"} | {"rope_theta": 500.0}
+    assert arch_from_hf_config(old_style).rotary_base == 500.0
+
+
+@pytest.mark.parametrize("bad, flag", [({"model_type": "gpt2"}, "model_type"),
+                                       ({"num_key_value_heads": 1}, "num_key_value_heads"),
+                                       ({"use_sliding_window": True}, "use_sliding_window"),
+                                       ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "yarn")])
+def test_unsupported_configs_raise_naming_the_field(bad, flag):
+    with pytest.raises(ValueError, match=flag):
+        arch_from_hf_config(CFG | bad, tp_size=2)
+
+
+def test_qkv_layout_per_query_group_and_tp_split():
+    arch = arch_from_hf_config(CFG, tp_size=2)
+    d, h = arch.kv_channels, arch.hidden_size
+    q = torch.randn(4 * d, h)  # heads q0 q1 (group 0), q2 q3 (group 1)
+    k, v = torch.randn(2 * d, h), torch.randn(2 * d, h)
+    head = lambda t, i: t[i * d : (i + 1) * d]
+    group0 = torch.cat([head(q, 0), head(q, 1), head(k, 0), head(v, 0)])
+    group1 = torch.cat([head(q, 2), head(q, 3), head(k, 1), head(v, 1)])
+    pm = _maps(arch, True)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert torch.equal(hf_to_mcore_shard(pm, [q, k, v], arch, 0, 2), group0)  # whole group per rank
+    assert torch.equal(hf_to_mcore_shard(pm, [q, k, v], arch, 1, 2), group1)
+    assert torch.equal(hf_to_mcore_shard(pm, [q, k, v], arch, 0, 1), torch.cat([group0, group1]))
+
+
+def test_fc1_each_rank_holds_its_gate_then_its_up():
+    arch = arch_from_hf_config(CFG, tp_size=2)
+    gate, up = torch.randn(6, 8), torch.randn(6, 8)
+    pm = _maps(arch, True)["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(hf_to_mcore_shard(pm, [gate, up], arch, 1, 2), torch.cat([gate[3:], up[3:]]))
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_round_trip_every_param_bit_exact(model_type, tp):
+    cfg = CFG | {"model_type": model_type, "tie_word_embeddings": False, "head_dim": 3}
+    arch = arch_from_hf_config(cfg, tp_size=tp, pad_vocab_multiple=3)
+    g = torch.Generator().manual_seed(0)
+    shapes = {"q_proj": (4 * 3, 8), "k_proj": (2 * 3, 8), "v_proj": (2 * 3, 8), "o_proj": (8, 4 * 3),
+              "q_norm": (3,), "k_norm": (3,), "gate_proj": (6, 8), "up_proj": (6, 8), "down_proj": (8, 6),
+              "embed_tokens": (10, 8), "lm_head": (10, 8)}
+    for pm in arch.family.param_maps(arch.num_layers, tied=False):
+        hf = [torch.randn(shapes.get(n.split(".")[-2], (8,))[: (1 if n.endswith("bias") else 2)],
+                          generator=g) for n in pm.hf]
+        shards = [hf_to_mcore_shard(pm, hf, arch, r, tp) for r in range(tp)]
+        if pm.layout is Layout.VOCAB:
+            assert sum(s.shape[0] for s in shards) == arch.padded_vocab_size
+        back = mcore_shards_to_hf(pm, shards, arch)
+        assert [n for n, _ in back] == list(pm.hf)
+        for (_, t), want in zip(back, hf, strict=True):
+            assert torch.equal(t, want), pm.mcore
+
+
+def test_tied_models_have_no_output_layer_and_families_are_explicit():
+    for fam in FAMILIES.values():
+        tied = {pm.mcore for pm in fam.param_maps(2, tied=True)}
+        assert "output_layer.weight" not in tied
+        assert "output_layer.weight" in {pm.mcore for pm in fam.param_maps(2, tied=False)}
+    assert "decoder.layers.1.self_attention.linear_qkv.bias" in {
+        pm.mcore for pm in get_family("qwen2").param_maps(2, True)}
+    assert "decoder.layers.0.self_attention.q_layernorm.weight" in {
+        pm.mcore for pm in get_family("qwen3").param_maps(1, True)}

@@ -1,0 +1,114 @@
+"""Independent references for the trainer tests: a fixed batch, and HF transformers in float64.
+
+Nothing here imports slime_rl.trainer: log-probs, entropy and the policy-loss gradient are
+computed from the HF model of the same folder, so a layout or scaling bug in the Megatron path
+cannot also be in the expected values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+LENGTHS = (7, 12, 5, 9)
+RESPONSE_LENGTHS = (3, 6, 2, 4)
+LOSS_MASKS = ([1, 1, 1], [1, 1, 0, 0, 1, 1], [1, 1], [0, 1, 1, 1])
+ADVANTAGES = (1.0, -1.0, 0.5, -0.25)
+
+
+def make_batch(vocab_size: int = 64, seed: int = 0) -> dict:
+    """Four samples of different lengths (so micro-batches need right-padding), some masked tokens."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
+    rollout = [[-1.0 - 0.25 * j for j in range(r)] for r in RESPONSE_LENGTHS]  # arbitrary numbers
+    return {
+        "tokens": tokens,
+        "response_lengths": list(RESPONSE_LENGTHS),
+        "loss_masks": [list(m) for m in LOSS_MASKS],
+        "advantages": list(ADVANTAGES),
+        "rollout_logprobs": rollout,
+        "rewards": [1.0, 0.0, 1.0, 0.0],
+    }
+
+
+def select(batch: dict, ids: list[int]) -> dict:
+    return {k: [v[i] for i in ids] for k, v in batch.items()}
+
+
+def hf_model(ckpt: str | Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).double()
+
+
+def _response_logits(model, batch: dict, i: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    toks = torch.tensor([batch["tokens"][i]])
+    r = batch["response_lengths"][i]
+    logits = model(toks).logits[0].double() / temperature  # [L, V]
+    n = toks.shape[1]
+    return logits[n - r - 1 : n - 1], toks[0, n - r :]
+
+
+def hf_logprobs(model, batch: dict, temperature: float = 1.0) -> list[torch.Tensor]:
+    out = []
+    with torch.no_grad():
+        for i in range(len(batch["tokens"])):
+            logits, targets = _response_logits(model, batch, i, temperature)
+            out.append(torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0])
+    return out
+
+
+def hf_entropy(model, batch: dict, temperature: float = 1.0) -> list[torch.Tensor]:
+    out = []
+    with torch.no_grad():
+        for i in range(len(batch["tokens"])):
+            logp = torch.log_softmax(_response_logits(model, batch, i, temperature)[0], -1)
+            out.append(-(logp.exp() * logp).sum(-1))
+    return out
+
+
+def masked_token_mean(values: list[torch.Tensor], batch: dict) -> float:
+    num = sum(float((v * torch.tensor(m, dtype=torch.float64)).sum())
+              for v, m in zip(values, batch["loss_masks"], strict=True))
+    return num / sum(sum(m) for m in batch["loss_masks"])
+
+
+def hf_policy_grad(model, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """(loss, grads by HF name) of the DAPO token-mean PPO loss at ratio 1 (old = current policy):
+    L = -sum_i sum_t mask_it * A_i * exp(logp_it - stopgrad(logp_it)) / sum(mask). At ratio 1 the
+    clip is inactive, so dL/dθ = -sum mask * A * dlogp / N."""
+    model.zero_grad()
+    n_tokens = sum(sum(m) for m in batch["loss_masks"])
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(len(batch["tokens"])):
+        logits, targets = _response_logits(model, batch, i, 1.0)
+        logp = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+        mask = torch.tensor(batch["loss_masks"][i], dtype=torch.float64)
+        ratio = torch.exp(logp - logp.detach())
+        total = total - (mask * batch["advantages"][i] * ratio).sum() / n_tokens
+    total.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        grads.pop("lm_head.weight", None)  # same tensor as the embedding in HF's state dict
+    return float(total.detach()), grads
+
+
+def make_tiny_qwen3(out: Path, seed: int = 2) -> Path:
+    """Tiny Qwen3 (q/k RMSNorm per head, no qkv bias, head_dim 32 != hidden / heads, untied),
+    norms drawn at random like tools/make_tiny_model.py does, so a q/k-norm mix-up shows."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                      max_position_embeddings=512, tie_word_embeddings=False, dtype="float32",
+                      rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out, safe_serialization=True)
+    return Path(out)

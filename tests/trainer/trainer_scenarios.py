@@ -1,0 +1,170 @@
+"""Multi-rank trainer scenarios, one process per rank (run by the tests through `run_scenario`).
+
+    python -m tests.trainer.trainer_scenarios SCENARIO RANK WORLD PORT OUT_DIR CKPT_JSON
+
+Each scenario records what the tests assert on into OUT_DIR/<scenario>_rank<RANK>.pt; several
+checks share one process because importing megatron costs ~10 s per process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from tests.trainer.trainer_ref import make_batch, select
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_worker(rank: int, world: int, port: int, ckpt: str, tp: int = 1, mbs: int = 2, gbs: int = 4,
+                algo: AlgoConfig | None = None, bf16: bool = False, **kw):
+    from slime_rl.trainer.worker import TrainerWorker
+
+    return TrainerWorker(rank, world, "127.0.0.1", port,
+                         ParallelConfig(tensor_model_parallel_size=tp, actor_num_gpus_per_node=world),
+                         BatchConfig(micro_batch_size=mbs, global_batch_size=gbs),
+                         OptimizerConfig(lr=1e-3, clip_grad=1.0), ModelConfig(hf_checkpoint=ckpt, bf16=bf16),
+                         algo or AlgoConfig(), train_iters=10, **kw)
+
+
+def weights(w) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in w.iter_hf_weights()}
+
+
+def hf_grads(w) -> dict[str, torch.Tensor]:
+    """main_grad of every parameter after forward_backward, gathered over TP into HF names."""
+    from megatron.core import parallel_state as mpu
+
+    from slime_rl.trainer.convert import mcore_shards_to_hf
+
+    params = dict(w.gpt.named_parameters())
+    tp = mpu.get_tensor_model_parallel_world_size()
+    out = {}
+    for pm in w.arch.family.param_maps(w.arch.num_layers, w.arch.tie_word_embeddings):
+        g = params[pm.mcore].main_grad.detach().clone()
+        shards = [torch.empty_like(g) for _ in range(tp)]
+        dist.all_gather(shards, g, group=mpu.get_tensor_model_parallel_group())
+        out.update(dict(mcore_shards_to_hf(pm, shards, w.arch)))
+    return out
+
+
+def scenario_tp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    batch, res, qwen2 = make_batch(), {}, ckpts["qwen2"]
+    hot = AlgoConfig(temperature=0.7)
+    # bf16 smoke run: Float16Module + the fp32-main-param optimizer path
+    w = make_worker(rank, world, port, qwen2, algo=hot, bf16=True)
+    port += 1
+    res["bf16/logp"] = w.compute_logprobs(batch)
+    res["bf16/metrics"] = w.train_step(batch)
+    res["bf16/dtypes"] = sorted({str(t.dtype) for _, t in w.iter_hf_weights()})
+    w.shutdown()
+    for name, ckpt, kw in (("llama", ckpts["llama"], {}), ("qwen3", ckpts["qwen3"], {}),
+                           ("qwen2_pad", qwen2, {"pad_vocab_multiple": 48}), ("qwen2", qwen2, {})):
+        w = make_worker(rank, world, port, ckpt, algo=hot, **kw)
+        port += 1
+        res[f"{name}/logp"] = w.compute_logprobs(batch)
+        res[f"{name}/padded_vocab"] = w.arch.padded_vocab_size
+        if name != "qwen2":
+            w.shutdown()
+    # gradient at temperature 1: micro-batch size 2 (2 micro-batches) vs 1 (4 micro-batches)
+    w.algo = AlgoConfig()
+    old = w.compute_logprobs(batch)
+    res["stats_mbs2"] = w.forward_backward(batch, old)
+    res["grad_mbs2"] = hf_grads(w)
+    w.batch = BatchConfig(micro_batch_size=1, global_batch_size=4)
+    res["stats_mbs1"] = w.forward_backward(batch, old)
+    res["grad_mbs1"] = hf_grads(w)
+    res["before"] = weights(w)
+    t = time.perf_counter()
+    res["metrics"] = w.train_step(batch)
+    res["train_step_s"] = time.perf_counter() - t
+    res["after"] = weights(w)
+    w.shutdown()
+    # reference model: 2 mini-batches, so the second one has moved away from the reference
+    w = make_worker(rank, world, port, qwen2, mbs=1, gbs=2, algo=AlgoConfig(kl_loss_coef=0.1))
+    res["kl/initial_logp"] = w.compute_logprobs(batch)
+    res["kl/metrics"] = w.train_step(batch)
+    res["kl/trained"] = weights(w)
+    with w.reference_weights():
+        res["kl/ref_logp"] = w.compute_logprobs(batch)
+    res["kl/restored"] = weights(w)
+    w.shutdown()
+    return res
+
+
+def scenario_tp2(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    batch, res = make_batch(), {}
+    for family in ("llama", "qwen3"):
+        w = make_worker(rank, world, port, ckpts[family], tp=2, algo=AlgoConfig(temperature=0.7))
+        port += 1
+        res[f"{family}/logp"] = w.compute_logprobs(batch)
+        res[f"{family}/weights"] = weights(w)
+        w.shutdown()
+    w = make_worker(rank, world, port, ckpts["qwen2"], tp=2, algo=AlgoConfig(temperature=0.7))
+    res["tp_rank"] = w.tp_rank
+    res["qwen2/logp"] = w.compute_logprobs(batch)
+    res["qwen2/weights"] = weights(w)
+    res["qwen2/metadata"] = w.hf_weight_metadata()
+    w.algo = AlgoConfig()
+    res["stats"] = w.forward_backward(batch, w.compute_logprobs(batch))
+    res["grad"] = hf_grads(w)
+    res["metrics"] = w.train_step(batch)
+    w.shutdown()
+    return res
+
+
+def scenario_dp2(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    """TP=1, DP=2: rank r trains samples {2r, 2r+1} with micro-batch size 1 (2 micro-batches)."""
+    w = make_worker(rank, world, port, ckpts["qwen2"], mbs=1, gbs=4)
+    shard = select(make_batch(), [2 * w.dp_rank, 2 * w.dp_rank + 1])
+    res = {"dp_rank": w.dp_rank, "dp_size": w.dp_size, "metrics": w.train_step(shard), "after": weights(w)}
+    w.shutdown()
+    return res
+
+
+SCENARIOS = {"tp1": scenario_tp1, "tp2": scenario_tp2, "dp2": scenario_dp2}
+
+
+def run_scenario(name: str, world: int, port: int, out: Path, ckpts: dict[str, Path],
+                 timeout: float = 300) -> list[dict]:
+    """Run a scenario in `world` processes; returns each rank's record (raises with the logs).
+    `ckpts` maps family -> HF folder (qwen2, llama, qwen3)."""
+    ckpt_json = json.dumps({k: str(v) for k, v in ckpts.items()})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "tests.trainer.trainer_scenarios", name, str(r), str(world), str(port),
+         str(out), ckpt_json],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode != 0 for p in procs):
+        raise RuntimeError(f"scenario {name} failed:\n" + "\n---\n".join(log[-6000:] for log in logs))
+    return [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def main() -> None:
+    name, rank, world, port, out, ckpt_json = sys.argv[1:7]
+    torch.manual_seed(0)
+    res = SCENARIOS[name](int(rank), int(world), int(port), json.loads(ckpt_json))
+    res = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in res.items()}
+    torch.save(res, Path(out) / f"{name}_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
