@@ -163,7 +163,18 @@ def main() -> None:
     torch.manual_seed(0)
     res = SCENARIOS[name](int(rank), int(world), int(port), json.loads(ckpt_json))
     res = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in res.items()}
-    torch.save(res, Path(out) / f"{name}_rank{rank}.pt")
+    torch.save(_to_cpu(res), Path(out) / f"{name}_rank{rank}.pt")
+
+
+def _to_cpu(x):
+    """Records are compared with CPU references, also when the ranks ran on GPUs."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
 
 
 if __name__ == "__main__":
