@@ -7,13 +7,18 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 
 find_python() {
-  # PYTHON given by the caller wins; then any python3.12+ on PATH; then pyenv's 3.12/3.13.
-  local cands=("${PYTHON:-}" python3.13 python3.12 python3)
+  # PYTHON given by the caller wins; then 3.12 (megatron-core 0.19 ships wheels for 3.12 only) on
+  # PATH or in pyenv; then any newer 3.1x.
+  local cands=("${PYTHON:-}" python3.12)
   if command -v pyenv >/dev/null 2>&1; then
-    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' | sort -rV); do
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.12' | sort -rV); do
+      cands+=("$(pyenv root)/versions/$v/bin/python3")
+    done
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[3-9]' | sort -V); do
       cands+=("$(pyenv root)/versions/$v/bin/python3")
     done
   fi
+  cands+=(python3.13 python3)
   for p in "${cands[@]}"; do
     [ -n "$p" ] || continue
     if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then

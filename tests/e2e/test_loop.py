@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from slime_rl.config import build_config
 from slime_rl.observability import REQUIRED_KEYS
-from slime_rl.rollout.client import EngineClient
 from slime_rl.train import preflight, train
+from tests.loop_checks import one_step_then_compare_weights
 
 ray = pytest.importorskip("ray")
 
@@ -63,20 +63,9 @@ def test_engine_weights_equal_trainer_after_sync(ray_session, tiny_qwen2, digit_
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1))
     cluster = Cluster(cfg, preflight(cfg), api_key="test-secret")
     try:
-        cluster.start(train_iters=2)
-        cluster.generate(0)
-        cluster.train(0)
-        cluster.sync_weights(version="1")
-        trainer = cluster.trainers.hf_weights()
+        trainer = one_step_then_compare_weights(cluster, api_key="test-secret")
         initial = load_file(str(tiny_qwen2 / "model.safetensors"))
-        with EngineClient(cluster.engine_urls[0], api_key="test-secret") as client:
-            assert client.get_model_info()["weight_version"] == "1"
-            changed = 0
-            for name, expected in trainer.items():
-                got = np.asarray(client.get_weights_by_name(name, truncate_size=10**7), dtype=np.float32)
-                assert got.size == expected.size, name
-                assert np.array_equal(got.reshape(-1), expected.reshape(-1)), name  # exact, not approximately
-                changed += not np.array_equal(initial[name].numpy(), expected)
+        changed = sum(not np.array_equal(initial[name].numpy(), t) for name, t in trainer.items())
         assert set(trainer) == set(initial)
         assert changed > 0  # the update moved the weights, and the engine has the moved ones
     finally:

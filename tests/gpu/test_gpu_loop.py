@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 
 from slime_rl.config import build_config
 from slime_rl.observability import REQUIRED_KEYS
-from slime_rl.rollout.client import EngineClient
 from slime_rl.train import preflight, train
+from tests.loop_checks import one_step_then_compare_weights
 
 pytestmark = pytest.mark.gpu
 ray = pytest.importorskip("ray")
@@ -75,14 +74,6 @@ def test_gpu_engine_weights_equal_trainer(ray_gpu, wider_model, tmp_path):
     cfg = build_config(argv(wider_model, data, tmp_path / "run", bf16=False))
     cluster = Cluster(cfg, preflight(cfg), api_key="k")
     try:
-        cluster.start(train_iters=2)
-        cluster.generate(0)
-        cluster.train(0)
-        cluster.sync_weights(version="1")
-        trainer = cluster.trainers.hf_weights()
-        with EngineClient(cluster.engine_urls[0], api_key="k") as client:
-            for name, expected in trainer.items():
-                got = np.asarray(client.get_weights_by_name(name, truncate_size=10**8), dtype=np.float32)
-                assert np.array_equal(got.reshape(-1), expected.reshape(-1)), name
+        one_step_then_compare_weights(cluster, api_key="k")
     finally:
         cluster.shutdown()

@@ -1,0 +1,25 @@
+"""Checks shared by the CPU and GPU end-to-end tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from slime_rl.rollout.client import EngineClient
+
+
+def one_step_then_compare_weights(cluster, api_key: str, version: str = "1") -> dict[str, np.ndarray]:
+    """Start the cluster, run generate/train/sync once, and assert that every engine holds every
+    tensor the trainer gathered, bit for bit. Returns the trainer's tensors."""
+    cluster.start(train_iters=2)
+    cluster.generate(0)
+    cluster.train(0)
+    cluster.sync_weights(version=version)
+    trainer = cluster.trainers.hf_weights()
+    for url in cluster.engine_urls:
+        with EngineClient(url, api_key=api_key) as client:
+            assert client.get_model_info()["weight_version"] == version
+            for name, expected in trainer.items():
+                got = np.asarray(client.get_weights_by_name(name, truncate_size=10**9), dtype=np.float32)
+                assert got.size == expected.size, name
+                assert np.array_equal(got.reshape(-1), expected.reshape(-1)), name  # exact, not approximately
+    return trainer
