@@ -29,7 +29,8 @@ find_python() {
 }
 
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import slime_rl, megatron.core, ray, transformers, pytest' 2>/dev/null; then
-  "$VENV/bin/python" -m pip install -q --no-deps -e . >/dev/null 2>&1
+  # an existing venv: pick up dependencies added since it was made (nothing is downloaded if none)
+  "$VENV/bin/python" -m pip install -q -e ".[dev]" >/dev/null 2>&1 || "$VENV/bin/python" -m pip install -q -e ".[dev]"
   exit 0
 fi
 PY=$(find_python) || { echo "setup.sh: no Python >= 3.12 found (set PYTHON=/path/to/python3.12)" >&2; exit 1; }

@@ -1,0 +1,354 @@
+"""Megatron distributed checkpoints (torch_dist) of the trainer: model, optimizer, LR schedule, RNG.
+
+Layout, as Megatron-LM's (so its tools can read it):
+
+    <root>/latest_checkpointed_iteration.txt     "<step>"
+    <root>/iter_<step:07d>/                      dist_checkpointing files (metadata.json, *.distcp)
+    <root>/iter_<step:07d>/slime_rl_checkpoint.json   completion marker: step, extra, topology
+
+Atomic: every rank writes into `iter_<step>.tmp/`; after a barrier (every rank has finished its
+shards), rank 0 writes the marker into it, renames it to `iter_<step>/` and updates the tracker
+file. A save killed at any point leaves either a `.tmp` folder or no marker, and `latest_checkpoint`
+takes only folders with the marker, so an interrupted save never looks complete.
+
+What is in the checkpoint (all through one `dist_checkpointing.save` call):
+  * model: the GPTModel's `sharded_state_dict` (reshards on load: a TP=2 save loads at TP=1);
+  * optimizer: the DistributedOptimizer's `sharded_state_dict` in the `dp_reshardable` format by
+    default (Megatron-LM's default: fully parallel, no gathering; reshards over DP only), or
+    `fully_reshardable` (gathered per DP group; reshards over TP/PP too) when asked;
+  * lr_scheduler: OptimizerParamScheduler.state_dict() (common state, written by rank 0);
+  * rng_state: python / numpy / torch CPU / CUDA generators and Megatron's RNG tracker states,
+    one ShardedObject per rank at (pp, tp, dp); restored only when the layout is the same;
+  * extra: a JSON-able dict of the caller's (rollout step, data-source position, ...), kept in the
+    marker so that orchestration code can read it without megatron (`read_checkpoint_info`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from slime_rl.trainer.model import unwrap
+
+logger = logging.getLogger(__name__)
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MARKER_FILE = "slime_rl_checkpoint.json"
+DIST_CKPT_METADATA = "metadata.json"  # written by dist_checkpointing once its save is finished
+TMP_SUFFIX = ".tmp"
+OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_TMP_RE = re.compile(r"^iter_(\d{7,})" + re.escape(TMP_SUFFIX) + "$")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What the completion marker of one checkpoint says (readable without megatron)."""
+
+    path: Path
+    step: int
+    extra: dict[str, Any]
+    contents: tuple[str, ...]  # subset of ("model", "optimizer", "lr_scheduler", "rng_state")
+    topology: dict[str, int] = field(default_factory=dict)  # world, tp, pp, dp at save time
+    optim_sharding: str | None = None
+
+
+# ---- layout (no torch.distributed needed)
+def iter_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}"
+
+
+def is_complete(path: str | Path) -> bool:
+    """A finished checkpoint folder: final name, our marker and dist_checkpointing's metadata."""
+    p = Path(path)
+    return (bool(_ITER_RE.match(p.name)) and (p / MARKER_FILE).is_file()
+            and (p / DIST_CKPT_METADATA).is_file())
+
+
+def _complete_steps(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _ITER_RE.match(p.name)
+        if m and is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint of the highest step under `root`, or None (auto-resume).
+
+    The tracker file is not trusted alone: a crash between the rename and the tracker update, or
+    a tracker naming a folder since deleted, must not lose or invent a checkpoint."""
+    steps = _complete_steps(Path(root))
+    return steps[-1][1] if steps else None
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    """True for a checkpoint root (tracker or complete iter_* folders) or one checkpoint folder
+    (ours, or any dist_checkpointing folder with metadata.json); False for an HF folder."""
+    p = Path(path)
+    if not p.is_dir():
+        return False
+    if (p / DIST_CKPT_METADATA).is_file() and not (p / "config.json").is_file():
+        return True
+    return (p / TRACKER_FILE).is_file() or bool(_complete_steps(p))
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder from either a root (its latest complete checkpoint) or a folder."""
+    p = Path(path)
+    if is_complete(p) or ((p / DIST_CKPT_METADATA).is_file() and not _ITER_RE.match(p.name)
+                          and not _TMP_RE.match(p.name)):
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise FileNotFoundError(f"--load {p}: no complete Megatron checkpoint there (need iter_XXXXXXX/ "
+                                f"with {MARKER_FILE}; interrupted saves end in {TMP_SUFFIX} and are skipped)")
+    return latest
+
+
+def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
+    """The marker of a checkpoint folder, or of the latest one under a root."""
+    p = resolve_checkpoint(path)
+    marker = p / MARKER_FILE
+    if not marker.is_file():
+        raise FileNotFoundError(f"{p}: a dist_checkpointing folder without {MARKER_FILE} (not written by "
+                                "slime_rl); its step and extra state are unknown")
+    d = json.loads(marker.read_text())
+    return CheckpointInfo(path=p, step=int(d["step"]), extra=d.get("extra", {}), contents=tuple(d["contents"]),
+                          topology=d.get("topology", {}), optim_sharding=d.get("optim_sharding"))
+
+
+def keep_last(root: str | Path, n: int) -> list[Path]:
+    """Delete all but the newest `n` complete checkpoints, and stale `.tmp` folders older than the
+    newest complete one (left by interrupted saves). Call on one rank, after a save returned.
+    Returns the deleted folders."""
+    if n < 1:
+        raise ValueError(f"keep_last: n={n} must be >= 1 (it would delete the checkpoint just saved)")
+    root = Path(root)
+    steps = _complete_steps(root)
+    doomed = [p for _, p in steps[:-n]]
+    if steps:
+        newest = steps[-1][0]
+        for p in root.iterdir():
+            m = _TMP_RE.match(p.name)
+            if m and int(m.group(1)) <= newest:
+                doomed.append(p)
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---- state
+def _topology() -> dict[str, int]:
+    from megatron.core import parallel_state as mpu
+
+    return {"world": dist.get_world_size(), "tp": mpu.get_tensor_model_parallel_world_size(),
+            "pp": mpu.get_pipeline_model_parallel_world_size(), "dp": mpu.get_data_parallel_world_size()}
+
+
+def _single_chunk(model_chunks: list[torch.nn.Module] | torch.nn.Module) -> torch.nn.Module:
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if len(chunks) != 1:
+        raise NotImplementedError(f"{len(chunks)} model chunks: virtual pipeline parallelism is not supported "
+                                  "by the trainer yet (one chunk per rank)")
+    return unwrap(chunks[0])
+
+
+def _sharding_metadata(optim_sharding: str) -> dict[str, Any]:
+    """The metadata megatron's sharded_state_dict methods read (as Megatron-LM 0.19 builds it)."""
+    from megatron.core import parallel_state as mpu
+
+    return {"distrib_optim_sharding_type": optim_sharding, "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True,
+            "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+
+
+def _rng_sharded_object(state: Any) -> Any:
+    """One object per (pp, tp, dp) rank: every rank's generators differ (TP offsets the seed)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    shape = (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size(),
+             mpu.get_data_parallel_world_size())
+    offset = (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
+              mpu.get_data_parallel_rank())
+    return ShardedObject("rng_state", state, shape, offset, replica_id=0)
+
+
+def get_rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    state: dict[str, Any] = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        # clone: the tracker hands out its live tensors, which later forks mutate
+        "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
+
+
+def _check_json(extra: dict[str, Any]) -> None:
+    for k, v in extra.items():
+        try:
+            json.dumps(v)
+        except TypeError as e:
+            raise TypeError(f"save_checkpoint: extra[{k!r}] is not JSON-serializable ({e})") from e
+
+
+def _barrier() -> None:
+    dist.barrier()
+
+
+# ---- save / load
+def save_checkpoint(root: str | Path, step: int, model_chunks: list[torch.nn.Module] | torch.nn.Module,
+                    optimizer: Any = None, scheduler: Any = None, extra: dict[str, Any] | None = None, *,
+                    save_rng: bool = True, optim_sharding: str = "dp_reshardable") -> Path:
+    """Save `<root>/iter_<step>/` atomically; every rank must call it. Returns the folder.
+
+    `model_chunks`: the trainer's model(s) (DDP / Float16Module wrappers are unwrapped).
+    `optimizer`: megatron's (Distributed)Optimizer or None (model-only, e.g. the HF converter).
+    `extra`: JSON-able state of the caller, returned by `load_checkpoint`."""
+    from megatron.core import dist_checkpointing
+
+    if optim_sharding not in OPTIM_SHARDINGS:
+        raise ValueError(f"optim_sharding={optim_sharding!r}: one of {OPTIM_SHARDINGS}")
+    extra = dict(extra or {})
+    _check_json(extra)
+    root = Path(root)
+    final = iter_dir(root, step)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    rank = dist.get_rank()
+    t0 = time.perf_counter()
+    if rank == 0:
+        if tmp.exists():  # an earlier save of this step was interrupted
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+
+    gpt = _single_chunk(model_chunks)
+    metadata = _sharding_metadata(optim_sharding)
+    state: dict[str, Any] = {"model": gpt.sharded_state_dict(metadata=metadata)}
+    contents = ["model"]
+    if optimizer is not None:
+        # the optimizer finds each param's checkpoint key through the model's sharded state dict
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=metadata)
+        contents.append("optimizer")
+    if scheduler is not None:
+        state["lr_scheduler"] = scheduler.state_dict()
+        contents.append("lr_scheduler")
+    if save_rng:
+        state["rng_state"] = _rng_sharded_object(get_rng_state())
+        contents.append("rng_state")
+    content_metadata = {k: v for k, v in metadata.items() if k != "dp_cp_group"}  # no process groups on disk
+    dist_checkpointing.save(state, str(tmp), content_metadata=content_metadata)
+    _barrier()  # every rank's shards are on disk
+
+    if rank == 0:
+        marker = {"step": step, "extra": extra, "contents": contents, "topology": _topology(),
+                  "optim_sharding": optim_sharding if optimizer is not None else None,
+                  "saved_at": time.time()}
+        _write_atomic(tmp / MARKER_FILE, json.dumps(marker, indent=2))
+        old = final.with_name(final.name + ".old")
+        if final.exists():  # re-saving a step (e.g. after a resume): swap, then delete the old one
+            if old.exists():
+                shutil.rmtree(old)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _write_atomic(root / TRACKER_FILE, str(step))
+        if old.exists():
+            shutil.rmtree(old)
+        logger.info("saved checkpoint %s in %.1f s", final, time.perf_counter() - t0)
+    _barrier()  # no rank returns (and, e.g., prunes or loads) before the rename
+    return final
+
+
+def load_checkpoint(path: str | Path, model_chunks: list[torch.nn.Module] | torch.nn.Module,
+                    optimizer: Any = None, scheduler: Any = None, *, load_optim: bool | None = None,
+                    load_rng: bool = True) -> dict[str, Any]:
+    """Load a checkpoint folder (or the latest complete one under a root) into the model and,
+    when given, the optimizer and scheduler; every rank must call it. Returns the saved `extra`.
+
+    `load_optim`: None loads the optimizer state when the checkpoint has it; False never (then
+    the optimizer's fp32 main params are refreshed from the loaded weights); True requires it.
+    RNG states are restored only when the parallel layout is the one saved (they are per rank)."""
+    from megatron.core import dist_checkpointing
+
+    info = read_checkpoint_info(path)
+    where = info.path
+    has_optim = "optimizer" in info.contents
+    if load_optim and not has_optim:
+        raise ValueError(f"{where}: the checkpoint has no optimizer state (model-only, e.g. converted from HF)")
+    do_optim = optimizer is not None and has_optim and load_optim is not False
+    topo = _topology()
+    same_layout = all(info.topology.get(k) == topo[k] for k in ("tp", "pp", "dp"))
+    sharding = info.optim_sharding or "dp_reshardable"
+    if do_optim and sharding == "dp_reshardable" and not all(
+            info.topology.get(k) == topo[k] for k in ("tp", "pp")):
+        raise ValueError(f"{where}: the optimizer state was saved at TP={info.topology.get('tp')} "
+                         f"PP={info.topology.get('pp')} in the dp_reshardable format, which reshards over DP only; "
+                         f"this run has TP={topo['tp']} PP={topo['pp']} (load the model only with "
+                         "load_optim=False, or save with optim_sharding='fully_reshardable')")
+
+    gpt = _single_chunk(model_chunks)
+    metadata = _sharding_metadata(sharding)
+    state: dict[str, Any] = {"model": gpt.sharded_state_dict(metadata=metadata)}
+    if do_optim:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
+    do_rng = load_rng and same_layout and "rng_state" in info.contents
+    if do_rng:
+        state["rng_state"] = _rng_sharded_object(None)
+    elif load_rng and "rng_state" in info.contents:
+        logger.warning("%s: saved at %s, running at %s: RNG states not restored", where, info.topology, topo)
+    loaded = dist_checkpointing.load(state, str(where))
+
+    gpt.load_state_dict(loaded["model"], strict=True)
+    if do_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+    elif optimizer is not None:
+        # the optimizer keeps its own fp32 copy (bf16) / shard views: point them at the new weights
+        optimizer.reload_model_params()
+    # the schedule belongs with the optimizer state: a finetune from model weights starts it afresh
+    if scheduler is not None and "lr_scheduler" in loaded and load_optim is not False:
+        scheduler.load_state_dict(loaded["lr_scheduler"])
+    if do_rng:
+        set_rng_state(loaded["rng_state"])
+    _barrier()
+    return dict(info.extra)
