@@ -46,25 +46,45 @@ def dry_run(cfg: Config, plan: PlacementPlan) -> None:
 
 
 def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
-    """Run the loop; returns the metrics rows (also in <run_dir>/metrics.jsonl)."""
+    """Run the loop; returns the metrics rows (also in <run_dir>/metrics.jsonl).
+
+    Sync mode: generate(k) -> train(k) -> sync. Async mode (`--async`, one step off-policy):
+    generate(k+1) runs while train(k) runs; the weights are broadcast only after generate(k+1) has
+    finished, so they never change in the middle of a generate call, and rollout k+1 is one
+    version behind the policy it trains (the trainer's old log-probs are recomputed, so the PPO
+    ratio is exact; the engine/trainer gap shows in train/rollout_logprob_abs_diff).
+    """
     from slime_rl.orchestration.cluster import Cluster
 
     steps_per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt // cfg.batch.global_batch_size
+    n_steps, interval = cfg.rollout.num_rollout, cfg.rollout.update_weights_interval
     logger = MetricsLogger(cfg.logging, cfg.to_dict())
     timer = Timer()
     rows = []
     cluster = Cluster(cfg, plan, api_key=secrets.token_hex(16))
     try:
-        cluster.start(train_iters=cfg.rollout.num_rollout * steps_per_rollout)
-        for step in range(cfg.rollout.num_rollout):
+        cluster.start(train_iters=n_steps * steps_per_rollout)
+        pending = cluster.generate_async(0)
+        for step in range(n_steps):
             start = time.perf_counter()
             with timer("rollout"):
-                metrics = cluster.generate(step)
+                metrics = cluster.wait(pending)
+            pending = None
+            if cfg.rollout.async_mode and step + 1 < n_steps:
+                pending = cluster.generate_async(step + 1)
             with timer("train"):
                 metrics |= cluster.train(step)
-            with timer("weight_sync"):
-                metrics |= cluster.sync_weights(version=str(step + 1))
+            if pending is not None:
+                with timer("rollout_overlap_wait"):
+                    cluster.wait_done(pending)
+            if (step + 1) % interval == 0 or step + 1 == n_steps:
+                with timer("weight_sync"):
+                    metrics |= cluster.sync_weights(version=str(step + 1))
+            if pending is None and step + 1 < n_steps:
+                pending = cluster.generate_async(step + 1)
             metrics |= timer.pop()
+            metrics.setdefault("perf/weight_sync_s", 0.0)
+            metrics.setdefault("perf/weight_sync_GBps", 0.0)
             metrics["perf/step_s"] = time.perf_counter() - start
             row = logger.log(step, metrics)
             rows.append(row)

@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument("--rollout-seed", type=int, default=42)
     g.add_argument("--num-rollout", type=_positive_int, default=None, help="training steps")
+    g.add_argument("--async", dest="async_mode", action="store_true",
+                   help="one-step off-policy: generate step k+1 while training step k")
+    g.add_argument("--update-weights-interval", type=_positive_int, default=1,
+                   help="broadcast weights to the engines every N steps")
     g.add_argument("--rm-type", default=None, help="built-in reward: " + ", ".join(("digit",)))
     g.add_argument("--custom-rm-path", default=None, help="module:function or module.function")
 

@@ -90,6 +90,8 @@ class RolloutConfig:
     rm_type: str | None = None
     custom_rm_path: str | None = None
     concurrency_per_engine: int = 64
+    async_mode: bool = False
+    update_weights_interval: int = 1
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ RolloutManager and Buffer. The driver (train.py) sees only generate / train / sy
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -70,11 +71,25 @@ class Cluster:
     def generate(self, step: int) -> dict[str, float]:
         return ray.get(self.rollout_manager.generate.remote(step, self.buffer))
 
+    def generate_async(self, step: int):
+        """Start rollout `step`; the batch lands in the buffer, the metrics in the returned ref."""
+        return self.rollout_manager.generate.remote(step, self.buffer)
+
+    def wait(self, ref) -> dict[str, float]:
+        return ray.get(ref)
+
+    def wait_done(self, ref) -> None:
+        ray.wait([ref], num_returns=1, timeout=None, fetch_local=False)
+
     def train(self, step: int) -> dict[str, float]:
-        return self.trainers.train(step, self.buffer)
+        start = time.time()
+        metrics = self.trainers.train(step, self.buffer)
+        return metrics | {"time/train_start": start, "time/train_end": time.time()}
 
     def sync_weights(self, version: str) -> dict[str, float]:
-        return self.trainers.sync_weights(version)
+        start = time.time()
+        metrics = self.trainers.sync_weights(version)
+        return metrics | {"time/sync_start": start, "time/sync_end": time.time()}
 
     def shutdown(self) -> None:
         if self.trainers is not None:

@@ -3,6 +3,7 @@ trainer's batch (GRPO advantages included) and puts it in the Buffer."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -69,12 +70,13 @@ class RolloutManager:
 
     async def generate(self, step: int, buffer) -> dict[str, float]:
         # an async actor: Ray runs its methods on one event loop, so the HTTP fan-out awaits here
+        start = time.time()
         rows = self.dataset.next_batch(self.cfg.rollout.rollout_batch_size)
         groups = await self._generate(rows)
         self.next_index += sum(len(g) for g in groups)
         self.next_group += len(groups)
         await buffer.put.remote(step, samples_to_batch(groups))
-        return rollout_metrics(groups)
+        return rollout_metrics(groups) | {"time/rollout_start": start, "time/rollout_end": time.time()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"data": self.dataset.state_dict(), "next_index": self.next_index, "next_group": self.next_group}
