@@ -74,11 +74,14 @@ def outcome_token_rewards(rewards: Tensor, mask: Tensor, kl: Tensor | None = Non
     sample's last valid token (REINFORCE++ / PPO reward shaping). A fully masked sample has no
     token to hold its reward: its row is all 0 (it contributes no loss either). Returns [B, T].
     """
-    mask_f = _float(mask)
-    out = torch.zeros_like(mask_f) if kl is None else -kl_coef * _float(kl).to(mask_f.dtype) * mask_f
+    r = _float(rewards)
+    mask_f = mask.detach().to(r.dtype)
+    out = torch.zeros_like(mask_f)
+    if kl is not None:
+        out = torch.where(mask_f > 0, -kl_coef * _float(kl).to(out.dtype), out)
     idx, has_valid = last_valid_index(mask)
     rows = torch.arange(mask.shape[0], device=mask.device)
-    out[rows, idx] += _float(rewards).to(out.dtype) * has_valid.to(out.dtype)
+    out[rows, idx] += r * has_valid.to(out.dtype)
     return out
 
 
@@ -133,7 +136,7 @@ def reinforce_plus_plus_baseline_advantages(rewards: Tensor, mask: Tensor, kl: T
     m = _float(mask).to(r.dtype)
     adv = centred * m
     if kl is not None:
-        adv = adv - kl_coef * _float(kl).to(r.dtype) * m
+        adv = torch.where(m > 0, adv - kl_coef * _float(kl).to(r.dtype), adv)
     return masked_whiten(adv, m) if whiten else adv
 
 

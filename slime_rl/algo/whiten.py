@@ -18,8 +18,8 @@ def masked_moments(values: Tensor, mask: Tensor) -> Tensor:
     values, mask: [B, T]. Returns float64 [3] = (sum x, sum x^2, count). Sum these across ranks /
     micro-batches (all_reduce SUM) to get the global moments for `masked_whiten`.
     """
-    v = values.detach().to(torch.float64)
     m = mask.detach().to(torch.float64)
+    v = torch.where(m > 0, values.detach().to(torch.float64), 0.0)
     return torch.stack([(v * m).sum(), (v * v * m).sum(), m.sum()])
 
 
@@ -32,8 +32,8 @@ def masked_whiten(values: Tensor, mask: Tensor, moments: Tensor | None = None, e
     single valid token (or all equal) the output is 0. No valid token at all: all zeros.
     Returns [B, T] in the dtype of `values`, detached (advantages carry no gradient).
     """
-    v = values.detach().to(torch.float64)
     m = mask.detach().to(torch.float64)
+    v = torch.where(m > 0, values.detach().to(torch.float64), 0.0)  # padding may hold anything
     if moments is None:
         count = m.sum()
         if count.item() == 0:

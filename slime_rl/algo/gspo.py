@@ -1,0 +1,52 @@
+"""GSPO (Zheng et al. 2025, arXiv 2507.18071): clip a sequence-level importance ratio.
+
+s_i = (pi(y_i | x) / pi_old(y_i | x)) ^ (1 / |y_i|) = exp(mean over the sample's valid tokens of
+(logp - old_logp)). The per-token form (the paper's GSPO-token) is
+s_{i,t} = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})], i.e. exp(sg[log s_i] + logp_t - sg[logp_t]):
+its value is s_i on every token of sample i and its gradient is s_i * grad logp_t. With one
+advantage per sample and seq-mean-token-mean aggregation this has the gradient of the paper's
+sequence-level objective, and it lets GSPO reuse the per-token loss and aggregation path.
+Needs the whole response of a sample on one rank (context parallel: gather the sums first).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def gspo_seq_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """log s_i = sum_t mask * (logp - old_logp) / max(1, sum_t mask), per sample.
+
+    logp, old_logp, mask: [B, T] -> [B] (0 for a fully masked sample). Differentiable in logp.
+    """
+    m = mask.to(logp.dtype)
+    diff = torch.where(m > 0, logp - old_logp, torch.zeros_like(logp))
+    return diff.sum(dim=1) / m.sum(dim=1).clamp(min=1)
+
+
+def gspo_token_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """s_{i,t} = exp(sg[log s_i] + logp_t - sg[logp_t]): value s_i, gradient s_i * grad logp_t.
+
+    logp, old_logp, mask: [B, T] -> [B, T] (the value at masked positions is s_i too; mask it).
+    """
+    log_s = gspo_seq_log_ratio(logp.detach(), old_logp, mask)
+    return torch.exp(log_s.unsqueeze(1) + logp - logp.detach())
+
+
+def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, eps_clip: float,
+              eps_clip_high: float) -> tuple[Tensor, Tensor]:
+    """GSPO clipped surrogate, per token: -min(s_{i,t} * A_i, clip(s_{i,t}, 1 - eps, 1 + eps_high) * A_i).
+
+    logp, old_logp, mask: [B, T]; advantages: [B, T] (the sample's scalar broadcast) or [B].
+    The paper's clip ranges are tiny (3e-4 / 4e-4): s_i is a per-token geometric mean. Returns
+    (loss [B, T], clipped [B, T] float: 1 where the clipped branch was taken -- the same for every
+    token of a sample). Aggregate with seq-mean-token-mean (`aggregate`), as the paper does.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1).expand_as(logp)
+    ratio = gspo_token_ratio(logp, old_logp, mask)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, (clipped < unclipped).float()
