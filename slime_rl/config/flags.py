@@ -19,7 +19,7 @@ ROUTER_PREFIX = "--router-"
 OWN_SGLANG_FLAGS = ("--sglang-server-concurrency",)
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-ADVANTAGE_ESTIMATORS = ("grpo",)
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 
@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("algorithm")
     g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
+    g.add_argument("--disable-grpo-std-normalization", action="store_true",
+                   help="Dr.GRPO: centre rewards by the group mean without dividing by the std")
+    g.add_argument("--overlong-buffer-len", type=_nonneg_int, default=0,
+                   help="DAPO overlong shaping: penalty ramps over the last N tokens of --rollout-max-response-len")
+    g.add_argument("--overlong-penalty-factor", type=_nonneg_float, default=1.0)
     g.add_argument("--eps-clip", type=float, default=0.2)
     g.add_argument("--eps-clip-high", type=float, default=None, help="default: --eps-clip")
     g.add_argument("--kl-loss-coef", type=_nonneg_float, default=0.0)

@@ -60,6 +60,9 @@ class AlgoConfig:
     kl_loss_type: str = "low_var_kl"
     # log-probs are taken of logits / temperature on both sides (engine and trainer)
     temperature: float = 1.0
+    normalize_group_std: bool = True
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
 
     @property
     def use_reference(self) -> bool:

@@ -171,6 +171,9 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(0 < a.eps_clip < 1, f"--eps-clip must be in (0, 1), got {a.eps_clip}")
     eps_high = a.eps_clip if a.eps_clip_high is None else a.eps_clip_high
     _check(0 < eps_high < 10, f"--eps-clip-high must be in (0, 10), got {eps_high}")
+    _check(a.overlong_buffer_len <= a.rollout_max_response_len,
+           f"--overlong-buffer-len ({a.overlong_buffer_len}) must be <= --rollout-max-response-len "
+           f"({a.rollout_max_response_len})")
     _check(a.lr > 0, f"--lr must be > 0, got {a.lr}")
     _check(0 <= a.min_lr <= a.lr, f"--min-lr must be in [0, --lr], got {a.min_lr}")
     _check(0 <= a.adam_beta1 < 1, f"--adam-beta1 must be in [0, 1), got {a.adam_beta1}")
@@ -202,7 +205,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
                                   a.adam_beta2, a.adam_eps),
         model=ModelConfig(hf, a.bf16, a.seed),
         algo=AlgoConfig(a.advantage_estimator, a.eps_clip, eps_high, a.kl_loss_coef, a.kl_loss_type,
-                        a.rollout_temperature),
+                        a.rollout_temperature, not a.disable_grpo_std_normalization, a.overlong_buffer_len,
+                        a.overlong_penalty_factor),
         data=DataConfig(prompt_data, a.input_key, a.label_key, a.apply_chat_template, a.rollout_shuffle,
                         a.rollout_max_prompt_len, a.rollout_seed),
         rollout=RolloutConfig(rbs, a.n_samples_per_prompt, a.rollout_max_response_len,

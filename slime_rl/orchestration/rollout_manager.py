@@ -10,18 +10,41 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
-from slime_rl.algo import grpo_advantages
-from slime_rl.config import Config
+from slime_rl.algo import grpo_advantages, overlong_penalty, rloo_advantages
+from slime_rl.config import AlgoConfig, Config
 from slime_rl.data import PromptDataset, Sample
 from slime_rl.rewards import load_reward
 from slime_rl.rollout.client import AsyncEngineClient
 from slime_rl.rollout.generate import generate_groups
 
 
-def samples_to_batch(groups: list[list[Sample]]) -> dict[str, Any]:
-    """Scored groups -> the trainer's batch: lists, one entry per sample, groups contiguous."""
+def shaped_rewards(groups: list[list[Sample]], algo: AlgoConfig, max_response_len: int) -> torch.Tensor:
+    """[G, n] float64 rewards the advantages are computed from: task reward, plus the DAPO
+    overlong penalty when --overlong-buffer-len is set."""
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float64)
-    adv = grpo_advantages(rewards).flatten().tolist()
+    if algo.overlong_buffer_len > 0:
+        lengths = torch.tensor([[s.response_length for s in g] for g in groups], dtype=torch.float64)
+        penalty = overlong_penalty(lengths.flatten(), max_response_len, algo.overlong_buffer_len,
+                                   algo.overlong_penalty_factor)
+        rewards = rewards + penalty.view_as(rewards).to(torch.float64)
+    return rewards
+
+
+def group_advantages(rewards: torch.Tensor, algo: AlgoConfig) -> torch.Tensor:
+    """[G, n] -> [G, n] scalar advantages (broadcast to tokens by the trainer)."""
+    if algo.advantage_estimator == "grpo":
+        return grpo_advantages(rewards, normalize_std=algo.normalize_group_std)
+    if algo.advantage_estimator == "rloo":
+        return rloo_advantages(rewards)
+    raise ValueError(f"--advantage-estimator {algo.advantage_estimator!r} is not computed on the rollout side")
+
+
+def samples_to_batch(groups: list[list[Sample]], algo: AlgoConfig | None = None,
+                     max_response_len: int = 0) -> dict[str, Any]:
+    """Scored groups -> the trainer's batch: lists, one entry per sample, groups contiguous."""
+    algo = algo or AlgoConfig()
+    rewards = shaped_rewards(groups, algo, max_response_len)
+    adv = group_advantages(rewards, algo).flatten().tolist()
     flat = [s for g in groups for s in g]
     return {
         "tokens": [s.tokens for s in flat],
@@ -29,7 +52,7 @@ def samples_to_batch(groups: list[list[Sample]]) -> dict[str, Any]:
         "loss_masks": [s.loss_mask for s in flat],
         "advantages": adv,
         "rollout_logprobs": [s.rollout_logprobs for s in flat],
-        "rewards": [s.reward for s in flat],
+        "rewards": rewards.flatten().tolist(),
     }
 
 
@@ -75,7 +98,7 @@ class RolloutManager:
         groups = await self._generate(rows)
         self.next_index += sum(len(g) for g in groups)
         self.next_group += len(groups)
-        await buffer.put.remote(step, samples_to_batch(groups))
+        await buffer.put.remote(step, samples_to_batch(groups, self.cfg.algo, self.cfg.rollout.max_response_len))
         return rollout_metrics(groups) | {"time/rollout_start": start, "time/rollout_end": time.time()}
 
     def state_dict(self) -> dict[str, Any]:

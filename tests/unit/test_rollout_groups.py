@@ -63,3 +63,31 @@ def test_buckets_respect_size_and_order():
     out = [[n for n, _ in b] for b in buckets(named, max_bytes=32)]
     assert out == [["w0", "w1"], ["w2"], ["w3", "w4"]]
     assert dtype_name(torch.bfloat16) == "bfloat16"
+
+
+def _groups(rewards, lengths):
+    from slime_rl.data import Sample
+
+    return [[Sample(index=0, group_index=g, prompt="p", prompt_ids=[1], reward=r, response_ids=[5] * n)
+             for r, n in zip(rs, ns, strict=True)] for g, (rs, ns) in enumerate(zip(rewards, lengths, strict=True))]
+
+
+def test_batch_advantages_follow_the_estimator_flags():
+    from slime_rl.config import AlgoConfig
+
+    groups = _groups([[1.0, 0.0, 0.0]], [[2, 2, 2]])
+    rloo = samples_to_batch(groups, AlgoConfig(advantage_estimator="rloo"))["advantages"]
+    assert rloo == [1.0, -0.5, -0.5]  # r_i minus the mean of the other two, by hand
+    dr = samples_to_batch(groups, AlgoConfig(normalize_group_std=False))["advantages"]
+    assert torch.allclose(torch.tensor(dr, dtype=torch.float64), torch.tensor([2 / 3, -1 / 3, -1 / 3],
+                                                                              dtype=torch.float64))
+
+
+def test_overlong_penalty_shapes_rewards_before_advantages():
+    from slime_rl.config import AlgoConfig
+
+    # max len 10, buffer 4: no penalty up to 6 tokens, -0.5 at 8, -1 at 10 (factor 1)
+    groups = _groups([[1.0, 1.0, 1.0]], [[6, 8, 10]])
+    batch = samples_to_batch(groups, AlgoConfig(overlong_buffer_len=4, overlong_penalty_factor=1.0), 10)
+    assert batch["rewards"] == [1.0, 0.5, 0.0]
+    assert batch["advantages"][0] > batch["advantages"][1] > batch["advantages"][2]
