@@ -22,6 +22,7 @@ from slime_rl.data import DataError, PromptDataset
 from slime_rl.observability import MetricsLogger, Timer, summary_line
 from slime_rl.orchestration.placement import PlacementPlan, plan_placement
 from slime_rl.rewards import RewardError, load_reward
+from slime_rl.rollout.custom import load_filter, load_generate_function
 
 
 def preflight(cfg: Config) -> PlacementPlan:
@@ -31,6 +32,9 @@ def preflight(cfg: Config) -> PlacementPlan:
     if dataset.filtered_too_long:
         print(f"[slime_rl] {dataset.filtered_too_long} prompts longer than --rollout-max-prompt-len dropped")
     load_reward(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
+    # extension points load here, so a bad dotted path fails before any actor starts
+    load_generate_function(cfg.rollout.custom_generate_function_path)
+    load_filter(cfg.rollout.dynamic_sampling_filter_path)
     return plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
                           cluster_cpus=os.cpu_count())
 
@@ -64,6 +68,10 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     cluster = Cluster(cfg, plan, api_key=secrets.token_hex(16))
     try:
         cluster.start(train_iters=n_steps * steps_per_rollout)
+        if cfg.eval.enabled and not cfg.eval.skip_before_train:
+            with timer("eval"):
+                row = logger.log(-1, cluster.evaluate() | timer.pop())  # step -1: before any update
+            print(f"eval before training: {row}", flush=True)
         pending = cluster.generate_async(0)
         for step in range(n_steps):
             start = time.perf_counter()
@@ -80,6 +88,11 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
             if (step + 1) % interval == 0 or step + 1 == n_steps:
                 with timer("weight_sync"):
                     metrics |= cluster.sync_weights(version=str(step + 1))
+            if cfg.eval.enabled and (step + 1) % cfg.eval.interval == 0:
+                if pending is not None:  # eval must see the new weights: let the overlapped rollout finish first
+                    cluster.wait_done(pending)
+                with timer("eval"):
+                    metrics |= cluster.evaluate()
             if pending is None and step + 1 < n_steps:
                 pending = cluster.generate_async(step + 1)
             metrics |= timer.pop()

@@ -5,6 +5,7 @@ from slime_rl.config.groups import (
     Config,
     DataConfig,
     EngineConfig,
+    EvalConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
@@ -16,6 +17,6 @@ from slime_rl.config.load import ConfigError, build_config, parse_flags
 
 __all__ = [
     "AlgoConfig", "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EngineConfig",
-    "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig",
+    "EvalConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig",
     "WeightSyncConfig", "build_config", "parse_flags",
 ]

@@ -105,12 +105,37 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument("--rollout-seed", type=int, default=42)
     g.add_argument("--num-rollout", type=_positive_int, default=None, help="training steps")
+    g.add_argument("--rollout-stop", nargs="+", default=None, help="stop strings")
+    g.add_argument("--rollout-stop-token-ids", nargs="+", type=int, default=None)
+    g.add_argument("--rollout-max-context-len", type=_positive_int, default=None,
+                   help="prompt + response cap (max_new_tokens is lowered to fit)")
+    g.add_argument("--over-sampling-batch-size", type=_positive_int, default=None,
+                   help="prompts drawn at a time while filling --rollout-batch-size kept groups")
+    g.add_argument("--dynamic-sampling-filter-path", default=None,
+                   help="module:function(group) -> bool; DAPO: slime_rl.rollout.filters.check_reward_nonzero_std")
+    g.add_argument("--partial-rollout", action="store_true",
+                   help="groups cut at the end of a rollout continue next step instead of being dropped")
+    g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true")
+    g.add_argument("--rollout-deadline-s", type=float, default=None, help="cut a rollout after this many seconds")
+    g.add_argument("--custom-generate-function-path", default=None,
+                   help="module:function, async (sample, sampling_params, client_pool) -> Sample")
     g.add_argument("--async", dest="async_mode", action="store_true",
                    help="one-step off-policy: generate step k+1 while training step k")
     g.add_argument("--update-weights-interval", type=_positive_int, default=1,
                    help="broadcast weights to the engines every N steps")
     g.add_argument("--rm-type", default=None, help="built-in reward: " + ", ".join(("digit",)))
     g.add_argument("--custom-rm-path", default=None, help="module:function or module.function")
+
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-interval", type=_positive_int, default=None, help="evaluate every N steps")
+    g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH",
+                   help="pairs: name path [name path ...]")
+    g.add_argument("--n-samples-per-eval-prompt", type=_positive_int, default=1)
+    g.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
+    g.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")
+    g.add_argument("--eval-max-response-len", type=_positive_int, default=None,
+                   help="default: --rollout-max-response-len")
+    g.add_argument("--skip-eval-before-train", action="store_true")
 
     g = p.add_argument_group("rollout engines")
     g.add_argument("--rollout-backend", choices=ROLLOUT_BACKENDS, default="embedded")

@@ -95,6 +95,31 @@ class RolloutConfig:
     concurrency_per_engine: int = 64
     async_mode: bool = False
     update_weights_interval: int = 1
+    # names shared with slime_rl.rollout.options.RolloutOptions, which copies them by name
+    rollout_stop: tuple[str, ...] = ()
+    rollout_stop_token_ids: tuple[int, ...] = ()
+    rollout_max_context_len: int | None = None
+    over_sampling_batch_size: int | None = None
+    dynamic_sampling_filter_path: str | None = None
+    partial_rollout: bool = False
+    mask_offpolicy_in_partial_rollout: bool = False
+    rollout_deadline_s: float | None = None
+    custom_generate_function_path: str | None = None
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    interval: int | None = None
+    datasets: tuple[tuple[str, str], ...] = ()  # (name, path)
+    n_samples_per_prompt: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_response_len: int = 1024
+    skip_before_train: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval is not None and bool(self.datasets)
 
 
 @dataclass(frozen=True)
@@ -145,6 +170,7 @@ class Config:
     weight_sync: WeightSyncConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    eval: EvalConfig = field(default_factory=EvalConfig)
     dry_run: bool = False
 
     def to_dict(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from slime_rl.config.groups import (
     Config,
     DataConfig,
     EngineConfig,
+    EvalConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
@@ -188,6 +189,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         _check(not sglang, f"--sglang-* flags given ({', '.join(sorted(sglang))}) but --rollout-backend "
                "is embedded")
     _check(a.save_interval is None or a.save is not None, "--save-interval needs --save")
+    _check(not a.mask_offpolicy_in_partial_rollout or a.partial_rollout,
+           "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     # Refuse rather than silently ignore: a run that believes it is checkpointing must not lose days.
     _check(a.save is None and a.load is None,
            "--save/--load: Megatron checkpoints are not implemented yet (checkpoint issue); run without them")
@@ -212,11 +215,29 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         rollout=RolloutConfig(rbs, a.n_samples_per_prompt, a.rollout_max_response_len,
                               a.rollout_temperature, a.rollout_top_p, a.rollout_top_k, a.rollout_seed,
                               num_rollout, a.rm_type, a.custom_rm_path, a.sglang_server_concurrency,
-                              a.async_mode, a.update_weights_interval),
+                              a.async_mode, a.update_weights_interval, tuple(a.rollout_stop or ()),
+                              tuple(a.rollout_stop_token_ids or ()), a.rollout_max_context_len,
+                              a.over_sampling_batch_size, a.dynamic_sampling_filter_path, a.partial_rollout,
+                              a.mask_offpolicy_in_partial_rollout, a.rollout_deadline_s,
+                              a.custom_generate_function_path),
         engine=EngineConfig(a.rollout_backend, a.rollout_num_gpus, a.rollout_num_gpus_per_engine, sglang),
         weight_sync=WeightSyncConfig(a.update_weight_buffer_size),
         checkpoint=CheckpointConfig(a.save, a.load, a.save_interval),
         logging=LoggingConfig(run_dir, a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_mode,
                               a.use_tensorboard),
+        eval=_eval_config(a, check_paths),
         dry_run=a.dry_run,
     )
+
+
+def _eval_config(a: argparse.Namespace, check_paths: bool) -> EvalConfig:
+    pairs = a.eval_prompt_data or []
+    _check(len(pairs) % 2 == 0, f"--eval-prompt-data takes NAME PATH pairs, got {len(pairs)} values")
+    datasets = tuple((pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))
+    for name, path in datasets:
+        _check(not check_paths or Path(path).is_file(), f"--eval-prompt-data {name}: file not found: {path}")
+    _check(not datasets or a.eval_interval is not None, "--eval-prompt-data needs --eval-interval")
+    return EvalConfig(a.eval_interval, datasets, a.n_samples_per_eval_prompt,
+                      a.rollout_temperature if a.eval_temperature is None else a.eval_temperature,
+                      a.rollout_top_p if a.eval_top_p is None else a.eval_top_p,
+                      a.eval_max_response_len or a.rollout_max_response_len, a.skip_eval_before_train)

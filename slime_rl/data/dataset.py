@@ -1,4 +1,9 @@
-"""Prompt datasets: rows from a jsonl file -> tokenized prompts, drawn in (shuffled) order.
+"""Prompt datasets: rows of a jsonl/json/parquet file -> tokenized prompts, drawn in (shuffled) order.
+
+Every row is checked at load, before any actor starts: a missing `--input-key`/`--label-key`, a
+prompt of the wrong type, an empty prompt or a malformed message list is reported with its row
+number (all bad rows at once, the first few spelled out). Prompts longer than
+`--rollout-max-prompt-len` tokens are dropped and counted (`filtered_too_long`).
 
 The position (epoch, offset) is plain data so a checkpoint can save it and a resumed run can
 continue where it stopped.
@@ -7,16 +12,17 @@ continue where it stopped.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from slime_rl.config import DataConfig
+from slime_rl.data.readers import DataError, Record, read_records
 
+logger = logging.getLogger(__name__)
 
-class DataError(ValueError):
-    """Bad input data; the message names the file and the row."""
+MAX_ERRORS_SHOWN = 10
 
 
 @dataclass
@@ -27,70 +33,145 @@ class PromptRow:
     metadata: dict[str, Any]
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Rows of a jsonl file; a line that is not a JSON object raises naming the file and line."""
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}: row {lineno}: not valid JSON: {exc}") from exc
-            if not isinstance(row, dict):
-                raise DataError(f"{path}: row {lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    if not rows:
-        raise DataError(f"{path}: no rows")
-    return rows
+def parse_chat_template_kwargs(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """`--apply-chat-template-kwargs` (a JSON object, e.g. '{"enable_thinking": false}') -> a dict."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"--apply-chat-template-kwargs {value!r}: not valid JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise DataError(f"--apply-chat-template-kwargs {value!r}: expected a JSON object")
+    return parsed
 
 
-def render_prompt(raw: Any, tokenizer, apply_chat_template: bool) -> str:
-    """The prompt text the engine sees: the raw string, or the chat template applied to it."""
+def render_prompt(raw: Any, tokenizer: Any, apply_chat_template: bool, tools: list[dict] | None = None,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text the engine sees: the raw string, or the chat template applied to it.
+
+    A string becomes one user message. `tools` and `chat_template_kwargs` (e.g. `enable_thinking`)
+    go to the tokenizer's `apply_chat_template`, so the template decides how they are rendered.
+    """
     if not apply_chat_template:
         if not isinstance(raw, str):
             raise TypeError("a message list needs --apply-chat-template")
         return raw
     messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    kwargs = dict(chat_template_kwargs or {})
+    if tools is not None:
+        kwargs["tools"] = tools
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def _message_problem(messages: list[Any]) -> str | None:
+    """Why a message list is unusable, or None when it is fine."""
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            return f"message {i} must be an object with 'role' and 'content', got {msg!r:.80}"
+        if not isinstance(msg["role"], str) or not isinstance(msg["content"], (str, list)):
+            return f"message {i}: 'role' must be a string and 'content' a string or list"
+    if all(isinstance(m["content"], str) and not m["content"].strip() for m in messages):
+        return "every message has empty content"
+    return None
+
+
+def _json_field(value: Any, want: type, what: str) -> Any:
+    """A dict/list column, or the same stored as a JSON string (common in parquet files)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{what} is a string that is not valid JSON: {exc}") from exc
+    if not isinstance(value, want):
+        raise ValueError(f"{what} must be a {want.__name__}, got {type(value).__name__}")
+    return value
 
 
 class PromptDataset:
-    """Tokenized prompts of one jsonl file, validated at load (before any actor starts)."""
+    """Tokenized prompts of one data file, validated at load (before any actor starts).
 
-    def __init__(self, cfg: DataConfig, tokenizer) -> None:
+    `cfg.prompt_data` may carry a row slice (`train.parquet@[:1000]`). Keyword arguments add what
+    `DataConfig` does not hold: `metadata_key` (a dict column merged into each row's metadata),
+    `tool_key` (a list of tool schemas passed to the chat template, also kept as metadata["tools"])
+    and `chat_template_kwargs` (a dict or JSON string for `apply_chat_template`).
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any, metadata_key: str | None = None, tool_key: str | None = None,
+                 chat_template_kwargs: dict[str, Any] | str | None = None) -> None:
         self.cfg = cfg
+        self.metadata_key = metadata_key
+        self.tool_key = tool_key
+        self.chat_template_kwargs = parse_chat_template_kwargs(chat_template_kwargs)
         self.rows: list[PromptRow] = []
         self.filtered_too_long = 0
-        for lineno, row in enumerate(read_jsonl(cfg.prompt_data), 1):
-            for key in (cfg.input_key, cfg.label_key):
-                if key not in row:
-                    raise DataError(f"{cfg.prompt_data}: row {lineno}: missing key '{key}' "
-                                    f"(--input-key/--label-key); keys present: {sorted(row)}")
-            raw = row[cfg.input_key]
-            if not isinstance(raw, (str, list)) or not raw:
-                raise DataError(f"{cfg.prompt_data}: row {lineno}: '{cfg.input_key}' must be a non-empty "
-                                "string or message list")
+        errors: list[str] = []
+        records = read_records(cfg.prompt_data)
+        for row_number, record in records:
             try:
-                text = render_prompt(raw, tokenizer, cfg.apply_chat_template)
-            except TypeError as exc:
-                raise DataError(f"{cfg.prompt_data}: row {lineno}: {exc}") from exc
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if cfg.rollout_max_prompt_len is not None and len(ids) > cfg.rollout_max_prompt_len:
+                row = self._make_row(record, tokenizer)
+            except ValueError as exc:
+                errors.append(f"row {row_number}: {exc}")
+                continue
+            if cfg.rollout_max_prompt_len is not None and len(row.prompt_ids) > cfg.rollout_max_prompt_len:
                 self.filtered_too_long += 1
                 continue
-            meta = {k: v for k, v in row.items() if k not in (cfg.input_key, cfg.label_key)}
-            self.rows.append(PromptRow(text, ids, row[cfg.label_key], meta))
+            self.rows.append(row)
+        if errors:
+            shown = "\n  ".join(errors[:MAX_ERRORS_SHOWN])
+            more = f"\n  ... and {len(errors) - MAX_ERRORS_SHOWN} more" if len(errors) > MAX_ERRORS_SHOWN else ""
+            raise DataError(f"{cfg.prompt_data}: {len(errors)} bad row(s) of {len(records)}:\n  {shown}{more}")
+        if self.filtered_too_long:
+            logger.info("%s: dropped %d of %d prompts longer than --rollout-max-prompt-len=%s", cfg.prompt_data,
+                        self.filtered_too_long, len(records), cfg.rollout_max_prompt_len)
         if not self.rows:
             raise DataError(f"{cfg.prompt_data}: every row is longer than --rollout-max-prompt-len")
         self.epoch = 0
         self.offset = 0
         self._order = self._make_order()
 
+    def _make_row(self, record: Record, tokenizer: Any) -> PromptRow:
+        """One validated, rendered, tokenized row; a ValueError says what is wrong with it."""
+        cfg = self.cfg
+        for key, flag in ((cfg.input_key, "--input-key"), (cfg.label_key, "--label-key")):
+            if key not in record:
+                raise ValueError(f"missing key '{key}' ({flag}); keys present: {sorted(record)}")
+        raw = record[cfg.input_key]
+        if isinstance(raw, str):
+            if not raw.strip():
+                raise ValueError(f"'{cfg.input_key}' is an empty prompt")
+        elif isinstance(raw, list):
+            if not raw:
+                raise ValueError(f"'{cfg.input_key}' is an empty message list")
+            problem = _message_problem(raw)
+            if problem is not None:
+                raise ValueError(f"'{cfg.input_key}': {problem}")
+            if not cfg.apply_chat_template:
+                raise ValueError(f"'{cfg.input_key}' is a message list, which needs --apply-chat-template")
+        else:
+            raise ValueError(f"'{cfg.input_key}' must be a string or a message list, got {type(raw).__name__}")
+
+        skip = {cfg.input_key, cfg.label_key, self.metadata_key, self.tool_key}
+        metadata = {k: v for k, v in record.items() if k not in skip}
+        if self.metadata_key is not None and record.get(self.metadata_key) is not None:
+            metadata.update(_json_field(record[self.metadata_key], dict, f"'{self.metadata_key}' (--metadata-key)"))
+        tools = None
+        if self.tool_key is not None and record.get(self.tool_key) is not None:
+            tools = _json_field(record[self.tool_key], list, f"'{self.tool_key}' (--tool-key)")
+            metadata["tools"] = tools
+        try:
+            text = render_prompt(raw, tokenizer, cfg.apply_chat_template, tools, self.chat_template_kwargs)
+        except Exception as exc:  # template engines raise their own types (jinja2.TemplateError, ...)
+            raise ValueError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return PromptRow(text, ids, record[cfg.label_key], metadata)
+
     def _make_order(self) -> list[int]:
         order = list(range(len(self.rows)))
         if self.cfg.rollout_shuffle:
+            # a fresh permutation every epoch, reproducible from (seed, epoch) alone for resumes
             random.Random(self.cfg.seed + self.epoch).shuffle(order)
         return order
 
@@ -115,3 +196,19 @@ class PromptDataset:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self._order = self._make_order()
+
+
+def num_rollout_for_epochs(n_prompts: int, rollout_batch_size: int, num_epoch: int) -> int:
+    """`--num-epoch` -> `--num-rollout`: the steps that draw every (kept) prompt `num_epoch` times.
+
+    Floor division, as slime does: a trailing partial batch would start the next epoch, so it is
+    left out. Raises when not even one step fits, naming the flags.
+    """
+    if n_prompts < 0 or rollout_batch_size < 1 or num_epoch < 1:
+        raise ValueError(f"num_rollout_for_epochs: need n_prompts >= 0, --rollout-batch-size >= 1 and "
+                         f"--num-epoch >= 1; got {n_prompts}, {rollout_batch_size}, {num_epoch}")
+    steps = num_epoch * n_prompts // rollout_batch_size
+    if steps < 1:
+        raise ValueError(f"--num-epoch {num_epoch} over {n_prompts} prompts gives no full batch of "
+                         f"--rollout-batch-size {rollout_batch_size}")
+    return steps

@@ -26,6 +26,8 @@ class Sample:
     loss_mask: list[int] = field(default_factory=list)
     finish_reason: str = ""
     reward: float | None = None
+    # extra numeric outputs of the reward function (a dict reward's other keys), logged as metrics
+    reward_metrics: dict[str, float] = field(default_factory=dict)
     weight_version: str | None = None
 
     @property

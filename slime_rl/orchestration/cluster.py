@@ -81,6 +81,9 @@ class Cluster:
     def wait_done(self, ref) -> None:
         ray.wait([ref], num_returns=1, timeout=None, fetch_local=False)
 
+    def evaluate(self) -> dict[str, float]:
+        return ray.get(self.rollout_manager.evaluate.remote())
+
     def train(self, step: int) -> dict[str, float]:
         start = time.time()
         metrics = self.trainers.train(step, self.buffer)

@@ -4,6 +4,7 @@ trainer's batch (GRPO advantages included) and puts it in the Buffer."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -15,7 +16,9 @@ from slime_rl.config import AlgoConfig, Config
 from slime_rl.data import PromptDataset, Sample
 from slime_rl.rewards import load_reward
 from slime_rl.rollout.client import AsyncEngineClient
-from slime_rl.rollout.generate import generate_groups
+from slime_rl.rollout.dynamic import generate_filtered_groups
+from slime_rl.rollout.eval import evaluate
+from slime_rl.rollout.options import RolloutOptions
 
 
 def shaped_rewards(groups: list[list[Sample]], algo: AlgoConfig, max_response_len: int) -> torch.Tensor:
@@ -79,27 +82,54 @@ class RolloutManager:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
         self.reward_fn = load_reward(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
+        self.options = RolloutOptions.from_config(cfg.rollout)
+        self.eval_sets = {name: PromptDataset(replace(cfg.data, prompt_data=path, rollout_shuffle=False),
+                                              self.tokenizer).rows for name, path in cfg.eval.datasets}
+        self.leftover: list[list[Sample]] = []  # partial rollout: groups cut last step, continued first
         self.next_index = 0
         self.next_group = 0
 
-    async def _generate(self, rows) -> list[list[Sample]]:
-        clients = [AsyncEngineClient(url, api_key=self.api_key) for url in self.engine_urls]
+    def _clients(self) -> list[AsyncEngineClient]:
+        return [AsyncEngineClient(url, api_key=self.api_key) for url in self.engine_urls]
+
+    async def generate(self, step: int, buffer) -> dict[str, float]:
+        """Fill the step's groups (filter, over-sampling and partial rollout per the flags), put the
+        batch in the buffer, return the rollout metrics. An async actor: Ray runs its methods on one
+        event loop, so the HTTP fan-out is awaited here."""
+        start = time.time()
+        clients = self._clients()
         try:
-            return await generate_groups(clients, rows, self.cfg.rollout, self.reward_fn, self.tokenizer,
-                                         first_index=self.next_index, first_group=self.next_group)
+            result = await generate_filtered_groups(
+                clients, self.dataset.next_batch, self.options, self.reward_fn, self.tokenizer,
+                resume=self.leftover if self.options.partial_rollout else (), first_index=self.next_index,
+                first_group=self.next_group, progress=True)
         finally:
             for c in clients:
                 await c.aclose()
-
-    async def generate(self, step: int, buffer) -> dict[str, float]:
-        # an async actor: Ray runs its methods on one event loop, so the HTTP fan-out awaits here
-        start = time.time()
-        rows = self.dataset.next_batch(self.cfg.rollout.rollout_batch_size)
-        groups = await self._generate(rows)
-        self.next_index += sum(len(g) for g in groups)
-        self.next_group += len(groups)
+        groups = result.groups
+        if not groups:
+            raise RuntimeError(f"step {step}: the rollout kept no group (deadline or filter); nothing to train on")
+        self.leftover = result.leftover
+        self.next_index, self.next_group = result.next_index, result.next_group
         await buffer.put.remote(step, samples_to_batch(groups, self.cfg.algo, self.cfg.rollout.max_response_len))
-        return rollout_metrics(groups) | {"time/rollout_start": start, "time/rollout_end": time.time()}
+        return (rollout_metrics(groups) | result.metrics
+                | {"time/rollout_start": start, "time/rollout_end": time.time()})
+
+    async def evaluate(self) -> dict[str, float]:
+        """eval/<name>/reward_mean and pass@k on every --eval-prompt-data set."""
+        ev = self.cfg.eval
+        params = {"temperature": ev.temperature, "top_p": ev.top_p, "max_new_tokens": ev.max_response_len}
+        out: dict[str, float] = {}
+        clients = self._clients()
+        try:
+            for name, rows in self.eval_sets.items():
+                summary = await evaluate(clients, rows, ev.n_samples_per_prompt, params, self.reward_fn,
+                                         self.tokenizer, concurrency_per_engine=self.options.concurrency_per_engine)
+                out |= {f"eval/{name}/{k}": v for k, v in summary.items()}
+        finally:
+            for c in clients:
+                await c.aclose()
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"data": self.dataset.state_dict(), "next_index": self.next_index, "next_group": self.next_group}

@@ -1,4 +1,57 @@
-from slime_rl.rewards.builtin import BUILTIN, digit_reward
-from slime_rl.rewards.loader import RewardError, RewardFn, call_reward, load_by_path, load_reward
+from slime_rl.rewards.builtin import (
+    BUILTIN,
+    check_format,
+    dapo_reward,
+    digit_reward,
+    f1_reward,
+    format_reward,
+    math_reward,
+    token_f1,
+)
+from slime_rl.rewards.loader import (
+    GroupReward,
+    GroupRewardFn,
+    RewardError,
+    RewardFn,
+    RewardResult,
+    call_group_reward,
+    call_reward,
+    call_reward_full,
+    load_by_path,
+    load_reward,
+    make_reward_fn,
+    resolve_reward,
+    reward_metric_means,
+    score_samples,
+)
+from slime_rl.rewards.math_grader import HAVE_MATH_VERIFY, is_equivalent
+from slime_rl.rewards.remote import RemoteRewardError, RemoteRewardModel
 
-__all__ = ["BUILTIN", "RewardError", "RewardFn", "call_reward", "digit_reward", "load_by_path", "load_reward"]
+__all__ = [
+    "BUILTIN",
+    "HAVE_MATH_VERIFY",
+    "GroupReward",
+    "GroupRewardFn",
+    "RemoteRewardError",
+    "RemoteRewardModel",
+    "RewardError",
+    "RewardFn",
+    "RewardResult",
+    "call_group_reward",
+    "call_reward",
+    "call_reward_full",
+    "check_format",
+    "dapo_reward",
+    "digit_reward",
+    "f1_reward",
+    "format_reward",
+    "is_equivalent",
+    "load_by_path",
+    "load_reward",
+    "make_reward_fn",
+    "math_reward",
+    "reward_metric_means",
+    "resolve_reward",
+    "score_samples",
+    "token_f1",
+]

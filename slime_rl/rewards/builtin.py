@@ -1,10 +1,27 @@
-"""Rule-based rewards. A reward function takes a finished `Sample` and returns a float."""
+"""Rule-based rewards (`--rm-type NAME`). Each takes a finished `Sample` and returns a float or a
+dict whose "score" is the reward (its other numeric keys are logged as metrics).
+
+| name     | reward                                                                      |
+|----------|-----------------------------------------------------------------------------|
+| `digit`  | 1 when the first digit of the response equals the label (the quickstart)    |
+| `math`   | 1 when the final answer equals the label as a number/expression, else 0      |
+| `dapo`   | +1 when correct, -1 otherwise (DAPO); also logs `acc` (1/0)                   |
+| `format` | 1 when the response is `<think>reasoning</think>` then an answer (see below)  |
+| `f1`     | token F1 of the answer against the label (best over a list of labels)        |
+
+`remote_rm` (an HTTP reward model at `--rm-url`) is not here: it needs a URL, so
+`make_reward_fn` builds it (see `slime_rl.rewards.remote`).
+"""
 
 from __future__ import annotations
 
 import re
+import string
+from collections import Counter
+from collections.abc import Callable
 
 from slime_rl.data import Sample
+from slime_rl.rewards.math_grader import answer_region, is_equivalent
 
 _DIGIT = re.compile(r"\d")
 
@@ -15,4 +32,82 @@ def digit_reward(sample: Sample) -> float:
     return 1.0 if match is not None and match.group(0) == str(sample.label).strip() else 0.0
 
 
-BUILTIN = {"digit": digit_reward}
+def math_reward(sample: Sample) -> float:
+    """1.0 when the response's final answer (last `\\boxed{}`, after any `</think>`) equals the label
+    as math (`1/2`, `0.5`, `\\frac{1}{2}` are equal), else 0.0. See `math_grader` for the backends."""
+    if sample.label is None:
+        return 0.0
+    return 1.0 if is_equivalent(sample.response, sample.label) else 0.0
+
+
+def dapo_reward(sample: Sample) -> dict[str, float]:
+    """DAPO's rule reward: +1 for a correct final answer, -1 for a wrong or missing one.
+
+    A wrong answer is penalised rather than scored 0 so that, with the overlong penalty added,
+    a truncated response is never better than a wrong one. `acc` is logged as a metric.
+    """
+    correct = math_reward(sample) == 1.0
+    return {"score": 1.0 if correct else -1.0, "acc": 1.0 if correct else 0.0}
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def check_format(response: str, prompt: str = "") -> bool:
+    """The `format` rule, exactly:
+
+    1. When the prompt ends with `<think>` (templates that open the thinking block for the model,
+       e.g. Qwen3 with enable_thinking), the response is read as if it started with `<think>`.
+    2. After leading whitespace the response starts with `<think>`.
+    3. It holds exactly one `<think>` and one `</think>`, in that order.
+    4. The reasoning between them is not blank.
+    5. The answer after `</think>` is not blank.
+    """
+    text = response
+    if prompt.rstrip().endswith(THINK_OPEN) and not response.lstrip().startswith(THINK_OPEN):
+        text = THINK_OPEN + response
+    text = text.strip()
+    if not text.startswith(THINK_OPEN) or text.count(THINK_OPEN) != 1 or text.count(THINK_CLOSE) != 1:
+        return False
+    reasoning, _, answer = text[len(THINK_OPEN):].partition(THINK_CLOSE)
+    return bool(reasoning.strip()) and bool(answer.strip())
+
+
+def format_reward(sample: Sample) -> float:
+    """1.0 when the response follows `check_format`'s rule (think block, then an answer), else 0.0."""
+    return 1.0 if check_format(sample.response, sample.prompt) else 0.0
+
+
+def _f1_tokens(text: str) -> list[str]:
+    # SQuAD normalisation: lower case, no punctuation, no articles, whitespace tokens
+    text = text.lower().translate(str.maketrans("", "", string.punctuation))
+    return [t for t in text.split() if t not in ("a", "an", "the")]
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """Token-overlap F1 (SQuAD style) of two strings; 1.0 when both are empty after normalising."""
+    pred, ref = _f1_tokens(prediction), _f1_tokens(reference)
+    if not pred or not ref:
+        return float(pred == ref)
+    common = sum((Counter(pred) & Counter(ref)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_reward(sample: Sample) -> float:
+    """Token F1 of the answer (the text after the last `</think>`) against the label; a list of
+    labels scores the best match."""
+    refs = sample.label if isinstance(sample.label, list) else [sample.label]
+    answer = answer_region(sample.response)
+    return max((token_f1(answer, str(r)) for r in refs if r is not None), default=0.0)
+
+
+BUILTIN: dict[str, Callable[[Sample], float | dict[str, float]]] = {
+    "digit": digit_reward,
+    "math": math_reward,
+    "dapo": dapo_reward,
+    "format": format_reward,
+    "f1": f1_reward,
+}

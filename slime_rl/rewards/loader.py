@@ -1,36 +1,99 @@
-"""Reward functions by name (`--rm-type`) or by dotted path (`--custom-rm-path`).
+"""Loading user functions by path and calling reward functions of any supported shape.
 
-Protocol (the extension point): `def reward(sample: Sample) -> float`, or `async def` of the
-same. The sample carries prompt, response, label and metadata; the float is the scalar reward.
+Protocol (the extension point, `--custom-rm-path`):
+
+| shape                                   | signature                                                   |
+|-----------------------------------------|-------------------------------------------------------------|
+| one sample (default)                    | `def rm(sample: Sample) -> float \\| dict` or `async def`     |
+| a whole group (`--group-rm`)            | `def rm(samples: list[Sample]) -> list[float \\| dict]`, or async |
+
+A dict result holds the reward under `--reward-key` (default "score"; EasyR1's files use
+"overall"); its other numeric keys (bools count as 0/1) are logged as metrics
+(`sample.reward_metrics`). The path is `pkg.module:function`, `pkg.module.function` or a file,
+`path/to/file.py:function`.
+
+Concurrency: sync reward functions run in the default thread pool (`asyncio.to_thread`), so a
+slow rule-based reward (sympy, regexes over long responses) does not block the event loop that
+keeps generation requests flowing; async functions run on the loop itself. A sync reward must
+therefore be thread-safe (pure functions of the sample are). Threads keep the loop responsive
+(the GIL is handed over every few ms) but add no CPU parallelism; the pool is asyncio's default
+executor (min(32, cpus + 4) threads), so rewards queue there rather than on the loop.
+
+The run's reward, `make_reward_fn`: the default is `--custom-rm-path` when given, else
+`--rm-type`; a sample whose `metadata["rm_type"]` names a built-in (or `remote_rm`) is scored by
+that one instead, so one data file can mix math rows and f1 rows. It returns an ordinary async
+reward function whose result is a `RewardResult`, so `call_reward` / `call_reward_full` take it
+like any other; with `--group-rm` it returns a `GroupReward` (it scores a whole group).
+`score_samples` scores a list of samples with either, writing `sample.reward` and
+`sample.reward_metrics`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import importlib
+import importlib.util
 import inspect
-from collections.abc import Callable
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from slime_rl.data import Sample
 from slime_rl.rewards.builtin import BUILTIN
+from slime_rl.rewards.remote import RemoteRewardModel
 
 RewardFn = Callable[[Sample], object]
+GroupRewardFn = Callable[[list[Sample]], object]
 
 
 class RewardError(ValueError):
-    """The reward function could not be found or loaded; the message names the flag."""
+    """The reward function could not be found, loaded or understood; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """A resolved reward: the scalar the advantages use plus extra numbers to log."""
+
+    score: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _load_file_module(file: str, flag: str, spec_text: str) -> Any:
+    path = Path(file).resolve()
+    if not path.is_file():
+        raise RewardError(f"{flag} {spec_text!r}: no such file {file!r}")
+    name = f"slime_rl_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's module raised while importing; say which file
+        del sys.modules[name]
+        raise RewardError(f"{flag} {spec_text!r}: importing {file} failed: {type(exc).__name__}: {exc}") from exc
+    return module
 
 
 def load_by_path(path: str, flag: str) -> Callable:
-    """'pkg.module:function' or 'pkg.module.function' -> the function; errors name the flag."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
+    """'pkg.module:function', 'pkg.module.function' or 'dir/file.py:function' -> the function;
+    errors name the flag."""
+    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
     if not module_name or not attr:
-        raise RewardError(f"{flag} {path!r}: expected 'module:function' or 'module.function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RewardError(f"{flag} {path!r}: cannot import module {module_name!r}: {exc}") from exc
+        raise RewardError(f"{flag} {path!r}: expected 'module:function', 'module.function' or 'file.py:function'")
+    if module_name.endswith(".py") or "/" in module_name:
+        module = _load_file_module(module_name, flag, path)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise RewardError(f"{flag} {path!r}: cannot import module {module_name!r}: {exc}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RewardError(f"{flag} {path!r}: module {module_name!r} has no function {attr!r}")
@@ -38,22 +101,171 @@ def load_by_path(path: str, flag: str) -> Callable:
 
 
 def load_reward(rm_type: str | None, custom_rm_path: str | None) -> RewardFn:
-    """The reward function the flags name (the custom path wins); sync or async."""
+    """The reward function the flags name (the custom path wins); sync or async. For `remote_rm`,
+    per-sample `metadata["rm_type"]` and dict rewards, use `make_reward_fn`."""
     if custom_rm_path:
-        fn = load_by_path(custom_rm_path, "--custom-rm-path")
-    elif rm_type in BUILTIN:
-        fn = BUILTIN[rm_type]
+        return load_by_path(custom_rm_path, "--custom-rm-path")
+    if rm_type in BUILTIN:
+        return BUILTIN[rm_type]
+    if rm_type == "remote_rm":
+        raise RewardError("--rm-type remote_rm needs --rm-url; build it with make_reward_fn(..., rm_url=...)")
+    raise RewardError(f"--rm-type {rm_type!r}: unknown (built-in: {', '.join(sorted(BUILTIN))}, remote_rm)")
+
+
+def _name(fn: Any) -> str:
+    return str(getattr(fn, "__name__", fn))
+
+
+def resolve_reward(value: Any, reward_key: str = "score", fn: Any = None) -> RewardResult:
+    """A reward function's result (number, dict or RewardResult) -> RewardResult; errors name the
+    function and, for dicts, `--reward-key`."""
+    if isinstance(value, RewardResult):
+        return value
+    if isinstance(value, dict):
+        if reward_key not in value:
+            raise RewardError(f"reward function {_name(fn)!r} returned a dict without the key {reward_key!r} "
+                              f"(--reward-key); keys: {sorted(value)}")
+        score = value[reward_key]
+        metrics = {str(k): float(v) for k, v in value.items()
+                   if k != reward_key and isinstance(v, (int, float)) and math.isfinite(v)}
     else:
-        raise RewardError(f"--rm-type {rm_type!r}: unknown (built-in: {', '.join(sorted(BUILTIN))})")
-    return fn
+        score, metrics = value, {}
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        raise RewardError(f"reward function {_name(fn)!r} returned {score!r}; expected a number")
+    if not math.isfinite(score):
+        raise RewardError(f"reward function {_name(fn)!r} returned {score!r}; a reward must be finite")
+    return RewardResult(float(score), metrics)
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+async def _invoke(fn: Callable, arg: Any) -> Any:
+    """Await an async function on the loop; run a sync one in a worker thread (see module docstring)."""
+    if _is_async(fn):
+        return await fn(arg)
+    value = await asyncio.to_thread(fn, arg)
+    if inspect.isawaitable(value):  # a sync wrapper that returns a coroutine
+        value = await value
+    return value
+
+
+async def call_reward_full(fn: RewardFn, sample: Sample, reward_key: str = "score") -> tuple[float, dict[str, float]]:
+    """Score one sample: (reward, extra metrics). Sync functions run in a thread."""
+    result = resolve_reward(await _invoke(fn, sample), reward_key, fn)
+    return result.score, dict(result.metrics)
 
 
 async def call_reward(fn: RewardFn, sample: Sample) -> float:
-    """Score one sample with a sync or async reward function; the result must be a number."""
-    value = fn(sample)
-    if inspect.isawaitable(value):
-        value = await value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RewardError(f"reward function {getattr(fn, '__name__', fn)!r} returned {value!r}; "
-                          "expected a number")
-    return float(value)
+    """Score one sample with a sync or async reward function (dict results use the key "score").
+
+    The reward is returned (the caller stores it); the extra numbers of a dict result are stored
+    in `sample.reward_metrics` so that they reach the rollout metrics.
+    """
+    score, metrics = await call_reward_full(fn, sample)
+    sample.reward_metrics = metrics
+    return score
+
+
+async def call_group_reward(fn: GroupRewardFn, samples: list[Sample],
+                            reward_key: str = "score") -> list[tuple[float, dict[str, float]]]:
+    """Score a whole group at once (`--group-rm`): one result per sample, in order."""
+    values = await _invoke(fn, list(samples))
+    if not isinstance(values, (list, tuple)) or len(values) != len(samples):
+        got = f"{len(values)} results" if isinstance(values, (list, tuple)) else repr(values)[:80]
+        raise RewardError(f"group reward function {_name(fn)!r} (--group-rm) must return a list of "
+                          f"{len(samples)} rewards, one per sample; got {got}")
+    results = [resolve_reward(v, reward_key, fn) for v in values]
+    return [(r.score, dict(r.metrics)) for r in results]
+
+
+BUILTIN_KEY = "score"  # the built-ins' dict rewards keep their score here, whatever --reward-key is
+
+
+@dataclass(frozen=True)
+class GroupReward:
+    """A `--group-rm` function (`list[Sample] -> list[float | dict]`) and the key of its score."""
+
+    fn: GroupRewardFn
+    reward_key: str = "score"
+
+    async def __call__(self, samples: list[Sample]) -> list[tuple[float, dict[str, float]]]:
+        return await call_group_reward(self.fn, samples, self.reward_key)
+
+
+def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str | None = None,
+                   reward_key: str = "score", *, group_rm: bool = False, rm_timeout_s: float = 30.0,
+                   rm_max_retries: int = 3, rm_backoff_s: float = 0.5) -> RewardFn | GroupReward:
+    """The run's reward function, checked now (unknown names, a missing URL, a bad path raise
+    `RewardError` naming the flag) rather than at the first sample.
+
+    - `rm_type`: a built-in name (`slime_rl.rewards.builtin.BUILTIN`) or `remote_rm`.
+    - `custom_rm_path`: a user function (see the module docstring); wins over `rm_type`; its dicts are read
+      with `reward_key`.
+    - `rm_url` and `rm_*`: the remote reward model (`remote_rm`), also used by samples whose
+      metadata asks for `remote_rm`.
+    - `group_rm`: the custom function scores whole groups; returns a `GroupReward`.
+    """
+    if group_rm:
+        if not custom_rm_path:
+            raise RewardError("--group-rm needs --custom-rm-path (a function of a list of samples)")
+        return GroupReward(load_by_path(custom_rm_path, "--custom-rm-path"), reward_key)
+
+    remote = (RemoteRewardModel(rm_url, timeout_s=rm_timeout_s, max_retries=rm_max_retries, backoff_s=rm_backoff_s)
+              if rm_url else None)
+
+    def resolve(name: Any, where: str) -> tuple[Callable, str]:
+        if name in BUILTIN:
+            return BUILTIN[name], BUILTIN_KEY
+        if name == "remote_rm":
+            if remote is None:
+                raise RewardError(f"{where} 'remote_rm' needs --rm-url")
+            return remote, reward_key
+        raise RewardError(f"{where} {name!r}: unknown reward type (built-in: {', '.join(sorted(BUILTIN))}, "
+                          "remote_rm)")
+
+    if custom_rm_path:
+        default = (load_by_path(custom_rm_path, "--custom-rm-path"), reward_key)
+    elif rm_type:
+        default = resolve(rm_type, "--rm-type")
+    else:
+        raise RewardError("no reward: set --rm-type or --custom-rm-path")
+
+    async def reward(sample: Sample) -> RewardResult:
+        override = sample.metadata.get("rm_type") if isinstance(sample.metadata, dict) else None
+        fn, key = resolve(override, f"sample {sample.index}: metadata['rm_type']") if override else default
+        score, metrics = await call_reward_full(fn, sample, key)
+        return RewardResult(score, metrics)
+
+    reward.__name__ = f"reward[{custom_rm_path or rm_type}]"
+    return reward
+
+
+async def score_samples(reward_fn: RewardFn | GroupReward, samples: Sequence[Sample],
+                        reward_key: str = "score") -> list[float]:
+    """Score samples with a per-sample or group reward; sets `reward` and `reward_metrics` on each.
+
+    Per-sample functions run concurrently (sync ones in threads); a `GroupReward` gets the whole
+    list at once, so pass one group. `reward_key` reads dicts of plain (unwrapped) functions.
+    """
+    samples = list(samples)
+    if isinstance(reward_fn, GroupReward):
+        results = await reward_fn(samples)
+    else:
+        results = await asyncio.gather(*(call_reward_full(reward_fn, s, reward_key) for s in samples))
+    for sample, (score, metrics) in zip(samples, results, strict=True):
+        sample.reward, sample.reward_metrics = score, metrics
+    return [score for score, _ in results]
+
+
+def reward_metric_means(samples: Sequence[Sample], prefix: str = "rollout/reward/") -> dict[str, float]:
+    """Mean of each extra reward metric over the samples that report it, e.g.
+    {"rollout/reward/accuracy": 0.5}; for the step's metrics.jsonl row."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for sample in samples:
+        for key, value in sample.reward_metrics.items():
+            sums[key] = sums.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+    return {f"{prefix}{k}": sums[k] / counts[k] for k in sorted(sums)}

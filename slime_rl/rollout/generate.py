@@ -2,15 +2,20 @@
 sample scored as soon as it finishes, groups returned in prompt order.
 
 Requests are spread over the engines by in-flight load (the least busy engine gets the next
-request), so one slow engine does not hold the step.
+request), so one slow engine does not hold the step. A sample is produced by a generate function
+(the built-in one turn, or `--custom-generate-function-path`, see `slime_rl.rollout.custom`); a
+sample that is already done (a surplus group carried over by partial rollout) is not generated
+again, and an ABORTED one is continued from its response so far.
+
+`generate_groups` delivers exactly the rows it is given; `slime_rl.rollout.dynamic` adds
+over-sampling, filters, aborts and partial rollout on top of the same pieces.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -19,97 +24,81 @@ from slime_rl.config import RolloutConfig
 from slime_rl.data import PromptRow, Sample
 from slime_rl.rewards import RewardFn, call_reward
 from slime_rl.rollout.client import AsyncEngineClient
+from slime_rl.rollout.custom import GenerateFn, load_generate_function
+from slime_rl.rollout.options import RolloutOptions
+from slime_rl.rollout.options import sampling_params as options_sampling_params
+from slime_rl.rollout.partial import is_done, mask_offpolicy
+from slime_rl.rollout.routing import ClientPool, EngineEndpoint, LoadBalancer
 
-
-@dataclass
-class EngineEndpoint:
-    url: str
-    api_key: str | None = None
-
-
-class LoadBalancer:
-    """Least-in-flight routing over engine clients, at most `per_engine` requests in flight on each
-    (the rest wait here, not in the server's accept queue); counts requests per engine."""
-
-    def __init__(self, clients: Sequence[AsyncEngineClient], per_engine: int = 64) -> None:
-        if not clients:
-            raise ValueError("no rollout engines")
-        self.clients = list(clients)
-        self.in_flight = [0] * len(clients)
-        self.sent = [0] * len(clients)
-        self._slots = asyncio.Semaphore(per_engine * len(clients))
-
-    async def acquire(self) -> int:
-        await self._slots.acquire()
-        i = min(range(len(self.clients)), key=lambda k: (self.in_flight[k], self.sent[k]))
-        self.in_flight[i] += 1
-        self.sent[i] += 1
-        return i
-
-    def release(self, i: int) -> None:
-        self.in_flight[i] -= 1
-        self._slots.release()
+__all__ = ["ClientPool", "EngineEndpoint", "LoadBalancer", "generate_groups", "make_groups", "run_group",
+           "run_sample", "sampling_params"]
 
 
 def sampling_params(cfg: RolloutConfig, stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
-    """SGLang sampling_params for the rollout flags."""
-    params: dict[str, Any] = {
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
-        "top_k": cfg.top_k,
-        "max_new_tokens": cfg.max_response_len,
-    }
-    if stop_token_ids:
-        params["stop_token_ids"] = list(stop_token_ids)
-    return params
+    """SGLang sampling_params for the rollout flags (kept for callers holding a RolloutConfig)."""
+    return options_sampling_params(RolloutOptions.from_config(cfg, rollout_stop_token_ids=tuple(stop_token_ids)))
 
 
-async def _generate_one(balancer: LoadBalancer, sample: Sample, params: dict[str, Any], reward_fn: RewardFn,
-                        tokenizer) -> Sample:
-    i = await balancer.acquire()
-    try:
-        out = await balancer.clients[i].generate(input_ids=sample.prompt_ids, sampling_params=params,
-                                                 return_logprob=True, rid=f"sample-{sample.index}")
-    finally:
-        balancer.release(i)
-    meta = out["meta_info"]
-    logprob_entries = meta.get("output_token_logprobs") or []
-    sample.response_ids = [int(e[1]) for e in logprob_entries] if logprob_entries else list(out["output_ids"])
-    sample.rollout_logprobs = [float(e[0]) for e in logprob_entries]
-    if len(sample.rollout_logprobs) != len(sample.response_ids):
-        raise RuntimeError(f"engine {balancer.clients[i].base_url} returned {len(sample.rollout_logprobs)} "
-                           f"log-probs for {len(sample.response_ids)} tokens (rid sample-{sample.index})")
-    sample.response = tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-    sample.loss_mask = [1] * len(sample.response_ids)
-    finish = meta.get("finish_reason") or {}
-    sample.finish_reason = finish.get("type", "") if isinstance(finish, dict) else str(finish)
-    sample.weight_version = meta.get("weight_version")
-    sample.reward = await call_reward(reward_fn, sample)
+def make_groups(rows: Sequence[PromptRow], n_samples_per_prompt: int, indices: itertools.count,
+                groups: itertools.count) -> list[list[Sample]]:
+    """Fresh groups for `rows`; `indices` / `groups` hand out run-wide unique sample and group numbers."""
+    out = []
+    for row in rows:
+        g = next(groups)
+        out.append([Sample(index=next(indices), group_index=g, prompt=row.prompt, prompt_ids=list(row.prompt_ids),
+                           label=row.label, metadata=dict(row.metadata)) for _ in range(n_samples_per_prompt)])
+    return out
+
+
+async def run_sample(pool: ClientPool, sample: Sample, params: dict[str, Any], generate_fn: GenerateFn,
+                     reward_fn: RewardFn, mask_offpolicy_tokens: bool = False, score_unfinished: bool = False,
+                     stats: dict[str, int] | None = None) -> Sample:
+    """Generate (or continue) one sample and score it once it is done. `score_unfinished` also scores
+    a sample that stayed ABORTED (a caller that has no way to continue it, like `generate_groups`)."""
+    if not is_done(sample):
+        sample = await generate_fn(sample, params, pool)
+        if is_done(sample) and mask_offpolicy_tokens:
+            masked = mask_offpolicy(sample)
+            if stats is not None:
+                stats["offpolicy_tokens_masked"] = stats.get("offpolicy_tokens_masked", 0) + masked
+    if sample.reward is None and (is_done(sample) or score_unfinished):
+        sample.reward = await call_reward(reward_fn, sample)
     return sample
+
+
+async def run_group(pool: ClientPool, group: list[Sample], params: dict[str, Any], generate_fn: GenerateFn,
+                    reward_fn: RewardFn, on_sample: Callable[[Sample], None] | None = None,
+                    **kw: Any) -> list[Sample]:
+    """All samples of one group concurrently; returns the group (the same list, entries replaced by
+    what the generate function returned)."""
+    async def one(k: int) -> None:
+        group[k] = await run_sample(pool, group[k], params, generate_fn, reward_fn, **kw)
+        if on_sample is not None:
+            on_sample(group[k])
+
+    await asyncio.gather(*(one(k) for k in range(len(group))))
+    return group
 
 
 async def generate_groups(clients: Sequence[AsyncEngineClient], rows: Sequence[PromptRow], cfg: RolloutConfig,
                           reward_fn: RewardFn, tokenizer, first_index: int = 0, first_group: int = 0,
-                          stop_token_ids: Sequence[int] = (), progress: bool = True) -> list[list[Sample]]:
-    """One group of `cfg.n_samples_per_prompt` scored samples per row, in row order."""
-    balancer = LoadBalancer(clients, cfg.concurrency_per_engine)
-    params = sampling_params(cfg, stop_token_ids)
-    counter = itertools.count(first_index)
-    groups = [
-        [Sample(index=next(counter), group_index=first_group + g, prompt=row.prompt, prompt_ids=list(row.prompt_ids),
-                label=row.label, metadata=dict(row.metadata)) for _ in range(cfg.n_samples_per_prompt)]
-        for g, row in enumerate(rows)
-    ]
+                          stop_token_ids: Sequence[int] = (), progress: bool = True, *,
+                          options: RolloutOptions | None = None, generate_fn: GenerateFn | None = None,
+                          pool: ClientPool | None = None) -> list[list[Sample]]:
+    """One group of `n_samples_per_prompt` scored samples per row, in row order.
+
+    `options` (default: built from `cfg`) adds stop strings, the context cap and the generate function
+    path; `pool` lets the caller read the per-engine counters afterwards."""
+    opts = options or RolloutOptions.from_config(cfg, rollout_stop_token_ids=tuple(stop_token_ids) or None)
+    pool = pool or ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len)
+    gen = generate_fn or load_generate_function(opts.custom_generate_function_path)
+    params = options_sampling_params(opts)
+    groups = make_groups(rows, opts.n_samples_per_prompt, itertools.count(first_index), itertools.count(first_group))
     bar = tqdm(total=sum(len(g) for g in groups), desc="rollout", unit="sample", disable=not progress,
                leave=False, mininterval=1.0)
-
-    async def run(sample: Sample) -> Sample:
-        done = await _generate_one(balancer, sample, params, reward_fn, tokenizer)
-        bar.update(1)
-        return done
-
     try:
-        await asyncio.gather(*(run(s) for group in groups for s in group))
+        await asyncio.gather(*(run_group(pool, g, params, gen, reward_fn, on_sample=lambda _: bar.update(1),
+                                         score_unfinished=True) for g in groups))
     finally:
         bar.close()
     return groups

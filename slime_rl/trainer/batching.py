@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,6 +30,14 @@ class MicroBatch:
     valid: Tensor  # [b, T] float: 1 on real response tokens
     loss_mask: Tensor  # [b, T] float: 1 on trained tokens
     per_token: dict[str, Tensor] = field(default_factory=dict)  # [b, T] float: advantages, old_logp, ...
+    # megatron PackedSeqParams for THD micro-batches (packing.py): tokens are then [1, t] and
+    # logit_index points into that one packed row; None for the right-padded layout
+    packed_seq_params: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Sequence positions the model runs (the schedule's seq_length)."""
+        return int(self.tokens.shape[1])
 
     @property
     def response_lengths(self) -> list[int]:

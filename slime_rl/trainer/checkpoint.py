@@ -48,6 +48,10 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MARKER_FILE = "slime_rl_checkpoint.json"
 DIST_CKPT_METADATA = "metadata.json"  # written by dist_checkpointing once its save is finished
 TMP_SUFFIX = ".tmp"
+HF_SUBDIR = "hf"  # config.json, tokenizer, generation_config of the model (no weights): for export
+_HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
+_HF_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 _TMP_RE = re.compile(r"^iter_(\d{7,})" + re.escape(TMP_SUFFIX) + "$")
@@ -153,6 +157,19 @@ def keep_last(root: str | Path, n: int) -> list[Path]:
     return doomed
 
 
+def copy_hf_metadata(hf_dir: str | Path, dest: str | Path) -> Path:
+    """Copy an HF folder's files except the weights (config.json, generation_config.json,
+    tokenizer files, chat template) into `dest`; returns `dest`."""
+    src, dest = Path(hf_dir), Path(dest)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src}: no config.json (expected an HF model folder)")
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(_HF_WEIGHT_SUFFIXES) and f.name not in _HF_WEIGHT_INDEXES:
+            shutil.copy2(f, dest / f.name)
+    return dest
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + TMP_SUFFIX)
     with open(tmp, "w") as f:
@@ -225,6 +242,107 @@ def set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
 
 
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    """The megatron optimizers under a ChainedOptimizer (or the one given)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _ensure_optimizer_state(optimizer: Any) -> None:
+    """Give a fresh optimizer dummy Adam state before loading into it.
+
+    Without apex / TransformerEngine (our CPU path), megatron 0.19's DistributedOptimizer.state_dict
+    reads torch Adam's per-param `step`, which exists only after a first step, and it is called by
+    sharded_state_dict(is_loading=True); the loaded values overwrite the dummies."""
+    for opt in _inner_optimizers(optimizer):
+        inner = opt.optimizer
+        if len(inner.state) != 0:
+            continue
+        if getattr(opt, "init_state_fn", None) is None:
+            raise NotImplementedError(f"loading optimizer state into a fresh {type(inner).__name__}: "
+                                      "only optimizers with an init_state_fn (adam) are supported")
+        opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
+def _restore_adam_steps(optimizer: Any) -> None:
+    """Set torch Adam's per-param `step` from the loaded param groups.
+
+    megatron 0.19's non-TE load path (torch Adam keeps `step` as a per-param tensor) puts the saved
+    step into param_groups and the state, then `_set_main_param_and_optimizer_states` copies the
+    PRE-load step tensor back over it (the dp_reshardable format carries `step` as a
+    LocalNonpersistentObject of the current state): a resumed run would restart Adam's bias
+    correction. It also makes all params share one step tensor, which Adam increments in place
+    once per param. Each param gets its own tensor with the group's loaded step. (With TE's
+    FusedAdam the step lives only in param_groups and nothing here applies.)"""
+    for opt in _inner_optimizers(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                s = inner.state.get(p, {})
+                if isinstance(s.get("step"), torch.Tensor):
+                    s["step"] = torch.tensor(float(group["step"]), dtype=s["step"].dtype, device=s["step"].device)
+
+
+def _model_global_shapes(sharded: Any) -> dict[str, tuple[int, ...]]:
+    """key -> global shape of every ShardedTensor in a model's sharded state dict (factories, e.g.
+    the SwiGLU fc1 split, are built to see their tensors)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out: dict[str, tuple[int, ...]] = {}
+
+    def visit(x: Any) -> None:
+        if isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+        elif isinstance(x, ShardedTensorFactory):
+            visit(x.build())
+        elif isinstance(x, ShardedTensor):
+            out[x.key] = tuple(x.global_shape)
+
+    visit(sharded)
+    return out
+
+
+def checkpoint_model_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Global shapes of the model tensors of a checkpoint folder (e.g. the padded vocab of
+    `embedding.word_embeddings.weight`), read from its metadata without loading anything."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(path))
+    return {k: tuple(v.global_shape) for k, v in meta.items()
+            if k.startswith(_MODEL_KEY_PREFIXES) and hasattr(v, "global_shape")}
+
+
+def checkpoint_model_dtype(path: str | Path) -> torch.dtype:
+    """The dtype of the checkpoint's word embedding (the dtype its model was trained in)."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_tensors_metadata(str(path))["embedding.word_embeddings.weight"].dtype
+
+
+def check_model_matches(path: str | Path, model_sharded: Any) -> None:
+    """Raise ValueError naming every missing, unexpected and mis-shaped model tensor when the
+    model (built from an HF config) does not match the checkpoint's weights; dist_checkpointing's
+    own errors for these cases do not name the tensor."""
+    ckpt = checkpoint_model_shapes(path)
+    model = _model_global_shapes(model_sharded)
+    missing = sorted(set(model) - set(ckpt))
+    unexpected = sorted(set(ckpt) - set(model))
+    shapes = [f"{k}: checkpoint {ckpt[k]} vs model {model[k]}" for k in sorted(set(ckpt) & set(model))
+              if ckpt[k] != model[k]]
+    if missing or unexpected or shapes:
+        raise ValueError(f"{path}: the checkpoint's weights do not match the model built from the HF config "
+                         f"(another model's config, or another vocab padding?): missing in the checkpoint "
+                         f"{missing}; not in the model {unexpected}; shape mismatches {shapes}")
+
+
 def _check_json(extra: dict[str, Any]) -> None:
     for k, v in extra.items():
         try:
@@ -240,18 +358,21 @@ def _barrier() -> None:
 # ---- save / load
 def save_checkpoint(root: str | Path, step: int, model_chunks: list[torch.nn.Module] | torch.nn.Module,
                     optimizer: Any = None, scheduler: Any = None, extra: dict[str, Any] | None = None, *,
-                    save_rng: bool = True, optim_sharding: str = "dp_reshardable") -> Path:
+                    save_rng: bool = True, optim_sharding: str = "dp_reshardable",
+                    hf_dir: str | Path | None = None) -> Path:
     """Save `<root>/iter_<step>/` atomically; every rank must call it. Returns the folder.
 
     `model_chunks`: the trainer's model(s) (DDP / Float16Module wrappers are unwrapped).
     `optimizer`: megatron's (Distributed)Optimizer or None (model-only, e.g. the HF converter).
-    `extra`: JSON-able state of the caller, returned by `load_checkpoint`."""
-    from megatron.core import dist_checkpointing
-
+    `extra`: JSON-able state of the caller, returned by `load_checkpoint`.
+    `hf_dir`: the HF folder the model came from; its config and tokenizer files are copied into
+    `<iter>/hf/` so that the checkpoint can be exported to HF without the original folder."""
     if optim_sharding not in OPTIM_SHARDINGS:
         raise ValueError(f"optim_sharding={optim_sharding!r}: one of {OPTIM_SHARDINGS}")
     extra = dict(extra or {})
     _check_json(extra)
+    from megatron.core import dist_checkpointing
+
     root = Path(root)
     final = iter_dir(root, step)
     tmp = final.with_name(final.name + TMP_SUFFIX)
@@ -282,6 +403,8 @@ def save_checkpoint(root: str | Path, step: int, model_chunks: list[torch.nn.Mod
     _barrier()  # every rank's shards are on disk
 
     if rank == 0:
+        if hf_dir is not None:  # after dist_checkpointing.save, which warns about a non-empty folder
+            copy_hf_metadata(hf_dir, tmp / HF_SUBDIR)
         marker = {"step": step, "extra": extra, "contents": contents, "topology": _topology(),
                   "optim_sharding": optim_sharding if optimizer is not None else None,
                   "saved_at": time.time()}
@@ -307,12 +430,17 @@ def load_checkpoint(path: str | Path, model_chunks: list[torch.nn.Module] | torc
     when given, the optimizer and scheduler; every rank must call it. Returns the saved `extra`.
 
     `load_optim`: None loads the optimizer state when the checkpoint has it; False never (then
-    the optimizer's fp32 main params are refreshed from the loaded weights); True requires it.
+    the optimizer's fp32 main params are refreshed from the loaded weights, and the LR schedule is
+    not loaded either); True requires it.
     RNG states are restored only when the parallel layout is the one saved (they are per rank)."""
     from megatron.core import dist_checkpointing
 
-    info = read_checkpoint_info(path)
-    where = info.path
+    where = resolve_checkpoint(path)
+    if (where / MARKER_FILE).is_file():
+        info = read_checkpoint_info(where)
+    else:  # a dist_checkpointing folder of another writer (e.g. Megatron-LM): its model only
+        logger.warning("%s: no %s; loading the model weights only", where, MARKER_FILE)
+        info = CheckpointInfo(path=where, step=0, extra={}, contents=("model",))
     has_optim = "optimizer" in info.contents
     if load_optim and not has_optim:
         raise ValueError(f"{where}: the checkpoint has no optimizer state (model-only, e.g. converted from HF)")
@@ -330,7 +458,9 @@ def load_checkpoint(path: str | Path, model_chunks: list[torch.nn.Module] | torc
     gpt = _single_chunk(model_chunks)
     metadata = _sharding_metadata(sharding)
     state: dict[str, Any] = {"model": gpt.sharded_state_dict(metadata=metadata)}
+    check_model_matches(where, state["model"])
     if do_optim:
+        _ensure_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
     do_rng = load_rng and same_layout and "rng_state" in info.contents
     if do_rng:
@@ -341,10 +471,15 @@ def load_checkpoint(path: str | Path, model_chunks: list[torch.nn.Module] | torc
 
     gpt.load_state_dict(loaded["model"], strict=True)
     if do_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
+        # no_grad: in fp32 the optimizer's main params are views of the (requires_grad) model
+        # params, and megatron copies into them in place
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer)
     elif optimizer is not None:
         # the optimizer keeps its own fp32 copy (bf16) / shard views: point them at the new weights
-        optimizer.reload_model_params()
+        with torch.no_grad():
+            optimizer.reload_model_params()
     # the schedule belongs with the optimizer state: a finetune from model weights starts it afresh
     if scheduler is not None and "lr_scheduler" in loaded and load_optim is not False:
         scheduler.load_state_dict(loaded["lr_scheduler"])

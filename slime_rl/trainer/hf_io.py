@@ -2,11 +2,15 @@
 
 `load_hf_weights` reads only the tensors this rank needs (safetensors opens lazily) and copies its
 TP shard of each into the model. `iter_hf_weights` is the inverse used by weight sync: every TP
-rank all-gathers each parameter over the TP group and every rank yields the same full HF tensors,
-in a fixed order (so all ranks run the same collectives).
+rank all-gathers each parameter over the TP group and every rank of a pipeline stage yields the
+same full HF tensors, in a fixed order (so all ranks run the same collectives).
 
-Pipeline parallelism is not handled yet (asserted): with PP each stage would own a slice of the
-layers, rename its layer indices with its layer offset, and one source rank per stage would send.
+Pipeline parallelism: stage p of P owns layers [p * n / P, (p + 1) * n / P), which megatron names
+from 0 on every stage, so `stage_param_maps` pairs each local name with the global HF names.
+Stage 0 holds the embedding, the last stage the final norm and the output layer. A tied model
+with P > 1 keeps a second copy of the word embeddings on the last stage as `output_layer.weight`
+(megatron all-reduces the two copies' grads, so they stay equal): it is loaded from
+model.embed_tokens.weight but never emitted, so the HF name is yielded once, by stage 0.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from slime_rl.trainer.convert import ModelArch, hf_to_mcore_shard, mcore_shards_to_hf
+from slime_rl.trainer.convert import ModelArch, ParamMap, hf_to_mcore_shard, mcore_shards_to_hf
 from slime_rl.trainer.model import unwrap
 
 
@@ -28,11 +32,38 @@ def _tp() -> tuple[int, int, dist.ProcessGroup | None]:
 
     if not mpu.model_parallel_is_initialized():
         return 0, 1, None
-    if mpu.get_pipeline_model_parallel_world_size() != 1:
-        raise NotImplementedError("HF weight I/O with --pipeline-model-parallel-size > 1 is not "
-                                  "implemented yet (one source rank per PP stage is the plan)")
     return (mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(),
             mpu.get_tensor_model_parallel_group())
+
+
+def _pp() -> tuple[int, int]:
+    from megatron.core import parallel_state as mpu
+
+    if not mpu.model_parallel_is_initialized():
+        return 0, 1
+    return mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
+
+
+def stage_param_maps(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1) -> list[tuple[str, ParamMap, bool]]:
+    """(local Megatron name, map with global HF names, emitted by iter_hf_weights) for every
+    parameter of stage `pp_rank`, in the order of `Family.param_maps` (see the module docstring)."""
+    if arch.num_layers % pp_size != 0:
+        raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by "
+                         f"--pipeline-model-parallel-size {pp_size}")
+    family, tied = arch.family, arch.tie_word_embeddings
+    per_stage = arch.num_layers // pp_size
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    embedding = [p for p in family.global_params if p.mcore.startswith("embedding.")]
+    tail = [p for p in family.global_params if not p.mcore.startswith("embedding.")
+            and not (p.untied_only and tied)]
+    out = [(p.mcore, p, True) for p in embedding] if first else []
+    for i in range(per_stage):
+        out += [(p.mcore.format(i=i), p.at_layer(pp_rank * per_stage + i), True) for p in family.layer_params]
+    if last:
+        out += [(p.mcore, p, True) for p in tail]
+        if tied and pp_size > 1:
+            out += [("output_layer.weight", embedding[0], False)]
+    return out
 
 
 def safetensors_index(checkpoint_dir: str | Path) -> dict[str, Path]:
@@ -77,16 +108,16 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, arch: Mo
     exist in the checkpoint (a tied model's lm_head.weight, if saved, is ignored)."""
     tp_rank, tp_size, _ = _tp()
     params = dict(unwrap(model).named_parameters())
-    maps = arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings)
-    extra = set(params) - {pm.mcore for pm in maps}
+    maps = stage_param_maps(arch, *_pp())
+    extra = set(params) - {local for local, _, _ in maps}
     if extra:
         raise AssertionError(f"Megatron parameters without a registry entry: {sorted(extra)}")
-    hf = read_hf_tensors(checkpoint_dir, [n for pm in maps for n in pm.hf])
-    for pm in maps:
+    hf = read_hf_tensors(checkpoint_dir, sorted({n for _, pm, _ in maps for n in pm.hf}))
+    for local, pm, _ in maps:
         shard = hf_to_mcore_shard(pm, [hf[n] for n in pm.hf], arch, tp_rank, tp_size)
-        target = params[pm.mcore]
+        target = params[local]
         if tuple(shard.shape) != tuple(target.shape):
-            raise ValueError(f"{checkpoint_dir}: {pm.hf} -> {pm.mcore} gives shape {tuple(shard.shape)}, "
+            raise ValueError(f"{checkpoint_dir}: {pm.hf} -> {local} gives shape {tuple(shard.shape)}, "
                              f"the model has {tuple(target.shape)} (config.json and weights disagree?)")
         target.copy_(shard.to(target.dtype))
 
@@ -102,16 +133,18 @@ def _gather_tp(t: torch.Tensor, tp_size: int, group: dist.ProcessGroup | None) -
 
 @torch.no_grad()
 def iter_hf_weights(model: torch.nn.Module, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, full tensor) for every HF tensor of the model, identical on every rank.
+    """Yield (hf_name, full tensor) for every HF tensor of this pipeline stage, identical on every
+    rank of the stage (all of them with PP=1).
 
     Every rank of the TP group must consume the generator to the end (it runs all-gathers). The
     tensors are in the model's dtype and on its device. Tied models yield only
-    `model.embed_tokens.weight`, as HF's own state dict does."""
+    `model.embed_tokens.weight` (from stage 0), as HF's own state dict does."""
     _, tp_size, group = _tp()
     params = dict(unwrap(model).named_parameters())
-    for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings):
-        shards = _gather_tp(params[pm.mcore].detach(), tp_size, group)
-        yield from mcore_shards_to_hf(pm, shards, arch)
+    for local, pm, emit in stage_param_maps(arch, *_pp()):
+        if emit:
+            shards = _gather_tp(params[local].detach(), tp_size, group)
+            yield from mcore_shards_to_hf(pm, shards, arch)
 
 
 def hf_weight_metadata(model: torch.nn.Module, arch: ModelArch) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -121,8 +154,10 @@ def hf_weight_metadata(model: torch.nn.Module, arch: ModelArch) -> list[tuple[st
     _, tp_size, _ = _tp()
     params = dict(unwrap(model).named_parameters())
     out = []
-    for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings):
-        local = params[pm.mcore]
+    for name, pm, emit in stage_param_maps(arch, *_pp()):
+        if not emit:
+            continue
+        local = params[name]
         shards = [torch.empty(local.shape, dtype=local.dtype, device="meta")] * tp_size
         out += [(name, t.dtype, tuple(t.shape)) for name, t in mcore_shards_to_hf(pm, shards, arch)]
     return out

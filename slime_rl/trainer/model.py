@@ -16,9 +16,14 @@ from slime_rl.trainer.convert import ModelArch, load_arch
 
 
 def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: int,
-                       use_cpu_initialization: bool):
+                       use_cpu_initialization: bool, sequence_parallel: bool = False,
+                       recompute_granularity: str | None = None, recompute_method: str | None = None,
+                       recompute_num_layers: int | None = None):
     """megatron TransformerConfig equal in function to the HF model (dropout off: RL log-probs
-    of the trainer must equal the engine's)."""
+    of the trainer must equal the engine's). `sequence_parallel` needs tp_size > 1 (megatron
+    asserts it); recompute_* are megatron's activation-recomputation knobs, passed through."""
+    if sequence_parallel and tp_size == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -48,10 +53,19 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
+        recompute_granularity=recompute_granularity,
+        recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers,
         params_dtype=dtype,
         bf16=bf16,
+        # p2p activation buffers between pipeline stages are allocated in this dtype
         pipeline_dtype=dtype,
+        # packed (THD) micro-batches differ in length: stages exchange shapes before tensors
+        variable_seq_lengths=pp_size > 1,
+        # no MoE here: megatron rejects variable_seq_lengths with the default ("allgather")
+        # MoE token dispatcher even for dense models
+        moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=use_cpu_initialization,
         # weights come from the HF checkpoint right after; skip the random init work
         perform_initialization=False,
@@ -59,15 +73,36 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
 
 
 def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp_size: int = 1,
-                    pre_process: bool = True, post_process: bool = True):
+                    pre_process: bool | None = None, post_process: bool | None = None,
+                    sequence_parallel: bool = False, recompute_granularity: str | None = None,
+                    recompute_method: str | None = None, recompute_num_layers: int | None = None):
     """A GPTModel for this rank (parallel state must be initialized). Its logits are vocab-parallel
-    ([b, s, padded_vocab / tp]); its parameters are uninitialized until `hf_io.load_hf_weights`."""
+    ([b, s, padded_vocab / tp]); its parameters are uninitialized until `hf_io.load_hf_weights`.
+    pre_process / post_process default to whether this rank is the first / last pipeline stage;
+    with PP, megatron gives each stage num_layers / pp consecutive layers (named from 0 locally)."""
+    from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from slime_rl.trainer.attention import SDPACoreAttention
+
+    if arch.num_layers % pp_size != 0:
+        raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by "
+                         f"--pipeline-model-parallel-size {pp_size}")
+    if pre_process is None:
+        pre_process = mpu.is_pipeline_first_stage(ignore_virtual=True)
+    if post_process is None:
+        post_process = mpu.is_pipeline_last_stage(ignore_virtual=True)
     config = transformer_config(arch, bf16=bf16, tp_size=tp_size, pp_size=pp_size,
-                                use_cpu_initialization=not torch.cuda.is_available())
+                                use_cpu_initialization=not torch.cuda.is_available(),
+                                sequence_parallel=sequence_parallel,
+                                recompute_granularity=recompute_granularity,
+                                recompute_method=recompute_method, recompute_num_layers=recompute_num_layers)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
+    # megatron's local DotProductAttention rejects packed (THD) batches; ours handles both layouts
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if sequence_parallel:
+        spec = _sequence_parallel_block_spec(spec, arch, arch.num_layers // pp_size)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -86,11 +121,36 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
     return model
 
 
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm built like megatron's WrappedTorchNorm, usable with sequence parallelism
+    (WrappedTorchNorm asserts it off): under SP each TP rank normalizes its own slice of the
+    sequence, so the weight's grad is partial; `sequence_parallel = True` makes
+    finalize_model_grads sum it over the TP group."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        if config.sequence_parallel:
+            self.weight.sequence_parallel = True
+
+
+def _sequence_parallel_block_spec(spec, arch: ModelArch, layers_here: int):
+    """The local layer spec with SP-capable norms, as a block spec so the final norm is ours too."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec.submodules.input_layernorm = LocalRMSNorm
+    spec.submodules.pre_mlp_layernorm = LocalRMSNorm
+    if arch.qk_layernorm:  # q/k norms see the gathered sequence; megatron sums their grads anyway
+        spec.submodules.self_attention.submodules.q_layernorm = LocalRMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = LocalRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=LocalRMSNorm)
+
+
 def build_from_checkpoint(hf_checkpoint: str | Path, *, bf16: bool = False, tp_size: int = 1,
-                          pp_size: int = 1, pad_vocab_multiple: int = 1):
-    """(arch, model) for an HF folder; weights are not loaded yet."""
+                          pp_size: int = 1, pad_vocab_multiple: int = 1, **model_kwargs):
+    """(arch, model) for an HF folder; weights are not loaded yet. model_kwargs go to
+    `build_gpt_model` (sequence_parallel, recompute_*)."""
     arch = load_arch(hf_checkpoint, tp_size, pad_vocab_multiple)
-    return arch, build_gpt_model(arch, bf16=bf16, tp_size=tp_size, pp_size=pp_size)
+    return arch, build_gpt_model(arch, bf16=bf16, tp_size=tp_size, pp_size=pp_size, **model_kwargs)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

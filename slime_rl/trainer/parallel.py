@@ -93,3 +93,26 @@ def teardown_parallel() -> None:
         mpu.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def pp_group() -> dist.ProcessGroup:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_pipeline_model_parallel_group()
+
+
+def pp_last_rank() -> int:
+    """Global rank of the last pipeline stage in this rank's PP group (it computes the loss)."""
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_pipeline_model_parallel_last_rank()
+
+
+def broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
+    """Every stage of the PP group gets the last stage's `t` (same shape on all; in place).
+    Only the last stage runs the loss function, so per-token results and metrics start there."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(t, src=pp_last_rank(), group=pp_group())
+    return t

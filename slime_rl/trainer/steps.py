@@ -5,11 +5,12 @@ and distributed/distributed_data_parallel.py), with calculate_per_token_loss=Fal
   * a loss_func returning (loss, extra) has its loss divided by num_microbatches (and multiplied
     by the context-parallel size, 1 here) before backward;
   * DDP pre-scales every gradient bucket by 1/dp_size and all-reduces with SUM (a DP mean).
-We want the DAPO token mean over the whole mini-batch on all DP ranks:
-    L = sum_{all ranks, micro-batches, tokens} mask * loss_t / N,  N = global masked-token count,
-so each micro-batch returns  sum_mb(mask * loss_t) * num_microbatches * dp_size / N,  which the
-two divisions above turn back into its exact share of L. The gradient is then independent of the
-micro-batch size, the number of micro-batches and the DP split (tested).
+The mini-batch loss is L = sum_{all ranks, micro-batches, tokens} w_t * loss_t with per-token
+weights w from loss_agg.py (token-mean: w = mask / N, N = global masked-token count; the seq-*
+modes likewise carry their global denominators), so each micro-batch returns
+sum_mb(w * loss_t) * num_microbatches * dp_size, which the two divisions above turn back into
+its exact share of L. The gradient is then independent of the micro-batch size, the number of
+micro-batches, token-budget packing and the DP split (tested).
 """
 
 from __future__ import annotations
@@ -26,19 +27,28 @@ from slime_rl.trainer.batching import MicroBatch
 from slime_rl.trainer.logprobs import gather_response_logits, vocab_parallel_entropy, vocab_parallel_logprobs
 
 # order of the per-micro-batch sums returned by the policy loss (summed over micro-batches and DP)
-STAT_KEYS = ("pg", "kl", "clipped", "k1_old_new", "tokens")
+STAT_KEYS = ("pg", "kl", "clipped", "k1_old_new", "tokens", "loss")
 
 
 def model_forward(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
-    """Vocab-parallel logits [b, s, V_pad / tp] (float32 on the last stage). attention_mask=None:
-    the local spec's causal mask type builds the causal mask itself; padding is on the right."""
-    return model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
+    """Vocab-parallel logits [b, s, V_pad / tp] ([1, t, ...] when packed; float32) on the last
+    stage, the hidden states on the others. attention_mask=None: attention is causal by itself
+    (SDPACoreAttention); padding is on the right, and packed samples are split by cu_seqlens."""
+    return model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
+                 packed_seq_params=mb.packed_seq_params)
+
+
+def response_logits(output: Tensor, mb: MicroBatch) -> Tensor:
+    """[b, s, V_local] (or packed [1, t, V_local]) -> [b, T, V_local] at mb.logit_index."""
+    if mb.packed_seq_params is not None:
+        return output[0][mb.logit_index]  # indices into the one packed row
+    return gather_response_logits(output, mb.logit_index)
 
 
 def response_logprobs(output: Tensor, mb: MicroBatch, temperature: float, vocab_size: int) -> Tensor:
-    """[b, s, V_local] logits -> [b, T] log-probs of the response tokens (differentiable)."""
-    logits = gather_response_logits(output, mb.logit_index)
-    return vocab_parallel_logprobs(logits, mb.targets, temperature=temperature, vocab_size=vocab_size)
+    """Logits -> [b, T] log-probs of the response tokens (differentiable)."""
+    return vocab_parallel_logprobs(response_logits(output, mb), mb.targets, temperature=temperature,
+                                   vocab_size=vocab_size)
 
 
 def forward_only_step(temperature: float, vocab_size: int, with_entropy: bool) -> Callable:
@@ -51,7 +61,7 @@ def forward_only_step(temperature: float, vocab_size: int, with_entropy: bool) -
         def loss_func(output_tensor: Tensor):
             out = {"mb": mb, "logp": response_logprobs(output_tensor, mb, temperature, vocab_size)}
             if with_entropy:
-                logits = gather_response_logits(output_tensor, mb.logit_index)
+                logits = response_logits(output_tensor, mb)
                 out["entropy"] = vocab_parallel_entropy(logits, temperature=temperature,
                                                         vocab_size=vocab_size)
             # the schedule scales the first element in place; it is not used in forward-only runs
@@ -64,17 +74,14 @@ def forward_only_step(temperature: float, vocab_size: int, with_entropy: bool) -
 
 @dataclass(frozen=True)
 class LossScale:
-    """Factor that turns a micro-batch's masked sum into its share of the DAPO token mean."""
+    """Undoes megatron's loss scaling (module docstring); the denominators are in the weights."""
 
     num_microbatches: int
     dp_size: int
-    global_tokens: float  # N: masked tokens in this mini-batch over all DP ranks
 
     @property
     def factor(self) -> float:
-        if self.global_tokens <= 0:
-            return 0.0  # nothing trained in this mini-batch: zero loss, zero gradient
-        return self.num_microbatches * self.dp_size / self.global_tokens
+        return float(self.num_microbatches * self.dp_size)
 
 
 def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale) -> Callable:
@@ -82,8 +89,9 @@ def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale) -> Cal
 
     Per token ([b, T]): loss_t = ppo_clip(logp, old_logp, A) + kl_loss_coef * kl(logp, ref_logp)
     (the KL term only when a reference model is used). The micro-batch returns
-    masked_sum(loss_t, loss_mask) * scale.factor, plus detached sums for the metrics
-    (STAT_KEYS: pg sum, kl sum, clipped-token count, sum(old_logp - logp), token count).
+    sum(loss_weight * loss_t) * scale.factor (loss_weight [b, T] from loss_agg.token_weights),
+    plus detached sums for the metrics (STAT_KEYS: masked pg sum, kl sum, clipped-token count,
+    sum(old_logp - logp), token count, and this micro-batch's share of the mini-batch loss L).
     """
 
     def step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
@@ -101,9 +109,10 @@ def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale) -> Cal
             if "ref_logp" in mb.per_token:
                 kl = kl_penalty(logp, mb.per_token["ref_logp"], algo.kl_loss_type)
                 per_token = pg + algo.kl_loss_coef * kl
-            loss = masked_sum(per_token, mask) * scale.factor
+            share = masked_sum(per_token, mb.per_token["loss_weight"])  # weights vanish off the mask
+            loss = share * scale.factor
             sums = torch.stack([masked_sum(pg, mask), masked_sum(kl, mask), masked_sum(clipped, mask),
-                                masked_sum(old - logp, mask), mask.sum()]).detach().float()
+                                masked_sum(old - logp, mask), mask.sum(), share]).detach().float()
             return loss, {"sums": sums}
 
         return output, loss_func

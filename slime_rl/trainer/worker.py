@@ -3,8 +3,10 @@
 One `train_step` = old log-probs (+ entropy) by a forward-only pass, reference log-probs when a
 KL loss is used (reference weights swapped in from a frozen CPU copy, as slime does), then one
 optimizer step per mini-batch of global_batch_size / dp_size samples of this rank, each run
-through megatron's forward-backward schedule in micro-batches. The same code runs on GPUs
-(nccl) and on CPU (gloo + cpu_compat).
+through megatron's forward-backward schedule in micro-batches (packed THD rows by default, grouped
+by count or by token budget: micro.py). With PP the schedule is 1F1B; the last stage computes
+log-probs and the loss, and broadcasts them over its PP group, so every rank returns the same
+values. The same code runs on GPUs (nccl) and on CPU (gloo + cpu_compat).
 """
 
 from __future__ import annotations
@@ -18,16 +20,33 @@ import torch.distributed as dist
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from slime_rl.trainer import cpu_compat, hf_io
-from slime_rl.trainer.batching import MicroBatch, build_micro_batch, chunks, unpad, validate_batch
+from slime_rl.trainer.batching import MicroBatch, chunks, validate_batch
+from slime_rl.trainer.loss_agg import GlobalCounts, check_mode, local_counts, token_weights
+from slime_rl.trainer.micro import MicroBatching, collect_per_sample
 from slime_rl.trainer.model import build_from_checkpoint
-from slime_rl.trainer.parallel import dp_group, init_parallel, teardown_parallel
+from slime_rl.trainer.parallel import broadcast_from_last_stage, dp_group, init_parallel, teardown_parallel
 from slime_rl.trainer.steps import STAT_KEYS, LossScale, forward_only_step, policy_loss_step
 
 
 class TrainerWorker:
+    """One trainer rank. Keyword options beyond the config groups (defaults keep the old behaviour
+    except pack_sequences, whose packed rows give the same log-probs as padded ones):
+      pack_sequences: THD packing of each micro-batch (False: right-padded [b, s]);
+      use_dynamic_batch_size / max_tokens_per_gpu: micro-batches filled up to a token budget
+        (prompt + response tokens) instead of micro_batch_size samples;
+      loss_agg_mode (loss_agg.LOSS_AGG_MODES) / loss_agg_max_len (seq-mean-token-sum-norm's H);
+      sequence_parallel, recompute_granularity / recompute_method / recompute_num_layers: passed
+        to megatron's TransformerConfig.
+    """
+
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
                  parallel: ParallelConfig, batch: BatchConfig, optim: OptimizerConfig, model: ModelConfig,
-                 algo: AlgoConfig, train_iters: int, pad_vocab_multiple: int = 1) -> None:
+                 algo: AlgoConfig, train_iters: int, pad_vocab_multiple: int = 1, *,
+                 pack_sequences: bool = True, use_dynamic_batch_size: bool = False,
+                 max_tokens_per_gpu: int | None = None, loss_agg_mode: str = "token-mean",
+                 loss_agg_max_len: int | None = None, sequence_parallel: bool = False,
+                 recompute_granularity: str | None = None, recompute_method: str | None = None,
+                 recompute_num_layers: int | None = None) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import get_megatron_optimizer
@@ -35,9 +54,8 @@ class TrainerWorker:
         from megatron.core.transformer.module import Float16Module
 
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-        if pp != 1:
-            raise NotImplementedError("--pipeline-model-parallel-size > 1 is not supported by the "
-                                      "trainer yet (HF weight I/O and log-prob collection are PP=1)")
+        check_mode(loss_agg_mode, loss_agg_max_len)
+        self.loss_agg_mode, self.loss_agg_max_len = loss_agg_mode, loss_agg_max_len
         if train_iters < 1 or train_iters <= optim.lr_warmup_iters:
             raise ValueError(f"train_iters={train_iters} must be >= 1 and > --lr-warmup-iters "
                              f"{optim.lr_warmup_iters}")
@@ -49,10 +67,18 @@ class TrainerWorker:
         if batch.global_batch_size % self.info.dp_size != 0:
             raise ValueError(f"--global-batch-size {batch.global_batch_size} is not divisible by the "
                              f"data-parallel size {self.info.dp_size}")
-        self.arch, self.gpt = build_from_checkpoint(model.hf_checkpoint, bf16=model.bf16, tp_size=tp,
-                                                    pp_size=pp, pad_vocab_multiple=pad_vocab_multiple)
+        self.micro = MicroBatching(self.info.device, batch.micro_batch_size, pack_sequences,
+                                   use_dynamic_batch_size, max_tokens_per_gpu,
+                                   pad_multiple=tp if sequence_parallel else 1)
+        self.arch, self.gpt = build_from_checkpoint(
+            model.hf_checkpoint, bf16=model.bf16, tp_size=tp, pp_size=pp,
+            pad_vocab_multiple=pad_vocab_multiple, sequence_parallel=sequence_parallel,
+            recompute_granularity=recompute_granularity, recompute_method=recompute_method,
+            recompute_num_layers=recompute_num_layers)
         hf_io.load_hf_weights(self.gpt, model.hf_checkpoint, self.arch)
         config = self.gpt.config
+        if pp > 1 and self.info.device.type == "cpu":
+            config.batch_p2p_comm = False  # gloo has no batched (coalesced) isend/irecv
         # Float16Module keeps bf16 params and returns float32 logits on the last stage
         inner = Float16Module(config, self.gpt) if model.bf16 else self.gpt
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -98,33 +124,40 @@ class TrainerWorker:
     def tp_rank(self) -> int:
         return self.info.tp_rank
 
-    # ---- forward-only passes
-    def _micro_batches(self, batch: dict, ids: list[int], per_token: dict | None = None) -> list[MicroBatch]:
-        return [build_micro_batch(batch, c, self.info.device, per_token)
-                for c in chunks(ids, self.batch.micro_batch_size)]
+    @property
+    def pp_rank(self) -> int:
+        return self.info.pp_rank
 
+    @property
+    def pp_size(self) -> int:
+        return self.info.pp_size
+
+    @property
+    def is_weight_source(self) -> bool:
+        """Whether this rank sends its pipeline stage's weights in weight sync: one rank per stage
+        (tp_rank 0, dp_rank 0); `iter_hf_weights` still has to run on the stage's other TP ranks."""
+        return self.info.tp_rank == 0 and self.info.dp_rank == 0
+
+    # ---- forward-only passes
     def _run(self, step_func, mbs: list[MicroBatch], forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        # seq_length / micro_batch_size only size PP buffers when shapes are fixed; with PP the
+        # config sets variable_seq_lengths, so stages exchange each micro-batch's shape
         return get_forward_backward_func()(
             forward_step_func=step_func, data_iterator=iter(mbs), model=[self.model],
-            num_microbatches=len(mbs), seq_length=max(mb.tokens.shape[1] for mb in mbs),
-            micro_batch_size=self.batch.micro_batch_size, forward_only=forward_only)
+            num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs),
+            micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only)
 
     @torch.no_grad()
     def _forward_logprobs(self, batch: dict, with_entropy: bool) -> tuple[list, list | None]:
         n = len(batch["tokens"])
         step = forward_only_step(self.algo.temperature, self.arch.vocab_size, with_entropy)
-        store = self._run(step, self._micro_batches(batch, list(range(n))), forward_only=True)
-        logp: list = [None] * n
-        ent: list | None = [None] * n if with_entropy else None
-        for out in store:
-            mb = out["mb"]
-            for i, row in zip(mb.sample_ids, unpad(out["logp"], mb), strict=True):
-                logp[i] = row
-            if ent is not None:
-                for i, row in zip(mb.sample_ids, unpad(out["entropy"], mb), strict=True):
-                    ent[i] = row
+        mbs = self.micro.micro_batches(batch, self.micro.groups(batch, list(range(n))))
+        store = self._run(step, mbs, forward_only=True)
+        lens = [int(r) for r in batch["response_lengths"]]
+        logp = collect_per_sample(store, "logp", n, lens, self.info.device)
+        ent = collect_per_sample(store, "entropy", n, lens, self.info.device) if with_entropy else None
         return logp, ent
 
     def compute_logprobs(self, batch: dict) -> list[list[float]]:
@@ -160,20 +193,28 @@ class TrainerWorker:
 
     def forward_backward(self, batch: dict, old_logprobs: list, ref_logprobs: list | None = None) -> dict:
         """Zero the grads, run one mini-batch (this rank's samples) through the schedule; the
-        DP-reduced gradient is left in each param's `main_grad`. Returns the DP-summed STAT_KEYS."""
+        DP-reduced gradient is left in the grad buffers (`main_grad`; the distributed optimizer
+        reduce-scatters, so each DP rank holds the reduced values of its own shard). Returns the DP-summed STAT_KEYS
+        (identical on every rank; "loss" is the mini-batch loss L of loss_agg.py)."""
         self._compat()
-        per_token = {"old_logp": old_logprobs}
+        tokens, samples = self._dp_sum(list(local_counts(batch["loss_masks"])))
+        counts = GlobalCounts(tokens=tokens, samples=samples, max_len=self.loss_agg_max_len)
+        per_token = {"old_logp": old_logprobs,
+                     "loss_weight": token_weights(batch["loss_masks"], self.loss_agg_mode, counts)}
         if ref_logprobs is not None:
             per_token["ref_logp"] = ref_logprobs
-        mbs = self._micro_batches(batch, list(range(len(batch["tokens"]))), per_token)
-        local_tokens = float(sum(mb.loss_mask.sum().item() for mb in mbs))
-        (global_tokens,) = self._dp_sum([local_tokens])
-        scale = LossScale(num_microbatches=len(mbs), dp_size=self.dp_size, global_tokens=global_tokens)
+        groups = self.micro.equalized_groups(batch, list(range(len(batch["tokens"]))), dp_group(),
+                                             self.info.device)
+        mbs = self.micro.micro_batches(batch, groups, per_token)
+        scale = LossScale(num_microbatches=len(mbs), dp_size=self.dp_size)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         store = self._run(policy_loss_step(self.algo, self.arch.vocab_size, scale), mbs, forward_only=False)
-        sums = torch.stack([out["sums"] for out in store]).sum(dim=0).tolist()
-        return dict(zip(STAT_KEYS, self._dp_sum(sums), strict=True))
+        sums = torch.zeros(len(STAT_KEYS), dtype=torch.float32, device=self.info.device)
+        if store:  # the last pipeline stage
+            sums.copy_(torch.stack([out["sums"] for out in store]).sum(dim=0))
+        broadcast_from_last_stage(sums)
+        return dict(zip(STAT_KEYS, self._dp_sum(sums.tolist()), strict=True))
 
     def optimizer_step(self) -> tuple[float, float]:
         """Clip, step, advance the LR schedule; returns (grad norm before clipping, lr used)."""
@@ -192,7 +233,8 @@ class TrainerWorker:
 
     def train_step(self, batch: dict) -> dict[str, float]:
         """One RL update on this DP rank's shard (see module docstring). Metrics, equal on every rank:
-        train/loss, train/pg_loss (DAPO token means, averaged over the mini-batches);
+        train/loss: the mini-batch loss under loss_agg_mode (pg + kl_coef * kl, aggregated),
+        averaged over mini-batches; train/pg_loss: DAPO token mean of the pg term, likewise;
         train/kl: with a reference model the token mean of algo.kl_loss_type(logp, ref_logp)
           averaged over mini-batches; without, mean(old_logp - logp) of the LAST mini-batch (a k1
           estimate of KL(old || new) after the earlier mini-batches' updates; 0 with one mini-batch);
@@ -232,11 +274,10 @@ class TrainerWorker:
             grad_norm, lr = self.optimizer_step()
             stats.append(s)
             norms.append(grad_norm)
-        coef = self.algo.kl_loss_coef if ref is not None else 0.0
         per_mini = [(s["pg"] / max(s["tokens"], 1.0), s["kl"] / max(s["tokens"], 1.0)) for s in stats]
         last = stats[-1]
         return {
-            "train/loss": sum(pg + coef * kl for pg, kl in per_mini) / len(per_mini),
+            "train/loss": sum(s["loss"] for s in stats) / len(stats),
             "train/pg_loss": sum(pg for pg, _ in per_mini) / len(per_mini),
             "train/kl": (sum(kl for _, kl in per_mini) / len(per_mini) if ref is not None
                          else last["k1_old_new"] / max(last["tokens"], 1.0)),
@@ -249,8 +290,10 @@ class TrainerWorker:
 
     # ---- weights out
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, full tensor) for weight sync; every rank must consume it to the end. A tensor
-        may share storage with a parameter (e.g. norms, TP=1): copy it to keep it past an update."""
+        """(hf_name, full tensor) of this pipeline stage's parameters (global HF names; a tied
+        embedding only from stage 0) for weight sync; every rank must consume it to the end (TP
+        all-gathers). A tensor may share storage with a parameter (e.g. norms, TP=1): copy it to
+        keep it past an update. With PP, the union over stages is the whole HF state dict."""
         self._compat()
         yield from hf_io.iter_hf_weights(self.gpt, self.arch)
 

@@ -32,18 +32,24 @@ class EngineTarget:
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of tensors of at most max_bytes each (a larger tensor goes alone)."""
+    """Consecutive groups of tensors of at most max_bytes each (a larger tensor goes alone), one
+    dtype per bucket so every tensor of a flattened bucket starts aligned for its dtype."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > max_bytes:
+        if bucket and (size + nbytes > max_bytes or tensor.dtype != bucket[0][1].dtype):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
     if bucket:
         yield bucket
+
+
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The bucket's tensors' bytes back to back, in order: one uint8 tensor."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
 
 
 class WeightBroadcaster:
@@ -93,12 +99,14 @@ class WeightBroadcaster:
                     self._pool.submit(c.update_weights_from_distributed, names=names,
                                       dtypes=[dtype_name(t.dtype) for _, t in bucket],
                                       shapes=[list(t.shape) for _, t in bucket], group_name=GROUP_NAME,
-                                      flush_cache=True, weight_version=version)
+                                      flush_cache=True, weight_version=version, load_format="flattened_bucket")
                     for c in self._clients
                 ]
-                for _, tensor in bucket:
-                    broadcast(self.group, tensor.contiguous(), 0)
-                    total += tensor.numel() * tensor.element_size()
+                # one broadcast per bucket (SGLang's flattened bucket): per-tensor calls would pay a
+                # collective's latency for every bias and norm
+                flat = flatten_bucket(bucket)
+                broadcast(self.group, flat, 0)
+                total += flat.numel()
                 for f in futures:
                     _check_ok(f.result(), "update_weights_from_distributed")
         finally:

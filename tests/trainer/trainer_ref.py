@@ -74,19 +74,38 @@ def masked_token_mean(values: list[torch.Tensor], batch: dict) -> float:
     return num / sum(sum(m) for m in batch["loss_masks"])
 
 
-def hf_policy_grad(model, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
-    """(loss, grads by HF name) of the DAPO token-mean PPO loss at ratio 1 (old = current policy):
-    L = -sum_i sum_t mask_it * A_i * exp(logp_it - stopgrad(logp_it)) / sum(mask). At ratio 1 the
-    clip is inactive, so dL/dθ = -sum mask * A * dlogp / N."""
+def hf_policy_grad(model, batch: dict, mode: str = "token-mean",
+                   max_len: int | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+    """(loss, grads by HF name) of the PPO loss at ratio 1 (old = current policy), aggregated by
+    `mode`, written out by hand per mode (independent of slime_rl.trainer.loss_agg):
+      token-mean:              L = -sum_i sum_t m_it A_i r_it / sum_i n_i
+      seq-mean-token-mean:     L = -(1/B) sum_i (sum_t m_it A_i r_it) / n_i
+      seq-mean-token-sum:      L = -(1/B) sum_i sum_t m_it A_i r_it
+      seq-mean-token-sum-norm: L = -(1/(B * max_len)) sum_i sum_t m_it A_i r_it
+    with r = exp(logp - stopgrad(logp)) = 1, n_i = sum_t m_it, B = #{i : n_i > 0}. At ratio 1
+    the clip is inactive, so dL/dθ = the same sums with r replaced by dlogp."""
     model.zero_grad()
-    n_tokens = sum(sum(m) for m in batch["loss_masks"])
+    n = [sum(m) for m in batch["loss_masks"]]
+    n_tokens, n_samples = sum(n), sum(1 for x in n if x > 0)
     total = torch.zeros((), dtype=torch.float64)
     for i in range(len(batch["tokens"])):
+        if n[i] == 0:
+            continue
         logits, targets = _response_logits(model, batch, i, 1.0)
         logp = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
         mask = torch.tensor(batch["loss_masks"][i], dtype=torch.float64)
         ratio = torch.exp(logp - logp.detach())
-        total = total - (mask * batch["advantages"][i] * ratio).sum() / n_tokens
+        term = -(mask * batch["advantages"][i] * ratio).sum()
+        if mode == "token-mean":
+            total = total + term / n_tokens
+        elif mode == "seq-mean-token-mean":
+            total = total + term / n[i] / n_samples
+        elif mode == "seq-mean-token-sum":
+            total = total + term / n_samples
+        elif mode == "seq-mean-token-sum-norm":
+            total = total + term / (n_samples * max_len)
+        else:
+            raise ValueError(mode)
     total.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     if getattr(model.config, "tie_word_embeddings", False):

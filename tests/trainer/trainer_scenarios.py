@@ -26,11 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_worker(rank: int, world: int, port: int, ckpt: str, tp: int = 1, mbs: int = 2, gbs: int = 4,
-                algo: AlgoConfig | None = None, bf16: bool = False, **kw):
+                algo: AlgoConfig | None = None, bf16: bool = False, pp: int = 1, **kw):
     from slime_rl.trainer.worker import TrainerWorker
 
     return TrainerWorker(rank, world, "127.0.0.1", port,
-                         ParallelConfig(tensor_model_parallel_size=tp, actor_num_gpus_per_node=world),
+                         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                        actor_num_gpus_per_node=world),
                          BatchConfig(micro_batch_size=mbs, global_batch_size=gbs),
                          OptimizerConfig(lr=1e-3, clip_grad=1.0), ModelConfig(hf_checkpoint=ckpt, bf16=bf16),
                          algo or AlgoConfig(), train_iters=10, **kw)
@@ -40,17 +41,40 @@ def weights(w) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in w.iter_hf_weights()}
 
 
+def _gather_dp_grad_shards(w) -> None:
+    """The distributed optimizer reduce-scatters grads over DP: each rank's grad buffer holds the
+    DP-reduced values only on its own shard. All-gather the shards so main_grad is whole (test
+    only: the optimizer step reads just the local shard, so this changes nothing it uses)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    group, dp, r = mpu.get_data_parallel_group(), w.dp_size, w.dp_rank
+    for buffer in w.model.buffers:
+        for bucket in buffer.buckets:
+            shards = shard_buffer(bucket.grad_data, dp)
+            gathered = [torch.empty_like(shards[r]) for _ in range(dp)]
+            dist.all_gather(gathered, shards[r].contiguous(), group=group)
+            for dst, src in zip(shards, gathered, strict=True):
+                dst.copy_(src)
+
+
 def hf_grads(w) -> dict[str, torch.Tensor]:
-    """main_grad of every parameter after forward_backward, gathered over TP into HF names."""
+    """main_grad of every parameter of this pipeline stage after forward_backward, gathered over
+    TP into (global) HF names."""
     from megatron.core import parallel_state as mpu
 
     from slime_rl.trainer.convert import mcore_shards_to_hf
+    from slime_rl.trainer.hf_io import stage_param_maps
 
+    if w.dp_size > 1:
+        _gather_dp_grad_shards(w)
     params = dict(w.gpt.named_parameters())
     tp = mpu.get_tensor_model_parallel_world_size()
     out = {}
-    for pm in w.arch.family.param_maps(w.arch.num_layers, w.arch.tie_word_embeddings):
-        g = params[pm.mcore].main_grad.detach().clone()
+    for local, pm, emit in stage_param_maps(w.arch, w.pp_rank, w.pp_size):
+        if not emit:
+            continue
+        g = params[local].main_grad.detach().clone()
         shards = [torch.empty_like(g) for _ in range(tp)]
         dist.all_gather(shards, g, group=mpu.get_tensor_model_parallel_group())
         out.update(dict(mcore_shards_to_hf(pm, shards, w.arch)))
@@ -81,6 +105,7 @@ def scenario_tp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dic
     res["stats_mbs2"] = w.forward_backward(batch, old)
     res["grad_mbs2"] = hf_grads(w)
     w.batch = BatchConfig(micro_batch_size=1, global_batch_size=4)
+    w.micro = dataclasses.replace(w.micro, micro_batch_size=1)  # the worker's micro-batching
     res["stats_mbs1"] = w.forward_backward(batch, old)
     res["grad_mbs1"] = hf_grads(w)
     res["before"] = weights(w)
@@ -161,7 +186,10 @@ def run_scenario(name: str, world: int, port: int, out: Path, ckpts: dict[str, P
 def main() -> None:
     name, rank, world, port, out, ckpt_json = sys.argv[1:7]
     torch.manual_seed(0)
-    res = SCENARIOS[name](int(rank), int(world), int(port), json.loads(ckpt_json))
+    from tests.trainer import parallel_scenarios
+
+    func = SCENARIOS.get(name) or parallel_scenarios.SCENARIOS[name]
+    res = func(int(rank), int(world), int(port), json.loads(ckpt_json))
     res = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in res.items()}
     torch.save(_to_cpu(res), Path(out) / f"{name}_rank{rank}.pt")
 

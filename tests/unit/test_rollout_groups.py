@@ -9,7 +9,7 @@ from slime_rl.config import RolloutConfig
 from slime_rl.data import PromptRow
 from slime_rl.orchestration.rollout_manager import rollout_metrics, samples_to_batch
 from slime_rl.rollout.generate import generate_groups
-from slime_rl.weight_sync.broadcast import buckets, dtype_name
+from slime_rl.weight_sync.broadcast import buckets, dtype_name, flatten_bucket
 
 
 class FakeClient:
@@ -62,6 +62,11 @@ def test_buckets_respect_size_and_order():
     named = [(f"w{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([4, 4, 10, 1, 1])]
     out = [[n for n, _ in b] for b in buckets(named, max_bytes=32)]
     assert out == [["w0", "w1"], ["w2"], ["w3", "w4"]]
+    mixed = [("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16)), ("c", torch.zeros(2))]
+    assert [[n for n, _ in b] for b in buckets(mixed, max_bytes=1 << 20)] == [["a"], ["b"], ["c"]]
+    flat = flatten_bucket([("x", torch.tensor([1.0, -2.0])), ("y", torch.tensor([3.0]))])
+    assert flat.dtype == torch.uint8 and flat.numel() == 12
+    assert flat[:8].view(torch.float32).tolist() == [1.0, -2.0] and flat[8:].view(torch.float32).tolist() == [3.0]
     assert dtype_name(torch.bfloat16) == "bfloat16"
 
 

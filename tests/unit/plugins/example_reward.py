@@ -11,3 +11,8 @@ async def async_label_reward(sample) -> float:
 
 def bad_reward(sample):
     return "high"
+
+
+def index_reward(sample) -> float:
+    """Differs between consecutive samples of a group, so every group has a learning signal."""
+    return (sample.index * 7) % 10 / 10

@@ -1,0 +1,60 @@
+"""Extension points of the rollout, loaded by dotted path ('pkg.module.fn' or 'pkg.module:fn').
+
+| flag | protocol |
+|---|---|
+| --custom-generate-function-path | `async def generate(sample, sampling_params: dict, client_pool) -> Sample` |
+| --dynamic-sampling-filter-path | `def filter(group: list[Sample]) -> bool` (True keeps the group) |
+
+A generate function fills `sample.response_ids` / `rollout_logprobs` / `loss_mask` (and the
+per-token versions) through `slime_rl.rollout.partial.append_model_turn` and `append_env_tokens`,
+asks the pool for requests (`await client_pool.generate(sample, input_ids, params)`, which routes,
+names the request after the sample's group so aborts reach it, and returns SGLang's answer), and
+keeps the response within `client_pool.budget(sample, sampling_params["max_new_tokens"])`. It may
+be called again on a sample it returned ABORTED (partial rollout): it must continue from the
+response so far, not start over. It leaves `sample.reward` None (the rollout scores finished
+samples) unless it computes the reward itself. Examples: `generate_default` (one turn) and
+`slime_rl.rollout.examples.calculator.generate` (a tool loop).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from slime_rl.data import Sample
+from slime_rl.rewards import load_by_path
+from slime_rl.rollout.partial import append_model_turn, mark_truncated
+from slime_rl.rollout.routing import ClientPool
+
+GenerateFn = Callable[[Sample, dict[str, Any], ClientPool], Awaitable[Sample]]
+FilterFn = Callable[[list[Sample]], bool]
+
+
+async def generate_default(sample: Sample, sampling_params: dict[str, Any], client_pool: ClientPool) -> Sample:
+    """One /generate call for the rest of the response: the prompt plus whatever a cut partial
+    rollout already produced goes in as input_ids, max_new_tokens is what is left of the budget."""
+    budget = client_pool.budget(sample, sampling_params["max_new_tokens"])
+    if budget <= 0:
+        mark_truncated(sample)
+        return sample
+    out = await client_pool.generate(sample, sample.prompt_ids + sample.response_ids,
+                                     {**sampling_params, "max_new_tokens": budget})
+    append_model_turn(sample, out, client_pool.tokenizer)
+    return sample
+
+
+def load_generate_function(path: str | None) -> GenerateFn:
+    """The function `--custom-generate-function-path` names (an `async def`), or the built-in one."""
+    if not path:
+        return generate_default
+    fn = load_by_path(path, "--custom-generate-function-path")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"--custom-generate-function-path {path!r}: {fn.__name__} must be an `async def` "
+                         "taking (sample, sampling_params, client_pool) and returning the Sample")
+    return fn
+
+
+def load_filter(path: str | None) -> FilterFn | None:
+    """The group filter `--dynamic-sampling-filter-path` names, or None (keep every group)."""
+    return load_by_path(path, "--dynamic-sampling-filter-path") if path else None

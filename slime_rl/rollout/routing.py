@@ -1,0 +1,157 @@
+"""Routing of generate requests over the engines, request ids, and abort.
+
+`LoadBalancer`: least-in-flight routing with at most `per_engine` requests in flight on each engine
+(the rest wait here, not in the server's accept queue), and per-engine counters.
+
+`ClientPool`: what a generate function (built-in or custom, see `slime_rl.rollout.custom`) talks
+to. It routes, names every request after its group, remembers which engines hold which group, and
+can abort groups. Request ids: SGLang's `/abort_request` aborts every request whose rid STARTS WITH
+the given string, so a group's prefix must not be a prefix of any other group's rid ('g1' would
+also abort 'g10'). Group prefixes are therefore fixed width AND end in a terminator:
+`<nonce>-g<10 digits>-`, and every request is `<group prefix>s<10 digits>-r<n>`. The nonce is
+drawn per pool, so two rollouts sharing the engines (training and eval) never abort each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from slime_rl.data import Sample
+from slime_rl.rollout.client import AsyncEngineClient
+
+_WIDTH = 10  # digits in group and sample numbers: fixed width keeps prefixes prefix-free
+
+
+@dataclass
+class EngineEndpoint:
+    url: str
+    api_key: str | None = None
+
+
+def group_prefix(nonce: str, group_index: int) -> str:
+    if not 0 <= group_index < 10**_WIDTH:
+        raise ValueError(f"group index {group_index} does not fit {_WIDTH} digits")
+    return f"{nonce}-g{group_index:0{_WIDTH}d}-"
+
+
+def request_id(nonce: str, group_index: int, sample_index: int, n: int) -> str:
+    return f"{group_prefix(nonce, group_index)}s{sample_index:0{_WIDTH}d}-r{n}"
+
+
+class LoadBalancer:
+    """Least-in-flight routing over engine clients, at most `per_engine` requests in flight on each;
+    counts requests per engine (`sent`, `in_flight`, `peak`)."""
+
+    def __init__(self, clients: Sequence[AsyncEngineClient], per_engine: int = 64) -> None:
+        if not clients:
+            raise ValueError("no rollout engines")
+        if per_engine < 1:
+            raise ValueError(f"--concurrency-per-engine {per_engine}: must be >= 1")
+        self.clients = list(clients)
+        self.in_flight = [0] * len(clients)
+        self.sent = [0] * len(clients)
+        self.peak = [0] * len(clients)
+        self._slots = asyncio.Semaphore(per_engine * len(clients))
+
+    async def acquire(self) -> int:
+        await self._slots.acquire()
+        # ties go to the engine that got fewer requests so far, so a quiet start still alternates
+        i = min(range(len(self.clients)), key=lambda k: (self.in_flight[k], self.sent[k]))
+        self.in_flight[i] += 1
+        self.sent[i] += 1
+        self.peak[i] = max(self.peak[i], self.in_flight[i])
+        return i
+
+    def release(self, i: int) -> None:
+        self.in_flight[i] -= 1
+        self._slots.release()
+
+    def counters(self) -> list[dict[str, Any]]:
+        """Per engine: its URL, requests sent, in flight now, and the most in flight at once."""
+        return [{"url": getattr(c, "base_url", str(k)), "sent": self.sent[k], "in_flight": self.in_flight[k],
+                 "peak": self.peak[k]} for k, c in enumerate(self.clients)]
+
+
+def stopped_response(message: str) -> dict[str, Any]:
+    """What a request that was never sent answers: SGLang's shape of an abort with no tokens."""
+    return {"text": "", "output_ids": [],
+            "meta_info": {"finish_reason": {"type": "abort", "message": message}, "output_token_logprobs": []}}
+
+
+class ClientPool:
+    """The engines as one generate endpoint, plus what a generate function needs around it.
+
+    Attributes a custom generate function may use: `tokenizer` (to decode model turns and encode
+    environment text), `max_context_len` (None: no cap), `budget(sample, max_new_tokens)`.
+    """
+
+    def __init__(self, clients: Sequence[AsyncEngineClient], tokenizer: Any, per_engine: int = 64,
+                 max_context_len: int | None = None) -> None:
+        self.balancer = LoadBalancer(clients, per_engine)
+        self.tokenizer = tokenizer
+        self.max_context_len = max_context_len
+        self.nonce = secrets.token_hex(4)
+        self.stopped = False
+        self.context_capped = 0  # requests whose max_new_tokens the context length cut
+        self._n = itertools.count()
+        self._group_engines: dict[int, set[int]] = {}
+
+    @property
+    def clients(self) -> list[AsyncEngineClient]:
+        return self.balancer.clients
+
+    def budget(self, sample: Sample, max_response_len: int, count: bool = True) -> int:
+        """New tokens this sample may still generate: what is left of `max_response_len` after the
+        response so far (earlier turns, a cut partial rollout), capped so that prompt + response
+        stays within `max_context_len`. `count`: this budget is for a request, so a cut by the
+        context length counts in `context_capped` (False for other uses, e.g. sizing tool output)."""
+        left = max_response_len - len(sample.response_ids)
+        if self.max_context_len is not None:
+            room = self.max_context_len - len(sample.prompt_ids) - len(sample.response_ids)
+            if room < left:
+                self.context_capped += int(count)
+                left = room
+        return max(left, 0)
+
+    async def generate(self, sample: Sample, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> dict:
+        """POST /generate on the least busy engine, with log-probs, under a rid of the sample's group.
+        After `stop()`, requests not yet sent are not sent: they answer an abort with no tokens."""
+        if self.stopped:
+            return stopped_response("rollout stopped before the request was sent")
+        i = await self.balancer.acquire()
+        try:
+            if self.stopped:  # stop() ran while this request waited for a slot
+                return stopped_response("rollout stopped before the request was sent")
+            self._group_engines.setdefault(sample.group_index, set()).add(i)
+            rid = request_id(self.nonce, sample.group_index, sample.index, next(self._n))
+            return await self.balancer.clients[i].generate(input_ids=list(input_ids), sampling_params=sampling_params,
+                                                           return_logprob=True, rid=rid)
+        finally:
+            self.balancer.release(i)
+
+    def stop(self) -> None:
+        """No new requests from now on (those in flight run until aborted or finished)."""
+        self.stopped = True
+
+    async def abort_groups(self, group_indices: Sequence[int]) -> int:
+        """Abort every in-flight request of these groups, only on the engines that got one; returns
+        the number of abort calls sent."""
+        calls = [self.clients[e].abort_request(rid=group_prefix(self.nonce, g))
+                 for g in group_indices for e in sorted(self._group_engines.get(g, ()))]
+        await asyncio.gather(*calls)
+        return len(calls)
+
+    def counters(self) -> list[dict[str, Any]]:
+        return self.balancer.counters()
+
+    def metrics(self) -> dict[str, float]:
+        """Per-engine request counts as flat metrics (`rollout/engine<i>_requests`)."""
+        out: dict[str, float] = {f"rollout/engine{k}_requests": float(c["sent"])
+                                 for k, c in enumerate(self.counters())}
+        out["rollout/context_capped_requests"] = float(self.context_capped)
+        return out

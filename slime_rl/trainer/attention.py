@@ -1,0 +1,108 @@
+"""Core attention for the local (non-TransformerEngine) layer spec, on torch SDPA, with THD packing.
+
+megatron-core 0.19.2's local `DotProductAttention` asserts `packed_seq_params is None` (packed
+sequences are TE-only there) and materializes the [b, np, s, s] score matrix. `SDPACoreAttention`
+takes its place as `submodules.core_attention` (same constructor, same forward signature):
+  * BSHD (right-padded micro-batches): one `scaled_dot_product_attention(is_causal=True)` call,
+    so on GPU torch picks the flash / memory-efficient backend (issue 3's fast attention path);
+  * THD (packed, `packed_seq_params.qkv_format == "thd"`): every sample attends only to itself.
+    On CUDA with torch's `varlen_attn` (torch >= 2.11, flash kernel) one call over the pack;
+    otherwise (CPU, older torch, fp32) one causal SDPA call per sample of the pack.
+Query/key/value arrive after RoPE (SelfAttention applies it per packed sample from cu_seqlens).
+Shapes (per TP rank): BSHD q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn];
+THD q [t, np, hn], k/v [t, ng, hn] -> [t, np * hn] (SelfAttention reshapes to [t, 1, h]).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:  # torch >= 2.11: variable-length flash attention (CUDA only)
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - depends on the torch build
+    _varlen_attn = None
+
+from megatron.core.transformer.module import MegatronModule
+
+
+def _varlen_causal_kwargs() -> dict:
+    # torch 2.11 spells causality `is_causal=True`; later versions a (left, right) window
+    params = inspect.signature(_varlen_attn).parameters if _varlen_attn is not None else {}
+    return {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+
+
+class SDPACoreAttention(MegatronModule):
+    """Drop-in for megatron's DotProductAttention (see the module docstring)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None) -> None:
+        super().__init__(config=config)
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        assert config.context_parallel_size == 1, "SDPACoreAttention has no context parallelism"
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp = pg_collection.tp.size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.head_dim = config.kv_channels
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self._varlen_kwargs = _varlen_causal_kwargs()
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """q [b, np, s, hn], k/v [b, ng, s, hn] -> [b, np, s, hn]; causal unless a mask is given."""
+        dropout = self.dropout_p if self.training else 0.0
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                  scale=self.softmax_scale, enable_gqa=self.heads != self.groups)
+        if self.heads != self.groups:  # an explicit mask with GQA: expand k/v (enable_gqa + mask
+            k = k.repeat_interleave(self.heads // self.groups, dim=1)  # is not on every backend)
+            v = v.repeat_interleave(self.heads // self.groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                              scale=self.softmax_scale)
+
+    def _thd(self, q: Tensor, k: Tensor, v: Tensor, packed_seq_params) -> Tensor:
+        cu_q = packed_seq_params.cu_seqlens_q
+        cu_k = packed_seq_params.cu_seqlens_kv if packed_seq_params.cu_seqlens_kv is not None else cu_q
+        assert torch.equal(cu_q, cu_k), "self-attention packs need cu_seqlens_q == cu_seqlens_kv"
+        if (_varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+                and self.dropout_p == 0.0):
+            return _varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32),
+                                int(packed_seq_params.max_seqlen_q), int(packed_seq_params.max_seqlen_kv),
+                                scale=self.softmax_scale, enable_gqa=self.heads != self.groups,
+                                **self._varlen_kwargs)
+        # CPU / fp32: one causal SDPA per sample; tokens past cu[-1] (pack padding) attend causally
+        # among themselves, their outputs are never read
+        bounds = cu_q.tolist()
+        if bounds[-1] < q.shape[0]:
+            bounds.append(q.shape[0])
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            if end > start:
+                sl = slice(start, end)  # [n, h, d] -> [1, h, n, d]
+                outs.append(self._sdpa(q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
+                                       v[sl].transpose(0, 1)[None], None)[0].transpose(0, 1))
+        return torch.cat(outs, dim=0)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type=None, attention_bias: Tensor | None = None,
+                packed_seq_params=None) -> Tensor:
+        assert attention_bias is None, "attention bias is not supported by SDPACoreAttention"
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            out = self._thd(query, key, value, packed_seq_params)  # [t, np, hn]
+            return out.reshape(out.shape[0], -1)
+        assert packed_seq_params is None, f"qkv_format {packed_seq_params.qkv_format!r} is not supported"
+        # megatron's masks are True where attention is NOT allowed; SDPA's bool masks the opposite
+        mask = None if attention_mask is None else ~attention_mask.bool()
+        s, b = query.shape[:2]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
+        out = self._sdpa(q, k, v, mask)  # [b, np, s, hn]
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)

@@ -1,0 +1,91 @@
+"""How a rank's samples become micro-batches, and how per-sample results come back from them.
+
+Two knobs: the layout (packed THD rows, default, or right-padded [b, s]) and the grouping
+(micro_batch_size samples in order, or token-budget bins when use_dynamic_batch_size: first-fit
+decreasing up to max_tokens_per_gpu prompt+response tokens). Training additionally needs the same
+number of micro-batches on every DP rank (one schedule run per rank, matched gradient
+all-reduces in finalize_model_grads): the count is all-reduced (max) and short ranks split their
+heaviest micro-batches, or, with only single-sample micro-batches left, run zero-weight dummies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from slime_rl.trainer.batching import MicroBatch, build_micro_batch, chunks, unpad
+from slime_rl.trainer.packing import build_packed_micro_batch, split_to_count, token_budget_bins
+from slime_rl.trainer.parallel import broadcast_from_last_stage
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    device: torch.device
+    micro_batch_size: int
+    pack_sequences: bool = True
+    use_dynamic_batch_size: bool = False
+    max_tokens_per_gpu: int | None = None
+    pad_multiple: int = 1  # packed rows are padded to this (the TP size under sequence parallel)
+
+    def __post_init__(self) -> None:
+        if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:
+            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
+        if self.pad_multiple > 1 and not self.pack_sequences:
+            raise ValueError("--sequence-parallel needs packed sequences (pack_sequences=True): the "
+                             "sequence is split over TP ranks, so its length must be a multiple of TP")
+
+    def groups(self, batch: dict, ids: list[int]) -> list[list[int]]:
+        """Sample ids of each micro-batch (positions in `batch`)."""
+        if not self.use_dynamic_batch_size:
+            return chunks(ids, self.micro_batch_size)
+        lengths = [len(batch["tokens"][i]) for i in ids]
+        return [[ids[k] for k in g] for g in token_budget_bins(lengths, self.max_tokens_per_gpu)]
+
+    def equalized_groups(self, batch: dict, ids: list[int], dp_group: dist.ProcessGroup | None,
+                         device: torch.device) -> list[list[int]]:
+        """`groups`, split (or padded with empty groups) to the max count over the DP group."""
+        groups = self.groups(batch, ids)
+        if dp_group is None or dist.get_world_size(dp_group) == 1:
+            return groups
+        n = torch.tensor([len(groups)], dtype=torch.int64, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=dp_group)
+        lengths = [len(t) for t in batch["tokens"]]  # indexed by sample id, as the groups are
+        return split_to_count(groups, lengths, int(n.item()))
+
+    def build(self, batch: dict, ids: list[int], per_token: dict | None = None) -> MicroBatch:
+        """One micro-batch; an empty `ids` gives a dummy (first sample, all weights zero)."""
+        dummy = not ids
+        use = [0] if dummy else ids
+        if self.pack_sequences:
+            mb = build_packed_micro_batch(batch, use, self.device, per_token, self.pad_multiple)
+        else:
+            mb = build_micro_batch(batch, use, self.device, per_token)
+        if dummy:  # runs forward/backward like the others but adds exactly 0 to loss and grads
+            mb.sample_ids = []
+            mb.loss_mask.zero_()
+            for v in mb.per_token.values():
+                v.zero_()
+        return mb
+
+    def micro_batches(self, batch: dict, groups: list[list[int]], per_token: dict | None = None) -> list[MicroBatch]:
+        return [self.build(batch, g, per_token) for g in groups]
+
+
+def collect_per_sample(store: list[dict], key: str, n: int, response_lengths: Sequence[int],
+                       device: torch.device) -> list[list[float]]:
+    """Per-sample lists from the schedule's forward-data store. The store is filled on the last
+    pipeline stage only; its values are flattened in sample order and broadcast over the PP group,
+    so every rank returns the same lists."""
+    rows: list[list[float] | None] = [None] * n
+    for out in store:
+        mb = out["mb"]
+        for i, row in zip(mb.sample_ids, unpad(out[key], mb), strict=True):
+            rows[i] = row
+    flat = torch.zeros(sum(int(r) for r in response_lengths), dtype=torch.float32, device=device)
+    if store:  # last stage: every sample was in some micro-batch
+        flat.copy_(torch.tensor([x for r in rows for x in r], dtype=torch.float32))
+    broadcast_from_last_stage(flat)
+    return [part.tolist() for part in torch.split(flat.cpu(), [int(r) for r in response_lengths])]

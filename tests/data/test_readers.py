@@ -1,0 +1,110 @@
+"""Prompt file readers: jsonl, json (list or {"data": [...]}), parquet, and the path@[start:end] slice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slime_rl.data import DataError, parse_data_spec, read_jsonl, read_records, write_records
+
+ROWS = [{"input": f"q{i}", "label": str(i)} for i in range(6)]
+
+
+def labels(pairs: list[tuple[int, dict]]) -> list[str]:
+    return [r["label"] for _, r in pairs]
+
+
+@pytest.fixture(params=["jsonl", "json", "parquet"])
+def data_file(request, tmp_path) -> Path:
+    return write_records(ROWS, tmp_path / f"d.{request.param}")
+
+
+def test_each_format_reads_every_row_numbered_from_one(data_file):
+    pairs = read_records(data_file)
+    assert [n for n, _ in pairs] == [1, 2, 3, 4, 5, 6]
+    assert pairs[0][1] == {"input": "q0", "label": "0"}
+    assert labels(pairs) == ["0", "1", "2", "3", "4", "5"]
+
+
+@pytest.mark.parametrize("spec, want_rows", [
+    ("@[1:3]", [2, 3]),
+    ("@[:2]", [1, 2]),
+    ("@[4:]", [5, 6]),
+    ("@[-2:]", [5, 6]),
+    ("@[:-4]", [1, 2]),
+    ("@[-3:-1]", [4, 5]),
+    ("@[2:100]", [3, 4, 5, 6]),
+])
+def test_slice_follows_python_semantics_and_keeps_file_row_numbers(data_file, spec, want_rows):
+    pairs = read_records(f"{data_file}{spec}")
+    assert [n for n, _ in pairs] == want_rows
+    assert labels(pairs) == [str(n - 1) for n in want_rows]
+
+
+def test_parse_data_spec():
+    assert parse_data_spec("a/b.jsonl") == ("a/b.jsonl", None)
+    assert parse_data_spec("a@b/c.jsonl@[2:-1]") == ("a@b/c.jsonl", slice(2, -1))
+    assert parse_data_spec("x.parquet@[:]") == ("x.parquet", slice(None, None))
+    with pytest.raises(DataError, match="bad row slice"):
+        parse_data_spec("x.jsonl@[a:b]")
+    with pytest.raises(DataError, match="bad row slice"):
+        parse_data_spec("x.jsonl@[1:5:2]")
+
+
+def test_empty_slice_names_the_file_and_size(data_file):
+    with pytest.raises(DataError, match=r"selects no rows \(the file has 6\)"):
+        read_records(f"{data_file}@[4:2]")
+
+
+def test_json_accepts_hf_data_wrapper_and_rejects_other_shapes(tmp_path):
+    wrapped = tmp_path / "w.json"
+    wrapped.write_text(json.dumps({"version": "1", "data": ROWS[:2]}))
+    assert labels(read_records(wrapped)) == ["0", "1"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": ROWS}))
+    with pytest.raises(DataError, match=r"bad.json: expected a list of objects.*keys \['rows'\]"):
+        read_records(bad)
+    not_obj = tmp_path / "n.json"
+    not_obj.write_text(json.dumps([{"input": "a", "label": 1}, 5]))
+    with pytest.raises(DataError, match=r"n.json: row 2: expected a JSON object, got int"):
+        read_records(not_obj)
+
+
+def test_jsonl_bad_line_names_file_row_and_line(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"input": "a", "label": 1}\n\n{oops\n')
+    with pytest.raises(DataError, match=r"bad.jsonl: row 2 \(line 3\): not valid JSON"):
+        read_records(f)
+    f.write_text('{"input": "a", "label": 1}\n[1, 2]\n')
+    with pytest.raises(DataError, match=r"row 2: expected a JSON object, got list"):
+        read_jsonl(f)
+
+
+def test_blank_lines_do_not_count_as_rows(tmp_path):
+    f = tmp_path / "gaps.jsonl"
+    f.write_text('\n{"label": "a"}\n\n\n{"label": "b"}\n')
+    assert [(n, r["label"]) for n, r in read_records(f)] == [(1, "a"), (2, "b")]
+
+
+def test_missing_unknown_and_empty_files(tmp_path):
+    with pytest.raises(DataError, match="nope.jsonl: no such file"):
+        read_records(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match="unknown data format"):
+        read_records(tmp_path / "data.csv")
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(DataError, match="e.jsonl: no rows"):
+        read_records(empty)
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match="broken.parquet: cannot read parquet"):
+        read_records(broken)
+
+
+def test_parquet_keeps_nested_message_lists_and_dicts(tmp_path):
+    rows = [{"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+             "label": "7", "meta": {"level": 3, "source": "x"}}]
+    got = read_records(write_records(rows, tmp_path / "nested.parquet"))
+    assert got == [(1, rows[0])]

@@ -1,0 +1,71 @@
+"""Helpers shared by the rollout tests (a uniquely named module: `conftest` names are ambiguous)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slime_rl.data import PromptRow
+from slime_rl.engines.embedded.server import EmbeddedServer, ServerConfig
+from slime_rl.rollout.client import AsyncEngineClient
+
+
+def start_server(model_path: Path, **kw: Any) -> EmbeddedServer:
+    """port=0: the OS picks a free loopback port (no race with other tests)."""
+    return EmbeddedServer(ServerConfig(model_path=str(model_path), host="127.0.0.1", port=0, **kw)).start()
+
+
+def with_clients(urls: Sequence[str], body: Callable[[list[AsyncEngineClient]], Awaitable[Any]]) -> Any:
+    """Run `body(clients)` on a fresh event loop; the clients are closed afterwards."""
+    async def main() -> Any:
+        clients = [AsyncEngineClient(u, timeout=120) for u in urls]
+        try:
+            return await body(clients)
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    return asyncio.run(main())
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    """A deterministic prompt of n ordinary ids in [0, 61) (61-63 are the tiny tokenizer's specials)."""
+    return [(7 * i + 11 * salt + 5) % 61 for i in range(n)]
+
+
+def row(salt: int, label: Any = None, n: int = 6) -> PromptRow:
+    return PromptRow(prompt=f"p{salt}", prompt_ids=prompt_of(n, salt), label=label, metadata={"salt": salt})
+
+
+def feeder(rows: Sequence[PromptRow]) -> tuple[Callable[[int], list[PromptRow]], list[int]]:
+    """`next_rows(k)` over `rows` (then empty), and the list of batch sizes it was asked for."""
+    queue, asked = list(rows), []
+
+    def next_rows(k: int) -> list[PromptRow]:
+        asked.append(k)
+        out = queue[:k]
+        del queue[:k]
+        return out
+
+    return next_rows, asked
+
+
+def reference_logprobs(model64, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """float64 log_softmax(logits / T) of each output token given everything before it: one unpadded
+    forward, none of the engine's code paths (no KV cache, no batching, no continuation)."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model64(input_ids=ids).logits[0].double()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    rows = lp[len(prompt) - 1: len(prompt) + len(output) - 1]
+    return rows.gather(1, torch.tensor(output)[:, None]).squeeze(1)
+
+
+def float64_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()

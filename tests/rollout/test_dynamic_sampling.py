@@ -1,0 +1,130 @@
+"""Dynamic sampling / over-sampling against a real embedded engine: prompts drawn in batches until
+exactly rollout_batch_size groups pass the filter, the rest aborted by group rid prefix without
+touching anyone else's requests."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from rollout_testlib import feeder, row, start_server, with_clients
+
+from slime_rl.config import RolloutConfig
+from slime_rl.data import Sample
+from slime_rl.rollout.custom import generate_default, load_filter
+from slime_rl.rollout.dynamic import generate_filtered_groups
+from slime_rl.rollout.filters import check_reward_nonzero_std
+from slime_rl.rollout.generate import generate_groups
+from slime_rl.rollout.options import RolloutOptions
+from slime_rl.rollout.partial import ABORTED, COMPLETED, TRUNCATED, status
+from slime_rl.rollout.routing import group_prefix, request_id
+
+FILTER = "slime_rl.rollout.filters.check_reward_nonzero_std"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen2):
+    s = start_server(tiny_qwen2, random_seed=7, max_running_requests=32)
+    yield s
+    s.shutdown()
+
+
+def reward(sample: Sample) -> float:
+    """'same' prompts always score 1 (zero std: filtered); 'random' ones a seeded uniform (non-zero std)."""
+    return 1.0 if sample.label == "same" else random.Random(sample.index).random()
+
+
+def test_group_prefixes_cannot_hit_other_groups():
+    # SGLang aborts by rid prefix: group 1's prefix must not start any rid of groups 10, 11, 100, ...
+    rids = {g: [request_id("ab12", g, s, n) for s in (0, 7, 123) for n in (0, 5)] for g in (0, 1, 10, 11, 100, 1000)}
+    for g in rids:
+        for other, their in rids.items():
+            hit = any(r.startswith(group_prefix("ab12", g)) for r in their)
+            assert hit == (g == other), (g, other)
+    assert not request_id("ab12", 1, 0, 0).startswith(group_prefix("ab1", 1))  # the nonce ends at '-' too
+    with pytest.raises(ValueError, match="digits"):
+        group_prefix("x", 10**10)
+
+
+def test_nonzero_std_filter_on_hand_made_groups():
+    def group(*rewards):
+        return [Sample(index=i, group_index=3, prompt="", prompt_ids=[1], reward=r) for i, r in enumerate(rewards)]
+
+    assert check_reward_nonzero_std(group(0.0, 1.0, 1.0)) is True
+    assert check_reward_nonzero_std(group(0.5, 0.5)) is False
+    assert check_reward_nonzero_std(group(1.0)) is False  # one sample has no spread
+    with pytest.raises(ValueError, match="group 3 has unscored"):
+        check_reward_nonzero_std(group(1.0, None))
+    assert load_filter(FILTER) is check_reward_nonzero_std and load_filter(None) is None
+
+
+def test_keeps_exactly_batch_size_nonzero_std_groups(server):
+    # Batches of 4 alternate same/random. Random groups are either kept or still running, so after the
+    # second draw kept + running >= 3 always: exactly 8 prompts are drawn, and the first draw cannot be
+    # topped up before both of its 'same' groups were filtered (4 - filtered < 3).
+    rows = [row(i, "same" if i % 2 == 0 else "random") for i in range(16)]
+    next_rows, asked = feeder(rows)
+    opts = RolloutOptions(rollout_batch_size=3, n_samples_per_prompt=2, max_response_len=6,
+                          over_sampling_batch_size=4, dynamic_sampling_filter_path=FILTER)
+    res = with_clients([server.url], lambda cl: generate_filtered_groups(cl, next_rows, opts, reward, server.tokenizer,
+                                                                         first_index=100, first_group=50))
+    assert len(res.groups) == 3
+    for g in res.groups:
+        assert len(g) == 2 and {s.label for s in g} == {"random"}
+        assert max(s.reward for s in g) > min(s.reward for s in g)
+        # done: stopped by EOS (completed) or by the 6-token budget (truncated)
+        assert all(status(s) == (TRUNCATED if s.finish_reason == "length" else COMPLETED) for s in g)
+        assert all(0 < s.response_length <= 6 and s.finish_reason in ("stop", "length") for s in g)
+    m = res.metrics
+    assert asked == [4, 4] and m["rollout/prompts_drawn"] == 8
+    assert m["rollout/groups_filtered"] >= 2
+    assert 3 + m["rollout/groups_filtered"] + m["rollout/groups_aborted"] + m["rollout/groups_surplus"] == 8
+    assert res.leftover == []  # no partial rollout: cut groups are dropped, only counted
+    assert (res.next_index, res.next_group) == (100 + 16, 50 + 8)
+    assert m["rollout/engine0_requests"] <= 16 and res.counters[0]["in_flight"] == 0
+
+
+def slow_or_fast(max_slow: int):
+    """A generate function giving 'slow' groups a long response (ignore_eos), others the usual budget."""
+    async def generate(sample, sampling_params, pool):
+        if sample.label == "slow":
+            sampling_params = {**sampling_params, "max_new_tokens": max_slow, "ignore_eos": True}
+        return await generate_default(sample, sampling_params, pool)
+    return generate
+
+
+def test_aborts_the_rest_by_group_and_keeps_partials(server):
+    # Two fast groups pass the filter while two slow ones (400 tokens) still run: the slow ones are
+    # aborted and, under partial rollout, come back with their tokens so far. A second rollout sharing
+    # the engine (its own nonce) runs through the abort untouched.
+    rows = [row(1, "random"), row(2, "slow"), row(3, "random"), row(4, "slow")]
+    next_rows, _ = feeder(rows)
+    opts = RolloutOptions(rollout_batch_size=2, n_samples_per_prompt=2, max_response_len=4, over_sampling_batch_size=4,
+                          dynamic_sampling_filter_path=FILTER, partial_rollout=True)
+    other_cfg = RolloutConfig(n_samples_per_prompt=2, max_response_len=60)
+    aborted_before = server.engine.stats["requests_aborted"]
+
+    async def both(clients):
+        other = asyncio.create_task(generate_groups(clients, [row(9, "x")], other_cfg, lambda s: 0.0,
+                                                    server.tokenizer, progress=False,
+                                                    options=RolloutOptions.from_config(
+                                                        other_cfg, extra_sampling_params={"ignore_eos": True})))
+        res = await generate_filtered_groups(clients, next_rows, opts, reward, server.tokenizer,
+                                             generate_fn=slow_or_fast(400))
+        return res, await other
+
+    res, other = with_clients([server.url], both)
+    assert [g[0].label for g in res.groups] == ["random", "random"]
+    assert [g[0].label for g in res.leftover] == ["slow", "slow"]
+    m = res.metrics
+    assert m["rollout/groups_aborted"] == 2 and m["rollout/groups_leftover"] == 2 and m["rollout/abort_requests"] >= 2
+    for g in res.leftover:
+        for s in g:
+            assert status(s) == ABORTED and s.finish_reason == "abort" and s.reward is None
+            assert s.response_length < 400
+            assert len(s.rollout_logprobs) == len(s.loss_mask) == s.response_length
+    aborted_now = server.engine.stats["requests_aborted"] - aborted_before
+    assert 1 <= aborted_now <= 4  # the slow samples that had reached the engine, nothing else
+    assert [s.finish_reason for s in other[0]] == ["length", "length"]
+    assert [s.response_length for s in other[0]] == [60, 60]

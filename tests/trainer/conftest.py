@@ -1,0 +1,54 @@
+"""Fixtures of the trainer tests: tiny checkpoints, scenario runs (cached for the session, so
+test modules share one run per scenario), HF float64 references."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import free_port
+from tests.trainer.trainer_ref import (
+    hf_entropy,
+    hf_logprobs,
+    hf_model,
+    hf_policy_grad,
+    make_batch,
+    make_tiny_qwen3,
+    masked_token_mean,
+)
+from tests.trainer.trainer_scenarios import run_scenario
+
+
+@pytest.fixture(scope="session")
+def ckpts(tiny_qwen2, tiny_llama, tmp_path_factory) -> dict:
+    return {"qwen2": tiny_qwen2, "llama": tiny_llama,
+            "qwen3": make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))}
+
+
+@pytest.fixture(scope="session")
+def scenario(ckpts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer_scenarios")
+    cache: dict[str, list[dict]] = {}
+
+    def get(name: str, world: int) -> list[dict]:
+        if name not in cache:
+            cache[name] = run_scenario(name, world, free_port(), out, ckpts)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def ref(ckpts):
+    """HF float64 references on the fixed batch."""
+    batch = make_batch()
+    out = {}
+    for name, ckpt in ckpts.items():
+        model = hf_model(ckpt)
+        out[f"{name}/logp_t07"] = hf_logprobs(model, batch, temperature=0.7)
+        if name == "qwen2":
+            out["logp"] = hf_logprobs(model, batch)
+            out["entropy_mean"] = masked_token_mean(hf_entropy(model, batch), batch)
+            out["loss"], out["grad"] = hf_policy_grad(model, batch)
+    return out
+
+

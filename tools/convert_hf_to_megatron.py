@@ -1,0 +1,121 @@
+"""Convert an HF checkpoint folder to a Megatron distributed checkpoint (torch_dist, model only).
+
+    python tools/convert_hf_to_megatron.py --hf-checkpoint DIR --save OUT
+    torchrun --nproc-per-node 2 tools/convert_hf_to_megatron.py --hf-checkpoint DIR --save OUT
+
+Why a converter at all: the trainer can start from the HF folder directly, but a torch_dist
+checkpoint loads in parallel, at any TP (dist_checkpointing reshards), and is what Megatron-LM
+tools read. The TP used here does not constrain the TP of the run that loads it; it only decides
+how many processes share the work (one rank per TP shard, DP is pointless here).
+
+Writes OUT/iter_0000000/ (+ latest_checkpointed_iteration.txt), with the HF config, tokenizer and
+generation config copied into OUT/iter_0000000/hf/ for the reverse conversion. Model building, the
+HF<->Megatron name maps and the checks (unsupported model_type, config vs weights) are the
+trainer's own (slime_rl.trainer.model, .convert, .hf_io): nothing is duplicated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from slime_rl.trainer.convert import load_arch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dist_env() -> tuple[int, int, str, int]:
+    """(rank, world, master_addr, master_port) from torchrun's variables, or a world of one."""
+    if "WORLD_SIZE" in os.environ:
+        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                int(os.environ["MASTER_PORT"]))
+    return 0, 1, "127.0.0.1", _free_port()
+
+
+def check_layout(world: int, tp: int | None, pp: int) -> int:
+    """The TP size to use; raises SystemExit for layouts the trainer cannot build."""
+    if pp != 1:
+        raise SystemExit(f"--pipeline-model-parallel-size {pp}: the trainer builds PP=1 models only so far "
+                         "(slime_rl.trainer.worker); convert at PP=1 (dist_checkpointing reshards later)")
+    tp = tp or world
+    if world != tp:
+        raise SystemExit(f"--tensor-model-parallel-size {tp} with {world} processes: run exactly TP processes "
+                         "(one per shard)")
+    return tp
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hf-checkpoint", "--hf-dir", dest="hf_checkpoint", required=True,
+                   help="HF folder: config.json + *.safetensors")
+    p.add_argument("--save", "--out", dest="save", required=True, help="output checkpoint root")
+    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tensor_model_parallel_size", type=int,
+                   default=None, help="default: the number of processes")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=1,
+                   help="pad the vocab to a multiple of this x TP (the trainer's pad_vocab_multiple; "
+                        "the run that loads the checkpoint must pad to the same size)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="auto: bf16 if the safetensors are bf16, else fp32 (fp16 is upcast, losslessly)")
+    return p.parse_args(argv)
+
+
+def stored_dtype_is_bf16(hf_dir: str | Path) -> bool:
+    from safetensors import safe_open
+
+    from slime_rl.trainer.hf_io import safetensors_index
+
+    where = safetensors_index(hf_dir)
+    name, file = next(iter(where.items()))
+    with safe_open(file, framework="pt") as f:
+        return f.get_slice(name).get_dtype() == "BF16"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    hf = Path(args.hf_checkpoint)
+    # fail on an unsupported model_type / config before paying for megatron and process groups
+    load_arch(hf)
+    rank, world, addr, port = dist_env()
+    tp = check_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and stored_dtype_is_bf16(hf))
+
+    from tqdm import tqdm
+
+    from slime_rl.trainer import checkpoint, hf_io
+    from slime_rl.trainer.model import build_from_checkpoint
+    from slime_rl.trainer.parallel import init_parallel, teardown_parallel
+
+    t0 = time.perf_counter()
+    init_parallel(rank, world, addr, port, tp_size=tp, pp_size=1)
+    try:
+        with tqdm(total=3, desc="hf->megatron", unit="stage", disable=rank != 0, file=sys.stderr) as bar:
+            arch, gpt = build_from_checkpoint(hf, bf16=bf16, tp_size=tp,
+                                              pad_vocab_multiple=args.make_vocab_size_divisible_by)
+            bar.update(1)
+            # strict both ways: every parameter written, every registry tensor present, shapes checked
+            hf_io.load_hf_weights(gpt, hf, arch)
+            bar.update(1)
+            extra = {"source_hf_checkpoint": str(hf.resolve()), "model_type": arch.model_type,
+                     "padded_vocab_size": arch.padded_vocab_size, "vocab_size": arch.vocab_size,
+                     "dtype": "bf16" if bf16 else "fp32", "converted_at_tp": tp}
+            out = checkpoint.save_checkpoint(args.save, 0, [gpt], None, None, extra, save_rng=False, hf_dir=hf)
+            bar.update(1)
+    finally:
+        teardown_parallel()
+    if rank == 0:
+        print(f"wrote {out} ({arch.model_type}, TP={tp}, padded vocab {arch.padded_vocab_size}) "
+              f"in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+if __name__ == "__main__":
+    main()
