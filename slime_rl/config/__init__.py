@@ -11,12 +11,13 @@ from slime_rl.config.groups import (
     OptimizerConfig,
     ParallelConfig,
     RolloutConfig,
+    TrainerConfig,
     WeightSyncConfig,
 )
 from slime_rl.config.load import ConfigError, build_config, parse_flags
 
 __all__ = [
     "AlgoConfig", "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EngineConfig",
-    "EvalConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig",
+    "EvalConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig", "TrainerConfig",
     "WeightSyncConfig", "build_config", "parse_flags",
 ]

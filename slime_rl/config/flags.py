@@ -21,6 +21,7 @@ OWN_SGLANG_FLAGS = ("--sglang-server-concurrency",)
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 
 
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism (Megatron names)")
     g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs TP > 1)")
     g.add_argument("--actor-num-nodes", type=_positive_int, default=1)
     g.add_argument("--actor-num-gpus-per-node", type=_positive_int, default=1,
                    help="trainer ranks per node (CPU processes when there is no GPU)")
@@ -66,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=_positive_int, default=1)
     g.add_argument("--global-batch-size", type=_positive_int, default=None,
                    help="samples per optimizer step; default: one step per rollout")
+    g.add_argument("--use-dynamic-batch-size", action="store_true",
+                   help="fill micro-batches up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples")
+    g.add_argument("--max-tokens-per-gpu", type=_positive_int, default=None)
+    g.add_argument("--no-pack-sequences", dest="pack_sequences", action="store_false",
+                   help="right-padded micro-batches instead of packed (THD) sequences")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-num-layers", type=_positive_int, default=None)
 
     g = p.add_argument_group("optimizer (Megatron names)")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
@@ -156,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlong-penalty-factor", type=_nonneg_float, default=1.0)
     g.add_argument("--eps-clip", type=float, default=0.2)
     g.add_argument("--eps-clip-high", type=float, default=None, help="default: --eps-clip")
+    g.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean",
+                   help="token-mean: over all tokens of the global batch (DAPO); seq-mean-*: per sample first")
     g.add_argument("--kl-loss-coef", type=_nonneg_float, default=0.0)
     g.add_argument("--kl-loss-type", choices=KL_LOSS_TYPES, default="low_var_kl")
 

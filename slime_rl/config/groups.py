@@ -30,6 +30,23 @@ class BatchConfig:
 
 
 @dataclass(frozen=True)
+class TrainerConfig:
+    """How the trainer lays out work: packing, token budgets, sequence parallel, recompute, loss
+    aggregation. Passed to TrainerWorker as keyword arguments of the same names."""
+
+    pack_sequences: bool = True
+    use_dynamic_batch_size: bool = False
+    max_tokens_per_gpu: int | None = None
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    loss_agg_mode: str = "token-mean"
+    # seq-mean-token-sum-norm (Dr.GRPO) divides by a constant horizon: the response budget
+    loss_agg_max_len: int | None = None
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
     optimizer: str = "adam"
     lr: float = 1e-6
@@ -161,6 +178,7 @@ class LoggingConfig:
 class Config:
     parallel: ParallelConfig
     batch: BatchConfig
+    trainer: TrainerConfig
     optimizer: OptimizerConfig
     model: ModelConfig
     algo: AlgoConfig

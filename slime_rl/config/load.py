@@ -30,6 +30,7 @@ from slime_rl.config.groups import (
     OptimizerConfig,
     ParallelConfig,
     RolloutConfig,
+    TrainerConfig,
     WeightSyncConfig,
 )
 
@@ -158,8 +159,12 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            f"--tensor-model-parallel-size ({a.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
            f"({a.pipeline_model_parallel_size}) must divide the trainer world size "
            f"--actor-num-nodes x --actor-num-gpus-per-node = {parallel.world_size}")
-    _check(parallel.pipeline_model_parallel_size == 1,
-           "--pipeline-model-parallel-size > 1 is not supported yet (trainer parallelism issue)")
+    _check(not a.sequence_parallel or a.tensor_model_parallel_size > 1,
+           "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    _check(not a.sequence_parallel or a.pack_sequences, "--sequence-parallel needs packed sequences "
+           "(drop --no-pack-sequences)")
+    _check(not a.use_dynamic_batch_size or a.max_tokens_per_gpu is not None,
+           "--use-dynamic-batch-size needs --max-tokens-per-gpu")
 
     samples = rbs * a.n_samples_per_prompt
     gbs = a.global_batch_size or samples
@@ -203,6 +208,9 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     return Config(
         parallel=parallel,
         batch=BatchConfig(a.micro_batch_size, gbs),
+        trainer=TrainerConfig(a.pack_sequences, a.use_dynamic_batch_size, a.max_tokens_per_gpu, a.sequence_parallel,
+                              a.recompute_granularity, a.recompute_method, a.recompute_num_layers, a.loss_agg_mode,
+                              a.rollout_max_response_len),
         optimizer=OptimizerConfig(a.optimizer, a.lr, a.min_lr, a.lr_decay_style, a.lr_warmup_iters,
                                   a.lr_decay_iters, a.weight_decay, a.clip_grad, a.adam_beta1,
                                   a.adam_beta2, a.adam_eps),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -10,7 +11,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime_rl.config import Config
 from slime_rl.orchestration.placement import dp_shard
-from slime_rl.weight_sync.broadcast import EngineTarget, WeightBroadcaster
+from slime_rl.weight_sync.broadcast import GROUP_NAME, EngineTarget, WeightBroadcaster
 
 
 def _select(batch: dict[str, Any], indices: list[int]) -> dict[str, Any]:
@@ -42,15 +43,17 @@ class TrainerActor:
 
         self.cfg = cfg
         self.worker = TrainerWorker(self.rank, self.world_size, master_addr, master_port, cfg.parallel, cfg.batch,
-                                    cfg.optimizer, cfg.model, cfg.algo, train_iters)
+                                    cfg.optimizer, cfg.model, cfg.algo, train_iters,
+                                    **dataclasses.asdict(cfg.trainer))
 
     def connect_engines(self, targets: list[EngineTarget], master_addr: str, master_port: int,
                         world_size: int) -> None:
         import torch
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.broadcaster = WeightBroadcaster(targets, self.cfg.weight_sync, self.rank == 0, master_addr,
-                                             master_port, world_size, backend)
+        self.broadcaster = WeightBroadcaster(targets, self.cfg.weight_sync, self.worker.is_weight_source,
+                                             master_addr, master_port, world_size, backend,
+                                             group_name=f"{GROUP_NAME}_pp{self.worker.pp_rank}")
         self.broadcaster.connect()
 
     def train(self, step: int, buffer) -> dict[str, float]:
@@ -60,8 +63,19 @@ class TrainerActor:
         return self.worker.train_step(_select(batch, idx))
 
     def sync_weights(self, version: str) -> dict[str, float]:
+        """All ranks: pause the engines (rank 0), every stage's source sends its layers, continue."""
+        import torch.distributed as dist
+
         assert self.broadcaster is not None, "connect_engines first"
-        return self.broadcaster.sync(self.worker.iter_hf_weights(), version)
+        if self.rank == 0:
+            self.broadcaster.pause_engines()
+        dist.barrier()
+        try:
+            return self.broadcaster.sync(self.worker.iter_hf_weights(), version)
+        finally:
+            dist.barrier()
+            if self.rank == 0:
+                self.broadcaster.continue_engines()
 
     def hf_weights(self) -> dict[str, Any]:
         """Every HF-named tensor as numpy (all ranks must call: the gathers are collective)."""
@@ -93,17 +107,27 @@ class TrainerGroup:
         ray.get([a.init.remote(self.cfg, addr, port, train_iters, threads) for a in self.actors])
 
     def connect_engines(self, targets: list[EngineTarget], world_size: int) -> None:
-        addr, port = ray.get(self.actors[0].master_address.remote())
-        ray.get([a.connect_engines.remote(targets, addr, port, world_size) for a in self.actors])
+        # each PP stage's source hosts its own group's rendezvous
+        addrs = ray.get([a.master_address.remote() for a in self.actors])
+        ray.get([a.connect_engines.remote(targets, addr, port, world_size)
+                 for a, (addr, port) in zip(self.actors, addrs, strict=True)])
 
     def train(self, step: int, buffer) -> dict[str, float]:
         return ray.get([a.train.remote(step, buffer) for a in self.actors])[0]
 
     def sync_weights(self, version: str) -> dict[str, float]:
-        return ray.get([a.sync_weights.remote(version) for a in self.actors])[0]
+        """Bandwidth = bytes of every stage / the slowest stage's time (the stages send at once)."""
+        results = [r for r in ray.get([a.sync_weights.remote(version) for a in self.actors]) if r]
+        total = sum(r["weight_sync/bytes"] for r in results)
+        seconds = max(r["weight_sync/seconds"] for r in results)
+        return {"weight_sync/bytes": total, "perf/weight_sync_GBps": total / seconds / 1e9}
 
     def hf_weights(self) -> dict[str, Any]:
-        return ray.get([a.hf_weights.remote() for a in self.actors])[0]
+        """The union over ranks: with PP each stage holds only its own layers."""
+        merged: dict[str, Any] = {}
+        for part in ray.get([a.hf_weights.remote() for a in self.actors]):
+            merged |= part
+        return merged
 
     def shutdown(self) -> None:
         ray.get([a.shutdown.remote() for a in self.actors])

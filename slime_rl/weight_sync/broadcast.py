@@ -53,10 +53,16 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
 
 
 class WeightBroadcaster:
-    """One per trainer rank. `connect()` once, then `sync(version)` after every update."""
+    """One per trainer rank. `connect()` once, then `sync(version)` after every update.
+
+    With pipeline parallelism every stage has its own source rank and its own group (named per
+    stage), each joined by every engine device at the same rank offsets; the stages send their
+    own layers, concurrently. The caller pauses the engines before and continues them after all
+    stages are done (trainer_group does it around a barrier)."""
 
     def __init__(self, engines: Sequence[EngineTarget], cfg: WeightSyncConfig, is_source: bool, master_addr: str,
-                 master_port: int, world_size: int, backend: str) -> None:
+                 master_port: int, world_size: int, backend: str, group_name: str = GROUP_NAME) -> None:
+        self.group_name = group_name
         self.engines = list(engines)
         self.cfg = cfg
         self.is_source = is_source
@@ -74,10 +80,10 @@ class WeightBroadcaster:
         futures = [
             self._pool.submit(c.init_weights_update_group, master_address=self.master_addr,
                               master_port=self.master_port, rank_offset=e.rank_offset, world_size=self.world_size,
-                              group_name=GROUP_NAME, backend=self.backend)
+                              group_name=self.group_name, backend=self.backend)
             for c, e in zip(self._clients, self.engines, strict=True)
         ]
-        self.group = init_custom_group(self.master_addr, self.master_port, 0, self.world_size, GROUP_NAME,
+        self.group = init_custom_group(self.master_addr, self.master_port, 0, self.world_size, self.group_name,
                                        self.backend)
         for f in futures:
             _check_ok(f.result(), "init_weights_update_group")
@@ -90,30 +96,33 @@ class WeightBroadcaster:
             for _ in named_weights:  # take part in the TP/PP gathers that produce the tensors
                 pass
             return {}
+        for bucket in buckets(named_weights, self.cfg.update_weight_buffer_size):
+            names = [n for n, _ in bucket]
+            futures = [
+                self._pool.submit(c.update_weights_from_distributed, names=names,
+                                  dtypes=[dtype_name(t.dtype) for _, t in bucket],
+                                  shapes=[list(t.shape) for _, t in bucket], group_name=self.group_name,
+                                  flush_cache=True, weight_version=version, load_format="flattened_bucket")
+                for c in self._clients
+            ]
+            # one broadcast per bucket (SGLang's flattened bucket): per-tensor calls would pay a
+            # collective's latency for every bias and norm
+            flat = flatten_bucket(bucket)
+            broadcast(self.group, flat, 0)
+            total += flat.numel()
+            for f in futures:
+                _check_ok(f.result(), "update_weights_from_distributed")
+        seconds = time.perf_counter() - start
+        return {"weight_sync/bytes": float(total), "weight_sync/seconds": seconds}
+
+    def pause_engines(self) -> None:
+        """SGLang's /pause_generation on every engine: nothing generates while weights change."""
         for c in self._clients:
             c.pause_generation()
-        try:
-            for bucket in buckets(named_weights, self.cfg.update_weight_buffer_size):
-                names = [n for n, _ in bucket]
-                futures = [
-                    self._pool.submit(c.update_weights_from_distributed, names=names,
-                                      dtypes=[dtype_name(t.dtype) for _, t in bucket],
-                                      shapes=[list(t.shape) for _, t in bucket], group_name=GROUP_NAME,
-                                      flush_cache=True, weight_version=version, load_format="flattened_bucket")
-                    for c in self._clients
-                ]
-                # one broadcast per bucket (SGLang's flattened bucket): per-tensor calls would pay a
-                # collective's latency for every bias and norm
-                flat = flatten_bucket(bucket)
-                broadcast(self.group, flat, 0)
-                total += flat.numel()
-                for f in futures:
-                    _check_ok(f.result(), "update_weights_from_distributed")
-        finally:
-            for c in self._clients:
-                c.continue_generation()
-        seconds = time.perf_counter() - start
-        return {"perf/weight_sync_GBps": total / seconds / 1e9, "weight_sync/bytes": float(total)}
+
+    def continue_engines(self) -> None:
+        for c in self._clients:
+            c.continue_generation()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -57,11 +57,15 @@ def test_two_steps_write_metrics_and_logprobs_agree(ray_session, tiny_qwen2, dig
     assert lines[1]["perf/weight_sync_GBps"] > 0
 
 
-def test_engine_weights_equal_trainer_after_sync(ray_session, tiny_qwen2, digit_data, tmp_path):
+@pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]],
+                         ids=["tp2", "pp2"])
+def test_engine_weights_equal_trainer_after_sync(ray_session, tiny_qwen2, digit_data, tmp_path, layout):
+    """TP=2: one source gathers the shards. PP=2: each stage's source sends its own layers through
+    its own group; either way the engine ends with every tensor of the trainer, bit for bit."""
     from slime_rl.orchestration.cluster import Cluster
 
     # a reward that always differs within a group: the update must move the weights
-    cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1)
+    cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1) + layout
                        + ["--custom-rm-path", "tests.unit.plugins.example_reward:index_reward"])
     cluster = Cluster(cfg, preflight(cfg), api_key="test-secret")
     try:
