@@ -30,10 +30,17 @@ except ImportError:  # pragma: no cover - depends on the torch build
 from megatron.core.transformer.module import MegatronModule
 
 
+def _varlen_params() -> set[str]:
+    return set(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else set()
+
+
 def _varlen_causal_kwargs() -> dict:
     # torch 2.11 spells causality `is_causal=True`; later versions a (left, right) window
-    params = inspect.signature(_varlen_attn).parameters if _varlen_attn is not None else {}
-    return {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return {"is_causal": True} if "is_causal" in _varlen_params() else {"window_size": (-1, 0)}
+
+
+# torch 2.11's varlen_attn has no enable_gqa (seen on the H200 machines): expand k/v heads there
+_VARLEN_GQA = "enable_gqa" in _varlen_params()
 
 
 class SDPACoreAttention(MegatronModule):
@@ -75,10 +82,16 @@ class SDPACoreAttention(MegatronModule):
         assert torch.equal(cu_q, cu_k), "self-attention packs need cu_seqlens_q == cu_seqlens_kv"
         if (_varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
                 and self.dropout_p == 0.0):
+            gqa = self.heads != self.groups
+            kwargs = dict(self._varlen_kwargs)
+            if gqa and _VARLEN_GQA:
+                kwargs["enable_gqa"] = True
+            elif gqa:  # [t, ng, hn] -> [t, np, hn]: query head i reads kv head i // (np / ng)
+                k = k.repeat_interleave(self.heads // self.groups, dim=1)
+                v = v.repeat_interleave(self.heads // self.groups, dim=1)
             return _varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32),
                                 int(packed_seq_params.max_seqlen_q), int(packed_seq_params.max_seqlen_kv),
-                                scale=self.softmax_scale, enable_gqa=self.heads != self.groups,
-                                **self._varlen_kwargs)
+                                scale=self.softmax_scale, **kwargs)
         # CPU / fp32: one causal SDPA per sample; tokens past cu[-1] (pack padding) attend causally
         # among themselves, their outputs are never read
         bounds = cu_q.tolist()

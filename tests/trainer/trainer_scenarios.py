@@ -160,9 +160,24 @@ SCENARIOS = {"tp1": scenario_tp1, "tp2": scenario_tp2, "dp2": scenario_dp2}
 
 
 def run_scenario(name: str, world: int, port: int, out: Path, ckpts: dict[str, Path],
-                 timeout: float = 300) -> list[dict]:
+                 timeout: float = 300, tries: int = 3) -> list[dict]:
     """Run a scenario in `world` processes; returns each rank's record (raises with the logs).
-    `ckpts` maps family -> HF folder (qwen2, llama, qwen3)."""
+    `ckpts` maps family -> HF folder (qwen2, llama, qwen3). A free port can be taken by another
+    process before rank 0 binds it (seen on the GPU machine): then run again on a new port."""
+    from tests.conftest import free_port
+
+    for attempt in range(tries):
+        try:
+            return _run_scenario_once(name, world, port, out, ckpts, timeout)
+        except RuntimeError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == tries - 1:
+                raise
+            port = free_port()
+    raise AssertionError("unreachable")
+
+
+def _run_scenario_once(name: str, world: int, port: int, out: Path, ckpts: dict[str, Path],
+                       timeout: float) -> list[dict]:
     ckpt_json = json.dumps({k: str(v) for k, v in ckpts.items()})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen(
