@@ -68,12 +68,13 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     cluster = Cluster(cfg, plan, api_key=secrets.token_hex(16))
     try:
         cluster.start(train_iters=n_steps * steps_per_rollout)
-        if cfg.eval.enabled and not cfg.eval.skip_before_train:
+        first = cluster.resume()
+        if cfg.eval.enabled and not cfg.eval.skip_before_train and first == 0:
             with timer("eval"):
                 row = logger.log(-1, cluster.evaluate() | timer.pop())  # step -1: before any update
             print(f"eval before training: {row}", flush=True)
-        pending = cluster.generate_async(0)
-        for step in range(n_steps):
+        pending = cluster.generate_async(first) if first < n_steps else None
+        for step in range(first, n_steps):
             start = time.perf_counter()
             with timer("rollout"):
                 metrics = cluster.wait(pending)
@@ -93,6 +94,10 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
                     cluster.wait_done(pending)
                 with timer("eval"):
                     metrics |= cluster.evaluate()
+            ckpt = cfg.checkpoint
+            if ckpt.save and ((ckpt.save_interval and (step + 1) % ckpt.save_interval == 0) or step + 1 == n_steps):
+                with timer("save"):
+                    cluster.save(step)  # the rollout side is saved as it was before rollout step + 1
             if pending is None and step + 1 < n_steps:
                 pending = cluster.generate_async(step + 1)
             metrics |= timer.pop()

@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints (Megatron names)")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=_positive_int, default=None)
+    g.add_argument("--save-interval", type=_positive_int, default=None, help="steps between saves (and at the end)")
+    g.add_argument("--keep-last", type=_positive_int, default=None, help="keep only the newest N checkpoints")
 
     g = p.add_argument_group("model and data")
     g.add_argument("--hf-checkpoint", default=None, help="HF model folder (config, safetensors, tokenizer)")
@@ -114,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument("--rollout-seed", type=int, default=42)
+    g.add_argument("--deterministic-rollout", action="store_true",
+                   help="seed every request (SGLang sampling_seed) from --rollout-seed and the sample index: "
+                        "rollouts then repeat across engine restarts and resumes")
     g.add_argument("--num-rollout", type=_positive_int, default=None, help="training steps")
     g.add_argument("--rollout-stop", nargs="+", default=None, help="stop strings")
     g.add_argument("--rollout-stop-token-ids", nargs="+", type=int, default=None)

@@ -122,6 +122,7 @@ class RolloutConfig:
     mask_offpolicy_in_partial_rollout: bool = False
     rollout_deadline_s: float | None = None
     custom_generate_function_path: str | None = None
+    sample_seed: int | None = None  # set from --rollout-seed by --deterministic-rollout
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ class CheckpointConfig:
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
+    keep_last: int | None = None
 
 
 @dataclass(frozen=True)

@@ -196,9 +196,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.save_interval is None or a.save is not None, "--save-interval needs --save")
     _check(not a.mask_offpolicy_in_partial_rollout or a.partial_rollout,
            "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
-    # Refuse rather than silently ignore: a run that believes it is checkpointing must not lose days.
-    _check(a.save is None and a.load is None,
-           "--save/--load: Megatron checkpoints are not implemented yet (checkpoint issue); run without them")
+    _check(a.keep_last is None or a.save is not None, "--keep-last needs --save")
     for flag, module in (("--use-wandb", "wandb"), ("--use-tensorboard", "tensorboard")):
         if getattr(a, flag[2:].replace("-", "_")):
             _check(importlib.util.find_spec(module) is not None,
@@ -227,10 +225,11 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
                               tuple(a.rollout_stop_token_ids or ()), a.rollout_max_context_len,
                               a.over_sampling_batch_size, a.dynamic_sampling_filter_path, a.partial_rollout,
                               a.mask_offpolicy_in_partial_rollout, a.rollout_deadline_s,
-                              a.custom_generate_function_path),
+                              a.custom_generate_function_path,
+                              a.rollout_seed if a.deterministic_rollout else None),
         engine=EngineConfig(a.rollout_backend, a.rollout_num_gpus, a.rollout_num_gpus_per_engine, sglang),
         weight_sync=WeightSyncConfig(a.update_weight_buffer_size),
-        checkpoint=CheckpointConfig(a.save, a.load, a.save_interval),
+        checkpoint=CheckpointConfig(a.save, a.load, a.save_interval, a.keep_last),
         logging=LoggingConfig(run_dir, a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_mode,
                               a.use_tensorboard),
         eval=_eval_config(a, check_paths),

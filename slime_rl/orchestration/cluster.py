@@ -81,6 +81,32 @@ class Cluster:
     def wait_done(self, ref) -> None:
         ray.wait([ref], num_returns=1, timeout=None, fetch_local=False)
 
+    def save(self, step: int) -> str:
+        """Checkpoint after `step`: trainer state (every rank) + the rollout side's position."""
+        ckpt = self.cfg.checkpoint
+        rollout_state = ray.get(self.rollout_manager.state_before.remote(step + 1))
+        path = self.trainers.save_checkpoint(ckpt.save, step, {"rollout_id": step, "rollout": rollout_state})
+        if ckpt.keep_last is not None:
+            from slime_rl.trainer.checkpoint import keep_last
+
+            keep_last(ckpt.save, ckpt.keep_last)
+        return path
+
+    def resume(self) -> int:
+        """--load: restore the newest complete checkpoint and push its weights to the engines.
+        Returns the first step to run (0 when there is nothing to resume)."""
+        if not self.cfg.checkpoint.load:
+            return 0
+        extra = self.trainers.load_latest_checkpoint(self.cfg.checkpoint.load)
+        if extra is None:
+            print(f"[slime_rl] --load {self.cfg.checkpoint.load}: no complete checkpoint yet, starting fresh")
+            return 0
+        ray.get(self.rollout_manager.load_state_dict.remote(extra["rollout"]))
+        step = int(extra["rollout_id"]) + 1
+        self.sync_weights(version=str(step))
+        print(f"[slime_rl] resumed from step {step - 1} ({self.cfg.checkpoint.load})")
+        return step
+
     def evaluate(self) -> dict[str, float]:
         return ray.get(self.rollout_manager.evaluate.remote())
 

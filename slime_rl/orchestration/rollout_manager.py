@@ -3,6 +3,7 @@ trainer's batch (GRPO advantages included) and puts it in the Buffer."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import replace
 from typing import Any
@@ -85,6 +86,7 @@ class RolloutManager:
         self.options = RolloutOptions.from_config(cfg.rollout)
         self.eval_sets = {name: PromptDataset(replace(cfg.data, prompt_data=path, rollout_shuffle=False),
                                               self.tokenizer).rows for name, path in cfg.eval.datasets}
+        self._state_before: dict[int, dict[str, Any]] = {}
         self.leftover: list[list[Sample]] = []  # partial rollout: groups cut last step, continued first
         self.next_index = 0
         self.next_group = 0
@@ -97,6 +99,8 @@ class RolloutManager:
         batch in the buffer, return the rollout metrics. An async actor: Ray runs its methods on one
         event loop, so the HTTP fan-out is awaited here."""
         start = time.time()
+        # a checkpoint taken after step - 1 must hold the rollout side as it was before this rollout
+        self._state_before = {step: self.state_dict()}
         clients = self._clients()
         try:
             result = await generate_filtered_groups(
@@ -132,4 +136,15 @@ class RolloutManager:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data": self.dataset.state_dict(), "next_index": self.next_index, "next_group": self.next_group}
+        """JSON-able: data position, sample/group counters, and the partial groups to continue."""
+        return {"data": self.dataset.state_dict(), "next_index": self.next_index, "next_group": self.next_group,
+                "leftover": [[dataclasses.asdict(s) for s in g] for g in self.leftover]}
+
+    def state_before(self, step: int) -> dict[str, Any]:
+        """The state as it was before rollout `step` started (now, if it has not started)."""
+        return self._state_before.get(step) or self.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state["data"])
+        self.next_index, self.next_group = int(state["next_index"]), int(state["next_group"])
+        self.leftover = [[Sample(**s) for s in g] for g in state.get("leftover", [])]

@@ -77,6 +77,12 @@ class TrainerActor:
             if self.rank == 0:
                 self.broadcaster.continue_engines()
 
+    def save_checkpoint(self, root: str, step: int, extra: dict) -> str:
+        return self.worker.save_checkpoint(root, step, extra)
+
+    def load_latest_checkpoint(self, root: str) -> dict | None:
+        return self.worker.load_latest_checkpoint(root)
+
     def hf_weights(self) -> dict[str, Any]:
         """Every HF-named tensor as numpy (all ranks must call: the gathers are collective)."""
         return {name: t.detach().float().cpu().numpy() for name, t in self.worker.iter_hf_weights()}
@@ -121,6 +127,12 @@ class TrainerGroup:
         total = sum(r["weight_sync/bytes"] for r in results)
         seconds = max(r["weight_sync/seconds"] for r in results)
         return {"weight_sync/bytes": total, "perf/weight_sync_GBps": total / seconds / 1e9}
+
+    def save_checkpoint(self, root: str, step: int, extra: dict) -> str:
+        return ray.get([a.save_checkpoint.remote(root, step, extra) for a in self.actors])[0]
+
+    def load_latest_checkpoint(self, root: str) -> dict | None:
+        return ray.get([a.load_latest_checkpoint.remote(root) for a in self.actors])[0]
 
     def hf_weights(self) -> dict[str, Any]:
         """The union over ranks: with PP each stage holds only its own layers."""

@@ -55,7 +55,8 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
                                    progress: bool = False) -> RolloutResult:
     """Exactly `opts.rollout_batch_size` kept groups (fewer only at the deadline or when `next_rows`
     returns nothing), plus leftover groups and metrics. `next_rows(k)` returns up to k rows."""
-    pool = ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len)
+    pool = ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len,
+                      sample_seed=opts.sample_seed)
     gen = generate_fn or load_generate_function(opts.custom_generate_function_path)
     keep = filter_fn or load_filter(opts.dynamic_sampling_filter_path)
     params = sampling_params(opts)

@@ -32,6 +32,7 @@ class RolloutOptions:
     mask_offpolicy_in_partial_rollout: bool = False
     custom_generate_function_path: str | None = None
     rollout_deadline_s: float | None = None   # cut the rollout after this long (partial rollout keeps the cut)
+    sample_seed: int | None = None            # --deterministic-rollout: per-request sampling_seed from this
     extra_sampling_params: dict[str, Any] = field(default_factory=dict)  # passed through as given
 
     def __post_init__(self) -> None:

@@ -91,7 +91,10 @@ class ClientPool:
     """
 
     def __init__(self, clients: Sequence[AsyncEngineClient], tokenizer: Any, per_engine: int = 64,
-                 max_context_len: int | None = None) -> None:
+                 max_context_len: int | None = None, sample_seed: int | None = None) -> None:
+        # sample_seed: every request carries SGLang's sampling_seed, drawn from this seed, the sample's
+        # index and its length so far, so tokens depend on neither batching, engine nor restarts
+        self.sample_seed = sample_seed
         self.balancer = LoadBalancer(clients, per_engine)
         self.tokenizer = tokenizer
         self.max_context_len = max_context_len
@@ -129,6 +132,9 @@ class ClientPool:
                 return stopped_response("rollout stopped before the request was sent")
             self._group_engines.setdefault(sample.group_index, set()).add(i)
             rid = request_id(self.nonce, sample.group_index, sample.index, next(self._n))
+            if self.sample_seed is not None:
+                seed = (self.sample_seed * 1_000_003 + sample.index * 7919 + len(input_ids)) % (2**31 - 1)
+                sampling_params = {**sampling_params, "sampling_seed": seed}
             return await self.balancer.clients[i].generate(input_ids=list(input_ids), sampling_params=sampling_params,
                                                            return_logprob=True, rid=rid)
         finally:

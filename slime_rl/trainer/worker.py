@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
-from slime_rl.trainer import cpu_compat, hf_io
+from slime_rl.trainer import checkpoint, cpu_compat, hf_io
 from slime_rl.trainer.batching import MicroBatch, chunks, validate_batch
 from slime_rl.trainer.loss_agg import GlobalCounts, check_mode, local_counts, token_weights
 from slime_rl.trainer.micro import MicroBatching, collect_per_sample
@@ -299,6 +299,23 @@ class TrainerWorker:
 
     def hf_weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         return hf_io.hf_weight_metadata(self.gpt, self.arch)
+
+    def save_checkpoint(self, root: str, step: int, extra: dict) -> str:
+        """Megatron torch_dist checkpoint of model, optimizer, scheduler and RNG (+ `extra`), atomic;
+        every rank calls it. Returns the folder."""
+        self._compat()
+        path = checkpoint.save_checkpoint(root, step, [self.model], self.optimizer, self.scheduler, extra,
+                                          hf_dir=self.model_cfg.hf_checkpoint)
+        return str(path)
+
+    def load_latest_checkpoint(self, root: str) -> dict | None:
+        """Load the newest complete checkpoint under `root` (incomplete saves are skipped); returns its
+        `extra`, or None when there is none yet (a fresh run that will save there)."""
+        self._compat()
+        path = checkpoint.latest_checkpoint(root)
+        if path is None:
+            return None
+        return checkpoint.load_checkpoint(path, [self.model], self.optimizer, self.scheduler)
 
     def shutdown(self) -> None:
         self._compat()

@@ -37,7 +37,7 @@ def test_global_batch_defaults_to_one_step_per_rollout(tmp_path):
     (["--lr", "-1"], "--lr"),
     (["--sglang-mem-fraction-static", "0.8"], "--sglang-"),
     (["--no-such-flag", "1"], "--no-such-flag"),
-    (["--save", "/tmp/ckpt"], "--save"),
+    (["--keep-last", "2"], "--keep-last"),
 ])
 def test_bad_flag_values_name_the_flag(tmp_path, extra, flag):
     with pytest.raises(ConfigError) as err:
