@@ -19,7 +19,7 @@ ROUTER_PREFIX = "--router-"
 OWN_SGLANG_FLAGS = ("--sglang-server-concurrency",)
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ROLLOUT_BACKENDS = ("embedded", "sglang")
@@ -172,7 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eps-clip-high", type=float, default=None, help="default: --eps-clip")
     g.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean",
                    help="token-mean: over all tokens of the global batch (DAPO); seq-mean-*: per sample first")
+    g.add_argument("--eps-clip-c", type=float, default=None, help="dual-clip constant c > 1 (for A < 0)")
+    g.add_argument("--use-kl-loss", action="store_true", help="KL to the reference model in the loss")
     g.add_argument("--kl-loss-coef", type=_nonneg_float, default=0.0)
+    g.add_argument("--kl-coef", type=_nonneg_float, default=0.0,
+                   help="KL to the reference folded into token rewards (REINFORCE++)")
+    g.add_argument("--gamma", type=float, default=1.0, help="discount for REINFORCE++ token returns")
+    g.add_argument("--entropy-coef", type=_nonneg_float, default=0.0, help="entropy bonus in the loss")
+    g.add_argument("--use-tis", action="store_true",
+                   help="truncated importance sampling against the engine's log-probs")
+    g.add_argument("--tis-clip", type=float, default=2.0)
+    g.add_argument("--tis-clip-low", type=float, default=0.0)
     g.add_argument("--kl-loss-type", choices=KL_LOSS_TYPES, default="low_var_kl")
 
     g = p.add_argument_group("logging")

@@ -80,10 +80,24 @@ class AlgoConfig:
     normalize_group_std: bool = True
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
+    eps_clip_c: float | None = None
+    use_kl_loss: bool = False
+    kl_coef: float = 0.0  # reward-shaping KL (REINFORCE++), not a loss term
+    gamma: float = 1.0
+    entropy_coef: float = 0.0
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+
+    @property
+    def token_level_advantages(self) -> bool:
+        """Estimators whose advantages the trainer computes per token (they need log-probs or
+        whitening over the whole batch); the others arrive as one scalar per sample."""
+        return self.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
     @property
     def use_reference(self) -> bool:
-        return self.kl_loss_coef > 0
+        return self.use_kl_loss or self.kl_loss_coef > 0 or self.kl_coef > 0
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,13 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.overlong_buffer_len <= a.rollout_max_response_len,
            f"--overlong-buffer-len ({a.overlong_buffer_len}) must be <= --rollout-max-response-len "
            f"({a.rollout_max_response_len})")
+    _check(a.eps_clip_c is None or a.eps_clip_c > 1, f"--eps-clip-c must be > 1, got {a.eps_clip_c}")
+    _check(a.tis_clip > 0 and 0 <= a.tis_clip_low <= a.tis_clip,
+           f"--tis-clip-low ({a.tis_clip_low}) must be in [0, --tis-clip ({a.tis_clip})]")
+    _check(0 < a.gamma <= 1, f"--gamma must be in (0, 1], got {a.gamma}")
+    _check(a.kl_coef == 0 or a.advantage_estimator == "reinforce_plus_plus",
+           "--kl-coef (KL in the rewards) is used by --advantage-estimator reinforce_plus_plus; "
+           "use --use-kl-loss --kl-loss-coef for a KL loss")
     _check(a.lr > 0, f"--lr must be > 0, got {a.lr}")
     _check(0 <= a.min_lr <= a.lr, f"--min-lr must be in [0, --lr], got {a.min_lr}")
     _check(0 <= a.adam_beta1 < 1, f"--adam-beta1 must be in [0, 1), got {a.adam_beta1}")
@@ -215,7 +222,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         model=ModelConfig(hf, a.bf16, a.seed),
         algo=AlgoConfig(a.advantage_estimator, a.eps_clip, eps_high, a.kl_loss_coef, a.kl_loss_type,
                         a.rollout_temperature, not a.disable_grpo_std_normalization, a.overlong_buffer_len,
-                        a.overlong_penalty_factor),
+                        a.overlong_penalty_factor, a.eps_clip_c, a.use_kl_loss, a.kl_coef, a.gamma,
+                        a.entropy_coef, a.use_tis, a.tis_clip, a.tis_clip_low),
         data=DataConfig(prompt_data, a.input_key, a.label_key, a.apply_chat_template, a.rollout_shuffle,
                         a.rollout_max_prompt_len, a.rollout_seed),
         rollout=RolloutConfig(rbs, a.n_samples_per_prompt, a.rollout_max_response_len,

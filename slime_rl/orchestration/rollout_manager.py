@@ -36,8 +36,13 @@ def shaped_rewards(groups: list[list[Sample]], algo: AlgoConfig, max_response_le
 
 def group_advantages(rewards: torch.Tensor, algo: AlgoConfig) -> torch.Tensor:
     """[G, n] -> [G, n] scalar advantages (broadcast to tokens by the trainer)."""
-    if algo.advantage_estimator == "grpo":
+    if algo.advantage_estimator in ("grpo", "gspo"):  # GSPO: GRPO's advantages, a sequence-level ratio
         return grpo_advantages(rewards, normalize_std=algo.normalize_group_std)
+    if algo.advantage_estimator == "reinforce_plus_plus_baseline":
+        # group-mean baseline here; the trainer whitens over every token of the batch
+        return rewards - rewards.mean(dim=1, keepdim=True)
+    if algo.advantage_estimator == "reinforce_plus_plus":
+        return torch.zeros_like(rewards)  # token returns are built by the trainer from the rewards
     if algo.advantage_estimator == "rloo":
         return rloo_advantages(rewards)
     raise ValueError(f"--advantage-estimator {algo.advantage_estimator!r} is not computed on the rollout side")
