@@ -8,6 +8,7 @@ flag), the dataset (DataError names the row) and the reward function (RewardErro
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import sys
@@ -17,26 +18,37 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoTokenizer
 
-from slime_rl.config import Config, ConfigError, build_config
-from slime_rl.data import DataError, PromptDataset
+from slime_rl.config import Config, ConfigError, RolloutConfig, build_config
+from slime_rl.data import DataError, PromptDataset, num_rollout_for_epochs
 from slime_rl.observability import MetricsLogger, Timer, summary_line
 from slime_rl.orchestration.placement import PlacementPlan, plan_placement
-from slime_rl.rewards import RewardError, load_reward
+from slime_rl.rewards import RewardError, make_reward_fn
 from slime_rl.rollout.custom import load_filter, load_generate_function
 
 
-def preflight(cfg: Config) -> PlacementPlan:
-    """Check data, reward and placement before anything is started; returns the plan."""
+def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
+    """Check data, reward and placement before anything is started; returns the config (with
+    --num-epoch turned into steps) and the plan."""
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
     dataset = PromptDataset(cfg.data, tokenizer)
     if dataset.filtered_too_long:
         print(f"[slime_rl] {dataset.filtered_too_long} prompts longer than --rollout-max-prompt-len dropped")
-    load_reward(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)
+    if cfg.data.num_epoch is not None:
+        steps = num_rollout_for_epochs(len(dataset), cfg.rollout.rollout_batch_size, cfg.data.num_epoch)
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_rollout=steps))
+    reward_fn(cfg.rollout)
     # extension points load here, so a bad dotted path fails before any actor starts
     load_generate_function(cfg.rollout.custom_generate_function_path)
     load_filter(cfg.rollout.dynamic_sampling_filter_path)
-    return plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
-                          cluster_cpus=os.cpu_count())
+    return cfg, plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
+                               cluster_cpus=os.cpu_count())
+
+
+def reward_fn(rollout: RolloutConfig):
+    """The reward function the flags name (checked now: errors name the flag)."""
+    return make_reward_fn(rollout.rm_type, rollout.custom_rm_path, rollout.rm_url, rollout.reward_key,
+                          rm_timeout_s=rollout.rm_timeout_s, rm_max_retries=rollout.rm_max_retries,
+                          rm_backoff_s=rollout.rm_backoff_s)
 
 
 def dry_run(cfg: Config, plan: PlacementPlan) -> None:
@@ -116,8 +128,7 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = build_config(argv)
-        plan = preflight(cfg)
+        cfg, plan = preflight(build_config(argv))
     except (ConfigError, DataError, RewardError, ValueError) as exc:
         print(f"slime-rl train: error: {exc}", file=sys.stderr)
         return 2

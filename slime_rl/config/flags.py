@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input-key", default="input")
     g.add_argument("--label-key", default="label")
     g.add_argument("--apply-chat-template", action="store_true")
+    g.add_argument("--metadata-key", default=None, help="a dict column merged into each sample's metadata")
+    g.add_argument("--tool-key", default=None, help="a column of tools passed to the chat template")
+    g.add_argument("--apply-chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
+    g.add_argument("--num-epoch", type=_positive_int, default=None, help="instead of --num-rollout")
     g.add_argument("--rollout-shuffle", action="store_true")
     g.add_argument("--rollout-max-prompt-len", type=_positive_int, default=None)
 
@@ -137,7 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one-step off-policy: generate step k+1 while training step k")
     g.add_argument("--update-weights-interval", type=_positive_int, default=1,
                    help="broadcast weights to the engines every N steps")
-    g.add_argument("--rm-type", default=None, help="built-in reward: " + ", ".join(("digit",)))
+    g.add_argument("--rm-type", default=None, help="built-in reward: digit, math, format, dapo, f1, remote_rm")
+    g.add_argument("--rm-url", default=None, help="remote reward model (POST prompt/response/label/metadata)")
+    g.add_argument("--reward-key", default="score", help="the score's key when a reward returns a dict")
+    g.add_argument("--rm-timeout", type=float, default=30.0, help="seconds per remote reward call")
+    g.add_argument("--rm-max-retries", type=_nonneg_int, default=3)
+    g.add_argument("--rm-backoff", type=float, default=0.5, help="first retry delay, doubled each time")
     g.add_argument("--custom-rm-path", default=None, help="module:function or module.function")
 
     g = p.add_argument_group("evaluation")

@@ -109,6 +109,10 @@ class DataConfig:
     rollout_shuffle: bool = False
     rollout_max_prompt_len: int | None = None
     seed: int = 42
+    metadata_key: str | None = None
+    tool_key: str | None = None
+    chat_template_kwargs: str | None = None  # JSON object, e.g. '{"enable_thinking": false}'
+    num_epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,11 @@ class RolloutConfig:
     rm_type: str | None = None
     custom_rm_path: str | None = None
     concurrency_per_engine: int = 64
+    rm_url: str | None = None
+    reward_key: str = "score"
+    rm_timeout_s: float = 30.0
+    rm_max_retries: int = 3
+    rm_backoff_s: float = 0.5
     async_mode: bool = False
     update_weights_interval: int = 1
     # names shared with slime_rl.rollout.options.RolloutOptions, which copies them by name

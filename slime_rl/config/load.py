@@ -146,11 +146,15 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     hf = _require(a, "--hf-checkpoint")
     prompt_data = _require(a, "--prompt-data")
     rbs = _require(a, "--rollout-batch-size")
-    num_rollout = _require(a, "--num-rollout")
+    _check(a.num_rollout is None or a.num_epoch is None, "--num-rollout and --num-epoch exclude each other")
+    # with --num-epoch the step count is known once the dataset is read (train.preflight sets it)
+    num_rollout = a.num_rollout if a.num_epoch is not None else _require(a, "--num-rollout")
+    num_rollout = num_rollout or 1
     if check_paths:
         _check(Path(hf, "config.json").is_file(),
                f"--hf-checkpoint {hf}: no config.json there (an HF model folder is expected)")
-        _check(Path(prompt_data).is_file(), f"--prompt-data {prompt_data}: file not found")
+        data_file = prompt_data.split("@[", 1)[0]  # path@[start:end] selects rows
+        _check(Path(data_file).is_file(), f"--prompt-data {data_file}: file not found")
 
     parallel = ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                               a.actor_num_nodes, a.actor_num_gpus_per_node)
@@ -225,10 +229,12 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
                         a.overlong_penalty_factor, a.eps_clip_c, a.use_kl_loss, a.kl_coef, a.gamma,
                         a.entropy_coef, a.use_tis, a.tis_clip, a.tis_clip_low),
         data=DataConfig(prompt_data, a.input_key, a.label_key, a.apply_chat_template, a.rollout_shuffle,
-                        a.rollout_max_prompt_len, a.rollout_seed),
+                        a.rollout_max_prompt_len, a.rollout_seed, a.metadata_key, a.tool_key,
+                        a.apply_chat_template_kwargs, a.num_epoch),
         rollout=RolloutConfig(rbs, a.n_samples_per_prompt, a.rollout_max_response_len,
                               a.rollout_temperature, a.rollout_top_p, a.rollout_top_k, a.rollout_seed,
                               num_rollout, a.rm_type, a.custom_rm_path, a.sglang_server_concurrency,
+                              a.rm_url, a.reward_key, a.rm_timeout, a.rm_max_retries, a.rm_backoff,
                               a.async_mode, a.update_weights_interval, tuple(a.rollout_stop or ()),
                               tuple(a.rollout_stop_token_ids or ()), a.rollout_max_context_len,
                               a.over_sampling_batch_size, a.dynamic_sampling_filter_path, a.partial_rollout,

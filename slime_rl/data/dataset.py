@@ -102,9 +102,10 @@ class PromptDataset:
     def __init__(self, cfg: DataConfig, tokenizer: Any, metadata_key: str | None = None, tool_key: str | None = None,
                  chat_template_kwargs: dict[str, Any] | str | None = None) -> None:
         self.cfg = cfg
-        self.metadata_key = metadata_key
-        self.tool_key = tool_key
-        self.chat_template_kwargs = parse_chat_template_kwargs(chat_template_kwargs)
+        # the flags (--metadata-key, --tool-key, --apply-chat-template-kwargs) unless given here
+        self.metadata_key = metadata_key or cfg.metadata_key
+        self.tool_key = tool_key or cfg.tool_key
+        self.chat_template_kwargs = parse_chat_template_kwargs(chat_template_kwargs or cfg.chat_template_kwargs)
         self.rows: list[PromptRow] = []
         self.filtered_too_long = 0
         errors: list[str] = []

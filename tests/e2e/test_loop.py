@@ -41,7 +41,7 @@ def digit_data(tmp_path_factory):
 
 def test_two_steps_write_metrics_and_logprobs_agree(ray_session, tiny_qwen2, digit_data, tmp_path):
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2))
-    rows = train(cfg, preflight(cfg))
+    rows = train(*preflight(cfg))
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1] and lines == rows
     for row in lines:
@@ -67,7 +67,7 @@ def test_engine_weights_equal_trainer_after_sync(ray_session, tiny_qwen2, digit_
     # a reward that always differs within a group: the update must move the weights
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1) + layout
                        + ["--custom-rm-path", "tests.unit.plugins.example_reward:index_reward"])
-    cluster = Cluster(cfg, preflight(cfg), api_key="test-secret")
+    cluster = Cluster(*preflight(cfg), api_key="test-secret")
     try:
         trainer = one_step_then_compare_weights(cluster, api_key="test-secret")
         initial = load_file(str(tiny_qwen2 / "model.safetensors"))
@@ -80,7 +80,7 @@ def test_engine_weights_equal_trainer_after_sync(ray_session, tiny_qwen2, digit_
 
 def test_async_overlaps_rollout_with_training_and_syncs_between(ray_session, tiny_qwen2, digit_data, tmp_path):
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=3) + ["--async"])
-    rows = train(cfg, preflight(cfg))
+    rows = train(*preflight(cfg))
     assert [r["step"] for r in rows] == [0, 1, 2]
     for k in range(2):
         # rollout k+1 started before training k ended (overlap) ...
@@ -96,7 +96,7 @@ def test_dapo_dynamic_sampling_partial_rollout_and_eval(ray_session, tiny_qwen2,
              "--over-sampling-batch-size", "8", "--partial-rollout", "--eval-interval", "1",
              "--eval-prompt-data", "digits", str(digit_data), "--n-samples-per-eval-prompt", "2"]
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + extra)
-    rows = train(cfg, preflight(cfg))
+    rows = train(*preflight(cfg))
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [-1, 0, 1]  # eval before training, then the steps
     assert 0.0 <= lines[0]["eval/digits/reward_mean"] <= 1.0 and "eval/digits/pass@2" in lines[0]
@@ -131,5 +131,4 @@ def test_resume_continues_exactly(ray_session, tiny_qwen2, digit_data, tmp_path)
 
 
 def _cfg_plan(args):
-    cfg = build_config(args)
-    return cfg, preflight(cfg)
+    return preflight(build_config(args))

@@ -50,7 +50,7 @@ def test_gpu_loop_nccl_sync(ray_gpu, wider_model, tmp_path, bf16):
 
     data = write_jsonl(make_rows(64, seed=2), tmp_path / "d.jsonl")
     cfg = build_config(argv(wider_model, data, tmp_path / "run", bf16))
-    plan = preflight(cfg)
+    cfg, plan = preflight(cfg)
     assert plan.use_gpu
     rows = train(cfg, plan)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -72,7 +72,7 @@ def test_gpu_engine_weights_equal_trainer(ray_gpu, wider_model, tmp_path):
 
     data = write_jsonl(make_rows(64, seed=3), tmp_path / "d.jsonl")
     cfg = build_config(argv(wider_model, data, tmp_path / "run", bf16=False))
-    cluster = Cluster(cfg, preflight(cfg), api_key="k")
+    cluster = Cluster(*preflight(cfg), api_key="k")
     try:
         one_step_then_compare_weights(cluster, api_key="k")
     finally:

@@ -95,3 +95,29 @@ def test_dry_run_prints_plan_and_engine_commands(tiny_qwen2, tmp_path, capsys):
     engine_lines = [ln for ln in out.splitlines() if ln.startswith("engine 0:") or ln.startswith("engine 1:")]
     assert len(engine_lines) == 2 and all("--model-path " + str(tiny_qwen2) in ln for ln in engine_lines)
     assert "<run-secret>" in engine_lines[0]  # the real per-run secret is never printed
+
+
+def test_num_epoch_sets_steps_once_the_data_is_read(tiny_qwen2, tmp_path):
+    from slime_rl.data.digits import make_rows, write_jsonl
+    from slime_rl.train import preflight
+
+    data = write_jsonl(make_rows(10, seed=0), tmp_path / "d.jsonl")
+    base = ["--hf-checkpoint", str(tiny_qwen2), "--prompt-data", str(data), "--rollout-batch-size", "4",
+            "--rm-type", "digit"]
+    cfg, _ = preflight(build_config(base + ["--num-epoch", "3"]))
+    assert cfg.rollout.num_rollout == 3 * 10 // 4  # 30 prompt draws in batches of 4
+    with pytest.raises(ConfigError, match="--num-rollout and --num-epoch"):
+        build_config(base + ["--num-epoch", "3", "--num-rollout", "2"])
+    sliced, _ = preflight(build_config(base + ["--num-epoch", "1"] + ["--prompt-data", f"{data}@[0:8]"]))
+    assert sliced.rollout.num_rollout == 2  # the slice keeps 8 rows
+
+
+def test_reward_flags_reach_the_reward_function(tmp_path):
+    from slime_rl.rewards import RewardError
+    from slime_rl.train import reward_fn
+
+    cfg = build_config(base_argv(tmp_path) + ["--rm-type", "remote_rm"])
+    with pytest.raises(RewardError, match="--rm-url"):
+        reward_fn(cfg.rollout)  # remote_rm without a URL is refused before any actor starts
+    ok = build_config(base_argv(tmp_path) + ["--rm-type", "math"])
+    assert callable(reward_fn(ok.rollout))
