@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 bash launch/setup.sh
 PY=${VENV:-.venv}/bin/python
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
-"$PY" -m ruff check slime_rl tools tests
+"$PY" -m ruff check slime_rl tools tests bench
 exec "$PY" -m pytest -q -p no:cacheprovider "$@"
