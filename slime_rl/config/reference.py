@@ -1,0 +1,32 @@
+"""The flag reference (docs/flags.md) rendered from the parser, so the docs cannot drift from it."""
+
+from __future__ import annotations
+
+import argparse
+
+from slime_rl.config.flags import build_parser
+
+
+def _default(action: argparse.Action) -> str:
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return "off" if isinstance(action, argparse._StoreTrueAction) else "on"
+    return "" if action.default is None else f"`{action.default}`"
+
+
+def render_flag_reference() -> str:
+    """Markdown: one table per argument group, one row per flag (name, default, choices, help)."""
+    parser = build_parser()
+    lines = ["# `slime-rl train` flags", "",
+             "Generated from the parser by `python tools/gen_flag_reference.py`; a test keeps it in sync.",
+             "Any `--sglang-<name> VALUE` not listed here is passed to SGLang's server as `--<name> VALUE`.", ""]
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
+        if not actions:
+            continue
+        lines += [f"## {group.title}", "", "| flag | default | choices | meaning |", "|---|---|---|---|"]
+        for a in actions:
+            choices = ", ".join(str(c) for c in a.choices) if a.choices else ""
+            meaning = (a.help or "").replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| `{'`, `'.join(a.option_strings)}` | {_default(a)} | {choices} | {meaning} |")
+        lines.append("")
+    return "\n".join(lines)
