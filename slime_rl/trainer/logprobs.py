@@ -54,25 +54,44 @@ def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, *, temperature: flo
     return -vocab_parallel_cross_entropy(scaled, targets, tp_group=group)
 
 
-@torch.no_grad()
+class _VocabParallelEntropy(torch.autograd.Function):
+    """H per position of softmax over the vocab split across `group`; input: float32 scaled logits
+    [..., V_local] (padded ids at -inf). With m = max_v l_v (all-reduced), e_v = exp(l_v - m),
+    Z = sum_v e_v, S = sum_v e_v * (l_v - m) (both all-reduced): H = log Z - S / Z.
+    Backward: dH/dl_v = -p_v * (log p_v + H), local to each shard once H and Z are global."""
+
+    @staticmethod
+    def forward(ctx, scaled: Tensor, group: dist.ProcessGroup) -> Tensor:
+        m = scaled.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        shifted = scaled - m.unsqueeze(-1)
+        e = torch.exp(shifted)
+        # padded ids: e = 0 and l = -inf; their term is 0, not 0 * -inf = nan
+        finite = torch.isfinite(shifted)
+        el = torch.where(finite, e * shifted, torch.zeros_like(e))
+        sums = torch.stack([e.sum(dim=-1), el.sum(dim=-1)])
+        dist.all_reduce(sums, group=group)
+        z, s = sums[0], sums[1]
+        h = torch.log(z) - s / z
+        ctx.save_for_backward(shifted, z, h)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h: Tensor) -> tuple[Tensor, None]:
+        shifted, z, h = ctx.saved_tensors
+        logp = shifted - torch.log(z).unsqueeze(-1)
+        grad = -torch.exp(logp) * (logp + h.unsqueeze(-1))
+        grad = torch.where(torch.isfinite(shifted), grad, torch.zeros_like(grad))
+        return grad * grad_h.unsqueeze(-1), None
+
+
 def vocab_parallel_entropy(logits: Tensor, *, temperature: float = 1.0, vocab_size: int | None = None,
                            tp_group: dist.ProcessGroup | None = None) -> Tensor:
-    """Entropy of softmax(logits / temperature) per position: [..., V_pad / tp] -> [...] float32.
-
-    With m = max_v l_v, e_v = exp(l_v - m), Z = sum_v e_v, S = sum_v e_v * l_v (each sum
-    all-reduced over TP): H = -sum_v p_v log p_v = m + log Z - S / Z.
-    """
+    """Entropy of softmax(logits / temperature) per position: [..., V_pad / tp] -> [...] float32,
+    differentiable w.r.t. logits (the entropy bonus of the policy loss); padded ids never count.
+    Each TP rank gets the gradient of its own vocab slice (no communication in backward)."""
     group = _tp_group(tp_group)
-    scaled = _scaled_masked(logits, temperature, vocab_size, group)
-    m = scaled.max(dim=-1).values
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    e = torch.exp(scaled - m.unsqueeze(-1))
-    # padded ids: e = 0 and l = -inf; their term is 0, not 0 * -inf = nan
-    el = torch.where(torch.isfinite(scaled), e * scaled, torch.zeros_like(e))
-    sums = torch.stack([e.sum(dim=-1), el.sum(dim=-1)])
-    dist.all_reduce(sums, group=group)
-    z, s = sums[0], sums[1]
-    return m + torch.log(z) - s / z
+    return _VocabParallelEntropy.apply(_scaled_masked(logits, temperature, vocab_size, group), group)
 
 
 def gather_response_logits(logits: Tensor, index: Tensor) -> Tensor:

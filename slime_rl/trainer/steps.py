@@ -21,13 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from slime_rl.algo.losses import kl_penalty, masked_sum, ppo_clip_loss
 from slime_rl.config.groups import AlgoConfig
 from slime_rl.trainer.batching import MicroBatch
 from slime_rl.trainer.logprobs import gather_response_logits, vocab_parallel_entropy, vocab_parallel_logprobs
+from slime_rl.trainer.objective import STAT_KEYS, policy_objective
 
-# order of the per-micro-batch sums returned by the policy loss (summed over micro-batches and DP)
-STAT_KEYS = ("pg", "kl", "clipped", "k1_old_new", "tokens", "loss")
+__all__ = ["STAT_KEYS", "LossScale", "forward_only_step", "model_forward", "policy_loss_step"]
 
 
 def model_forward(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
@@ -87,11 +86,10 @@ class LossScale:
 def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale) -> Callable:
     """forward_step_func for one training micro-batch (see the module docstring for the scale).
 
-    Per token ([b, T]): loss_t = ppo_clip(logp, old_logp, A) + kl_loss_coef * kl(logp, ref_logp)
-    (the KL term only when a reference model is used). The micro-batch returns
-    sum(loss_weight * loss_t) * scale.factor (loss_weight [b, T] from loss_agg.token_weights),
-    plus detached sums for the metrics (STAT_KEYS: masked pg sum, kl sum, clipped-token count,
-    sum(old_logp - logp), token count, and this micro-batch's share of the mini-batch loss L).
+    The per-token objective is objective.policy_objective (pg loss of the configured kind, TIS,
+    KL loss, entropy bonus). The micro-batch returns share * scale.factor, share =
+    sum(loss_weight * loss_t) (loss_weight [b, T] from loss_agg.token_weights), plus detached
+    sums for the metrics (objective.STAT_KEYS; "loss" is this micro-batch's share of L).
     """
 
     def step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
@@ -99,21 +97,14 @@ def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale) -> Cal
         output = model_forward(model, mb)
 
         def loss_func(output_tensor: Tensor):
-            logp = response_logprobs(output_tensor, mb, algo.temperature, vocab_size)  # [b, T]
-            old = mb.per_token["old_logp"]  # [b, T]
-            mask = mb.loss_mask  # [b, T]
-            pg, clipped = ppo_clip_loss(logp, old, mb.per_token["advantages"], algo.eps_clip,
-                                        algo.eps_clip_high)
-            per_token = pg
-            kl = torch.zeros_like(pg)
-            if "ref_logp" in mb.per_token:
-                kl = kl_penalty(logp, mb.per_token["ref_logp"], algo.kl_loss_type)
-                per_token = pg + algo.kl_loss_coef * kl
-            share = masked_sum(per_token, mb.per_token["loss_weight"])  # weights vanish off the mask
-            loss = share * scale.factor
-            sums = torch.stack([masked_sum(pg, mask), masked_sum(kl, mask), masked_sum(clipped, mask),
-                                masked_sum(old - logp, mask), mask.sum(), share]).detach().float()
-            return loss, {"sums": sums}
+            logits = response_logits(output_tensor, mb)  # [b, T, V_local]
+            logp = vocab_parallel_logprobs(logits, mb.targets, temperature=algo.temperature,
+                                           vocab_size=vocab_size)  # [b, T]
+            entropy = None
+            if algo.entropy_coef > 0:
+                entropy = vocab_parallel_entropy(logits, temperature=algo.temperature, vocab_size=vocab_size)
+            share, sums = policy_objective(algo, logp, mb, entropy)
+            return share * scale.factor, {"sums": sums}
 
         return output, loss_func
 

@@ -1,7 +1,8 @@
 """TrainerWorker: one Megatron rank (plain Python; the orchestration room wraps it in a Ray actor).
 
 One `train_step` = old log-probs (+ entropy) by a forward-only pass, reference log-probs when a
-KL loss is used (reference weights swapped in from a frozen CPU copy, as slime does), then one
+KL loss or reward KL is used (reference weights swapped in from a frozen CPU copy, as slime does),
+per-token advantages for the token-level estimators (objective.py), then one
 optimizer step per mini-batch of global_batch_size / dp_size samples of this rank, each run
 through megatron's forward-backward schedule in micro-batches (packed THD rows by default, grouped
 by count or by token budget: micro.py). With PP the schedule is 1F1B; the last stage computes
@@ -24,6 +25,7 @@ from slime_rl.trainer.batching import MicroBatch, chunks, validate_batch
 from slime_rl.trainer.loss_agg import GlobalCounts, check_mode, local_counts, token_weights
 from slime_rl.trainer.micro import MicroBatching, collect_per_sample
 from slime_rl.trainer.model import build_from_checkpoint
+from slime_rl.trainer.objective import StepInputs, step_sums, token_advantages, train_metrics
 from slime_rl.trainer.parallel import broadcast_from_last_stage, dp_group, init_parallel, teardown_parallel
 from slime_rl.trainer.steps import STAT_KEYS, LossScale, forward_only_step, policy_loss_step
 
@@ -171,7 +173,7 @@ class TrainerWorker:
     @contextlib.contextmanager
     def reference_weights(self) -> Iterator[None]:
         """Swap the frozen initial weights in for the block, then the current ones back (exactly)."""
-        assert self._ref is not None, "no reference copy: algo.kl_loss_coef is 0"
+        assert self._ref is not None, "no reference copy: the worker was built with algo.use_reference false"
         self._compat()
         params = dict(self.gpt.named_parameters())
         backup = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
@@ -191,11 +193,13 @@ class TrainerWorker:
         dist.all_reduce(t, op=op, group=dp_group())
         return t.tolist()
 
-    def forward_backward(self, batch: dict, old_logprobs: list, ref_logprobs: list | None = None) -> dict:
+    def forward_backward(self, batch: dict, old_logprobs: list, ref_logprobs: list | None = None,
+                         advantages: list | None = None) -> dict:
         """Zero the grads, run one mini-batch (this rank's samples) through the schedule; the
         DP-reduced gradient is left in the grad buffers (`main_grad`; the distributed optimizer
-        reduce-scatters, so each DP rank holds the reduced values of its own shard). Returns the DP-summed STAT_KEYS
-        (identical on every rank; "loss" is the mini-batch loss L of loss_agg.py)."""
+        reduce-scatters, so each DP rank holds the reduced values of its own shard). `advantages`:
+        per-token lists (token-level estimators) replacing the batch's scalar ones. Returns the
+        DP-summed STAT_KEYS (identical on every rank; "loss" is the mini-batch loss L of loss_agg.py)."""
         self._compat()
         tokens, samples = self._dp_sum(list(local_counts(batch["loss_masks"])))
         counts = GlobalCounts(tokens=tokens, samples=samples, max_len=self.loss_agg_max_len)
@@ -203,6 +207,8 @@ class TrainerWorker:
                      "loss_weight": token_weights(batch["loss_masks"], self.loss_agg_mode, counts)}
         if ref_logprobs is not None:
             per_token["ref_logp"] = ref_logprobs
+        if advantages is not None:
+            per_token["advantages"] = advantages  # overrides the scalar broadcast
         groups = self.micro.equalized_groups(batch, list(range(len(batch["tokens"]))), dp_group(),
                                              self.info.device)
         mbs = self.micro.micro_batches(batch, groups, per_token)
@@ -231,62 +237,52 @@ class TrainerWorker:
     def _sub(self, batch: dict, ids: list[int]) -> dict:
         return {k: [v[i] for i in ids] for k, v in batch.items()}
 
+    def step_inputs(self, batch: dict) -> StepInputs:
+        """Everything a train step computes once before its mini-batches: old log-probs and
+        entropy (forward only), reference log-probs (algo.use_reference), per-token advantages
+        (algo.token_level_advantages; whitened over the DP group) and the DP-summed step sums."""
+        self._compat()
+        old, entropy = self._forward_logprobs(batch, with_entropy=True)
+        ref = None
+        if self.algo.use_reference:
+            if self._ref is None:
+                raise ValueError("the algorithm needs a reference model but the worker was built without "
+                                 "one (construct it with an AlgoConfig whose use_reference is true)")
+            with self.reference_weights():
+                ref = self._forward_logprobs(batch, with_entropy=False)[0]
+        adv = None
+        if self.algo.token_level_advantages:
+            adv = token_advantages(self.algo, batch, old, ref, self.info.device, dp_group())
+        inputs = StepInputs(old=old, entropy=entropy, ref=ref, advantages=adv, sums={})
+        inputs.sums = step_sums(batch, inputs, self.info.device, dp_group())
+        return inputs
+
     def train_step(self, batch: dict) -> dict[str, float]:
-        """One RL update on this DP rank's shard (see module docstring). Metrics, equal on every rank:
-        train/loss: the mini-batch loss under loss_agg_mode (pg + kl_coef * kl, aggregated),
-        averaged over mini-batches; train/pg_loss: DAPO token mean of the pg term, likewise;
-        train/kl: with a reference model the token mean of algo.kl_loss_type(logp, ref_logp)
-          averaged over mini-batches; without, mean(old_logp - logp) of the LAST mini-batch (a k1
-          estimate of KL(old || new) after the earlier mini-batches' updates; 0 with one mini-batch);
-        train/entropy, train/rollout_logprob_abs_diff: token means over loss-masked tokens, from the
-          old-log-prob pass; train/pg_clipfrac: clipped fraction of all trained tokens;
-        train/grad_norm: mean over the optimizer steps; train/lr: lr of the last step.
-        """
+        """One RL update on this DP rank's shard (see module docstring); the metrics, identical on
+        every rank, are objective.train_metrics'."""
         self._compat()
         n = validate_batch(batch)
         if n == 0:
             raise ValueError("train_step got an empty batch on this DP rank")
-        old, entropy = self._forward_logprobs(batch, with_entropy=True)
-        ref = None
-        if self._ref is not None:
-            with self.reference_weights():
-                ref = self._forward_logprobs(batch, with_entropy=False)[0]
-        ent_sum = diff_sum = tokens = 0.0
-        for i in range(n):
-            m = torch.tensor(batch["loss_masks"][i], dtype=torch.float64)
-            ent_sum += float((torch.tensor(entropy[i], dtype=torch.float64) * m).sum())
-            diff = torch.tensor(old[i], dtype=torch.float64) - torch.tensor(batch["rollout_logprobs"][i],
-                                                                             dtype=torch.float64)
-            diff_sum += float((diff.abs() * m).sum())
-            tokens += float(m.sum())
-        ent_sum, diff_sum, tokens = self._dp_sum([ent_sum, diff_sum, tokens])
-
+        inputs = self.step_inputs(batch)
         per_rank = self.batch.global_batch_size // self.dp_size
         minis = chunks(list(range(n)), per_rank)
         most, neg_least = self._dp_sum([len(minis), -len(minis)], op=dist.ReduceOp.MAX)
         if most != -neg_least:  # every rank must run the same number of optimizer steps
             raise ValueError(f"DP ranks disagree on the number of mini-batches (this rank: {n} samples,"
                              f" {len(minis)} mini-batches of {per_rank}); shard the batch evenly")
+
+        def pick(rows: list | None, ids: list[int]) -> list | None:
+            return None if rows is None else [rows[i] for i in ids]
+
         stats, norms, lr = [], [], 0.0
         for ids in minis:
-            s = self.forward_backward(self._sub(batch, ids), [old[i] for i in ids],
-                                      None if ref is None else [ref[i] for i in ids])
+            s = self.forward_backward(self._sub(batch, ids), pick(inputs.old, ids), pick(inputs.ref, ids),
+                                      pick(inputs.advantages, ids))
             grad_norm, lr = self.optimizer_step()
             stats.append(s)
             norms.append(grad_norm)
-        per_mini = [(s["pg"] / max(s["tokens"], 1.0), s["kl"] / max(s["tokens"], 1.0)) for s in stats]
-        last = stats[-1]
-        return {
-            "train/loss": sum(s["loss"] for s in stats) / len(stats),
-            "train/pg_loss": sum(pg for pg, _ in per_mini) / len(per_mini),
-            "train/kl": (sum(kl for _, kl in per_mini) / len(per_mini) if ref is not None
-                         else last["k1_old_new"] / max(last["tokens"], 1.0)),
-            "train/entropy": ent_sum / max(tokens, 1.0),
-            "train/grad_norm": sum(norms) / len(norms),
-            "train/rollout_logprob_abs_diff": diff_sum / max(tokens, 1.0),
-            "train/pg_clipfrac": sum(s["clipped"] for s in stats) / max(sum(s["tokens"] for s in stats), 1.0),
-            "train/lr": lr,
-        }
+        return train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
 
     # ---- weights out
     def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,227 @@
+"""What the trainer optimises: per-token advantages of a step, the per-micro-batch policy objective,
+and the step's metrics. The math is slime_rl.algo's; this module decides which pieces the
+AlgoConfig switches on and how they are reduced across micro-batches and DP ranks.
+
+Advantages (once per train_step, before the mini-batches; they do not change within a step):
+  * scalar estimators (grpo, gspo, rloo): the batch's per-sample `advantages`, broadcast to the
+    sample's response tokens by the micro-batch builder;
+  * reinforce_plus_plus: token rewards r_t = -kl_coef * kl(old_logp, ref_logp)_t (kl_loss_type),
+    plus the sample's scalar `rewards` at its last trained token; discounted returns (gamma);
+  * reinforce_plus_plus_baseline: the group-centred scalar `advantages` on every trained token,
+    minus kl_coef * kl_t when kl_coef > 0 (as slime_rl.algo's estimator does);
+  and both token-level ones are whitened with the mean / unbiased std over ALL trained tokens of
+  the step's batch on every DP rank (masked_moments all-reduced over the DP group).
+
+Policy objective per token ([b, T]; the micro-batch returns sum_t loss_weight * loss_t, the
+weights carrying the loss_agg_mode's global denominators, see loss_agg.py):
+  loss_t = w_t * pg_t + kl_loss_coef * kl(logp, ref_logp)_t - entropy_coef * H_t
+  pg_t: ppo_clip_loss (clip-higher, dual clip with eps_clip_c) or, for gspo, gspo_loss (the
+    sequence-level ratio; a sample is always whole in one micro-batch: packing never splits one;
+    eps_clip_c is not applied to gspo);
+  w_t: TIS weights clamp(exp(old_logp - rollout_logp), tis_clip_low, tis_clip) when use_tis, else 1;
+  the KL term when use_kl_loss or kl_loss_coef > 0; the entropy term when entropy_coef > 0 (H is
+  the differentiable vocab-parallel entropy of softmax(logits / temperature)).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from slime_rl.algo import (
+    clip_fractions,
+    gspo_loss,
+    gspo_seq_log_ratio,
+    kl_penalty,
+    masked_moments,
+    masked_sum,
+    masked_whiten,
+    ppo_clip_loss,
+    reinforce_plus_plus_advantages,
+    tis_weights,
+)
+from slime_rl.config.groups import AlgoConfig
+from slime_rl.trainer.batching import MicroBatch
+
+# per-micro-batch sums (summed over micro-batches and DP); every one is a masked token sum except
+# "entropy_agg" and "loss", which are this micro-batch's share of the aggregated (loss_agg) value
+STAT_KEYS = ("pg", "kl", "clipped", "clip_high", "clip_low", "k1_old_new", "entropy_agg", "tis_w",
+             "tis_clipped", "tokens", "loss")
+
+
+def uses_kl_loss(algo: AlgoConfig) -> bool:
+    return algo.use_kl_loss or algo.kl_loss_coef > 0
+
+
+# ---- advantages (once per train step)
+def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
+    out = torch.zeros(len(rows), width, dtype=torch.float64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.float64)
+    return out
+
+
+def _all_reduce(t: Tensor, device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
+    if group is None or dist.get_world_size(group) == 1:
+        return t
+    on_dev = t.to(device)
+    dist.all_reduce(on_dev, group=group)
+    return on_dev.cpu()
+
+
+def token_advantages(algo: AlgoConfig, batch: dict, old_logprobs: list, ref_logprobs: list | None,
+                     device: torch.device, group: dist.ProcessGroup | None) -> list[list[float]]:
+    """Per-token advantages of this rank's samples (module docstring), whitened with moments
+    all-reduced over `group` (the DP group): every rank must call it. Returns one list per
+    sample (response length), 0 on untrained tokens."""
+    assert algo.token_level_advantages, algo.advantage_estimator
+    lens = [int(r) for r in batch["response_lengths"]]
+    width = max(lens)
+    mask = _pad(batch["loss_masks"], width)
+    kl = None
+    if algo.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("--kl-coef > 0 needs the reference model's log-probs")
+        kl = kl_penalty(_pad(old_logprobs, width), _pad(ref_logprobs, width), algo.kl_loss_type)
+    if algo.advantage_estimator == "reinforce_plus_plus":
+        rewards = torch.tensor([float(r) for r in batch["rewards"]], dtype=torch.float64)
+        raw, _ = reinforce_plus_plus_advantages(rewards, mask, kl, algo.kl_coef, algo.gamma, whiten=False)
+    else:  # reinforce_plus_plus_baseline: the rollout side already subtracted the group mean
+        scalar = torch.tensor([float(a) for a in batch["advantages"]], dtype=torch.float64)
+        raw = scalar.unsqueeze(1) * mask
+        if kl is not None:
+            raw = raw - algo.kl_coef * kl * mask
+    moments = _all_reduce(masked_moments(raw, mask), device, group)
+    adv = masked_whiten(raw, mask, moments=moments)
+    return [row[:n] for row, n in zip(adv.tolist(), lens, strict=True)]
+
+
+@dataclass
+class StepInputs:
+    """What a train step computes once, before its mini-batches (per-sample lists of this rank)."""
+
+    old: list  # old log-probs
+    entropy: list  # entropy of the old policy (metrics)
+    ref: list | None  # reference log-probs when algo.use_reference
+    advantages: list | None  # per-token advantages when algo.token_level_advantages
+    sums: dict[str, float]  # DP-summed sums for the step-level metrics (step_sums)
+
+
+def step_sums(batch: dict, inputs: StepInputs, device: torch.device,
+              group: dist.ProcessGroup | None) -> dict[str, float]:
+    """DP-summed token sums over trained tokens: entropy, |old - rollout|, count, and the
+    advantages actually used (sum, sum of squares) for advantage_mean / advantage_std."""
+    lens = [int(r) for r in batch["response_lengths"]]
+    width = max(lens)
+    mask = _pad(batch["loss_masks"], width)
+    if inputs.advantages is not None:
+        adv = _pad(inputs.advantages, width)
+    else:
+        adv = torch.tensor([float(a) for a in batch["advantages"]], dtype=torch.float64).unsqueeze(1) * mask
+    diff = (_pad(inputs.old, width) - _pad(batch["rollout_logprobs"], width)).abs()
+    adv_m = masked_moments(adv, mask)
+    local = torch.stack([(_pad(inputs.entropy, width) * mask).sum(), (diff * mask).sum(), adv_m[0], adv_m[1],
+                         adv_m[2]])
+    keys = ("entropy", "abs_diff", "adv", "adv_sq", "tokens")
+    return dict(zip(keys, _all_reduce(local, device, group).tolist(), strict=True))
+
+
+# ---- the per-micro-batch objective
+def policy_objective(algo: AlgoConfig, logp: Tensor, mb: MicroBatch, entropy: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor]:
+    """logp [b, T] (differentiable), entropy [b, T] (differentiable; needed iff entropy_coef > 0)
+    -> (share: sum_t loss_weight * loss_t, this micro-batch's share of the mini-batch loss L,
+    differentiable; sums: float32 [len(STAT_KEYS)], detached)."""
+    old, adv, mask = mb.per_token["old_logp"], mb.per_token["advantages"], mb.loss_mask
+    weight = mb.per_token["loss_weight"]
+    if algo.advantage_estimator == "gspo":
+        pg, clipped = gspo_loss(logp, old, adv, mask, algo.eps_clip, algo.eps_clip_high)
+        # clip bounds of the sequence ratio s_i, on every token of sample i
+        log_s = gspo_seq_log_ratio(logp.detach(), old, mask).unsqueeze(1).expand_as(logp)
+        frac = clip_fractions(log_s, torch.zeros_like(log_s), adv, algo.eps_clip, algo.eps_clip_high)
+    else:
+        pg, clipped = ppo_clip_loss(logp, old, adv, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c)
+        frac = clip_fractions(logp, old, adv, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c)
+    zeros = torch.zeros_like(pg).detach()
+    tis_w, tis_clipped = torch.ones_like(zeros), zeros
+    if algo.use_tis:
+        tis_w = tis_weights(old, mb.per_token["rollout_logp"], algo.tis_clip, algo.tis_clip_low)
+        with torch.no_grad():
+            raw = torch.exp(old - mb.per_token["rollout_logp"])
+            tis_clipped = ((raw > algo.tis_clip) | (raw < algo.tis_clip_low)).float()
+        pg = pg * tis_w
+    per_token = pg
+    kl = zeros
+    if "ref_logp" in mb.per_token:
+        kl = kl_penalty(logp, mb.per_token["ref_logp"], algo.kl_loss_type)
+        if uses_kl_loss(algo):
+            per_token = per_token + algo.kl_loss_coef * kl
+    entropy_agg = zeros.sum()
+    if algo.entropy_coef > 0:
+        assert entropy is not None, "entropy_coef > 0 needs the differentiable entropy"
+        per_token = per_token - algo.entropy_coef * entropy
+        entropy_agg = masked_sum(entropy, weight)
+    share = masked_sum(per_token, weight)  # the weights vanish off the loss mask
+    sums = torch.stack([masked_sum(pg, mask), masked_sum(kl, mask), masked_sum(clipped, mask),
+                        masked_sum(frac.high, mask), masked_sum(frac.low, mask),
+                        masked_sum(old - logp, mask), entropy_agg, masked_sum(tis_w, mask),
+                        masked_sum(tis_clipped, mask), mask.sum(), share]).detach().float()
+    return share, sums
+
+
+# ---- metrics
+def train_metrics(algo: AlgoConfig, step: dict[str, float], stats: list[dict[str, float]],
+                  norms: list[float], lr: float, have_ref: bool) -> dict[str, float]:
+    """The train step's metrics from DP-summed sums (identical on every rank).
+
+    step: `step_sums` of the whole step; stats: one STAT_KEYS dict per mini-batch. Token means
+    are over trained tokens; per-mini-batch values (loss, pg_loss, kl, entropy_loss) are averaged
+    over mini-batches, fractions are over all trained tokens of all mini-batches.
+      train/loss: L (loss_agg_mode); train/pg_loss: token mean of the (TIS-weighted) pg term;
+      train/kl: token mean of kl_loss_type(logp, ref_logp) with a reference model, else the k1
+        estimate mean(old - logp) of the LAST mini-batch; train/ppo_kl: mean(old - logp) over all;
+      train/pg_clipfrac(_high/_low): clipped tokens (upper + lower / upper / lower bound);
+      train/entropy: of the old policy; train/entropy_loss (entropy_coef > 0): the aggregated
+        (loss_agg_mode) entropy of the trained policy, so L includes -entropy_coef * it;
+      train/tis_weight_mean, train/tis_clipfrac (use_tis); train/advantage_mean /
+      train/advantage_std (unbiased) of the advantages used, over the step's trained tokens.
+    """
+
+    def per_mini(key: str) -> float:
+        return sum(s[key] / max(s["tokens"], 1.0) for s in stats) / len(stats)
+
+    tokens = max(sum(s["tokens"] for s in stats), 1.0)
+
+    def frac(key: str) -> float:
+        return sum(s[key] for s in stats) / tokens
+
+    n = step["tokens"]
+    mean = step["adv"] / max(n, 1.0)
+    var = max(step["adv_sq"] / max(n, 1.0) - mean * mean, 0.0) * (n / (n - 1) if n >= 2 else 0.0)
+    last = stats[-1]
+    out = {
+        "train/loss": sum(s["loss"] for s in stats) / len(stats),
+        "train/pg_loss": per_mini("pg"),
+        "train/kl": per_mini("kl") if have_ref else last["k1_old_new"] / max(last["tokens"], 1.0),
+        "train/ppo_kl": frac("k1_old_new"),
+        "train/entropy": step["entropy"] / max(n, 1.0),
+        "train/grad_norm": sum(norms) / len(norms),
+        "train/rollout_logprob_abs_diff": step["abs_diff"] / max(n, 1.0),
+        "train/pg_clipfrac": frac("clipped"),
+        "train/pg_clipfrac_high": frac("clip_high"),
+        "train/pg_clipfrac_low": frac("clip_low"),
+        "train/advantage_mean": mean,
+        "train/advantage_std": math.sqrt(var),
+        "train/lr": lr,
+    }
+    if algo.entropy_coef > 0:
+        out["train/entropy_loss"] = sum(s["entropy_agg"] for s in stats) / len(stats)
+    if algo.use_tis:
+        out["train/tis_weight_mean"] = frac("tis_w")
+        out["train/tis_clipfrac"] = frac("tis_clipped")
+    return out
