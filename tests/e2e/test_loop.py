@@ -132,3 +132,23 @@ def test_resume_continues_exactly(ray_session, tiny_qwen2, digit_data, tmp_path)
 
 def _cfg_plan(args):
     return preflight(build_config(args))
+
+
+@pytest.mark.parametrize("algo", [
+    ["--advantage-estimator", "rloo"],
+    ["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.01", "--gamma", "0.99"],
+    ["--advantage-estimator", "reinforce_plus_plus_baseline"],
+    ["--advantage-estimator", "gspo", "--loss-agg-mode", "seq-mean-token-mean"],
+    ["--eps-clip-c", "3", "--use-tis", "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.01"],
+], ids=["rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "grpo_dualclip_tis_entropy_kl"])
+def test_algorithm_families_train(ray_session, tiny_qwen2, digit_data, tmp_path, algo):
+    """Two loop steps per family: finite, non-zero gradients and the family's metric keys."""
+    args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + algo + [
+        "--custom-rm-path", "tests.unit.plugins.example_reward:index_reward"]  # rewards always differ in a group
+    rows = train(*preflight(build_config(args)))
+    for row in rows:
+        assert np.isfinite(row["train/loss"]) and np.isfinite(row["train/grad_norm"]) and row["train/grad_norm"] > 0
+        assert {"train/ppo_kl", "train/pg_clipfrac_high", "train/advantage_mean", "train/advantage_std"} <= set(row)
+    if "--use-tis" in algo:
+        assert {"train/tis_weight_mean", "train/entropy_loss"} <= set(rows[0])
+        assert rows[0]["train/kl"] >= 0
