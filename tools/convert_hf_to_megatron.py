@@ -17,39 +17,12 @@ trainer's own (slime_rl.trainer.model, .convert, .hf_io): nothing is duplicated 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 from slime_rl.trainer.convert import load_arch
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def dist_env() -> tuple[int, int, str, int]:
-    """(rank, world, master_addr, master_port) from torchrun's variables, or a world of one."""
-    if "WORLD_SIZE" in os.environ:
-        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                int(os.environ["MASTER_PORT"]))
-    return 0, 1, "127.0.0.1", _free_port()
-
-
-def check_layout(world: int, tp: int | None, pp: int) -> int:
-    """The TP size to use; raises SystemExit for layouts the trainer cannot build."""
-    if pp != 1:
-        raise SystemExit(f"--pipeline-model-parallel-size {pp}: the trainer builds PP=1 models only so far "
-                         "(slime_rl.trainer.worker); convert at PP=1 (dist_checkpointing reshards later)")
-    tp = tp or world
-    if world != tp:
-        raise SystemExit(f"--tensor-model-parallel-size {tp} with {world} processes: run exactly TP processes "
-                         "(one per shard)")
-    return tp
+from slime_rl.trainer.parallel import converter_tp_size, launcher_env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,8 +57,8 @@ def main(argv: list[str] | None = None) -> Path:
     hf = Path(args.hf_checkpoint)
     # fail on an unsupported model_type / config before paying for megatron and process groups
     load_arch(hf)
-    rank, world, addr, port = dist_env()
-    tp = check_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    rank, world, addr, port = launcher_env()
+    tp = converter_tp_size(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and stored_dtype_is_bf16(hf))
 
     from tqdm import tqdm

@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 from slime_rl.trainer.convert import load_arch
+from slime_rl.trainer.parallel import converter_tp_size, launcher_env
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
@@ -36,29 +35,6 @@ def parse_size(text: str) -> int:
         if t.endswith(unit):
             return int(float(t[: -len(unit)]) * mult)
     return int(t)
-
-
-def dist_env() -> tuple[int, int, str, int]:
-    """(rank, world, master_addr, master_port) from torchrun's variables, or a world of one.
-    (Same as in convert_hf_to_megatron.py: tools do not import each other.)"""
-    if "WORLD_SIZE" in os.environ:
-        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                int(os.environ["MASTER_PORT"]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return 0, 1, "127.0.0.1", s.getsockname()[1]
-
-
-def check_layout(world: int, tp: int | None, pp: int) -> int:
-    """The TP size to use; raises SystemExit for layouts the trainer cannot build."""
-    if pp != 1:
-        raise SystemExit(f"--pipeline-model-parallel-size {pp}: the trainer builds PP=1 models only so far "
-                         "(slime_rl.trainer.worker); export at PP=1 (dist_checkpointing reshards a PP=1 save)")
-    tp = tp or world
-    if world != tp:
-        raise SystemExit(f"--tensor-model-parallel-size {tp} with {world} processes: run exactly TP processes "
-                         "(one per shard)")
-    return tp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,8 +118,8 @@ def main(argv: list[str] | None = None) -> Path:
     ckpt = resolve_checkpoint(args.load)
     hf = _hf_dir(args, ckpt)
     load_arch(hf)  # unsupported model_type / config: fail before megatron is imported
-    rank, world, addr, port = dist_env()
-    tp = check_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    rank, world, addr, port = launcher_env()
+    tp = converter_tp_size(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
 
     import torch
     from tqdm import tqdm

@@ -116,3 +116,28 @@ def broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(t, src=pp_last_rank(), group=pp_group())
     return t
+
+
+def launcher_env() -> tuple[int, int, str, int]:
+    """(rank, world, master_addr, master_port) from torchrun's variables, or a world of one on a
+    free local port (a tool run alone)."""
+    if "WORLD_SIZE" in os.environ:
+        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                int(os.environ["MASTER_PORT"]))
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return 0, 1, "127.0.0.1", s.getsockname()[1]
+
+
+def converter_tp_size(world: int, tp: int | None, pp: int) -> int:
+    """The TP size a checkpoint converter runs at; SystemExit for layouts it cannot build."""
+    if pp != 1:
+        raise SystemExit(f"--pipeline-model-parallel-size {pp}: the converters build PP=1 models; convert at "
+                         "PP=1 (dist_checkpointing reshards the checkpoint for a PP run that loads it)")
+    tp = tp or world
+    if world != tp:
+        raise SystemExit(f"--tensor-model-parallel-size {tp} with {world} processes: run exactly TP processes "
+                         "(one per shard)")
+    return tp
