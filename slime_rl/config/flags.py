@@ -201,4 +201,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-group", default=None)
     g.add_argument("--wandb-mode", choices=("online", "offline", "disabled"), default="online")
     g.add_argument("--use-tensorboard", action="store_true")
+    g.add_argument("--dump-rollouts", action="store_true",
+                   help="write each step's prompts, responses and rewards to <run-dir>/rollouts/step_NNNNNN.jsonl")
     return p

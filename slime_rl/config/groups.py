@@ -197,6 +197,7 @@ class LoggingConfig:
     wandb_group: str | None = None
     wandb_mode: str = "online"
     use_tensorboard: bool = False
+    dump_rollouts: bool = False
 
 
 @dataclass(frozen=True)

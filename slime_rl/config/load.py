@@ -245,7 +245,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         weight_sync=WeightSyncConfig(a.update_weight_buffer_size),
         checkpoint=CheckpointConfig(a.save, a.load, a.save_interval, a.keep_last),
         logging=LoggingConfig(run_dir, a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_mode,
-                              a.use_tensorboard),
+                              a.use_tensorboard, a.dump_rollouts),
         eval=_eval_config(a, check_paths),
         dry_run=a.dry_run,
     )

@@ -4,8 +4,10 @@ trainer's batch (GRPO advantages included) and puts it in the Buffer."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -65,6 +67,18 @@ def samples_to_batch(groups: list[list[Sample]], algo: AlgoConfig | None = None,
     }
 
 
+def dump_rollouts(path: Path, groups: list[list[Sample]]) -> None:
+    """One JSON object per sample: what was asked, what came back, how it scored."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for g in groups:
+            for s in g:
+                f.write(json.dumps({"group": s.group_index, "index": s.index, "prompt": s.prompt,
+                                    "response": s.response, "label": s.label, "reward": s.reward,
+                                    "finish_reason": s.finish_reason, "response_length": s.response_length,
+                                    "reward_metrics": s.reward_metrics}, default=str) + "\n")
+
+
 def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
     flat = [s for g in groups for s in g]
     rewards = torch.tensor([s.reward for s in flat], dtype=torch.float64)
@@ -122,6 +136,8 @@ class RolloutManager:
         if not groups:
             raise RuntimeError(f"step {step}: the rollout kept no group (deadline or filter); nothing to train on")
         self.leftover = result.leftover
+        if self.cfg.logging.dump_rollouts:
+            dump_rollouts(Path(self.cfg.logging.run_dir) / "rollouts" / f"step_{step:06d}.jsonl", groups)
         self.next_index, self.next_group = result.next_index, result.next_group
         await buffer.put.remote(step, samples_to_batch(groups, self.cfg.algo, self.cfg.rollout.max_response_len))
         return (rollout_metrics(groups) | result.metrics

@@ -152,3 +152,24 @@ def test_algorithm_families_train(ray_session, tiny_qwen2, digit_data, tmp_path,
     if "--use-tis" in algo:
         assert {"train/tis_weight_mean", "train/entropy_loss"} <= set(rows[0])
         assert rows[0]["train/kl"] >= 0
+
+
+def test_easyr1_reward_file_trains_a_step_and_dumps_rollouts(ray_session, tiny_qwen2, digit_data, tmp_path):
+    """An EasyR1-style reward file (compute_score -> overall/format/accuracy), loaded by file path."""
+    from pathlib import Path
+
+    reward_file = Path(__file__).resolve().parents[1] / "rewards" / "plugins" / "easyr1_reward.py"
+    args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1) + [
+        "--custom-rm-path", f"{reward_file}:compute_score", "--reward-key", "overall", "--dump-rollouts"]
+    (row,) = train(*preflight(build_config(args)))
+    assert {"rollout/reward/format", "rollout/reward/accuracy"} <= set(row)  # the dict's other keys are logged
+    assert np.isfinite(row["train/loss"])
+    dumped = [json.loads(x) for x in (tmp_path / "run" / "rollouts" / "step_000000.jsonl").read_text().splitlines()]
+    assert len(dumped) == 16 and all(set(d["reward_metrics"]) >= {"format", "accuracy"} for d in dumped)
+    from slime_rl.data import Sample
+    from tests.rewards.plugins.easyr1_reward import compute_score
+
+    for d in dumped:  # the logged reward is the file's "overall" for that response
+        again = compute_score(Sample(index=0, group_index=0, prompt=d["prompt"], prompt_ids=[], label=d["label"],
+                                     response=d["response"]))
+        assert d["reward"] == again["overall"]

@@ -121,3 +121,20 @@ def test_reward_flags_reach_the_reward_function(tmp_path):
         reward_fn(cfg.rollout)  # remote_rm without a URL is refused before any actor starts
     ok = build_config(base_argv(tmp_path) + ["--rm-type", "math"])
     assert callable(reward_fn(ok.rollout))
+
+
+def test_dry_run_sglang_backend_passes_sglang_flags_through(tiny_qwen2, tmp_path, capsys):
+    from slime_rl.data.digits import make_rows, write_jsonl
+
+    data = write_jsonl(make_rows(8, seed=0), tmp_path / "d.jsonl")
+    code = train_main(["--hf-checkpoint", str(tiny_qwen2), "--prompt-data", str(data), "--rollout-batch-size", "2",
+                       "--num-rollout", "1", "--rm-type", "digit", "--rollout-backend", "sglang",
+                       "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
+                       "--sglang-mem-fraction-static", "0.7", "--sglang-enable-torch-compile", "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("engine 0:")]
+    argv_ = line.split()[2:]
+    assert argv_[1:3] == ["-m", "sglang.launch_server"]
+    assert argv_[argv_.index("--tp-size") + 1] == "2"
+    assert argv_[argv_.index("--mem-fraction-static") + 1] == "0.7" and "--enable-torch-compile" in argv_
