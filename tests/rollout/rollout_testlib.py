@@ -12,6 +12,7 @@ import torch
 from slime_rl.data import PromptRow
 from slime_rl.engines.embedded.server import EmbeddedServer, ServerConfig
 from slime_rl.rollout.client import AsyncEngineClient
+from tests.logprob_ref import reference_logprobs  # noqa: F401 (re-exported for the tests)
 
 
 def start_server(model_path: Path, **kw: Any) -> EmbeddedServer:
@@ -52,17 +53,6 @@ def feeder(rows: Sequence[PromptRow]) -> tuple[Callable[[int], list[PromptRow]],
         return out
 
     return next_rows, asked
-
-
-def reference_logprobs(model64, prompt: list[int], output: list[int], temperature: float = 1.0) -> torch.Tensor:
-    """float64 log_softmax(logits / T) of each output token given everything before it: one unpadded
-    forward, none of the engine's code paths (no KV cache, no batching, no continuation)."""
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logits = model64(input_ids=ids).logits[0].double()
-    lp = torch.log_softmax(logits / temperature, dim=-1)
-    rows = lp[len(prompt) - 1: len(prompt) + len(output) - 1]
-    return rows.gather(1, torch.tensor(output)[:, None]).squeeze(1)
 
 
 def float64_model(path: Path):

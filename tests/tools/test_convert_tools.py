@@ -9,9 +9,7 @@ Error paths that need no megatron run in this process (the tools check before im
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT, _load_tool, free_port
+from tests.procs import run_processes
 
 TOOLS = ROOT / "tools"
 
@@ -27,25 +26,10 @@ TOOLS = ROOT / "tools"
 def run_tool(tool: str, args: list[str], world: int = 1, timeout: float = 300) -> list[str]:
     """Run a tool in `world` processes with torchrun's variables; returns the logs (raises with them)."""
     port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        if world > 1:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(TOOLS / f"{tool}.py"), *args], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"{tool} {args} failed:\n" + "\n---\n".join(log[-4000:] for log in logs))
-    return logs
+    dist = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)} if world > 1 else {} for r in range(world)]
+    return run_processes([[sys.executable, str(TOOLS / f"{tool}.py"), *args]] * world, f"{tool} {args}", timeout,
+                         envs=dist, tail=4000)
 
 
 def _assert_same_hf(src: Path, dst: Path) -> None:

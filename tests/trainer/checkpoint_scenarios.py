@@ -9,8 +9,6 @@ must happen in fresh processes (nothing may survive in memory), hence one scenar
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 import torch
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from tests.procs import run_processes
 from tests.trainer.trainer_ref import make_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,22 +140,8 @@ SCENARIOS = {"save": scenario_save, "resume": scenario_resume, "tp1": scenario_t
 
 def run_scenario(name: str, world: int, port: int, out: Path, args: dict, timeout: float = 300) -> list[dict]:
     """Run a scenario in `world` processes; returns each rank's record (raises with the logs)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "tests.trainer.checkpoint_scenarios", name, str(r), str(world), str(port),
-         str(out), json.dumps(args)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"scenario {name} failed:\n" + "\n---\n".join(log[-6000:] for log in logs))
+    run_processes([[sys.executable, "-m", "tests.trainer.checkpoint_scenarios", name, str(r), str(world), str(port),
+                    str(out), json.dumps(args)] for r in range(world)], f"scenario {name}", timeout)
     return [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from tests.procs import run_processes
 from tests.trainer.trainer_ref import make_batch, select
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,22 +178,8 @@ def run_scenario(name: str, world: int, port: int, out: Path, ckpts: dict[str, P
 def _run_scenario_once(name: str, world: int, port: int, out: Path, ckpts: dict[str, Path],
                        timeout: float) -> list[dict]:
     ckpt_json = json.dumps({k: str(v) for k, v in ckpts.items()})
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "tests.trainer.trainer_scenarios", name, str(r), str(world), str(port),
-         str(out), ckpt_json],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"scenario {name} failed:\n" + "\n---\n".join(log[-6000:] for log in logs))
+    run_processes([[sys.executable, "-m", "tests.trainer.trainer_scenarios", name, str(r), str(world), str(port),
+                    str(out), ckpt_json] for r in range(world)], f"scenario {name}", timeout)
     return [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in range(world)]
 
 
