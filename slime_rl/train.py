@@ -22,7 +22,7 @@ from slime_rl.config import Config, ConfigError, RolloutConfig, build_config
 from slime_rl.data import DataError, PromptDataset, num_rollout_for_epochs
 from slime_rl.observability import MetricsLogger, Timer, summary_line
 from slime_rl.orchestration.placement import PlacementPlan, plan_placement
-from slime_rl.rewards import RewardError, make_reward_fn
+from slime_rl.rewards import RewardError, reward_fn_from_config
 from slime_rl.rollout.custom import load_filter, load_generate_function
 
 
@@ -46,9 +46,7 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
 
 def reward_fn(rollout: RolloutConfig):
     """The reward function the flags name (checked now: errors name the flag)."""
-    return make_reward_fn(rollout.rm_type, rollout.custom_rm_path, rollout.rm_url, rollout.reward_key,
-                          rm_timeout_s=rollout.rm_timeout_s, rm_max_retries=rollout.rm_max_retries,
-                          rm_backoff_s=rollout.rm_backoff_s)
+    return reward_fn_from_config(rollout)
 
 
 def dry_run(cfg: Config, plan: PlacementPlan) -> None:

@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rm-max-retries", type=_nonneg_int, default=3)
     g.add_argument("--rm-backoff", type=float, default=0.5, help="first retry delay, doubled each time")
     g.add_argument("--custom-rm-path", default=None, help="module:function or module.function")
+    g.add_argument("--group-rm", action="store_true",
+                   help="--custom-rm-path scores a whole group at once: list[Sample] -> list[float | dict]")
 
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-interval", type=_positive_int, default=None, help="evaluate every N steps")

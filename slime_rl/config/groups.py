@@ -146,6 +146,7 @@ class RolloutConfig:
     rollout_deadline_s: float | None = None
     custom_generate_function_path: str | None = None
     sample_seed: int | None = None  # set from --rollout-seed by --deterministic-rollout
+    group_rm: bool = False  # --custom-rm-path scores whole groups
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            f"--rollout-num-gpus-per-engine ({a.rollout_num_gpus_per_engine}) must divide "
            f"--rollout-num-gpus ({a.rollout_num_gpus})")
     _check(a.rm_type is not None or a.custom_rm_path is not None, "--rm-type or --custom-rm-path is required")
+    _check(not a.group_rm or a.custom_rm_path is not None, "--group-rm needs --custom-rm-path (a function that "
+           "scores a list of samples)")
     if a.rollout_backend == "embedded":
         _check(not sglang, f"--sglang-* flags given ({', '.join(sorted(sglang))}) but --rollout-backend "
                "is embedded")
@@ -240,7 +242,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
                               a.over_sampling_batch_size, a.dynamic_sampling_filter_path, a.partial_rollout,
                               a.mask_offpolicy_in_partial_rollout, a.rollout_deadline_s,
                               a.custom_generate_function_path,
-                              a.rollout_seed if a.deterministic_rollout else None),
+                              a.rollout_seed if a.deterministic_rollout else None, group_rm=a.group_rm),
         engine=EngineConfig(a.rollout_backend, a.rollout_num_gpus, a.rollout_num_gpus_per_engine, sglang),
         weight_sync=WeightSyncConfig(a.update_weight_buffer_size),
         checkpoint=CheckpointConfig(a.save, a.load, a.save_interval, a.keep_last),

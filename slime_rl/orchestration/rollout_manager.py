@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from slime_rl.algo import grpo_advantages, overlong_penalty, rloo_advantages
 from slime_rl.config import AlgoConfig, Config
 from slime_rl.data import PromptDataset, Sample
-from slime_rl.rewards import make_reward_fn, reward_metric_means
+from slime_rl.rewards import reward_fn_from_config, reward_metric_means
 from slime_rl.rollout.client import AsyncEngineClient
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.eval import evaluate
@@ -101,10 +101,7 @@ class RolloutManager:
         self.api_key = api_key
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
-        r = cfg.rollout
-        self.reward_fn = make_reward_fn(r.rm_type, r.custom_rm_path, r.rm_url, r.reward_key,
-                                        rm_timeout_s=r.rm_timeout_s, rm_max_retries=r.rm_max_retries,
-                                        rm_backoff_s=r.rm_backoff_s)
+        self.reward_fn = reward_fn_from_config(cfg.rollout)
         self.options = RolloutOptions.from_config(cfg.rollout)
         self.eval_sets = {name: PromptDataset(replace(cfg.data, prompt_data=path, rollout_shuffle=False),
                                               self.tokenizer).rows for name, path in cfg.eval.datasets}

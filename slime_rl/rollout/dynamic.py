@@ -26,7 +26,7 @@ from typing import Any
 from tqdm import tqdm
 
 from slime_rl.data import PromptRow, Sample
-from slime_rl.rewards import RewardFn
+from slime_rl.rewards import GroupReward, RewardFn
 from slime_rl.rollout.client import AsyncEngineClient
 from slime_rl.rollout.custom import FilterFn, GenerateFn, load_filter, load_generate_function
 from slime_rl.rollout.generate import make_groups, run_group
@@ -49,7 +49,8 @@ class RolloutResult:
 
 async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
                                    next_rows: Callable[[int], Sequence[PromptRow]], opts: RolloutOptions,
-                                   reward_fn: RewardFn, tokenizer: Any, *, resume: Sequence[list[Sample]] = (),
+                                   reward_fn: RewardFn | GroupReward, tokenizer: Any, *,
+                                   resume: Sequence[list[Sample]] = (),
                                    first_index: int = 0, first_group: int = 0,
                                    generate_fn: GenerateFn | None = None, filter_fn: FilterFn | None = None,
                                    progress: bool = False) -> RolloutResult:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from slime_rl.data import PromptRow
-from slime_rl.rewards import RewardFn
+from slime_rl.rewards import GroupReward, RewardFn
 from slime_rl.rollout.client import AsyncEngineClient
 from slime_rl.rollout.custom import GenerateFn, generate_default
 from slime_rl.rollout.generate import make_groups, run_group
@@ -57,7 +57,7 @@ def summarize(rewards: Sequence[Sequence[float]], ks: Sequence[int] | None = Non
 
 
 async def evaluate(clients: Sequence[AsyncEngineClient], rows: Sequence[PromptRow], n_samples: int,
-                   sampling_params: dict[str, Any], reward_fn: RewardFn, tokenizer: Any, *,
+                   sampling_params: dict[str, Any], reward_fn: RewardFn | GroupReward, tokenizer: Any, *,
                    ks: Sequence[int] | None = None, pass_threshold: float = 0.0,
                    generate_fn: GenerateFn = generate_default, concurrency_per_engine: int = 64,
                    max_context_len: int | None = None) -> dict[str, float]:

@@ -7,6 +7,8 @@ request), so one slow engine does not hold the step. A sample is produced by a g
 sample that is already done (a surplus group carried over by partial rollout) is not generated
 again, and an ABORTED one is continued from its response so far.
 
+With `--group-rm` (a `GroupReward`) a group is scored in one call once all its samples are done.
+
 `generate_groups` delivers exactly the rows it is given; `slime_rl.rollout.dynamic` adds
 over-sampling, filters, aborts and partial rollout on top of the same pieces.
 """
@@ -22,7 +24,7 @@ from tqdm import tqdm
 
 from slime_rl.config import RolloutConfig
 from slime_rl.data import PromptRow, Sample
-from slime_rl.rewards import RewardFn, call_reward
+from slime_rl.rewards import GroupReward, RewardFn, call_reward
 from slime_rl.rollout.client import AsyncEngineClient
 from slime_rl.rollout.custom import GenerateFn, load_generate_function
 from slime_rl.rollout.options import RolloutOptions
@@ -51,8 +53,8 @@ def make_groups(rows: Sequence[PromptRow], n_samples_per_prompt: int, indices: i
 
 
 async def run_sample(pool: ClientPool, sample: Sample, params: dict[str, Any], generate_fn: GenerateFn,
-                     reward_fn: RewardFn, mask_offpolicy_tokens: bool = False, score_unfinished: bool = False,
-                     stats: dict[str, int] | None = None) -> Sample:
+                     reward_fn: RewardFn | GroupReward, mask_offpolicy_tokens: bool = False,
+                     score_unfinished: bool = False, stats: dict[str, int] | None = None) -> Sample:
     """Generate (or continue) one sample and score it once it is done. `score_unfinished` also scores
     a sample that stayed ABORTED (a caller that has no way to continue it, like `generate_groups`)."""
     if not is_done(sample):
@@ -61,13 +63,13 @@ async def run_sample(pool: ClientPool, sample: Sample, params: dict[str, Any], g
             masked = mask_offpolicy(sample)
             if stats is not None:
                 stats["offpolicy_tokens_masked"] = stats.get("offpolicy_tokens_masked", 0) + masked
-    if sample.reward is None and (is_done(sample) or score_unfinished):
+    if not isinstance(reward_fn, GroupReward) and sample.reward is None and (is_done(sample) or score_unfinished):
         sample.reward = await call_reward(reward_fn, sample)
     return sample
 
 
 async def run_group(pool: ClientPool, group: list[Sample], params: dict[str, Any], generate_fn: GenerateFn,
-                    reward_fn: RewardFn, on_sample: Callable[[Sample], None] | None = None,
+                    reward_fn: RewardFn | GroupReward, on_sample: Callable[[Sample], None] | None = None,
                     **kw: Any) -> list[Sample]:
     """All samples of one group concurrently; returns the group (the same list, entries replaced by
     what the generate function returned)."""
@@ -77,11 +79,24 @@ async def run_group(pool: ClientPool, group: list[Sample], params: dict[str, Any
             on_sample(group[k])
 
     await asyncio.gather(*(one(k) for k in range(len(group))))
+    if isinstance(reward_fn, GroupReward):
+        await _score_group(reward_fn, group, kw.get("score_unfinished", False))
     return group
 
 
+async def _score_group(reward_fn: GroupReward, group: list[Sample], score_unfinished: bool) -> None:
+    """`--group-rm`: the whole group in one call, once every sample is done (a group cut by an abort
+    is scored when partial rollout has finished it, so the function always sees complete groups)."""
+    if all(s.reward is not None for s in group):
+        return  # a carried-over group scored before it was cut
+    if not (score_unfinished or all(is_done(s) for s in group)):
+        return
+    for sample, (score, metrics) in zip(group, await reward_fn(group), strict=True):
+        sample.reward, sample.reward_metrics = score, metrics
+
+
 async def generate_groups(clients: Sequence[AsyncEngineClient], rows: Sequence[PromptRow], cfg: RolloutConfig,
-                          reward_fn: RewardFn, tokenizer, first_index: int = 0, first_group: int = 0,
+                          reward_fn: RewardFn | GroupReward, tokenizer, first_index: int = 0, first_group: int = 0,
                           stop_token_ids: Sequence[int] = (), progress: bool = True, *,
                           options: RolloutOptions | None = None, generate_fn: GenerateFn | None = None,
                           pool: ClientPool | None = None) -> list[list[Sample]]:

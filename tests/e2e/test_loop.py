@@ -154,13 +154,15 @@ def test_algorithm_families_train(ray_session, tiny_qwen2, digit_data, tmp_path,
         assert rows[0]["train/kl"] >= 0
 
 
-def test_easyr1_reward_file_trains_a_step_and_dumps_rollouts(ray_session, tiny_qwen2, digit_data, tmp_path):
-    """An EasyR1-style reward file (compute_score -> overall/format/accuracy), loaded by file path."""
+@pytest.mark.parametrize("form", [["compute_score"], ["compute_score_batch", "--group-rm"]], ids=["sample", "group"])
+def test_easyr1_reward_file_trains_a_step_and_dumps_rollouts(ray_session, tiny_qwen2, digit_data, tmp_path, form):
+    """An EasyR1-style reward file (compute_score -> overall/format/accuracy), loaded by file path, per
+    sample or (`--group-rm`) one call per group."""
     from pathlib import Path
 
     reward_file = Path(__file__).resolve().parents[1] / "rewards" / "plugins" / "easyr1_reward.py"
     args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1) + [
-        "--custom-rm-path", f"{reward_file}:compute_score", "--reward-key", "overall", "--dump-rollouts"]
+        "--custom-rm-path", f"{reward_file}:{form[0]}", "--reward-key", "overall", "--dump-rollouts", *form[1:]]
     (row,) = train(*preflight(build_config(args)))
     assert {"rollout/reward/format", "rollout/reward/accuracy"} <= set(row)  # the dict's other keys are logged
     assert np.isfinite(row["train/loss"])

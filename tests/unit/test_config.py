@@ -38,6 +38,7 @@ def test_global_batch_defaults_to_one_step_per_rollout(tmp_path):
     (["--sglang-mem-fraction-static", "0.8"], "--sglang-"),
     (["--no-such-flag", "1"], "--no-such-flag"),
     (["--keep-last", "2"], "--keep-last"),
+    (["--group-rm"], "--group-rm"),
 ])
 def test_bad_flag_values_name_the_flag(tmp_path, extra, flag):
     with pytest.raises(ConfigError) as err:
@@ -121,6 +122,11 @@ def test_reward_flags_reach_the_reward_function(tmp_path):
         reward_fn(cfg.rollout)  # remote_rm without a URL is refused before any actor starts
     ok = build_config(base_argv(tmp_path) + ["--rm-type", "math"])
     assert callable(reward_fn(ok.rollout))
+    from slime_rl.rewards import GroupReward
+
+    group = build_config(base_argv(tmp_path) + ["--group-rm", "--custom-rm-path",
+                                                "tests.rewards.plugins.easyr1_reward:compute_score_batch"])
+    assert isinstance(reward_fn(group.rollout), GroupReward)
 
 
 def test_dry_run_sglang_backend_passes_sglang_flags_through(tiny_qwen2, tmp_path, capsys):
