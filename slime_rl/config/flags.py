@@ -202,7 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-project", default="slime_rl")
     g.add_argument("--wandb-group", default=None)
     g.add_argument("--wandb-mode", choices=("online", "offline", "disabled"), default="online")
-    g.add_argument("--use-tensorboard", action="store_true")
+    g.add_argument("--use-tensorboard", action="store_true", help="scalars to <run-dir>/tensorboard")
+    g.add_argument("--use-swanlab", action="store_true")
+    g.add_argument("--swanlab-project", default="slime_rl")
+    g.add_argument("--swanlab-mode", choices=("online", "offline", "local", "disabled"), default="online",
+                   help="offline/local keep the run under <run-dir>/swanlog")
     g.add_argument("--dump-rollouts", action="store_true",
                    help="write each step's prompts, responses and rewards to <run-dir>/rollouts/step_NNNNNN.jsonl")
     return p

@@ -199,6 +199,9 @@ class LoggingConfig:
     wandb_mode: str = "online"
     use_tensorboard: bool = False
     dump_rollouts: bool = False
+    use_swanlab: bool = False
+    swanlab_project: str = "slime_rl"
+    swanlab_mode: str = "online"
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(not a.mask_offpolicy_in_partial_rollout or a.partial_rollout,
            "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     _check(a.keep_last is None or a.save is not None, "--keep-last needs --save")
-    for flag, module in (("--use-wandb", "wandb"), ("--use-tensorboard", "tensorboard")):
+    for flag, module in (("--use-wandb", "wandb"), ("--use-tensorboard", "tensorboard"), ("--use-swanlab", "swanlab")):
         if getattr(a, flag[2:].replace("-", "_")):
             _check(importlib.util.find_spec(module) is not None,
                    f"{flag}: the '{module}' package is not installed (pip install slime_rl[{module}])")
@@ -247,7 +247,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         weight_sync=WeightSyncConfig(a.update_weight_buffer_size),
         checkpoint=CheckpointConfig(a.save, a.load, a.save_interval, a.keep_last),
         logging=LoggingConfig(run_dir, a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_mode,
-                              a.use_tensorboard, a.dump_rollouts),
+                              a.use_tensorboard, a.dump_rollouts, use_swanlab=a.use_swanlab,
+                              swanlab_project=a.swanlab_project, swanlab_mode=a.swanlab_mode),
         eval=_eval_config(a, check_paths),
         dry_run=a.dry_run,
     )

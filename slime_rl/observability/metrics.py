@@ -1,5 +1,6 @@
-"""Metric sinks. `<run_dir>/metrics.jsonl` always (one JSON object per step); wandb and
-tensorboard when asked. Only the driver writes, so there is one line per step."""
+"""Metric sinks. `<run_dir>/metrics.jsonl` always (one JSON object per step); wandb, tensorboard and
+swanlab when asked. Only the driver writes, so there is one line per step. The optional packages are
+imported only when their flag is set (preflight already checked they are installed)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,12 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self._swanlab = None
+        if cfg.use_swanlab:
+            import swanlab
+
+            self._swanlab = swanlab.init(project=cfg.swanlab_project, mode=cfg.swanlab_mode,
+                                         log_dir=str(self.run_dir / "swanlog"), config=run_config or {})
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         row = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
@@ -58,6 +65,9 @@ class MetricsLogger:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
+        if self._swanlab is not None:
+            self._swanlab.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))},
+                              step=step)
         return row
 
     def close(self) -> None:
@@ -66,6 +76,8 @@ class MetricsLogger:
             self._wandb.finish()
         if self._tb is not None:
             self._tb.close()
+        if self._swanlab is not None:
+            self._swanlab.finish()
 
 
 class Timer:

@@ -40,8 +40,10 @@ def digit_data(tmp_path_factory):
 
 
 def test_two_steps_write_metrics_and_logprobs_agree(ray_session, tiny_qwen2, digit_data, tmp_path):
-    cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2))
+    cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
+        "--use-wandb", "--wandb-mode", "offline", "--use-tensorboard", "--use-swanlab", "--swanlab-mode", "offline"])
     rows = train(*preflight(cfg))
+    check_logging_backends(tmp_path / "run", rows)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1] and lines == rows
     for row in lines:
@@ -55,6 +57,21 @@ def test_two_steps_write_metrics_and_logprobs_agree(ray_session, tiny_qwen2, dig
     # step 1 generated with the broadcast weights of step 0's update
     assert lines[1]["train/rollout_logprob_abs_diff"] <= 1e-2
     assert lines[1]["perf/weight_sync_GBps"] > 0
+
+
+def check_logging_backends(run_dir, rows):
+    """wandb (offline), tensorboard and swanlab (offline) each wrote a run with the step metrics."""
+    (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
+    (wandb_file,) = wandb_run.glob("run-*.wandb")
+    assert b"rollout/reward_mean" in wandb_file.read_bytes()  # the history records name their keys
+    (swan_run,) = (run_dir / "swanlog").glob("run-*")
+    assert list(swan_run.glob("*.swanlab"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(run_dir / "tensorboard"))
+    tb.Reload()
+    logged = [(e.step, e.value) for e in tb.Scalars("rollout/reward_mean")]
+    assert logged == [(r["step"], pytest.approx(r["rollout/reward_mean"], rel=1e-6)) for r in rows]
 
 
 @pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]],
