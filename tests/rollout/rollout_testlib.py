@@ -59,3 +59,15 @@ def float64_model(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+
+
+def slow_or_fast(max_slow: int):
+    """A generate function giving 'slow' samples a long response (ignore_eos), others the usual budget:
+    the slow groups are still running when the fast ones fill the batch."""
+    from slime_rl.rollout.custom import generate_default
+
+    async def generate(sample, sampling_params, pool):
+        if sample.label == "slow":
+            sampling_params = {**sampling_params, "max_new_tokens": max_slow, "ignore_eos": True}
+        return await generate_default(sample, sampling_params, pool)
+    return generate

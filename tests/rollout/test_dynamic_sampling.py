@@ -8,11 +8,11 @@ import asyncio
 import random
 
 import pytest
-from rollout_testlib import feeder, row, start_server, with_clients
+from rollout_testlib import feeder, row, slow_or_fast, start_server, with_clients
 
 from slime_rl.config import RolloutConfig
 from slime_rl.data import Sample
-from slime_rl.rollout.custom import generate_default, load_filter
+from slime_rl.rollout.custom import load_filter
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.filters import check_reward_nonzero_std
 from slime_rl.rollout.generate import generate_groups
@@ -83,15 +83,6 @@ def test_keeps_exactly_batch_size_nonzero_std_groups(server):
     assert res.leftover == []  # no partial rollout: cut groups are dropped, only counted
     assert (res.next_index, res.next_group) == (100 + 16, 50 + 8)
     assert m["rollout/engine0_requests"] <= 16 and res.counters[0]["in_flight"] == 0
-
-
-def slow_or_fast(max_slow: int):
-    """A generate function giving 'slow' groups a long response (ignore_eos), others the usual budget."""
-    async def generate(sample, sampling_params, pool):
-        if sample.label == "slow":
-            sampling_params = {**sampling_params, "max_new_tokens": max_slow, "ignore_eos": True}
-        return await generate_default(sample, sampling_params, pool)
-    return generate
 
 
 def test_aborts_the_rest_by_group_and_keeps_partials(server):

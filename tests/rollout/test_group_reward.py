@@ -4,11 +4,10 @@ real embedded engine, including a group cut by an abort and finished by partial 
 from __future__ import annotations
 
 import pytest
-from rollout_testlib import feeder, row, start_server, with_clients
+from rollout_testlib import feeder, row, slow_or_fast, start_server, with_clients
 
 from slime_rl.data import Sample
 from slime_rl.rewards import GroupReward
-from slime_rl.rollout.custom import generate_default
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.options import RolloutOptions
 from slime_rl.rollout.partial import ABORTED, is_done, status
@@ -19,15 +18,6 @@ def server(tiny_qwen2):
     s = start_server(tiny_qwen2, random_seed=11, max_running_requests=32)
     yield s
     s.shutdown()
-
-
-def slow_or_fast(max_slow: int):
-    """'slow' groups get a long response (ignore_eos), so they are still running when the batch fills."""
-    async def generate(sample, sampling_params, pool):
-        if sample.label == "slow":
-            sampling_params = {**sampling_params, "max_new_tokens": max_slow, "ignore_eos": True}
-        return await generate_default(sample, sampling_params, pool)
-    return generate
 
 
 class RankReward:
