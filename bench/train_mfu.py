@@ -55,32 +55,53 @@ def matmul_params(model: torch.nn.Module, cfg: dict) -> int:
     return n + (cfg["vocab_size"] * cfg["hidden_size"] if cfg["tie_word_embeddings"] else 0)
 
 
-def profile_table(fn, cuda: bool, rows: int = 25) -> str:
-    """The top kernels/ops by device (CPU: host) time over one call of fn, and a per-category sum."""
+def _category(name: str) -> str:
+    name = name.lower()
+    return ("gemm" if any(k in name for k in ("gemm", "cutlass", "nvjet", "sm90_xmma", "aten::mm", "addmm")) else
+            "attention" if any(k in name for k in ("flash", "attention", "fmha", "sdpa")) else
+            "nccl" if "nccl" in name else
+            "optimizer" if any(k in name for k in ("adam", "multi_tensor", "foreach")) else
+            "reduce/softmax" if any(k in name for k in ("reduce", "softmax", "logsumexp")) else
+            "elementwise/copy")
+
+
+def profile_table(fn, cuda: bool, rows: int = 15) -> str:
+    """One call of fn under torch.profiler: the busy time per category and the top kernels (CUDA:
+    kernel events only, so nothing is counted twice; CPU: ops' self time), then the top ops by the
+    device time of the kernels they launch themselves, and the kernel count."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
     with profile(activities=acts) as prof:
         fn()
         if cuda:
             torch.cuda.synchronize()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
-    total = sum(getattr(e, key) for e in events) or 1.0
+    wall = time.perf_counter() - t0
+    avg = prof.key_averages()
+    if cuda:
+        leaves = [e for e in avg if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+        ops = [e for e in avg if e.device_type == DeviceType.CPU and e.self_device_time_total > 0]
+        key = "self_device_time_total"
+    else:
+        leaves = ops = [e for e in avg if e.self_cpu_time_total > 0]
+        key = "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in leaves) / 1e6
     cats: dict[str, float] = {}
-    for e in events:
-        name = e.key.lower()
-        cat = ("gemm" if any(k in name for k in ("gemm", "cutlass", "matmul", "sm90_xmma", "nvjet")) else
-               "attention" if any(k in name for k in ("flash", "attention", "fmha", "sdpa")) else
-               "nccl" if "nccl" in name else
-               "optimizer" if any(k in name for k in ("adam", "multi_tensor", "foreach")) else
-               "reduce/softmax" if any(k in name for k in ("reduce", "softmax", "max", "sum", "logsumexp")) else
-               "elementwise/copy")
-        cats[cat] = cats.get(cat, 0.0) + getattr(e, key)
+    for e in leaves:
+        cats[_category(e.key)] = cats.get(_category(e.key), 0.0) + getattr(e, key) / 1e6
     ranked = sorted(cats.items(), key=lambda x: -x[1])
-    lines = ["category share: " + " ".join(f"{k}={v / total:.1%}" for k, v in ranked)]
-    for e in sorted(events, key=lambda e: -getattr(e, key))[:rows]:
-        lines.append(f"  {getattr(e, key) / 1e3:9.2f} ms {getattr(e, key) / total:6.1%} x{e.count:<5} {e.key[:110]}")
+    lines = [f"profiled step {wall:.3f} s wall, {busy:.3f} s busy ({'kernels' if cuda else 'ops'}), "
+             f"{sum(e.count for e in leaves)} {'kernels' if cuda else 'ops'}",
+             "busy time by category: " + " ".join(f"{k}={v:.3f}s" for k, v in ranked)]
+    tables = [("top kernels", leaves), ("top ops (their own kernels)", ops)] if cuda else [("top ops", ops)]
+    for title, events in tables:
+        lines.append(title + ":")
+        for e in sorted(events, key=lambda e: -getattr(e, key))[:rows]:
+            lines.append(f"  {getattr(e, key) / 1e3:9.2f} ms x{e.count:<6} {e.key[:110]}")
     return "\n".join(lines)
 
 
@@ -106,9 +127,10 @@ def main() -> None:
     from slime_rl.trainer.worker import TrainerWorker
 
     cuda = torch.cuda.is_available()
+    # measured before and after the training steps, the higher one counts: at the very start of
+    # a run the clocks may still be ramping (726 TFLOP/s there vs 777-788 seen on warm H200s)
     peak = matmul_peak_tflops() if cuda else float("nan")
     if cuda:
-        print(f"bf16 matmul peak (8192^3, same run): {peak:.0f} TFLOP/s", flush=True)
         os.environ.setdefault("LOCAL_RANK", "0")
     cfg = SHAPES[a.shape]
     ckpt = make_checkpoint(a.shape, Path(tempfile.mkdtemp(prefix="mfu_")) / "model", cuda)
@@ -154,6 +176,10 @@ def main() -> None:
     prof = profile_table(train_step, cuda) if a.profile or a.smoke else ""
     if prof:
         print("profile of one train step:\n" + prof, flush=True)
+    if cuda:
+        peak_before, peak = peak, max(peak, matmul_peak_tflops())
+        print(f"bf16 matmul peak (8192^3, same run): {peak:.0f} TFLOP/s (before the steps {peak_before:.0f})",
+              flush=True)
     mfu = tflops / peak if cuda else float("nan")
     result = {"shape": a.shape, "matmul_params": n_matmul, "tokens_per_step": tokens, "step_s": step_s,
               "tokens_per_s": tokens / step_s, "tflops": tflops, "peak_tflops": peak, "mfu": mfu,

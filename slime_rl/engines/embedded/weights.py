@@ -150,6 +150,9 @@ class WeightSync:
         flat = torch.empty(offset, dtype=torch.uint8, device=self.device)
         with self._lock:
             dist_group.broadcast(group, flat, src=0)
+        if len(set(dtypes)) == 1 and offset:  # the usual bucket: one split instead of a slice per tensor
+            parts = flat.view(dtypes[0]).split([(b - a) // dtypes[0].itemsize for _, _, _, a, b in spans])
+            return [(name, p.view(shape)) for (name, _, shape, _, _), p in zip(spans, parts, strict=True)]
         return [(name, flat[a:b].view(dtype).reshape(shape)) for name, dtype, shape, a, b in spans]
 
     def _check(self, name: str, t: torch.Tensor) -> str | None:
