@@ -5,9 +5,11 @@ Full path: Megatron params (trainer, GPU 0) -> gather -> HF names -> flattened b
 endpoints. Raw: the same bucket sizes broadcast between the same two GPUs by bare processes.
 
     python bench/weight_sync.py --shapes 0.5b 1.5b 4b [--repeats 3] [--bucket-mb 512] [--out FILE.json]
+    python bench/weight_sync.py --smoke     # CPU (gloo), tiny model: checks that it runs
 
 Prints one line per shape and the ratio raw_time / full_time (1.0 = the sync costs nothing beyond
-the wire) last. On a CPU-only machine it runs the same code on gloo with `--shapes tiny`.
+the wire) last, after a per-phase breakdown of the host's time. On a CPU-only machine it runs the
+same code on gloo with `--shapes tiny`.
 """
 
 from __future__ import annotations
@@ -25,44 +27,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-# Qwen2.5 shapes (tied embeddings as the 0.5B/1.5B/3B releases; the 4B row is Qwen3-4B's dense shape
-# on the Qwen2 block, untied), random weights.
-SHAPES = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=64, tie_word_embeddings=True),
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=151936, tie_word_embeddings=False),
-}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make_checkpoint(shape: str, out: Path, cuda: bool) -> Path:
-    """Random bf16 (fp32 on CPU) Qwen2 of the shape, with the tiny tokenizer (only decode uses it)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    sys.path.insert(0, str(ROOT / "tools"))
-    from make_tiny_model import make_tiny_model
-
-    make_tiny_model(out, seed=0)  # tokenizer files (and a tiny model that is overwritten below)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
-                      use_sliding_window=False, dtype=str(dtype).removeprefix("torch."))
-    with torch.device("cuda" if cuda else "cpu"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+sys.path.insert(0, str(ROOT / "bench"))
+from common import SHAPES, free_port, make_checkpoint  # noqa: E402
 
 
 def raw_receiver(port: int, sizes: list[int], repeats: int, backend: str) -> None:
@@ -78,7 +44,25 @@ def raw_receiver(port: int, sizes: list[int], repeats: int, backend: str) -> Non
         torch.cuda.synchronize()
 
 
-def run_shape(shape: str, repeats: int, bucket_mb: int) -> dict:
+def check_engine_weights(url: str, worker) -> int:
+    """The engine holds exactly the trainer's weights after the sync: compare the last tensor of
+    every layer kind and the first and last 2-D ones (two rows each: /get_weights_by_name truncates
+    rows), bit for bit. Returns how many tensors were compared."""
+    from slime_rl.rollout.client import EngineClient
+
+    named = list(worker.iter_hf_weights())
+    pick = {n: t for n, t in named if t.dim() == 1}  # the last bias/norm of each name pattern
+    pick = dict(list(pick.items())[-4:]) | {named[0][0]: named[0][1], named[-1][0]: named[-1][1]}
+    with EngineClient(url) as client:
+        for name, t in pick.items():
+            got = torch.tensor(client.get_weights_by_name(name, truncate_size=2), dtype=torch.float32)
+            want = t[:2].float().cpu()
+            if not torch.equal(got, want):
+                raise AssertionError(f"engine weight {name} differs from the trainer's after the sync")
+    return len(pick)
+
+
+def run_shape(shape: str, repeats: int, bucket_mb: float) -> dict:
     from slime_rl.config import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
     from slime_rl.config.groups import WeightSyncConfig
     from slime_rl.engines.dist_group import broadcast, init_custom_group
@@ -105,18 +89,26 @@ def run_shape(shape: str, repeats: int, bucket_mb: int) -> dict:
         worker = TrainerWorker(0, 1, "127.0.0.1", free_port(), ParallelConfig(), BatchConfig(1, 1), OptimizerConfig(),
                                ModelConfig(str(ckpt), bf16=cuda), AlgoConfig(), train_iters=1)
         wait_healthy(url, timeout=600, process=engine, log_path=work / "engine.log")
-        bucket = bucket_mb * 1024**2
+        bucket = int(bucket_mb * 1024**2)
         sync = WeightBroadcaster([EngineTarget(url, 1)], WeightSyncConfig(bucket), True, "127.0.0.1", free_port(), 2,
                                  backend)
         sync.connect()
-        full = []
+        full, phases = [], []
         for r in range(repeats + 1):  # the first one warms NCCL up and is not counted
+            if cuda:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             sync.pause_engines()
-            out = sync.sync(worker.iter_hf_weights(), version=str(r))
+            t1 = time.perf_counter()
+            out = sync.sync(worker.iter_hf_weights(), version=str(r))  # ends with the bytes sent
+            t2 = time.perf_counter()
             sync.continue_engines()
             full.append(time.perf_counter() - t0)
+            phases.append({"pause": t1 - t0, "continue": full[-1] - (t2 - t0),
+                           **{k.removeprefix("weight_sync/").removesuffix("_seconds"): v
+                              for k, v in out.items() if k.endswith("_seconds")}})
         nbytes = int(out["weight_sync/bytes"])
+        checked = check_engine_weights(url, worker)
         sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets(worker.iter_hf_weights(), bucket)]
         raw_port = free_port()
         recv = subprocess.Popen([sys.executable, __file__, "--raw-receiver", str(raw_port), json.dumps(sizes),
@@ -141,7 +133,9 @@ def run_shape(shape: str, repeats: int, bucket_mb: int) -> dict:
         engine.terminate()
         engine.wait(timeout=60)
     full_s, raw_s = sorted(full[1:])[len(full[1:]) // 2], sorted(raw[1:])[len(raw[1:]) // 2]  # medians
+    median_run = 1 + full[1:].index(full_s)
     return {"shape": shape, "bytes": nbytes, "buckets": len(sizes), "full_s": full_s, "raw_s": raw_s,
+            "phases_s": phases[median_run], "bucket_mb": bucket_mb, "checked_tensors": checked,
             "full_GBps": nbytes / full_s / 1e9, "raw_GBps": nbytes / raw_s / 1e9, "ratio": raw_s / full_s,
             "device": torch.cuda.get_device_name(0) if cuda else "cpu (gloo)"}
 
@@ -153,10 +147,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["0.5b", "1.5b", "4b"], choices=sorted(SHAPES))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--bucket-mb", type=int, default=512)
+    p.add_argument("--bucket-mb", type=float, default=512)
     p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="CPU smoke run: the tiny shape, one repeat")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.smoke:
+        a.shapes, a.repeats, a.bucket_mb = ["tiny"], 1, 0.02  # 20 KiB: several buckets
     if a.one:  # one shape per process: the trainer's process groups are set up once per process
         print("RESULT " + json.dumps(run_shape(a.shapes[0], a.repeats, a.bucket_mb)), flush=True)
         return
@@ -170,9 +167,15 @@ def main() -> None:
             raise SystemExit(f"shape {shape} failed (exit {proc.returncode})")
         r = json.loads(lines[-1][len("RESULT "):])
         results.append(r)
-        print(f"{shape:>5}: {r['bytes'] / 1e9:.2f} GB in {r['buckets']} buckets | full {r['full_s']:.3f} s "
-              f"({r['full_GBps']:.1f} GB/s) | raw {r['raw_s']:.3f} s ({r['raw_GBps']:.1f} GB/s) | "
+        print(f"{shape:>5}: {r['bytes'] / 1e9:.2f} GB in {r['buckets']} buckets | full {r['full_s']:.4f} s "
+              f"({r['full_GBps']:.1f} GB/s) | raw {r['raw_s']:.4f} s ({r['raw_GBps']:.1f} GB/s) | "
               f"ratio {r['ratio']:.3f}", flush=True)
+        # host-side phases of the median run: pause/continue are one HTTP call each; build = making
+        # the HF tensors (gather, renaming) and bucketing; fill = copying into the flat buffer and
+        # starting the broadcast; http_wait = waiting for the engine's answers; device_wait = the
+        # GPU finishing what was queued (the wire time not hidden behind the host's work)
+        print("       phases (ms): " + " ".join(f"{k}={v * 1e3:.2f}" for k, v in r["phases_s"].items()),
+              flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=2))
     print("ratio (raw / full) " + " ".join(f"{r['shape']}={r['ratio']:.3f}" for r in results))

@@ -61,10 +61,16 @@ def init_custom_group(master_address: str, master_port: int, rank: int, world_si
 
 def broadcast(group: object, tensor: torch.Tensor, src: int) -> None:
     """In-place broadcast of `tensor` from group rank `src` to every rank of `group`."""
+    broadcast_async(group, tensor, src).wait()
+
+
+def broadcast_async(group: object, tensor: torch.Tensor, src: int) -> object:
+    """Start the broadcast; returns its work. `work.wait()` makes the current CUDA stream wait for
+    it (NCCL, no host sync) or blocks until done (gloo); `tensor` must not be touched before."""
     opts = dist.BroadcastOptions()
     opts.rootRank = src
     opts.rootTensor = 0
-    group.broadcast([tensor], opts).wait()
+    return group.broadcast([tensor], opts)
 
 
 def destroy_group(group: object) -> None:

@@ -75,6 +75,8 @@ class Engine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.default_gen = torch.Generator(device=self.device).manual_seed(seed)
         self.model_lock = threading.Lock()  # held for every forward and every weight copy
+        # CUDA: the last weight copy's event (it runs on a side stream); forwards wait for it
+        self.weights_ready: torch.cuda.Event | None = None
         self._cond = threading.Condition()
         self._waiting: deque[GenRequest] = deque()
         self._batch = RunningBatch()
@@ -143,6 +145,11 @@ class Engine:
             with self._cond:
                 self._updating -= 1
                 self._cond.notify_all()
+
+    def wait_weights(self) -> None:
+        """Order the current stream after the last weight copy (device-side; call under model_lock)."""
+        if self.weights_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.weights_ready)
 
     def load(self) -> dict:
         with self._cond:
@@ -238,6 +245,7 @@ class Engine:
         ids, mask, pos = left_pad(seqs, self.pad_id, self.device)
         want_input_lp = any(r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in ready)
         with self.model_lock, torch.no_grad():
+            self.wait_weights()
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                              logits_to_keep=0 if want_input_lp else 1)
         self.stats["prefill_forwards"] += 1
@@ -259,6 +267,7 @@ class Engine:
         pos = torch.tensor([[r.next_pos] for r in b.rows], device=self.device)
         b.mask = torch.cat([b.mask, b.mask.new_ones((len(b), 1))], dim=1)
         with self.model_lock, torch.no_grad():
+            self.wait_weights()
             out = self.model(input_ids=ids, attention_mask=b.mask, position_ids=pos, use_cache=True,
                              **{self._cache_kw: b.cache})
         self.stats["decode_forwards"] += 1

@@ -36,6 +36,7 @@ class WeightSync:
         self.groups: dict[str, object] = {}
         self.weight_version = weight_version
         self._lock = threading.Lock()  # one group operation at a time
+        self._copy_stream: torch.cuda.Stream | None = None
 
     def init_group(self, body: dict) -> tuple[bool, str]:
         master_address = _field(body, "master_address", str)
@@ -107,14 +108,33 @@ class WeightSync:
         if problems:
             return False, "Failed to update parameter online: " + "; ".join(problems)
         with self.engine.weights_exclusive(), torch.no_grad():
-            for name, t in received:
-                self.params[name].copy_(t)
+            self._load(received)
             if version is not None:
                 self.weight_version = version
         message = "Succeeded to update parameter online."
         if version is not None:
             message += f" Weight version updated to {version}."
         return True, message
+
+    def _load(self, received: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy into the parameters with one multi-tensor copy. On CUDA it runs on a side stream
+        after the receive, and the engine's forwards wait for its event (Engine.weights_ready), so
+        the NCCL receive of the next bucket, ordered after the default stream, is not held up by
+        this copy."""
+        dsts, srcs = [self.params[n] for n, _ in received], [t for _, t in received]
+        if self.device.type != "cuda":
+            torch._foreach_copy_(dsts, srcs)
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the receive is done
+        with torch.cuda.stream(self._copy_stream):
+            torch._foreach_copy_(dsts, srcs)
+        for t in srcs:  # the receive buffer is freed by this thread: keep it until the copy ran
+            t.record_stream(self._copy_stream)
+        event = torch.cuda.Event()
+        event.record(self._copy_stream)
+        self.engine.weights_ready = event
 
     def _receive_flat(self, group: object, names: list[str], dtypes: list[torch.dtype],
                       shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
@@ -130,6 +150,9 @@ class WeightSync:
         flat = torch.empty(offset, dtype=torch.uint8, device=self.device)
         with self._lock:
             dist_group.broadcast(group, flat, src=0)
+        if len(set(dtypes)) == 1 and offset:  # the usual bucket: one split instead of a slice per tensor
+            parts = flat.view(dtypes[0]).split([(b - a) // dtypes[0].itemsize for _, _, _, a, b in spans])
+            return [(name, p.view(shape)) for (name, _, shape, _, _), p in zip(spans, parts, strict=True)]
         return [(name, flat[a:b].view(dtype).reshape(shape)) for name, dtype, shape, a, b in spans]
 
     def _check(self, name: str, t: torch.Tensor) -> str | None:
@@ -147,6 +170,7 @@ class WeightSync:
         if param is None:
             raise RequestError(f"name: no parameter {name!r} in the model")
         with self.engine.model_lock:
+            self.engine.wait_weights()
             return param.detach().float().cpu().tolist()[:truncate]
 
 

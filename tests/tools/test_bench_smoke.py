@@ -1,0 +1,49 @@
+"""The GPU benches' CPU smoke modes: each script runs end to end on a tiny model (gloo, CPU) and
+prints its ratio line last. Timings are never asserted: only that the figures are there and sane."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_smoke(script: str, tmp_path: Path) -> tuple[str, dict]:
+    import json
+
+    out = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    return lines[-1], json.loads(out.read_text())
+
+
+def test_weight_sync_smoke(tmp_path):
+    last, result = run_smoke("weight_sync.py", tmp_path)
+    assert re.fullmatch(r"ratio \(raw / full\) tiny=\d+\.\d{3}", last), last
+    (r,) = result
+    assert r["buckets"] >= 2 and r["bytes"] > 0  # 1 MiB buckets: the tiny model does not fit in one
+    assert set(r["phases_s"]) >= {"pause", "continue", "build", "fill", "http_wait", "device_wait"}
+    assert 0 < r["ratio"] and r["full_s"] > 0 and r["raw_s"] > 0
+
+
+def test_train_mfu_smoke(tmp_path):
+    last, result = run_smoke("train_mfu.py", tmp_path)
+    assert last.startswith("MFU nan"), last  # no GPU, so no peak: the ratio line is still printed
+    assert result["tokens_per_step"] == 2 * 64 and result["step_s"] > 0
+    assert result["profile"].startswith("profiled step") and "busy time by category" in result["profile"]
+
+
+@pytest.mark.parametrize("script", ["engine_throughput.py"])
+def test_engine_throughput_smoke(tmp_path, script):
+    last, result = run_smoke(script, tmp_path)
+    assert re.fullmatch(r"ratio \(engine / HF generate tokens/s\) \d+\.\d\d", last), last
+    assert result["engine_tokens_per_s"] > 0 and result["hf_tokens_per_s"] > 0
