@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from slime_rl.config.groups import (
     DataConfig,
     EngineConfig,
     EvalConfig,
+    FaultConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
@@ -213,6 +215,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
             _check(importlib.util.find_spec(module) is not None,
                    f"{flag}: the '{module}' package is not installed (pip install slime_rl[{module}])")
 
+    _check(math.isfinite(a.reward_failure_value), f"--reward-failure-value {a.reward_failure_value}: must be finite")
     run_dir = a.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return Config(
         parallel=parallel,
@@ -248,6 +251,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
                               a.use_tensorboard, a.dump_rollouts),
         eval=_eval_config(a, check_paths),
         dry_run=a.dry_run,
+        fault=FaultConfig(a.use_fault_tolerance, a.rollout_health_check_interval, a.rollout_health_check_timeout,
+                          a.reward_failure_value),
     )
 
 

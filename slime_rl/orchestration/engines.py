@@ -1,5 +1,9 @@
 """Engine actors: each holds its placement bundle(s) and runs one engine server process
-(the built-in engine or SGLang), prefixing the server's log lines with the engine id."""
+(the built-in engine or SGLang), prefixing the server's log lines with the engine id.
+
+Fault tolerance: the actor outlives its process. `restart` kills what is left of the old process
+(a hung one included) and starts a new one in the same actor, hence the same placement bundle and
+device, on a fresh port; the cluster then re-creates the weight-update group and sends the weights."""
 
 from __future__ import annotations
 
@@ -59,6 +63,31 @@ class EngineActor:
         for line in self.process.stdout:
             sys.stdout.write(f"[engine {self.engine_id}] {line}")
             sys.stdout.flush()
+
+    def restart(self, cmd: list[str], url: str, timeout: float = 300.0) -> str:
+        """A fresh process in this actor's placement (same bundle/device), after the old one is gone."""
+        self.kill()
+        self.url = None
+        return self.start(cmd, url, timeout)
+
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def alive(self, timeout: float = 5.0) -> bool:
+        """The process runs and its /health answers 200 within `timeout` seconds."""
+        from slime_rl.rollout.client import EngineClient
+
+        if self.process is None or self.process.poll() is not None or self.url is None:
+            return False
+        with EngineClient(self.url, timeout=timeout) as client:
+            return client.health()
+
+    def kill(self) -> None:
+        """SIGKILL: a hung server may not answer SIGTERM, and the restart must not wait on it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+        if self.process is not None:
+            self.process.wait()
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
