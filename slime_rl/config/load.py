@@ -103,11 +103,20 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str) -> tuple[dict[str,
         if key in ("config", "help") or key not in dests:
             raise ConfigError(f"--config {path}: unknown key '{raw_key}' (not a flag of slime-rl train)")
         action = dests[key]
-        if value is not None and action.type is not None and not isinstance(value, bool):
+        if action.nargs == 0 and value is not None and not isinstance(value, bool):  # store_true/false
+            raise ConfigError(f"--config {path}: key '{raw_key}': expected true or false, got {value!r:.40}")
+        many = action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 0)
+        if many and value is not None:  # a list flag: one value is a list of one
+            value = list(value) if isinstance(value, list) else [value]
+        elif isinstance(value, (list, dict)):
+            raise ConfigError(f"--config {path}: key '{raw_key}': expected one value, got {type(value).__name__}")
+        if value is not None and action.type is not None:  # a bool for a number is refused here too
             try:
-                value = action.type(str(value))
+                value = [action.type(str(v)) for v in value] if many else action.type(str(value))
             except (argparse.ArgumentTypeError, ValueError) as exc:
                 raise ConfigError(f"--config {path}: key '{raw_key}': {exc}") from exc
+        if many and value is not None:
+            value = [str(v) if action.type is None else v for v in value]
         if action.choices is not None and value is not None and value not in action.choices:
             raise ConfigError(f"--config {path}: key '{raw_key}': {value!r} is not one of {list(action.choices)}")
         defaults[key] = value
