@@ -56,13 +56,14 @@ def reward_fn(rollout: RolloutConfig):
 
 
 def dry_run(cfg: Config, plan: PlacementPlan) -> None:
-    from slime_rl.orchestration.engines import engine_command
+    from slime_rl.orchestration.engines import engine_command, engine_env
 
     print(plan.describe())
     for slot in plan.engines:
         cmd = engine_command(cfg, slot, host="<node-ip>", port=30000 + 10 * slot.engine_id, api_key="<run-secret>",
                              use_gpu=plan.use_gpu)
-        print(f"engine {slot.engine_id}: {' '.join(cmd)}")
+        env = "".join(f"{k}={v} " for k, v in engine_env(cfg, "<run-secret>").items())
+        print(f"engine {slot.engine_id}: {env}{' '.join(cmd)}")
 
 
 def train(cfg: Config, plan: PlacementPlan) -> list[dict]:

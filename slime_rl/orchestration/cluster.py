@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime_rl.config import Config
 from slime_rl.orchestration.buffer import Buffer
-from slime_rl.orchestration.engines import EngineActor, engine_command
+from slime_rl.orchestration.engines import EngineActor, engine_command, engine_env
 from slime_rl.orchestration.placement import PlacementPlan
 from slime_rl.orchestration.rollout_manager import RolloutManager
 from slime_rl.orchestration.trainer_group import TrainerGroup
@@ -59,7 +59,7 @@ class Cluster:
             self.engines.append(actor)
             urls.append(f"http://{host}:{port}")
             targets.append(EngineTarget(urls[-1], slot.rank_offset, self.api_key))
-            started.append(actor.start.remote(cmd, urls[-1]))
+            started.append(actor.start.remote(cmd, urls[-1], env=engine_env(self.cfg, self.api_key)))
         # trainer ranks build Megatron while the engines load
         self.trainers = TrainerGroup(self.cfg, self.pg, self.plan.trainer_bundles, self.plan.use_gpu)
         threads = max(1, (os.cpu_count() or 1) // self.cfg.parallel.world_size)

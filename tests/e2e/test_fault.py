@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +66,23 @@ def dumped_ids(run_dir, step: int) -> tuple[list[int], list[int]]:
     return sorted(r["index"] for r in rows), sorted(r["group"] for r in rows)
 
 
+def assert_key_nowhere(key: str, *dirs, text: str = "") -> int:
+    """The API key is in no file under `dirs` (metrics, dumps, checkpoints, Ray's logs with every
+    engine's output) and not in `text` (captured stdout/stderr). Returns the files searched."""
+    assert key not in text
+    n = 0
+    for root in dirs:
+        for path in Path(root).rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                n += 1
+                assert key.encode() not in path.read_bytes(), path
+    return n
+
+
+def ray_logs() -> str:
+    return ray._private.worker._global_node.get_logs_dir_path()
+
+
 def sha(array) -> str:
     return hashlib.sha256(array.astype("float32").tobytes()).hexdigest()
 
@@ -83,6 +101,7 @@ def test_killed_and_hung_engines_lose_no_sample_and_come_back_with_the_weights(
         # ---- step 0: kill -9 engine 1 while it generates
         victim, old_url = 1, cluster.engine_urls[1]
         old_pid = ray.get(cluster.engines[victim].pid.remote())
+        assert KEY not in Path(f"/proc/{old_pid}/cmdline").read_text()  # argv is world-readable: not there
         pending = cluster.generate_async(0)
         wait_running(old_url)
         os.kill(old_pid, signal.SIGKILL)
@@ -97,12 +116,15 @@ def test_killed_and_hung_engines_lose_no_sample_and_come_back_with_the_weights(
         assert cluster.heal_engines() == 1
         new_pid = ray.get(cluster.engines[victim].pid.remote())
         assert new_pid != old_pid and cluster.engine_urls[victim] != old_url
+        assert KEY not in Path(f"/proc/{new_pid}/cmdline").read_text()
         cluster.sync_weights(version="1")
         trainer = {name: sha(t) for name, t in cluster.trainers.hf_weights().items()}
         sums = []
         for url in cluster.engine_urls:
             with EngineClient(url, api_key=KEY) as c:
                 info = c._call("GET", "/weights_checksum")
+            with EngineClient(url) as anonymous, pytest.raises(Exception, match="401"):
+                anonymous._call("GET", "/weights_checksum")  # a control endpoint: key required
             assert info["weight_version"] == "1"
             assert {name: info["tensors"][name] for name in trainer} == trainer  # bit-exact, every tensor
             sums.append(info["checksum"])
@@ -126,10 +148,13 @@ def test_killed_and_hung_engines_lose_no_sample_and_come_back_with_the_weights(
         assert m2["rollout/engine0_requests"] > 0 and m2["rollout/engine1_requests"] > 0
     finally:
         cluster.shutdown()
+    assert assert_key_nowhere(KEY, run, ray_logs()) > 0
 
 
 def test_a_crashed_trainer_rank_stops_the_run_naming_it_and_resume_continues(
-        ray_session, tiny_qwen2, digit_data, tmp_path, monkeypatch):
+        ray_session, tiny_qwen2, digit_data, tmp_path, monkeypatch, capfd):
+    import secrets
+
     from slime_rl.orchestration.cluster import Cluster
     from slime_rl.trainer.checkpoint import latest_checkpoint
 
@@ -140,6 +165,8 @@ def test_a_crashed_trainer_rank_stops_the_run_naming_it_and_resume_continues(
         return real_train(self, step)
 
     monkeypatch.setattr(Cluster, "train", train_with_rank1_crashing_at_step_1)
+    run_key = secrets.token_hex(16)
+    monkeypatch.setattr("slime_rl.train.secrets.token_hex", lambda n: run_key)  # to look for it afterwards
     ckpt = tmp_path / "ckpt"
     args = argv(tiny_qwen2, digit_data, tmp_path / "a", steps=3, tp=2) + ["--save", str(ckpt), "--save-interval", "1"]
     with pytest.raises(RunFailed) as info:
@@ -152,3 +179,5 @@ def test_a_crashed_trainer_rank_stops_the_run_naming_it_and_resume_continues(
     rows = train(*preflight(build_config(
         argv(tiny_qwen2, digit_data, tmp_path / "b", steps=2, tp=2) + ["--load", str(ckpt)])))
     assert [r["step"] for r in rows] == [1]  # auto-resume continues after the last complete step
+    out = capfd.readouterr()
+    assert assert_key_nowhere(run_key, tmp_path, ray_logs(), text=out.out + out.err) > 0
