@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 from slime_rl.algo import grpo_advantages, overlong_penalty, rloo_advantages
 from slime_rl.config import AlgoConfig, Config
 from slime_rl.data import PromptDataset, Sample
-from slime_rl.rewards import RewardError, make_reward_fn, reward_metric_means
+from slime_rl.rewards import make_reward_fn, reward_metric_means
 from slime_rl.rollout.client import AsyncEngineClient
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.eval import evaluate
@@ -149,10 +149,7 @@ class RolloutManager:
                 self.dead = dict(health.reasons)
             for c in clients:
                 await c.aclose()
-        calls, failed = self.reward_fn.failures.since(reward_mark)
-        if calls and failed == calls:
-            raise RewardError(f"step {step}: the reward function raised on every one of the step's {calls} samples; "
-                              f"stopping the run. Last failure, {self.reward_fn.failures.last_traceback}")
+        failed = self.reward_fn.failures.check_step(reward_mark, step)  # raises when every sample failed
         groups = result.groups
         if not groups:
             raise RuntimeError(f"step {step}: the rollout kept no group (deadline or filter); nothing to train on")

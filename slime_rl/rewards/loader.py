@@ -207,12 +207,17 @@ class RewardFailures:
                   f"(--reward-failure-value) and further failures are only counted (rollout/reward_failures). "
                   f"First failure, {tb}", file=sys.stderr, flush=True)
 
-    def since(self, mark: tuple[int, int]) -> tuple[int, int]:
-        """(calls, failures) since `mark`, an earlier `(calls, failures)`."""
-        return self.calls - mark[0], self.failures - mark[1]
-
     def mark(self) -> tuple[int, int]:
         return self.calls, self.failures
+
+    def check_step(self, mark: tuple[int, int], step: int) -> int:
+        """Failures since `mark` (an earlier `mark()`); raises RewardError, with the last traceback,
+        when every call since then failed: the reward is broken, not one input odd."""
+        calls, failed = self.calls - mark[0], self.failures - mark[1]
+        if calls and failed == calls:
+            raise RewardError(f"step {step}: the reward function raised on every one of the step's {calls} "
+                              f"samples; stopping the run. Last failure, {self.last_traceback}")
+        return failed
 
 
 BUILTIN_KEY = "score"  # the built-ins' dict rewards keep their score here, whatever --reward-key is

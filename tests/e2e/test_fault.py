@@ -181,3 +181,21 @@ def test_a_crashed_trainer_rank_stops_the_run_naming_it_and_resume_continues(
     assert [r["step"] for r in rows] == [1]  # auto-resume continues after the last complete step
     out = capfd.readouterr()
     assert assert_key_nowhere(run_key, tmp_path, ray_logs(), text=out.out + out.err) > 0
+
+
+def test_reward_failures_are_scored_counted_and_a_fully_broken_step_stops_the_run(
+        ray_session, tiny_qwen2, digit_data, tmp_path):
+    from tests.rewards.plugins.failing_rewards import BROKEN_FROM
+
+    run = tmp_path / "run"
+    args = argv(tiny_qwen2, digit_data, run, steps=2) + [
+        "--custom-rm-path", "tests.rewards.plugins.failing_rewards:flaky_then_broken",
+        "--reward-failure-value", "-0.5", "--dump-rollouts"]
+    assert PROMPTS * N == BROKEN_FROM  # step 0 is flaky, every sample of step 1 raises
+    with pytest.raises(RunFailed, match="step 1: the reward function raised on every one of the step's 32") as info:
+        train(*preflight(build_config(args)))
+    assert "KeyError" in str(info.value)  # the traceback comes with it
+    (row,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 0 and row["rollout/reward_failures"] == len(range(0, 32, 3))  # 0, 3, ..., 30
+    dumped = [json.loads(x) for x in (run / "rollouts" / "step_000000.jsonl").read_text().splitlines()]
+    assert all((d["reward"] == -0.5) == (d["index"] % 3 == 0) for d in dumped)
