@@ -84,6 +84,10 @@ class LoadBalancer:
                  "peak": self.peak[k]} for k, c in enumerate(self.clients)]
 
 
+class _EngineDied(Exception):
+    """The engine of a request was declared dead: send the request again elsewhere."""
+
+
 def stopped_response(message: str) -> dict[str, Any]:
     """What a request that was never sent answers: SGLang's shape of an abort with no tokens."""
     return {"text": "", "output_ids": [],
@@ -136,32 +140,33 @@ class ClientPool:
         With `health` (fault tolerance), a request whose engine dies is sent again, unchanged, to a
         live engine (see `slime_rl.rollout.health`)."""
         while True:
-            if self.stopped:
-                return stopped_response("rollout stopped before the request was sent")
-            i = await self.balancer.acquire()
             try:
-                if self.stopped:  # stop() ran while this request waited for a slot
-                    return stopped_response("rollout stopped before the request was sent")
-                self._group_engines.setdefault(sample.group_index, set()).add(i)
-                rid = request_id(self.nonce, sample.group_index, sample.index, next(self._n))
-                params = sampling_params
-                if self.sample_seed is not None:
-                    seed = (self.sample_seed * 1_000_003 + sample.index * 7919 + len(input_ids)) % (2**31 - 1)
-                    params = {**sampling_params, "sampling_seed": seed}
-                call = self.balancer.clients[i].generate(input_ids=list(input_ids), sampling_params=params,
-                                                         return_logprob=True, rid=rid)
-                if self.health is None:
-                    return await call
-                out = await self._unless_dead(i, call)
-                if out is not None:
-                    return out
+                return await self._generate_once(sample, input_ids, sampling_params)
+            except _EngineDied:
                 self.health.retried += 1
-            finally:
-                self.balancer.release(i)
 
-    async def _unless_dead(self, i: int, call: Any) -> dict | None:
-        """The engine's answer, or None once engine `i` is declared dead (by this request failing
-        without an answer, or by the health monitor while it hangs)."""
+    async def _generate_once(self, sample: Sample, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> dict:
+        if self.stopped:
+            return stopped_response("rollout stopped before the request was sent")
+        i = await self.balancer.acquire()
+        try:
+            if self.stopped:  # stop() ran while this request waited for a slot
+                return stopped_response("rollout stopped before the request was sent")
+            self._group_engines.setdefault(sample.group_index, set()).add(i)
+            rid = request_id(self.nonce, sample.group_index, sample.index, next(self._n))
+            if self.sample_seed is not None:
+                seed = (self.sample_seed * 1_000_003 + sample.index * 7919 + len(input_ids)) % (2**31 - 1)
+                sampling_params = {**sampling_params, "sampling_seed": seed}
+            return await self._unless_dead(i, self.balancer.clients[i].generate(
+                input_ids=list(input_ids), sampling_params=sampling_params, return_logprob=True, rid=rid))
+        finally:
+            self.balancer.release(i)
+
+    async def _unless_dead(self, i: int, call: Any) -> dict:
+        """The engine's answer; `_EngineDied` once engine `i` is declared dead (this request failed
+        without an answer, or the health monitor found the engine hung)."""
+        if self.health is None:
+            return await call
         request = asyncio.ensure_future(call)
         dead = asyncio.ensure_future(self.health.dead_event(i).wait())
         try:
@@ -173,12 +178,12 @@ class ClientPool:
                 with contextlib.suppress(asyncio.CancelledError, EngineError):
                     await request
         if request.cancelled():
-            return None
+            raise _EngineDied
         try:
             return request.result()
         except EngineError as e:
             if self.health.failed(i, e):
-                return None
+                raise _EngineDied from e
             raise
 
     def stop(self) -> None:
