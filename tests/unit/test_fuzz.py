@@ -22,8 +22,8 @@ from slime_rl.config import ConfigError, DataConfig, build_config
 from slime_rl.data import DataError, PromptDataset
 
 SEED = 20261130
-N_DATA_CASES = 1100
-N_CONFIG_CASES = 700
+N_DATA_CASES = 1300  # about 1050 malformed rows, the rest malformed files and slices
+N_CONFIG_CASES = 500
 
 
 def good_row(rng: random.Random) -> dict:
@@ -149,6 +149,7 @@ def test_malformed_data_raises_data_error_naming_the_row(tiny_qwen2, tmp_path):
             assert f"row {bad + 1}" in message, (case, kind, message[:300])
         seen[kind] = seen.get(kind, 0) + 1
     assert set(seen) == set(ROW_FAULTS) | set(FILE_FAULTS)  # every fault kind was exercised
+    assert sum(seen[k] for k in ROW_FAULTS) >= 1000
 
 
 def test_huge_prompts_are_dropped_and_counted_not_fatal(tiny_qwen2, tmp_path):
