@@ -26,6 +26,10 @@ from slime_rl.rewards import RewardError, reward_fn_from_config
 from slime_rl.rollout.custom import load_filter, load_generate_function
 
 
+class RunFailed(RuntimeError):
+    """The run stopped because a part of it failed; the message says which and how to resume."""
+
+
 def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     """Check data, reward and placement before anything is started; returns the config (with
     --num-epoch turned into steps) and the plan."""
@@ -50,13 +54,14 @@ def reward_fn(rollout: RolloutConfig):
 
 
 def dry_run(cfg: Config, plan: PlacementPlan) -> None:
-    from slime_rl.orchestration.engines import engine_command
+    from slime_rl.orchestration.engines import engine_command, engine_env
 
     print(plan.describe())
     for slot in plan.engines:
         cmd = engine_command(cfg, slot, host="<node-ip>", port=30000 + 10 * slot.engine_id, api_key="<run-secret>",
                              use_gpu=plan.use_gpu)
-        print(f"engine {slot.engine_id}: {' '.join(cmd)}")
+        env = "".join(f"{k}={v} " for k, v in engine_env(cfg, "<run-secret>").items())
+        print(f"engine {slot.engine_id}: {env}{' '.join(cmd)}")
 
 
 def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
@@ -69,6 +74,7 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     ratio is exact; the engine/trainer gap shows in train/rollout_logprob_abs_diff).
     """
     from slime_rl.orchestration.cluster import Cluster
+    from slime_rl.orchestration.trainer_group import TrainerRankError
 
     steps_per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt // cfg.batch.global_batch_size
     n_steps, interval = cfg.rollout.num_rollout, cfg.rollout.update_weights_interval
@@ -76,6 +82,7 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     timer = Timer()
     rows = []
     cluster = Cluster(cfg, plan, api_key=secrets.token_hex(16))
+    failed = False
     try:
         cluster.start(train_iters=n_steps * steps_per_rollout)
         first = cluster.resume()
@@ -96,7 +103,10 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
             if pending is not None:
                 with timer("rollout_overlap_wait"):
                     cluster.wait_done(pending)
-            if (step + 1) % interval == 0 or step + 1 == n_steps:
+            restarted = cluster.heal_engines() if cfg.fault.use_fault_tolerance else 0
+            if restarted:
+                metrics["fault/engines_restarted"] = float(restarted)
+            if restarted or (step + 1) % interval == 0 or step + 1 == n_steps:  # a restarted engine needs weights
                 with timer("weight_sync"):
                     metrics |= cluster.sync_weights(version=str(step + 1))
             if cfg.eval.enabled and (step + 1) % cfg.eval.interval == 0:
@@ -117,8 +127,14 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
             row = logger.log(step, metrics)
             rows.append(row)
             print(summary_line(row), flush=True)
+    except (TrainerRankError, RewardError) as exc:  # RewardError: every sample of a step failed to score
+        failed = isinstance(exc, TrainerRankError)
+        save = cfg.checkpoint.save
+        where = (f"; the last complete checkpoint under {save} stays: rerun with --load {save} to resume from it"
+                 if save else " (no --save: nothing to resume from)")
+        raise RunFailed(f"run stopped: {exc}{where}") from exc
     finally:
-        cluster.shutdown()
+        cluster.shutdown(failed=failed)
         logger.close()
     return rows
 
@@ -133,7 +149,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.dry_run:
         dry_run(cfg, plan)
         return 0
-    train(cfg, plan)
+    try:
+        train(cfg, plan)
+    except RunFailed as exc:
+        print(f"slime-rl train: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

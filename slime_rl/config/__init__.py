@@ -6,6 +6,7 @@ from slime_rl.config.groups import (
     DataConfig,
     EngineConfig,
     EvalConfig,
+    FaultConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
@@ -18,6 +19,6 @@ from slime_rl.config.load import ConfigError, build_config, parse_flags
 
 __all__ = [
     "AlgoConfig", "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EngineConfig",
-    "EvalConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig", "TrainerConfig",
-    "WeightSyncConfig", "build_config", "parse_flags",
+    "EvalConfig", "FaultConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig",
+    "TrainerConfig", "WeightSyncConfig", "build_config", "parse_flags",
 ]

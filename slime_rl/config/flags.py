@@ -46,6 +46,13 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """All flags of `slime-rl train`. Defaults follow Megatron (optimizer) and slime (RL)."""
     p = argparse.ArgumentParser(
@@ -150,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--custom-rm-path", default=None, help="module:function or module.function")
     g.add_argument("--group-rm", action="store_true",
                    help="--custom-rm-path scores a whole group at once: list[Sample] -> list[float | dict]")
+    g.add_argument("--reward-failure-value", type=float, default=0.0,
+                   help="reward of a sample whose reward function raised (counted in rollout/reward_failures, "
+                        "first traceback logged); a step where every sample's reward raises stops the run")
 
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-interval", type=_positive_int, default=None, help="evaluate every N steps")
@@ -171,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most requests in flight per engine (the client queues the rest)")
     g.add_argument("--update-weight-buffer-size", type=_positive_int, default=512 * 1024**2,
                    help="bytes per weight-sync bucket")
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="health-check the engines; a dead or hung engine's requests go to the others, and it is "
+                        "restarted in its placement and given the current weights before the next rollout")
+    g.add_argument("--rollout-health-check-interval", type=_positive_float, default=10.0,
+                   help="seconds between /health checks of every engine during a rollout")
+    g.add_argument("--rollout-health-check-timeout", type=_positive_float, default=5.0,
+                   help="an engine whose /health does not answer 200 within this many seconds is declared dead")
 
     g = p.add_argument_group("algorithm")
     g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")

@@ -205,6 +205,17 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class FaultConfig:
+    """What the run does when a part of it fails: rollout engines (--use-fault-tolerance) and reward
+    functions (a sample whose reward raised scores `reward_failure_value`)."""
+
+    use_fault_tolerance: bool = False
+    health_check_interval_s: float = 10.0
+    health_check_timeout_s: float = 5.0
+    reward_failure_value: float = 0.0
+
+
+@dataclass(frozen=True)
 class Config:
     parallel: ParallelConfig
     batch: BatchConfig
@@ -220,6 +231,7 @@ class Config:
     logging: LoggingConfig
     eval: EvalConfig = field(default_factory=EvalConfig)
     dry_run: bool = False
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from slime_rl.config.groups import (
     DataConfig,
     EngineConfig,
     EvalConfig,
+    FaultConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
@@ -101,11 +103,20 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str) -> tuple[dict[str,
         if key in ("config", "help") or key not in dests:
             raise ConfigError(f"--config {path}: unknown key '{raw_key}' (not a flag of slime-rl train)")
         action = dests[key]
-        if value is not None and action.type is not None and not isinstance(value, bool):
+        if action.nargs == 0 and value is not None and not isinstance(value, bool):  # store_true/false
+            raise ConfigError(f"--config {path}: key '{raw_key}': expected true or false, got {value!r:.40}")
+        many = action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 0)
+        if many and value is not None:  # a list flag: one value is a list of one
+            value = list(value) if isinstance(value, list) else [value]
+        elif isinstance(value, (list, dict)):
+            raise ConfigError(f"--config {path}: key '{raw_key}': expected one value, got {type(value).__name__}")
+        if value is not None and action.type is not None:  # a bool for a number is refused here too
             try:
-                value = action.type(str(value))
+                value = [action.type(str(v)) for v in value] if many else action.type(str(value))
             except (argparse.ArgumentTypeError, ValueError) as exc:
                 raise ConfigError(f"--config {path}: key '{raw_key}': {exc}") from exc
+        if many and value is not None:
+            value = [str(v) if action.type is None else v for v in value]
         if action.choices is not None and value is not None and value not in action.choices:
             raise ConfigError(f"--config {path}: key '{raw_key}': {value!r} is not one of {list(action.choices)}")
         defaults[key] = value
@@ -215,6 +226,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
             _check(importlib.util.find_spec(module) is not None,
                    f"{flag}: the '{module}' package is not installed (pip install slime_rl[{module}])")
 
+    _check(math.isfinite(a.reward_failure_value), f"--reward-failure-value {a.reward_failure_value}: must be finite")
     run_dir = a.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return Config(
         parallel=parallel,
@@ -251,6 +263,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
                               swanlab_project=a.swanlab_project, swanlab_mode=a.swanlab_mode),
         eval=_eval_config(a, check_paths),
         dry_run=a.dry_run,
+        fault=FaultConfig(a.use_fault_tolerance, a.rollout_health_check_interval, a.rollout_health_check_timeout,
+                          a.reward_failure_value),
     )
 
 

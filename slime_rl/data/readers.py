@@ -49,15 +49,27 @@ def _check_object(path: Path, row: int, value: Any) -> Record:
     return value
 
 
+def _loads(text: str | bytes) -> Any:
+    """json.loads, with nesting too deep for the parser (RecursionError) reported as bad JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        raise json.JSONDecodeError("nested too deeply", "", 0) from exc
+
+
 def _read_jsonl(path: Path) -> list[Record]:
     rows: list[Record] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is reported with its row, not mid-read
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             row = len(rows) + 1
             try:
-                value = json.loads(line)
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{path}: row {row} (line {lineno}): not valid UTF-8: {exc}") from exc
+            try:
+                value = _loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}: row {row} (line {lineno}): not valid JSON: {exc}") from exc
             rows.append(_check_object(path, row, value))
@@ -66,8 +78,8 @@ def _read_jsonl(path: Path) -> list[Record]:
 
 def _read_json(path: Path) -> list[Record]:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
+        value = _loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DataError(f"{path}: not valid JSON: {exc}") from exc
     if isinstance(value, dict) and isinstance(value.get("data"), list):
         value = value["data"]

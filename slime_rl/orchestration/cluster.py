@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime_rl.config import Config
 from slime_rl.orchestration.buffer import Buffer
-from slime_rl.orchestration.engines import EngineActor, engine_command
+from slime_rl.orchestration.engines import EngineActor, engine_command, engine_env
 from slime_rl.orchestration.placement import PlacementPlan
 from slime_rl.orchestration.rollout_manager import RolloutManager
 from slime_rl.orchestration.trainer_group import TrainerGroup
@@ -40,6 +40,8 @@ class Cluster:
         self.trainers: TrainerGroup | None = None
         self.rollout_manager = None
         self.buffer = None
+        self.targets: list[EngineTarget] = []
+        self._revived: dict[int, str] = {}  # restarted engines, handed to the rollout side after a sync
 
     def start(self, train_iters: int) -> None:
         init_ray(self.plan)
@@ -57,7 +59,7 @@ class Cluster:
             self.engines.append(actor)
             urls.append(f"http://{host}:{port}")
             targets.append(EngineTarget(urls[-1], slot.rank_offset, self.api_key))
-            started.append(actor.start.remote(cmd, urls[-1]))
+            started.append(actor.start.remote(cmd, urls[-1], env=engine_env(self.cfg, self.api_key)))
         # trainer ranks build Megatron while the engines load
         self.trainers = TrainerGroup(self.cfg, self.pg, self.plan.trainer_bundles, self.plan.use_gpu)
         threads = max(1, (os.cpu_count() or 1) // self.cfg.parallel.world_size)
@@ -66,6 +68,7 @@ class Cluster:
         self.engine_urls = urls
         self.buffer = Buffer.remote()
         self.rollout_manager = RolloutManager.remote(self.cfg, urls, self.api_key)
+        self.targets = targets
         self.trainers.connect_engines(targets, self.plan.weight_update_world_size)
 
     def generate(self, step: int) -> dict[str, float]:
@@ -118,10 +121,44 @@ class Cluster:
     def sync_weights(self, version: str) -> dict[str, float]:
         start = time.time()
         metrics = self.trainers.sync_weights(version)
+        # restarted engines hold the current weights now: only now may they get requests
+        ray.get([self.rollout_manager.revive_engine.remote(k, url) for k, url in self._revived.items()])
+        self._revived.clear()
         return metrics | {"time/sync_start": start, "time/sync_end": time.time()}
 
-    def shutdown(self) -> None:
-        if self.trainers is not None:
+    def heal_engines(self) -> int:
+        """--use-fault-tolerance, between rollouts: restart every engine that a rollout declared dead
+        or that fails its health check now, in its own actor (same placement bundle), on a new port;
+        then re-create the weight-update group with every engine. Returns how many were restarted;
+        the caller must `sync_weights` before the next rollout (the restarted engines get requests
+        only after that)."""
+        timeout = self.cfg.fault.health_check_timeout_s
+        dead = dict(ray.get(self.rollout_manager.dead_engines.remote()))
+        alive = ray.get([e.alive.remote(timeout) for e in self.engines])
+        dead |= {k: "failed its health check between rollouts" for k, ok in enumerate(alive) if not ok}
+        if not dead:
+            return 0
+        restarts = []
+        for k in sorted(dead):
+            slot, actor = self.plan.engines[k], self.engines[k]
+            host, port = ray.get([actor.node_ip.remote(), actor.pick_port.remote()])
+            url = f"http://{host}:{port}"
+            print(f"[slime_rl] restarting engine {k} ({dead[k]}) at {url}", flush=True)
+            cmd = engine_command(self.cfg, slot, host, port, self.api_key, self.plan.use_gpu)
+            restarts.append(actor.restart.remote(cmd, url))
+            self.targets[k] = EngineTarget(url, slot.rank_offset, self.api_key)
+            self.engine_urls[k] = url
+            self._revived[k] = url
+        ray.get(restarts)
+        # a new group per re-join: the old one has a dead member, and a collective cannot shrink
+        self.trainers.connect_engines(self.targets, self.plan.weight_update_world_size)
+        return len(dead)
+
+    def shutdown(self, failed: bool = False) -> None:
+        """`failed`: a trainer rank failed, so the others are killed rather than asked to stop."""
+        if self.trainers is not None and failed:
+            self.trainers.kill()
+        elif self.trainers is not None:
             try:
                 self.trainers.shutdown()
             except ray.exceptions.RayError as exc:

@@ -1,5 +1,9 @@
 """Engine actors: each holds its placement bundle(s) and runs one engine server process
-(the built-in engine or SGLang), prefixing the server's log lines with the engine id."""
+(the built-in engine or SGLang), prefixing the server's log lines with the engine id.
+
+Fault tolerance: the actor outlives its process. `restart` kills what is left of the old process
+(a hung one included) and starts a new one in the same actor, hence the same placement bundle and
+device, on a fresh port; the cluster then re-creates the weight-update group and sends the weights."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import threading
 import ray
 
 from slime_rl.config import Config
+from slime_rl.engines.embedded.cli import API_KEY_ENV
 from slime_rl.engines.launch import embedded_command, sglang_command, wait_healthy
 from slime_rl.orchestration.placement import EngineSlot
 
@@ -24,7 +29,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key: str | None, use_gpu: bool,
                    nccl_port: int | None = None) -> list[str]:
-    """The launch command of one engine: what the actor runs and what --dry-run prints."""
+    """The launch command of one engine: what the actor runs and what --dry-run prints. The built-in
+    engine gets its key through `engine_env` instead (argv is world-readable); SGLang only through
+    --api-key."""
     seed = cfg.rollout.seed + slot.engine_id
     if cfg.engine.backend == "sglang":
         return sglang_command(model_path=cfg.model.hf_checkpoint, host=host, port=port,
@@ -32,9 +39,14 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                               dist_init_addr=None, base_gpu_id=0, random_seed=seed, api_key=api_key,
                               extra=dict(cfg.engine.sglang_args))
     # on CPU the engine runs while the trainer ranks wait (sync loop), so it may use every core
-    return embedded_command(model_path=cfg.model.hf_checkpoint, host=host, port=port, api_key=api_key, seed=seed,
+    return embedded_command(model_path=cfg.model.hf_checkpoint, host=host, port=port, api_key=None, seed=seed,
                             device="cuda" if use_gpu else "cpu", dtype="bfloat16" if cfg.model.bf16 else "float32",
                             num_threads=None if use_gpu else (os.cpu_count() or 1))
+
+
+def engine_env(cfg: Config, api_key: str | None) -> dict[str, str]:
+    """Environment for the engine process: the built-in engine's API key."""
+    return {API_KEY_ENV: api_key} if api_key and cfg.engine.backend == "embedded" else {}
 
 
 @ray.remote
@@ -46,8 +58,9 @@ class EngineActor:
         self.process: subprocess.Popen | None = None
         self.url: str | None = None
 
-    def start(self, cmd: list[str], url: str, timeout: float = 300.0) -> str:
-        env = dict(os.environ)
+    def start(self, cmd: list[str], url: str, timeout: float = 300.0, env: dict[str, str] | None = None) -> str:
+        self._env = dict(env or {})
+        env = dict(os.environ) | self._env
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         threading.Thread(target=self._pump, daemon=True).start()
         wait_healthy(url, timeout=timeout, process=self.process)
@@ -60,11 +73,36 @@ class EngineActor:
             sys.stdout.write(f"[engine {self.engine_id}] {line}")
             sys.stdout.flush()
 
+    def restart(self, cmd: list[str], url: str, timeout: float = 300.0) -> str:
+        """A fresh process in this actor's placement (same bundle/device), after the old one is gone."""
+        self.kill()
+        self.url = None
+        return self.start(cmd, url, timeout, getattr(self, "_env", None))
+
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def alive(self, timeout: float = 5.0) -> bool:
+        """The process runs and its /health answers 200 within `timeout` seconds."""
+        from slime_rl.rollout.client import EngineClient
+
+        if self.process is None or self.process.poll() is not None or self.url is None:
+            return False
+        with EngineClient(self.url, timeout=timeout) as client:
+            return client.health()
+
+    def kill(self) -> None:
+        """SIGKILL: a hung server may not answer SIGTERM, and the restart must not wait on it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+        if self.process is not None:
+            self.process.wait()
+
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
     def pick_port(self) -> int:
-        return free_port("0.0.0.0")
+        return free_port(self.node_ip())  # the address the engine will bind, not every interface
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

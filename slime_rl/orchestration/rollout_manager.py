@@ -1,8 +1,14 @@
 """RolloutManager: draws prompts, generates scored groups on the engines, turns them into the
-trainer's batch (GRPO advantages included) and puts it in the Buffer."""
+trainer's batch (GRPO advantages included) and puts it in the Buffer.
+
+Failures it absorbs: with --use-fault-tolerance, engines that die or hang during a rollout
+(`slime_rl.rollout.health`); they stay dead here until the cluster has restarted them with the
+current weights (`revive_engine`). A reward function that raises scores --reward-failure-value;
+a step where every sample's reward raised stops the run with the traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -21,6 +27,7 @@ from slime_rl.rewards import reward_fn_from_config, reward_metric_means
 from slime_rl.rollout.client import AsyncEngineClient
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.eval import evaluate
+from slime_rl.rollout.health import EngineHealth
 from slime_rl.rollout.options import RolloutOptions
 
 
@@ -101,7 +108,8 @@ class RolloutManager:
         self.api_key = api_key
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
-        self.reward_fn = reward_fn_from_config(cfg.rollout)
+        self.reward_fn = reward_fn_from_config(cfg.rollout, failure_value=cfg.fault.reward_failure_value)
+        self.dead: dict[int, str] = {}  # engine -> why it was declared dead; until it is revived
         self.options = RolloutOptions.from_config(cfg.rollout)
         self.eval_sets = {name: PromptDataset(replace(cfg.data, prompt_data=path, rollout_shuffle=False),
                                               self.tokenizer).rows for name, path in cfg.eval.datasets}
@@ -110,8 +118,9 @@ class RolloutManager:
         self.next_index = 0
         self.next_group = 0
 
-    def _clients(self) -> list[AsyncEngineClient]:
-        return [AsyncEngineClient(url, api_key=self.api_key) for url in self.engine_urls]
+    def _clients(self, live_only: bool = False) -> list[AsyncEngineClient]:
+        return [AsyncEngineClient(url, api_key=self.api_key) for k, url in enumerate(self.engine_urls)
+                if not (live_only and k in self.dead)]
 
     async def generate(self, step: int, buffer) -> dict[str, float]:
         """Fill the step's groups (filter, over-sampling and partial rollout per the flags), put the
@@ -121,14 +130,22 @@ class RolloutManager:
         # a checkpoint taken after step - 1 must hold the rollout side as it was before this rollout
         self._state_before = {step: self.state_dict()}
         clients = self._clients()
+        reward_mark = self.reward_fn.failures.mark()
+        health = self._health()
         try:
-            result = await generate_filtered_groups(
-                clients, self.dataset.next_batch, self.options, self.reward_fn, self.tokenizer,
-                resume=self.leftover if self.options.partial_rollout else (), first_index=self.next_index,
-                first_group=self.next_group, progress=True)
+            async with contextlib.AsyncExitStack() as stack:
+                if health is not None:
+                    await stack.enter_async_context(health.watching(clients))
+                result = await generate_filtered_groups(
+                    clients, self.dataset.next_batch, self.options, self.reward_fn, self.tokenizer,
+                    resume=self.leftover if self.options.partial_rollout else (), first_index=self.next_index,
+                    first_group=self.next_group, progress=True, health=health)
         finally:
+            if health is not None:
+                self.dead = dict(health.reasons)
             for c in clients:
                 await c.aclose()
+        failed = self.reward_fn.failures.check_step(reward_mark, step)  # raises when every sample failed
         groups = result.groups
         if not groups:
             raise RuntimeError(f"step {step}: the rollout kept no group (deadline or filter); nothing to train on")
@@ -137,15 +154,33 @@ class RolloutManager:
             dump_rollouts(Path(self.cfg.logging.run_dir) / "rollouts" / f"step_{step:06d}.jsonl", groups)
         self.next_index, self.next_group = result.next_index, result.next_group
         await buffer.put.remote(step, samples_to_batch(groups, self.cfg.algo, self.cfg.rollout.max_response_len))
-        return (rollout_metrics(groups) | result.metrics
+        return (rollout_metrics(groups) | result.metrics | {"rollout/reward_failures": float(failed)}
                 | {"time/rollout_start": start, "time/rollout_end": time.time()})
+
+    def _health(self) -> EngineHealth | None:
+        f = self.cfg.fault
+        if not f.use_fault_tolerance:
+            return None
+        health = EngineHealth(len(self.engine_urls), interval_s=f.health_check_interval_s,
+                              timeout_s=f.health_check_timeout_s)
+        health.reasons.update(self.dead)
+        return health
+
+    def dead_engines(self) -> dict[int, str]:
+        """Engines declared dead by a rollout and not yet revived, with the reason."""
+        return dict(self.dead)
+
+    def revive_engine(self, engine_id: int, url: str) -> None:
+        """The cluster restarted this engine (new URL) and gave it the current weights."""
+        self.engine_urls[engine_id] = url
+        self.dead.pop(engine_id, None)
 
     async def evaluate(self) -> dict[str, float]:
         """eval/<name>/reward_mean and pass@k on every --eval-prompt-data set."""
         ev = self.cfg.eval
         params = {"temperature": ev.temperature, "top_p": ev.top_p, "max_new_tokens": ev.max_response_len}
         out: dict[str, float] = {}
-        clients = self._clients()
+        clients = self._clients(live_only=True)  # eval has no failover: it just skips dead engines
         try:
             for name, rows in self.eval_sets.items():
                 summary = await evaluate(clients, rows, ev.n_samples_per_prompt, params, self.reward_fn,

@@ -14,6 +14,32 @@ from slime_rl.orchestration.placement import dp_shard
 from slime_rl.weight_sync.broadcast import GROUP_NAME, EngineTarget, WeightBroadcaster
 
 
+class TrainerRankError(RuntimeError):
+    """A trainer rank raised or died: names the rank and what it was doing."""
+
+    def __init__(self, rank: int, what: str, cause: BaseException) -> None:
+        self.rank, self.what = rank, what
+        first = str(cause).strip().splitlines()
+        super().__init__(f"trainer rank {rank} failed during {what}: {type(cause).__name__}: "
+                         f"{first[-1] if first else ''}")
+
+
+def gather_ranks(refs: list, what: str) -> list:
+    """Every rank's result, in rank order. The first rank to fail raises `TrainerRankError` at
+    once: the other ranks may be blocked in a collective waiting for it, so they are not awaited."""
+    results: list = [None] * len(refs)
+    pending = {ref: r for r, ref in enumerate(refs)}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            rank = pending.pop(ref)
+            try:
+                results[rank] = ray.get(ref)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+                raise TrainerRankError(rank, what, e) from e
+    return results
+
+
 def _select(batch: dict[str, Any], indices: list[int]) -> dict[str, Any]:
     return {k: [v[i] for i in indices] for k, v in batch.items()}
 
@@ -26,6 +52,7 @@ class TrainerActor:
         self.rank, self.world_size = rank, world_size
         self.worker = None
         self.broadcaster: WeightBroadcaster | None = None
+        self.rejoins = 0  # groups re-created after an engine restart (--use-fault-tolerance)
         # Ray gives each actor its own GPU as cuda:0; on CPU one thread per rank avoids oversubscription
         os.environ["LOCAL_RANK"] = "0"
 
@@ -51,12 +78,22 @@ class TrainerActor:
         import torch
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        name = f"{GROUP_NAME}_pp{self.worker.pp_rank}"
+        if self.broadcaster is not None:  # re-join after an engine restart: a fresh group, a fresh name
+            self.broadcaster.destroy()
+            self.rejoins += 1
+            name += f"_r{self.rejoins}"
         self.broadcaster = WeightBroadcaster(targets, self.cfg.weight_sync, self.worker.is_weight_source,
-                                             master_addr, master_port, world_size, backend,
-                                             group_name=f"{GROUP_NAME}_pp{self.worker.pp_rank}")
+                                             master_addr, master_port, world_size, backend, group_name=name)
         self.broadcaster.connect()
 
+    def fail_at_step(self, step: int | None) -> None:
+        """Test hook: make `train(step)` raise on this rank, as a crashing rank would."""
+        self._fail_at_step = step
+
     def train(self, step: int, buffer) -> dict[str, float]:
+        if getattr(self, "_fail_at_step", None) == step:
+            raise RuntimeError(f"injected failure at step {step} (test hook)")
         batch = ray.get(buffer.get.remote(step, readers=self.world_size))
         n = len(batch["tokens"])
         idx = dp_shard(n, self.cfg.batch.global_batch_size, self.worker.dp_rank, self.worker.dp_size)
@@ -110,7 +147,7 @@ class TrainerGroup:
 
     def init(self, train_iters: int, threads: int) -> None:
         addr, port = ray.get(self.actors[0].master_address.remote())
-        ray.get([a.init.remote(self.cfg, addr, port, train_iters, threads) for a in self.actors])
+        gather_ranks([a.init.remote(self.cfg, addr, port, train_iters, threads) for a in self.actors], "init")
 
     def connect_engines(self, targets: list[EngineTarget], world_size: int) -> None:
         # each PP stage's source hosts its own group's rendezvous
@@ -119,17 +156,19 @@ class TrainerGroup:
                  for a, (addr, port) in zip(self.actors, addrs, strict=True)])
 
     def train(self, step: int, buffer) -> dict[str, float]:
-        return ray.get([a.train.remote(step, buffer) for a in self.actors])[0]
+        return gather_ranks([a.train.remote(step, buffer) for a in self.actors], f"train step {step}")[0]
 
     def sync_weights(self, version: str) -> dict[str, float]:
         """Bandwidth = bytes of every stage / the slowest stage's time (the stages send at once)."""
-        results = [r for r in ray.get([a.sync_weights.remote(version) for a in self.actors]) if r]
+        results = [r for r in gather_ranks([a.sync_weights.remote(version) for a in self.actors],
+                                           f"weight sync {version}") if r]
         total = sum(r["weight_sync/bytes"] for r in results)
         seconds = max(r["weight_sync/seconds"] for r in results)
         return {"weight_sync/bytes": total, "perf/weight_sync_GBps": total / seconds / 1e9}
 
     def save_checkpoint(self, root: str, step: int, extra: dict) -> str:
-        return ray.get([a.save_checkpoint.remote(root, step, extra) for a in self.actors])[0]
+        return gather_ranks([a.save_checkpoint.remote(root, step, extra) for a in self.actors],
+                            f"checkpoint save of step {step}")[0]
 
     def load_latest_checkpoint(self, root: str) -> dict | None:
         return ray.get([a.load_latest_checkpoint.remote(root) for a in self.actors])[0]
@@ -143,3 +182,8 @@ class TrainerGroup:
 
     def shutdown(self) -> None:
         ray.get([a.shutdown.remote() for a in self.actors])
+
+    def kill(self) -> None:
+        """After a rank failed: the others may wait in a collective forever, so no graceful exit."""
+        for a in self.actors:
+            ray.kill(a)

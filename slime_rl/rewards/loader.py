@@ -26,6 +26,12 @@ reward function whose result is a `RewardResult`, so `call_reward` / `call_rewar
 like any other; with `--group-rm` it returns a `GroupReward` (it scores a whole group).
 `score_samples` scores a list of samples with either, writing `sample.reward` and
 `sample.reward_metrics`.
+
+Failure policy (`failure_value`, the flag `--reward-failure-value`, default 0.0): a reward function
+that raises on a sample gives that sample `failure_value` instead of ending the run; the failure
+is counted (`reward.failures`, a `RewardFailures`; the rollout logs it as `rollout/reward_failures`)
+and the first traceback of the run is printed once. The caller stops the run when every sample of a
+step failed (`RewardFailures.since`), since then the reward is broken rather than one input odd.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import importlib.util
 import inspect
 import math
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,23 +187,69 @@ async def call_group_reward(fn: GroupRewardFn, samples: list[Sample],
     return [(r.score, dict(r.metrics)) for r in results]
 
 
+@dataclass
+class RewardFailures:
+    """Counts of a reward function's calls and failures over the run, with tracebacks."""
+
+    calls: int = 0
+    failures: int = 0
+    first_traceback: str | None = None
+    last_traceback: str | None = None
+
+    def record(self, sample: Sample, fn_name: str, failure_value: float, count: int = 1) -> None:
+        """Count the exception being handled (call from an `except` block); `count` samples got
+        `failure_value` (a group reward that raised fails its whole group)."""
+        tb = f"sample {sample.index} (group {sample.group_index}):\n{traceback.format_exc()}"
+        self.failures += count
+        self.last_traceback = tb
+        if self.first_traceback is None:
+            self.first_traceback = tb
+            print(f"[slime_rl] reward function {fn_name} raised; the sample scores {failure_value:g} "
+                  f"(--reward-failure-value) and further failures are only counted (rollout/reward_failures). "
+                  f"First failure, {tb}", file=sys.stderr, flush=True)
+
+    def mark(self) -> tuple[int, int]:
+        return self.calls, self.failures
+
+    def check_step(self, mark: tuple[int, int], step: int) -> int:
+        """Failures since `mark` (an earlier `mark()`); raises RewardError, with the last traceback,
+        when every call since then failed: the reward is broken, not one input odd."""
+        calls, failed = self.calls - mark[0], self.failures - mark[1]
+        if calls and failed == calls:
+            raise RewardError(f"step {step}: the reward function raised on every one of the step's {calls} "
+                              f"samples; stopping the run. Last failure, {self.last_traceback}")
+        return failed
+
+
 BUILTIN_KEY = "score"  # the built-ins' dict rewards keep their score here, whatever --reward-key is
 
 
 @dataclass(frozen=True)
 class GroupReward:
-    """A `--group-rm` function (`list[Sample] -> list[float | dict]`) and the key of its score."""
+    """A `--group-rm` function (`list[Sample] -> list[float | dict]`) and the key of its score.
+    `failure_value` as for per-sample rewards: a call that raises gives every sample of the group
+    that value and counts them all in `failures`."""
 
     fn: GroupRewardFn
     reward_key: str = "score"
+    failure_value: float | None = None
+    failures: RewardFailures = field(default_factory=RewardFailures, compare=False)
 
     async def __call__(self, samples: list[Sample]) -> list[tuple[float, dict[str, float]]]:
-        return await call_group_reward(self.fn, samples, self.reward_key)
+        self.failures.calls += len(samples)
+        try:
+            return await call_group_reward(self.fn, samples, self.reward_key)
+        except Exception:
+            if self.failure_value is None:
+                raise
+            self.failures.record(samples[0], _name(self.fn), self.failure_value, count=len(samples))
+            return [(float(self.failure_value), {}) for _ in samples]
 
 
 def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str | None = None,
                    reward_key: str = "score", *, group_rm: bool = False, rm_timeout_s: float = 30.0,
-                   rm_max_retries: int = 3, rm_backoff_s: float = 0.5) -> RewardFn | GroupReward:
+                   rm_max_retries: int = 3, rm_backoff_s: float = 0.5,
+                   failure_value: float | None = None) -> RewardFn | GroupReward:
     """The run's reward function, checked now (unknown names, a missing URL, a bad path raise
     `RewardError` naming the flag) rather than at the first sample.
 
@@ -206,11 +259,13 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
     - `rm_url` and `rm_*`: the remote reward model (`remote_rm`), also used by samples whose
       metadata asks for `remote_rm`.
     - `group_rm`: the custom function scores whole groups; returns a `GroupReward`.
+    - `failure_value`: None: an exception propagates; a number: the failure policy of the module
+      docstring (`reward.failures` counts); with `group_rm` a raising call fails its whole group.
     """
     if group_rm:
         if not custom_rm_path:
             raise RewardError("--group-rm needs --custom-rm-path (a function of a list of samples)")
-        return GroupReward(load_by_path(custom_rm_path, "--custom-rm-path"), reward_key)
+        return GroupReward(load_by_path(custom_rm_path, "--custom-rm-path"), reward_key, failure_value)
 
     remote = (RemoteRewardModel(rm_url, timeout_s=rm_timeout_s, max_retries=rm_max_retries, backoff_s=rm_backoff_s)
               if rm_url else None)
@@ -232,13 +287,24 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
     else:
         raise RewardError("no reward: set --rm-type or --custom-rm-path")
 
+    failures = RewardFailures()
+    name = f"reward[{custom_rm_path or rm_type}]"
+
     async def reward(sample: Sample) -> RewardResult:
-        override = sample.metadata.get("rm_type") if isinstance(sample.metadata, dict) else None
-        fn, key = resolve(override, f"sample {sample.index}: metadata['rm_type']") if override else default
-        score, metrics = await call_reward_full(fn, sample, key)
+        failures.calls += 1
+        try:
+            override = sample.metadata.get("rm_type") if isinstance(sample.metadata, dict) else None
+            fn, key = resolve(override, f"sample {sample.index}: metadata['rm_type']") if override else default
+            score, metrics = await call_reward_full(fn, sample, key)
+        except Exception:  # user code may raise anything; the policy decides, the traceback is kept
+            if failure_value is None:
+                raise
+            failures.record(sample, name, failure_value)
+            return RewardResult(float(failure_value), {})
         return RewardResult(score, metrics)
 
-    reward.__name__ = f"reward[{custom_rm_path or rm_type}]"
+    reward.__name__ = name
+    reward.failures = failures
     return reward
 
 

@@ -30,6 +30,7 @@ from slime_rl.rewards import GroupReward, RewardFn
 from slime_rl.rollout.client import AsyncEngineClient
 from slime_rl.rollout.custom import FilterFn, GenerateFn, load_filter, load_generate_function
 from slime_rl.rollout.generate import make_groups, run_group
+from slime_rl.rollout.health import EngineHealth
 from slime_rl.rollout.options import RolloutOptions, sampling_params
 from slime_rl.rollout.partial import COMPLETED, group_status
 from slime_rl.rollout.routing import ClientPool
@@ -53,11 +54,12 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
                                    resume: Sequence[list[Sample]] = (),
                                    first_index: int = 0, first_group: int = 0,
                                    generate_fn: GenerateFn | None = None, filter_fn: FilterFn | None = None,
-                                   progress: bool = False) -> RolloutResult:
+                                   progress: bool = False, health: EngineHealth | None = None) -> RolloutResult:
     """Exactly `opts.rollout_batch_size` kept groups (fewer only at the deadline or when `next_rows`
-    returns nothing), plus leftover groups and metrics. `next_rows(k)` returns up to k rows."""
+    returns nothing), plus leftover groups and metrics. `next_rows(k)` returns up to k rows.
+    `health` (--use-fault-tolerance): route around dead engines and resend their requests."""
     pool = ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len,
-                      sample_seed=opts.sample_seed)
+                      sample_seed=opts.sample_seed, health=health)
     gen = generate_fn or load_generate_function(opts.custom_generate_function_path)
     keep = filter_fn or load_filter(opts.dynamic_sampling_filter_path)
     params = sampling_params(opts)

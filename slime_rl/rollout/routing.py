@@ -15,6 +15,7 @@ drawn per pool, so two rollouts sharing the engines (training and eval) never ab
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import secrets
 from collections.abc import Sequence
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime_rl.data import Sample
-from slime_rl.rollout.client import AsyncEngineClient
+from slime_rl.rollout.client import AsyncEngineClient, EngineError
+from slime_rl.rollout.health import EngineHealth, NoLiveEngineError
 
 _WIDTH = 10  # digits in group and sample numbers: fixed width keeps prefixes prefix-free
 
@@ -57,11 +59,16 @@ class LoadBalancer:
         self.sent = [0] * len(clients)
         self.peak = [0] * len(clients)
         self._slots = asyncio.Semaphore(per_engine * len(clients))
+        self.health: EngineHealth | None = None  # --use-fault-tolerance: dead engines get nothing
 
     async def acquire(self) -> int:
         await self._slots.acquire()
+        live = range(len(self.clients)) if self.health is None else self.health.alive()
+        if not live:
+            self._slots.release()
+            raise NoLiveEngineError(f"every rollout engine is dead: {self.health.reasons}")
         # ties go to the engine that got fewer requests so far, so a quiet start still alternates
-        i = min(range(len(self.clients)), key=lambda k: (self.in_flight[k], self.sent[k]))
+        i = min(live, key=lambda k: (self.in_flight[k], self.sent[k]))
         self.in_flight[i] += 1
         self.sent[i] += 1
         self.peak[i] = max(self.peak[i], self.in_flight[i])
@@ -75,6 +82,10 @@ class LoadBalancer:
         """Per engine: its URL, requests sent, in flight now, and the most in flight at once."""
         return [{"url": getattr(c, "base_url", str(k)), "sent": self.sent[k], "in_flight": self.in_flight[k],
                  "peak": self.peak[k]} for k, c in enumerate(self.clients)]
+
+
+class _EngineDied(Exception):
+    """The engine of a request was declared dead: send the request again elsewhere."""
 
 
 def stopped_response(message: str) -> dict[str, Any]:
@@ -91,11 +102,13 @@ class ClientPool:
     """
 
     def __init__(self, clients: Sequence[AsyncEngineClient], tokenizer: Any, per_engine: int = 64,
-                 max_context_len: int | None = None, sample_seed: int | None = None) -> None:
+                 max_context_len: int | None = None, sample_seed: int | None = None,
+                 health: EngineHealth | None = None) -> None:
         # sample_seed: every request carries SGLang's sampling_seed, drawn from this seed, the sample's
         # index and its length so far, so tokens depend on neither batching, engine nor restarts
         self.sample_seed = sample_seed
         self.balancer = LoadBalancer(clients, per_engine)
+        self.balancer.health = self.health = health
         self.tokenizer = tokenizer
         self.max_context_len = max_context_len
         self.nonce = secrets.token_hex(4)
@@ -123,7 +136,16 @@ class ClientPool:
 
     async def generate(self, sample: Sample, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> dict:
         """POST /generate on the least busy engine, with log-probs, under a rid of the sample's group.
-        After `stop()`, requests not yet sent are not sent: they answer an abort with no tokens."""
+        After `stop()`, requests not yet sent are not sent: they answer an abort with no tokens.
+        With `health` (fault tolerance), a request whose engine dies is sent again, unchanged, to a
+        live engine (see `slime_rl.rollout.health`)."""
+        while True:
+            try:
+                return await self._generate_once(sample, input_ids, sampling_params)
+            except _EngineDied:
+                self.health.retried += 1
+
+    async def _generate_once(self, sample: Sample, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> dict:
         if self.stopped:
             return stopped_response("rollout stopped before the request was sent")
         i = await self.balancer.acquire()
@@ -135,10 +157,34 @@ class ClientPool:
             if self.sample_seed is not None:
                 seed = (self.sample_seed * 1_000_003 + sample.index * 7919 + len(input_ids)) % (2**31 - 1)
                 sampling_params = {**sampling_params, "sampling_seed": seed}
-            return await self.balancer.clients[i].generate(input_ids=list(input_ids), sampling_params=sampling_params,
-                                                           return_logprob=True, rid=rid)
+            return await self._unless_dead(i, self.balancer.clients[i].generate(
+                input_ids=list(input_ids), sampling_params=sampling_params, return_logprob=True, rid=rid))
         finally:
             self.balancer.release(i)
+
+    async def _unless_dead(self, i: int, call: Any) -> dict:
+        """The engine's answer; `_EngineDied` once engine `i` is declared dead (this request failed
+        without an answer, or the health monitor found the engine hung)."""
+        if self.health is None:
+            return await call
+        request = asyncio.ensure_future(call)
+        dead = asyncio.ensure_future(self.health.dead_event(i).wait())
+        try:
+            await asyncio.wait({request, dead}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            dead.cancel()
+            if not request.done():
+                request.cancel()  # the engine hangs: give up on this copy of the request
+                with contextlib.suppress(asyncio.CancelledError, EngineError):
+                    await request
+        if request.cancelled():
+            raise _EngineDied
+        try:
+            return request.result()
+        except EngineError as e:
+            if self.health.failed(i, e):
+                raise _EngineDied from e
+            raise
 
     def stop(self) -> None:
         """No new requests from now on (those in flight run until aborted or finished)."""
@@ -148,7 +194,8 @@ class ClientPool:
         """Abort every in-flight request of these groups, only on the engines that got one; returns
         the number of abort calls sent."""
         calls = [self.clients[e].abort_request(rid=group_prefix(self.nonce, g))
-                 for g in group_indices for e in sorted(self._group_engines.get(g, ()))]
+                 for g in group_indices for e in sorted(self._group_engines.get(g, ()))
+                 if self.health is None or self.health.is_alive(e)]
         await asyncio.gather(*calls)
         return len(calls)
 
@@ -160,4 +207,4 @@ class ClientPool:
         out: dict[str, float] = {f"rollout/engine{k}_requests": float(c["sent"])
                                  for k, c in enumerate(self.counters())}
         out["rollout/context_capped_requests"] = float(self.context_capped)
-        return out
+        return out | (self.health.metrics() if self.health is not None else {})

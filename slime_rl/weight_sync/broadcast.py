@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from slime_rl.config import WeightSyncConfig
-from slime_rl.engines.dist_group import broadcast_async, dtype_name, init_custom_group
-from slime_rl.rollout.client import EngineClient
+from slime_rl.engines.dist_group import broadcast_async, destroy_group, dtype_name, init_custom_group
+from slime_rl.rollout.client import EngineClient, EngineError
 
 GROUP_NAME = "weight_update_group"
 
@@ -177,6 +177,19 @@ class WeightBroadcaster:
     def continue_engines(self) -> None:
         for c in self._clients:
             c.continue_generation()
+
+    def destroy(self) -> None:
+        """Leave the group for good (an engine of it was restarted): the engines that still answer
+        drop their end (a dead one cannot, which is fine: its process is gone), then ours goes."""
+        for c in self._clients:
+            try:
+                c.destroy_weights_update_group(group_name=self.group_name)
+            except EngineError as e:
+                print(f"[slime_rl] {self.group_name}: {e} (ignored: the engine is being replaced)", flush=True)
+        if self.group is not None:
+            destroy_group(self.group)
+            self.group = None
+        self.close()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 
 from slime_rl.engines.embedded.server import EmbeddedServer, ServerConfig
+
+# The key may come from the environment instead of --api-key: a process's argv is readable by every
+# user of the node (ps, /proc/<pid>/cmdline), its environment only by its owner.
+API_KEY_ENV = "SLIME_RL_ENGINE_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", "--model", dest="model_path", required=True, help="HF checkpoint folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (not on /health*)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require `Authorization: Bearer KEY` (not on /health*); default: ${API_KEY_ENV}")
     p.add_argument("--random-seed", type=int, default=0, help="seed of requests without sampling_seed")
     p.add_argument("--dtype", default="float32", choices=["float32", "float", "bfloat16", "float16", "half"])
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -45,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--max-running-requests: must be >= 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = EmbeddedServer(ServerConfig(
-        model_path=args.model_path, host=args.host, port=args.port, api_key=args.api_key,
+        model_path=args.model_path, host=args.host, port=args.port,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         random_seed=args.random_seed, dtype=args.dtype, device=args.device,
         max_running_requests=args.max_running_requests, weight_version=args.weight_version,
         num_threads=args.num_threads))

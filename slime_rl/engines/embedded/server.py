@@ -7,10 +7,15 @@ with 200 or 400; /pause_generation and /continue_generation answer {"message", "
 {"error": {"message"}} with 400. With an API key, every path except /health*, /ready*, /metrics*
 needs `Authorization: Bearer <key>` and otherwise gets 401 {"error": "Unauthorized"}
 (sglang/srt/utils/auth.py, decide_request_auth).
+
+One endpoint of our own (not SGLang's): GET or POST /weights_checksum (key required) answers
+{"checksum", "tensors": {hf_name: sha256}, "weight_version"}, sha256 of each parameter's float32
+bytes; the fault-tolerance test compares a restarted engine with the others and the trainer by it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -137,6 +142,15 @@ class EmbeddedServer:
                 "max_running_requests": self.cfg.max_running_requests, "tp_size": 1,
                 "internal_states": [self.engine.load()], "version": "embedded"}
 
+    def weights_checksum(self) -> dict:
+        tensors = {}
+        with self.engine.model_lock:
+            for name, param in sorted(self.weights.params.items()):
+                data = param.detach().float().cpu().contiguous().numpy().tobytes()
+                tensors[name] = hashlib.sha256(data).hexdigest()
+        total = hashlib.sha256("".join(f"{k}={v};" for k, v in tensors.items()).encode()).hexdigest()
+        return {"checksum": total, "tensors": tensors, "weight_version": self.weights.weight_version}
+
     def route(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         w = self.weights
         if path == "/health":
@@ -147,6 +161,8 @@ class EmbeddedServer:
             return 200, self.model_info()
         if path in ("/get_server_info", "/server_info"):
             return 200, self.server_info()
+        if path == "/weights_checksum":
+            return 200, self.weights_checksum()
         if method == "GET" and path not in ("/flush_cache", "/get_weights_by_name"):
             return 405, {"detail": "Method Not Allowed"}
         if path == "/generate":

@@ -1,0 +1,77 @@
+"""The reward failure policy: a raising reward scores --reward-failure-value, is counted, its first
+traceback is printed once; a step where every sample failed stops with the traceback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from slime_rl.data import Sample
+from slime_rl.rewards import RewardError, call_reward, make_reward_fn
+
+PLUGINS = "tests.rewards.plugins.failing_rewards"
+
+
+def samples(n: int, first: int = 0) -> list[Sample]:
+    return [Sample(index=i, group_index=i // 4, prompt="p", prompt_ids=[1], response="r")
+            for i in range(first, first + n)]
+
+
+def score(fn, batch: list[Sample]) -> list[float]:
+    async def main():
+        return await asyncio.gather(*(call_reward(fn, s) for s in batch))
+    return asyncio.run(main())
+
+
+def test_failing_samples_score_the_failure_value_and_are_counted(capsys):
+    fn = make_reward_fn(None, f"{PLUGINS}:flaky", failure_value=-0.5)
+    batch = samples(20)
+    mark = fn.failures.mark()
+    rewards = score(fn, batch)
+    expected = [-0.5 if s.index % 3 == 0 else 1.0 for s in batch]  # by hand: indices 0, 3, ..., 18 raise
+    assert rewards == expected
+    assert fn.failures.check_step(mark, step=0) == 7 and fn.failures.calls == 20
+    err = capsys.readouterr().err
+    assert err.count("raised; the sample scores -0.5") == 1  # the first traceback once, not 7 times
+    assert "ZeroDivisionError: flaky on purpose" in err and "Traceback" in err
+    score(fn, samples(6, first=20))  # later failures: counted, not printed again
+    assert fn.failures.failures == 9 and "raised" not in capsys.readouterr().err
+
+
+def test_every_sample_of_a_step_failing_stops_with_the_traceback():
+    fn = make_reward_fn(None, f"{PLUGINS}:always_broken", failure_value=0.0)
+    mark = fn.failures.mark()
+    assert score(fn, samples(8)) == [0.0] * 8
+    with pytest.raises(RewardError, match="raised on every one of the step's 8 samples") as info:
+        fn.failures.check_step(mark, step=3)
+    assert "step 3" in str(info.value) and "KeyError: 'broken reward'" in str(info.value)
+
+
+def test_a_step_with_one_success_goes_on():
+    fn = make_reward_fn(None, f"{PLUGINS}:flaky", failure_value=0.0)
+    mark = fn.failures.mark()
+    score(fn, samples(1, first=0) + samples(1, first=3) + samples(1, first=4))  # 0 and 3 raise, 4 does not
+    assert fn.failures.check_step(mark, step=0) == 2
+
+
+def test_without_a_failure_value_the_exception_propagates():
+    fn = make_reward_fn(None, f"{PLUGINS}:flaky")
+    with pytest.raises(ZeroDivisionError):
+        score(fn, samples(1))
+
+
+def test_group_reward_failure_fails_its_whole_group():
+    fn = make_reward_fn(None, f"{PLUGINS}:group_flaky", group_rm=True, failure_value=-1.0)
+    groups = [samples(4, first=4 * g) for g in range(5)]  # groups 0..4: indices 0-3, 4-7, ... 16-19
+    mark = fn.failures.mark()
+
+    async def main():
+        return await asyncio.gather(*(fn(g) for g in groups))
+
+    results = asyncio.run(main())
+    # by hand: a group fails when it holds a multiple of 5: 0 (g0), 5 (g1), 10 (g2), 15 (g3); g4 = 16..19 passes
+    assert [[score for score, _ in r] for r in results] == [[-1.0] * 4] * 4 + [[1.0] * 4]
+    assert fn.failures.check_step(mark, step=0) == 16 and fn.failures.calls == 20
+    with pytest.raises(ValueError, match="broken on purpose"):
+        asyncio.run(make_reward_fn(None, f"{PLUGINS}:group_flaky", group_rm=True)(groups[0]))
