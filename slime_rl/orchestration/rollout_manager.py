@@ -18,7 +18,7 @@ from slime_rl.algo import grpo_advantages, overlong_penalty, rloo_advantages
 from slime_rl.config import AlgoConfig, Config
 from slime_rl.data import PromptDataset, Sample
 from slime_rl.rewards import make_reward_fn, reward_metric_means
-from slime_rl.rollout.client import AsyncEngineClient
+from slime_rl.rollout.client import AsyncEngineClient, AsyncRouterClient
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.eval import evaluate
 from slime_rl.rollout.options import RolloutOptions
@@ -95,9 +95,11 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
 
 @ray.remote(num_cpus=0)
 class RolloutManager:
-    def __init__(self, cfg: Config, engine_urls: list[str], api_key: str | None = None) -> None:
+    def __init__(self, cfg: Config, engine_urls: list[str], api_key: str | None = None,
+                 router_url: str | None = None) -> None:
         self.cfg = cfg
         self.engine_urls = engine_urls
+        self.router_url = router_url  # --use-sglang-router: /generate goes through it
         self.api_key = api_key
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
@@ -114,6 +116,8 @@ class RolloutManager:
         self.next_group = 0
 
     def _clients(self) -> list[AsyncEngineClient]:
+        if self.router_url is not None:
+            return [AsyncRouterClient(self.router_url, self.engine_urls, api_key=self.api_key)]
         return [AsyncEngineClient(url, api_key=self.api_key) for url in self.engine_urls]
 
     async def generate(self, step: int, buffer) -> dict[str, float]:
