@@ -31,6 +31,11 @@ from slime_rl.rollout.custom import load_filter, load_generate_function
 def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     """Check data, reward and placement before anything is started; returns the config (with
     --num-epoch turned into steps) and the plan."""
+    # --sglang-* / --router-* against the programs' own flags: a typo fails here, not on a GPU node
+    cfg = dataclasses.replace(cfg, engine=check_engine_config(cfg.engine))
+    if cfg.engine.use_router and not cfg.dry_run and importlib.util.find_spec("sglang_router") is None:
+        raise ConfigError("--use-sglang-router: the 'sglang_router' package is not installed on the head node "
+                          "(pip install slime_rl[router])")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
     dataset = PromptDataset(cfg.data, tokenizer)
     if dataset.filtered_too_long:
@@ -42,11 +47,6 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     # extension points load here, so a bad dotted path fails before any actor starts
     load_generate_function(cfg.rollout.custom_generate_function_path)
     load_filter(cfg.rollout.dynamic_sampling_filter_path)
-    # --sglang-* / --router-* against the programs' own flags: a typo fails here, not on a GPU node
-    cfg = dataclasses.replace(cfg, engine=check_engine_config(cfg.engine))
-    if cfg.engine.use_router and not cfg.dry_run and importlib.util.find_spec("sglang_router") is None:
-        raise ConfigError("--use-sglang-router: the 'sglang_router' package is not installed on the head node "
-                          "(pip install slime_rl[router])")
     return cfg, plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
                                cluster_cpus=os.cpu_count())
 
