@@ -35,13 +35,16 @@ def router_launch_command(cfg: Config, host: str, port: int, worker_urls: Sequen
     return router_command(host, port, worker_urls, api_key=api_key, extra=extra)
 
 
-def wait_workers(url: str, worker_urls: Sequence[str], timeout: float, poll_s: float = 0.25) -> None:
+def wait_workers(url: str, worker_urls: Sequence[str], timeout: float, api_key: str | None = None,
+                 poll_s: float = 0.25) -> None:
     """Poll the router's GET /workers until every URL of `worker_urls` is listed healthy. A router
-    without that route (404) is taken as ready once /health answered."""
+    without that route (404) is taken as ready once /health answered. With `--api-key` the router
+    asks its own callers for that key too."""
     want = {u.rstrip("/") for u in worker_urls}
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
-    with httpx.Client(timeout=httpx.Timeout(5.0)) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=httpx.Timeout(5.0), headers=headers) as client:
         while time.monotonic() < deadline:
             r = client.get(url.rstrip("/") + "/workers")
             if r.status_code == 404:
@@ -70,11 +73,12 @@ class RouterActor:
         """(router port, prometheus port), both free on this node now."""
         return free_port("0.0.0.0"), free_port("0.0.0.0")
 
-    def start(self, cmd: list[str], url: str, worker_urls: list[str], timeout: float = 120.0) -> str:
+    def start(self, cmd: list[str], url: str, worker_urls: list[str], api_key: str | None,
+              timeout: float = 120.0) -> str:
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=self._pump, daemon=True).start()
         wait_healthy(url, timeout=timeout, process=self.process, recent_logs=lambda: self._lines)
-        wait_workers(url, worker_urls, timeout=timeout)
+        wait_workers(url, worker_urls, timeout=timeout, api_key=api_key)
         return url
 
     def _pump(self) -> None:
@@ -109,7 +113,7 @@ def start_router(cfg: Config, engine_urls: Sequence[str], api_key: str | None,
     url = f"http://{host}:{port}"
     cmd = router_launch_command(cfg, host, port, engine_urls, api_key, prometheus_port=prom)
     try:
-        ray.get(actor.start.remote(cmd, url, list(engine_urls), timeout))
+        ray.get(actor.start.remote(cmd, url, list(engine_urls), api_key, timeout))
     except BaseException:
         ray.get(actor.stop.remote())
         raise
