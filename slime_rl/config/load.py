@@ -34,6 +34,10 @@ from slime_rl.config.groups import (
     WeightSyncConfig,
 )
 
+# how parse_flags keys a `--router-<name>` in its pass-through dict: `--sglang-router-ip` (slime's
+# external-router flag) stays the SGLang name `router_ip` and cannot be taken for a router flag
+ROUTER_KEY = "router:"
+
 
 class ConfigError(ValueError):
     """A user error in flags or the YAML file; the message names the flag."""
@@ -53,7 +57,7 @@ def _make_parser() -> argparse.ArgumentParser:
 
 def _split_passthrough(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     """Pull `--sglang-<name> [VALUE ...]` and `--router-<name> [VALUE ...]` out of argv; returns
-    (rest, {name: value}) with router names as `router_<name>`. No value: True (a switch); several
+    (rest, {name: value}) with router names as `router:<name>`. No value: True (a switch); several
     values (our flags take no positionals, so every token up to the next `--` belongs to it): a list."""
     rest: list[str] = []
     sglang: dict[str, Any] = {}
@@ -65,7 +69,7 @@ def _split_passthrough(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
             rest.append(tok)
         elif tok.startswith(SGLANG_PREFIX) or tok.startswith(ROUTER_PREFIX):
             key, _, inline = tok.partition("=")
-            name = key[len(SGLANG_PREFIX):] if key.startswith(SGLANG_PREFIX) else "router_" + key[
+            name = key[len(SGLANG_PREFIX):] if key.startswith(SGLANG_PREFIX) else ROUTER_KEY + key[
                 len(ROUTER_PREFIX):]
             name = name.replace("-", "_")
             values = []
@@ -81,10 +85,9 @@ def _split_passthrough(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
 
 
 def split_router_args(passthrough: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """parse_flags' pass-through dict -> ({sglang name: value}, {router name: value}). SGLang 0.5.23
-    has no flag starting with `router_`, so the prefix is unambiguous."""
-    sglang = {k: v for k, v in passthrough.items() if not k.startswith("router_")}
-    router = {k[len("router_"):]: v for k, v in passthrough.items() if k.startswith("router_")}
+    """parse_flags' pass-through dict -> ({sglang name: value}, {router name: value})."""
+    sglang = {k: v for k, v in passthrough.items() if not k.startswith(ROUTER_KEY)}
+    router = {k[len(ROUTER_KEY):]: v for k, v in passthrough.items() if k.startswith(ROUTER_KEY)}
     return sglang, router
 
 
@@ -106,8 +109,8 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str) -> tuple[dict[str,
         if key.startswith("sglang_") and "--" + key.replace("_", "-") not in OWN_SGLANG_FLAGS:
             sglang[key[len("sglang_"):]] = value
             continue
-        if key.startswith("router_"):  # --router-<name>: kept as router_<name> like on the command line
-            sglang[key] = value
+        if key.startswith("router_"):  # --router-<name>: kept as router:<name> like on the command line
+            sglang[ROUTER_KEY + key[len("router_"):]] = value
             continue
         if key in ("config", "help") or key not in dests:
             raise ConfigError(f"--config {path}: unknown key '{raw_key}' (not a flag of slime-rl train)")

@@ -22,7 +22,13 @@ from typing import Any
 import httpx
 
 from slime_rl.config import EngineConfig
-from slime_rl.engines.cli_args import check_passthrough, render, router_table, sglang_server_table
+from slime_rl.engines.cli_args import (
+    PassthroughError,
+    check_passthrough,
+    render,
+    router_table,
+    sglang_server_table,
+)
 
 # ServerArgs dests the launcher computes -> what sets them (named in the error for a pass-through)
 SGLANG_OWNED = {
@@ -66,8 +72,12 @@ def router_extra_args(extra: Mapping[str, Any] | None) -> list[str]:
 def check_engine_config(engine: EngineConfig) -> EngineConfig:
     """Preflight of the pass-through flags: the config with `sglang_args` / `router_args` checked and
     normalized (switches as bool), or PassthroughError naming the flag, before any actor starts."""
-    table = sglang_server_table()
-    sglang = check_passthrough(engine.sglang_args, table, "sglang-", SGLANG_OWNED)
+    for name in engine.sglang_args:
+        if name.startswith("router_") and name not in sglang_server_table().options:
+            raise PassthroughError(f"--sglang-{name.replace('_', '-')}: not a flag of SGLang's server; the router "
+                                   "is started by --use-sglang-router (port: --sglang-router-port) and takes "
+                                   "--router-<name> flags; an external router is not supported")
+    sglang = check_passthrough(engine.sglang_args, sglang_server_table(), "sglang-", SGLANG_OWNED)
     router = check_passthrough(engine.router_args, router_table(), "router-", ROUTER_OWNED)
     return dataclasses.replace(engine, sglang_args=sglang, router_args=router)
 

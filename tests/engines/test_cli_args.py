@@ -184,8 +184,8 @@ def _argv(tiny_qwen2, tmp_path, *extra):
 def test_config_splits_router_flags_and_takes_lists(tiny_qwen2, tmp_path):
     _, passthrough = parse_flags(["--sglang-cuda-graph-bs-decode", "1", "2", "4", "--router-policy", "round_robin",
                                   "--sglang-enable-torch-compile", "--router-request-id-headers", "x-a", "--lr", "1"])
-    assert passthrough == {"cuda_graph_bs_decode": ["1", "2", "4"], "router_policy": "round_robin",
-                           "enable_torch_compile": True, "router_request_id_headers": "x-a"}
+    assert passthrough == {"cuda_graph_bs_decode": ["1", "2", "4"], "router:policy": "round_robin",
+                           "enable_torch_compile": True, "router:request_id_headers": "x-a"}
     cfg = build_config(_argv(tiny_qwen2, tmp_path, "--rollout-backend", "sglang", "--use-sglang-router",
                              "--sglang-router-port", "31000", "--router-policy", "round_robin",
                              "--sglang-mem-fraction-static", "0.6"))
@@ -194,6 +194,11 @@ def test_config_splits_router_flags_and_takes_lists(tiny_qwen2, tmp_path):
         True, 31000, {"policy": "round_robin"}, {"mem_fraction_static": "0.6"})
     with pytest.raises(ConfigError, match=r"--router-\* flags given \(policy\) but not --use-sglang-router"):
         build_config(_argv(tiny_qwen2, tmp_path, "--router-policy", "random"))
+    yml = tmp_path / "c.yaml"
+    yml.write_text("use-sglang-router: true\nrouter-policy: random\nrouter_disable_retries: true\n"
+                   "sglang_router_port: 31001\n")
+    e = build_config(_argv(tiny_qwen2, tmp_path, "--config", str(yml), "--router-policy", "round_robin")).engine
+    assert (e.router_port, e.router_args) == (31001, {"policy": "round_robin", "disable_retries": True})
     # the router works in front of built-in engines too
     cfg = build_config(_argv(tiny_qwen2, tmp_path, "--use-sglang-router", "--router-policy", "random"))
     assert cfg.engine.use_router and cfg.engine.backend == "embedded"
@@ -208,6 +213,10 @@ def test_preflight_rejects_a_bad_passthrough_before_any_actor(tiny_qwen2, tmp_pa
     assert code == 2 and "--sglang-mem-fraction-statc" in err and "--sglang-mem-fraction-static" in err
     code = main(_argv(tiny_qwen2, tmp_path, "--use-sglang-router", "--router-worker-urls", "http://x:1", "--dry-run"))
     assert code == 2 and "--router-worker-urls: --worker-urls is set by slime_rl itself" in capsys.readouterr().err
+    # slime's external-router flag is not a router flag in disguise
+    code = main(_argv(tiny_qwen2, tmp_path, "--rollout-backend", "sglang", "--sglang-router-ip", "10.0.0.1",
+                      "--dry-run"))
+    assert code == 2 and "--sglang-router-ip: not a flag of SGLang's server" in capsys.readouterr().err
     cfg = build_config(_argv(tiny_qwen2, tmp_path, "--rollout-backend", "sglang", "--sglang-disable-radix-cache",
                              "false", "--sglang-enable-tf32-matmul", "false"))
     assert check_engine_config(cfg.engine).sglang_args == {"disable_radix_cache": False, "enable_tf32_matmul": False}
