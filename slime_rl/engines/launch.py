@@ -71,14 +71,18 @@ def router_extra_args(extra: Mapping[str, Any] | None) -> list[str]:
 
 def check_engine_config(engine: EngineConfig) -> EngineConfig:
     """Preflight of the pass-through flags: the config with `sglang_args` / `router_args` checked and
-    normalized (switches as bool), or PassthroughError naming the flag, before any actor starts."""
-    for name in engine.sglang_args:
+    normalized (switches as bool), or PassthroughError naming the flag, before any actor starts.
+    A table is read only when there is something to check (a live read imports the package)."""
+    sglang, router = dict(engine.sglang_args), dict(engine.router_args)
+    for name in sglang:
         if name.startswith("router_") and name not in sglang_server_table().options:
             raise PassthroughError(f"--sglang-{name.replace('_', '-')}: not a flag of SGLang's server; the router "
                                    "is started by --use-sglang-router (port: --sglang-router-port) and takes "
                                    "--router-<name> flags; an external router is not supported")
-    sglang = check_passthrough(engine.sglang_args, sglang_server_table(), "sglang-", SGLANG_OWNED)
-    router = check_passthrough(engine.router_args, router_table(), "router-", ROUTER_OWNED)
+    if sglang:
+        sglang = check_passthrough(sglang, sglang_server_table(), "sglang-", SGLANG_OWNED)
+    if router:
+        router = check_passthrough(router, router_table(), "router-", ROUTER_OWNED)
     return dataclasses.replace(engine, sglang_args=sglang, router_args=router)
 
 

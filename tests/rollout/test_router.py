@@ -106,7 +106,12 @@ def test_an_abort_reaches_every_engine_behind_the_router(routed):
         params = {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 1.0}
         tasks = [asyncio.create_task(pool.generate(s, s.prompt_ids, params)) for s in samples]
         deadline = time.monotonic() + 60
-        while not all(s.engine.load()["num_running_reqs"] > 0 for s in servers):  # both engines busy
+        def held(s) -> int:
+            return s.engine.load()["num_running_reqs"] + s.engine.load()["num_waiting_reqs"]
+
+        # all 6 have reached an engine, and both engines hold some (an abort cannot catch a request
+        # still on its way; the rollout re-aborts for that, see rollout.dynamic)
+        while not (sum(held(s) for s in servers) == 6 and all(held(s) > 0 for s in servers)):
             assert time.monotonic() < deadline, [s.engine.load() for s in servers]
             await asyncio.sleep(0.05)
         calls = await pool.abort_groups([7])
