@@ -114,6 +114,9 @@ def sglang_server_table() -> CliTable:
         from sglang.version import __version__
     except ImportError:
         return CliTable.from_json(json.loads(SGLANG_SNAPSHOT.read_text()), SGLANG_SNAPSHOT.name)
+    except (OSError, RuntimeError) as exc:  # installed but unusable here (e.g. a CUDA library missing)
+        return CliTable.from_json(json.loads(SGLANG_SNAPSHOT.read_text()),
+                                  f"{SGLANG_SNAPSHOT.name}; the installed sglang failed to import: {exc}")
     parser = argparse.ArgumentParser(add_help=False)
     ServerArgs.add_cli_args(parser)
     return table_from_parser(parser, f"sglang {__version__} (python -m sglang.launch_server)",

@@ -153,7 +153,7 @@ def test_live_tables_match_the_snapshots_of_their_version():
                                 (router_table, ROUTER_SNAP, "sglang_router.router_args")):
         live = table()
         if live.source != "live":
-            assert live == snap  # not importable: the snapshot is what the check uses
+            assert (live.options, live.fields) == (snap.options, snap.fields)  # not importable: the snapshot
             continue
         if live.program != snap.program:
             pytest.skip(f"{module} is {live.program}, the snapshot {snap.program}: compare by hand")
