@@ -9,6 +9,7 @@ flag), the dataset (DataError names the row) and the reward function (RewardErro
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import secrets
 import sys
@@ -20,6 +21,7 @@ from transformers import AutoTokenizer
 
 from slime_rl.config import Config, ConfigError, RolloutConfig, build_config
 from slime_rl.data import DataError, PromptDataset, num_rollout_for_epochs
+from slime_rl.engines.launch import check_engine_config
 from slime_rl.observability import MetricsLogger, Timer, summary_line
 from slime_rl.orchestration.placement import PlacementPlan, plan_placement
 from slime_rl.rewards import RewardError, reward_fn_from_config
@@ -33,6 +35,11 @@ class RunFailed(RuntimeError):
 def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     """Check data, reward and placement before anything is started; returns the config (with
     --num-epoch turned into steps) and the plan."""
+    # --sglang-* / --router-* against the programs' own flags: a typo fails here, not on a GPU node
+    cfg = dataclasses.replace(cfg, engine=check_engine_config(cfg.engine))
+    if cfg.engine.use_router and not cfg.dry_run and importlib.util.find_spec("sglang_router") is None:
+        raise ConfigError("--use-sglang-router: the 'sglang_router' package is not installed on the head node "
+                          "(pip install slime_rl[router])")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
     dataset = PromptDataset(cfg.data, tokenizer)
     if dataset.filtered_too_long:
@@ -62,6 +69,12 @@ def dry_run(cfg: Config, plan: PlacementPlan) -> None:
                              use_gpu=plan.use_gpu)
         env = "".join(f"{k}={v} " for k, v in engine_env(cfg, "<run-secret>").items())
         print(f"engine {slot.engine_id}: {env}{' '.join(cmd)}")
+    if cfg.engine.use_router:
+        from slime_rl.orchestration.router import router_launch_command
+
+        urls = [f"http://<node-ip>:{30000 + 10 * slot.engine_id}" for slot in plan.engines]
+        cmd = router_launch_command(cfg, "<head-ip>", cfg.engine.router_port or 30999, urls, "<run-secret>")
+        print(f"router: {' '.join(cmd)}")
 
 
 def train(cfg: Config, plan: PlacementPlan) -> list[dict]:

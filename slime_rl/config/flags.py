@@ -16,7 +16,7 @@ import argparse
 SGLANG_PREFIX = "--sglang-"
 ROUTER_PREFIX = "--router-"
 # --sglang-* flags that are ours (slime's names), not SGLang ServerArgs to pass through
-OWN_SGLANG_FLAGS = ("--sglang-server-concurrency",)
+OWN_SGLANG_FLAGS = ("--sglang-server-concurrency", "--sglang-router-port")
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo")
@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-num-gpus-per-engine", type=_positive_int, default=1)
     g.add_argument("--sglang-server-concurrency", type=_positive_int, default=64,
                    help="most requests in flight per engine (the client queues the rest)")
+    g.add_argument("--use-sglang-router", action="store_true",
+                   help="put sglang-router (pip install sglang-router) on the head node in front of the engines: "
+                        "/generate goes through it, control and weight updates go to every engine; "
+                        "`--router-<name> VALUE` passes its flag --<name> through")
+    g.add_argument("--sglang-router-port", type=_positive_int, default=None,
+                   help="port of the router of --use-sglang-router (default: a free one)")
     g.add_argument("--update-weight-buffer-size", type=_positive_int, default=512 * 1024**2,
                    help="bytes per weight-sync bucket")
     g.add_argument("--use-fault-tolerance", action="store_true",

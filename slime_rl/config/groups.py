@@ -171,6 +171,10 @@ class EngineConfig:
     num_gpus_per_engine: int = 1
     # --sglang-<name> VALUE, keyed by SGLang's ServerArgs field name (dashes -> underscores)
     sglang_args: dict[str, Any] = field(default_factory=dict)
+    use_router: bool = False  # --use-sglang-router
+    router_port: int | None = None  # --sglang-router-port
+    # --router-<name> VALUE, keyed by sglang-router's option name (dashes -> underscores)
+    router_args: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_engines(self) -> int:

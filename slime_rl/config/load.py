@@ -36,6 +36,10 @@ from slime_rl.config.groups import (
     WeightSyncConfig,
 )
 
+# how parse_flags keys a `--router-<name>` in its pass-through dict: `--sglang-router-ip` (slime's
+# external-router flag) stays the SGLang name `router_ip` and cannot be taken for a router flag
+ROUTER_KEY = "router:"
+
 
 class ConfigError(ValueError):
     """A user error in flags or the YAML file; the message names the flag."""
@@ -54,7 +58,9 @@ def _make_parser() -> argparse.ArgumentParser:
 
 
 def _split_passthrough(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """Pull `--sglang-<name> [VALUE]` out of argv; returns (rest, {name: value})."""
+    """Pull `--sglang-<name> [VALUE ...]` and `--router-<name> [VALUE ...]` out of argv; returns
+    (rest, {name: value}) with router names as `router:<name>`. No value: True (a switch); several
+    values (our flags take no positionals, so every token up to the next `--` belongs to it): a list."""
     rest: list[str] = []
     sglang: dict[str, Any] = {}
     i = 0
@@ -65,21 +71,26 @@ def _split_passthrough(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
             rest.append(tok)
         elif tok.startswith(SGLANG_PREFIX) or tok.startswith(ROUTER_PREFIX):
             key, _, inline = tok.partition("=")
-            name = key[len(SGLANG_PREFIX):] if key.startswith(SGLANG_PREFIX) else "router_" + key[
+            name = key[len(SGLANG_PREFIX):] if key.startswith(SGLANG_PREFIX) else ROUTER_KEY + key[
                 len(ROUTER_PREFIX):]
             name = name.replace("-", "_")
-            if inline:
-                value: Any = inline
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value = argv[i + 1]
+            values = []
+            while not inline and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                values.append(argv[i + 1])
                 i += 1
-            else:
-                value = True
+            value: Any = inline or (values[0] if len(values) == 1 else values or True)
             sglang[name] = value
         else:
             rest.append(tok)
         i += 1
     return rest, sglang
+
+
+def split_router_args(passthrough: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """parse_flags' pass-through dict -> ({sglang name: value}, {router name: value})."""
+    sglang = {k: v for k, v in passthrough.items() if not k.startswith(ROUTER_KEY)}
+    router = {k[len(ROUTER_KEY):]: v for k, v in passthrough.items() if k.startswith(ROUTER_KEY)}
+    return sglang, router
 
 
 def _yaml_overlay(parser: argparse.ArgumentParser, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -100,9 +111,14 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str) -> tuple[dict[str,
         if key.startswith("sglang_") and "--" + key.replace("_", "-") not in OWN_SGLANG_FLAGS:
             sglang[key[len("sglang_"):]] = value
             continue
+        if key.startswith("router_"):  # --router-<name>: kept as router:<name> like on the command line
+            sglang[ROUTER_KEY + key[len("router_"):]] = value
+            continue
         if key in ("config", "help") or key not in dests:
             raise ConfigError(f"--config {path}: unknown key '{raw_key}' (not a flag of slime-rl train)")
         action = dests[key]
+        if value is None:  # `key:` or `key: null` leaves the flag at its default (None would bypass its type)
+            continue
         if action.nargs == 0 and value is not None and not isinstance(value, bool):  # store_true/false
             raise ConfigError(f"--config {path}: key '{raw_key}': expected true or false, got {value!r:.40}")
         many = action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 0)
@@ -153,7 +169,8 @@ def _check(cond: bool, message: str) -> None:
 
 def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     """argv of `slime-rl train` -> a validated Config. Raises ConfigError naming the flag."""
-    a, sglang = parse_flags(argv)
+    a, passthrough = parse_flags(argv)
+    sglang, router = split_router_args(passthrough)
     hf = _require(a, "--hf-checkpoint")
     prompt_data = _require(a, "--prompt-data")
     rbs = _require(a, "--rollout-batch-size")
@@ -217,6 +234,14 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     if a.rollout_backend == "embedded":
         _check(not sglang, f"--sglang-* flags given ({', '.join(sorted(sglang))}) but --rollout-backend "
                "is embedded")
+    _check(a.use_sglang_router or not router, f"--router-* flags given ({', '.join(sorted(router))}) "
+           "but not --use-sglang-router")
+    _check(a.use_sglang_router or a.sglang_router_port is None, "--sglang-router-port needs --use-sglang-router")
+    # our failover resends a dead engine's requests elsewhere; behind the router we cannot see which
+    # engine a request went to (the router has its own retries and circuit breaker: --router-* flags)
+    _check(not (a.use_fault_tolerance and a.use_sglang_router),
+           "--use-fault-tolerance and --use-sglang-router exclude each other (configure the router's own "
+           "retries with --router-* flags)")
     _check(a.save_interval is None or a.save is not None, "--save-interval needs --save")
     _check(not a.mask_offpolicy_in_partial_rollout or a.partial_rollout,
            "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
@@ -255,7 +280,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
                               a.mask_offpolicy_in_partial_rollout, a.rollout_deadline_s,
                               a.custom_generate_function_path,
                               a.rollout_seed if a.deterministic_rollout else None, group_rm=a.group_rm),
-        engine=EngineConfig(a.rollout_backend, a.rollout_num_gpus, a.rollout_num_gpus_per_engine, sglang),
+        engine=EngineConfig(a.rollout_backend, a.rollout_num_gpus, a.rollout_num_gpus_per_engine, sglang,
+                            a.use_sglang_router, a.sglang_router_port, router),
         weight_sync=WeightSyncConfig(a.update_weight_buffer_size),
         checkpoint=CheckpointConfig(a.save, a.load, a.save_interval, a.keep_last),
         logging=LoggingConfig(run_dir, a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_mode,

@@ -1,52 +1,89 @@
-"""Launch commands for rollout engines (pure functions building argv lists) and a health wait.
+"""Launch commands for rollout engines and the sglang-router (pure functions building argv lists)
+and a health wait.
 
-Both engine kinds take the flag names of SGLang's ServerArgs (sglang/srt/arg_groups/fields/*.py,
-SGLang 0.5.23: a field `foo_bar` is the flag `--foo-bar`; booleans are bare `store_true` flags), so
-the `--sglang-*` pass-through of the config (keyed by ServerArgs field name) maps one to one.
-Nothing here starts a process: the orchestration layer runs the argv where it wants (Ray actor,
-subprocess) and calls `wait_healthy`.
+`--sglang-<name>` and `--router-<name>` pass-through flags reach SGLang's server and the router as
+`--<name>`, checked first against that program's own flags (`cli_args`: live when the package
+imports, else the snapshot of SGLang 0.5.23 / sglang-router 0.3.2) and rendered in the shape its
+argparse reads (bare switches, `--no-x`, lists). The flags we compute ourselves (model path, tp
+size, addresses, ports, seed, API key) may not be passed through: the error names the flag of ours
+that sets them. Nothing here starts a process: the orchestration layer runs the argv where it wants
+(Ray actor, subprocess) and calls `wait_healthy`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-# Flags the explicit arguments of `sglang_command` own; `extra` may not set them a second time.
-_OWNED = frozenset({"model_path", "host", "port", "tp_size", "nccl_port", "dist_init_addr", "base_gpu_id",
-                    "random_seed", "api_key"})
+from slime_rl.config import EngineConfig
+from slime_rl.engines.cli_args import (
+    PassthroughError,
+    check_passthrough,
+    render,
+    router_table,
+    sglang_server_table,
+)
+
+# ServerArgs dests the launcher computes -> what sets them (named in the error for a pass-through)
+SGLANG_OWNED = {
+    "model_path": "--hf-checkpoint",
+    "tp_size": "--rollout-num-gpus-per-engine",
+    "host": "the engine's node address, from the placement",
+    "port": "a free port on the engine's node",
+    "nccl_port": "a free port on the engine's node",
+    "dist_init_addr": "the engine's first node, from the placement",
+    "base_gpu_id": "the engine's GPUs, from the placement",
+    "random_seed": "--rollout-seed, plus the engine's index",
+    "api_key": "a secret drawn per run",
+}
+# RouterArgs dests the launcher computes
+ROUTER_OWNED = {
+    "host": "the head node's address",
+    "port": "--sglang-router-port",
+    "worker_urls": "the engines of this run",
+    "api_key": "a secret drawn per run",
+}
 
 
 class EngineLaunchError(RuntimeError):
     """An engine did not become healthy: names the URL and, if it died, its exit code and last logs."""
 
 
-def flag(name: str) -> str:
-    """ServerArgs field name -> CLI flag (`mem_fraction_static` -> `--mem-fraction-static`)."""
-    return "--" + name.replace("_", "-")
+def sglang_extra_args(extra: Mapping[str, Any] | None) -> list[str]:
+    """`--sglang-*` pass-through ({ServerArgs option name: value}) as SGLang's argv; raises
+    PassthroughError (a ValueError) naming the `--sglang-*` flag for names SGLang does not have,
+    names we set ourselves, and values of the wrong shape."""
+    table = sglang_server_table()
+    return render(check_passthrough(extra or {}, table, "sglang-", SGLANG_OWNED), table)
 
 
-def extra_args(extra: Mapping[str, Any] | None) -> list[str]:
-    """Pass-through ServerArgs fields as argv: True -> bare flag, False/None -> omitted,
-    list/tuple -> flag followed by each item (nargs), anything else -> flag and str(value)."""
-    argv: list[str] = []
-    for name, value in (extra or {}).items():
-        if not name or "-" in name:
-            raise ValueError(f"--sglang-{name}: pass-through keys are ServerArgs field names (underscores)")
-        if value is None or value is False:
-            continue
-        if value is True:
-            argv.append(flag(name))
-        elif isinstance(value, list | tuple):
-            argv += [flag(name), *(str(v) for v in value)]
-        else:
-            argv += [flag(name), str(value)]
-    return argv
+def router_extra_args(extra: Mapping[str, Any] | None) -> list[str]:
+    """`--router-*` pass-through as sglang-router's argv (checked like `sglang_extra_args`)."""
+    table = router_table()
+    return render(check_passthrough(extra or {}, table, "router-", ROUTER_OWNED), table)
+
+
+def check_engine_config(engine: EngineConfig) -> EngineConfig:
+    """Preflight of the pass-through flags: the config with `sglang_args` / `router_args` checked and
+    normalized (switches as bool), or PassthroughError naming the flag, before any actor starts.
+    A table is read only when there is something to check (a live read imports the package)."""
+    sglang, router = dict(engine.sglang_args), dict(engine.router_args)
+    for name in sglang:
+        if name.startswith("router_") and name not in sglang_server_table().options:
+            raise PassthroughError(f"--sglang-{name.replace('_', '-')}: not a flag of SGLang's server; the router "
+                                   "is started by --use-sglang-router (port: --sglang-router-port) and takes "
+                                   "--router-<name> flags; an external router is not supported")
+    if sglang:
+        sglang = check_passthrough(sglang, sglang_server_table(), "sglang-", SGLANG_OWNED)
+    if router:
+        router = check_passthrough(router, router_table(), "router-", ROUTER_OWNED)
+    return dataclasses.replace(engine, sglang_args=sglang, router_args=router)
 
 
 def embedded_command(model_path: str | Path, host: str, port: int, api_key: str | None = None,
@@ -72,9 +109,7 @@ def sglang_command(model_path: str | Path, host: str, port: int, tp_size: int = 
                    api_key: str | None = None, extra: Mapping[str, Any] | None = None,
                    python: str = sys.executable) -> list[str]:
     """argv of a real SGLang server (`python -m sglang.launch_server ...`)."""
-    clash = sorted(_OWNED & set(extra or {}))
-    if clash:
-        raise ValueError(f"--sglang-{clash[0]}: set by the launcher itself; use the dedicated flag")
+    passthrough = sglang_extra_args(extra)  # first: a bad flag fails before anything else is computed
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
             "--port", str(port), "--tp-size", str(tp_size), "--base-gpu-id", str(base_gpu_id)]
     if nccl_port is not None:
@@ -85,7 +120,20 @@ def sglang_command(model_path: str | Path, host: str, port: int, tp_size: int = 
         argv += ["--random-seed", str(random_seed)]
     if api_key:
         argv += ["--api-key", api_key]
-    return argv + extra_args(extra)
+    return argv + passthrough
+
+
+def router_command(host: str, port: int, worker_urls: Sequence[str], api_key: str | None = None,
+                   extra: Mapping[str, Any] | None = None, python: str = sys.executable) -> list[str]:
+    """argv of sglang-router (`python -m sglang_router.launch_router ...`) in front of `worker_urls`.
+    `api_key` is what the router sends to the workers on its own calls (health, flush); clients'
+    Authorization headers are forwarded with their requests."""
+    passthrough = router_extra_args(extra)
+    argv = [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+            "--worker-urls", *worker_urls]
+    if api_key:
+        argv += ["--api-key", api_key]
+    return argv + passthrough
 
 
 def _tail(path: str | Path | None, lines: int, recent_logs: Callable[[], Iterable[str]] | None = None) -> str:

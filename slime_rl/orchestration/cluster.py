@@ -37,6 +37,8 @@ class Cluster:
         self.pg = None
         self.engines: list = []
         self.engine_urls: list[str] = []
+        self.router = None  # --use-sglang-router: the RouterActor, and router_url its address
+        self.router_url: str | None = None
         self.trainers: TrainerGroup | None = None
         self.rollout_manager = None
         self.buffer = None
@@ -66,8 +68,12 @@ class Cluster:
         self.trainers.init(train_iters, threads)
         ray.get(started)
         self.engine_urls = urls
+        if self.cfg.engine.use_router:
+            from slime_rl.orchestration.router import start_router
+
+            self.router, self.router_url = start_router(self.cfg, urls, self.api_key)
         self.buffer = Buffer.remote()
-        self.rollout_manager = RolloutManager.remote(self.cfg, urls, self.api_key)
+        self.rollout_manager = RolloutManager.remote(self.cfg, urls, self.api_key, self.router_url)
         self.targets = targets
         self.trainers.connect_engines(targets, self.plan.weight_update_world_size)
 
@@ -163,6 +169,8 @@ class Cluster:
                 self.trainers.shutdown()
             except ray.exceptions.RayError as exc:
                 print(f"[slime_rl] trainer shutdown: {exc}")
+        if self.router is not None:  # before the engines: it would mark them dead and log errors
+            ray.get(self.router.stop.remote())
         if self.engines:
             ray.get([e.stop.remote() for e in self.engines])
         if self.pg is not None:

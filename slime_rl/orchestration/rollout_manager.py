@@ -24,7 +24,7 @@ from slime_rl.algo import grpo_advantages, overlong_penalty, rloo_advantages
 from slime_rl.config import AlgoConfig, Config
 from slime_rl.data import PromptDataset, Sample
 from slime_rl.rewards import reward_fn_from_config, reward_metric_means
-from slime_rl.rollout.client import AsyncEngineClient
+from slime_rl.rollout.client import AsyncEngineClient, AsyncRouterClient
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.eval import evaluate
 from slime_rl.rollout.health import EngineHealth
@@ -102,9 +102,11 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
 
 @ray.remote(num_cpus=0)
 class RolloutManager:
-    def __init__(self, cfg: Config, engine_urls: list[str], api_key: str | None = None) -> None:
+    def __init__(self, cfg: Config, engine_urls: list[str], api_key: str | None = None,
+                 router_url: str | None = None) -> None:
         self.cfg = cfg
         self.engine_urls = engine_urls
+        self.router_url = router_url  # --use-sglang-router: /generate goes through it
         self.api_key = api_key
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
@@ -119,8 +121,10 @@ class RolloutManager:
         self.next_group = 0
 
     def _clients(self, live_only: bool = False) -> list[AsyncEngineClient]:
-        return [AsyncEngineClient(url, api_key=self.api_key) for k, url in enumerate(self.engine_urls)
-                if not (live_only and k in self.dead)]
+        urls = [url for k, url in enumerate(self.engine_urls) if not (live_only and k in self.dead)]
+        if self.router_url is not None:  # /generate through the router, control calls to every engine
+            return [AsyncRouterClient(self.router_url, urls, api_key=self.api_key)]
+        return [AsyncEngineClient(url, api_key=self.api_key) for url in urls]
 
     async def generate(self, step: int, buffer) -> dict[str, float]:
         """Fill the step's groups (filter, over-sampling and partial rollout per the flags), put the

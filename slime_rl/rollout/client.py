@@ -13,6 +13,7 @@ message (SGLang answers {"error": {"message"}}, {"success": false, "message"} or
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -256,3 +257,31 @@ class AsyncEngineClient(_Endpoints):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+class AsyncRouterClient(AsyncEngineClient):
+    """asyncio client of an sglang-router in front of `engine_urls`, usable wherever one engine's client
+    is: /generate (and the info GETs) go through the router, which picks the engine and forwards our
+    Authorization header; every other endpoint (abort, pause, continue, weight updates) goes to each
+    engine directly and answers a list, one entry per engine: sglang-router 0.3.2 has no route for
+    /abort_request, /pause_generation or /continue_generation (it answers 404), and an abort by rid
+    prefix must reach whichever engine the router chose. `num_engines` lets the load balancer allow
+    `per_engine` requests in flight per engine behind the router."""
+
+    ROUTED = frozenset({"/generate", "/get_model_info", "/get_server_info"})
+
+    def __init__(self, router_url: str, engine_urls: Sequence[str], api_key: str | None = None,
+                 timeout: float | None = None) -> None:
+        if not engine_urls:
+            raise ValueError("AsyncRouterClient: no engine URLs behind the router")
+        super().__init__(router_url, api_key=api_key, timeout=timeout)
+        self.engines = [AsyncEngineClient(u, api_key=api_key, timeout=timeout) for u in engine_urls]
+        self.num_engines = len(self.engines)
+
+    async def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        if path in self.ROUTED:
+            return await super()._call(method, path, payload)
+        return list(await asyncio.gather(*(e._call(method, path, payload) for e in self.engines)))
+
+    async def aclose(self) -> None:
+        await asyncio.gather(super().aclose(), *(e.aclose() for e in self.engines))

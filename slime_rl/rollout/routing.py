@@ -58,7 +58,8 @@ class LoadBalancer:
         self.in_flight = [0] * len(clients)
         self.sent = [0] * len(clients)
         self.peak = [0] * len(clients)
-        self._slots = asyncio.Semaphore(per_engine * len(clients))
+        # a router client stands for `num_engines` engines: the cap stays per engine
+        self._slots = asyncio.Semaphore(per_engine * sum(getattr(c, "num_engines", 1) for c in clients))
         self.health: EngineHealth | None = None  # --use-fault-tolerance: dead engines get nothing
 
     async def acquire(self) -> int:

@@ -12,7 +12,7 @@ import pytest
 from slime_rl.engines.launch import (
     EngineLaunchError,
     embedded_command,
-    extra_args,
+    router_command,
     sglang_command,
     wait_healthy,
 )
@@ -22,7 +22,7 @@ def test_sglang_command_uses_server_args_flag_names():
     argv = sglang_command("/m", "10.0.0.2", 30001, tp_size=2, nccl_port=31000, dist_init_addr="10.0.0.2:25000",
                           base_gpu_id=4, random_seed=7, api_key="k",
                           extra={"mem_fraction_static": 0.7, "enable_memory_saver": True,
-                                 "disable_radix_cache": False, "cuda_graph_bs": [1, 2, 4], "log_level": None})
+                                 "disable_radix_cache": False, "cuda_graph_bs_decode": [1, 2, 4], "log_level": None})
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     pairs = dict(zip(argv[3::2], argv[4::2], strict=False))
     assert pairs["--model-path"] == "/m" and pairs["--host"] == "10.0.0.2" and pairs["--port"] == "30001"
@@ -30,15 +30,26 @@ def test_sglang_command_uses_server_args_flag_names():
     assert pairs["--dist-init-addr"] == "10.0.0.2:25000" and pairs["--random-seed"] == "7"
     assert pairs["--api-key"] == "k"
     tail = argv[argv.index("--mem-fraction-static"):]
-    assert tail == ["--mem-fraction-static", "0.7", "--enable-memory-saver", "--cuda-graph-bs", "1", "2", "4"]
+    assert tail == ["--mem-fraction-static", "0.7", "--enable-memory-saver", "--cuda-graph-bs-decode", "1", "2", "4"]
     assert "--disable-radix-cache" not in argv and "--log-level" not in argv
 
 
-def test_sglang_extra_may_not_override_owned_flags_or_use_dashes():
-    with pytest.raises(ValueError, match="--sglang-port"):
+def test_sglang_extra_may_not_override_owned_flags_nor_be_unknown():
+    with pytest.raises(ValueError, match="--sglang-port: --port is set by slime_rl itself"):
         sglang_command("/m", "h", 1, extra={"port": 2})
-    with pytest.raises(ValueError, match="field names"):
-        extra_args({"mem-fraction-static": 0.5})
+    with pytest.raises(ValueError, match=r"--sglang-mem-fraction-statik: sglang .* has no flag --mem-fraction-statik"
+                                         r".*did you mean --sglang-mem-fraction-static\?"):
+        sglang_command("/m", "h", 1, extra={"mem_fraction_statik": 0.5})
+
+
+def test_router_command_puts_the_workers_behind_it():
+    argv = router_command("10.0.0.1", 30999, ["http://a:1", "http://b:2"], api_key="k",
+                          extra={"policy": "round_robin", "disable_retries": True, "log_level": None})
+    assert argv[:3] == [sys.executable, "-m", "sglang_router.launch_router"]
+    assert argv[3:] == ["--host", "10.0.0.1", "--port", "30999", "--worker-urls", "http://a:1", "http://b:2",
+                        "--api-key", "k", "--policy", "round_robin", "--disable-retries"]
+    with pytest.raises(ValueError, match="--router-worker-urls: .* set by slime_rl itself .the engines of this run"):
+        router_command("h", 1, ["http://a:1"], extra={"worker_urls": ["http://x:1"]})
 
 
 def test_embedded_command():
