@@ -330,9 +330,16 @@ def checkpoint_model_dtype(path: str | Path) -> torch.dtype:
 def check_model_matches(path: str | Path, model_sharded: Any) -> None:
     """Raise ValueError naming every missing, unexpected and mis-shaped model tensor when the
     model (built from an HF config) does not match the checkpoint's weights; dist_checkpointing's
-    own errors for these cases do not name the tensor."""
+    own errors for these cases do not name the tensor. With PP each stage holds part of the keys:
+    the check runs on their union over the PP group (every rank of the group must call it)."""
+    from megatron.core import parallel_state as mpu
+
     ckpt = checkpoint_model_shapes(path)
     model = _model_global_shapes(model_sharded)
+    if mpu.model_parallel_is_initialized() and mpu.get_pipeline_model_parallel_world_size() > 1:
+        stages: list = [None] * mpu.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, model, group=mpu.get_pipeline_model_parallel_group())
+        model = {k: v for stage in stages for k, v in stage.items()}
     missing = sorted(set(model) - set(ckpt))
     unexpected = sorted(set(ckpt) - set(model))
     shapes = [f"{k}: checkpoint {ckpt[k]} vs model {model[k]}" for k in sorted(set(ckpt) & set(model))
