@@ -108,7 +108,9 @@ def test_tp2pp2_checkpoint_loads_at_tp1_like_a_direct_conversion(tiny_qwen2, qwe
 
 
 def test_sharded_export_writer(tmp_path):
-    writer = _load_tool("convert_megatron_to_hf").ShardWriter(tmp_path, max_bytes=64 * 64 * 4 + 100)
+    from slime_rl.trainer.hf_export import ShardWriter
+
+    writer = ShardWriter(tmp_path, max_bytes=64 * 64 * 4 + 100)
     tensors = {f"t{i}": torch.full((64, 64), float(i)) for i in range(3)} | {"small": torch.ones(3)}
     for name, t in tensors.items():
         writer.add(name, t)
