@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _hf_dir(args: argparse.Namespace, ckpt: Path) -> Path:
-    from slime_rl.trainer.checkpoint import HF_SUBDIR
+    from slime_rl.trainer.checkpoint_layout import HF_SUBDIR
 
     hf = Path(args.hf_config_dir) if args.hf_config_dir else ckpt / HF_SUBDIR
     if not (hf / "config.json").is_file():
@@ -66,7 +66,7 @@ def _hf_dir(args: argparse.Namespace, ckpt: Path) -> Path:
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     # imported here: the checks below need no megatron
-    from slime_rl.trainer.checkpoint import is_megatron_checkpoint, resolve_checkpoint
+    from slime_rl.trainer.checkpoint_layout import is_megatron_checkpoint, resolve_checkpoint
     from slime_rl.trainer.hf_export import converter_layout
 
     if not is_megatron_checkpoint(args.load):

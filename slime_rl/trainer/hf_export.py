@@ -134,7 +134,7 @@ class ShardWriter:
 
 def _finish_folder(tmp: Path, hf_dir: str | Path, dtype: torch.dtype) -> None:
     """Config, tokenizer and generation config of the source folder, with the written dtype."""
-    from slime_rl.trainer.checkpoint import copy_hf_metadata
+    from slime_rl.trainer.checkpoint_layout import copy_hf_metadata
 
     copy_hf_metadata(hf_dir, tmp)
     config = json.loads((tmp / "config.json").read_text())
