@@ -83,9 +83,10 @@ def test_round_trip_tp2_pp2_untied_llama(tiny_llama, tmp_path):
     shutil.copytree(tiny_llama, bad)
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "intermediate_size": cfg["intermediate_size"] * 2}))
+    # megatron's checkpoint keys stack the layers: (layers, 2 x ffn for [gate; up], hidden)
     ffn = cfg["intermediate_size"]
-    with pytest.raises(RuntimeError, match=rf"decoder\.layers\.0\.mlp\.linear_fc1\.weight: checkpoint \(2, {ffn}, "
-                       rf"64\) vs model \(2, {2 * ffn}, 64\)"):
+    with pytest.raises(RuntimeError, match=rf"decoder\.layers\.mlp\.linear_fc1\.weight: checkpoint \(2, {2 * ffn}, "
+                       rf"64\) vs model \(2, {4 * ffn}, 64\)"):
         run_tool("convert_megatron_to_hf", ["--load", str(mcore), "--save", str(tmp_path / "bad"),
                                             "--hf-config-dir", str(bad)])
 
