@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The checkpoint converters under torchrun (one process per TP rank):
-#   NPROC=2 bash launch/convert_torchrun.sh [--dry-run] hf_to_megatron --hf-dir DIR --out DIR --tp 2
+# The checkpoint converters under torchrun (one process per model shard: NPROC = TP x PP):
+#   NPROC=4 bash launch/convert_torchrun.sh [--dry-run] hf_to_megatron --hf-dir DIR --out DIR --tp 2 --pp 2
 #   NPROC=1 bash launch/convert_torchrun.sh [--dry-run] megatron_to_hf --load DIR --out DIR
 set -euo pipefail
 source "$(dirname "$0")/common.sh"

@@ -127,8 +127,7 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
                     cluster.wait_done(pending)
                 with timer("eval"):
                     metrics |= cluster.evaluate()
-            ckpt = cfg.checkpoint
-            if ckpt.save and ((ckpt.save_interval and (step + 1) % ckpt.save_interval == 0) or step + 1 == n_steps):
+            if cfg.checkpoint.saves_at(step, n_steps):  # --save and/or --save-hf
                 with timer("save"):
                     cluster.save(step)  # the rollout side is saved as it was before rollout step + 1
             if pending is None and step + 1 < n_steps:

@@ -1,12 +1,14 @@
 """Convert an HF checkpoint folder to a Megatron distributed checkpoint (torch_dist, model only).
 
     python tools/convert_hf_to_megatron.py --hf-checkpoint DIR --save OUT
-    torchrun --nproc-per-node 2 tools/convert_hf_to_megatron.py --hf-checkpoint DIR --save OUT
+    torchrun --nproc-per-node 4 tools/convert_hf_to_megatron.py --hf-checkpoint DIR --save OUT \
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 
 Why a converter at all: the trainer can start from the HF folder directly, but a torch_dist
-checkpoint loads in parallel, at any TP (dist_checkpointing reshards), and is what Megatron-LM
-tools read. The TP used here does not constrain the TP of the run that loads it; it only decides
-how many processes share the work (one rank per TP shard, DP is pointless here).
+checkpoint loads in parallel, at any TP/PP (dist_checkpointing reshards: its keys are global, with
+global layer numbers), and is what Megatron-LM tools read. The TP x PP used here does not
+constrain the layout of the run that loads it; it only decides how many processes share the work
+(one per shard: TP x PP processes; each stage reads only its own layers from the safetensors).
 
 Writes OUT/iter_0000000/ (+ latest_checkpointed_iteration.txt), with the HF config, tokenizer and
 generation config copied into OUT/iter_0000000/hf/ for the reverse conversion. Model building, the
@@ -22,7 +24,8 @@ import time
 from pathlib import Path
 
 from slime_rl.trainer.convert import load_arch
-from slime_rl.trainer.parallel import converter_tp_size, launcher_env
+from slime_rl.trainer.hf_io import check_hf_weights
+from slime_rl.trainer.parallel import launcher_env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,8 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="HF folder: config.json + *.safetensors")
     p.add_argument("--save", "--out", dest="save", required=True, help="output checkpoint root")
     p.add_argument("--tensor-model-parallel-size", "--tp", dest="tensor_model_parallel_size", type=int,
-                   default=None, help="default: the number of processes")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+                   default=None, help="default: the number of processes / PP")
+    p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pipeline_model_parallel_size", type=int,
+                   default=1, help="pipeline stages (must divide num_hidden_layers)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=1,
                    help="pad the vocab to a multiple of this x TP (the trainer's pad_vocab_multiple; "
                         "the run that loads the checkpoint must pad to the same size)")
@@ -55,10 +59,17 @@ def stored_dtype_is_bf16(hf_dir: str | Path) -> bool:
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     hf = Path(args.hf_checkpoint)
-    # fail on an unsupported model_type / config before paying for megatron and process groups
-    load_arch(hf)
     rank, world, addr, port = launcher_env()
-    tp = converter_tp_size(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    from slime_rl.trainer.hf_export import converter_layout
+
+    tp, pp = converter_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    # fail on an unsupported model_type, a layout the config cannot split into, or weights of
+    # another config, before paying for megatron and process groups
+    arch = load_arch(hf, tp, args.make_vocab_size_divisible_by)
+    if arch.num_layers % pp != 0:
+        raise SystemExit(f"--pipeline-model-parallel-size {pp}: num_hidden_layers={arch.num_layers} of "
+                         f"{hf}/config.json is not divisible by it")
+    check_hf_weights(hf, arch)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and stored_dtype_is_bf16(hf))
 
     from tqdm import tqdm
@@ -68,10 +79,10 @@ def main(argv: list[str] | None = None) -> Path:
     from slime_rl.trainer.parallel import init_parallel, teardown_parallel
 
     t0 = time.perf_counter()
-    init_parallel(rank, world, addr, port, tp_size=tp, pp_size=1)
+    init_parallel(rank, world, addr, port, tp_size=tp, pp_size=pp)
     try:
         with tqdm(total=3, desc="hf->megatron", unit="stage", disable=rank != 0, file=sys.stderr) as bar:
-            arch, gpt = build_from_checkpoint(hf, bf16=bf16, tp_size=tp,
+            arch, gpt = build_from_checkpoint(hf, bf16=bf16, tp_size=tp, pp_size=pp,
                                               pad_vocab_multiple=args.make_vocab_size_divisible_by)
             bar.update(1)
             # strict both ways: every parameter written, every registry tensor present, shapes checked
@@ -79,13 +90,13 @@ def main(argv: list[str] | None = None) -> Path:
             bar.update(1)
             extra = {"source_hf_checkpoint": str(hf.resolve()), "model_type": arch.model_type,
                      "padded_vocab_size": arch.padded_vocab_size, "vocab_size": arch.vocab_size,
-                     "dtype": "bf16" if bf16 else "fp32", "converted_at_tp": tp}
+                     "dtype": "bf16" if bf16 else "fp32", "converted_at_tp": tp, "converted_at_pp": pp}
             out = checkpoint.save_checkpoint(args.save, 0, [gpt], None, None, extra, save_rng=False, hf_dir=hf)
             bar.update(1)
     finally:
         teardown_parallel()
     if rank == 0:
-        print(f"wrote {out} ({arch.model_type}, TP={tp}, padded vocab {arch.padded_vocab_size}) "
+        print(f"wrote {out} ({arch.model_type}, TP={tp} PP={pp}, padded vocab {arch.padded_vocab_size}) "
               f"in {time.perf_counter() - t0:.1f} s")
     return out
 

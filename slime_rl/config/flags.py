@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=_positive_int, default=None, help="steps between saves (and at the end)")
     g.add_argument("--keep-last", type=_positive_int, default=None, help="keep only the newest N checkpoints")
+    g.add_argument("--save-hf", default=None,
+                   help="also write an HF folder at every save and at the end; a path template that may contain "
+                        "{rollout_id} (e.g. runs/x/hf_{rollout_id})")
 
     g = p.add_argument_group("model and data")
     g.add_argument("--hf-checkpoint", default=None, help="HF model folder (config, safetensors, tokenizer)")

@@ -192,6 +192,19 @@ class CheckpointConfig:
     load: str | None = None
     save_interval: int | None = None
     keep_last: int | None = None
+    save_hf: str | None = None  # HF folder path template, may contain {rollout_id}
+
+    def hf_path(self, rollout_id: int) -> str:
+        """Where --save-hf writes after rollout `rollout_id` (slime's save_hf.format(rollout_id=...))."""
+        assert self.save_hf is not None
+        return self.save_hf.format(rollout_id=rollout_id)
+
+    def saves_at(self, step: int, n_steps: int) -> bool:
+        """Whether a checkpoint (and/or an HF folder) is written after `step`: every --save-interval
+        steps and after the last one."""
+        if not (self.save or self.save_hf):
+            return False
+        return bool(self.save_interval and (step + 1) % self.save_interval == 0) or step + 1 == n_steps
 
 
 @dataclass(frozen=True)

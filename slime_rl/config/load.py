@@ -242,7 +242,13 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(not (a.use_fault_tolerance and a.use_sglang_router),
            "--use-fault-tolerance and --use-sglang-router exclude each other (configure the router's own "
            "retries with --router-* flags)")
-    _check(a.save_interval is None or a.save is not None, "--save-interval needs --save")
+    _check(a.save_interval is None or a.save is not None or a.save_hf is not None,
+           "--save-interval needs --save or --save-hf")
+    if a.save_hf is not None:
+        try:
+            a.save_hf.format(rollout_id=0)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"--save-hf {a.save_hf!r}: the only placeholder allowed is {{rollout_id}} ({e!r})") from e
     _check(not a.mask_offpolicy_in_partial_rollout or a.partial_rollout,
            "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     _check(a.keep_last is None or a.save is not None, "--keep-last needs --save")
@@ -283,7 +289,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         engine=EngineConfig(a.rollout_backend, a.rollout_num_gpus, a.rollout_num_gpus_per_engine, sglang,
                             a.use_sglang_router, a.sglang_router_port, router),
         weight_sync=WeightSyncConfig(a.update_weight_buffer_size),
-        checkpoint=CheckpointConfig(a.save, a.load, a.save_interval, a.keep_last),
+        checkpoint=CheckpointConfig(a.save, a.load, a.save_interval, a.keep_last, a.save_hf),
         logging=LoggingConfig(run_dir, a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_mode,
                               a.use_tensorboard, a.dump_rollouts, use_swanlab=a.use_swanlab,
                               swanlab_project=a.swanlab_project, swanlab_mode=a.swanlab_mode),

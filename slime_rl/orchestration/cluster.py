@@ -90,16 +90,19 @@ class Cluster:
     def wait_done(self, ref) -> None:
         ray.wait([ref], num_returns=1, timeout=None, fetch_local=False)
 
-    def save(self, step: int) -> str:
-        """Checkpoint after `step`: trainer state (every rank) + the rollout side's position."""
+    def save(self, step: int) -> None:
+        """After `step`: --save's checkpoint (trainer state on every rank + the rollout side's
+        position) and --save-hf's HF folder (the weights, gathered from every stage)."""
         ckpt = self.cfg.checkpoint
-        rollout_state = ray.get(self.rollout_manager.state_before.remote(step + 1))
-        path = self.trainers.save_checkpoint(ckpt.save, step, {"rollout_id": step, "rollout": rollout_state})
-        if ckpt.keep_last is not None:
-            from slime_rl.trainer.checkpoint import keep_last
+        if ckpt.save:
+            rollout_state = ray.get(self.rollout_manager.state_before.remote(step + 1))
+            self.trainers.save_checkpoint(ckpt.save, step, {"rollout_id": step, "rollout": rollout_state})
+            if ckpt.keep_last is not None:
+                from slime_rl.trainer.checkpoint import keep_last
 
-            keep_last(ckpt.save, ckpt.keep_last)
-        return path
+                keep_last(ckpt.save, ckpt.keep_last)
+        if ckpt.save_hf:
+            self.trainers.save_hf(ckpt.hf_path(step))
 
     def resume(self) -> int:
         """--load: restore the newest complete checkpoint and push its weights to the engines.

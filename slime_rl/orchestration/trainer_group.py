@@ -120,6 +120,9 @@ class TrainerActor:
     def load_latest_checkpoint(self, root: str) -> dict | None:
         return self.worker.load_latest_checkpoint(root)
 
+    def save_hf(self, path: str) -> str:
+        return self.worker.save_hf(path)
+
     def hf_weights(self) -> dict[str, Any]:
         """Every HF-named tensor as numpy (all ranks must call: the gathers are collective)."""
         return {name: t.detach().float().cpu().numpy() for name, t in self.worker.iter_hf_weights()}
@@ -172,6 +175,10 @@ class TrainerGroup:
 
     def load_latest_checkpoint(self, root: str) -> dict | None:
         return ray.get([a.load_latest_checkpoint.remote(root) for a in self.actors])[0]
+
+    def save_hf(self, path: str) -> str:
+        """--save-hf: every rank takes part (gathers), rank 0 writes the folder."""
+        return ray.get([a.save_hf.remote(path) for a in self.actors])[0]
 
     def hf_weights(self) -> dict[str, Any]:
         """The union over ranks: with PP each stage holds only its own layers."""

@@ -1,15 +1,7 @@
 """Megatron distributed checkpoints (torch_dist) of the trainer: model, optimizer, LR schedule, RNG.
 
-Layout, as Megatron-LM's (so its tools can read it):
-
-    <root>/latest_checkpointed_iteration.txt     "<step>"
-    <root>/iter_<step:07d>/                      dist_checkpointing files (metadata.json, *.distcp)
-    <root>/iter_<step:07d>/slime_rl_checkpoint.json   completion marker: step, extra, topology
-
-Atomic: every rank writes into `iter_<step>.tmp/`; after a barrier (every rank has finished its
-shards), rank 0 writes the marker into it, renames it to `iter_<step>/` and updates the tracker
-file. A save killed at any point leaves either a `.tmp` folder or no marker, and `latest_checkpoint`
-takes only folders with the marker, so an interrupted save never looks complete.
+The files and their completeness rules are in checkpoint_layout.py (re-exported here); this
+module saves and loads the state, atomically (see there).
 
 What is in the checkpoint (all through one `dist_checkpointing.save` call):
   * model: the GPTModel's `sharded_state_dict` (reshards on load: a TP=2 save loads at TP=1);
@@ -29,10 +21,8 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,143 +30,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from slime_rl.trainer.checkpoint_layout import (  # noqa: F401  (re-exported: the public checkpoint API)
+    DIST_CKPT_METADATA,
+    HF_SUBDIR,
+    MARKER_FILE,
+    TMP_SUFFIX,
+    TRACKER_FILE,
+    CheckpointInfo,
+    copy_hf_metadata,
+    is_complete,
+    is_megatron_checkpoint,
+    iter_dir,
+    keep_last,
+    latest_checkpoint,
+    read_checkpoint_info,
+    resolve_checkpoint,
+    write_atomic,
+)
 from slime_rl.trainer.model import unwrap
 
 logger = logging.getLogger(__name__)
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-MARKER_FILE = "slime_rl_checkpoint.json"
-DIST_CKPT_METADATA = "metadata.json"  # written by dist_checkpointing once its save is finished
-TMP_SUFFIX = ".tmp"
-HF_SUBDIR = "hf"  # config.json, tokenizer, generation_config of the model (no weights): for export
-_HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
-_HF_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
-_TMP_RE = re.compile(r"^iter_(\d{7,})" + re.escape(TMP_SUFFIX) + "$")
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What the completion marker of one checkpoint says (readable without megatron)."""
-
-    path: Path
-    step: int
-    extra: dict[str, Any]
-    contents: tuple[str, ...]  # subset of ("model", "optimizer", "lr_scheduler", "rng_state")
-    topology: dict[str, int] = field(default_factory=dict)  # world, tp, pp, dp at save time
-    optim_sharding: str | None = None
-
-
-# ---- layout (no torch.distributed needed)
-def iter_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"iter_{step:07d}"
-
-
-def is_complete(path: str | Path) -> bool:
-    """A finished checkpoint folder: final name, our marker and dist_checkpointing's metadata."""
-    p = Path(path)
-    return (bool(_ITER_RE.match(p.name)) and (p / MARKER_FILE).is_file()
-            and (p / DIST_CKPT_METADATA).is_file())
-
-
-def _complete_steps(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _ITER_RE.match(p.name)
-        if m and is_complete(p):
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint of the highest step under `root`, or None (auto-resume).
-
-    The tracker file is not trusted alone: a crash between the rename and the tracker update, or
-    a tracker naming a folder since deleted, must not lose or invent a checkpoint."""
-    steps = _complete_steps(Path(root))
-    return steps[-1][1] if steps else None
-
-
-def is_megatron_checkpoint(path: str | Path) -> bool:
-    """True for a checkpoint root (tracker or complete iter_* folders) or one checkpoint folder
-    (ours, or any dist_checkpointing folder with metadata.json); False for an HF folder."""
-    p = Path(path)
-    if not p.is_dir():
-        return False
-    if (p / DIST_CKPT_METADATA).is_file() and not (p / "config.json").is_file():
-        return True
-    return (p / TRACKER_FILE).is_file() or bool(_complete_steps(p))
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder from either a root (its latest complete checkpoint) or a folder."""
-    p = Path(path)
-    if is_complete(p) or ((p / DIST_CKPT_METADATA).is_file() and not _ITER_RE.match(p.name)
-                          and not _TMP_RE.match(p.name)):
-        return p
-    latest = latest_checkpoint(p)
-    if latest is None:
-        raise FileNotFoundError(f"--load {p}: no complete Megatron checkpoint there (need iter_XXXXXXX/ "
-                                f"with {MARKER_FILE}; interrupted saves end in {TMP_SUFFIX} and are skipped)")
-    return latest
-
-
-def read_checkpoint_info(path: str | Path) -> CheckpointInfo:
-    """The marker of a checkpoint folder, or of the latest one under a root."""
-    p = resolve_checkpoint(path)
-    marker = p / MARKER_FILE
-    if not marker.is_file():
-        raise FileNotFoundError(f"{p}: a dist_checkpointing folder without {MARKER_FILE} (not written by "
-                                "slime_rl); its step and extra state are unknown")
-    d = json.loads(marker.read_text())
-    return CheckpointInfo(path=p, step=int(d["step"]), extra=d.get("extra", {}), contents=tuple(d["contents"]),
-                          topology=d.get("topology", {}), optim_sharding=d.get("optim_sharding"))
-
-
-def keep_last(root: str | Path, n: int) -> list[Path]:
-    """Delete all but the newest `n` complete checkpoints, and stale `.tmp` folders older than the
-    newest complete one (left by interrupted saves). Call on one rank, after a save returned.
-    Returns the deleted folders."""
-    if n < 1:
-        raise ValueError(f"keep_last: n={n} must be >= 1 (it would delete the checkpoint just saved)")
-    root = Path(root)
-    steps = _complete_steps(root)
-    doomed = [p for _, p in steps[:-n]]
-    if steps:
-        newest = steps[-1][0]
-        for p in root.iterdir():
-            m = _TMP_RE.match(p.name)
-            if m and int(m.group(1)) <= newest:
-                doomed.append(p)
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
-    return doomed
-
-
-def copy_hf_metadata(hf_dir: str | Path, dest: str | Path) -> Path:
-    """Copy an HF folder's files except the weights (config.json, generation_config.json,
-    tokenizer files, chat template) into `dest`; returns `dest`."""
-    src, dest = Path(hf_dir), Path(dest)
-    if not (src / "config.json").is_file():
-        raise FileNotFoundError(f"{src}: no config.json (expected an HF model folder)")
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(_HF_WEIGHT_SUFFIXES) and f.name not in _HF_WEIGHT_INDEXES:
-            shutil.copy2(f, dest / f.name)
-    return dest
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ---- state
@@ -330,9 +206,16 @@ def checkpoint_model_dtype(path: str | Path) -> torch.dtype:
 def check_model_matches(path: str | Path, model_sharded: Any) -> None:
     """Raise ValueError naming every missing, unexpected and mis-shaped model tensor when the
     model (built from an HF config) does not match the checkpoint's weights; dist_checkpointing's
-    own errors for these cases do not name the tensor."""
+    own errors for these cases do not name the tensor. With PP each stage holds part of the keys:
+    the check runs on their union over the PP group (every rank of the group must call it)."""
+    from megatron.core import parallel_state as mpu
+
     ckpt = checkpoint_model_shapes(path)
     model = _model_global_shapes(model_sharded)
+    if mpu.model_parallel_is_initialized() and mpu.get_pipeline_model_parallel_world_size() > 1:
+        stages: list = [None] * mpu.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, model, group=mpu.get_pipeline_model_parallel_group())
+        model = {k: v for stage in stages for k, v in stage.items()}
     missing = sorted(set(model) - set(ckpt))
     unexpected = sorted(set(ckpt) - set(model))
     shapes = [f"{k}: checkpoint {ckpt[k]} vs model {model[k]}" for k in sorted(set(ckpt) & set(model))
@@ -408,14 +291,14 @@ def save_checkpoint(root: str | Path, step: int, model_chunks: list[torch.nn.Mod
         marker = {"step": step, "extra": extra, "contents": contents, "topology": _topology(),
                   "optim_sharding": optim_sharding if optimizer is not None else None,
                   "saved_at": time.time()}
-        _write_atomic(tmp / MARKER_FILE, json.dumps(marker, indent=2))
+        write_atomic(tmp / MARKER_FILE, json.dumps(marker, indent=2))
         old = final.with_name(final.name + ".old")
         if final.exists():  # re-saving a step (e.g. after a resume): swap, then delete the old one
             if old.exists():
                 shutil.rmtree(old)
             os.rename(final, old)
         os.rename(tmp, final)
-        _write_atomic(root / TRACKER_FILE, str(step))
+        write_atomic(root / TRACKER_FILE, str(step))
         if old.exists():
             shutil.rmtree(old)
         logger.info("saved checkpoint %s in %.1f s", final, time.perf_counter() - t0)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from slime_rl.trainer.convert import ModelArch, ParamMap, hf_to_mcore_shard, mcore_shards_to_hf
+from slime_rl.trainer.convert import ModelArch, ParamMap, hf_shapes, hf_to_mcore_shard, mcore_shards_to_hf
 from slime_rl.trainer.model import unwrap
 
 
@@ -81,6 +81,30 @@ def safetensors_index(checkpoint_dir: str | Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}  # safe_open is not a dict
 
 
+def check_hf_weights(checkpoint_dir: str | Path, arch: ModelArch) -> None:
+    """Raise ValueError naming every tensor that config.json implies but the safetensors lack, and
+    every tensor whose shape differs (both shapes), reading only the file headers: a config of
+    another model must fail here, not deep inside a reshape."""
+    where = safetensors_index(checkpoint_dir)
+    want = hf_shapes(arch)
+    missing = [n for n in want if n not in where]
+    stored: dict[str, tuple[int, ...]] = {}
+    by_file: dict[Path, list[str]] = {}
+    for n in want:
+        if n in where:
+            by_file.setdefault(where[n], []).append(n)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            stored.update({n: tuple(f.get_slice(n).get_shape()) for n in names})
+    wrong = [f"{n}: safetensors {stored[n]} vs config.json {want[n]}" for n in stored if stored[n] != want[n]]
+    if missing or wrong:
+        raise ValueError(f"{checkpoint_dir}: the weights do not match config.json ({arch.model_type}, "
+                         f"{arch.num_layers} layers, hidden {arch.hidden_size}, vocab {arch.vocab_size}): "
+                         + "; ".join(([f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}"]
+                                      if missing else []) + [f"shape mismatch {w}" for w in wrong[:5]])
+                         + (" ..." if len(wrong) > 5 else ""))
+
+
 def read_hf_tensors(checkpoint_dir: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The named tensors (all when None) from the checkpoint, on CPU, in their stored dtype."""
     where = safetensors_index(checkpoint_dir)
@@ -106,6 +130,7 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, arch: Mo
 
     Strict both ways: every Megatron parameter must be written and every registry tensor must
     exist in the checkpoint (a tied model's lm_head.weight, if saved, is ignored)."""
+    check_hf_weights(checkpoint_dir, arch)
     tp_rank, tp_size, _ = _tp()
     params = dict(unwrap(model).named_parameters())
     maps = stage_param_maps(arch, *_pp())

@@ -129,15 +129,3 @@ def launcher_env() -> tuple[int, int, str, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return 0, 1, "127.0.0.1", s.getsockname()[1]
-
-
-def converter_tp_size(world: int, tp: int | None, pp: int) -> int:
-    """The TP size a checkpoint converter runs at; SystemExit for layouts it cannot build."""
-    if pp != 1:
-        raise SystemExit(f"--pipeline-model-parallel-size {pp}: the converters build PP=1 models; convert at "
-                         "PP=1 (dist_checkpointing reshards the checkpoint for a PP run that loads it)")
-    tp = tp or world
-    if world != tp:
-        raise SystemExit(f"--tensor-model-parallel-size {tp} with {world} processes: run exactly TP processes "
-                         "(one per shard)")
-    return tp

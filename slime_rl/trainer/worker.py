@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
-from slime_rl.trainer import checkpoint, cpu_compat, hf_io
+from slime_rl.trainer import checkpoint, cpu_compat, hf_export, hf_io
 from slime_rl.trainer.batching import MicroBatch, chunks, validate_batch
 from slime_rl.trainer.loss_agg import GlobalCounts, check_mode, local_counts, token_weights
 from slime_rl.trainer.micro import MicroBatching, collect_per_sample
@@ -303,6 +303,13 @@ class TrainerWorker:
         path = checkpoint.save_checkpoint(root, step, [self.model], self.optimizer, self.scheduler, extra,
                                           hf_dir=self.model_cfg.hf_checkpoint)
         return str(path)
+
+    def save_hf(self, path: str) -> str:
+        """The model as an HF folder at `path` (atomic; config, tokenizer, generation config copied
+        from --hf-checkpoint; vocab padding removed), through the weight-sync gather path; every
+        rank calls it, global rank 0 writes."""
+        self._compat()
+        return str(hf_export.save_hf_folder(self.gpt, self.arch, path, self.model_cfg.hf_checkpoint))
 
     def load_latest_checkpoint(self, root: str) -> dict | None:
         """Load the newest complete checkpoint under `root` (incomplete saves are skipped); returns its

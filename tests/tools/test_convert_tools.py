@@ -1,9 +1,10 @@
 """tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py.
 
-Round trip HF -> Megatron (TP=2, two gloo processes with torchrun's environment variables) ->
-HF (TP=1, one process): every tensor torch.equal (same dtype), the same config and tokenizer
-files. The qwen2 case pads the vocab (64 -> 96) so that the export must strip the padding.
-Error paths that need no megatron run in this process (the tools check before importing it).
+Round trips HF -> Megatron (TP=2, PP=2: four gloo processes with torchrun's environment
+variables) -> HF at TP=2, PP=2 (tied Qwen2) and at TP=1, PP=2 (untied Llama): every tensor
+torch.equal (same dtype), the same config and tokenizer files. The qwen2 case pads the vocab
+(64 -> 96) so that the export must strip the padding. Error paths that need no megatron run in
+this process (the tools check before importing it).
 """
 
 from __future__ import annotations
@@ -42,28 +43,75 @@ def _assert_same_hf(src: Path, dst: Path) -> None:
         assert (dst / f).read_bytes() == (src / f).read_bytes(), f
 
 
-@pytest.mark.parametrize("family,pad", [("qwen2", 48), ("llama", 1)])
-def test_round_trip_tp2_to_tp1(family, pad, request, tmp_path):
-    hf = request.getfixturevalue(f"tiny_{family}")
-    mcore, out = tmp_path / "mcore", tmp_path / "hf"
-    run_tool("convert_hf_to_megatron", ["--hf-checkpoint", str(hf), "--save", str(mcore),
-                                        "--make-vocab-size-divisible-by", str(pad)], world=2)
+def _convert(hf: Path, mcore: Path, tp: int, pp: int, pad: int) -> None:
+    run_tool("convert_hf_to_megatron", ["--hf-checkpoint", str(hf), "--save", str(mcore), "--tp", str(tp),
+                                        "--pp", str(pp), "--make-vocab-size-divisible-by", str(pad)], world=tp * pp)
+
+
+@pytest.fixture(scope="module")
+def qwen2_tp2pp2(tiny_qwen2, tmp_path_factory) -> Path:
+    """tiny Qwen2 (tied) converted at TP=2, PP=2 (4 processes), vocab 64 padded to 96."""
+    mcore = tmp_path_factory.mktemp("qwen2_tp2pp2") / "mcore"
+    _convert(tiny_qwen2, mcore, tp=2, pp=2, pad=48)
+    return mcore
+
+
+def test_round_trip_tp2_pp2_tied_qwen2(tiny_qwen2, qwen2_tp2pp2, tmp_path):
+    """HF -> Megatron (TP=2, PP=2) -> HF (TP=2, PP=2): the embedding on stage 0 and its copy as the
+    output layer on stage 1 are both filled on import; export emits the one HF tensor."""
     from slime_rl.trainer.checkpoint import read_checkpoint_info
 
-    info = read_checkpoint_info(mcore)
-    assert info.contents == ("model",) and info.topology["tp"] == 2
-    assert info.extra["padded_vocab_size"] == (96 if pad == 48 else 64)
-    run_tool("convert_megatron_to_hf", ["--load", str(mcore), "--save", str(out)])
-    _assert_same_hf(hf, out)
-    if family == "llama":
-        # the config of another model: the error names the tensors that do not match
-        with pytest.raises(RuntimeError, match=r"linear_qkv\.bias.*output_layer\.weight"):
-            run_tool("convert_megatron_to_hf", ["--load", str(mcore), "--save", str(tmp_path / "bad"),
-                                                "--hf-config-dir", str(request.getfixturevalue("tiny_qwen2"))])
+    info = read_checkpoint_info(qwen2_tp2pp2)
+    assert info.contents == ("model",) and (info.topology["tp"], info.topology["pp"]) == (2, 2)
+    assert info.extra["padded_vocab_size"] == 96
+    out = tmp_path / "hf"
+    run_tool("convert_megatron_to_hf", ["--load", str(qwen2_tp2pp2), "--save", str(out), "--tp", "2", "--pp", "2"],
+             world=4)
+    _assert_same_hf(tiny_qwen2, out)
+    assert "lm_head.weight" not in load_file(out / "model.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # the .tmp folder was renamed
+
+
+def test_round_trip_tp2_pp2_untied_llama(tiny_llama, tmp_path):
+    """HF -> Megatron (TP=2, PP=2) -> HF at TP=1, PP=2 (resharded on load); then a config that does
+    not match the weights: the error names the tensor and both shapes."""
+    mcore, out = tmp_path / "mcore", tmp_path / "hf"
+    _convert(tiny_llama, mcore, tp=2, pp=2, pad=1)
+    run_tool("convert_megatron_to_hf", ["--load", str(mcore), "--save", str(out), "--tp", "1", "--pp", "2"], world=2)
+    _assert_same_hf(tiny_llama, out)
+    bad = tmp_path / "wider"
+    shutil.copytree(tiny_llama, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "intermediate_size": cfg["intermediate_size"] * 2}))
+    # megatron's checkpoint keys stack the layers: (layers, 2 x ffn for [gate; up], hidden)
+    ffn = cfg["intermediate_size"]
+    with pytest.raises(RuntimeError, match=rf"decoder\.layers\.mlp\.linear_fc1\.weight: checkpoint \(2, {2 * ffn}, "
+                       rf"64\) vs model \(2, {4 * ffn}, 64\)"):
+        run_tool("convert_megatron_to_hf", ["--load", str(mcore), "--save", str(tmp_path / "bad"),
+                                            "--hf-config-dir", str(bad)])
+
+
+def test_tp2pp2_checkpoint_loads_at_tp1_like_a_direct_conversion(tiny_qwen2, qwen2_tp2pp2, tmp_path):
+    """The TP=2, PP=2 conversion loaded by a TP=1 trainer gives the weights and log-probs of a
+    conversion made directly at TP=1 (same padded vocab, 96) and of the HF folder itself."""
+    from tests.trainer.checkpoint_scenarios import run_scenario
+
+    direct = tmp_path / "mcore_tp1"
+    _convert(tiny_qwen2, direct, tp=1, pp=1, pad=96)
+    (rec,) = run_scenario("converted", 1, free_port(), tmp_path, {
+        "hf": str(tiny_qwen2), "pad": 96, "ckpts": [str(qwen2_tp2pp2), str(direct)]})
+    from_hf, (pp_ckpt, tp1_ckpt) = rec["hf"], rec["ckpts"]
+    assert set(pp_ckpt["weights"]) == set(tp1_ckpt["weights"]) == set(load_file(tiny_qwen2 / "model.safetensors"))
+    for name, t in tp1_ckpt["weights"].items():
+        assert torch.equal(pp_ckpt["weights"][name], t) and torch.equal(from_hf["weights"][name], t), name
+    assert pp_ckpt["logp"] == tp1_ckpt["logp"] == from_hf["logp"]
+    assert len(pp_ckpt["logp"]) > 1 and all(len(r) > 0 for r in pp_ckpt["logp"])
 
 
 def test_sharded_export_writer(tmp_path):
-    writer = _load_tool("convert_megatron_to_hf").ShardWriter(tmp_path, max_bytes=64 * 64 * 4 + 100)
+    from slime_rl.trainer.hf_export import ShardWriter
+
+    writer = ShardWriter(tmp_path, max_bytes=64 * 64 * 4 + 100)
     tensors = {f"t{i}": torch.full((64, 64), float(i)) for i in range(3)} | {"small": torch.ones(3)}
     for name, t in tensors.items():
         writer.add(name, t)
@@ -81,11 +129,35 @@ def test_unsupported_model_type_and_layout(tiny_qwen2, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     to_mcore = _load_tool("convert_hf_to_megatron").main
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; known families: \['llama'"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; supported model types: "
+                                         r"\['llama', 'qwen2', 'qwen3'\]"):
         to_mcore(["--hf-checkpoint", str(bad), "--save", str(tmp_path / "out")])
-    with pytest.raises(SystemExit, match="pipeline-model-parallel-size 2"):
-        to_mcore(["--hf-checkpoint", str(tiny_qwen2), "--save", str(tmp_path / "out"),
-                  "--pipeline-model-parallel-size", "2"])
+    # one process cannot hold TP=2 x PP=1 shards, nor 3 stages
+    with pytest.raises(SystemExit, match="run exactly TP x PP processes"):
+        to_mcore(["--hf-checkpoint", str(tiny_qwen2), "--save", str(tmp_path / "out"), "--tp", "2"])
+    with pytest.raises(SystemExit, match="pipeline-model-parallel-size 3 does not divide the 1 processes"):
+        to_mcore(["--hf-checkpoint", str(tiny_qwen2), "--save", str(tmp_path / "out"), "--pp", "3"])
     to_hf = _load_tool("convert_megatron_to_hf").main
     with pytest.raises(SystemExit, match="not a Megatron checkpoint"):
         to_hf(["--load", str(tiny_qwen2), "--save", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_that_does_not_match_the_weights(tiny_qwen2, tmp_path):
+    """A config of another size: the error (before megatron is imported) names the tensor and both
+    shapes; a config with more layers names the missing tensors."""
+    cfg = json.loads((tiny_qwen2 / "config.json").read_text())
+    to_mcore = _load_tool("convert_hf_to_megatron").main
+    for change, pattern in (
+        ({"intermediate_size": cfg["intermediate_size"] + 8},
+         rf"shape mismatch model\.layers\.0\.mlp\.gate_proj\.weight: safetensors \({cfg['intermediate_size']}, 64\) "
+         rf"vs config\.json \({cfg['intermediate_size'] + 8}, 64\)"),
+        ({"num_hidden_layers": 3}, r"missing tensors \['model\.layers\.2\.input_layernorm\.weight'"),
+        ({"vocab_size": 80}, r"model\.embed_tokens\.weight: safetensors \(64, 64\) vs config\.json \(80, 64\)"),
+    ):
+        bad = tmp_path / "bad"
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(tiny_qwen2, bad)
+        (bad / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=pattern):
+            to_mcore(["--hf-checkpoint", str(bad), "--save", str(tmp_path / "out")])

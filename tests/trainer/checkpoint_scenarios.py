@@ -26,13 +26,16 @@ OPTIM = OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=1, lr_decay_style=
                         clip_grad=1.0)
 
 
-def make_worker(rank: int, world: int, port: int, ckpt: str, tp: int, bf16: bool = False):
+def make_worker(rank: int, world: int, port: int, ckpt: str, tp: int, bf16: bool = False, pp: int = 1,
+                pad: int = 1):
     from slime_rl.trainer.worker import TrainerWorker
 
     return TrainerWorker(rank, world, "127.0.0.1", port,
-                         ParallelConfig(tensor_model_parallel_size=tp, actor_num_gpus_per_node=world),
+                         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                        actor_num_gpus_per_node=world),
                          BatchConfig(micro_batch_size=2, global_batch_size=2), OPTIM,
-                         ModelConfig(hf_checkpoint=ckpt, bf16=bf16), AlgoConfig(), train_iters=10)
+                         ModelConfig(hf_checkpoint=ckpt, bf16=bf16), AlgoConfig(), train_iters=10,
+                         pad_vocab_multiple=pad)
 
 
 def weights(w) -> dict[str, torch.Tensor]:
@@ -135,7 +138,38 @@ def scenario_tp1(rank: int, world: int, port: int, args: dict) -> dict:
     return res
 
 
-SCENARIOS = {"save": scenario_save, "resume": scenario_resume, "tp1": scenario_tp1}
+def scenario_converted(rank: int, world: int, port: int, args: dict) -> dict:
+    """World 1: weights and log-probs of the HF folder, then of each converted checkpoint loaded
+    into the same TP=1 worker (model only)."""
+    from slime_rl.trainer import checkpoint as ck
+
+    w = make_worker(rank, world, port, args["hf"], tp=1, pad=args["pad"])
+    res: dict[str, Any] = {"hf": {"weights": weights(w), "logp": w.compute_logprobs(make_batch())}, "ckpts": []}
+    for path in args["ckpts"]:
+        ck.load_checkpoint(path, *handles(w), load_optim=False)
+        res["ckpts"].append({"weights": weights(w), "logp": w.compute_logprobs(make_batch())})
+    w.shutdown()
+    return res
+
+
+def scenario_save_hf(rank: int, world: int, port: int, args: dict) -> dict:
+    """TP x PP from args: train a step, write --save-hf's folder (twice: the second replaces the
+    first, as a re-save after a resume does); every rank records its stage's HF tensors."""
+    w = make_worker(rank, world, port, args["hf"], tp=args["tp"], pp=args["pp"], pad=args.get("pad", 1))
+    train(w, 1)
+    stale = Path(args["out"] + ".tmp")
+    if rank == 0:  # an interrupted earlier write left its temporary folder
+        stale.mkdir(parents=True)
+        (stale / "junk").write_text("x")
+    w.save_hf(args["out"])
+    train(w, 1)
+    res = {"path": w.save_hf(args["out"]), "stage": weights(w), "pp_rank": w.pp_rank, "tp_rank": w.tp_rank}
+    w.shutdown()
+    return res
+
+
+SCENARIOS = {"save": scenario_save, "resume": scenario_resume, "tp1": scenario_tp1, "converted": scenario_converted,
+             "save_hf": scenario_save_hf}
 
 
 def run_scenario(name: str, world: int, port: int, out: Path, args: dict, timeout: float = 300) -> list[dict]:

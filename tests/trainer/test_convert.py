@@ -14,6 +14,7 @@ from slime_rl.trainer.convert import (
     Layout,
     arch_from_hf_config,
     get_family,
+    hf_shapes,
     hf_to_mcore_shard,
     mcore_shards_to_hf,
 )
@@ -97,3 +98,19 @@ def test_tied_models_have_no_output_layer_and_families_are_explicit():
         pm.mcore for pm in get_family("qwen2").param_maps(2, True)}
     assert "decoder.layers.0.self_attention.q_layernorm.weight" in {
         pm.mcore for pm in get_family("qwen3").param_maps(1, True)}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("tied", [True, False])
+def test_hf_shapes_are_those_of_the_transformers_model(model_type, tied):
+    """The registry's named dimensions against the state dict transformers builds from the same
+    config (the independent reference): same names, same shapes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = CFG | {"model_type": model_type, "tie_word_embeddings": tied, "head_dim": 3, "num_hidden_layers": 2,
+                 "attention_bias": False, "mlp_bias": False, "use_sliding_window": False}
+    hf_cfg = AutoConfig.for_model(**cfg)
+    state = AutoModelForCausalLM.from_config(hf_cfg).state_dict()
+    want = {n: tuple(t.shape) for n, t in state.items() if not (tied and n == "lm_head.weight")}
+    want = {n: s for n, s in want.items() if not n.endswith("rotary_emb.inv_freq")}
+    assert hf_shapes(arch_from_hf_config(cfg)) == want

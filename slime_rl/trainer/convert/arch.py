@@ -96,3 +96,17 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
 def load_arch(checkpoint_dir: str | Path, tp_size: int = 1, pad_vocab_multiple: int = 1) -> ModelArch:
     return arch_from_hf_config(read_hf_config(checkpoint_dir), tp_size, pad_vocab_multiple,
                                where=f"{checkpoint_dir}/config.json")
+
+
+def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """The shape config.json implies for every HF tensor of the model (unpadded vocab), in the
+    registry's order; a checkpoint whose tensors differ belongs to another config."""
+    size = {"vocab": arch.vocab_size, "hidden": arch.hidden_size, "ffn": arch.ffn_hidden_size,
+            "q": arch.num_attention_heads * arch.kv_channels, "kv": arch.num_query_groups * arch.kv_channels,
+            "head": arch.kv_channels}
+    out: dict[str, tuple[int, ...]] = {}
+    for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings):
+        assert len(pm.shapes) == len(pm.hf), f"registry entry {pm.mcore}: one shape per HF name"
+        for name, dims in zip(pm.hf, pm.shapes, strict=True):
+            out[name] = tuple(size[d] for d in dims)
+    return out

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+# the named dimensions of `ParamMap.shapes`, defined from config.json in arch.py (`hf_shapes`)
+DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head")  # q = heads x head_dim, kv = kv heads x head_dim
+
 
 class Layout(Enum):
     REPLICATED = "replicated"  # norms: every TP rank holds the full tensor
@@ -27,11 +30,13 @@ class ParamMap:
     mcore: str  # Megatron name; "{i}" is the layer index
     hf: tuple[str, ...]  # HF names, in the order they are fused (q, k, v) / (gate, up)
     layout: Layout
+    # the HF shape of each name in `hf`, in named dimensions (DIMS): what config.json implies
+    shapes: tuple[tuple[str, ...], ...] = ()
     untied_only: bool = False  # present only when input and output embeddings are separate
 
     def at_layer(self, i: int) -> ParamMap:
         return ParamMap(self.mcore.format(i=i), tuple(h.format(i=i) for h in self.hf), self.layout,
-                        self.untied_only)
+                        self.shapes, self.untied_only)
 
 
 @dataclass(frozen=True)
@@ -58,33 +63,37 @@ class Family:
 
 _L = "decoder.layers.{i}."
 _H = "model.layers.{i}."
+_VEC = (("hidden",),)
 
 _GLOBAL = (
-    ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Layout.VOCAB),
-    ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), Layout.REPLICATED),
-    ParamMap("output_layer.weight", ("lm_head.weight",), Layout.VOCAB, untied_only=True),
+    ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Layout.VOCAB,
+             (("vocab", "hidden"),)),
+    ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), Layout.REPLICATED, _VEC),
+    ParamMap("output_layer.weight", ("lm_head.weight",), Layout.VOCAB, (("vocab", "hidden"),), untied_only=True),
 )
 
 _NORMS = (
-    ParamMap(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), Layout.REPLICATED),
+    ParamMap(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), Layout.REPLICATED, _VEC),
     ParamMap(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",),
-             Layout.REPLICATED),
+             Layout.REPLICATED, _VEC),
 )
 _QKV_W = ParamMap(_L + "self_attention.linear_qkv.weight",
-                  tuple(_H + f"self_attn.{x}_proj.weight" for x in "qkv"), Layout.QKV)
+                  tuple(_H + f"self_attn.{x}_proj.weight" for x in "qkv"), Layout.QKV,
+                  (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")))
 _QKV_B = ParamMap(_L + "self_attention.linear_qkv.bias",
-                  tuple(_H + f"self_attn.{x}_proj.bias" for x in "qkv"), Layout.QKV)
-_PROJ = ParamMap(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), Layout.ROW)
+                  tuple(_H + f"self_attn.{x}_proj.bias" for x in "qkv"), Layout.QKV, (("q",), ("kv",), ("kv",)))
+_PROJ = ParamMap(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), Layout.ROW,
+                 (("hidden", "q"),))
 _MLP = (
     ParamMap(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
-             Layout.FC1),
-    ParamMap(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), Layout.ROW),
+             Layout.FC1, (("ffn", "hidden"), ("ffn", "hidden"))),
+    ParamMap(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), Layout.ROW, (("hidden", "ffn"),)),
 )
 _QK_NORM = (
     ParamMap(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",),
-             Layout.REPLICATED),
+             Layout.REPLICATED, (("head",),)),
     ParamMap(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",),
-             Layout.REPLICATED),
+             Layout.REPLICATED, (("head",),)),
 )
 _SWIGLU = {"hidden_act": "silu"}
 
@@ -113,6 +122,6 @@ FAMILIES: dict[str, Family] = {
 
 def get_family(model_type: str, where: str = "config.json") -> Family:
     if model_type not in FAMILIES:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported; known families: "
-                         f"{sorted(FAMILIES)} (add one in slime_rl/trainer/convert/registry.py)")
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported; supported model types: "
+                         f"{sorted(FAMILIES)} (add a family in slime_rl/trainer/convert/registry.py)")
     return FAMILIES[model_type]

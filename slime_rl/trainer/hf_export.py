@@ -1,0 +1,189 @@
+"""The whole model as one HF folder, from a trainer of any TP x PP x DP layout.
+
+Used by tools/convert_megatron_to_hf.py and by --save-hf during training, so both write what the
+weight sync sends: every stage runs `hf_io.iter_hf_weights` (TP all-gathers, the registry's
+renames, vocab padding removed), and on DP replica 0 the TP rank 0 of each later stage sends its
+tensors to global rank 0 (the first stage's TP rank 0), which alone writes. A tied model's
+embedding is emitted once, by stage 0 (the last stage's copy is not).
+
+The folder is written atomically like the checkpoints: into `<out>.tmp/`, renamed to `<out>/` when
+complete (an existing `<out>/` is swapped out and deleted), so a crash never leaves a folder that
+looks like a finished model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from slime_rl.trainer.convert import ModelArch
+from slime_rl.trainer.hf_io import hf_weight_metadata, iter_hf_weights
+from slime_rl.trainer.model import unwrap
+
+TMP_SUFFIX = ".tmp"
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def converter_layout(world: int, tp: int | None, pp: int) -> tuple[int, int]:
+    """(tp, pp) a converter runs at: one process per model shard (TP x PP = world; DP is
+    pointless there). `tp` defaults to world / pp. SystemExit names the flags otherwise."""
+    if pp < 1 or world % pp != 0:
+        raise SystemExit(f"--pipeline-model-parallel-size {pp} does not divide the {world} processes")
+    tp = tp or world // pp
+    if tp * pp != world:
+        raise SystemExit(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} with {world} "
+                         "processes: run exactly TP x PP processes (one per shard)")
+    return tp, pp
+
+
+def hf_tensor_count(arch: ModelArch) -> int:
+    """How many tensors the HF state dict of the model has (a tied model has no lm_head)."""
+    return sum(len(pm.hf) for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings))
+
+
+def gather_hf_weights(model: torch.nn.Module, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """On global rank 0: every HF tensor of the model, stage by stage (HF order). On every other
+    rank: nothing, but every rank must run the generator to its end (it runs the TP all-gathers and
+    the sends to rank 0). A tensor may share storage with a parameter: copy it to keep it."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_data_parallel_rank() != 0:  # every DP replica holds the same weights
+        return
+    pp_rank, pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
+    first_tp = mpu.get_tensor_model_parallel_rank() == 0
+    if pp_size == 1:
+        for name, t in iter_hf_weights(model, arch):
+            if dist.get_rank() == 0:
+                yield name, t
+        return
+    group = mpu.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    metas: list = [None] * pp_size
+    if first_tp:  # rank 0's PP group: the receiver learns what each later stage will send
+        dist.all_gather_object(metas, hf_weight_metadata(model, arch), group=group)
+    own = iter_hf_weights(model, arch)
+    if not first_tp:  # the stage's other TP ranks only take part in the all-gathers
+        for _ in own:
+            pass
+    elif pp_rank != 0:
+        for _, t in own:
+            dist.send(t.contiguous(), dst=ranks[0], group=group)
+    else:
+        assert dist.get_rank() == ranks[0] == 0, "global rank 0 must be stage 0, TP rank 0, DP rank 0"
+        yield from own
+        device = next(unwrap(model).parameters()).device
+        for stage in range(1, pp_size):
+            for name, dtype, shape in metas[stage]:
+                buf = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(buf, src=ranks[stage], group=group)
+                yield name, buf
+
+
+class ShardWriter:
+    """Streams (name, tensor) into safetensors files of at most `max_bytes` (a bigger tensor gets a
+    file of its own), then names them as HF does; one file -> model.safetensors without index."""
+
+    def __init__(self, out: Path, max_bytes: int) -> None:
+        self.out, self.max_bytes = Path(out), max_bytes
+        self.files: list[tuple[Path, list[str]]] = []
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        # own, contiguous CPU memory: safetensors refuses shared or strided storage
+        self.pending[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.out / f"_part{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        if self.pending:
+            self._flush()
+        n = len(self.files)
+        if n == 1:
+            final = self.out / "model.safetensors"
+            self.files[0][0].rename(final)
+            return [final]
+        weight_map, finals = {}, []
+        for i, (path, names) in enumerate(self.files):
+            final = self.out / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(final)
+            finals.append(final)
+            weight_map.update({name: final.name for name in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return finals
+
+
+def _finish_folder(tmp: Path, hf_dir: str | Path, dtype: torch.dtype) -> None:
+    """Config, tokenizer and generation config of the source folder, with the written dtype."""
+    from slime_rl.trainer.checkpoint_layout import copy_hf_metadata
+
+    copy_hf_metadata(hf_dir, tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):  # transformers 5 writes dtype, 4 torch_dtype
+        if key in config:
+            config[key] = _DTYPE_NAMES[dtype]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    old = out.with_name(out.name + ".old")
+    if out.exists():  # a re-save of the same path: swap, then delete the old folder
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def save_hf_folder(model: torch.nn.Module, arch: ModelArch, out: str | Path, hf_dir: str | Path, *,
+                   dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9,
+                   progress: bool = False) -> Path:
+    """Write the model as an HF folder at `out` (atomically, see the module docstring); every rank
+    of the trainer must call it, global rank 0 writes. `hf_dir`: the HF folder the model came from
+    (config.json, tokenizer, generation_config are copied). `dtype`: cast to it (default: the
+    model's). Returns `out`."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    tmp = out.with_name(out.name + TMP_SUFFIX)
+    writer = None
+    if dist.get_rank() == 0:
+        if tmp.exists():  # left by an interrupted write
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        writer = ShardWriter(tmp, max_shard_bytes)
+    written = None
+    with tqdm(total=hf_tensor_count(arch), desc="megatron->hf", unit="tensor", file=sys.stderr,
+              disable=not progress or writer is None) as bar:
+        for name, t in gather_hf_weights(model, arch):
+            assert writer is not None
+            written = dtype or t.dtype
+            writer.add(name, t.to(written))
+            bar.update(1)
+    if writer is not None:
+        writer.close()
+        assert written is not None
+        _finish_folder(tmp, hf_dir, written)
+        _swap_in(tmp, out)
+    dist.barrier()  # nobody reads (or writes the next) before the folder is in place
+    return out
