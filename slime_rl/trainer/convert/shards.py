@@ -64,21 +64,28 @@ def hf_to_mcore_shard(pm: ParamMap, hf: list[Tensor], arch: ModelArch, tp_rank: 
     raise AssertionError(pm.layout)
 
 
+def _cat(tensors: list[Tensor], dim: int = 0) -> Tensor:
+    # one shard (TP=1): the tensor itself, not a copy. Weight sync copies every tensor into its
+    # bucket anyway, and an extra allocation + copy per tensor was most of the sync's host time.
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
 def mcore_shards_to_hf(pm: ParamMap, shards: list[Tensor], arch: ModelArch) -> list[tuple[str, Tensor]]:
-    """The shards of every TP rank (in TP rank order) -> [(hf_name, full HF tensor)]."""
+    """The shards of every TP rank (in TP rank order) -> [(hf_name, full HF tensor)].
+
+    The results may be views of the shards (at TP=1 they are): a caller that keeps them past the next
+    optimizer step, or writes them where shared storage is refused (safetensors), copies them."""
     if pm.layout is Layout.REPLICATED:
         return [(pm.hf[0], shards[0])]
     if pm.layout is Layout.ROW:
-        return [(pm.hf[0], torch.cat(shards, dim=1))]
+        return [(pm.hf[0], _cat(shards, dim=1))]
     if pm.layout is Layout.VOCAB:
-        return [(pm.hf[0], torch.cat(shards, dim=0)[: arch.vocab_size])]
+        return [(pm.hf[0], _cat(shards)[: arch.vocab_size])]
     if pm.layout is Layout.QKV:
-        return list(zip(pm.hf, _unfuse_qkv(torch.cat(shards, dim=0), arch), strict=True))
+        return list(zip(pm.hf, _unfuse_qkv(_cat(shards), arch), strict=True))
     if pm.layout is Layout.FC1:
         halves = [s.chunk(2, dim=0) for s in shards]
-        gate = torch.cat([h[0] for h in halves])
-        up = torch.cat([h[1] for h in halves])
-        return [(pm.hf[0], gate), (pm.hf[1], up)]
+        return [(pm.hf[0], _cat([h[0] for h in halves])), (pm.hf[1], _cat([h[1] for h in halves]))]
     raise AssertionError(pm.layout)
 
 
