@@ -151,6 +151,7 @@ def run_equiv(rank: int, world: int, port: int, ckpt: str, name: str, res: dict,
     shard = select(batch, ids)
     res[f"{name}/ids"] = ids
     res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.cp_rank, w.dp_rank)
+    res["device"], res["params_dtype"] = w.info.device.type, str(w.gpt.config.params_dtype)
     for layout in layouts:
         w.micro = dataclasses.replace(w.micro, pack_sequences=layout == "packed")
         key = f"{name}/{layout}"
@@ -179,3 +180,25 @@ SCENARIOS = {"agg": scenario_agg, "par2": scenario_par2,
              "equiv4": _equiv_scenario(("tp2pp2", "tp2dp2", "tp2cp2")),
              # the GPU test (tests/gpu/test_gpu_parallel.py): bf16, one rank vs two
              "gpu1": _equiv_scenario(("base",), bf16=True), "gpu2": _equiv_scenario(("tp2", "pp2", "cp2"), bf16=True)}
+
+
+def equiv_diffs(base: list[dict], ranks: list[dict], name: str, layout: str) -> dict[str, float]:
+    """Max differences of config `name` (all its ranks) from the one-rank run `base`, same layout:
+    logp (max |diff| over every response token), grad (max |diff| over every gradient element,
+    HF names, stages merged), grad_norm_rel (max over ranks of |norm - norm_1| / norm_1), loss."""
+    (one,) = base
+    want, got = f"base/{layout}", f"{name}/{layout}"
+    logp = 0.0
+    grads: dict = {}
+    for rec in ranks:
+        for i, row in zip(rec[f"{name}/ids"], rec[f"{got}/logp"], strict=True):
+            ref = one[f"{want}/logp"][i]
+            assert len(row) == len(ref), (name, layout, i)
+            logp = max(logp, *(abs(a - b) for a, b in zip(row, ref, strict=True)))
+        grads.update(rec[f"{got}/grad"])
+    assert set(grads) == set(one[f"{want}/grad"]), (name, layout)
+    grad = max(float((grads[k].float() - g.float()).abs().max()) for k, g in one[f"{want}/grad"].items())
+    norm = one[f"{want}/grad_norm"]
+    return {"logp": logp, "grad": grad,
+            "grad_norm_rel": max(abs(r[f"{got}/grad_norm"] - norm) / norm for r in ranks),
+            "loss": max(abs(r[f"{got}/stats"]["loss"] - one[f"{want}/stats"]["loss"]) for r in ranks)}

@@ -11,13 +11,14 @@ each sample run alone, or another layout (PP=1 / TP=1). Tolerances (measured on 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.parallel_scenarios import MODES, NORM_MAX_LEN
+from tests.trainer.parallel_scenarios import EQUIV, MODES, NORM_MAX_LEN, equiv_diffs
 from tests.trainer.test_trainer_megatron import ADAM_STEP_TOL, LOGP_TOL, _assert_grads_close, _max_diff
 from tests.trainer.trainer_ref import hf_model, hf_policy_grad, make_batch
 
@@ -121,3 +122,33 @@ def test_dp2_token_budget_with_dummy_micro_batches(scenario, mode_ref, mode):
         _assert_grads_close(rec[f"dyn/{mode}/grad"], want_grad)
         assert abs(rec[f"dyn/{mode}/stats"]["loss"] - want_loss) < 1e-6
         assert math.isfinite(rec[f"dyn/{mode}/stats"]["pg"])
+
+
+# ---- one rank vs TP x PP x DP x CP layouts (fp32, gloo): log-probs, gradient, grad norm, loss
+EQUIV_TOL = {"logp": 1e-5, "grad": 1e-6, "grad_norm_rel": 1e-5, "loss": 1e-6}
+EQUIV_CASES = [("cp2", "cp2", 2), ("tp2pp2", "equiv4", 4), ("tp2dp2", "equiv4", 4), ("tp2cp2", "equiv4", 4)]
+
+
+def test_one_rank_baseline_equals_hf_fp64(scenario, ref):
+    """The one-rank run the layouts are compared with is itself right (HF float64)."""
+    (one,) = scenario("equiv1", 1)
+    for layout in ("padded", "packed"):
+        assert _max_diff(one[f"base/{layout}/logp"], ref["logp"]) < LOGP_TOL
+        _assert_grads_close(one[f"base/{layout}/grad"], ref["grad"])
+        assert one[f"base/{layout}/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name,scen,world", EQUIV_CASES, ids=[c[0] for c in EQUIV_CASES])
+def test_parallel_layout_equals_one_rank(scenario, name, scen, world, layout):
+    """Issue 3's acceptance: log-probs, full gradient, grad norm and loss of each layout equal
+    TP=PP=DP=CP=1 on the same batch (DP ranks hold consecutive halves of it)."""
+    ranks = scenario(scen, world)
+    tp, pp, cp = EQUIV[name]
+    dp = world // (tp * pp * cp)
+    assert sorted(r[f"{name}/ranks"] for r in ranks) == sorted(itertools.product(range(tp), range(pp), range(cp),
+                                                                                 range(dp)))
+    diffs = equiv_diffs(scenario("equiv1", 1), ranks, name, layout)
+    print(f"{name} {layout} fp32 max diffs: {diffs}")
+    for key, tol in EQUIV_TOL.items():
+        assert diffs[key] <= tol, f"{name} {layout}: max {key} diff {diffs[key]:.3g} > {tol} (fp32)"
