@@ -125,8 +125,12 @@ def scenario_par2(rank: int, world: int, port: int, ckpts: dict[str, str]) -> di
 # and the grad norm megatron's optimizer computes (before clipping; no step is taken)
 EQUIV = {  # name: (tp, pp, cp); DP is what is left of the world
     "base": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2),
-    "tp2pp2": (2, 2, 1), "tp2dp2": (2, 1, 1), "tp2cp2": (2, 1, 2),
+    "tp2pp2": (2, 2, 1), "tp2dp2": (2, 1, 1), "tp2cp2": (2, 1, 2), "pp2cp2": (1, 2, 2), "cp2dp2": (1, 1, 2),
+    "tp2cp2sp": (2, 1, 2),
 }
+# layouts other than padded + packed, and worker options (sequence parallel needs packing)
+EQUIV_LAYOUTS = {"tp2cp2sp": ("packed",)}
+EQUIV_KW = {"tp2cp2sp": {"sequence_parallel": True}}
 
 
 def _equiv_worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int, cp: int, bf16: bool, **kw):
@@ -140,12 +144,12 @@ def _equiv_worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int,
                          AlgoConfig(), train_iters=10, **kw)
 
 
-def run_equiv(rank: int, world: int, port: int, ckpt: str, name: str, res: dict, bf16: bool = False,
-              layouts: tuple[str, ...] = ("padded", "packed")) -> None:
+def run_equiv(rank: int, world: int, port: int, ckpt: str, name: str, res: dict, bf16: bool = False) -> None:
     """Records `{name}/{layout}/...` of config `name` (EQUIV). DP ranks take consecutive shards."""
     tp, pp, cp = EQUIV[name]
     batch = make_batch()
-    w = _equiv_worker(rank, world, port, ckpt, tp, pp, cp, bf16)
+    w = _equiv_worker(rank, world, port, ckpt, tp, pp, cp, bf16, **EQUIV_KW.get(name, {}))
+    layouts = EQUIV_LAYOUTS.get(name, ("padded", "packed"))
     n = len(batch["tokens"]) // w.dp_size
     ids = list(range(w.dp_rank * n, (w.dp_rank + 1) * n))
     shard = select(batch, ids)
@@ -177,7 +181,7 @@ def _equiv_scenario(names: tuple[str, ...], bf16: bool = False):
 
 SCENARIOS = {"agg": scenario_agg, "par2": scenario_par2,
              "equiv1": _equiv_scenario(("base",)), "cp2": _equiv_scenario(("cp2",)),
-             "equiv4": _equiv_scenario(("tp2pp2", "tp2dp2", "tp2cp2")),
+             "equiv4": _equiv_scenario(("tp2pp2", "tp2dp2", "tp2cp2", "pp2cp2", "cp2dp2", "tp2cp2sp")),
              # the GPU test (tests/gpu/test_gpu_parallel.py): bf16, one rank vs two
              "gpu1": _equiv_scenario(("base",), bf16=True), "gpu2": _equiv_scenario(("tp2", "pp2", "cp2"), bf16=True)}
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.parallel_scenarios import EQUIV, MODES, NORM_MAX_LEN, equiv_diffs
+from tests.trainer.parallel_scenarios import EQUIV, EQUIV_LAYOUTS, MODES, NORM_MAX_LEN, equiv_diffs
 from tests.trainer.test_trainer_megatron import ADAM_STEP_TOL, LOGP_TOL, _assert_grads_close, _max_diff
 from tests.trainer.trainer_ref import hf_model, hf_policy_grad, make_batch
 
@@ -126,7 +126,10 @@ def test_dp2_token_budget_with_dummy_micro_batches(scenario, mode_ref, mode):
 
 # ---- one rank vs TP x PP x DP x CP layouts (fp32, gloo): log-probs, gradient, grad norm, loss
 EQUIV_TOL = {"logp": 1e-5, "grad": 1e-6, "grad_norm_rel": 1e-5, "loss": 1e-6}
-EQUIV_CASES = [("cp2", "cp2", 2), ("tp2pp2", "equiv4", 4), ("tp2dp2", "equiv4", 4), ("tp2cp2", "equiv4", 4)]
+EQUIV_CASES = [(name, scen, world, layout)
+               for name, scen, world in [("cp2", "cp2", 2), *((n, "equiv4", 4) for n in (
+                   "tp2pp2", "tp2dp2", "tp2cp2", "pp2cp2", "cp2dp2", "tp2cp2sp"))]
+               for layout in EQUIV_LAYOUTS.get(name, ("padded", "packed"))]
 
 
 def test_one_rank_baseline_equals_hf_fp64(scenario, ref):
@@ -138,11 +141,11 @@ def test_one_rank_baseline_equals_hf_fp64(scenario, ref):
         assert one[f"base/{layout}/grad_norm"] > 0
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("name,scen,world", EQUIV_CASES, ids=[c[0] for c in EQUIV_CASES])
+@pytest.mark.parametrize("name,scen,world,layout", EQUIV_CASES, ids=[f"{c[0]}-{c[3]}" for c in EQUIV_CASES])
 def test_parallel_layout_equals_one_rank(scenario, name, scen, world, layout):
     """Issue 3's acceptance: log-probs, full gradient, grad norm and loss of each layout equal
-    TP=PP=DP=CP=1 on the same batch (DP ranks hold consecutive halves of it)."""
+    TP=PP=DP=CP=1 on the same batch (DP ranks hold consecutive halves of it; sequence parallel
+    runs packed micro-batches only)."""
     ranks = scenario(scen, world)
     tp, pp, cp = EQUIV[name]
     dp = world // (tp * pp * cp)
