@@ -132,8 +132,8 @@ def test_dp2_token_budget_with_dummy_micro_batches(scenario, mode_ref, mode):
 # ---- one rank vs TP x PP x DP x CP layouts (fp32, gloo): log-probs, gradient, grad norm, loss
 EQUIV_TOL = {"logp": 1e-5, "grad": 1e-6, "grad_norm_rel": 1e-5, "loss": 1e-6}
 EQUIV_CASES = [(name, scen, world, layout)
-               for name, scen, world in [("cp2", "cp2", 2), *((n, "equiv4", 4) for n in (
-                   "tp2pp2", "tp2dp2", "tp2cp2", "pp2cp2", "cp2dp2", "tp2cp2sp"))]
+               for name, scen, world in [("cp2", "cp2", 2), *((n, "equiv4", 4) for n in ("tp2pp2", "tp2dp2", "tp2cp2")),
+                                         *((n, "equiv4cp", 4) for n in ("pp2cp2", "cp2dp2", "tp2cp2sp"))]
                for layout in EQUIV_LAYOUTS.get(name, ("padded", "packed"))]
 
 
