@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
     g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs TP > 1)")
+    g.add_argument("--context-parallel-size", type=_positive_int, default=1,
+                   help="split every sequence over this many ranks (megatron's load-balanced 2*CP chunks; "
+                        "padded and packed micro-batches)")
     g.add_argument("--actor-num-nodes", type=_positive_int, default=1)
     g.add_argument("--actor-num-gpus-per-node", type=_positive_int, default=1,
                    help="trainer ranks per node (CPU processes when there is no GPU)")

@@ -13,6 +13,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     actor_num_nodes: int = 1
     actor_num_gpus_per_node: int = 1
+    context_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -20,7 +21,8 @@ class ParallelConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                                   * self.context_parallel_size)
 
 
 @dataclass(frozen=True)

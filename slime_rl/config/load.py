@@ -185,10 +185,11 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         _check(Path(data_file).is_file(), f"--prompt-data {data_file}: file not found")
 
     parallel = ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                              a.actor_num_nodes, a.actor_num_gpus_per_node)
-    mp = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+                              a.actor_num_nodes, a.actor_num_gpus_per_node, a.context_parallel_size)
+    mp = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size * parallel.context_parallel_size
     _check(parallel.world_size % mp == 0,
-           f"--tensor-model-parallel-size ({a.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
+           f"--tensor-model-parallel-size ({a.tensor_model_parallel_size}) x --context-parallel-size "
+           f"({a.context_parallel_size}) x --pipeline-model-parallel-size "
            f"({a.pipeline_model_parallel_size}) must divide the trainer world size "
            f"--actor-num-nodes x --actor-num-gpus-per-node = {parallel.world_size}")
     _check(not a.sequence_parallel or a.tensor_model_parallel_size > 1,

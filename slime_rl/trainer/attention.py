@@ -8,6 +8,10 @@ takes its place as `submodules.core_attention` (same constructor, same forward s
   * THD (packed, `packed_seq_params.qkv_format == "thd"`): every sample attends only to itself.
     On CUDA with torch's `varlen_attn` (torch >= 2.11, flash kernel) one call over the pack;
     otherwise (CPU, older torch, fp32) one causal SDPA call per sample of the pack.
+  * context parallel (cp > 1, context_parallel.py's layout): K and V are all-gathered over the CP
+    group and an explicit mask by global positions keeps attention causal; THD packs loop over
+    samples (each split into 2 * cp chunks). The explicit mask rules out the flash backend (SDPA
+    picks the memory-efficient one on GPU).
 Query/key/value arrive after RoPE (SelfAttention applies it per packed sample from cu_seqlens).
 Shapes (per TP rank): BSHD q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn];
 THD q [t, np, hn], k/v [t, ng, hn] -> [t, np * hn] (SelfAttention reshapes to [t, 1, h]).
@@ -28,6 +32,8 @@ except ImportError:  # pragma: no cover - depends on the torch build
     _varlen_attn = None
 
 from megatron.core.transformer.module import MegatronModule
+
+from slime_rl.trainer.context_parallel import all_gather_seq, local_positions
 
 
 def _varlen_params() -> set[str]:
@@ -52,10 +58,11 @@ class SDPACoreAttention(MegatronModule):
         super().__init__(config=config)
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        assert config.context_parallel_size == 1, "SDPACoreAttention has no context parallelism"
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp = pg_collection.tp.size()
+        self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
+        self.cp_size = config.context_parallel_size
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
         self.head_dim = config.kv_channels
@@ -105,17 +112,54 @@ class SDPACoreAttention(MegatronModule):
                                        v[sl].transpose(0, 1)[None], None)[0].transpose(0, 1))
         return torch.cat(outs, dim=0)
 
+    def _cp_bshd(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [b, np, s, hn], k/v [b, ng, s, hn] of this CP rank's chunks -> [b, np, s, hn]."""
+        s, rank = q.shape[2], self.cp_group.rank()
+        full = s * self.cp_size
+        q_pos = local_positions(full, self.cp_size, rank).to(q.device)
+        # gathered keys come in rank order: rank j's chunks j and 2cp-1-j; the mask takes them as they are
+        k_pos = torch.cat([local_positions(full, self.cp_size, j) for j in range(self.cp_size)]).to(q.device)
+        k, v = (all_gather_seq(x.permute(2, 0, 1, 3), self.cp_group).permute(1, 2, 0, 3) for x in (k, v))
+        return self._sdpa(q, k, v, k_pos.unsqueeze(0) <= q_pos.unsqueeze(1))
+
+    def _cp_thd(self, q: Tensor, k: Tensor, v: Tensor, packed_seq_params) -> Tensor:
+        """q [t, np, hn], k/v [t, ng, hn] (t = this rank's share of the pack) -> [t, np, hn];
+        cu_seqlens are the global (padded) sample bounds, each a multiple of 2 * cp."""
+        cu = packed_seq_params.cu_seqlens_q.tolist()
+        t, rank = q.shape[0], self.cp_group.rank()
+        kg, vg = (all_gather_seq(x, self.cp_group).view(self.cp_size, t, *x.shape[1:]) for x in (k, v))
+        outs = []
+        for start, end in zip(cu[:-1], cu[1:], strict=True):
+            n = end - start
+            if n == 0:
+                continue
+            sl = slice(start // self.cp_size, end // self.cp_size)  # the sample's local slice
+            q_pos = local_positions(n, self.cp_size, rank).to(q.device)
+            k_pos = torch.cat([local_positions(n, self.cp_size, j) for j in range(self.cp_size)]).to(q.device)
+            ks, vs = (x[:, sl].reshape(-1, *x.shape[2:]) for x in (kg, vg))  # rank-ordered chunks
+            out = self._sdpa(q[sl].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                             k_pos.unsqueeze(0) <= q_pos.unsqueeze(1))
+            outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs, dim=0)
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias: Tensor | None = None,
                 packed_seq_params=None) -> Tensor:
         assert attention_bias is None, "attention bias is not supported by SDPACoreAttention"
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            out = self._thd(query, key, value, packed_seq_params)  # [t, np, hn]
+            if self.cp_group is not None:
+                out = self._cp_thd(query, key, value, packed_seq_params)
+            else:
+                out = self._thd(query, key, value, packed_seq_params)  # [t, np, hn]
             return out.reshape(out.shape[0], -1)
         assert packed_seq_params is None, f"qkv_format {packed_seq_params.qkv_format!r} is not supported"
         # megatron's masks are True where attention is NOT allowed; SDPA's bool masks the opposite
         mask = None if attention_mask is None else ~attention_mask.bool()
         s, b = query.shape[:2]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
-        out = self._sdpa(q, k, v, mask)  # [b, np, s, hn]
+        if self.cp_group is not None:
+            assert mask is None, "context parallel attention builds its own causal mask"
+            out = self._cp_bshd(q, k, v)
+        else:
+            out = self._sdpa(q, k, v, mask)  # [b, np, s, hn]
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)

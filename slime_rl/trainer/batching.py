@@ -33,6 +33,9 @@ class MicroBatch:
     # megatron PackedSeqParams for THD micro-batches (packing.py): tokens are then [1, t] and
     # logit_index points into that one packed row; None for the right-padded layout
     packed_seq_params: Any = None
+    # context parallel (context_parallel.py): 1 where this CP rank holds the position predicting
+    # response token j (logit_index is then local); None without CP
+    cp_own: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -54,6 +54,8 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # pinning needs a CUDA driver (RoPE's CP slicing asks for it)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):

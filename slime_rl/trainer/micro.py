@@ -1,6 +1,7 @@
 """How a rank's samples become micro-batches, and how per-sample results come back from them.
 
-Two knobs: the layout (packed THD rows, default, or right-padded [b, s]) and the grouping
+Two knobs (and context parallelism, which splits every built micro-batch over the CP group:
+context_parallel.py): the layout (packed THD rows, default, or right-padded [b, s]) and the grouping
 (micro_batch_size samples in order, or token-budget bins when use_dynamic_batch_size: first-fit
 decreasing up to max_tokens_per_gpu prompt+response tokens). Training additionally needs the same
 number of micro-batches on every DP rank (one schedule run per rank, matched gradient
@@ -10,6 +11,7 @@ heaviest micro-batches, or, with only single-sample micro-batches left, run zero
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from slime_rl.trainer.batching import MicroBatch, build_micro_batch, chunks, unpad
+from slime_rl.trainer.context_parallel import split_micro_batch
 from slime_rl.trainer.packing import build_packed_micro_batch, split_to_count, token_budget_bins
 from slime_rl.trainer.parallel import broadcast_from_last_stage
 
@@ -29,6 +32,8 @@ class MicroBatching:
     use_dynamic_batch_size: bool = False
     max_tokens_per_gpu: int | None = None
     pad_multiple: int = 1  # packed rows are padded to this (the TP size under sequence parallel)
+    cp_size: int = 1  # context parallel: every micro-batch is split over the CP group
+    cp_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:
@@ -59,10 +64,17 @@ class MicroBatching:
         """One micro-batch; an empty `ids` gives a dummy (first sample, all weights zero)."""
         dummy = not ids
         use = [0] if dummy else ids
-        if self.pack_sequences:
+        if self.pack_sequences and self.cp_size > 1:
+            # every sample splits into 2 * cp chunks; each rank's share of the row (total / cp)
+            # must still be a multiple of the SP size
+            pad = math.lcm(2 * self.cp_size, self.cp_size * self.pad_multiple)
+            mb = build_packed_micro_batch(batch, use, self.device, per_token, pad, 2 * self.cp_size)
+        elif self.pack_sequences:
             mb = build_packed_micro_batch(batch, use, self.device, per_token, self.pad_multiple)
         else:
             mb = build_micro_batch(batch, use, self.device, per_token)
+        if self.cp_size > 1:
+            mb = split_micro_batch(mb, self.cp_size, self.cp_rank)
         if dummy:  # runs forward/backward like the others but adds exactly 0 to loss and grads
             mb.sample_ids = []
             mb.loss_mask.zero_()

@@ -18,7 +18,7 @@ from slime_rl.trainer.convert import ModelArch, load_arch
 def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: int,
                        use_cpu_initialization: bool, sequence_parallel: bool = False,
                        recompute_granularity: str | None = None, recompute_method: str | None = None,
-                       recompute_num_layers: int | None = None):
+                       recompute_num_layers: int | None = None, context_parallel_size: int = 1):
     """megatron TransformerConfig equal in function to the HF model (dropout off: RL log-probs
     of the trainer must equal the engine's). `sequence_parallel` needs tp_size > 1 (megatron
     asserts it); recompute_* are megatron's activation-recomputation knobs, passed through."""
@@ -53,6 +53,7 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
+        context_parallel_size=context_parallel_size,  # done by SDPACoreAttention (attention.py)
         sequence_parallel=sequence_parallel,
         recompute_granularity=recompute_granularity,
         recompute_method=recompute_method,
@@ -75,7 +76,8 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
 def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp_size: int = 1,
                     pre_process: bool | None = None, post_process: bool | None = None,
                     sequence_parallel: bool = False, recompute_granularity: str | None = None,
-                    recompute_method: str | None = None, recompute_num_layers: int | None = None):
+                    recompute_method: str | None = None, recompute_num_layers: int | None = None,
+                    context_parallel_size: int = 1):
     """A GPTModel for this rank (parallel state must be initialized). Its logits are vocab-parallel
     ([b, s, padded_vocab / tp]); its parameters are uninitialized until `hf_io.load_hf_weights`.
     pre_process / post_process default to whether this rank is the first / last pipeline stage;
@@ -97,7 +99,8 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
                                 use_cpu_initialization=not torch.cuda.is_available(),
                                 sequence_parallel=sequence_parallel,
                                 recompute_granularity=recompute_granularity,
-                                recompute_method=recompute_method, recompute_num_layers=recompute_num_layers)
+                                recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
+                                context_parallel_size=context_parallel_size)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
     # megatron's local DotProductAttention rejects packed (THD) batches; ours handles both layouts
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention

@@ -20,18 +20,23 @@ from slime_rl.trainer.batching import MicroBatch, build_micro_batch
 
 def build_packed_micro_batch(batch: dict, sample_ids: list[int], device: torch.device,
                              per_token: dict[str, list[Sequence[float]]] | None = None,
-                             pad_multiple: int = 1) -> MicroBatch:
-    """The samples `sample_ids` of `batch` packed into one THD row (see the module docstring)."""
+                             pad_multiple: int = 1, segment_multiple: int = 1) -> MicroBatch:
+    """The samples `sample_ids` of `batch` packed into one THD row (see the module docstring).
+    `segment_multiple`: each sample's segment is right-padded to a multiple of it (2 * cp under
+    context parallelism, which splits every sample into 2 * cp chunks; causal attention keeps the
+    padding after a sample's last token out of its real tokens)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     # the padded builder gives the response-side tensors ([b, T] targets, masks, per-token data);
     # only tokens, positions and logit_index change with the layout
     padded = build_micro_batch(batch, sample_ids, torch.device("cpu"), per_token)
-    lengths = [len(batch["tokens"][i]) for i in sample_ids]
+    lengths = [-(-len(batch["tokens"][i]) // segment_multiple) * segment_multiple for i in sample_ids]
     total = sum(lengths)
     padded_total = -(-total // pad_multiple) * pad_multiple
     tokens = torch.zeros(1, padded_total, dtype=torch.long)
-    tokens[0, :total] = torch.tensor([t for i in sample_ids for t in batch["tokens"][i]])
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    for k, i in enumerate(sample_ids):
+        tokens[0, starts[k] : starts[k] + len(batch["tokens"][i])] = torch.tensor(batch["tokens"][i])
     seg = [*lengths, padded_total - total] if padded_total > total else lengths
     cu = torch.tensor([0, *torch.tensor(seg).cumsum(0).tolist()], dtype=torch.int32)
     position_ids = torch.cat([torch.arange(n) for n in seg]).unsqueeze(0)

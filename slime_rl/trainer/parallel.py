@@ -18,7 +18,7 @@ from slime_rl.trainer import cpu_compat
 
 @dataclass(frozen=True)
 class ParallelInfo:
-    """Where this rank sits in the TP x DP x PP grid."""
+    """Where this rank sits in the TP x CP x DP x PP grid."""
 
     device: torch.device
     rank: int
@@ -28,7 +28,9 @@ class ParallelInfo:
     pp_rank: int
     pp_size: int
     dp_rank: int
-    dp_size: int
+    dp_size: int  # data shards (CP ranks of one shard hold the same samples)
+    cp_rank: int = 0
+    cp_size: int = 1
 
 
 def _pick_device(rank: int) -> tuple[torch.device, str]:
@@ -43,14 +45,15 @@ def _pick_device(rank: int) -> tuple[torch.device, str]:
 
 
 def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp_size: int = 1,
-                  pp_size: int = 1, seed: int = 1234, timeout_minutes: int = 30) -> ParallelInfo:
-    """Create the default process group and Megatron's TP/PP/DP groups; seed the RNG tracker.
+                  pp_size: int = 1, seed: int = 1234, timeout_minutes: int = 30, cp_size: int = 1) -> ParallelInfo:
+    """Create the default process group and Megatron's TP/CP/PP/DP groups; seed the RNG tracker.
 
-    Raises ValueError when world_size is not a multiple of tp_size * pp_size.
+    Raises ValueError when world_size is not a multiple of tp_size * cp_size * pp_size.
     """
-    if world_size % (tp_size * pp_size) != 0:
+    if world_size % (tp_size * cp_size * pp_size) != 0:
         raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-                         f"{tp_size} x --pipeline-model-parallel-size {pp_size}")
+                         f"{tp_size} x --context-parallel-size {cp_size} x --pipeline-model-parallel-size "
+                         f"{pp_size}")
     device, backend = _pick_device(rank)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
@@ -61,6 +64,7 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
 
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                   pipeline_model_parallel_size=pp_size,
+                                  context_parallel_size=cp_size,
                                   distributed_timeout_minutes=timeout_minutes)
     # Megatron offsets the seed per TP rank for dropout inside TP regions and per PP stage for
     # the default generator; with the CPU layer both live in the CPU generator.
@@ -70,6 +74,7 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
         tp_rank=mpu.get_tensor_model_parallel_rank(), tp_size=tp_size,
         pp_rank=mpu.get_pipeline_model_parallel_rank(), pp_size=pp_size,
         dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
+        cp_rank=mpu.get_context_parallel_rank(), cp_size=cp_size,
     )
 
 
@@ -83,6 +88,12 @@ def dp_group() -> dist.ProcessGroup:
     from megatron.core import parallel_state as mpu
 
     return mpu.get_data_parallel_group()
+
+
+def cp_group() -> dist.ProcessGroup:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_context_parallel_group()
 
 
 def teardown_parallel() -> None:

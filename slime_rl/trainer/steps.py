@@ -3,8 +3,10 @@
 Loss scaling, read from megatron-core 0.19.2 (pipeline_parallel/schedules.py forward_step_calc_loss
 and distributed/distributed_data_parallel.py), with calculate_per_token_loss=False (default):
   * a loss_func returning (loss, extra) has its loss divided by num_microbatches (and multiplied
-    by the context-parallel size, 1 here) before backward;
-  * DDP pre-scales every gradient bucket by 1/dp_size and all-reduces with SUM (a DP mean).
+    by the context-parallel size cp) before backward;
+  * DDP pre-scales every gradient bucket by 1/(dp_size * cp) and all-reduces with SUM over the
+    DP x CP group (every CP rank computes the whole loss but back-propagates only its own
+    positions, context_parallel.py: the cp factors cancel and the CP sum is the gradient once).
 The mini-batch loss is L = sum_{all ranks, micro-batches, tokens} w_t * loss_t with per-token
 weights w from loss_agg.py (token-mean: w = mask / N, N = global masked-token count; the seq-*
 modes likewise carry their global denominators), so each micro-batch returns
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from slime_rl.config.groups import AlgoConfig
 from slime_rl.trainer.batching import MicroBatch
+from slime_rl.trainer.context_parallel import gather_replicated
 from slime_rl.trainer.logprobs import gather_response_logits, vocab_parallel_entropy, vocab_parallel_logprobs
 from slime_rl.trainer.objective import STAT_KEYS, policy_objective
 
@@ -45,9 +48,10 @@ def response_logits(output: Tensor, mb: MicroBatch) -> Tensor:
 
 
 def response_logprobs(output: Tensor, mb: MicroBatch, temperature: float, vocab_size: int) -> Tensor:
-    """Logits -> [b, T] log-probs of the response tokens (differentiable)."""
-    return vocab_parallel_logprobs(response_logits(output, mb), mb.targets, temperature=temperature,
-                                   vocab_size=vocab_size)
+    """Logits -> [b, T] log-probs of the response tokens (differentiable); under context
+    parallelism each CP rank computes its own positions and gets the whole [b, T]."""
+    return gather_replicated(vocab_parallel_logprobs(response_logits(output, mb), mb.targets,
+                                                     temperature=temperature, vocab_size=vocab_size), mb)
 
 
 def forward_only_step(temperature: float, vocab_size: int, with_entropy: bool) -> Callable:
@@ -61,8 +65,8 @@ def forward_only_step(temperature: float, vocab_size: int, with_entropy: bool) -
             out = {"mb": mb, "logp": response_logprobs(output_tensor, mb, temperature, vocab_size)}
             if with_entropy:
                 logits = response_logits(output_tensor, mb)
-                out["entropy"] = vocab_parallel_entropy(logits, temperature=temperature,
-                                                        vocab_size=vocab_size)
+                out["entropy"] = gather_replicated(vocab_parallel_entropy(
+                    logits, temperature=temperature, vocab_size=vocab_size), mb)
             # the schedule scales the first element in place; it is not used in forward-only runs
             return torch.zeros((), device=output_tensor.device), out
 
@@ -98,11 +102,12 @@ def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale) -> Cal
 
         def loss_func(output_tensor: Tensor):
             logits = response_logits(output_tensor, mb)  # [b, T, V_local]
-            logp = vocab_parallel_logprobs(logits, mb.targets, temperature=algo.temperature,
-                                           vocab_size=vocab_size)  # [b, T]
+            logp = gather_replicated(vocab_parallel_logprobs(logits, mb.targets, temperature=algo.temperature,
+                                                             vocab_size=vocab_size), mb)  # [b, T]
             entropy = None
             if algo.entropy_coef > 0:
-                entropy = vocab_parallel_entropy(logits, temperature=algo.temperature, vocab_size=vocab_size)
+                entropy = gather_replicated(vocab_parallel_entropy(logits, temperature=algo.temperature,
+                                                                   vocab_size=vocab_size), mb)
             share, sums = policy_objective(algo, logp, mb, entropy)
             return share * scale.factor, {"sums": sums}
 

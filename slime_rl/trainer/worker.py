@@ -56,6 +56,7 @@ class TrainerWorker:
         from megatron.core.transformer.module import Float16Module
 
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        cp = parallel.context_parallel_size
         check_mode(loss_agg_mode, loss_agg_max_len)
         self.loss_agg_mode, self.loss_agg_max_len = loss_agg_mode, loss_agg_max_len
         if train_iters < 1 or train_iters <= optim.lr_warmup_iters:
@@ -65,18 +66,19 @@ class TrainerWorker:
         # megatron's distributed optimizer reads .grad of its (non-leaf) shard views in zero_grad,
         # which makes torch warn on every step, GPU or CPU: noise, not a problem of ours
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-        self.info = init_parallel(rank, world_size, master_addr, master_port, tp, pp, model.seed)
+        self.info = init_parallel(rank, world_size, master_addr, master_port, tp, pp, model.seed, cp_size=cp)
         if batch.global_batch_size % self.info.dp_size != 0:
             raise ValueError(f"--global-batch-size {batch.global_batch_size} is not divisible by the "
                              f"data-parallel size {self.info.dp_size}")
         self.micro = MicroBatching(self.info.device, batch.micro_batch_size, pack_sequences,
                                    use_dynamic_batch_size, max_tokens_per_gpu,
-                                   pad_multiple=tp if sequence_parallel else 1)
+                                   pad_multiple=tp if sequence_parallel else 1,
+                                   cp_size=cp, cp_rank=self.info.cp_rank)
         self.arch, self.gpt = build_from_checkpoint(
             model.hf_checkpoint, bf16=model.bf16, tp_size=tp, pp_size=pp,
             pad_vocab_multiple=pad_vocab_multiple, sequence_parallel=sequence_parallel,
             recompute_granularity=recompute_granularity, recompute_method=recompute_method,
-            recompute_num_layers=recompute_num_layers)
+            recompute_num_layers=recompute_num_layers, context_parallel_size=cp)
         hf_io.load_hf_weights(self.gpt, model.hf_checkpoint, self.arch)
         config = self.gpt.config
         if pp > 1 and self.info.device.type == "cpu":
@@ -137,8 +139,8 @@ class TrainerWorker:
     @property
     def is_weight_source(self) -> bool:
         """Whether this rank sends its pipeline stage's weights in weight sync: one rank per stage
-        (tp_rank 0, dp_rank 0); `iter_hf_weights` still has to run on the stage's other TP ranks."""
-        return self.info.tp_rank == 0 and self.info.dp_rank == 0
+        (tp_rank 0, dp_rank 0, cp_rank 0); `iter_hf_weights` still has to run on the stage's other TP ranks."""
+        return self.info.tp_rank == 0 and self.info.dp_rank == 0 and self.info.cp_rank == 0
 
     # ---- forward-only passes
     def _run(self, step_func, mbs: list[MicroBatch], forward_only: bool) -> list:

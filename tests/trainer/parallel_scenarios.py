@@ -1,6 +1,7 @@
 """Scenarios for issue 3 (packing, token budgets, loss aggregation, PP, sequence parallel), run like
 trainer_scenarios.py (`python -m tests.trainer.trainer_scenarios NAME ...` finds them here).
 
+The equivalence scenarios (equiv1, cp2, equiv4, gpu1, gpu2) run `run_equiv` per parallel layout.
 World-2 checks share one process pair ("par2") because each process pays ~10 s of megatron import.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from slime_rl.config.groups import AlgoConfig
+from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from tests.trainer.trainer_ref import make_batch, select
 from tests.trainer.trainer_scenarios import hf_grads, make_worker, weights
 
@@ -119,4 +120,92 @@ def scenario_par2(rank: int, world: int, port: int, ckpts: dict[str, str]) -> di
     return res
 
 
-SCENARIOS = {"agg": scenario_agg, "par2": scenario_par2}
+# ---- equivalence with one rank (issue 3): every layout records, for the fixed batch at
+# temperature 1, the log-probs of its samples, the mini-batch stats, the full gradient (HF names)
+# and the grad norm megatron's optimizer computes (before clipping; no step is taken)
+EQUIV = {  # name: (tp, pp, cp); DP is what is left of the world
+    "base": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2),
+    "tp2pp2": (2, 2, 1), "tp2dp2": (2, 1, 1), "tp2cp2": (2, 1, 2), "pp2cp2": (1, 2, 2), "cp2dp2": (1, 1, 2),
+    "tp2cp2sp": (2, 1, 2),
+}
+# layouts other than padded + packed, and worker options (sequence parallel needs packing)
+EQUIV_LAYOUTS = {"tp2cp2sp": ("packed",)}
+EQUIV_KW = {"tp2cp2sp": {"sequence_parallel": True}}
+
+
+def _equiv_worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int, cp: int, bf16: bool, **kw):
+    from slime_rl.trainer.worker import TrainerWorker
+
+    return TrainerWorker(rank, world, "127.0.0.1", port,
+                         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                        actor_num_gpus_per_node=world, context_parallel_size=cp),
+                         BatchConfig(micro_batch_size=2, global_batch_size=4),
+                         OptimizerConfig(lr=1e-3, clip_grad=1.0), ModelConfig(hf_checkpoint=ckpt, bf16=bf16),
+                         AlgoConfig(), train_iters=10, **kw)
+
+
+def run_equiv(rank: int, world: int, port: int, ckpt: str, name: str, res: dict, bf16: bool = False) -> None:
+    """Records `{name}/{layout}/...` of config `name` (EQUIV). DP ranks take consecutive shards."""
+    tp, pp, cp = EQUIV[name]
+    batch = make_batch()
+    w = _equiv_worker(rank, world, port, ckpt, tp, pp, cp, bf16, **EQUIV_KW.get(name, {}))
+    layouts = EQUIV_LAYOUTS.get(name, ("padded", "packed"))
+    n = len(batch["tokens"]) // w.dp_size
+    ids = list(range(w.dp_rank * n, (w.dp_rank + 1) * n))
+    shard = select(batch, ids)
+    res[f"{name}/ids"] = ids
+    res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.cp_rank, w.dp_rank)
+    res["device"], res["params_dtype"] = w.info.device.type, str(w.gpt.config.params_dtype)
+    for layout in layouts:
+        w.micro = dataclasses.replace(w.micro, pack_sequences=layout == "packed")
+        key = f"{name}/{layout}"
+        t = time.perf_counter()
+        res[f"{key}/logp"] = logp = w.compute_logprobs(shard)
+        res[f"{key}/stats"] = w.forward_backward(shard, logp)
+        res[f"{key}/grad"] = hf_grads(w)
+        w.optimizer.prepare_grads()  # model grads -> main grads, as step() does before the norm
+        res[f"{key}/grad_norm"] = float(w.optimizer.get_grad_norm())
+        res[f"{key}/s"] = time.perf_counter() - t
+    w.shutdown()
+
+
+def _equiv_scenario(names: tuple[str, ...], bf16: bool = False):
+    def scenario(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+        res: dict = {}
+        for k, name in enumerate(names):
+            run_equiv(rank, world, port + 10 * k, ckpts["qwen2"], name, res, bf16)
+        return res
+
+    return scenario
+
+
+SCENARIOS = {"agg": scenario_agg, "par2": scenario_par2,
+             "equiv1": _equiv_scenario(("base",)), "cp2": _equiv_scenario(("cp2",)),
+             # world 4, split in two so that each run stays well inside run_scenario's timeout
+             # on a loaded 2-core machine (4 processes, ~10 s of megatron import each)
+             "equiv4": _equiv_scenario(("tp2pp2", "tp2dp2", "tp2cp2")),
+             "equiv4cp": _equiv_scenario(("pp2cp2", "cp2dp2", "tp2cp2sp")),
+             # the GPU test (tests/gpu/test_gpu_parallel.py): bf16, one rank vs two
+             "gpu1": _equiv_scenario(("base",), bf16=True), "gpu2": _equiv_scenario(("tp2", "pp2", "cp2"), bf16=True)}
+
+
+def equiv_diffs(base: list[dict], ranks: list[dict], name: str, layout: str) -> dict[str, float]:
+    """Max differences of config `name` (all its ranks) from the one-rank run `base`, same layout:
+    logp (max |diff| over every response token), grad (max |diff| over every gradient element,
+    HF names, stages merged), grad_norm_rel (max over ranks of |norm - norm_1| / norm_1), loss."""
+    (one,) = base
+    want, got = f"base/{layout}", f"{name}/{layout}"
+    logp = 0.0
+    grads: dict = {}
+    for rec in ranks:
+        for i, row in zip(rec[f"{name}/ids"], rec[f"{got}/logp"], strict=True):
+            ref = one[f"{want}/logp"][i]
+            assert len(row) == len(ref), (name, layout, i)
+            logp = max(logp, *(abs(a - b) for a, b in zip(row, ref, strict=True)))
+        grads.update(rec[f"{got}/grad"])
+    assert set(grads) == set(one[f"{want}/grad"]), (name, layout)
+    grad = max(float((grads[k].float() - g.float()).abs().max()) for k, g in one[f"{want}/grad"].items())
+    norm = one[f"{want}/grad_norm"]
+    return {"logp": logp, "grad": grad,
+            "grad_norm_rel": max(abs(r[f"{got}/grad_norm"] - norm) / norm for r in ranks),
+            "loss": max(abs(r[f"{got}/stats"]["loss"] - one[f"{want}/stats"]["loss"]) for r in ranks)}

@@ -1,4 +1,5 @@
-"""Issue 3: THD packing, token-budget micro-batches, loss aggregation, PP=2, sequence parallel.
+"""Issue 3: THD packing, token-budget micro-batches, loss aggregation, PP=2, sequence parallel,
+context parallel, and every parallel layout vs one rank.
 
 Expected values: HF float64 on the same folder (trainer_ref.py, loss modes written out by hand),
 each sample run alone, or another layout (PP=1 / TP=1). Tolerances (measured on 2 CPU cores):
@@ -6,18 +7,23 @@ each sample run alone, or another layout (PP=1 / TP=1). Tolerances (measured on 
   * gradients vs HF fp64: 1e-6 absolute + 1e-5 relative (as in test_trainer_megatron.py);
   * gradient across micro-batchings of one mode: 1e-6 absolute (measured <= 1.2e-7);
   * mini-batch loss vs HF fp64: 1e-6 absolute (measured 6e-8);
-  * PP=2 / SP log-probs vs HF: 1e-5; metrics vs TP=1: rel 1e-5 + abs 1e-6.
+  * PP=2 / SP log-probs vs HF: 1e-5; metrics vs TP=1: rel 1e-5 + abs 1e-6;
+  * one rank vs CP=2 (world 2) and TP2xPP2, TP2xDP2, TP2xCP2, PP2xCP2, CP2xDP2, TP2xCP2+SP (world
+    4), padded and packed (EQUIV_TOL): log-probs 1e-5 abs (measured max 4.8e-7 in every layout),
+    gradient elements 1e-6 abs (measured <= 7.5e-8), grad norm 1e-5 relative (measured <= 8.5e-8),
+    mini-batch loss 1e-6 (measured <= 1.9e-9).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.parallel_scenarios import MODES, NORM_MAX_LEN
+from tests.trainer.parallel_scenarios import EQUIV, EQUIV_LAYOUTS, MODES, NORM_MAX_LEN, equiv_diffs
 from tests.trainer.test_trainer_megatron import ADAM_STEP_TOL, LOGP_TOL, _assert_grads_close, _max_diff
 from tests.trainer.trainer_ref import hf_model, hf_policy_grad, make_batch
 
@@ -121,3 +127,36 @@ def test_dp2_token_budget_with_dummy_micro_batches(scenario, mode_ref, mode):
         _assert_grads_close(rec[f"dyn/{mode}/grad"], want_grad)
         assert abs(rec[f"dyn/{mode}/stats"]["loss"] - want_loss) < 1e-6
         assert math.isfinite(rec[f"dyn/{mode}/stats"]["pg"])
+
+
+# ---- one rank vs TP x PP x DP x CP layouts (fp32, gloo): log-probs, gradient, grad norm, loss
+EQUIV_TOL = {"logp": 1e-5, "grad": 1e-6, "grad_norm_rel": 1e-5, "loss": 1e-6}
+EQUIV_CASES = [(name, scen, world, layout)
+               for name, scen, world in [("cp2", "cp2", 2), *((n, "equiv4", 4) for n in ("tp2pp2", "tp2dp2", "tp2cp2")),
+                                         *((n, "equiv4cp", 4) for n in ("pp2cp2", "cp2dp2", "tp2cp2sp"))]
+               for layout in EQUIV_LAYOUTS.get(name, ("padded", "packed"))]
+
+
+def test_one_rank_baseline_equals_hf_fp64(scenario, ref):
+    """The one-rank run the layouts are compared with is itself right (HF float64)."""
+    (one,) = scenario("equiv1", 1)
+    for layout in ("padded", "packed"):
+        assert _max_diff(one[f"base/{layout}/logp"], ref["logp"]) < LOGP_TOL
+        _assert_grads_close(one[f"base/{layout}/grad"], ref["grad"])
+        assert one[f"base/{layout}/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("name,scen,world,layout", EQUIV_CASES, ids=[f"{c[0]}-{c[3]}" for c in EQUIV_CASES])
+def test_parallel_layout_equals_one_rank(scenario, name, scen, world, layout):
+    """Issue 3's acceptance: log-probs, full gradient, grad norm and loss of each layout equal
+    TP=PP=DP=CP=1 on the same batch (DP ranks hold consecutive halves of it; sequence parallel
+    runs packed micro-batches only)."""
+    ranks = scenario(scen, world)
+    tp, pp, cp = EQUIV[name]
+    dp = world // (tp * pp * cp)
+    assert sorted(r[f"{name}/ranks"] for r in ranks) == sorted(itertools.product(range(tp), range(pp), range(cp),
+                                                                                 range(dp)))
+    diffs = equiv_diffs(scenario("equiv1", 1), ranks, name, layout)
+    print(f"{name} {layout} fp32 max diffs: {diffs}")
+    for key, tol in EQUIV_TOL.items():
+        assert diffs[key] <= tol, f"{name} {layout}: max {key} diff {diffs[key]:.3g} > {tol} (fp32)"

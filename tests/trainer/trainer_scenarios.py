@@ -47,7 +47,9 @@ def _gather_dp_grad_shards(w) -> None:
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-    group, dp, r = mpu.get_data_parallel_group(), w.dp_size, w.dp_rank
+    # megatron's DDP and distributed optimizer work over the DP x CP group (CP ranks hold shards too)
+    group = mpu.get_data_parallel_group(with_context_parallel=True)
+    dp, r = dist.get_world_size(group), dist.get_rank(group)
     for buffer in w.model.buffers:
         for bucket in buffer.buckets:
             shards = shard_buffer(bucket.grad_data, dp)
@@ -65,7 +67,7 @@ def hf_grads(w) -> dict[str, torch.Tensor]:
     from slime_rl.trainer.convert import mcore_shards_to_hf
     from slime_rl.trainer.hf_io import stage_param_maps
 
-    if w.dp_size > 1:
+    if w.dp_size * w.info.cp_size > 1:
         _gather_dp_grad_shards(w)
     params = dict(w.gpt.named_parameters())
     tp = mpu.get_tensor_model_parallel_world_size()
