@@ -3,6 +3,7 @@ from slime_rl.config.groups import (
     BatchConfig,
     CheckpointConfig,
     Config,
+    CriticConfig,
     DataConfig,
     EngineConfig,
     EvalConfig,
@@ -17,7 +18,8 @@ from slime_rl.config.groups import (
 from slime_rl.config.load import ConfigError, build_config, parse_flags
 
 __all__ = [
-    "AlgoConfig", "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EngineConfig",
+    "AlgoConfig", "BatchConfig", "CheckpointConfig", "Config", "CriticConfig", "ConfigError", "DataConfig",
+    "EngineConfig",
     "EvalConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig", "TrainerConfig",
     "WeightSyncConfig", "build_config", "parse_flags",
 ]
