@@ -20,7 +20,6 @@ critic's values, the policy's log-probs and the advantages all line up token for
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -34,6 +33,7 @@ from slime_rl.trainer.parallel import broadcast_from_last_stage, dp_group
 from slime_rl.trainer.steps import LossScale, model_forward, response_logits
 from slime_rl.trainer.worker import MegatronRank
 
+INIT_STD = 0.02
 # per-micro-batch sums of the value loss (summed over micro-batches and DP ranks)
 CRITIC_STAT_KEYS = ("vf", "clipped", "value", "tokens", "loss")
 
@@ -46,12 +46,16 @@ class ValueHead(torch.nn.Module):
                  device: torch.device) -> None:
         super().__init__()
         self.sequence_parallel = sequence_parallel
-        self.linear = torch.nn.Linear(hidden_size, 1, bias=True, dtype=dtype, device=device)
-        # the same seed on every rank: the replicated head starts equal everywhere
+        # named weight / bias like megatron's output layer, whose checkpoint keys GPTModel expects
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.empty(1, dtype=dtype, device=device))
+        # the same seed on every rank: the replicated head starts equal everywhere. std 0.02 (HF's
+        # initializer_range, megatron's init_method_std): the first values are small, so the first
+        # advantages are close to the returns themselves instead of noise of the reward's size
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            self.linear.weight.copy_(torch.randn(1, hidden_size, generator=g) / math.sqrt(hidden_size))
-            self.linear.bias.zero_()
+            self.weight.copy_(torch.randn(1, hidden_size, generator=g) * INIT_STD)
+            self.bias.zero_()
 
     def forward(self, hidden: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None
                 ) -> tuple[Tensor, None]:
@@ -61,7 +65,7 @@ class ValueHead(torch.nn.Module):
 
             # backward: each rank keeps its slice of the full gradient (every rank computed all of it)
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-        return self.linear(hidden), None
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None
 
 
 def response_values(output: Tensor, mb: MicroBatch) -> Tensor:

@@ -2,12 +2,15 @@
 (`python -m tests.trainer.trainer_scenarios NAME ...` finds them here).
 
 critic1 (world 1, TP=1): values in every layout, the head's weights (for the HF reference), one
-train step. critic2 (world 2, TP=2, then TP=2 with sequence parallel): the same values and step.
+train step, a save and a load into a fresh critic. critic2 (world 2, TP=2, then TP=2 with
+sequence parallel): the same values and step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from tests.trainer.trainer_ref import make_batch, select
@@ -43,13 +46,21 @@ def scenario_critic1(rank: int, world: int, port: int, ckpts: dict[str, str]) ->
     w.micro = dataclasses.replace(w.micro, pack_sequences=True)
     res["packed/values"] = w.compute_values(batch)  # one THD row with all 4 samples
     res["alone/values"] = [w.compute_values(select(batch, [i]))[0] for i in range(4)]
-    head = w.gpt.output_layer.linear
+    head = w.gpt.output_layer
     res["head/weight"], res["head/bias"] = head.weight.detach().clone(), head.bias.detach().clone()
     res["tied"] = w.arch.tie_word_embeddings
     res["params"] = sorted(n for n, _ in w.gpt.named_parameters())
     w.micro = dataclasses.replace(w.micro, micro_batch_size=2)
     _step(w, batch, res, "tp1")
+    # --critic-save / --critic-load: a fresh critic restores the trained one (value head included)
+    root = tempfile.mkdtemp(prefix="critic_ckpt_")
+    w.save_checkpoint(root, 0, {"rollout_id": 0})
     w.shutdown()
+    w = make_critic(rank, world, port + 2, ckpts["qwen2"])
+    res["reload/extra"] = w.load_latest_checkpoint(root)
+    res["reload/values"] = w.compute_values(batch)
+    w.shutdown()
+    shutil.rmtree(root)
     # Llama (untied): the LM head is replaced too; two mini-batches, so the clip acts in the second
     w = make_critic(rank, world, port + 1, ckpts["llama"], gbs=2)
     _step(w, batch, res, "llama")

@@ -99,8 +99,7 @@ def test_ppo_advantages_need_values():
 def test_critic_values_equal_hf_backbone_with_the_head(scenario, ckpts):
     (rec,) = scenario("critic1", 1)
     assert rec["tied"]  # qwen2 ties its embeddings: the input embedding stays, the LM head is gone
-    assert [p for p in rec["params"] if p.startswith("output_layer")] == ["output_layer.linear.bias",
-                                                                          "output_layer.linear.weight"]
+    assert [p for p in rec["params"] if p.startswith("output_layer")] == ["output_layer.bias", "output_layer.weight"]
     want = _hf_values(ckpts["qwen2"], make_batch(), rec["head/weight"], rec["head/bias"])
     for layout in ("padded", "packed", "alone"):
         assert _max_diff(rec[f"{layout}/values"], want) < TOL, layout
@@ -137,6 +136,12 @@ def test_critic_step_metrics_match_the_formulas_and_fit_the_returns(scenario):
     lm = rec["llama/metrics"]
     assert all(math.isfinite(x) for x in lm.values()) and lm["critic/grad_norm"] > 0
     assert 0 < lm["critic/value_clipfrac"] < 1
+
+
+def test_critic_checkpoint_round_trip_is_exact(scenario):
+    (rec,) = scenario("critic1", 1)
+    assert rec["reload/extra"] == {"rollout_id": 0}
+    assert rec["reload/values"] == rec["tp1/after"]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "sp"])
