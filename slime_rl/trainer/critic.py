@@ -118,11 +118,13 @@ class CriticWorker(MegatronRank):
     the critic's ParallelConfig and OptimizerConfig, CriticConfig.parallel / .optimizer)."""
 
     def _prepare_model(self) -> None:
-        if not self.gpt.post_process:
-            return  # only the last pipeline stage has an output layer
         gpt = self.gpt
-        # the head is ours alone: megatron must not tie it to (or sync it with) the embedding
+        # the head is ours alone: megatron must not tie it to the embedding, nor (with PP) all-reduce
+        # the first stage's embedding grads with a last-stage copy that no longer exists: every stage
+        # must agree, or finalize_model_grads waits forever on the embedding group
         gpt.share_embeddings_and_output_weights = False
+        if not gpt.post_process:
+            return  # only the last pipeline stage has an output layer
         param = next(gpt.decoder.parameters())
         gpt.output_layer = ValueHead(gpt.config.hidden_size, gpt.config.sequence_parallel, self.model_cfg.seed,
                                      param.dtype, param.device)

@@ -2,8 +2,8 @@
 (`python -m tests.trainer.trainer_scenarios NAME ...` finds them here).
 
 critic1 (world 1, TP=1): values in every layout, the head's weights (for the HF reference), one
-train step, a save and a load into a fresh critic. critic2 (world 2, TP=2, then TP=2 with
-sequence parallel): the same values and step.
+train step, a save and a load into a fresh critic. critic2 (world 2: TP=2, TP=2 with
+sequence parallel, PP=2): the same values and step.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ RETURNS = ([1.0, 0.5, -0.5], [0.0, 0.25, 0.5, 0.75, 1.0, 1.25], [2.0, -1.0], [0.
 VALUE_CLIP = 0.01
 
 
-def make_critic(rank: int, world: int, port: int, ckpt: str, tp: int = 1, mbs: int = 2, gbs: int = 4, **kw):
+def make_critic(rank: int, world: int, port: int, ckpt: str, tp: int = 1, mbs: int = 2, gbs: int = 4, pp: int = 1,
+                **kw):
     from slime_rl.trainer.critic import CriticWorker
 
     return CriticWorker(rank, world, "127.0.0.1", port,
-                        ParallelConfig(tensor_model_parallel_size=tp, actor_num_gpus_per_node=world),
+                        ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                       actor_num_gpus_per_node=world),
                         BatchConfig(micro_batch_size=mbs, global_batch_size=gbs),
                         OptimizerConfig(lr=1e-4, clip_grad=0.0), ModelConfig(hf_checkpoint=ckpt),
                         AlgoConfig(advantage_estimator="ppo", value_clip=VALUE_CLIP), train_iters=10, **kw)
@@ -76,6 +78,10 @@ def scenario_critic2(rank: int, world: int, port: int, ckpts: dict[str, str]) ->
     w.shutdown()
     w = make_critic(rank, world, port + 1, ckpts["qwen2"], tp=2, sequence_parallel=True)
     _step(w, batch, res, "sp")
+    w.shutdown()
+    # PP=2 of the tied qwen2: the head lives on the last stage, the embedding is no longer shared
+    w = make_critic(rank, world, port + 2, ckpts["qwen2"], pp=2)
+    _step(w, batch, res, "pp")
     w.shutdown()
     return res
 

@@ -3,8 +3,8 @@
 References: HF transformers float64 (the backbone's hidden states after the final norm, times the
 critic's own head) for the values; tests/algo/refs.py (float64 loops) for GAE; the value loss and
 explained variance written out here from the values and returns. Tolerances (2 CPU cores):
-  * values vs HF fp64, packed vs padded vs alone, TP=2 / SP vs TP=1: 1e-5 absolute (fp32);
-  * metrics vs the hand formulas: 1e-5 absolute; TP=2 / SP vs TP=1 metrics: 1e-5 relative + 1e-6.
+  * values vs HF fp64, packed vs padded vs alone, TP=2 / SP / PP=2 vs TP=1: 1e-5 absolute (fp32);
+  * metrics vs the hand formulas: 1e-5 absolute; TP=2 / SP / PP=2 vs TP=1 metrics: 1e-5 relative + 1e-6.
 """
 
 from __future__ import annotations
@@ -144,13 +144,14 @@ def test_critic_checkpoint_round_trip_is_exact(scenario):
     assert rec["reload/values"] == rec["tp1/after"]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "sp"])
+@pytest.mark.parametrize("layout", ["tp2", "sp", "pp"])
 def test_critic_at_tp2_equals_tp1(scenario, layout):
-    """TP=2 (the head on replicated hidden states) and TP=2 + sequence parallel (the head gathers
-    the sequence): values, metrics and the values after one update equal TP=1's."""
+    """TP=2 (the head on replicated hidden states), TP=2 + sequence parallel (the head gathers the
+    sequence) and PP=2 (the head on the last stage, values broadcast): values, metrics and the
+    values after one update equal TP=1's."""
     (one,) = scenario("critic1", 1)
     recs = scenario("critic2", 2)
-    assert sorted(r["tp_rank"] for r in recs) == [0, 1]
+    assert sorted(r["tp_rank"] for r in recs) == [0, 1]  # of the TP=2 critic
     for rec in recs:
         assert _max_diff(rec[f"{layout}/values"], one["tp1/values"]) < TOL
         assert _max_diff(rec[f"{layout}/after"], one["tp1/after"]) < TOL
