@@ -52,7 +52,7 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     load_generate_function(cfg.rollout.custom_generate_function_path)
     load_filter(cfg.rollout.dynamic_sampling_filter_path)
     return cfg, plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
-                               cluster_cpus=os.cpu_count())
+                               cluster_cpus=os.cpu_count(), critic_world=cfg.critic.world_size if cfg.critic else 0)
 
 
 def reward_fn(rollout: RolloutConfig):

@@ -24,6 +24,7 @@ from slime_rl.algo.losses import (
     ppo_kl,
     tis_weights,
     value_loss,
+    value_loss_terms,
 )
 from slime_rl.algo.shaping import overlong_penalty
 from slime_rl.algo.whiten import masked_moments, masked_whiten
@@ -58,4 +59,5 @@ __all__ = [
     "rloo_advantages",
     "tis_weights",
     "value_loss",
+    "value_loss_terms",
 ]

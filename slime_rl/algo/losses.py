@@ -126,13 +126,18 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     `aggregate(mode, denominator, max_len)`. Returns (scalar loss, clipfrac: masked token mean of
     where the clipped error was the larger one, detached).
     """
+    per_token, clipped = value_loss_terms(values, old_values, returns, value_clip)
+    loss = aggregate(per_token, mask, mode, denominator, max_len)
+    return loss, masked_mean(clipped, mask).detach()
+
+
+def value_loss_terms(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float) -> tuple[Tensor, Tensor]:
+    """The per-token pieces of `value_loss`: (0.5 * max((V - R)^2, (clip(V, V_old +/- value_clip) - R)^2),
+    1.0 where the clipped error was the larger one, detached), both shaped like `values`."""
     clipped_values = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
     err = (values - returns).square()
     err_clipped = (clipped_values - returns).square()
-    per_token = 0.5 * torch.maximum(err, err_clipped)
-    loss = aggregate(per_token, mask, mode, denominator, max_len)
-    clipfrac = masked_mean((err_clipped > err).float(), mask).detach()
-    return loss, clipfrac
+    return 0.5 * torch.maximum(err, err_clipped), (err_clipped > err).float().detach()
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:

@@ -3,6 +3,7 @@ from slime_rl.config.groups import (
     BatchConfig,
     CheckpointConfig,
     Config,
+    CriticConfig,
     DataConfig,
     EngineConfig,
     EvalConfig,
@@ -18,7 +19,7 @@ from slime_rl.config.groups import (
 from slime_rl.config.load import ConfigError, build_config, parse_flags
 
 __all__ = [
-    "AlgoConfig", "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EngineConfig",
-    "EvalConfig", "FaultConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutConfig",
-    "TrainerConfig", "WeightSyncConfig", "build_config", "parse_flags",
+    "AlgoConfig", "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
+    "EngineConfig", "EvalConfig", "FaultConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
+    "RolloutConfig", "TrainerConfig", "WeightSyncConfig", "build_config", "parse_flags",
 ]

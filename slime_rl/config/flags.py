@@ -19,7 +19,7 @@ ROUTER_PREFIX = "--router-"
 OWN_SGLANG_FLAGS = ("--sglang-server-concurrency", "--sglang-router-port")
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "ppo")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ROLLOUT_BACKENDS = ("embedded", "sglang")
@@ -217,13 +217,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kl-loss-coef", type=_nonneg_float, default=0.0)
     g.add_argument("--kl-coef", type=_nonneg_float, default=0.0,
                    help="KL to the reference folded into token rewards (REINFORCE++)")
-    g.add_argument("--gamma", type=float, default=1.0, help="discount for REINFORCE++ token returns")
+    g.add_argument("--gamma", type=float, default=1.0, help="discount of token returns (REINFORCE++, PPO's GAE)")
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda (PPO)")
+    g.add_argument("--value-clip", type=float, default=0.2, help="PPO value-loss clip around the rollout-time values")
     g.add_argument("--entropy-coef", type=_nonneg_float, default=0.0, help="entropy bonus in the loss")
     g.add_argument("--use-tis", action="store_true",
                    help="truncated importance sampling against the engine's log-probs")
     g.add_argument("--tis-clip", type=float, default=2.0)
     g.add_argument("--tis-clip-low", type=float, default=0.0)
     g.add_argument("--kl-loss-type", choices=KL_LOSS_TYPES, default="low_var_kl")
+
+    g = p.add_argument_group("critic (PPO: --advantage-estimator ppo; slime's names)")
+    g.add_argument("--critic-num-nodes", type=_positive_int, default=None, help="default: --actor-num-nodes")
+    g.add_argument("--critic-num-gpus-per-node", type=_positive_int, default=None,
+                   help="critic ranks per node, default: --actor-num-gpus-per-node (CPU processes without GPUs)")
+    g.add_argument("--critic-lr", type=float, default=None, help="default: --lr")
+    g.add_argument("--critic-lr-warmup-iters", type=_nonneg_int, default=0)
+    g.add_argument("--critic-load", default=None,
+                   help="checkpoint folder of a critic (--critic-save); default: the --hf-checkpoint backbone "
+                        "with a new value head")
+    g.add_argument("--critic-save", default=None, help="save the critic here with every --save")
+    g.add_argument("--num-critic-only-steps", type=_nonneg_int, default=0,
+                   help="first steps train only the critic (the policy is not updated)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--run-dir", default=None, help="where metrics.jsonl goes; default runs/<time>")

@@ -86,6 +86,8 @@ class AlgoConfig:
     use_kl_loss: bool = False
     kl_coef: float = 0.0  # reward-shaping KL (REINFORCE++), not a loss term
     gamma: float = 1.0
+    lambd: float = 1.0  # GAE (ppo)
+    value_clip: float = 0.2  # clipped value loss (ppo)
     entropy_coef: float = 0.0
     use_tis: bool = False
     tis_clip: float = 2.0
@@ -95,11 +97,43 @@ class AlgoConfig:
     def token_level_advantages(self) -> bool:
         """Estimators whose advantages the trainer computes per token (they need log-probs or
         whitening over the whole batch); the others arrive as one scalar per sample."""
-        return self.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+        return self.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+
+    @property
+    def use_critic(self) -> bool:
+        return self.advantage_estimator == "ppo"
 
     @property
     def use_reference(self) -> bool:
         return self.use_kl_loss or self.kl_loss_coef > 0 or self.kl_coef > 0
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """PPO's value model: its own ranks (same TP/PP as the policy), LR and checkpoints."""
+
+    num_nodes: int = 1
+    num_gpus_per_node: int = 1
+    lr: float = 1e-6
+    lr_warmup_iters: int = 0
+    load: str | None = None
+    save: str | None = None
+    num_critic_only_steps: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_gpus_per_node
+
+    def parallel(self, policy: ParallelConfig) -> ParallelConfig:
+        """The critic's layout: the policy's TP/PP over the critic's own ranks."""
+        return dataclasses.replace(policy, actor_num_nodes=self.num_nodes,
+                                   actor_num_gpus_per_node=self.num_gpus_per_node)
+
+    def optimizer(self, policy: OptimizerConfig) -> OptimizerConfig:
+        """The policy's optimizer settings with the critic's LR and warm-up; min_lr keeps its ratio
+        to the LR (a decay to a tenth stays a decay to a tenth)."""
+        return dataclasses.replace(policy, lr=self.lr, min_lr=policy.min_lr * self.lr / policy.lr,
+                                   lr_warmup_iters=self.lr_warmup_iters)
 
 
 @dataclass(frozen=True)
@@ -251,6 +285,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     dry_run: bool = False
     fault: FaultConfig = field(default_factory=FaultConfig)
+    critic: CriticConfig | None = None  # set iff --advantage-estimator ppo
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

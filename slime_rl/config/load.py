@@ -23,6 +23,7 @@ from slime_rl.config.groups import (
     BatchConfig,
     CheckpointConfig,
     Config,
+    CriticConfig,
     DataConfig,
     EngineConfig,
     EvalConfig,
@@ -217,8 +218,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.tis_clip > 0 and 0 <= a.tis_clip_low <= a.tis_clip,
            f"--tis-clip-low ({a.tis_clip_low}) must be in [0, --tis-clip ({a.tis_clip})]")
     _check(0 < a.gamma <= 1, f"--gamma must be in (0, 1], got {a.gamma}")
-    _check(a.kl_coef == 0 or a.advantage_estimator == "reinforce_plus_plus",
-           "--kl-coef (KL in the rewards) is used by --advantage-estimator reinforce_plus_plus; "
+    _check(a.kl_coef == 0 or a.advantage_estimator in ("reinforce_plus_plus", "ppo"),
+           "--kl-coef (KL in the rewards) is used by --advantage-estimator reinforce_plus_plus and ppo; "
            "use --use-kl-loss --kl-loss-coef for a KL loss")
     _check(a.lr > 0, f"--lr must be > 0, got {a.lr}")
     _check(0 <= a.min_lr <= a.lr, f"--min-lr must be in [0, --lr], got {a.min_lr}")
@@ -273,7 +274,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         algo=AlgoConfig(a.advantage_estimator, a.eps_clip, eps_high, a.kl_loss_coef, a.kl_loss_type,
                         a.rollout_temperature, not a.disable_grpo_std_normalization, a.overlong_buffer_len,
                         a.overlong_penalty_factor, a.eps_clip_c, a.use_kl_loss, a.kl_coef, a.gamma,
-                        a.entropy_coef, a.use_tis, a.tis_clip, a.tis_clip_low),
+                        a.lambd, a.value_clip, a.entropy_coef, a.use_tis, a.tis_clip, a.tis_clip_low),
         data=DataConfig(prompt_data, a.input_key, a.label_key, a.apply_chat_template, a.rollout_shuffle,
                         a.rollout_max_prompt_len, a.rollout_seed, a.metadata_key, a.tool_key,
                         a.apply_chat_template_kwargs, a.num_epoch),
@@ -298,7 +299,38 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         dry_run=a.dry_run,
         fault=FaultConfig(a.use_fault_tolerance, a.rollout_health_check_interval, a.rollout_health_check_timeout,
                           a.reward_failure_value),
+        critic=_critic_config(a, parallel, gbs),
     )
+
+
+def _critic_config(a: argparse.Namespace, policy: ParallelConfig, gbs: int) -> CriticConfig | None:
+    """PPO's critic (None for the other estimators, whose critic flags must stay unset)."""
+    flags = ("critic_num_nodes", "critic_num_gpus_per_node", "critic_lr", "critic_load", "critic_save")
+    if a.advantage_estimator != "ppo":
+        given = [f"--{f.replace('_', '-')}" for f in flags if getattr(a, f) is not None]
+        given += ["--num-critic-only-steps"] if a.num_critic_only_steps else []
+        _check(not given, f"{', '.join(given)}: critic flags need --advantage-estimator ppo")
+        return None
+    critic = CriticConfig(a.critic_num_nodes or policy.actor_num_nodes,
+                          a.critic_num_gpus_per_node or policy.actor_num_gpus_per_node,
+                          a.lr if a.critic_lr is None else a.critic_lr, a.critic_lr_warmup_iters,
+                          a.critic_load, a.critic_save, a.num_critic_only_steps)
+    mp = policy.tensor_model_parallel_size * policy.pipeline_model_parallel_size
+    _check(critic.world_size % mp == 0,
+           f"--critic-num-nodes x --critic-num-gpus-per-node ({critic.world_size}) must be a multiple of "
+           f"--tensor-model-parallel-size x --pipeline-model-parallel-size ({mp}): the critic uses the policy's TP/PP")
+    dp = critic.world_size // mp
+    _check(gbs % (a.micro_batch_size * dp) == 0,
+           f"--global-batch-size ({gbs}) must be a multiple of --micro-batch-size ({a.micro_batch_size}) x the "
+           f"critic's data-parallel size ({dp})")
+    _check(critic.lr > 0, f"--critic-lr must be > 0, got {critic.lr}")
+    _check(a.value_clip > 0, f"--value-clip must be > 0, got {a.value_clip}")
+    _check(0 <= a.lambd <= 1, f"--lambd must be in [0, 1], got {a.lambd}")
+    _check(critic.lr_warmup_iters == 0 or a.num_rollout is None or critic.lr_warmup_iters < a.num_rollout
+           * (a.rollout_batch_size * a.n_samples_per_prompt // gbs),
+           "--critic-lr-warmup-iters must be below the number of optimizer steps")
+    _check(critic.save is None or a.save is not None, "--critic-save needs --save (the critic is saved with it)")
+    return critic
 
 
 def _eval_config(a: argparse.Namespace, check_paths: bool) -> EvalConfig:

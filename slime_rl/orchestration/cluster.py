@@ -1,5 +1,5 @@
-"""Brings the run's actors up on Ray and down again: placement group, engines, trainer group,
-RolloutManager and Buffer. The driver (train.py) sees only generate / train / sync_weights."""
+"""Brings the run's actors up on Ray and down again: placement group, engines, trainer group (and
+PPO's critic group), RolloutManager and Buffer. The driver (train.py) sees only generate / train / sync_weights."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from slime_rl.orchestration.buffer import Buffer
 from slime_rl.orchestration.engines import EngineActor, engine_command, engine_env
 from slime_rl.orchestration.placement import PlacementPlan
 from slime_rl.orchestration.rollout_manager import RolloutManager
-from slime_rl.orchestration.trainer_group import TrainerGroup
+from slime_rl.orchestration.trainer_group import CriticGroup, TrainerGroup
 from slime_rl.weight_sync.broadcast import EngineTarget
 
 
@@ -40,6 +40,7 @@ class Cluster:
         self.router = None  # --use-sglang-router: the RouterActor, and router_url its address
         self.router_url: str | None = None
         self.trainers: TrainerGroup | None = None
+        self.critics: CriticGroup | None = None
         self.rollout_manager = None
         self.buffer = None
         self.targets: list[EngineTarget] = []
@@ -64,8 +65,14 @@ class Cluster:
             started.append(actor.start.remote(cmd, urls[-1], env=engine_env(self.cfg, self.api_key)))
         # trainer ranks build Megatron while the engines load
         self.trainers = TrainerGroup(self.cfg, self.pg, self.plan.trainer_bundles, self.plan.use_gpu)
-        threads = max(1, (os.cpu_count() or 1) // self.cfg.parallel.world_size)
+        critic_world = self.cfg.critic.world_size if self.cfg.critic else 0
+        threads = max(1, (os.cpu_count() or 1) // (self.cfg.parallel.world_size + critic_world))
+        if self.cfg.critic is not None:  # PPO: the critic builds at the same time
+            self.critics = CriticGroup(self.cfg, self.pg, self.plan.critic_bundles, self.plan.use_gpu)
+            critic_ready = self.critics.init_async(train_iters, threads)
         self.trainers.init(train_iters, threads)
+        if self.critics is not None:
+            ray.get(critic_ready)
         ray.get(started)
         self.engine_urls = urls
         if self.cfg.engine.use_router:
@@ -97,6 +104,8 @@ class Cluster:
         if ckpt.save:
             rollout_state = ray.get(self.rollout_manager.state_before.remote(step + 1))
             self.trainers.save_checkpoint(ckpt.save, step, {"rollout_id": step, "rollout": rollout_state})
+            if self.critics is not None and self.cfg.critic.save:
+                self.critics.save_checkpoint(self.cfg.critic.save, step, {"rollout_id": step})
             if ckpt.keep_last is not None:
                 from slime_rl.trainer.checkpoint import keep_last
 
@@ -115,16 +124,33 @@ class Cluster:
             return 0
         ray.get(self.rollout_manager.load_state_dict.remote(extra["rollout"]))
         step = int(extra["rollout_id"]) + 1
+        if self.critics is not None:
+            self._resume_critic(step - 1)
         self.sync_weights(version=str(step))
         print(f"[slime_rl] resumed from step {step - 1} ({self.cfg.checkpoint.load})")
         return step
+
+    def _resume_critic(self, step: int) -> None:
+        """The critic must resume from the same step as the policy (--critic-save holds it)."""
+        root = self.cfg.critic.save
+        extra = self.critics.load_latest_checkpoint(root) if root else None
+        if extra is None or int(extra["rollout_id"]) != step:
+            raise ValueError(f"--load resumes the policy at step {step} but --critic-save {root} holds no critic "
+                             f"checkpoint of that step (found: {None if extra is None else extra['rollout_id']})")
 
     def evaluate(self) -> dict[str, float]:
         return ray.get(self.rollout_manager.evaluate.remote())
 
     def train(self, step: int) -> dict[str, float]:
         start = time.time()
-        metrics = self.trainers.train(step, self.buffer)
+        if self.critics is None:
+            metrics = self.trainers.train(step, self.buffer)
+        else:  # PPO: critic values -> GAE and the policy update -> the critic update on the returns
+            readers = self.cfg.parallel.world_size + self.cfg.critic.world_size
+            values = self.critics.compute_values(step, self.buffer, readers)
+            update = step >= self.cfg.critic.num_critic_only_steps
+            metrics, returns = self.trainers.train_ppo(step, self.buffer, readers, values, update)
+            metrics |= self.critics.train(returns)
         return metrics | {"time/train_start": start, "time/train_end": time.time()}
 
     def sync_weights(self, version: str) -> dict[str, float]:
@@ -172,6 +198,11 @@ class Cluster:
                 self.trainers.shutdown()
             except ray.exceptions.RayError as exc:
                 print(f"[slime_rl] trainer shutdown: {exc}")
+        if self.critics is not None:
+            try:
+                self.critics.shutdown()
+            except ray.exceptions.RayError as exc:
+                print(f"[slime_rl] critic shutdown: {exc}")
         if self.router is not None:  # before the engines: it would mark them dead and log errors
             ray.get(self.router.stop.remote())
         if self.engines:

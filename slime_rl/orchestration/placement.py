@@ -1,8 +1,9 @@
 """Where every process goes. Pure functions over the config and the cluster's size: no Ray here,
 so the plan is tested without a cluster and printed by `--dry-run`.
 
-Layout (disaggregated): bundles 0 .. W-1 hold the W trainer ranks (rank r in bundle r), the next
-bundles hold the engines, `rollout_num_gpus_per_engine` consecutive bundles each. On a machine
+Layout (disaggregated): bundles 0 .. W-1 hold the W trainer ranks (rank r in bundle r), then PPO's
+C critic ranks (bundles W .. W+C-1; none for the other estimators), the next bundles hold the
+engines, `rollout_num_gpus_per_engine` consecutive bundles each. On a machine
 without GPUs a bundle is one CPU slot instead of one GPU.
 """
 
@@ -32,6 +33,7 @@ class PlacementPlan:
     trainer_bundles: tuple[int, ...]
     engines: tuple[EngineSlot, ...]
     notes: list[str] = field(default_factory=list)
+    critic_bundles: tuple[int, ...] = ()
 
     @property
     def weight_update_world_size(self) -> int:
@@ -42,6 +44,8 @@ class PlacementPlan:
         kind = "GPU" if self.use_gpu else "CPU"
         lines = [f"placement ({kind} bundles: {len(self.bundles)})"]
         lines.append(f"  trainer ranks 0..{len(self.trainer_bundles) - 1} -> bundles {list(self.trainer_bundles)}")
+        if self.critic_bundles:
+            lines.append(f"  critic ranks 0..{len(self.critic_bundles) - 1} -> bundles {list(self.critic_bundles)}")
         for e in self.engines:
             lines.append(f"  engine {e.engine_id} -> bundles {list(e.bundles)}, weight-update rank_offset "
                          f"{e.rank_offset}")
@@ -51,31 +55,34 @@ class PlacementPlan:
 
 
 def plan_placement(parallel: ParallelConfig, engine: EngineConfig, cluster_gpus: int,
-                   cluster_cpus: int | None = None) -> PlacementPlan:
+                   cluster_cpus: int | None = None, critic_world: int = 0) -> PlacementPlan:
     """The bundle layout for the trainer ranks and engines, checked against the cluster.
 
     cluster_gpus == 0 means a CPU-only cluster: each bundle asks for one CPU slot. Ray's CPU
     slots are logical, so a 2-core laptop can host 3 bundles; the note says when it oversubscribes.
+    critic_world: PPO's critic ranks (--critic-num-nodes x --critic-num-gpus-per-node), 0 without one.
     """
     trainer_n = parallel.world_size
     engine_n = engine.num_gpus
-    total = trainer_n + engine_n
+    total = trainer_n + critic_world + engine_n
     use_gpu = cluster_gpus > 0
     notes: list[str] = []
     if use_gpu and total > cluster_gpus:
         raise PlacementError(
             f"need {total} GPUs (--actor-num-nodes x --actor-num-gpus-per-node = {trainer_n} for the trainer + "
-            f"--rollout-num-gpus = {engine_n} for the engines), the cluster has {cluster_gpus}")
+            + (f"--critic-num-nodes x --critic-num-gpus-per-node = {critic_world} for the critic + " if critic_world
+               else "")
+            + f"--rollout-num-gpus = {engine_n} for the engines), the cluster has {cluster_gpus}")
     if not use_gpu and cluster_cpus is not None and total > cluster_cpus:
         notes.append(f"{total} CPU bundles on {cluster_cpus} cores: processes share cores")
     bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
     engines = []
     per = engine.num_gpus_per_engine
     for e in range(engine.num_engines):
-        first = trainer_n + e * per
+        first = trainer_n + critic_world + e * per
         engines.append(EngineSlot(e, tuple(range(first, first + per)), rank_offset=1 + e * per))
     return PlacementPlan(use_gpu, tuple(dict(bundle) for _ in range(total)), tuple(range(trainer_n)),
-                         tuple(engines), notes)
+                         tuple(engines), notes, tuple(range(trainer_n, trainer_n + critic_world)))
 
 
 def dp_shard(n_samples: int, global_batch_size: int, dp_rank: int, dp_size: int) -> list[int]:

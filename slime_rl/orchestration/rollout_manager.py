@@ -50,8 +50,8 @@ def group_advantages(rewards: torch.Tensor, algo: AlgoConfig) -> torch.Tensor:
     if algo.advantage_estimator == "reinforce_plus_plus_baseline":
         # group-mean baseline here; the trainer whitens over every token of the batch
         return rewards - rewards.mean(dim=1, keepdim=True)
-    if algo.advantage_estimator == "reinforce_plus_plus":
-        return torch.zeros_like(rewards)  # token returns are built by the trainer from the rewards
+    if algo.advantage_estimator in ("reinforce_plus_plus", "ppo"):
+        return torch.zeros_like(rewards)  # token returns (ppo: GAE) are built by the trainer from the rewards
     if algo.advantage_estimator == "rloo":
         return rloo_advantages(rewards)
     raise ValueError(f"--advantage-estimator {algo.advantage_estimator!r} is not computed on the rollout side")

@@ -1,4 +1,5 @@
-"""The trainer group: one Ray actor per Megatron rank, each in its own placement bundle."""
+"""The trainer groups: one Ray actor per Megatron rank, each in its own placement bundle; the
+policy's (TrainerGroup) and, for PPO, the critic's (CriticGroup)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,18 @@ def gather_ranks(refs: list, what: str) -> list:
 
 def _select(batch: dict[str, Any], indices: list[int]) -> dict[str, Any]:
     return {k: [v[i] for i in indices] for k, v in batch.items()}
+
+
+def _assemble(parts: list[tuple[list[int], list]], n: int) -> list:
+    """Per-DP-shard (indices, rows) -> rows in batch order. Every rank of a DP shard returns the
+    same rows (TP/PP ranks agree), so any copy will do; all n samples must be covered."""
+    out: list = [None] * n
+    for idx, rows in parts:
+        for i, row in zip(idx, rows, strict=True):
+            out[i] = row
+    missing = [i for i, row in enumerate(out) if row is None]
+    assert not missing, f"no DP shard returned samples {missing[:5]}"
+    return out
 
 
 @ray.remote
@@ -91,13 +104,26 @@ class TrainerActor:
         """Test hook: make `train(step)` raise on this rank, as a crashing rank would."""
         self._fail_at_step = step
 
-    def train(self, step: int, buffer) -> dict[str, float]:
+    def train(self, step: int, buffer, readers: int | None = None) -> dict[str, float]:
         if getattr(self, "_fail_at_step", None) == step:
             raise RuntimeError(f"injected failure at step {step} (test hook)")
-        batch = ray.get(buffer.get.remote(step, readers=self.world_size))
+        batch = ray.get(buffer.get.remote(step, readers=readers or self.world_size))
         n = len(batch["tokens"])
         idx = dp_shard(n, self.cfg.batch.global_batch_size, self.worker.dp_rank, self.worker.dp_size)
         return self.worker.train_step(_select(batch, idx))
+
+    def train_ppo(self, step: int, buffer, readers: int, values: list, update: bool
+                  ) -> tuple[dict[str, float], list[int], list]:
+        """PPO: GAE on the critic's `values` (the whole batch's, in batch order), then the policy
+        update unless `update` is false (--num-critic-only-steps). Returns (metrics, this DP
+        shard's sample indices, their returns)."""
+        batch = ray.get(buffer.get.remote(step, readers=readers))
+        idx = dp_shard(len(batch["tokens"]), self.cfg.batch.global_batch_size, self.worker.dp_rank,
+                       self.worker.dp_size)
+        shard = _select(batch, idx)
+        inputs = self.worker.step_inputs(shard, [values[i] for i in idx])
+        metrics = self.worker.train_step(shard, inputs, update)
+        return metrics, idx, inputs.returns
 
     def sync_weights(self, version: str) -> dict[str, float]:
         """All ranks: pause the engines (rank 0), every stage's source sends its layers, continue."""
@@ -158,8 +184,15 @@ class TrainerGroup:
         ray.get([a.connect_engines.remote(targets, addr, port, world_size)
                  for a, (addr, port) in zip(self.actors, addrs, strict=True)])
 
-    def train(self, step: int, buffer) -> dict[str, float]:
-        return gather_ranks([a.train.remote(step, buffer) for a in self.actors], f"train step {step}")[0]
+    def train(self, step: int, buffer, readers: int | None = None) -> dict[str, float]:
+        return gather_ranks([a.train.remote(step, buffer, readers) for a in self.actors], f"train step {step}")[0]
+
+    def train_ppo(self, step: int, buffer, readers: int, values: list, update: bool
+                  ) -> tuple[dict[str, float], list]:
+        """(metrics of rank 0, the returns of every sample in batch order)."""
+        results = gather_ranks([a.train_ppo.remote(step, buffer, readers, values, update) for a in self.actors],
+                               f"train step {step}")
+        return results[0][0], _assemble([(idx, rows) for _, idx, rows in results], len(values))
 
     def sync_weights(self, version: str) -> dict[str, float]:
         """Bandwidth = bytes of every stage / the slowest stage's time (the stages send at once)."""
@@ -194,3 +227,96 @@ class TrainerGroup:
         """After a rank failed: the others may wait in a collective forever, so no graceful exit."""
         for a in self.actors:
             ray.kill(a)
+
+@ray.remote
+class CriticActor:
+    """One rank of PPO's critic (critic.CriticWorker); keeps its DP shard of the step's batch and
+    the values it computed between `compute_values` and `train`."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.worker = None
+        self._step: tuple[list[int], dict[str, Any], list] | None = None
+        os.environ["LOCAL_RANK"] = "0"
+
+    def master_address(self) -> tuple[str, int]:
+        from slime_rl.orchestration.engines import free_port
+
+        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+
+    def init(self, cfg: Config, master_addr: str, master_port: int, train_iters: int, threads: int) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            torch.set_num_threads(threads)
+        from slime_rl.trainer.critic import CriticWorker
+
+        self.cfg, critic = cfg, cfg.critic
+        self.worker = CriticWorker(self.rank, self.world_size, master_addr, master_port,
+                                   critic.parallel(cfg.parallel), cfg.batch, critic.optimizer(cfg.optimizer),
+                                   cfg.model, cfg.algo, train_iters, **dataclasses.asdict(cfg.trainer))
+        if critic.load and self.worker.load_latest_checkpoint(critic.load) is None:
+            raise ValueError(f"--critic-load {critic.load}: no complete checkpoint there")
+
+    def compute_values(self, step: int, buffer, readers: int) -> tuple[list[int], list]:
+        batch = ray.get(buffer.get.remote(step, readers=readers))
+        idx = dp_shard(len(batch["tokens"]), self.cfg.batch.global_batch_size, self.worker.dp_rank,
+                       self.worker.dp_size)
+        shard = _select(batch, idx)
+        values = self.worker.compute_values(shard)
+        self._step = (idx, shard, values)
+        return idx, values
+
+    def train(self, returns: list) -> dict[str, float]:
+        assert self._step is not None, "compute_values first"
+        idx, shard, values = self._step
+        self._step = None
+        return self.worker.train_step(shard, values, [returns[i] for i in idx])
+
+    def save_checkpoint(self, root: str, step: int, extra: dict) -> str:
+        return self.worker.save_checkpoint(root, step, extra)
+
+    def load_latest_checkpoint(self, root: str) -> dict | None:
+        return self.worker.load_latest_checkpoint(root)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+
+class CriticGroup:
+    """PPO's critic ranks (their own process group, placement bundles, optimizer and LR)."""
+
+    def __init__(self, cfg: Config, placement_group, bundles: tuple[int, ...], use_gpu: bool) -> None:
+        assert cfg.critic is not None and len(bundles) == cfg.critic.world_size
+        self.cfg = cfg
+        self.actors = [
+            CriticActor.options(
+                num_cpus=1, num_gpus=1 if use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, bundles[r]),
+            ).remote(r, len(bundles))
+            for r in range(len(bundles))
+        ]
+
+    def init_async(self, train_iters: int, threads: int) -> list:
+        """Start building the critic ranks; returns the refs to wait on."""
+        addr, port = ray.get(self.actors[0].master_address.remote())
+        return [a.init.remote(self.cfg, addr, port, train_iters, threads) for a in self.actors]
+
+    def compute_values(self, step: int, buffer, readers: int) -> list:
+        """Values of every sample's response tokens, in batch order (the step's batch is read from
+        the buffer; `readers` counts policy and critic ranks)."""
+        results = ray.get([a.compute_values.remote(step, buffer, readers) for a in self.actors])
+        return _assemble(results, 1 + max(i for idx, _ in results for i in idx))  # the DP shards cover 0..n-1
+
+    def train(self, returns: list) -> dict[str, float]:
+        return ray.get([a.train.remote(returns) for a in self.actors])[0]
+
+    def save_checkpoint(self, root: str, step: int, extra: dict) -> str:
+        return ray.get([a.save_checkpoint.remote(root, step, extra) for a in self.actors])[0]
+
+    def load_latest_checkpoint(self, root: str) -> dict | None:
+        return ray.get([a.load_latest_checkpoint.remote(root) for a in self.actors])[0]
+
+    def shutdown(self) -> None:
+        ray.get([a.shutdown.remote() for a in self.actors])

@@ -72,6 +72,9 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
     surplus: list[list[Sample]] = []
     cut: list[list[Sample]] = []
     drawn = filtered = 0
+    # every completed group's task rewards, kept or not: with a filter, the kept groups' mean is
+    # biased (DAPO's filter drops the all-correct groups, so kept groups of 8 average <= 7/8)
+    scored = [0.0, 0]
     deadline_hit = exhausted = False
     loop = asyncio.get_running_loop()
     t_end = None if opts.rollout_deadline_s is None else loop.time() + opts.rollout_deadline_s
@@ -102,7 +105,10 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
                 del running[task]
                 if group_status(group) != COMPLETED:  # aborted from outside (engine paused for an update)
                     cut.append(group)
-                elif len(kept) >= target:
+                    continue
+                scored[0] += sum(float(x.reward) for x in group)
+                scored[1] += len(group)
+                if len(kept) >= target:
                     surplus.append(group)
                 elif keep is None or keep(group):
                     kept.append(group)
@@ -120,6 +126,7 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
         "rollout/groups_resumed": float(len(resume)),
         "rollout/groups_kept": float(len(kept)),
         "rollout/groups_filtered": float(filtered),
+        "rollout/reward_mean_before_filter": scored[0] / scored[1] if scored[1] else float("nan"),
         "rollout/groups_aborted": float(len(cut)),
         "rollout/groups_surplus": float(len(surplus)),
         "rollout/groups_leftover": float(len(leftover)),

@@ -9,7 +9,10 @@ Advantages (once per train_step, before the mini-batches; they do not change wit
     plus the sample's scalar `rewards` at its last trained token; discounted returns (gamma);
   * reinforce_plus_plus_baseline: the group-centred scalar `advantages` on every trained token,
     minus kl_coef * kl_t when kl_coef > 0 (as slime_rl.algo's estimator does);
-  and both token-level ones are whitened with the mean / unbiased std over ALL trained tokens of
+  * ppo: the same token rewards as reinforce_plus_plus (reward on the last trained token, minus
+    kl_coef * kl_t), GAE (gamma, lambd) against the critic's values of the response tokens; the
+    returns R = A + V (before whitening) are the critic's targets;
+  and the token-level ones are whitened with the mean / unbiased std over ALL trained tokens of
   the step's batch on every DP rank (masked_moments all-reduced over the DP group).
 
 Policy objective per token ([b, T]; the micro-batch returns sum_t loss_weight * loss_t, the
@@ -35,12 +38,14 @@ from torch import Tensor
 
 from slime_rl.algo import (
     clip_fractions,
+    gae_advantages,
     gspo_loss,
     gspo_seq_log_ratio,
     kl_penalty,
     masked_moments,
     masked_sum,
     masked_whiten,
+    outcome_token_rewards,
     ppo_clip_loss,
     reinforce_plus_plus_advantages,
     tis_weights,
@@ -75,10 +80,12 @@ def _all_reduce(t: Tensor, device: torch.device, group: dist.ProcessGroup | None
 
 
 def token_advantages(algo: AlgoConfig, batch: dict, old_logprobs: list, ref_logprobs: list | None,
-                     device: torch.device, group: dist.ProcessGroup | None) -> list[list[float]]:
+                     device: torch.device, group: dist.ProcessGroup | None, values: list | None = None
+                     ) -> tuple[list[list[float]], list[list[float]] | None]:
     """Per-token advantages of this rank's samples (module docstring), whitened with moments
-    all-reduced over `group` (the DP group): every rank must call it. Returns one list per
-    sample (response length), 0 on untrained tokens."""
+    all-reduced over `group` (the DP group): every rank must call it. `values`: the critic's
+    per-token values (ppo only). Returns (advantages, returns), one list per sample (response
+    length), 0 on untrained tokens; returns (GAE's A + V, not whitened) only for ppo, else None."""
     assert algo.token_level_advantages, algo.advantage_estimator
     lens = [int(r) for r in batch["response_lengths"]]
     width = max(lens)
@@ -88,9 +95,17 @@ def token_advantages(algo: AlgoConfig, batch: dict, old_logprobs: list, ref_logp
         if ref_logprobs is None:
             raise ValueError("--kl-coef > 0 needs the reference model's log-probs")
         kl = kl_penalty(_pad(old_logprobs, width), _pad(ref_logprobs, width), algo.kl_loss_type)
+    returns = None
     if algo.advantage_estimator == "reinforce_plus_plus":
         rewards = torch.tensor([float(r) for r in batch["rewards"]], dtype=torch.float64)
         raw, _ = reinforce_plus_plus_advantages(rewards, mask, kl, algo.kl_coef, algo.gamma, whiten=False)
+    elif algo.advantage_estimator == "ppo":
+        if values is None or [len(v) for v in values] != lens:
+            raise ValueError("--advantage-estimator ppo needs the critic's values of every response token")
+        rewards = torch.tensor([float(r) for r in batch["rewards"]], dtype=torch.float64)
+        token_rewards = outcome_token_rewards(rewards, mask, kl, algo.kl_coef)
+        raw, ret = gae_advantages(token_rewards, _pad(values, width), mask, algo.gamma, algo.lambd)
+        returns = [row[:n] for row, n in zip(ret.tolist(), lens, strict=True)]
     else:  # reinforce_plus_plus_baseline: the rollout side already subtracted the group mean
         scalar = torch.tensor([float(a) for a in batch["advantages"]], dtype=torch.float64)
         raw = scalar.unsqueeze(1) * mask
@@ -98,7 +113,7 @@ def token_advantages(algo: AlgoConfig, batch: dict, old_logprobs: list, ref_logp
             raw = raw - algo.kl_coef * kl * mask
     moments = _all_reduce(masked_moments(raw, mask), device, group)
     adv = masked_whiten(raw, mask, moments=moments)
-    return [row[:n] for row, n in zip(adv.tolist(), lens, strict=True)]
+    return [row[:n] for row, n in zip(adv.tolist(), lens, strict=True)], returns
 
 
 @dataclass
@@ -110,6 +125,7 @@ class StepInputs:
     ref: list | None  # reference log-probs when algo.use_reference
     advantages: list | None  # per-token advantages when algo.token_level_advantages
     sums: dict[str, float]  # DP-summed sums for the step-level metrics (step_sums)
+    returns: list | None = None  # ppo: GAE returns, the critic's targets
 
 
 def step_sums(batch: dict, inputs: StepInputs, device: torch.device,
@@ -200,23 +216,16 @@ def train_metrics(algo: AlgoConfig, step: dict[str, float], stats: list[dict[str
     def frac(key: str) -> float:
         return sum(s[key] for s in stats) / tokens
 
-    n = step["tokens"]
-    mean = step["adv"] / max(n, 1.0)
-    var = max(step["adv_sq"] / max(n, 1.0) - mean * mean, 0.0) * (n / (n - 1) if n >= 2 else 0.0)
     last = stats[-1]
-    out = {
+    out = step_metrics(step) | {
         "train/loss": sum(s["loss"] for s in stats) / len(stats),
         "train/pg_loss": per_mini("pg"),
         "train/kl": per_mini("kl") if have_ref else last["k1_old_new"] / max(last["tokens"], 1.0),
         "train/ppo_kl": frac("k1_old_new"),
-        "train/entropy": step["entropy"] / max(n, 1.0),
         "train/grad_norm": sum(norms) / len(norms),
-        "train/rollout_logprob_abs_diff": step["abs_diff"] / max(n, 1.0),
         "train/pg_clipfrac": frac("clipped"),
         "train/pg_clipfrac_high": frac("clip_high"),
         "train/pg_clipfrac_low": frac("clip_low"),
-        "train/advantage_mean": mean,
-        "train/advantage_std": math.sqrt(var),
         "train/lr": lr,
     }
     if algo.entropy_coef > 0:
@@ -225,3 +234,14 @@ def train_metrics(algo: AlgoConfig, step: dict[str, float], stats: list[dict[str
         out["train/tis_weight_mean"] = frac("tis_w")
         out["train/tis_clipfrac"] = frac("tis_clipped")
     return out
+
+
+def step_metrics(step: dict[str, float]) -> dict[str, float]:
+    """The metrics known before any update, from `step_sums` (see train_metrics); all that a step
+    without a policy update (PPO's --num-critic-only-steps) reports for the policy."""
+    n = step["tokens"]
+    mean = step["adv"] / max(n, 1.0)
+    var = max(step["adv_sq"] / max(n, 1.0) - mean * mean, 0.0) * (n / (n - 1) if n >= 2 else 0.0)
+    return {"train/entropy": step["entropy"] / max(n, 1.0),
+            "train/rollout_logprob_abs_diff": step["abs_diff"] / max(n, 1.0),
+            "train/advantage_mean": mean, "train/advantage_std": math.sqrt(var)}

@@ -25,13 +25,17 @@ from slime_rl.trainer.batching import MicroBatch, chunks, validate_batch
 from slime_rl.trainer.loss_agg import GlobalCounts, check_mode, local_counts, token_weights
 from slime_rl.trainer.micro import MicroBatching, collect_per_sample
 from slime_rl.trainer.model import build_from_checkpoint
-from slime_rl.trainer.objective import StepInputs, step_sums, token_advantages, train_metrics
+from slime_rl.trainer.objective import StepInputs, step_metrics, step_sums, token_advantages, train_metrics
 from slime_rl.trainer.parallel import broadcast_from_last_stage, dp_group, init_parallel, teardown_parallel
 from slime_rl.trainer.steps import STAT_KEYS, LossScale, forward_only_step, policy_loss_step
 
 
-class TrainerWorker:
-    """One trainer rank. Keyword options beyond the config groups (defaults keep the old behaviour
+class MegatronRank:
+    """What every Megatron rank of a trainer group holds: the parallel state, the model built from
+    the HF config and loaded from the HF weights, DDP, the distributed optimizer, the LR schedule,
+    micro-batching and checkpoints. Subclasses: TrainerWorker (the policy) and
+    critic.CriticWorker (PPO's value model, which swaps the LM output layer in `_prepare_model`).
+    Keyword options beyond the config groups (defaults keep the old behaviour
     except pack_sequences, whose packed rows give the same log-probs as padded ones):
       pack_sequences: THD packing of each micro-batch (False: right-padded [b, s]);
       use_dynamic_batch_size / max_tokens_per_gpu: micro-batches filled up to a token budget
@@ -80,6 +84,7 @@ class TrainerWorker:
             recompute_granularity=recompute_granularity, recompute_method=recompute_method,
             recompute_num_layers=recompute_num_layers, context_parallel_size=cp)
         hf_io.load_hf_weights(self.gpt, model.hf_checkpoint, self.arch)
+        self._prepare_model()
         config = self.gpt.config
         if pp > 1 and self.info.device.type == "cpu":
             config.batch_p2p_comm = False  # gloo has no batched (coalesced) isend/irecv
@@ -105,9 +110,9 @@ class TrainerWorker:
             lr_warmup_steps=optim.lr_warmup_iters, lr_decay_steps=optim.lr_decay_iters or train_iters,
             lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
             wd_incr_steps=train_iters, wd_incr_style="constant")
-        self._ref: dict[str, torch.Tensor] | None = None
-        if algo.use_reference:
-            self._ref = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
+
+    def _prepare_model(self) -> None:
+        """Hook between loading the HF weights and wrapping the model for training."""
 
     def _compat(self) -> None:
         # the CPU layer's device mode is per thread; a host may call us from a different thread
@@ -142,7 +147,6 @@ class TrainerWorker:
         (tp_rank 0, dp_rank 0, cp_rank 0); `iter_hf_weights` still has to run on the stage's other TP ranks."""
         return self.info.tp_rank == 0 and self.info.dp_rank == 0 and self.info.cp_rank == 0
 
-    # ---- forward-only passes
     def _run(self, step_func, mbs: list[MicroBatch], forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -153,6 +157,69 @@ class TrainerWorker:
             num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs),
             micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only)
 
+    def _dp_sum(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(t, op=op, group=dp_group())
+        return t.tolist()
+
+    def optimizer_step(self) -> tuple[float, float]:
+        """Clip, step, advance the LR schedule; returns (grad norm before clipping, lr used)."""
+        self._compat()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        if grad_norm is None or self.optimizer.config.clip_grad <= 0:
+            grad_norm = self.optimizer.get_grad_norm()
+        self.scheduler.step(increment=1)
+        return float(grad_norm), lr
+
+    def _sub(self, batch: dict, ids: list[int]) -> dict:
+        return {k: [v[i] for i in ids] for k, v in batch.items()}
+
+    def _minibatches(self, n: int) -> list[list[int]]:
+        """This rank's mini-batches (global_batch_size / dp samples each); every DP rank must run
+        the same number of optimizer steps."""
+        per_rank = self.batch.global_batch_size // self.dp_size
+        minis = chunks(list(range(n)), per_rank)
+        most, neg_least = self._dp_sum([len(minis), -len(minis)], op=dist.ReduceOp.MAX)
+        if most != -neg_least:
+            raise ValueError(f"DP ranks disagree on the number of mini-batches (this rank: {n} samples,"
+                             f" {len(minis)} mini-batches of {per_rank}); shard the batch evenly")
+        return minis
+
+    def save_checkpoint(self, root: str, step: int, extra: dict) -> str:
+        """Megatron torch_dist checkpoint of model, optimizer, scheduler and RNG (+ `extra`), atomic;
+        every rank calls it. Returns the folder."""
+        self._compat()
+        path = checkpoint.save_checkpoint(root, step, [self.model], self.optimizer, self.scheduler, extra,
+                                          hf_dir=self.model_cfg.hf_checkpoint)
+        return str(path)
+
+    def load_latest_checkpoint(self, root: str) -> dict | None:
+        """Load the newest complete checkpoint under `root` (incomplete saves are skipped); returns its
+        `extra`, or None when there is none yet (a fresh run that will save there)."""
+        self._compat()
+        path = checkpoint.latest_checkpoint(root)
+        if path is None:
+            return None
+        return checkpoint.load_checkpoint(path, [self.model], self.optimizer, self.scheduler)
+
+    def shutdown(self) -> None:
+        self._compat()
+        teardown_parallel()
+
+
+class TrainerWorker(MegatronRank):
+    """The policy's rank: log-probs, the reference copy, the RL train step, weights out."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._ref: dict[str, torch.Tensor] | None = None
+        if self.algo.use_reference:
+            self._ref = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
+
+    # ---- forward-only passes
     @torch.no_grad()
     def _forward_logprobs(self, batch: dict, with_entropy: bool) -> tuple[list, list | None]:
         n = len(batch["tokens"])
@@ -190,11 +257,6 @@ class TrainerWorker:
                     p.copy_(backup[n])
 
     # ---- training
-    def _dp_sum(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.info.device)
-        dist.all_reduce(t, op=op, group=dp_group())
-        return t.tolist()
-
     def forward_backward(self, batch: dict, old_logprobs: list, ref_logprobs: list | None = None,
                          advantages: list | None = None) -> dict:
         """Zero the grads, run one mini-batch (this rank's samples) through the schedule; the
@@ -224,25 +286,11 @@ class TrainerWorker:
         broadcast_from_last_stage(sums)
         return dict(zip(STAT_KEYS, self._dp_sum(sums.tolist()), strict=True))
 
-    def optimizer_step(self) -> tuple[float, float]:
-        """Clip, step, advance the LR schedule; returns (grad norm before clipping, lr used)."""
-        self._compat()
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("optimizer step skipped: non-finite gradients")
-        if grad_norm is None or self.optimizer.config.clip_grad <= 0:
-            grad_norm = self.optimizer.get_grad_norm()
-        self.scheduler.step(increment=1)
-        return float(grad_norm), lr
-
-    def _sub(self, batch: dict, ids: list[int]) -> dict:
-        return {k: [v[i] for i in ids] for k, v in batch.items()}
-
-    def step_inputs(self, batch: dict) -> StepInputs:
+    def step_inputs(self, batch: dict, values: list | None = None) -> StepInputs:
         """Everything a train step computes once before its mini-batches: old log-probs and
         entropy (forward only), reference log-probs (algo.use_reference), per-token advantages
-        (algo.token_level_advantages; whitened over the DP group) and the DP-summed step sums."""
+        (algo.token_level_advantages; whitened over the DP group; ppo: GAE on the critic's
+        `values`, which also gives the returns) and the DP-summed step sums."""
         self._compat()
         old, entropy = self._forward_logprobs(batch, with_entropy=True)
         ref = None
@@ -252,27 +300,27 @@ class TrainerWorker:
                                  "one (construct it with an AlgoConfig whose use_reference is true)")
             with self.reference_weights():
                 ref = self._forward_logprobs(batch, with_entropy=False)[0]
-        adv = None
+        adv = returns = None
         if self.algo.token_level_advantages:
-            adv = token_advantages(self.algo, batch, old, ref, self.info.device, dp_group())
-        inputs = StepInputs(old=old, entropy=entropy, ref=ref, advantages=adv, sums={})
+            adv, returns = token_advantages(self.algo, batch, old, ref, self.info.device, dp_group(), values)
+        inputs = StepInputs(old=old, entropy=entropy, ref=ref, advantages=adv, sums={}, returns=returns)
         inputs.sums = step_sums(batch, inputs, self.info.device, dp_group())
         return inputs
 
-    def train_step(self, batch: dict) -> dict[str, float]:
+    def train_step(self, batch: dict, inputs: StepInputs | None = None, update: bool = True) -> dict[str, float]:
         """One RL update on this DP rank's shard (see module docstring); the metrics, identical on
-        every rank, are objective.train_metrics'."""
+        every rank, are objective.train_metrics'. `inputs`: step_inputs(batch) when the caller
+        computed them already (ppo: it needs their returns for the critic). update=False (PPO's
+        critic-only steps) changes nothing and returns objective.step_metrics."""
         self._compat()
         n = validate_batch(batch)
         if n == 0:
             raise ValueError("train_step got an empty batch on this DP rank")
-        inputs = self.step_inputs(batch)
-        per_rank = self.batch.global_batch_size // self.dp_size
-        minis = chunks(list(range(n)), per_rank)
-        most, neg_least = self._dp_sum([len(minis), -len(minis)], op=dist.ReduceOp.MAX)
-        if most != -neg_least:  # every rank must run the same number of optimizer steps
-            raise ValueError(f"DP ranks disagree on the number of mini-batches (this rank: {n} samples,"
-                             f" {len(minis)} mini-batches of {per_rank}); shard the batch evenly")
+        if inputs is None:
+            inputs = self.step_inputs(batch)
+        if not update:
+            return step_metrics(inputs.sums)
+        minis = self._minibatches(n)
 
         def pick(rows: list | None, ids: list[int]) -> list | None:
             return None if rows is None else [rows[i] for i in ids]
@@ -298,30 +346,9 @@ class TrainerWorker:
     def hf_weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         return hf_io.hf_weight_metadata(self.gpt, self.arch)
 
-    def save_checkpoint(self, root: str, step: int, extra: dict) -> str:
-        """Megatron torch_dist checkpoint of model, optimizer, scheduler and RNG (+ `extra`), atomic;
-        every rank calls it. Returns the folder."""
-        self._compat()
-        path = checkpoint.save_checkpoint(root, step, [self.model], self.optimizer, self.scheduler, extra,
-                                          hf_dir=self.model_cfg.hf_checkpoint)
-        return str(path)
-
     def save_hf(self, path: str) -> str:
         """The model as an HF folder at `path` (atomic; config, tokenizer, generation config copied
         from --hf-checkpoint; vocab padding removed), through the weight-sync gather path; every
         rank calls it, global rank 0 writes."""
         self._compat()
         return str(hf_export.save_hf_folder(self.gpt, self.arch, path, self.model_cfg.hf_checkpoint))
-
-    def load_latest_checkpoint(self, root: str) -> dict | None:
-        """Load the newest complete checkpoint under `root` (incomplete saves are skipped); returns its
-        `extra`, or None when there is none yet (a fresh run that will save there)."""
-        self._compat()
-        path = checkpoint.latest_checkpoint(root)
-        if path is None:
-            return None
-        return checkpoint.load_checkpoint(path, [self.model], self.optimizer, self.scheduler)
-
-    def shutdown(self) -> None:
-        self._compat()
-        teardown_parallel()

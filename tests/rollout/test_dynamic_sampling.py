@@ -78,6 +78,9 @@ def test_keeps_exactly_batch_size_nonzero_std_groups(server):
         assert all(0 < s.response_length <= 6 and s.finish_reason in ("stop", "length") for s in g)
     m = res.metrics
     assert asked == [4, 4] and m["rollout/prompts_drawn"] == 8
+    # the filtered 'same' groups (reward 1) count in the pre-filter mean, not in the kept groups'
+    kept = [s.reward for g in res.groups for s in g]
+    assert m["rollout/groups_filtered"] >= 1 and m["rollout/reward_mean_before_filter"] > sum(kept) / len(kept)
     assert m["rollout/groups_filtered"] >= 2
     assert 3 + m["rollout/groups_filtered"] + m["rollout/groups_aborted"] + m["rollout/groups_surplus"] == 8
     assert res.leftover == []  # no partial rollout: cut groups are dropped, only counted

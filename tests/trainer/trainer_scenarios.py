@@ -188,9 +188,10 @@ def _run_scenario_once(name: str, world: int, port: int, out: Path, ckpts: dict[
 def main() -> None:
     name, rank, world, port, out, ckpt_json = sys.argv[1:7]
     torch.manual_seed(0)
-    from tests.trainer import algo_scenarios, parallel_scenarios
+    from tests.trainer import algo_scenarios, critic_scenarios, parallel_scenarios
 
-    func = SCENARIOS.get(name) or {**parallel_scenarios.SCENARIOS, **algo_scenarios.SCENARIOS}[name]
+    func = SCENARIOS.get(name) or {**parallel_scenarios.SCENARIOS, **algo_scenarios.SCENARIOS,
+                                   **critic_scenarios.SCENARIOS}[name]
     res = func(int(rank), int(world), int(port), json.loads(ckpt_json))
     res = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in res.items()}
     torch.save(_to_cpu(res), Path(out) / f"{name}_rank{rank}.pt")
