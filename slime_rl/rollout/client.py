@@ -13,6 +13,7 @@ message (SGLang answers {"error": {"message"}}, {"success": false, "message"} or
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,14 @@ class EngineError(RuntimeError):
         where = f"{url}{endpoint}"
         super().__init__(f"engine {where} answered {status}: {message}" if status is not None
                          else f"engine {where} unreachable: {message}")
+
+
+def image_data_of(images: Sequence[bytes]) -> list[str] | None:
+    """GenerateReqInput.image_data for one request: a list of `data:image/png;base64,...` URLs (one of
+    the forms SGLang's load_image accepts), or None for a text-only prompt (the field is then omitted)."""
+    if not images:
+        return None
+    return ["data:image/png;base64," + base64.b64encode(bytes(b)).decode("ascii") for b in images]
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
