@@ -2,7 +2,8 @@
 
 Each picture holds 1-4 shapes of the asked colour among 0-4 distractors of other colours (circles,
 squares, triangles at random places, no overlap). The prompt names the colour; the answer is the
-count as an integer string. A reward checks the first integer of the response (`count_reward`).
+count as an integer string (1-4, one digit), so the built-in `--rm-type digit` scores it: 1 when the
+first digit of the response is the count.
 
 The text lives here (not in tools/) so that the tiny model's tokenizer can be trained on exactly
 the words the task uses (tools/make_tiny_model.py --arch qwen2_5_vl).
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +77,6 @@ def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> Path:
     path = Path(path)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
-
-
-def count_reward(response: str, label: Any) -> float:
-    """1.0 when the first integer in the response equals the label, else 0.0."""
-    match = re.search(r"\d+", response)
-    return float(match is not None and int(match.group()) == int(str(label).strip()))
 
 
 def corpus_lines(seed: int, n: int = 400) -> list[str]:

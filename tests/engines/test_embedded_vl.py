@@ -168,3 +168,30 @@ def test_model_info_and_checkpoint_names(vl_server, tiny_qwen2_5_vl):
         for name in names:
             assert torch.equal(vl_server.weights.params[name].detach(), f.get_tensor(name)), name
     assert any(n.startswith("visual.") for n in names)
+
+
+def test_rollout_sends_image_data(vl_server, vl64, rows):
+    """The rollout path end to end: PromptDataset rows -> generate_groups -> the engine, whose
+    log-probs match the reference only if the client sent each sample's images."""
+    import asyncio
+
+    from slime_rl.config import RolloutConfig
+    from slime_rl.rollout.client import AsyncEngineClient
+    from slime_rl.rollout.generate import generate_groups
+
+    rows_, originals = rows
+    cfg = RolloutConfig(n_samples_per_prompt=2, max_response_len=6)
+
+    async def main():
+        client = AsyncEngineClient(vl_server.url, timeout=120)
+        try:
+            return await generate_groups([client], rows_, cfg, lambda s: 0.0, vl_server.tokenizer, progress=False)
+        finally:
+            await client.aclose()
+
+    groups = asyncio.run(main())
+    for group, row, imgs in zip(groups, rows_, originals, strict=True):
+        for s in group:
+            assert s.images == row.images and s.image_grid_thw == row.image_grid_thw
+            want = reference(vl64, s.prompt_ids, s.response_ids, imgs)
+            assert torch.allclose(torch.tensor(s.rollout_logprobs, dtype=torch.float64), want, atol=ATOL, rtol=0)
