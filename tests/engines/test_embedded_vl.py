@@ -195,3 +195,34 @@ def test_rollout_sends_image_data(vl_server, vl64, rows):
             assert s.images == row.images and s.image_grid_thw == row.image_grid_thw
             want = reference(vl64, s.prompt_ids, s.response_ids, imgs)
             assert torch.allclose(torch.tensor(s.rollout_logprobs, dtype=torch.float64), want, atol=ATOL, rtol=0)
+
+
+def test_retract_reprefills_images_and_positions(vl_server, vl_http, vl64, rows):
+    """pause(retract) drops the KV cache; the request is prefilled again from prompt + output so far
+    (images again, 3-D positions from get_rope_index, a sampled <|image_pad|> in the output staying
+    text) and must continue exactly as without the retraction."""
+    import threading
+    import time
+
+    row, imgs = rows[0][0], rows[1][0]
+    body = {"input_ids": row.prompt_ids, "image_data": image_data_of(row.images), "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 100, "ignore_eos": True, "sampling_seed": 7}}
+    plain = vl_http.post("/generate", json=body).json()
+    pad = vl_server.model.config.image_token_id
+    assert plain["output_ids"].index(pad) == 7  # seed 7 samples a pad early: retracted after it
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", vl_http.post("/generate", json=body)))
+    before = vl_server.engine.load()["decode_forwards"]
+    t.start()
+    deadline = time.monotonic() + 60
+    while vl_server.engine.load()["decode_forwards"] < before + 10:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert vl_http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+    assert vl_http.post("/continue_generation", json={}).status_code == 200
+    t.join()
+    out = box["r"].json()
+    assert out["meta_info"]["num_retractions"] == 1
+    assert out["output_ids"] == plain["output_ids"]
+    got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
+    assert torch.allclose(got, reference(vl64, row.prompt_ids, out["output_ids"], imgs), atol=ATOL, rtol=0)
