@@ -142,11 +142,15 @@ def test_bad_image_requests_are_400(vl_http, rows, image_data, match):
     assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
 
 
-def test_wrong_pad_count_is_400(vl_http, rows):
+def test_wrong_pad_count_is_400(vl_server, vl_http, rows):
     row = rows[0][0]
     r = vl_http.post("/generate", json={"input_ids": row.prompt_ids[:3] + row.prompt_ids[4:],
                                         "image_data": image_data_of(row.images), "sampling_params": SP})
     assert r.status_code == 400 and "<|image_pad|>" in r.json()["error"]["message"]
+    pad = vl_server.model.config.image_token_id
+    r = vl_http.post("/generate", json={"input_ids": row.prompt_ids + [pad],
+                                        "image_data": image_data_of(row.images), "sampling_params": SP})
+    assert r.status_code == 400 and "outside an image" in r.json()["error"]["message"], r.text
 
 
 def test_text_model_refuses_image_data(tiny_qwen2):

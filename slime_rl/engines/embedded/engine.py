@@ -242,13 +242,15 @@ class Engine:
         seqs = [r.input_ids + r.output_ids for r in ready]
         ids, mask, pos = left_pad(seqs, self.pad_id, self.device)
         want_input_lp = any(r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in ready)
-        # images: pixel_values + 3-D mRoPE positions; deltas shift each row's later text positions
-        vision, deltas = prefill_vision_kwargs(self.model, ready, ids, mask) if self.is_vision \
-            else ({}, [0] * len(ready))
-        pos = vision.pop("position_ids", pos)
         with self.model_lock, torch.no_grad():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                             logits_to_keep=0 if want_input_lp else 1, **vision)
+            # images: embeddings holding the image features and 3-D mRoPE positions; the deltas
+            # shift each row's later (text) positions
+            vision, deltas = prefill_vision_kwargs(self.model, ready, ids, mask) if self.is_vision \
+                else ({}, [0] * len(ready))
+            pos = vision.pop("position_ids", pos)
+            inputs = vision if vision else {"input_ids": ids}
+            out = self.model(**inputs, attention_mask=mask, position_ids=pos, use_cache=True,
+                             logits_to_keep=0 if want_input_lp else 1)
         self.stats["prefill_forwards"] += 1
         if want_input_lp:
             self._input_logprobs(ready, out.logits, ids.shape[1])

@@ -10,7 +10,10 @@ for a batch a list with one image per prompt or a list of lists. An image is a s
 (SGLang expands it) or the full grid_t*grid_h*grid_w/merge^2 pads (as the HF processor writes them);
 the engine expands a single pad and refuses any other count.
 
-Only the prompt's <|image_pad|> ids are image positions; the same id sampled in the output is text.
+Only the prompt's <|image_pad|> ids are image positions; the same id sampled in the output is text
+(it matters when a retracted request is prefilled again from prompt + output). So the prefill puts
+the vision tower's features into the input embeddings itself, at the prompt's pads, and calls the
+model with `inputs_embeds`: HF's forward(pixel_values=...) would fill every pad id of the batch.
 
 Positions: a prompt with images gets Qwen2.5-VL's 3-D (t, h, w) positions from the model's own
 `get_rope_index`; every later token is text, whose three position components are equal and one more
@@ -86,6 +89,9 @@ class VisionInputs:
                                                                      torch.Tensor | None]:
         """(input_ids with expanded pads, pixel_values, image_grid_thw) of one request."""
         runs = self._pad_runs(input_ids)
+        if sum(n for _, n in runs) != input_ids.count(self.image_token_id):
+            raise RequestError("input_ids: an <|image_pad|> outside an image (every run of them must follow "
+                               "<|vision_start|>)")
         if len(runs) != len(items):
             raise RequestError(f"image_data: {len(items)} image(s) but the input_ids hold {len(runs)} image "
                                f"placeholder(s) (<|vision_start|> followed by <|image_pad|>)")
@@ -147,7 +153,12 @@ def prefill_vision_kwargs(model: torch.nn.Module, reqs: list[Any], ids: torch.Te
         mm_types[i, start:start + len(r.input_ids)] = (prompt == model.config.image_token_id).int()
     pos, deltas = model.model.get_rope_index(ids, mm_types, image_grid_thw=grids, attention_mask=mask)
     pixels = torch.cat([r.pixel_values for r in with_images]).to(dev, next(model.parameters()).dtype)
-    kwargs = {"pixel_values": pixels, "image_grid_thw": grids, "position_ids": pos}
+    # The image features go into the embeddings here, not through forward(pixel_values=...): HF puts
+    # them at every <|image_pad|> id of the batch, output tokens included.
+    feats = torch.cat(model.model.get_image_features(pixels, grids, return_dict=True).pooler_output)
+    embeds = model.get_input_embeddings()(ids)
+    embeds = embeds.masked_scatter(mm_types.bool()[..., None].expand_as(embeds), feats.to(embeds.dtype))
+    kwargs = {"inputs_embeds": embeds, "position_ids": pos}
     return kwargs, [int(d) for d in deltas.flatten().tolist()]
 
 
