@@ -89,6 +89,19 @@ def test_single_request_logprobs_match_float64_reference(vl_http, vl64, rows):
     _check(r.json(), vl64, row.prompt_ids, originals[0])
 
 
+def test_input_logprobs_over_the_image_prompt(vl_http, vl64, rows):
+    rows_, originals = rows
+    row = rows_[1]
+    r = vl_http.post("/generate", json={"input_ids": row.prompt_ids, "image_data": image_data_of(row.images),
+                                        "sampling_params": dict(SP, max_new_tokens=1), "return_logprob": True,
+                                        "logprob_start_len": 0})
+    entries = r.json()["meta_info"]["input_token_logprobs"]
+    assert entries[0][0] is None and [e[1] for e in entries] == row.prompt_ids
+    got = torch.tensor([e[0] for e in entries[1:]], dtype=torch.float64)
+    want = reference(vl64, row.prompt_ids, [], originals[1], first=1)
+    assert torch.allclose(got, want, atol=ATOL, rtol=0), (got - want).abs().max()
+
+
 def test_batch_of_image_and_text_prompts(vl_http, vl64, rows):
     """Rows of different lengths share one left-padded prefill and one decode batch; the text-only row
     uses the same 3-D position tensor (all three components equal)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def reference(vl64, prompt: list[int], output: list[int], images: list) -> torch.Tensor:
+def reference(vl64, prompt: list[int], output: list[int], images: list, first: int | None = None) -> torch.Tensor:
     """One float64 forward: image features from the HF vision tower put at the prompt's pads (a pad
     id the model sampled in the output stays a text token, as in the engine), 3-D positions from
     the model's get_rope_index over the whole sequence."""
@@ -23,5 +23,8 @@ def reference(vl64, prompt: list[int], output: list[int], images: list) -> torch
             emb[types.bool()] = torch.cat(feats.pooler_output)
             pos, _ = model.model.get_rope_index(ids, types, image_grid_thw=px["image_grid_thw"])
             logits = model(inputs_embeds=emb, position_ids=pos).logits[0]
-    lp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1: len(prompt) + len(output) - 1]
-    return lp.gather(1, torch.tensor(output)[:, None]).squeeze(1)
+    # log-probs of tokens first.. of prompt + output (default: the output's)
+    first = len(prompt) if first is None else first
+    seq = prompt + output
+    lp = torch.log_softmax(logits, dim=-1)[first - 1: len(seq) - 1]
+    return lp.gather(1, torch.tensor(seq[first:])[:, None]).squeeze(1)
