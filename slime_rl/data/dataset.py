@@ -37,9 +37,9 @@ class PromptRow:
     prompt_ids: list[int]
     label: Any
     metadata: dict[str, Any]
-    # vision-language rows: PNG bytes at their final size and one [t, h, w] patch grid per image;
-    # prompt_ids already hold grid_t*grid_h*grid_w/merge^2 <|image_pad|> ids per image
-    images: list[bytes] = field(default_factory=list)
+    # vision-language rows: PNG data URLs at their final size and one [t, h, w] patch grid per image;
+    # prompt_ids hold grid_t*grid_h*grid_w/merge^2 <|image_pad|> ids per image (`prompt` holds one)
+    images: list[str] = field(default_factory=list)
     image_grid_thw: list[list[int]] = field(default_factory=list)
 
 
@@ -184,7 +184,7 @@ class PromptDataset:
         except Exception as exc:  # template engines raise their own types (jinja2.TemplateError, ...)
             raise ValueError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
         if images:
-            text, ids = self.vision.expand(text, images)
+            ids = self.vision.expand(text, images)
             return PromptRow(text, ids, record[cfg.label_key], metadata, [b for b, _ in images],
                              [g for _, g in images])
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -8,7 +8,9 @@ An image reference in a data row may be
 
 Every image is decoded at load (a missing or corrupt file fails there, naming file and row), then
 resized exactly as Qwen2.5-VL's processor would (`smart_resize`: both sides a multiple of
-patch * merge = 28, area within [min_pixels, max_pixels], aspect kept) and kept as PNG bytes. The
+patch * merge = 28, area within [min_pixels, max_pixels], aspect kept) and kept as a PNG in a
+`data:image/png;base64,` URL: a string survives JSON (checkpointed rollout state) and is one of
+the forms SGLang's `image_data` takes, so it goes to any engine as it is. The
 kept picture is already at its final size, so the engine's processor (SGLang's or ours) and the
 trainer's recompute the same grid from it: PIL's resize to the current size is a copy, and PNG is
 lossless. Each image then stands for grid_t * grid_h * grid_w / merge^2 `<|image_pad|>` tokens in
@@ -94,10 +96,11 @@ def decode_image(data: bytes, name: str):
     return img.convert("RGB")
 
 
-def to_png(img) -> bytes:
+def to_data_url(img) -> str:
+    """A lossless `data:image/png;base64,...` URL of a PIL image."""
     buf = io.BytesIO()
     img.save(buf, format="PNG")
-    return buf.getvalue()
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 @dataclass
@@ -128,15 +131,15 @@ class VisionSpec:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
-    def prepare(self, img) -> tuple[bytes, list[int]]:
-        """(PNG bytes at the final size, [grid_t, grid_h, grid_w]) of one decoded image."""
+    def prepare(self, img) -> tuple[str, list[int]]:
+        """(PNG data URL at the final size, [grid_t, grid_h, grid_w]) of one decoded image."""
         from PIL import Image
 
         h, w = smart_resize(img.height, img.width, self.factor, self.min_pixels, self.max_pixels)
         if (w, h) != img.size:
             img = img.resize((w, h), resample=Image.Resampling.BICUBIC)
         # a still image is one temporal patch (the processor repeats the frame temporal_patch_size times)
-        return to_png(img), [1, h // self.patch_size, w // self.patch_size]
+        return to_data_url(img), [1, h // self.patch_size, w // self.patch_size]
 
     def num_tokens(self, grid: list[int]) -> int:
         return grid[0] * grid[1] * grid[2] // (self.merge_size ** 2)
@@ -151,12 +154,12 @@ def load_image_processor(model_path: str | Path) -> Any:
     return AutoImageProcessor.from_pretrained(str(model_path))
 
 
-def pixel_inputs(image_processor: Any, images: list[bytes]) -> dict[str, Any]:
+def pixel_inputs(image_processor: Any, images: list[str | bytes]) -> dict[str, Any]:
     """pixel_values [sum(t*h*w), C*T*P*P] and image_grid_thw [n, 3] for prepared images (engine, trainer).
 
     The images are already at their final size, so the processor's own resize leaves them as they are.
     """
-    pics = [decode_image(b, f"image {i}") for i, b in enumerate(images)]
+    pics = [decode_image(image_bytes(ref, None)[0], f"image {i}") for i, ref in enumerate(images)]
     out = image_processor(images=pics, return_tensors="pt")
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 

@@ -65,8 +65,8 @@ class VisionRows:
             self._spec = VisionSpec.from_image_processor(self._processor, self.cfg.min_pixels, self.cfg.max_pixels)
         return self._spec
 
-    def images_of(self, record: dict[str, Any], raw: Any) -> list[tuple[bytes, list[int]]]:
-        """(PNG bytes, grid [t, h, w]) of each image of a row; a ValueError names what is wrong."""
+    def images_of(self, record: dict[str, Any], raw: Any) -> list[tuple[str, list[int]]]:
+        """(PNG data URL, grid [t, h, w]) of each image of a row; a ValueError names what is wrong."""
         key = self.cfg.image_key
         refs = record.get(key) if key else None
         if refs is None or (isinstance(refs, list) and not refs):
@@ -95,13 +95,13 @@ class VisionRows:
         return [dict(m, content=split_placeholders(m["content"]))
                 if isinstance(m["content"], str) and IMAGE_PLACEHOLDER in m["content"] else m for m in raw]
 
-    def expand(self, text: str, images: list[tuple[bytes, list[int]]]) -> tuple[str, list[int]]:
-        """(text with every <|image_pad|> repeated per merged patch, its token ids), checked."""
+    def expand(self, text: str, images: list[tuple[str, list[int]]]) -> list[int]:
+        """Token ids of the text with every <|image_pad|> repeated per merged patch, checked. The
+        text itself stays short (one pad per image, as the chat template renders it) for logs."""
         counts = [self.spec.num_tokens(grid) for _, grid in images]
-        text = expand_image_pads(text, counts)
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = list(self.tokenizer(expand_image_pads(text, counts), add_special_tokens=False)["input_ids"])
         found = sum(1 for t in ids if t == self.image_pad_id)
         if found != sum(counts):
             raise ValueError(f"the prompt tokenizes to {found} {IMAGE_PAD} ids, expected {sum(counts)} "
                              f"(grids {[g for _, g in images]}); does the prompt text itself contain {IMAGE_PAD}?")
-        return text, ids
+        return ids

@@ -30,12 +30,14 @@ class EngineError(RuntimeError):
                          else f"engine {where} unreachable: {message}")
 
 
-def image_data_of(images: Sequence[bytes]) -> list[str] | None:
-    """GenerateReqInput.image_data for one request: a list of `data:image/png;base64,...` URLs (one of
-    the forms SGLang's load_image accepts), or None for a text-only prompt (the field is then omitted)."""
+def image_data_of(images: Sequence[str | bytes]) -> list[str] | None:
+    """GenerateReqInput.image_data for one request: a list of `data:image/...;base64,` URLs (one of
+    the forms SGLang's load_image accepts; raw PNG bytes are wrapped into one), or None for a
+    text-only prompt (the field is then omitted)."""
     if not images:
         return None
-    return ["data:image/png;base64," + base64.b64encode(bytes(b)).decode("ascii") for b in images]
+    return [b if isinstance(b, str) else "data:image/png;base64," + base64.b64encode(bytes(b)).decode("ascii")
+            for b in images]
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ original image files, not from slime_rl's resize code.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from PIL import Image
 
 from slime_rl.config import DataConfig
-from slime_rl.data import DataError, PromptDataset, write_records
+from slime_rl.data import DataError, PromptDataset, Sample, write_records
 from slime_rl.data.images import pixel_inputs
 
 
@@ -70,6 +71,11 @@ def test_happy_path_pad_count_grid_and_pixels_match_hf_processor(tmp_path, vl):
     mine = pixel_inputs(proc, row.images)
     assert torch.equal(mine["pixel_values"], ref["pixel_values"])
     assert "images" not in row.metadata
+    assert row.prompt.count("<|image_pad|>") == 2  # the text keeps one pad per image (readable logs)
+    # a sample with images survives the JSON of the checkpointed rollout state
+    sample = Sample(index=0, group_index=0, prompt=row.prompt, prompt_ids=row.prompt_ids, images=row.images,
+                    image_grid_thw=row.image_grid_thw)
+    assert Sample(**json.loads(json.dumps(dataclasses.asdict(sample)))) == sample
     assert text_row.images == [] and config.image_token_id not in text_row.prompt_ids
 
 

@@ -10,6 +10,7 @@ if the image tokens, their embeddings and every position match.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def test_single_pad_form_is_expanded(vl_http, vl64, rows, tiny_qwen2_5_vl):
 def test_image_forms_file_path_and_base64(vl_http, rows, tmp_path):
     row = rows[0][0]
     path = tmp_path / "img.png"
-    path.write_bytes(row.images[0])
+    path.write_bytes(base64.b64decode(row.images[0].split(",", 1)[1]))
     sp = dict(SP, sampling_seed=5)
     url = image_data_of(row.images)[0]
     forms = [url, str(path), "file://" + str(path), url.split(",", 1)[1], {"url": url}]
