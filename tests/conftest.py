@@ -51,3 +51,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl(tmp_path_factory) -> Path:
+    """Tiny Qwen2.5-VL: 2-block vision tower (hidden 32, patch 14, merge 2) over a vocab-128, hidden-64,
+    2-layer decoder with mRoPE sections [2, 3, 3]; tokenizer, chat template and image processor."""
+    out = tmp_path_factory.mktemp("tiny_qwen2_5_vl")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen2_5_vl", seed=0, vocab_size=128)

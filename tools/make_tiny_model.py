@@ -1,6 +1,6 @@
 """Write a complete tiny HF checkpoint folder, with a tokenizer trained here (no model hub).
 
-    python tools/make_tiny_model.py --out DIR [--arch qwen2|llama] [--seed N] [--vocab-size V]
+    python tools/make_tiny_model.py --out DIR [--arch qwen2|llama|qwen2_5_vl] [--seed N] [--vocab-size V]
 
 The folder has config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a
 ChatML chat template), generation_config.json. Same seed -> same bytes of weights and the same
@@ -10,6 +10,13 @@ rebuilds the pre-tokenizer, gives the same ids as the trained `tokenizers` objec
 
 Norm weights and q/k/v biases are drawn at random rather than left at 1 and 0: a loader that maps
 them wrongly must change the log-probs, or the layout tests would not see it.
+
+`--arch qwen2_5_vl` writes a Qwen2_5_VLForConditionalGeneration (a 2-block vision tower, hidden 32,
+patch 14, merge 2, one window block and one full-attention block, over the same tiny decoder), the
+vision special tokens (<|vision_start|>, <|image_pad|>, ...) in the tokenizer, a chat template that
+renders {"type": "image"} parts as Qwen2.5-VL's does, and preprocessor_config.json for the image
+processor. No processor_config.json: transformers' Qwen2_5_VLProcessor needs a video processor
+(torchvision), so callers build the image processor and the tokenizer separately (FACTS.md).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from slime_rl.data import vl_counting
 from slime_rl.data.digits import corpus_lines
 
 QWEN2_SPLIT = (
@@ -33,9 +41,22 @@ CHAT_TEMPLATE = (
     "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% endif %}"
 )
+VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# Qwen2.5-VL's template renders an image part as <|vision_start|><|image_pad|><|vision_end|>; the
+# processor then repeats <|image_pad|> once per merged patch. Same rendering here, without tools.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' or 'image' in part %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
-def train_tokenizer(vocab_size: int, seed: int) -> Tokenizer:
+def train_tokenizer(vocab_size: int, seed: int, specials: list[str] | None = None,
+                    lines: list[str] | None = None) -> Tokenizer:
+    specials = SPECIALS if specials is None else specials
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -43,11 +64,11 @@ def train_tokenizer(vocab_size: int, seed: int) -> Tokenizer:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIALS), show_progress=False)
-    lines = corpus_lines(seed)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), show_progress=False)
+    lines = corpus_lines(seed) if lines is None else lines
     lines += ["<|im_start|>user\n" + ln + "<|im_end|>\n<|im_start|>assistant\n" for ln in lines[:50]]
     tok.train_from_iterator(lines, trainer=trainer)
-    tok.add_special_tokens(SPECIALS)
+    tok.add_special_tokens(specials)
     if tok.get_vocab_size() != vocab_size:
         raise SystemExit(f"--vocab-size {vocab_size}: the corpus gives {tok.get_vocab_size()} tokens; "
                          "choose a size the corpus can fill (the alphabet alone is about 40)")
@@ -68,7 +89,32 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
     if arch == "llama":
         from transformers import LlamaConfig
         return LlamaConfig(tie_word_embeddings=False, attention_bias=False, mlp_bias=False, **common)
-    raise SystemExit(f"--arch {arch}: unsupported (qwen2, llama)")
+    if arch == "qwen2_5_vl":
+        return build_vl_config(common, args)
+    raise SystemExit(f"--arch {arch}: unsupported (qwen2, llama, qwen2_5_vl)")
+
+
+def build_vl_config(common: dict, args: argparse.Namespace):
+    from transformers import Qwen2_5_VLConfig
+
+    head_dim = args.hidden_size // args.num_heads
+    # mrope_section splits head_dim/2 rotary frequencies between t, h and w (Qwen2.5-VL-7B: 16, 24, 24
+    # of 64); the same 1:1.5:1.5 shape here so all three axes are exercised.
+    half = head_dim // 2
+    t = half // 4
+    hw = (half - t) // 2
+    mrope = [t + (half - t - 2 * hw), hw, hw]
+    text = dict(common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
+                use_sliding_window=False)
+    text.pop("rope_theta")
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, out_hidden_size=args.hidden_size,
+                  fullatt_block_indexes=[1], tokens_per_second=2)
+    ids = args.vl_token_ids
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                            vision_start_token_id=ids["<|vision_start|>"],
+                            vision_end_token_id=ids["<|vision_end|>"], dtype="float32")
 
 
 def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_size: int = 64,
@@ -80,48 +126,80 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                               num_kv_heads=num_kv_heads)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(vocab_size, seed)
+    vl = arch == "qwen2_5_vl"
+    if vl:
+        tok = train_tokenizer(vocab_size, seed, SPECIALS + VL_SPECIALS, vl_counting.corpus_lines(seed))
+        args.vl_token_ids = {t: tok.token_to_id(t) for t in VL_SPECIALS}
+    else:
+        tok = train_tokenizer(vocab_size, seed)
     eos_id, pad_id = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     config = build_config(arch, vocab_size, eos_id, pad_id, args)
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if vl:  # not an AutoModelForCausalLM: the image-text-to-text class holds the vision tower too
+        from transformers import Qwen2_5_VLForConditionalGeneration
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith("ln_q.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(out, safe_serialization=True)
 
+    template = VL_CHAT_TEMPLATE if vl else CHAT_TEMPLATE
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = CHAT_TEMPLATE
+                                   additional_special_tokens=["<|im_start|>"] + (VL_SPECIALS if vl else []))
+    fast.chat_template = template
     fast.save_pretrained(out)
     cfg_path = out / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text())
-    tok_cfg["tokenizer_class"] = "Qwen2Tokenizer" if arch == "qwen2" else "PreTrainedTokenizerFast"
-    tok_cfg["chat_template"] = CHAT_TEMPLATE
+    tok_cfg["tokenizer_class"] = "Qwen2Tokenizer" if arch in ("qwen2", "qwen2_5_vl") else "PreTrainedTokenizerFast"
+    tok_cfg["chat_template"] = template
     tok_cfg["model_max_length"] = 512
     cfg_path.write_text(json.dumps(tok_cfg, indent=2))
     GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, temperature=1.0,
                      top_p=1.0).save_pretrained(out)
+    if vl:
+        save_image_processor(out)
     return out
+
+
+def save_image_processor(out: Path) -> None:
+    """preprocessor_config.json for Qwen2.5-VL's image processor (patch 14, merge 2, CLIP mean/std).
+
+    min/max pixels are kept small (4 to 64 merged patches) so a tiny model sees short prompts; the
+    data flags --min-pixels/--max-pixels override them per run.
+    """
+    from transformers import Qwen2VLImageProcessorPil
+
+    proc = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28, patch_size=14,
+                                    temporal_patch_size=2, merge_size=2)
+    proc.save_pretrained(out)
+    cfg_path = out / "preprocessor_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    # the class AutoImageProcessor resolves from the model type picks the torchvision or the PIL
+    # backend by what is installed; a name here would pin it
+    cfg["image_processor_type"] = "Qwen2VLImageProcessor"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
+    p.add_argument("--arch", choices=("qwen2", "llama", "qwen2_5_vl"), default="qwen2")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=None, help="default 64 (128 for qwen2_5_vl)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     a = p.parse_args(argv)
-    out = make_tiny_model(a.out, a.arch, a.seed, a.vocab_size, a.hidden_size, a.num_layers, a.num_heads,
+    vocab = a.vocab_size or (128 if a.arch == "qwen2_5_vl" else 64)
+    out = make_tiny_model(a.out, a.arch, a.seed, vocab, a.hidden_size, a.num_layers, a.num_heads,
                           a.num_kv_heads)
     print(f"wrote {out}")
 

@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-epoch", type=_positive_int, default=None, help="instead of --num-rollout")
     g.add_argument("--rollout-shuffle", action="store_true")
     g.add_argument("--rollout-max-prompt-len", type=_positive_int, default=None)
+    g.add_argument("--image-key", default="images",
+                   help="column of image paths/bytes (vision-language models); rows without it are text-only")
+    g.add_argument("--min-pixels", type=_positive_int, default=None,
+                   help="smallest image area after resizing (default: the checkpoint's image processor)")
+    g.add_argument("--max-pixels", type=_positive_int, default=None,
+                   help="largest image area after resizing (default: the checkpoint's image processor)")
 
     g = p.add_argument_group("rollout")
     g.add_argument("--rollout-batch-size", type=_positive_int, default=None, help="prompts per step")

@@ -149,6 +149,9 @@ class DataConfig:
     tool_key: str | None = None
     chat_template_kwargs: str | None = None  # JSON object, e.g. '{"enable_thinking": false}'
     num_epoch: int | None = None
+    image_key: str | None = "images"  # EasyR1's column name; absent in text-only data
+    min_pixels: int | None = None  # None: the checkpoint's image processor decides
+    max_pixels: int | None = None
 
 
 @dataclass(frozen=True)

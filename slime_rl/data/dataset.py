@@ -5,6 +5,10 @@ prompt of the wrong type, an empty prompt or a malformed message list is reporte
 number (all bad rows at once, the first few spelled out). Prompts longer than
 `--rollout-max-prompt-len` tokens are dropped and counted (`filtered_too_long`).
 
+Rows with images (`--image-key`, vision-language models) are handled by `slime_rl.data.vl`: the
+images are read, checked and resized at load too, and the prompt ids carry the expanded vision
+tokens.
+
 The position (epoch, offset) is plain data so a checkpoint can save it and a resumed run can
 continue where it stopped.
 """
@@ -14,11 +18,13 @@ from __future__ import annotations
 import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from slime_rl.config import DataConfig
-from slime_rl.data.readers import DataError, Record, read_records
+from slime_rl.data.readers import DataError, Record, parse_data_spec, read_records
+from slime_rl.data.vl import VisionRows
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +37,10 @@ class PromptRow:
     prompt_ids: list[int]
     label: Any
     metadata: dict[str, Any]
+    # vision-language rows: PNG data URLs at their final size and one [t, h, w] patch grid per image;
+    # prompt_ids hold grid_t*grid_h*grid_w/merge^2 <|image_pad|> ids per image (`prompt` holds one)
+    images: list[str] = field(default_factory=list)
+    image_grid_thw: list[list[int]] = field(default_factory=list)
 
 
 def parse_chat_template_kwargs(value: str | dict[str, Any] | None) -> dict[str, Any]:
@@ -95,12 +105,13 @@ class PromptDataset:
 
     `cfg.prompt_data` may carry a row slice (`train.parquet@[:1000]`). Keyword arguments add what
     `DataConfig` does not hold: `metadata_key` (a dict column merged into each row's metadata),
-    `tool_key` (a list of tool schemas passed to the chat template, also kept as metadata["tools"])
-    and `chat_template_kwargs` (a dict or JSON string for `apply_chat_template`).
+    `tool_key` (a list of tool schemas passed to the chat template, also kept as metadata["tools"]),
+    `chat_template_kwargs` (a dict or JSON string for `apply_chat_template`) and `image_processor`
+    (for rows with images; default: the one saved next to the tokenizer).
     """
 
     def __init__(self, cfg: DataConfig, tokenizer: Any, metadata_key: str | None = None, tool_key: str | None = None,
-                 chat_template_kwargs: dict[str, Any] | str | None = None) -> None:
+                 chat_template_kwargs: dict[str, Any] | str | None = None, image_processor: Any = None) -> None:
         self.cfg = cfg
         # the flags (--metadata-key, --tool-key, --apply-chat-template-kwargs) unless given here
         self.metadata_key = metadata_key or cfg.metadata_key
@@ -110,6 +121,9 @@ class PromptDataset:
         self.filtered_too_long = 0
         errors: list[str] = []
         records = read_records(cfg.prompt_data)
+        # image paths are relative to the data file; the image processor comes from the tokenizer's
+        # checkpoint folder unless given (only looked up when some row has images)
+        self.vision = VisionRows(cfg, tokenizer, Path(parse_data_spec(cfg.prompt_data)[0]).parent, image_processor)
         for row_number, record in records:
             try:
                 row = self._make_row(record, tokenizer)
@@ -154,7 +168,7 @@ class PromptDataset:
         else:
             raise ValueError(f"'{cfg.input_key}' must be a string or a message list, got {type(raw).__name__}")
 
-        skip = {cfg.input_key, cfg.label_key, self.metadata_key, self.tool_key}
+        skip = {cfg.input_key, cfg.label_key, self.metadata_key, self.tool_key, cfg.image_key}
         metadata = {k: v for k, v in record.items() if k not in skip}
         if self.metadata_key is not None and record.get(self.metadata_key) is not None:
             metadata.update(_json_field(record[self.metadata_key], dict, f"'{self.metadata_key}' (--metadata-key)"))
@@ -162,10 +176,17 @@ class PromptDataset:
         if self.tool_key is not None and record.get(self.tool_key) is not None:
             tools = _json_field(record[self.tool_key], list, f"'{self.tool_key}' (--tool-key)")
             metadata["tools"] = tools
+        images = self.vision.images_of(record, raw)
+        if images:
+            raw = self.vision.with_image_parts(raw, cfg.apply_chat_template)
         try:
             text = render_prompt(raw, tokenizer, cfg.apply_chat_template, tools, self.chat_template_kwargs)
         except Exception as exc:  # template engines raise their own types (jinja2.TemplateError, ...)
             raise ValueError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
+        if images:
+            ids = self.vision.expand(text, images)
+            return PromptRow(text, ids, record[cfg.label_key], metadata, [b for b, _ in images],
+                             [g for _, g in images])
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         return PromptRow(text, ids, record[cfg.label_key], metadata)
 

@@ -29,6 +29,10 @@ class Sample:
     # extra numeric outputs of the reward function (a dict reward's other keys), logged as metrics
     reward_metrics: dict[str, float] = field(default_factory=dict)
     weight_version: str | None = None
+    # vision-language prompts: PNG data URLs at their final size and one [t, h, w] grid per image
+    # (the engine gets them as image_data, the trainer turns them into pixel_values)
+    images: list[str] = field(default_factory=list)
+    image_grid_thw: list[list[int]] = field(default_factory=list)
 
     @property
     def response_length(self) -> int:

@@ -14,6 +14,7 @@ message (SGLang answers {"error": {"message"}}, {"success": false, "message"} or
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,16 @@ class EngineError(RuntimeError):
         where = f"{url}{endpoint}"
         super().__init__(f"engine {where} answered {status}: {message}" if status is not None
                          else f"engine {where} unreachable: {message}")
+
+
+def image_data_of(images: Sequence[str | bytes]) -> list[str] | None:
+    """GenerateReqInput.image_data for one request: a list of `data:image/...;base64,` URLs (one of
+    the forms SGLang's load_image accepts; raw PNG bytes are wrapped into one), or None for a
+    text-only prompt (the field is then omitted)."""
+    if not images:
+        return None
+    return [b if isinstance(b, str) else "data:image/png;base64," + base64.b64encode(bytes(b)).decode("ascii")
+            for b in images]
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:

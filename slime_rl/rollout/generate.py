@@ -48,7 +48,9 @@ def make_groups(rows: Sequence[PromptRow], n_samples_per_prompt: int, indices: i
     for row in rows:
         g = next(groups)
         out.append([Sample(index=next(indices), group_index=g, prompt=row.prompt, prompt_ids=list(row.prompt_ids),
-                           label=row.label, metadata=dict(row.metadata)) for _ in range(n_samples_per_prompt)])
+                           label=row.label, metadata=dict(row.metadata), images=list(row.images),
+                           image_grid_thw=[list(g) for g in row.image_grid_thw])
+                    for _ in range(n_samples_per_prompt)])
     return out
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime_rl.data import Sample
-from slime_rl.rollout.client import AsyncEngineClient, EngineError
+from slime_rl.rollout.client import AsyncEngineClient, EngineError, image_data_of
 from slime_rl.rollout.health import EngineHealth, NoLiveEngineError
 
 _WIDTH = 10  # digits in group and sample numbers: fixed width keeps prefixes prefix-free
@@ -159,7 +159,8 @@ class ClientPool:
                 seed = (self.sample_seed * 1_000_003 + sample.index * 7919 + len(input_ids)) % (2**31 - 1)
                 sampling_params = {**sampling_params, "sampling_seed": seed}
             return await self._unless_dead(i, self.balancer.clients[i].generate(
-                input_ids=list(input_ids), sampling_params=sampling_params, return_logprob=True, rid=rid))
+                input_ids=list(input_ids), sampling_params=sampling_params, return_logprob=True, rid=rid,
+                image_data=image_data_of(sample.images)))
         finally:
             self.balancer.release(i)
 

@@ -24,7 +24,7 @@ class Engine:
         self.answered: list[str] = []  # rids answered
         self.received = 0
 
-    async def generate(self, input_ids, sampling_params, return_logprob, rid):
+    async def generate(self, input_ids, sampling_params, return_logprob, rid, image_data=None):
         self.received += 1
         await asyncio.sleep(0.01)
         if self.mode != "ok" and len(self.answered) >= self.after:

@@ -17,7 +17,7 @@ class FakeClient:
         self.base_url, self.answer, self.calls = name, answer, []
         self.in_flight = self.peak = 0
 
-    async def generate(self, input_ids, sampling_params, return_logprob, rid):
+    async def generate(self, input_ids, sampling_params, return_logprob, rid, image_data=None):
         self.calls.append((rid, sampling_params))
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)

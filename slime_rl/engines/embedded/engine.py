@@ -33,6 +33,7 @@ import torch
 
 from slime_rl.engines.embedded.batch import Row, RunningBatch, can_merge, left_pad
 from slime_rl.engines.embedded.sampling import SamplingParams, sample, token_logprobs
+from slime_rl.engines.embedded.vision import is_vision_config, prefill_vision_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ class GenRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1
     generator: torch.Generator | None = None
+    # images (vision-language models): processor outputs for the image pads in input_ids
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
     # results, written by the scheduler thread
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -73,6 +77,7 @@ class Engine:
         # transformers renamed the forward's `past_key_values` to `cache` (5.2x); take either.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.is_vision = is_vision_config(model.config)
         self.default_gen = torch.Generator(device=self.device).manual_seed(seed)
         self.model_lock = threading.Lock()  # held for every forward and every weight copy
         # CUDA: the last weight copy's event (it runs on a side stream); forwards wait for it
@@ -246,12 +251,18 @@ class Engine:
         want_input_lp = any(r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in ready)
         with self.model_lock, torch.no_grad():
             self.wait_weights()
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+            # images: embeddings holding the image features and 3-D mRoPE positions; the deltas
+            # shift each row's later (text) positions
+            vision, deltas = prefill_vision_kwargs(self.model, ready, ids, mask) if self.is_vision \
+                else ({}, [0] * len(ready))
+            pos = vision.pop("position_ids", pos)
+            inputs = vision if vision else {"input_ids": ids}
+            out = self.model(**inputs, attention_mask=mask, position_ids=pos, use_cache=True,
                              logits_to_keep=0 if want_input_lp else 1)
         self.stats["prefill_forwards"] += 1
         if want_input_lp:
             self._input_logprobs(ready, out.logits, ids.shape[1])
-        rows = [Row(req=r, next_pos=len(s)) for r, s in zip(ready, seqs, strict=True)]
+        rows = [Row(req=r, next_pos=len(s) + d) for r, s, d in zip(ready, seqs, deltas, strict=True)]
         keep = self._sample_and_check(rows, out.logits[:, -1, :])
         with self._cond:
             n_old = len(self._batch)

@@ -19,18 +19,22 @@ import torch
 
 from slime_rl.engines.embedded.engine import GenRequest
 from slime_rl.engines.embedded.sampling import RequestError, SamplingParams
+from slime_rl.engines.embedded.vision import VisionInputs, per_request_images
 
 # GenerateReqInput fields the embedded engine acts on. Any other GenerateReqInput field is accepted
 # at its neutral value (None/False/0/empty) and refused otherwise, naming it.
 HANDLED = frozenset({
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "return_text_in_logprobs",
-    "stream", "rid", "log_metrics", "top_logprobs_num",
+    "stream", "rid", "log_metrics", "top_logprobs_num", "image_data",
 })
 
 
 def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
-                   next_rid) -> tuple[list[GenRequest], bool]:
-    """Validate a /generate body; returns the requests and whether it was a batch request."""
+                   next_rid, vision: VisionInputs | None = None) -> tuple[list[GenRequest], bool]:
+    """Validate a /generate body; returns the requests and whether it was a batch request.
+
+    `vision` (a vision-language model) turns `image_data` into pixel inputs; without it image_data
+    is refused."""
     if not isinstance(body, dict):
         raise RequestError("body: expected a JSON object (SGLang's GenerateReqInput)")
     for name, value in body.items():
@@ -62,8 +66,14 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
     lps = _per_item(body.get("return_logprob"), n, is_batch, "return_logprob", (bool,))
     starts = _per_item(body.get("logprob_start_len"), n, is_batch, "logprob_start_len", (int,))
     rids = _rids(body.get("rid"), n, is_batch, next_rid)
+    images = per_request_images(body.get("image_data"), n, is_batch)
+    if vision is None and any(images):
+        raise RequestError("image_data: this model has no vision tower")
     reqs = []
     for i, prompt in enumerate(prompts):
+        pixels = grids = None
+        if vision is not None:
+            prompt, pixels, grids = vision.prepare(list(prompt), images[i])
         if len(prompt) >= context_len:
             raise RequestError(f"input_ids: the prompt has {len(prompt)} tokens; the context length is "
                                f"{context_len}")
@@ -74,7 +84,8 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
         if start >= len(prompt):
             raise RequestError(f"logprob_start_len: {start} is not below the prompt length {len(prompt)}")
         reqs.append(GenRequest(rid=rids[i], input_ids=list(prompt), params=params,
-                               return_logprob=bool(lps[i]), logprob_start_len=start))
+                               return_logprob=bool(lps[i]), logprob_start_len=start, pixel_values=pixels,
+                               image_grid_thw=grids))
     return reqs, is_batch
 
 

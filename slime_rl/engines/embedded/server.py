@@ -27,9 +27,11 @@ from typing import Any
 
 import torch
 
+from slime_rl.data.images import load_image_processor
 from slime_rl.engines.embedded.engine import Engine
 from slime_rl.engines.embedded.protocol import build_response, parse_generate, seed_generator
 from slime_rl.engines.embedded.sampling import RequestError
+from slime_rl.engines.embedded.vision import VisionInputs, is_vision_config
 from slime_rl.engines.embedded.weights import WeightSync
 
 logger = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ class EmbeddedServer:
     """Loads the model, starts the scheduler and serves HTTP (call `start()` or `serve_forever()`)."""
 
     def __init__(self, cfg: ServerConfig) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.cfg = cfg
         dtype = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -65,14 +67,21 @@ class EmbeddedServer:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.random_seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype).to(cfg.device).eval()
+        self.vision: VisionInputs | None = None
+        hf = AutoConfig.from_pretrained(cfg.model_path)
+        if is_vision_config(hf):  # Qwen2.5-VL: the image-text class holds the vision tower
+            from transformers import AutoModelForImageTextToText
+            self.model = AutoModelForImageTextToText.from_pretrained(cfg.model_path, dtype=dtype).to(cfg.device).eval()
+            self.vision = VisionInputs(hf, load_image_processor(cfg.model_path), self.tokenizer)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype).to(cfg.device).eval()
         hf = self.model.config
         eos = set()
         try:
             gen_eos = GenerationConfig.from_pretrained(cfg.model_path).eos_token_id
         except OSError:  # no generation_config.json
             gen_eos = None
-        for ids in (gen_eos, hf.eos_token_id, self.tokenizer.eos_token_id):
+        for ids in (gen_eos, getattr(hf.get_text_config(), "eos_token_id", None), self.tokenizer.eos_token_id):
             eos.update([ids] if isinstance(ids, int) else (ids or []))
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
         self.vocab_size = hf.get_text_config().vocab_size
@@ -107,7 +116,8 @@ class EmbeddedServer:
 
     # ---- endpoint bodies: (status, payload); payload dict/list -> JSON, str -> text, None -> empty ----
     def generate(self, body: Any) -> tuple[int, Any]:
-        reqs, is_batch = parse_generate(body, self.tokenizer, self.vocab_size, self.context_len, self.next_rid)
+        reqs, is_batch = parse_generate(body, self.tokenizer, self.vocab_size, self.context_len, self.next_rid,
+                                        self.vision)
         for r in reqs:
             seed_generator(r, self.engine.device)
         self.engine.submit(reqs)
@@ -133,7 +143,8 @@ class EmbeddedServer:
         return {"model_path": self.cfg.model_path, "served_model_name": self.cfg.model_path,
                 "tokenizer_path": self.cfg.model_path, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": self.weights.weight_version,
-                "load_format": "auto", "has_image_understanding": False, "has_audio_understanding": False,
+                "load_format": "auto", "has_image_understanding": self.vision is not None,
+                "has_audio_understanding": False,
                 "model_type": getattr(hf, "model_type", None), "architectures": getattr(hf, "architectures", None)}
 
     def server_info(self) -> dict:

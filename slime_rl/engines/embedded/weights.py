@@ -24,6 +24,7 @@ import torch
 from slime_rl.engines import dist_group
 from slime_rl.engines.embedded.engine import Engine
 from slime_rl.engines.embedded.sampling import RequestError
+from slime_rl.engines.embedded.vision import checkpoint_aliases
 
 
 class WeightSync:
@@ -33,6 +34,7 @@ class WeightSync:
         # remove_duplicate=False keeps both names of a tied tensor (lm_head.weight and
         # model.embed_tokens.weight): updating either one updates the shared storage.
         self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.params.update(checkpoint_aliases(self.params, model.config))  # Qwen2.5-VL: HF checkpoint names
         self.groups: dict[str, object] = {}
         self.weight_version = weight_version
         self._lock = threading.Lock()  # one group operation at a time
