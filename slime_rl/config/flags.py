@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tis-clip", type=float, default=2.0)
     g.add_argument("--tis-clip-low", type=float, default=0.0)
     g.add_argument("--kl-loss-type", choices=KL_LOSS_TYPES, default="low_var_kl")
+    g.add_argument("--ref-update-interval", type=_positive_int, default=None,
+                   help="replace the frozen reference (KL) with the current policy every N rollouts; "
+                        "default: the initial policy for the whole run")
 
     g = p.add_argument_group("critic (PPO: --advantage-estimator ppo; slime's names)")
     g.add_argument("--critic-num-nodes", type=_positive_int, default=None, help="default: --actor-num-nodes")

@@ -92,6 +92,7 @@ class AlgoConfig:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    ref_update_interval: int | None = None  # rollouts between reference refreshes; None: frozen
 
     @property
     def token_level_advantages(self) -> bool:

@@ -244,6 +244,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(not (a.use_fault_tolerance and a.use_sglang_router),
            "--use-fault-tolerance and --use-sglang-router exclude each other (configure the router's own "
            "retries with --router-* flags)")
+    _check(a.ref_update_interval is None or a.use_kl_loss or a.kl_loss_coef > 0 or a.kl_coef > 0,
+           "--ref-update-interval needs a reference model: --use-kl-loss, --kl-loss-coef or --kl-coef")
     _check(a.save_interval is None or a.save is not None or a.save_hf is not None,
            "--save-interval needs --save or --save-hf")
     if a.save_hf is not None:
@@ -274,7 +276,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         algo=AlgoConfig(a.advantage_estimator, a.eps_clip, eps_high, a.kl_loss_coef, a.kl_loss_type,
                         a.rollout_temperature, not a.disable_grpo_std_normalization, a.overlong_buffer_len,
                         a.overlong_penalty_factor, a.eps_clip_c, a.use_kl_loss, a.kl_coef, a.gamma,
-                        a.lambd, a.value_clip, a.entropy_coef, a.use_tis, a.tis_clip, a.tis_clip_low),
+                        a.lambd, a.value_clip, a.entropy_coef, a.use_tis, a.tis_clip, a.tis_clip_low,
+                        ref_update_interval=a.ref_update_interval),
         data=DataConfig(prompt_data, a.input_key, a.label_key, a.apply_chat_template, a.rollout_shuffle,
                         a.rollout_max_prompt_len, a.rollout_seed, a.metadata_key, a.tool_key,
                         a.apply_chat_template_kwargs, a.num_epoch, image_key=a.image_key,

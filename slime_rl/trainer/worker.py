@@ -216,8 +216,23 @@ class TrainerWorker(MegatronRank):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._ref: dict[str, torch.Tensor] | None = None
+        self._updates = 0  # rollouts trained (policy updates), for --ref-update-interval
         if self.algo.use_reference:
-            self._ref = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
+            self._refresh_reference()
+
+    def _refresh_reference(self) -> None:
+        """The reference (KL) weights := the current policy, as a CPU copy (swapped in only for the
+        reference forward, so it costs host memory, not device memory)."""
+        self._ref = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
+
+    def load_latest_checkpoint(self, root: str) -> dict | None:
+        """As MegatronRank's; with --ref-update-interval the reference restarts from the loaded
+        weights, which is exact when the run resumes at a multiple of the interval."""
+        extra = super().load_latest_checkpoint(root)
+        if extra is not None and self.algo.ref_update_interval and self._ref is not None:
+            self._updates = int(extra.get("rollout_id", -1)) + 1
+            self._refresh_reference()
+        return extra
 
     # ---- forward-only passes
     @torch.no_grad()
@@ -241,7 +256,8 @@ class TrainerWorker(MegatronRank):
 
     @contextlib.contextmanager
     def reference_weights(self) -> Iterator[None]:
-        """Swap the frozen initial weights in for the block, then the current ones back (exactly)."""
+        """Swap the reference weights (the initial policy, or the last refresh under
+        --ref-update-interval) in for the block, then the current ones back (exactly)."""
         assert self._ref is not None, "no reference copy: the worker was built with algo.use_reference false"
         self._compat()
         params = dict(self.gpt.named_parameters())
@@ -332,6 +348,9 @@ class TrainerWorker(MegatronRank):
             grad_norm, lr = self.optimizer_step()
             stats.append(s)
             norms.append(grad_norm)
+        self._updates += 1
+        if self.algo.ref_update_interval and self._updates % self.algo.ref_update_interval == 0:
+            self._refresh_reference()
         return train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
 
     # ---- weights out

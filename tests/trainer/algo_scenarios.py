@@ -89,4 +89,21 @@ def entropy_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return logits, torch.randn(3, 4, generator=g)
 
 
-SCENARIOS = {"algo1": scenario_algo, "algo2": scenario_algo, "entropy_tp2": scenario_entropy_tp2}
+def scenario_ref_update(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    """--ref-update-interval 2 with a KL loss: four rollouts on the same batch; each records the
+    reference and old log-probs its step starts from."""
+    w = make_worker(rank, world, port, ckpts["qwen2"], mbs=2, gbs=4,
+                    algo=AlgoConfig(use_kl_loss=True, kl_loss_coef=0.1, ref_update_interval=2))
+    batch = make_batch()
+    out: dict = {"old": [], "ref": []}
+    for _ in range(4):
+        inputs = w.step_inputs(batch)
+        out["old"].append(inputs.old)
+        out["ref"].append(inputs.ref)
+        w.train_step(batch, inputs)
+    w.shutdown()
+    return out
+
+
+SCENARIOS = {"algo1": scenario_algo, "algo2": scenario_algo, "entropy_tp2": scenario_entropy_tp2,
+             "ref_update": scenario_ref_update}

@@ -179,3 +179,15 @@ def test_vocab_parallel_entropy_value_and_gradient_tp2(scenario):
         assert torch.equal(rec["entropy"], rec["entropy_nograd"])
         assert torch.allclose(rec["grad"].double(), grad[..., r * 5 : (r + 1) * 5], atol=1e-6), r
     assert torch.equal(ranks[1]["grad"][..., -1], torch.zeros(3, 4))  # the padded id gets nothing
+
+
+def test_reference_refreshes_every_interval(scenario):
+    """--ref-update-interval 2: rollouts 0-1 use the initial policy as reference, rollouts 2-3 the
+    policy after rollout 1's update. The reference forward swaps weights in and out, so the
+    log-probs of the same weights are bit-identical, and the policy moves every update."""
+    (rec,) = scenario("ref_update", 1)
+    old, ref = rec["old"], rec["ref"]
+    assert ref[0] == old[0]  # reference = initial policy = rollout 0's policy
+    assert ref[1] == old[0] and old[1] != old[0]  # still the initial policy; the policy moved
+    assert ref[2] == old[2] and ref[2] != ref[1]  # refreshed after 2 updates: the policy of rollout 2
+    assert ref[3] == old[2] and old[3] != old[2]

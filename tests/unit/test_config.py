@@ -39,6 +39,7 @@ def test_global_batch_defaults_to_one_step_per_rollout(tmp_path):
     (["--no-such-flag", "1"], "--no-such-flag"),
     (["--keep-last", "2"], "--keep-last"),
     (["--group-rm"], "--group-rm"),
+    (["--ref-update-interval", "5"], "--ref-update-interval"),
     (["--use-fault-tolerance", "--use-sglang-router"], "--use-fault-tolerance"),
 ])
 def test_bad_flag_values_name_the_flag(tmp_path, extra, flag):
