@@ -21,6 +21,19 @@ from slime_rl.engines.launch import embedded_command, sglang_command, wait_healt
 from slime_rl.orchestration.placement import EngineSlot
 
 
+def terminate(process: subprocess.Popen, timeout_s: float = 20.0) -> int:
+    """SIGTERM (servers shut down gracefully on it), SIGKILL after `timeout_s`; the exit code.
+    Only this process: never anything found by name."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -105,10 +118,5 @@ class EngineActor:
         return free_port(self.node_ip())  # the address the engine will bind, not every interface
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            terminate(self.process)

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from slime_rl.config import Config
 from slime_rl.engines.launch import EngineLaunchError, router_command, wait_healthy
-from slime_rl.orchestration.engines import free_port
+from slime_rl.orchestration.engines import free_port, terminate
 
 
 def router_launch_command(cfg: Config, host: str, port: int, worker_urls: Sequence[str],
@@ -90,16 +90,7 @@ class RouterActor:
 
     def stop(self) -> int | None:
         """Terminate the router (SIGTERM: it shuts down gracefully); returns its exit code."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return None if self.process is None else terminate(self.process)
 
 
 def start_router(cfg: Config, engine_urls: Sequence[str], api_key: str | None,

@@ -22,24 +22,17 @@ import pytest
 from slime_rl.config import build_config
 from slime_rl.rollout.client import EngineClient
 from slime_rl.train import RunFailed, preflight, train
+from tests.loop_checks import digit_data_fixture, ray_session_fixture
 
 ray = pytest.importorskip("ray")
 KEY = "fault-test-secret"
 PROMPTS, N = 8, 4
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+ray_session = ray_session_fixture(4)
 
 
-@pytest.fixture(scope="module")
-def digit_data(tmp_path_factory):
-    from slime_rl.data.digits import make_rows, write_jsonl
-
-    return write_jsonl(make_rows(64, seed=3), tmp_path_factory.mktemp("data") / "digits.jsonl")
+digit_data = digit_data_fixture(64, seed=3)
 
 
 def argv(model, data, run_dir, steps, tp=1):

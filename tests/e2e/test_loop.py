@@ -12,16 +12,12 @@ from safetensors.torch import load_file
 from slime_rl.config import build_config
 from slime_rl.observability import REQUIRED_KEYS
 from slime_rl.train import preflight, train
-from tests.loop_checks import one_step_then_compare_weights
+from tests.loop_checks import digit_data_fixture, one_step_then_compare_weights, ray_session_fixture
 
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+ray_session = ray_session_fixture(4)
 
 
 def argv(model, data, run_dir, steps):
@@ -32,11 +28,7 @@ def argv(model, data, run_dir, steps):
             "--rm-type", "digit", "--lr", "0.003", "--rollout-shuffle", "--update-weight-buffer-size", "20000"]
 
 
-@pytest.fixture(scope="module")
-def digit_data(tmp_path_factory):
-    from slime_rl.data.digits import make_rows, write_jsonl
-
-    return write_jsonl(make_rows(64, seed=1), tmp_path_factory.mktemp("data") / "digits.jsonl")
+digit_data = digit_data_fixture(64, seed=1)
 
 
 def test_two_steps_write_metrics_and_logprobs_agree(ray_session, tiny_qwen2, digit_data, tmp_path):

@@ -13,6 +13,7 @@ import pytest
 from slime_rl.config import build_config
 from slime_rl.observability import REQUIRED_KEYS
 from slime_rl.train import dry_run, preflight, train
+from tests.loop_checks import digit_data_fixture, ray_session_fixture
 
 ray = pytest.importorskip("ray")
 
@@ -21,18 +22,10 @@ PPO_KEYS = {"train/value_loss", "train/explained_variance", "critic/value_mean",
             "train/advantage_std"}
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+ray_session = ray_session_fixture(6)
 
 
-@pytest.fixture(scope="module")
-def digit_data(tmp_path_factory):
-    from slime_rl.data.digits import make_rows, write_jsonl
-
-    return write_jsonl(make_rows(64, seed=1), tmp_path_factory.mktemp("data") / "digits.jsonl")
+digit_data = digit_data_fixture(64, seed=1)
 
 
 def argv(model, data, run_dir, steps: int, *extra: str) -> list[str]:

@@ -12,15 +12,12 @@ from safetensors.torch import load_file
 from slime_rl.config import build_config
 from slime_rl.train import preflight, train
 from tests.e2e.test_loop import argv
+from tests.loop_checks import digit_data_fixture
 
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def digit_data(tmp_path_factory):
-    from slime_rl.data.digits import make_rows, write_jsonl
-
-    return write_jsonl(make_rows(32, seed=1), tmp_path_factory.mktemp("data") / "digits.jsonl")
+digit_data = digit_data_fixture(32, seed=1)
 
 
 def test_save_hf_every_interval(tiny_qwen2, digit_data, tmp_path):

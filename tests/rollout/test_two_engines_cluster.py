@@ -12,24 +12,16 @@ import pytest
 from slime_rl.config import build_config
 from slime_rl.rollout.client import EngineClient
 from slime_rl.train import preflight
-from tests.loop_checks import one_step_then_compare_weights
+from tests.loop_checks import digit_data_fixture, one_step_then_compare_weights, ray_session_fixture
 
 ray = pytest.importorskip("ray")
 KEY = "two-engines-secret"
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+ray_session = ray_session_fixture(4)
 
 
-@pytest.fixture(scope="module")
-def digit_data(tmp_path_factory):
-    from slime_rl.data.digits import make_rows, write_jsonl
-
-    return write_jsonl(make_rows(32, seed=3), tmp_path_factory.mktemp("data") / "digits.jsonl")
+digit_data = digit_data_fixture(32, seed=3)
 
 
 @pytest.mark.parametrize("router", [False, True], ids=["client-routing", "sglang-router"])
