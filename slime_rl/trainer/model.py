@@ -86,7 +86,10 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from slime_rl.trainer import packed_rope
     from slime_rl.trainer.attention import SDPACoreAttention
+
+    packed_rope.install()  # packed THD RoPE without per-sample host syncs (see packed_rope.py)
 
     if arch.num_layers % pp_size != 0:
         raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by "
