@@ -57,6 +57,21 @@ def _assemble(parts: list[tuple[list[int], list]], n: int) -> list:
     return out
 
 
+def _master_address() -> tuple[str, int]:
+    """This node's address and a free port: rank 0 of a Megatron group hosts its rendezvous there."""
+    from slime_rl.orchestration.engines import free_port
+
+    return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+
+
+def _set_cpu_threads(threads: int) -> None:
+    """On CPU each rank gets its share of the cores (the ranks share the node's cores)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(threads)
+
+
 @ray.remote
 class TrainerActor:
     """One Megatron rank (TrainerWorker) plus its part of the weight sync."""
@@ -70,15 +85,10 @@ class TrainerActor:
         os.environ["LOCAL_RANK"] = "0"
 
     def master_address(self) -> tuple[str, int]:
-        from slime_rl.orchestration.engines import free_port
-
-        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+        return _master_address()
 
     def init(self, cfg: Config, master_addr: str, master_port: int, train_iters: int, threads: int) -> None:
-        import torch
-
-        if not torch.cuda.is_available():
-            torch.set_num_threads(threads)
+        _set_cpu_threads(threads)
         from slime_rl.trainer.worker import TrainerWorker
 
         self.cfg = cfg
@@ -240,15 +250,10 @@ class CriticActor:
         os.environ["LOCAL_RANK"] = "0"
 
     def master_address(self) -> tuple[str, int]:
-        from slime_rl.orchestration.engines import free_port
-
-        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+        return _master_address()
 
     def init(self, cfg: Config, master_addr: str, master_port: int, train_iters: int, threads: int) -> None:
-        import torch
-
-        if not torch.cuda.is_available():
-            torch.set_num_threads(threads)
+        _set_cpu_threads(threads)
         from slime_rl.trainer.critic import CriticWorker
 
         self.cfg, critic = cfg, cfg.critic
