@@ -40,6 +40,7 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     if cfg.engine.use_router and not cfg.dry_run and importlib.util.find_spec("sglang_router") is None:
         raise ConfigError("--use-sglang-router: the 'sglang_router' package is not installed on the head node "
                           "(pip install slime_rl[router])")
+    check_model_features(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
     dataset = PromptDataset(cfg.data, tokenizer)
     if dataset.filtered_too_long:
@@ -53,6 +54,26 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     load_filter(cfg.rollout.dynamic_sampling_filter_path)
     return cfg, plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
                                cluster_cpus=os.cpu_count(), critic_world=cfg.critic.world_size if cfg.critic else 0)
+
+
+def check_model_features(cfg: Config) -> None:
+    """Flags that need (or do not work with) a vision-language checkpoint, from its config.json."""
+    from slime_rl.trainer.convert import FAMILIES, read_hf_config
+
+    try:
+        model_type = read_hf_config(cfg.model.hf_checkpoint).get("model_type", "")
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"--hf-checkpoint: {exc}") from exc
+    vision = model_type in FAMILIES and FAMILIES[model_type].vision
+    if cfg.model.freeze_vision_tower and not vision:
+        raise ConfigError(f"--freeze-vision-tower needs a vision-language checkpoint; --hf-checkpoint "
+                          f"{cfg.model.hf_checkpoint} is model_type {model_type!r}")
+    if vision and cfg.parallel.context_parallel_size > 1:
+        raise ConfigError(f"--context-parallel-size {cfg.parallel.context_parallel_size}: context parallelism "
+                          f"is not supported for vision-language models ({model_type})")
+    if vision and cfg.critic is not None:
+        raise ConfigError(f"--advantage-estimator {cfg.algo.advantage_estimator}: a critic for vision-language "
+                          f"models ({model_type}) is not supported yet; use grpo, dapo, gspo, rloo or reinforce++")
 
 
 def reward_fn(rollout: RolloutConfig):

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--freeze-vision-tower", action="store_true",
+                   help="vision-language checkpoints: the vision tower does not train (EasyR1's freeze_vision_tower); "
+                        "weight sync sends it once, then only the language model")
 
     g = p.add_argument_group("checkpoints (Megatron names)")
     g.add_argument("--save", default=None)

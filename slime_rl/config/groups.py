@@ -68,6 +68,7 @@ class ModelConfig:
     hf_checkpoint: str = ""
     bf16: bool = False
     seed: int = 1234
+    freeze_vision_tower: bool = False  # vision-language models: the vision tower does not train
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ def samples_to_batch(groups: list[list[Sample]], algo: AlgoConfig | None = None,
     rewards = shaped_rewards(groups, algo, max_response_len)
     adv = group_advantages(rewards, algo).flatten().tolist()
     flat = [s for g in groups for s in g]
-    return {
+    batch = {
         "tokens": [s.tokens for s in flat],
         "response_lengths": [s.response_length for s in flat],
         "loss_masks": [s.loss_mask for s in flat],
@@ -72,6 +72,10 @@ def samples_to_batch(groups: list[list[Sample]], algo: AlgoConfig | None = None,
         "rollout_logprobs": [s.rollout_logprobs for s in flat],
         "rewards": rewards.flatten().tolist(),
     }
+    if any(s.images for s in flat):  # vision-language: the trainer rebuilds pixels and mRoPE positions
+        batch["images"] = [list(s.images) for s in flat]
+        batch["image_grid_thw"] = [[list(g) for g in s.image_grid_thw] for s in flat]
+    return batch
 
 
 def dump_rollouts(path: Path, groups: list[list[Sample]]) -> None:

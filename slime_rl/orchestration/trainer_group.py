@@ -144,7 +144,11 @@ class TrainerActor:
             self.broadcaster.pause_engines()
         dist.barrier()
         try:
-            return self.broadcaster.sync(self.worker.iter_hf_weights(), version)
+            # a frozen vision tower is sent once per trainer process (the engines may have started from
+            # another checkpoint than a resumed trainer), then never again: it cannot change
+            skip = getattr(self, "_synced_once", False)
+            self._synced_once = True
+            return self.broadcaster.sync(self.worker.iter_hf_weights(skip_frozen=skip), version)
         finally:
             dist.barrier()
             if self.rank == 0:

@@ -36,6 +36,8 @@ class MicroBatch:
     # context parallel (context_parallel.py): 1 where this CP rank holds the position predicting
     # response token j (logit_index is then local); None without CP
     cp_own: Tensor | None = None
+    # vision-language samples (vision.py): image inputs; position_ids are then [3, b, s] (mRoPE)
+    vision: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from slime_rl.trainer.convert import ModelArch, ParamMap, hf_shapes, hf_to_mcore_shard, mcore_shards_to_hf
+from slime_rl.trainer.convert import Layout, ModelArch, ParamMap, hf_shapes, hf_to_mcore_shard, mcore_shards_to_hf
 from slime_rl.trainer.model import unwrap
 
 
@@ -56,7 +56,8 @@ def stage_param_maps(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1) -> lis
     embedding = [p for p in family.global_params if p.mcore.startswith("embedding.")]
     tail = [p for p in family.global_params if not p.mcore.startswith("embedding.")
             and not (p.untied_only and tied)]
-    out = [(p.mcore, p, True) for p in embedding] if first else []
+    # a vision-language model's HF vision tower lives on the first stage (convert/vision.py)
+    out = [(p.mcore, p, True) for p in (*arch.vision_params, *embedding)] if first else []
     for i in range(per_stage):
         out += [(p.mcore.format(i=i), p.at_layer(pp_rank * per_stage + i), True) for p in family.layer_params]
     if last:
@@ -147,8 +148,9 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, arch: Mo
         target.copy_(shard.to(target.dtype))
 
 
-def _gather_tp(t: torch.Tensor, tp_size: int, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
-    if tp_size == 1:
+def _gather_tp(t: torch.Tensor, tp_size: int, group: dist.ProcessGroup | None,
+               replicated: bool = False) -> list[torch.Tensor]:
+    if tp_size == 1 or replicated:  # every TP rank holds the same full tensor: nothing to gather
         return [t]
     t = t.contiguous()
     out = [torch.empty_like(t) for _ in range(tp_size)]
@@ -156,32 +158,38 @@ def _gather_tp(t: torch.Tensor, tp_size: int, group: dist.ProcessGroup | None) -
     return out
 
 
+def _emitted(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool) -> list[tuple[str, ParamMap]]:
+    params = dict(unwrap(model).named_parameters())
+    return [(local, pm) for local, pm, emit in stage_param_maps(arch, *_pp())
+            if emit and not (skip_frozen and not params[local].requires_grad)]
+
+
 @torch.no_grad()
-def iter_hf_weights(model: torch.nn.Module, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model: torch.nn.Module, arch: ModelArch,
+                    skip_frozen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every HF tensor of this pipeline stage, identical on every
     rank of the stage (all of them with PP=1).
 
     Every rank of the TP group must consume the generator to the end (it runs all-gathers). The
     tensors are in the model's dtype and on its device. Tied models yield only
-    `model.embed_tokens.weight` (from stage 0), as HF's own state dict does."""
+    `model.embed_tokens.weight` (from stage 0), as HF's own state dict does. `skip_frozen` leaves
+    out parameters that do not train (a --freeze-vision-tower tower: the engine keeps its copy)."""
     _, tp_size, group = _tp()
     params = dict(unwrap(model).named_parameters())
-    for local, pm, emit in stage_param_maps(arch, *_pp()):
-        if emit:
-            shards = _gather_tp(params[local].detach(), tp_size, group)
-            yield from mcore_shards_to_hf(pm, shards, arch)
+    for local, pm in _emitted(model, arch, skip_frozen):
+        shards = _gather_tp(params[local].detach(), tp_size, group, pm.layout is Layout.REPLICATED)
+        yield from mcore_shards_to_hf(pm, shards, arch)
 
 
-def hf_weight_metadata(model: torch.nn.Module, arch: ModelArch) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def hf_weight_metadata(model: torch.nn.Module, arch: ModelArch,
+                       skip_frozen: bool = False) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(hf_name, dtype, shape) of what `iter_hf_weights` yields, in the same order, with no
     communication (weight sync announces the tensors before sending them). Shapes come from the
     same conversion code run on meta tensors, so they cannot drift from `iter_hf_weights`."""
     _, tp_size, _ = _tp()
     params = dict(unwrap(model).named_parameters())
     out = []
-    for name, pm, emit in stage_param_maps(arch, *_pp()):
-        if not emit:
-            continue
+    for name, pm in _emitted(model, arch, skip_frozen):
         local = params[name]
         shards = [torch.empty(local.shape, dtype=local.dtype, device="meta")] * tp_size
         out += [(name, t.dtype, tuple(t.shape)) for name, t in mcore_shards_to_hf(pm, shards, arch)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ class MicroBatching:
     pad_multiple: int = 1  # packed rows are padded to this (the TP size under sequence parallel)
     cp_size: int = 1  # context parallel: every micro-batch is split over the CP group
     cp_rank: int = 0
+    vision: Any = None  # vision.VisionBatching of a vision-language model (mRoPE, image inputs)
 
     def __post_init__(self) -> None:
         if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:
@@ -73,6 +75,10 @@ class MicroBatching:
             mb = build_packed_micro_batch(batch, use, self.device, per_token, self.pad_multiple)
         else:
             mb = build_micro_batch(batch, use, self.device, per_token)
+        if self.vision is not None:
+            if self.cp_size > 1:
+                raise ValueError("--context-parallel-size > 1 is not supported for vision-language models")
+            self.vision.attach(mb, batch, use)
         if self.cp_size > 1:
             mb = split_micro_batch(mb, self.cp_size, self.cp_rank)
         if dummy:  # runs forward/backward like the others but adds exactly 0 to loss and grads

@@ -109,6 +109,8 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if sequence_parallel:
         spec = _sequence_parallel_block_spec(spec, arch, arch.num_layers // pp_size)
+    if arch.mrope_section is not None:  # vision-language: 3-D positions (trainer/vision.py)
+        config.mrope_section = list(arch.mrope_section)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -118,10 +120,14 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="mrope" if arch.mrope_section is not None else "rope",
         rotary_base=arch.rotary_base,
         rotary_percent=1.0,
     )
+    if arch.vision is not None and pre_process:
+        from slime_rl.trainer.vision import attach_vision_tower
+
+        attach_vision_tower(model, arch)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -27,7 +27,9 @@ from slime_rl.config.groups import AlgoConfig
 from slime_rl.trainer.batching import MicroBatch
 from slime_rl.trainer.context_parallel import gather_replicated
 from slime_rl.trainer.logprobs import gather_response_logits, vocab_parallel_entropy, vocab_parallel_logprobs
+from slime_rl.trainer.model import unwrap
 from slime_rl.trainer.objective import STAT_KEYS, policy_objective
+from slime_rl.trainer.vision import decoder_input
 
 __all__ = ["STAT_KEYS", "LossScale", "forward_only_step", "model_forward", "policy_loss_step"]
 
@@ -35,9 +37,16 @@ __all__ = ["STAT_KEYS", "LossScale", "forward_only_step", "model_forward", "poli
 def model_forward(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
     """Vocab-parallel logits [b, s, V_pad / tp] ([1, t, ...] when packed; float32) on the last
     stage, the hidden states on the others. attention_mask=None: attention is causal by itself
-    (SDPACoreAttention); padding is on the right, and packed samples are split by cu_seqlens."""
+    (SDPACoreAttention); padding is on the right, and packed samples are split by cu_seqlens.
+    Vision-language micro-batches carry 3-D positions, and the first stage builds its decoder input
+    with the image features (vision.py)."""
+    extra = {}
+    if mb.vision is not None:
+        gpt = unwrap(model)
+        if gpt.pre_process:
+            extra["decoder_input"] = decoder_input(gpt, mb)
     return model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
-                 packed_seq_params=mb.packed_seq_params)
+                 packed_seq_params=mb.packed_seq_params, **extra)
 
 
 def response_logits(output: Tensor, mb: MicroBatch) -> Tensor:

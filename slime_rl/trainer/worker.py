@@ -28,6 +28,7 @@ from slime_rl.trainer.model import build_from_checkpoint
 from slime_rl.trainer.objective import StepInputs, step_metrics, step_sums, token_advantages, train_metrics
 from slime_rl.trainer.parallel import broadcast_from_last_stage, dp_group, init_parallel, teardown_parallel
 from slime_rl.trainer.steps import STAT_KEYS, LossScale, forward_only_step, policy_loss_step
+from slime_rl.trainer.vision import VisionBatching, float_buffers, freeze_vision_tower, restore_buffers
 
 
 class MegatronRank:
@@ -74,22 +75,30 @@ class MegatronRank:
         if batch.global_batch_size % self.info.dp_size != 0:
             raise ValueError(f"--global-batch-size {batch.global_batch_size} is not divisible by the "
                              f"data-parallel size {self.info.dp_size}")
-        self.micro = MicroBatching(self.info.device, batch.micro_batch_size, pack_sequences,
-                                   use_dynamic_batch_size, max_tokens_per_gpu,
-                                   pad_multiple=tp if sequence_parallel else 1,
-                                   cp_size=cp, cp_rank=self.info.cp_rank)
         self.arch, self.gpt = build_from_checkpoint(
             model.hf_checkpoint, bf16=model.bf16, tp_size=tp, pp_size=pp,
             pad_vocab_multiple=pad_vocab_multiple, sequence_parallel=sequence_parallel,
             recompute_granularity=recompute_granularity, recompute_method=recompute_method,
             recompute_num_layers=recompute_num_layers, context_parallel_size=cp)
         hf_io.load_hf_weights(self.gpt, model.hf_checkpoint, self.arch)
+        vision = None
+        if self.arch.vision is not None:
+            if model.freeze_vision_tower:
+                freeze_vision_tower(self.gpt)
+            vision = VisionBatching(self.arch, model.hf_checkpoint, with_pixels=self.gpt.pre_process)
+        self.micro = MicroBatching(self.info.device, batch.micro_batch_size, pack_sequences,
+                                   use_dynamic_batch_size, max_tokens_per_gpu,
+                                   pad_multiple=tp if sequence_parallel else 1,
+                                   cp_size=cp, cp_rank=self.info.cp_rank, vision=vision)
         self._prepare_model()
         config = self.gpt.config
         if pp > 1 and self.info.device.type == "cpu":
             config.batch_p2p_comm = False  # gloo has no batched (coalesced) isend/irecv
         # Float16Module keeps bf16 params and returns float32 logits on the last stage
+        fp32_buffers = float_buffers(self.gpt.vision_model) if hasattr(self.gpt, "vision_model") else {}
         inner = Float16Module(config, self.gpt) if model.bf16 else self.gpt
+        if fp32_buffers:  # the HF vision tower keeps its RoPE frequencies in float32, as the engine does
+            restore_buffers(self.gpt.vision_model, fp32_buffers)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=inner)
@@ -354,13 +363,14 @@ class TrainerWorker(MegatronRank):
         return train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
 
     # ---- weights out
-    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_hf_weights(self, skip_frozen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, full tensor) of this pipeline stage's parameters (global HF names; a tied
         embedding only from stage 0) for weight sync; every rank must consume it to the end (TP
         all-gathers). A tensor may share storage with a parameter (e.g. norms, TP=1): copy it to
-        keep it past an update. With PP, the union over stages is the whole HF state dict."""
+        keep it past an update. With PP, the union over stages is the whole HF state dict.
+        `skip_frozen`: without parameters that never train (--freeze-vision-tower)."""
         self._compat()
-        yield from hf_io.iter_hf_weights(self.gpt, self.arch)
+        yield from hf_io.iter_hf_weights(self.gpt, self.arch, skip_frozen=skip_frozen)
 
     def hf_weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         return hf_io.hf_weight_metadata(self.gpt, self.arch)

@@ -25,6 +25,9 @@ CFG = dict(model_type="qwen2", hidden_size=8, intermediate_size=6, num_hidden_la
            hidden_act="silu")
 
 
+TEXT_FAMILIES = sorted(k for k, f in FAMILIES.items() if not f.vision)
+
+
 def _maps(arch, tied):
     return {pm.mcore: pm for pm in arch.family.param_maps(arch.num_layers, tied)}
 
@@ -68,7 +71,7 @@ def test_fc1_each_rank_holds_its_gate_then_its_up():
     assert torch.equal(hf_to_mcore_shard(pm, [gate, up], arch, 1, 2), torch.cat([gate[3:], up[3:]]))
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", TEXT_FAMILIES)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_round_trip_every_param_bit_exact(model_type, tp):
     cfg = CFG | {"model_type": model_type, "tie_word_embeddings": False, "head_dim": 3}
@@ -90,7 +93,7 @@ def test_round_trip_every_param_bit_exact(model_type, tp):
 
 
 def test_tied_models_have_no_output_layer_and_families_are_explicit():
-    for fam in FAMILIES.values():
+    for fam in FAMILIES.values():  # vision families share the text layers (the tower is convert/vision.py)
         tied = {pm.mcore for pm in fam.param_maps(2, tied=True)}
         assert "output_layer.weight" not in tied
         assert "output_layer.weight" in {pm.mcore for pm in fam.param_maps(2, tied=False)}
@@ -100,7 +103,7 @@ def test_tied_models_have_no_output_layer_and_families_are_explicit():
         pm.mcore for pm in get_family("qwen3").param_maps(1, True)}
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", TEXT_FAMILIES)
 @pytest.mark.parametrize("tied", [True, False])
 def test_hf_shapes_are_those_of_the_transformers_model(model_type, tied):
     """The registry's named dimensions against the state dict transformers builds from the same
@@ -114,3 +117,33 @@ def test_hf_shapes_are_those_of_the_transformers_model(model_type, tied):
     want = {n: tuple(t.shape) for n, t in state.items() if not (tied and n == "lm_head.weight")}
     want = {n: s for n, s in want.items() if not n.endswith("rotary_emb.inv_freq")}
     assert hf_shapes(arch_from_hf_config(cfg)) == want
+
+
+def test_vl_shapes_are_the_checkpoint_tensors(tiny_qwen2_5_vl):
+    """Qwen2.5-VL: every tensor of a checkpoint written by transformers (vision tower included),
+    with its shape, is what config.json implies, and nothing else."""
+    from safetensors import safe_open
+
+    from slime_rl.trainer.convert import load_arch
+
+    with safe_open(str(tiny_qwen2_5_vl / "model.safetensors"), framework="pt") as f:
+        stored = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    arch = load_arch(tiny_qwen2_5_vl)
+    assert hf_shapes(arch) == stored
+    assert arch.mrope_section == (2, 3, 3) and arch.vision.image_token_id == 126
+
+
+def test_vl_hub_style_config_gives_the_same_arch(tiny_qwen2_5_vl):
+    """Hub configs of Qwen2.5-VL keep the decoder's fields at the top level and say
+    rope_scaling {"type": "mrope", "mrope_section": ...}; transformers 5 nests them in text_config."""
+    import json
+
+    nested = json.loads((tiny_qwen2_5_vl / "config.json").read_text())
+    text = dict(nested["text_config"])
+    rope = text.pop("rope_parameters")
+    flat = {k: v for k, v in nested.items() if k != "text_config"} | text | {
+        "model_type": "qwen2_5_vl", "rope_theta": rope["rope_theta"],
+        "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    assert arch_from_hf_config(flat) == arch_from_hf_config(nested)
+    with pytest.raises(ValueError, match="mrope_section"):
+        arch_from_hf_config(flat | {"rope_scaling": {"type": "mrope"}})

@@ -25,14 +25,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_worker(rank: int, world: int, port: int, ckpt: str, tp: int = 1, mbs: int = 2, gbs: int = 4,
-                algo: AlgoConfig | None = None, bf16: bool = False, pp: int = 1, **kw):
+                algo: AlgoConfig | None = None, bf16: bool = False, pp: int = 1,
+                freeze_vision_tower: bool = False, **kw):
     from slime_rl.trainer.worker import TrainerWorker
 
     return TrainerWorker(rank, world, "127.0.0.1", port,
                          ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                         actor_num_gpus_per_node=world),
                          BatchConfig(micro_batch_size=mbs, global_batch_size=gbs),
-                         OptimizerConfig(lr=1e-3, clip_grad=1.0), ModelConfig(hf_checkpoint=ckpt, bf16=bf16),
+                         OptimizerConfig(lr=1e-3, clip_grad=1.0), ModelConfig(hf_checkpoint=ckpt, bf16=bf16,
+                                                                 freeze_vision_tower=freeze_vision_tower),
                          algo or AlgoConfig(), train_iters=10, **kw)
 
 
@@ -188,10 +190,10 @@ def _run_scenario_once(name: str, world: int, port: int, out: Path, ckpts: dict[
 def main() -> None:
     name, rank, world, port, out, ckpt_json = sys.argv[1:7]
     torch.manual_seed(0)
-    from tests.trainer import algo_scenarios, critic_scenarios, parallel_scenarios
+    from tests.trainer import algo_scenarios, critic_scenarios, parallel_scenarios, vl_scenarios
 
     func = SCENARIOS.get(name) or {**parallel_scenarios.SCENARIOS, **algo_scenarios.SCENARIOS,
-                                   **critic_scenarios.SCENARIOS}[name]
+                                   **critic_scenarios.SCENARIOS, **vl_scenarios.SCENARIOS}[name]
     res = func(int(rank), int(world), int(port), json.loads(ckpt_json))
     res = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in res.items()}
     torch.save(_to_cpu(res), Path(out) / f"{name}_rank{rank}.pt")

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slime_rl.trainer.convert.registry import Family, get_family
+from slime_rl.trainer.convert.registry import Family, ParamMap, get_family
+from slime_rl.trainer.convert.vision import VisionArch, vision_arch
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,17 @@ class ModelArch:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_layernorm: bool
+    # vision-language models: the (t, h, w) split of the rotary channels, and the vision tower
+    mrope_section: tuple[int, ...] | None = None
+    vision: VisionArch | None = None
 
     @property
     def family(self) -> Family:
         return get_family(self.model_type)
+
+    @property
+    def vision_params(self) -> tuple[ParamMap, ...]:
+        return self.vision.params if self.vision is not None else ()
 
 
 def read_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:
@@ -44,11 +52,17 @@ def read_hf_config(checkpoint_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+
 def _rope_theta(cfg: dict[str, Any], where: str) -> float:
     # transformers 5 writes rope_parameters = {rope_theta, rope_type}; older configs a flat key.
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    params = _rope_params(cfg)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+    # Qwen2-VL / 2.5-VL hub configs say rope_scaling {"type": "mrope", "mrope_section": ...}: that is
+    # default RoPE frequencies with 3-D positions (transformers maps it to "default" too)
+    if rope_type not in ("default", "mrope"):
         raise ValueError(f"{where}: rope_type {rope_type!r} is not supported (only 'default' RoPE)")
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
@@ -61,6 +75,15 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     """Derive the Megatron architecture; `pad_vocab_multiple` pads the vocab to a multiple of
     pad_vocab_multiple * tp_size (Megatron's --make-vocab-size-divisible-by)."""
     family = get_family(cfg.get("model_type", ""), where)
+    vision = vision_arch(cfg, where) if family.vision else None
+    mrope = None
+    if family.vision:
+        # transformers 5 nests the decoder's fields in text_config; hub configs keep them at the top
+        cfg = {**cfg, **(cfg.get("text_config") or {})}
+        mrope = _rope_params(cfg).get("mrope_section")
+        if not mrope:
+            raise ValueError(f"{where}: a {family.model_type} config needs rope_parameters.mrope_section "
+                             "(or rope_scaling.mrope_section)")
     for key, allowed in family.required_config.items():
         if cfg.get(key, allowed) != allowed:
             raise ValueError(f"{where}: {key}={cfg[key]!r} is not supported for model_type "
@@ -90,6 +113,8 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.default_tied)),
         qkv_bias=family.qkv_bias,
         qk_layernorm=family.qk_layernorm,
+        mrope_section=tuple(int(x) for x in mrope) if mrope else None,
+        vision=vision,
     )
 
 
@@ -104,7 +129,7 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     size = {"vocab": arch.vocab_size, "hidden": arch.hidden_size, "ffn": arch.ffn_hidden_size,
             "q": arch.num_attention_heads * arch.kv_channels, "kv": arch.num_query_groups * arch.kv_channels,
             "head": arch.kv_channels}
-    out: dict[str, tuple[int, ...]] = {}
+    out: dict[str, tuple[int, ...]] = {pm.hf[0]: pm.shapes[0] for pm in arch.vision_params}  # concrete sizes
     for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings):
         assert len(pm.shapes) == len(pm.hf), f"registry entry {pm.mcore}: one shape per HF name"
         for name, dims in zip(pm.hf, pm.shapes, strict=True):

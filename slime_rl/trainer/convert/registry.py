@@ -49,6 +49,9 @@ class Family:
     default_tied: bool
     # config.json keys whose value must equal this one (features the Megatron model lacks)
     required_config: dict[str, Any] = field(default_factory=dict)
+    # vision-language: the language fields may sit in config.json's text_config, positions are
+    # 3-D mRoPE and an HF vision tower feeds the first stage (convert/vision.py)
+    vision: bool = False
 
     def param_maps(self, num_layers: int, tied: bool) -> list[ParamMap]:
         """Every parameter of the model, embedding first, in layer order, output layer last."""
@@ -103,6 +106,12 @@ FAMILIES: dict[str, Family] = {
         layer_params=(_NORMS[0], _QKV_W, _QKV_B, _PROJ, _NORMS[1], *_MLP),
         qkv_bias=True, qk_layernorm=False, default_tied=False,
         required_config={**_SWIGLU, "use_sliding_window": False},
+    ),
+    "qwen2_5_vl": Family(
+        model_type="qwen2_5_vl", global_params=_GLOBAL,
+        layer_params=(_NORMS[0], _QKV_W, _QKV_B, _PROJ, _NORMS[1], *_MLP),
+        qkv_bias=True, qk_layernorm=False, default_tied=False,
+        required_config={**_SWIGLU, "use_sliding_window": False}, vision=True,
     ),
     "llama": Family(
         model_type="llama", global_params=_GLOBAL,
