@@ -161,3 +161,16 @@ def test_config_that_does_not_match_the_weights(tiny_qwen2, tmp_path):
         (bad / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ValueError, match=pattern):
             to_mcore(["--hf-checkpoint", str(bad), "--save", str(tmp_path / "out")])
+
+
+def test_round_trip_qwen2_5_vl_tp2_pp2_to_tp1(tiny_qwen2_5_vl, tmp_path):
+    """Qwen2.5-VL: HF -> Megatron (TP=2, PP=2; the vision tower lives on stage 0 and is saved in the
+    distributed checkpoint replicated over TP) -> HF at TP=1: every tensor, visual.* included, equal;
+    the image processor's files come along."""
+    mcore, out = tmp_path / "mcore", tmp_path / "hf"
+    _convert(tiny_qwen2_5_vl, mcore, tp=2, pp=2, pad=1)
+    run_tool("convert_megatron_to_hf", ["--load", str(mcore), "--save", str(out)])
+    _assert_same_hf(tiny_qwen2_5_vl, out)
+    assert any(n.startswith("visual.") for n in load_file(out / "model.safetensors"))
+    proc = "preprocessor_config.json"
+    assert (out / proc).read_bytes() == (tiny_qwen2_5_vl / proc).read_bytes()

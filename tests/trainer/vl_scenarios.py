@@ -56,5 +56,25 @@ def scenario_vl_frozen(rank: int, world: int, port: int, ckpts: dict[str, str]) 
     return _run(rank, world, port, ckpts, freeze_vision_tower=True)
 
 
-SCENARIOS = {"vl_tp1": scenario_vl_tp1, "vl_tp2_sp": scenario_vl_tp2_sp, "vl_pp2": scenario_vl_pp2,
-             "vl_frozen": scenario_vl_frozen}
+def scenario_vl_resume(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    """Two steps straight vs one step, a Megatron checkpoint (model + optimizer, vision tower
+    included), a new worker that loads it, one more step."""
+    from tests.trainer.trainer_scenarios import make_worker
+
+    batch, root = _batch(ckpts), ckpts["vl_ckpt_root"]
+    w = make_worker(rank, world, port, ckpts["qwen2_5_vl"], mbs=2, gbs=4)
+    w.train_step(batch)
+    w.save_checkpoint(root, 1, {"step": 1})
+    w.train_step(batch)
+    straight = _weights(w)
+    w.shutdown()
+    w = make_worker(rank, world, port + 1, ckpts["qwen2_5_vl"], mbs=2, gbs=4)
+    loaded = w.load_latest_checkpoint(root)
+    w.train_step(batch)
+    res = {"straight": straight, "resumed": _weights(w), "extra": loaded}
+    w.shutdown()
+    return res
+
+
+SCENARIOS = {"vl_resume": scenario_vl_resume, "vl_tp1": scenario_vl_tp1, "vl_tp2_sp": scenario_vl_tp2_sp,
+             "vl_pp2": scenario_vl_pp2, "vl_frozen": scenario_vl_frozen}
