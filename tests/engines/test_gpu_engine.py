@@ -52,7 +52,7 @@ def _staggered(url: str, bodies: list[dict]) -> list[dict]:
         futures = []
         for i, b in enumerate(bodies):
             if i == len(bodies) // 2:
-                time.sleep(0.2)
+                time.sleep(0.05)
             futures.append(pool.submit(lambda b=b: c.post("/generate", json=b).json()))
         return [f.result() for f in futures]
 

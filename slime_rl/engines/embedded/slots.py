@@ -130,15 +130,13 @@ class SlotCache(Cache):
         src_starts[i]..+lengths[i], for every layer; `src` None copies between our own slots."""
         if not dst_slots:
             return
+        # one (source row, source column, slot, column) index per copied token, built on the host
+        n = torch.tensor(lengths)
+        offset = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n, n)  # 0..n_i-1 per row
+        rows_t, scols_t, dslots_t = (torch.repeat_interleave(torch.tensor(x), n)
+                                     for x in (src_rows, src_starts, dst_slots))
         dev = self.layers[0].keys.device
-        rows, scols, dslots, dcols = [], [], [], []
-        for r, s, d, n in zip(src_rows, src_starts, dst_slots, lengths, strict=True):
-            rows += [r] * n
-            scols += range(s, s + n)
-            dslots += [d] * n
-            dcols += range(n)
-        rows_t, scols_t, dslots_t, dcols_t = (torch.tensor(x, dtype=torch.long, device=dev)
-                                              for x in (rows, scols, dslots, dcols))
+        rows_t, scols_t, dslots_t, dcols_t = (t.to(dev) for t in (rows_t, scols_t + offset, dslots_t, offset))
         for i, mine in enumerate(self.layers):
             theirs = mine if src is None else src[i]
             # both sides index dims 0 and 2: [N, heads, head_dim]; the right side is gathered (a copy)
