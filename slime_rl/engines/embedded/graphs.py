@@ -22,6 +22,7 @@ lazily the first time a (bs, kv_len) pair runs and replayed afterwards:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -56,11 +57,18 @@ class StaticDecoder:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._generation = self.cache.generation
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
         self.stats = {"graph_captures": 0, "graph_replays": 0, "static_eager_steps": 0, "slot_moves": 0}
 
     def step(self, rows: list[Row]) -> torch.Tensor:
         """Next-token logits [len(rows), V] (in the order of `rows`) after feeding every row's pending
         token. Call with the model lock held, under no_grad."""
+        # the scheduler thread's current device is cuda:0 whatever the model's (--device cuda:1):
+        # capture and replay use the current device's streams, so make it the model's
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            return self._step(rows)
+
+    def _step(self, rows: list[Row]) -> torch.Tensor:
         bs = self.batch.padded_size()
         need = max(r.next_pos for r in rows) + 1
         self.cache.ensure_capacity(need)
@@ -103,6 +111,7 @@ class StaticDecoder:
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
+                self._capture_stream = torch.cuda.Stream(self.device)
             main = torch.cuda.current_stream(self.device)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(main)
@@ -111,7 +120,8 @@ class StaticDecoder:
             main.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: HTTP threads may touch CUDA (e.g. reading a weight) while we capture
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream,
+                                  capture_error_mode="thread_local"):
                 logits = self._forward(bs, kv_len)
         except RuntimeError as e:
             logger.warning("embedded engine: capturing the decode step (bs %d, kv_len %d) failed, decoding "
