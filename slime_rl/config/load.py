@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from slime_rl.config.flags import OWN_SGLANG_FLAGS, ROUTER_PREFIX, SGLANG_PREFIX, build_parser
+from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, OWN_SGLANG_FLAGS, ROUTER_PREFIX, SGLANG_PREFIX, build_parser
 from slime_rl.config.groups import (
     AlgoConfig,
     BatchConfig,
@@ -234,8 +234,12 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(not a.group_rm or a.custom_rm_path is not None, "--group-rm needs --custom-rm-path (a function that "
            "scores a list of samples)")
     if a.rollout_backend == "embedded":
-        _check(not sglang, f"--sglang-* flags given ({', '.join(sorted(sglang))}) but --rollout-backend "
-               "is embedded")
+        other = sorted(set(sglang) - set(EMBEDDED_SGLANG_ARGS))
+        _check(not other, f"--sglang-* flags given ({', '.join(other)}) but --rollout-backend is embedded (it "
+               f"takes only {', '.join('--sglang-' + n.replace('_', '-') for n in EMBEDDED_SGLANG_ARGS)})")
+        bs = sglang.get("cuda_graph_max_bs_decode")
+        _check(bs is None or str(bs).isdigit() and int(bs) >= 1,
+               f"--sglang-cuda-graph-max-bs-decode must be an integer >= 1, got {bs!r}")
     _check(a.use_sglang_router or not router, f"--router-* flags given ({', '.join(sorted(router))}) "
            "but not --use-sglang-router")
     _check(a.use_sglang_router or a.sglang_router_port is None, "--sglang-router-port needs --use-sglang-router")

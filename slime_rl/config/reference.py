@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from slime_rl.config.flags import build_parser
+from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, build_parser
 
 
 def _default(action: argparse.Action) -> str:
@@ -18,7 +18,10 @@ def render_flag_reference() -> str:
     parser = build_parser()
     lines = ["# `slime-rl train` flags", "",
              "Generated from the parser by `python tools/gen_flag_reference.py`; a test keeps it in sync.",
-             "Any `--sglang-<name> VALUE` not listed here is passed to SGLang's server as `--<name> VALUE`.", ""]
+             "Any `--sglang-<name> VALUE` not listed here is passed to SGLang's server as `--<name> VALUE`.",
+             "With `--rollout-backend embedded` only "
+             + " and ".join(f"`--sglang-{n.replace('_', '-')}`" for n in EMBEDDED_SGLANG_ARGS)
+             + " are accepted: the built-in engine reads them too (decoding with CUDA graphs on GPU).", ""]
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
         if not actions:

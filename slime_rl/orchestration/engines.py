@@ -52,9 +52,12 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                               dist_init_addr=None, base_gpu_id=0, random_seed=seed, api_key=api_key,
                               extra=dict(cfg.engine.sglang_args))
     # on CPU the engine runs while the trainer ranks wait (sync loop), so it may use every core
+    graph_bs = cfg.engine.sglang_args.get("cuda_graph_max_bs_decode")  # the SGLang flags it shares
     return embedded_command(model_path=cfg.model.hf_checkpoint, host=host, port=port, api_key=None, seed=seed,
                             device="cuda" if use_gpu else "cpu", dtype="bfloat16" if cfg.model.bf16 else "float32",
-                            num_threads=None if use_gpu else (os.cpu_count() or 1))
+                            num_threads=None if use_gpu else (os.cpu_count() or 1),
+                            disable_cuda_graph=cfg.engine.sglang_args.get("disable_cuda_graph") in (True, "true"),
+                            cuda_graph_max_bs=None if graph_bs is None else int(graph_bs))
 
 
 def engine_env(cfg: Config, api_key: str | None) -> dict[str, str]:

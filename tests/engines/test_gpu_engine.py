@@ -1,10 +1,12 @@
-"""The embedded engine on CUDA (float32 and bf16) and weight sync over NCCL (needs 2 GPUs).
-Marked `gpu`: skipped on machines without CUDA."""
+"""The embedded engine on CUDA (float32 and bf16; decode replayed from CUDA graphs by default, and
+against the eager path) and weight sync over NCCL (needs 2 GPUs). Marked `gpu`: skipped on machines
+without CUDA."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -42,6 +44,58 @@ def test_generate_on_cuda_matches_reference(tiny_qwen2, model64, dtype, atol):
             torch.testing.assert_close(got, ref, atol=atol, rtol=0)
     finally:
         s.shutdown()
+
+
+def _staggered(url: str, bodies: list[dict]) -> list[dict]:
+    """All bodies concurrently, the second half a little later: they join a batch that is decoding."""
+    with httpx.Client(base_url=url, timeout=120) as c, ThreadPoolExecutor(len(bodies)) as pool:
+        futures = []
+        for i, b in enumerate(bodies):
+            if i == len(bodies) // 2:
+                time.sleep(0.05)
+            futures.append(pool.submit(lambda b=b: c.post("/generate", json=b).json()))
+        return [f.result() for f in futures]
+
+
+def _nudge_weights(server) -> None:
+    """Change every weight in place, as a weight update does (captured graphs must see it)."""
+    gen = torch.Generator().manual_seed(7)
+    with server.engine.weights_exclusive(), torch.no_grad():
+        for _, p in server.model.named_parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen).to(p))
+
+
+def test_cuda_graph_decode_matches_eager_decode(tiny_qwen2):
+    # greedy, prompts of 3..48 tokens, 6..30 new tokens and one of 230: rows finish at different
+    # steps (padded batch sizes 8, 4, 2, 1, slot compaction), the last one crosses from kv_len 256 to
+    # 512; float32 so that the two paths' different kernels (padded dynamic cache vs static slots)
+    # cannot flip a greedy token
+    bodies = [{"input_ids": prompt_of(3 + 5 * i, salt=i), "return_logprob": True,
+               "sampling_params": {"max_new_tokens": 6 + 3 * i if i < 9 else 230, "temperature": 0.0,
+                                   "ignore_eos": True}}
+              for i in range(10)]
+    runs, stats = {}, {}
+    for name, kw in [("eager", {"disable_cuda_graph": True}), ("graph", {}), ("graph_bs2", {"cuda_graph_max_bs": 2})]:
+        s = start_server(tiny_qwen2, device="cuda", dtype="float32", max_running_requests=8, **kw)
+        try:
+            runs[name] = _staggered(s.url, bodies)
+            _nudge_weights(s)
+            runs[name + "_updated"] = _staggered(s.url, bodies)
+            stats[name] = s.engine.load()
+        finally:
+            s.shutdown()
+    for name in ("graph", "graph_bs2"):
+        for phase in ("", "_updated"):
+            for want, got in zip(runs["eager" + phase], runs[name + phase], strict=True):
+                assert got["output_ids"] == want["output_ids"], (name + phase, want["output_ids"], got["output_ids"])
+                lp = [[x for x, _, _ in o["meta_info"]["output_token_logprobs"]] for o in (got, want)]
+                torch.testing.assert_close(torch.tensor(lp[0]), torch.tensor(lp[1]), atol=1e-4, rtol=0)
+    assert any(a["output_ids"] != b["output_ids"] for a, b in zip(runs["graph"], runs["graph_updated"], strict=True))
+    assert "graph_replays" not in stats["eager"]  # --disable-cuda-graph: the dynamic path
+    g = stats["graph"]
+    assert g["graph_captures"] >= 2 and g["graph_replays"] > 0 and g["static_eager_steps"] == 0, g
+    b2 = stats["graph_bs2"]  # batches above --cuda-graph-max-bs-decode 2 run the static step eagerly
+    assert b2["graph_replays"] > 0 and b2["static_eager_steps"] > 0, b2
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL weight sync needs two GPUs (one per rank)")

@@ -66,6 +66,15 @@ def test_embedded_command():
     assert args.port == 9000 and args.max_running_requests == 8 and args.api_key == "k"
 
 
+def test_embedded_command_cuda_graph_flags():
+    from slime_rl.engines.embedded.cli import build_parser
+
+    argv = embedded_command("/m", "127.0.0.1", 9000, device="cuda", disable_cuda_graph=True, cuda_graph_max_bs=16)
+    args = build_parser().parse_args(argv[3:])
+    assert args.disable_cuda_graph and args.cuda_graph_max_bs == 16
+    args = build_parser().parse_args(embedded_command("/m", "127.0.0.1", 9000)[3:])
+    assert not args.disable_cuda_graph and args.cuda_graph_max_bs is None
+
 def test_wait_healthy_times_out_with_the_url():
     with socket.socket() as s:  # a port with nobody listening
         s.bind(("127.0.0.1", 0))

@@ -36,6 +36,7 @@ def test_global_batch_defaults_to_one_step_per_rollout(tmp_path):
     (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus-per-engine"),
     (["--lr", "-1"], "--lr"),
     (["--sglang-mem-fraction-static", "0.8"], "--sglang-"),
+    (["--sglang-cuda-graph-max-bs-decode", "0"], "--sglang-cuda-graph-max-bs-decode"),
     (["--no-such-flag", "1"], "--no-such-flag"),
     (["--keep-last", "2"], "--keep-last"),
     (["--group-rm"], "--group-rm"),
@@ -146,3 +147,18 @@ def test_dry_run_sglang_backend_passes_sglang_flags_through(tiny_qwen2, tmp_path
     assert argv_[1:3] == ["-m", "sglang.launch_server"]
     assert argv_[argv_.index("--tp-size") + 1] == "2"
     assert argv_[argv_.index("--mem-fraction-static") + 1] == "0.7" and "--enable-torch-compile" in argv_
+
+
+def test_dry_run_embedded_backend_takes_its_cuda_graph_flags(tiny_qwen2, tmp_path, capsys):
+    from slime_rl.data.digits import make_rows, write_jsonl
+
+    data = write_jsonl(make_rows(8, seed=0), tmp_path / "d.jsonl")
+    code = train_main(["--hf-checkpoint", str(tiny_qwen2), "--prompt-data", str(data), "--rollout-batch-size", "2",
+                       "--num-rollout", "1", "--rm-type", "digit", "--sglang-disable-cuda-graph",
+                       "--sglang-cuda-graph-max-bs-decode", "16", "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("engine 0:")]
+    argv_ = line.split()[2:]
+    assert argv_[argv_.index("-m") + 1] == "slime_rl.engines.embedded"
+    assert "--disable-cuda-graph" in argv_ and argv_[argv_.index("--cuda-graph-max-bs-decode") + 1] == "16"

@@ -29,6 +29,7 @@ class Row:
     req: Any  # engine.GenRequest
     next_pos: int = 0  # position id of the pending token
     pending: int = -1  # last sampled token, not yet in the KV cache
+    slot: int = -1  # row of the static KV cache it occupies (static path only, see slots.py)
 
 
 @dataclass

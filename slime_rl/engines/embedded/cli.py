@@ -2,7 +2,8 @@
 
 Flag names are SGLang's ServerArgs names where SGLang has the option (sglang/srt/arg_groups/fields/*.py,
 SGLang 0.5.23: --model-path, --host, --port, --api-key, --random-seed, --dtype, --device,
---max-running-requests, --weight-version, --tp-size, --log-level), so a launcher builds the same argv
+--max-running-requests, --weight-version, --tp-size, --log-level, --disable-cuda-graph,
+--cuda-graph-max-bs-decode; --cuda-graph-max-bs is its older name), so a launcher builds the same argv
 for either engine.
 """
 
@@ -38,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                    help="only 1 (the embedded engine is one process)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="on CUDA, decode eagerly with the dynamic KV cache instead of replaying CUDA graphs of "
+                        "the decode step on a static KV cache")
+    p.add_argument("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs", dest="cuda_graph_max_bs", type=int,
+                   default=None, help="largest padded batch with a CUDA graph; larger ones run the static "
+                                      "step eagerly (default: --max-running-requests)")
+    p.add_argument("--static-kv-cache", action="store_true",
+                   help="use the static KV cache even without CUDA graphs (CPU, or with --disable-cuda-graph)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -49,13 +58,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--tp-size {args.tp_size}: the embedded engine supports only 1")
     if args.max_running_requests < 1:
         raise SystemExit("--max-running-requests: must be >= 1")
+    if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < 1:
+        raise SystemExit("--cuda-graph-max-bs-decode: must be >= 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = EmbeddedServer(ServerConfig(
         model_path=args.model_path, host=args.host, port=args.port,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         random_seed=args.random_seed, dtype=args.dtype, device=args.device,
         max_running_requests=args.max_running_requests, weight_version=args.weight_version,
-        num_threads=args.num_threads))
+        num_threads=args.num_threads, disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, static_kv_cache=args.static_kv_cache))
 
     def stop(signum: int, _frame) -> None:
         # serve_forever runs in this thread; shutdown() must be called from another one.

@@ -16,6 +16,12 @@ SGLang 0.5.23):
 - abort_request(rid) aborts every request whose rid starts with `rid` (SGLang's scheduler matches
   by prefix); the request finishes normally with finish_reason {"type": "abort", ...} and the
   tokens it had.
+
+Decoding has two paths. The dynamic one (the default on CPU) keeps the running batch in a left-padded
+DynamicCache (batch.py). The static one (the default on CUDA; `static_cache=True` elsewhere) keeps
+it in a preallocated per-slot cache and, on CUDA, replays the decode step from CUDA graphs
+(slots.py, graphs.py); models it does not support (vision-language, sliding-window layers, ...) stay
+on the dynamic path. Both give the same tokens and log-probs.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ from dataclasses import dataclass, field
 import torch
 
 from slime_rl.engines.embedded.batch import Row, RunningBatch, can_merge, left_pad
+from slime_rl.engines.embedded.graphs import StaticDecoder
 from slime_rl.engines.embedded.sampling import SamplingParams, sample, token_logprobs
+from slime_rl.engines.embedded.slots import unsupported
 from slime_rl.engines.embedded.vision import is_vision_config, prefill_vision_kwargs
 
 logger = logging.getLogger(__name__)
@@ -69,7 +77,8 @@ def abort_reason(message: str = "Aborted", status_code: int | None = None, err_t
 
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, eos_ids: set[int], pad_id: int,
-                 max_running_requests: int = 64, seed: int = 0) -> None:
+                 max_running_requests: int = 64, seed: int = 0, static_cache: bool = False,
+                 cuda_graph: bool = False, cuda_graph_max_bs: int | None = None, **static_kw) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.eos_ids, self.pad_id = eos_ids, pad_id
@@ -84,7 +93,15 @@ class Engine:
         self.weights_ready: torch.cuda.Event | None = None
         self._cond = threading.Condition()
         self._waiting: deque[GenRequest] = deque()
-        self._batch = RunningBatch()
+        self._static: StaticDecoder | None = None
+        why_not = unsupported(model) if static_cache else None
+        if static_cache and why_not:
+            logger.info("embedded engine: dynamic KV cache, no CUDA graphs: %s", why_not)
+        elif static_cache:
+            self._static = StaticDecoder(model, self._cache_kw, pad_id, max_running_requests, cuda_graph,
+                                         cuda_graph_max_bs, **static_kw)
+            logger.info("embedded engine: %s", self._static.describe())
+        self._batch = self._static.batch if self._static else RunningBatch()
         self._admitting: list[GenRequest] = []  # popped from the queue, being prefilled
         self._paused: str | None = None  # None or the pause mode
         self._updating = 0
@@ -159,7 +176,7 @@ class Engine:
     def load(self) -> dict:
         with self._cond:
             return {"num_running_reqs": len(self._batch), "num_waiting_reqs": len(self._waiting),
-                    "paused": self._paused, **self.stats}
+                    "paused": self._paused, **self.stats, **(self._static.stats if self._static else {})}
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -198,7 +215,7 @@ class Engine:
                     self._cond.notify_all()
                     continue
                 admit: list[GenRequest] = []
-                merge_ok = self._batch.cache is None or can_merge(self._batch.cache)
+                merge_ok = self._static is not None or self._batch.cache is None or can_merge(self._batch.cache)
                 if self._paused is None and not self._updating and merge_ok:
                     while self._waiting and len(self._batch) + len(admit) < self.max_running:
                         admit.append(self._waiting.popleft())
@@ -274,6 +291,12 @@ class Engine:
 
     def _decode(self) -> None:
         b = self._batch
+        if self._static is not None:
+            with self.model_lock, torch.no_grad():
+                self.wait_weights()
+                logits = self._static.step(b.rows)
+            self._after_decode(logits)
+            return
         ids = torch.tensor([[r.pending] for r in b.rows], device=self.device)
         pos = torch.tensor([[r.next_pos] for r in b.rows], device=self.device)
         b.mask = torch.cat([b.mask, b.mask.new_ones((len(b), 1))], dim=1)
@@ -281,10 +304,14 @@ class Engine:
             self.wait_weights()
             out = self.model(input_ids=ids, attention_mask=b.mask, position_ids=pos, use_cache=True,
                              **{self._cache_kw: b.cache})
+        self._after_decode(out.logits[:, -1, :])
+
+    def _after_decode(self, logits: torch.Tensor) -> None:
+        b = self._batch
         self.stats["decode_forwards"] += 1
         for r in b.rows:
             r.next_pos += 1
-        keep = self._sample_and_check(b.rows, out.logits[:, -1, :])
+        keep = self._sample_and_check(b.rows, logits)
         with self._cond:
             b.keep(keep)
             self._cond.notify_all()

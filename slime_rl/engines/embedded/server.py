@@ -50,6 +50,11 @@ class ServerConfig:
     max_running_requests: int = 64
     weight_version: str = "default"
     num_threads: int | None = None  # torch.set_num_threads: process-wide, so left alone unless given
+    # decoding (engine.py): on CUDA a static KV cache with CUDA graphs unless disable_cuda_graph;
+    # static_kv_cache uses the static cache without graphs elsewhere (CPU) or with them disabled
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None  # larger batches run the static step eagerly
+    static_kv_cache: bool = False
 
 
 class EmbeddedServer:
@@ -86,7 +91,10 @@ class EmbeddedServer:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
         self.vocab_size = hf.get_text_config().vocab_size
         self.context_len = getattr(hf.get_text_config(), "max_position_embeddings", 4096)
-        self.engine = Engine(self.model, self.tokenizer, eos, pad, cfg.max_running_requests, cfg.random_seed)
+        cuda_graph = torch.device(cfg.device).type == "cuda" and not cfg.disable_cuda_graph
+        self.engine = Engine(self.model, self.tokenizer, eos, pad, cfg.max_running_requests, cfg.random_seed,
+                             static_cache=cuda_graph or cfg.static_kv_cache, cuda_graph=cuda_graph,
+                             cuda_graph_max_bs=cfg.cuda_graph_max_bs)
         self.weights = WeightSync(self.model, self.engine, cfg.weight_version)
         self._rid_counter = itertools.count()
         self.httpd = _Listener((cfg.host, cfg.port), _make_handler(self))

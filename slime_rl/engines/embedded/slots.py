@@ -1,0 +1,225 @@
+"""The static KV cache of the embedded engine: one preallocated row ("slot") per running request.
+
+Every layer keeps keys and values of shape [slots, kv_heads, capacity, head_dim]. A request owns one
+slot from its admission to its end; its cached tokens sit at columns 0..n-1 of that slot and the token
+it feeds next is written at column n. So a decode step has fixed shapes whatever the requests'
+lengths: ids/positions/write columns [bs] for the first `bs` slots, keys/values read over the first
+`kv_len` columns, and a boolean mask (column <= the row's write column). That is what lets the step
+be captured once in a CUDA graph per (bs, kv_len) and replayed (graphs.py).
+
+Rows join by copying their prefill KV (a left-padded DynamicCache, as the dynamic path builds it)
+into free slots and leave by freeing their slot: nothing is concatenated or re-indexed. When rows
+leave, the batch is compacted (rows in the highest slots move down) only if that lets the step run
+with a smaller padded batch size. The capacity doubles when a row needs a column past it; that
+reallocates the buffers, so the cache's `generation` changes and captured graphs are dropped.
+
+Only full-attention, text-only models whose positions equal the token index use it (`unsupported`);
+the others (Qwen2.5-VL's mRoPE positions, sliding-window or linear-attention layers, dynamic RoPE)
+stay on the dynamic path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+
+from slime_rl.engines.embedded.batch import Row
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why `model` cannot use the static cache, or None when it can."""
+    cfg = model.config
+    if getattr(cfg, "vision_config", None) is not None:
+        return "vision-language model (mRoPE positions differ from the token index)"
+    text = cfg.get_text_config()
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"layer types {sorted(kinds)} (only full attention)"
+    attn = getattr(text, "_attn_implementation", None) or "eager"
+    if attn not in ("sdpa", "eager"):
+        return f"attention implementation {attn!r} (it ignores the 4-D slot mask; sdpa or eager only)"
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    ropes = rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    for r in ropes:
+        kind = (r or {}).get("rope_type", (r or {}).get("type", "default"))
+        if kind in ("dynamic", "longrope"):  # frequencies depend on the current length (host-side)
+            return f"RoPE type {kind!r}"
+    return None
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's preallocated keys and values; SlotCache.update writes them in place."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated up front by SlotCache.allocate
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise RuntimeError("SlotLayer is written through SlotCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self) -> int:
+        return 0  # rows differ; the engine always passes position_ids and the mask itself
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class SlotCache(Cache):
+    """transformers' Cache interface over per-slot rows. Before a forward the caller sets `cols`
+    (long [bs]: the column each of the first bs slots writes) and `kv_len` (columns attention reads)."""
+
+    def __init__(self, slots: int, capacity: int) -> None:
+        super().__init__(layers=[])
+        self.slots, self.capacity = slots, capacity
+        self.cols: torch.Tensor | None = None
+        self.kv_len = 0
+        self.generation = 0  # bumped whenever the buffers are reallocated
+
+    def allocate(self, like: DynamicCache) -> None:
+        """Zeroed buffers shaped after a prefill cache (layer count, heads, head dims, dtype, device)."""
+        self.layers = []
+        for layer in like.layers:
+            k, v = layer.keys, layer.values
+            self.layers.append(SlotLayer(k.new_zeros((self.slots, k.shape[1], self.capacity, k.shape[3])),
+                                         v.new_zeros((self.slots, v.shape[1], self.capacity, v.shape[3]))))
+        self.generation += 1
+
+    def ensure_capacity(self, columns: int) -> None:
+        """Grow (doubling, keeping the contents) until `columns` columns fit."""
+        if columns <= self.capacity:
+            return
+        cap = self.capacity
+        while cap < columns:
+            cap *= 2
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros((old.shape[0], old.shape[1], cap, old.shape[3]))
+                new[:, :, :self.capacity] = old
+                setattr(layer, name, new)
+        self.capacity = cap
+        self.generation += 1
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # called by every attention layer: write this step's key/value of row i at column cols[i]
+        # (scatter_, no host sync: capturable), then hand attention the first kv_len columns.
+        layer = self.layers[layer_idx]
+        bs, heads, q, _ = key_states.shape
+        assert q == 1, "the static cache only runs decode steps (one token per row)"
+        keys, values = layer.keys[:bs], layer.values[:bs]
+        col = self.cols.view(bs, 1, 1, 1)
+        keys.scatter_(2, col.expand(bs, heads, 1, key_states.shape[3]), key_states)
+        values.scatter_(2, col.expand(bs, heads, 1, value_states.shape[3]), value_states)
+        return keys[:, :, :self.kv_len], values[:, :, :self.kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def copy_rows(self, src: list[DynamicLayer] | None, src_rows: list[int], src_starts: list[int],
+                  dst_slots: list[int], lengths: list[int]) -> None:
+        """keys/values[dst_slots[i], :, 0:lengths[i]] = source row src_rows[i], columns
+        src_starts[i]..+lengths[i], for every layer; `src` None copies between our own slots."""
+        if not dst_slots:
+            return
+        # one (source row, source column, slot, column) index per copied token, built on the host
+        n = torch.tensor(lengths)
+        offset = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n, n)  # 0..n_i-1 per row
+        rows_t, scols_t, dslots_t = (torch.repeat_interleave(torch.tensor(x), n)
+                                     for x in (src_rows, src_starts, dst_slots))
+        dev = self.layers[0].keys.device
+        rows_t, scols_t, dslots_t, dcols_t = (t.to(dev) for t in (rows_t, scols_t + offset, dslots_t, offset))
+        for i, mine in enumerate(self.layers):
+            theirs = mine if src is None else src[i]
+            # both sides index dims 0 and 2: [N, heads, head_dim]; the right side is gathered (a copy)
+            # before the write, so moving between our own slots cannot read what it overwrites
+            mine.keys[dslots_t, :, dcols_t] = theirs.keys[rows_t, :, scols_t]
+            mine.values[dslots_t, :, dcols_t] = theirs.values[rows_t, :, scols_t]
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, 8, then every multiple of 8, and max_rows itself."""
+    sizes = [b for b in (1, 2, 4) if b < max_rows] + list(range(8, max_rows, 8))
+    return sizes + [max_rows]
+
+
+def bucket_of(buckets: list[int], n: int) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+@dataclass
+class SlotBatch:
+    """The running rows of the static path (the interface of batch.RunningBatch: rows, keep, merge,
+    clear), each holding `row.slot`. Free slots are handed out lowest first."""
+
+    cache: SlotCache
+    buckets: list[int]
+    rows: list[Row] = field(default_factory=list)
+    moves: int = 0  # rows moved to a lower slot by compaction (for tests and stats)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def clear(self) -> None:
+        self.rows = []
+
+    def padded_size(self) -> int:
+        """The batch size a decode step runs with: the bucket holding the highest used slot."""
+        return bucket_of(self.buckets, max(r.slot for r in self.rows) + 1)
+
+    def keep(self, keep_idx: list[int]) -> None:
+        """Keep only rows `keep_idx` (in order); the others' slots become free."""
+        if len(keep_idx) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep_idx]
+        if self.rows and self.padded_size() > bucket_of(self.buckets, len(self.rows)):
+            self._compact()
+
+    def _compact(self) -> None:
+        n = len(self.rows)
+        used = {r.slot for r in self.rows}
+        free = iter(sorted(set(range(n)) - used))
+        movers = sorted((r for r in self.rows if r.slot >= n), key=lambda r: r.slot)
+        dst = [next(free) for _ in movers]
+        self.cache.copy_rows(None, [r.slot for r in movers], [0] * len(movers), dst, [r.next_pos for r in movers])
+        for r, d in zip(movers, dst, strict=True):
+            r.slot = d
+        self.moves += len(movers)
+
+    def merge(self, rows: list[Row], mask: torch.Tensor, cache: DynamicCache) -> None:
+        """Give freshly prefilled rows (left-padded mask [b, T] and their DynamicCache) free slots and
+        copy their KV there."""
+        lengths = mask.sum(dim=1).tolist()
+        for r, n in zip(rows, lengths, strict=True):
+            # the slot's columns are token indices; a row's position must be the same (text models)
+            if r.next_pos != n:
+                raise RuntimeError(f"static KV cache: row position {r.next_pos} != cached tokens {n}")
+        if not self.cache.layers:
+            self.cache.allocate(cache)
+        self.cache.ensure_capacity(max(lengths) + 1)  # +1: the pending token's column
+        used = {r.slot for r in self.rows}
+        free = [s for s in range(self.cache.slots) if s not in used][:len(rows)]
+        if len(free) < len(rows):
+            raise RuntimeError(f"static KV cache: {len(rows)} new rows but {len(free)} free slots")
+        width = mask.shape[1]
+        self.cache.copy_rows(cache.layers, list(range(len(rows))), [width - n for n in lengths], free, lengths)
+        for r, s in zip(rows, free, strict=True):
+            r.slot = s
+        self.rows.extend(rows)
+
+
+def slot_inputs(rows: list[Row], bs: int, pad_id: int) -> list[list[int]]:
+    """[ids, positions, write columns] of the first bs slots; free slots feed `pad_id` at position 0
+    and write column 0 (a free slot's contents are never read before a prefill overwrites them)."""
+    ids, pos = [pad_id] * bs, [0] * bs
+    for r in rows:
+        ids[r.slot], pos[r.slot] = r.pending, r.next_pos
+    return [ids, pos, list(pos)]  # column = position for the models that use this cache
