@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metadata-key", default=None, help="a dict column merged into each sample's metadata")
     g.add_argument("--tool-key", default=None, help="a column of tools passed to the chat template")
     g.add_argument("--apply-chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
+    g.add_argument("--format-prompt", default=None,
+                   help="a jinja2 file rendering each prompt from `content` before the chat template (EasyR1's "
+                        "format_prompt), e.g. configs/prompts/think_boxed.jinja")
     g.add_argument("--num-epoch", type=_positive_int, default=None, help="instead of --num-rollout")
     g.add_argument("--rollout-shuffle", action="store_true")
     g.add_argument("--rollout-max-prompt-len", type=_positive_int, default=None)
@@ -166,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one-step off-policy: generate step k+1 while training step k")
     g.add_argument("--update-weights-interval", type=_positive_int, default=1,
                    help="broadcast weights to the engines every N steps")
-    g.add_argument("--rm-type", default=None, help="built-in reward: digit, math, format, dapo, f1, remote_rm")
+    g.add_argument("--rm-type", default=None,
+                   help="built-in reward: digit, math, format, dapo, f1, math_format, remote_rm")
     g.add_argument("--rm-url", default=None, help="remote reward model (POST prompt/response/label/metadata)")
     g.add_argument("--reward-key", default="score", help="the score's key when a reward returns a dict")
     g.add_argument("--rm-timeout", type=float, default=30.0, help="seconds per remote reward call")

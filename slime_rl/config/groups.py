@@ -154,6 +154,7 @@ class DataConfig:
     image_key: str | None = "images"  # EasyR1's column name; absent in text-only data
     min_pixels: int | None = None  # None: the checkpoint's image processor decides
     max_pixels: int | None = None
+    format_prompt: str | None = None  # jinja2 file: each prompt is rendered from `content` first
 
 
 @dataclass(frozen=True)

@@ -285,7 +285,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         data=DataConfig(prompt_data, a.input_key, a.label_key, a.apply_chat_template, a.rollout_shuffle,
                         a.rollout_max_prompt_len, a.rollout_seed, a.metadata_key, a.tool_key,
                         a.apply_chat_template_kwargs, a.num_epoch, image_key=a.image_key,
-                        min_pixels=a.min_pixels, max_pixels=a.max_pixels),
+                        min_pixels=a.min_pixels, max_pixels=a.max_pixels, format_prompt=a.format_prompt),
         rollout=RolloutConfig(rbs, a.n_samples_per_prompt, a.rollout_max_response_len,
                               a.rollout_temperature, a.rollout_top_p, a.rollout_top_k, a.rollout_seed,
                               num_rollout, a.rm_type, a.custom_rm_path, a.sglang_server_concurrency,

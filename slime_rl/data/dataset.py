@@ -58,6 +58,37 @@ def parse_chat_template_kwargs(value: str | dict[str, Any] | None) -> dict[str, 
     return parsed
 
 
+def load_format_prompt(path: str | None) -> Any:
+    """The compiled `--format-prompt` template, or None; a DataError names the flag and the file."""
+    if not path:
+        return None
+    import jinja2
+
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+        return jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False).from_string(source)
+    except OSError as exc:
+        raise DataError(f"--format-prompt {path}: cannot read it: {exc}") from exc
+    except jinja2.TemplateError as exc:
+        raise DataError(f"--format-prompt {path}: not a valid jinja2 template: {exc}") from exc
+
+
+def apply_format_prompt(template: Any, raw: Any) -> Any:
+    """A string prompt rendered as `content`; for a message list, its last user message's text."""
+    import jinja2
+
+    try:
+        if isinstance(raw, str):
+            return template.render(content=raw)
+        last = max((i for i, m in enumerate(raw) if m.get("role") == "user" and isinstance(m.get("content"), str)),
+                   default=None)
+        if last is None:
+            return raw
+        return [dict(m, content=template.render(content=m["content"])) if i == last else m for i, m in enumerate(raw)]
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"--format-prompt failed: {type(exc).__name__}: {exc}") from exc
+
+
 def render_prompt(raw: Any, tokenizer: Any, apply_chat_template: bool, tools: list[dict] | None = None,
                   chat_template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text the engine sees: the raw string, or the chat template applied to it.
@@ -117,6 +148,7 @@ class PromptDataset:
         self.metadata_key = metadata_key or cfg.metadata_key
         self.tool_key = tool_key or cfg.tool_key
         self.chat_template_kwargs = parse_chat_template_kwargs(chat_template_kwargs or cfg.chat_template_kwargs)
+        self.format_prompt = load_format_prompt(cfg.format_prompt)
         self.rows: list[PromptRow] = []
         self.filtered_too_long = 0
         errors: list[str] = []
@@ -176,6 +208,8 @@ class PromptDataset:
         if self.tool_key is not None and record.get(self.tool_key) is not None:
             tools = _json_field(record[self.tool_key], list, f"'{self.tool_key}' (--tool-key)")
             metadata["tools"] = tools
+        if self.format_prompt is not None:
+            raw = apply_format_prompt(self.format_prompt, raw)
         images = self.vision.images_of(record, raw)
         if images:
             raw = self.vision.with_image_parts(raw, cfg.apply_chat_template)

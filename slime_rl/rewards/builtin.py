@@ -8,6 +8,7 @@ dict whose "score" is the reward (its other numeric keys are logged as metrics).
 | `dapo`   | +1 when correct, -1 otherwise (DAPO); also logs `acc` (1/0)                   |
 | `format` | 1 when the response is `<think>reasoning</think>` then an answer (see below)  |
 | `f1`     | token F1 of the answer against the label (best over a list of labels)        |
+| `math_format` | 0.9 x `math` + 0.1 x format with a `\boxed{}` answer (EasyR1's score) |
 
 `remote_rm` (an HTTP reward model at `--rm-url`) is not here: it needs a URL, so
 `make_reward_fn` builds it (see `slime_rl.rewards.remote`).
@@ -21,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from slime_rl.data import Sample
-from slime_rl.rewards.math_grader import answer_region, is_equivalent
+from slime_rl.rewards.math_grader import answer_region, is_equivalent, last_boxed
 
 _DIGIT = re.compile(r"\d")
 
@@ -104,10 +105,20 @@ def f1_reward(sample: Sample) -> float:
     return max((token_f1(answer, str(r)) for r in refs if r is not None), default=0.0)
 
 
+def math_format_reward(sample: Sample) -> dict[str, float]:
+    """The weighting EasyR1's recipes use for math and geometry (Geometry3K, math12k): 0.9 for a
+    correct final answer plus 0.1 for the format, which here is `check_format`'s think-then-answer
+    rule with the answer holding a `\\boxed{}`. Both parts are logged (`acc`, `format`)."""
+    acc = math_reward(sample)
+    fmt = float(check_format(sample.response, sample.prompt) and last_boxed(answer_region(sample.response)) is not None)
+    return {"score": 0.9 * acc + 0.1 * fmt, "acc": acc, "format": fmt}
+
+
 BUILTIN: dict[str, Callable[[Sample], float | dict[str, float]]] = {
     "digit": digit_reward,
     "math": math_reward,
     "dapo": dapo_reward,
     "format": format_reward,
     "f1": f1_reward,
+    "math_format": math_format_reward,
 }

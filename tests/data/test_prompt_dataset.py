@@ -170,3 +170,28 @@ def test_chat_template_kwargs_parsing():
         parse_chat_template_kwargs("[1]")
     with pytest.raises(DataError, match="not valid JSON"):
         parse_chat_template_kwargs("{enable_thinking}")
+
+
+def test_format_prompt_renders_each_prompt_before_the_template(tmp_path, qwen_tok):
+    tpl = tmp_path / "fmt.jinja"
+    tpl.write_text("{{ content | trim }} Put the answer in \\boxed{}.")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " What is 2+2? "}]
+    f = write_records([{"input": "  hi ", "label": 1}, {"input": msgs, "label": 4}], tmp_path / "d.jsonl")
+    rows = PromptDataset(DataConfig(prompt_data=str(f), apply_chat_template=True, format_prompt=str(tpl)),
+                         qwen_tok).rows
+    assert rows[0].prompt == "<|im_start|>user\nhi Put the answer in \\boxed{}.<|im_end|>\n<|im_start|>assistant\n"
+    assert rows[1].prompt == CHATML_SYS_USER.replace("What is 2+2?", "What is 2+2? Put the answer in \\boxed{}.")
+
+
+def test_format_prompt_errors_name_the_flag_or_the_row(tmp_path, qwen_tok):
+    f = write_records([{"input": "hi", "label": 1}], tmp_path / "d.jsonl")
+    with pytest.raises(DataError, match="--format-prompt .*missing.jinja"):
+        PromptDataset(DataConfig(prompt_data=str(f), format_prompt=str(tmp_path / "missing.jinja")), qwen_tok)
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ content ")
+    with pytest.raises(DataError, match="not a valid jinja2 template"):
+        PromptDataset(DataConfig(prompt_data=str(f), format_prompt=str(bad)), qwen_tok)
+    undefined = tmp_path / "undefined.jinja"
+    undefined.write_text("{{ content }} {{ question }}")
+    with pytest.raises(DataError, match="row 1: --format-prompt failed.*question"):
+        PromptDataset(DataConfig(prompt_data=str(f), format_prompt=str(undefined)), qwen_tok)

@@ -127,4 +127,17 @@ def test_f1_by_hand():
 
 def test_digit_unchanged_and_builtin_names():
     assert digit_reward(sample(" 7 3", label="7")) == 1.0 and digit_reward(sample("3 7", label="7")) == 0.0
-    assert set(BUILTIN) == {"digit", "math", "dapo", "format", "f1"}
+    assert set(BUILTIN) == {"digit", "math", "dapo", "format", "f1", "math_format"}
+
+
+@pytest.mark.parametrize("response, acc, fmt", [
+    ("<think>half of one</think> The answer is \\boxed{\\frac12}.", 1.0, 1.0),
+    ("<think>half of one</think> 1/2", 1.0, 0.0),  # right, but no \boxed{} in the answer
+    ("\\boxed{1/2}", 1.0, 0.0),  # right, but no think block
+    ("<think>a third</think> \\boxed{1/3}", 0.0, 1.0),  # well formed, wrong
+    ("<think></think> \\boxed{1/3}", 0.0, 0.0),  # blank reasoning
+])
+def test_math_format_weights_accuracy_and_format(response, acc, fmt):
+    out = BUILTIN["math_format"](sample(response))
+    assert (out["acc"], out["format"]) == (acc, fmt)
+    assert out["score"] == pytest.approx(0.9 * acc + 0.1 * fmt)

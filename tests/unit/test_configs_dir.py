@@ -25,6 +25,14 @@ def test_recipe_parses(recipe):
             argv += [f"--{k}", v]
     cfg = build_config(argv, check_paths=False)
     assert cfg.rollout.num_rollout >= 1
+    if cfg.data.format_prompt:  # recipes name it relative to the repository root (where launch/ runs)
+        from slime_rl.data.dataset import load_format_prompt
+
+        assert load_format_prompt(str(ROOT / cfg.data.format_prompt)).render(content="Q?").startswith("Q?")
+    if cfg.rollout.rm_type:
+        from slime_rl.rewards import BUILTIN
+
+        assert cfg.rollout.rm_type in BUILTIN or cfg.rollout.rm_type == "remote_rm"
 
 
 def test_there_are_recipes():
