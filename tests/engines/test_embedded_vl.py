@@ -19,7 +19,7 @@ import pytest
 import torch
 from engine_testlib import start_server
 from PIL import Image
-from vl_testlib import reference
+from vl_testlib import reference, write_pictures
 
 from slime_rl.config import DataConfig
 from slime_rl.data import PromptDataset, write_records
@@ -55,12 +55,7 @@ def rows(tiny_qwen2_5_vl, tmp_path_factory):
     from transformers import AutoTokenizer
 
     d = tmp_path_factory.mktemp("vl_rows")
-    specs = [("a.png", (112, 84), (200, 20, 20)), ("b.png", (60, 150), (20, 20, 200)), ("c.png", (90, 90), (0, 150, 0))]
-    for name, size, colour in specs:
-        img = Image.new("RGB", size, colour)
-        for k in range(0, min(size), 7):
-            img.putpixel((k, k), (255, 255, 0))
-        img.save(d / name)
+    write_pictures(d)
     data = [{"problem": "<image>How many red shapes are in the picture?", "answer": "1", "images": ["a.png"]},
             {"problem": "<image>How many <image>blue shapes?", "answer": "2", "images": ["b.png", "c.png"]},
             {"problem": "How many green shapes are in the picture?", "answer": "0"}]

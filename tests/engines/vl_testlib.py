@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+# three pictures of different sizes (so different patch grids), each with a yellow diagonal
+PICTURES = [("a.png", (112, 84), (200, 20, 20)), ("b.png", (60, 150), (20, 20, 200)), ("c.png", (90, 90), (0, 150, 0))]
+
+
+def write_pictures(folder: Path) -> None:
+    """a.png, b.png, c.png (PICTURES) into `folder`."""
+    from PIL import Image
+
+    for name, size, colour in PICTURES:
+        img = Image.new("RGB", size, colour)
+        for k in range(0, min(size), 7):
+            img.putpixel((k, k), (255, 255, 0))
+        img.save(folder / name)
 
 
 def reference(vl64, prompt: list[int], output: list[int], images: list, first: int | None = None) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import free_port
 from tests.trainer.trainer_ref import (
     hf_entropy,
     hf_logprobs,
@@ -15,7 +14,7 @@ from tests.trainer.trainer_ref import (
     make_tiny_qwen3,
     masked_token_mean,
 )
-from tests.trainer.trainer_scenarios import run_scenario
+from tests.trainer.trainer_scenarios import scenario_runner
 
 
 @pytest.fixture(scope="session")
@@ -26,15 +25,7 @@ def ckpts(tiny_qwen2, tiny_llama, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def scenario(ckpts, tmp_path_factory):
-    out = tmp_path_factory.mktemp("trainer_scenarios")
-    cache: dict[str, list[dict]] = {}
-
-    def get(name: str, world: int) -> list[dict]:
-        if name not in cache:
-            cache[name] = run_scenario(name, world, free_port(), out, ckpts)
-        return cache[name]
-
-    return get
+    return scenario_runner(tmp_path_factory.mktemp("trainer_scenarios"), ckpts)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,9 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -160,6 +162,20 @@ def scenario_dp2(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dic
 
 
 SCENARIOS = {"tp1": scenario_tp1, "tp2": scenario_tp2, "dp2": scenario_dp2}
+
+
+def scenario_runner(out: Path, ckpts: dict[str, Any]) -> Callable[[str, int], list[dict]]:
+    """`get(name, world)`: each scenario's per-rank records, run once (on a fresh port) and cached."""
+    from tests.conftest import free_port
+
+    cache: dict[str, list[dict]] = {}
+
+    def get(name: str, world: int) -> list[dict]:
+        if name not in cache:
+            cache[name] = run_scenario(name, world, free_port(), out, ckpts)
+        return cache[name]
+
+    return get
 
 
 def run_scenario(name: str, world: int, port: int, out: Path, ckpts: dict[str, Path],
