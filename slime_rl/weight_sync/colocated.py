@@ -31,12 +31,12 @@ from slime_rl.engines.tensor_ipc import serialize_named_tensors, use_file_system
 from slime_rl.rollout.client import EngineClient
 from slime_rl.weight_sync.broadcast import EngineTarget, buckets, flatten_bucket
 
-MEMORY_TAGS = ["kv_cache", "weights"]
+MEMORY_TAGS = ["kv_cache", "weights"]  # what engines release for the training phase (SGLang's tags)
 
 
 class ColocatedUpdater:
-    """One per trainer rank. `engines`: every engine (for pause/continue/release/resume, which the
-    caller runs on one rank); `mine`: indices of the engines on this rank's device (it sends to them)."""
+    """One per trainer rank. `engines`: every engine (rank 0 pauses and continues them all); `mine`:
+    indices of the engines on this rank's device (it sends to them)."""
 
     def __init__(self, engines: Sequence[EngineTarget], mine: Sequence[int], cfg: WeightSyncConfig) -> None:
         self.engines = list(engines)
@@ -111,17 +111,7 @@ class ColocatedUpdater:
         for f in futures:
             _check_ok(f.result(), "update_weights_from_tensor")
 
-    # ---- engine control, run by one rank (the caller decides which) ----
-    def release_engines(self) -> None:
-        """Every engine frees its KV cache and weights (SGLang's tags) for the training phase."""
-        for f in [self._pool.submit(c.release_memory_occupation, MEMORY_TAGS) for c in self._clients]:
-            f.result()
-
-    def resume_engines(self) -> None:
-        """Every engine re-allocates what it released; its weights must then be refilled by `sync`."""
-        for f in [self._pool.submit(c.resume_memory_occupation, MEMORY_TAGS) for c in self._clients]:
-            f.result()
-
+    # ---- engine control, run by rank 0 (TrainerActor.sync_weights) ----
     def pause_engines(self) -> None:
         for c in self._clients:
             c.pause_generation()
