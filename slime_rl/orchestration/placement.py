@@ -57,8 +57,8 @@ class PlacementPlan:
         if self.critic_bundles:
             lines.append(f"  critic ranks 0..{len(self.critic_bundles) - 1} -> bundles {list(self.critic_bundles)}")
         for e in self.engines:
-            lines.append(f"  engine {e.engine_id} -> bundles {list(e.bundles)}, weight-update rank_offset "
-                         f"{e.rank_offset}")
+            sync = "shared with the trainer" if self.colocated else f"weight-update rank_offset {e.rank_offset}"
+            lines.append(f"  engine {e.engine_id} -> bundles {list(e.bundles)}, {sync}")
         if self.colocated:
             lines.append("  colocated: engines share the trainer's bundles; weights handed over in place")
         else:

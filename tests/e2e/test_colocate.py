@@ -28,6 +28,9 @@ def test_colocated_loop_two_steps(ray_session, tiny_qwen2, digit_data, tmp_path)
     for row in rows:
         assert not set(REQUIRED_KEYS) - set(row)
         assert row["perf/weight_sync_GBps"] > 0 and row["perf/release_s"] > 0
+        print({k: row[k] for k in ("step", "train/rollout_logprob_abs_diff", "perf/weight_sync_GBps", "train/grad_norm",
+                                   "rollout/reward_mean", "rollout/response_len_mean", "train/loss",
+                                   "perf/weight_sync_s", "perf/release_s")})
     assert rows[0]["train/rollout_logprob_abs_diff"] <= 1e-3  # step 0: the engines hold the checkpoint's weights
     assert rows[1]["train/rollout_logprob_abs_diff"] <= 1e-2  # step 1: generated with the handed-over weights
 
