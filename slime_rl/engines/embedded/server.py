@@ -11,6 +11,8 @@ needs `Authorization: Bearer <key>` and otherwise gets 401 {"error": "Unauthoriz
 One endpoint of our own (not SGLang's): GET or POST /weights_checksum (key required) answers
 {"checksum", "tensors": {hf_name: sha256}, "weight_version"}, sha256 of each parameter's float32
 bytes; the fault-tolerance test compares a restarted engine with the others and the trainer by it.
+/get_server_info also carries our "memory_occupation" (engines/embedded/memory.py: released tags,
+parameter bytes held, CUDA bytes allocated by this process), which the colocated tests read.
 """
 
 from __future__ import annotations
