@@ -14,6 +14,9 @@ saying what to do) until it is resumed. On CUDA the freed blocks go back to the 
 Resuming "weights" re-allocates the storages WITHOUT their old contents: the weights must be refilled
 by /update_weights_from_tensor (or /update_weights_from_distributed) before the engine serves again;
 until every tensor has been refilled, /generate answers 503 naming how many are missing.
+
+An engine that keeps CUDA graphs or a preallocated KV cache must drop them in `release`: a graph
+bakes in the parameters' addresses, and a resume re-allocates the parameters elsewhere.
 """
 
 from __future__ import annotations
