@@ -132,6 +132,9 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
             pending = None
             if cfg.rollout.async_mode and step + 1 < n_steps:
                 pending = cluster.generate_async(step + 1)
+            if cfg.engine.colocate:  # the engines' memory goes to the trainer until the weight sync
+                with timer("release"):
+                    cluster.release_engines()
             with timer("train"):
                 metrics |= cluster.train(step)
             if pending is not None:

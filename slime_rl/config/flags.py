@@ -196,9 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("rollout engines")
     g.add_argument("--rollout-backend", choices=ROLLOUT_BACKENDS, default="embedded")
-    g.add_argument("--rollout-num-gpus", type=_positive_int, default=1,
-                   help="devices for all engines (CPU processes when there is no GPU)")
+    g.add_argument("--rollout-num-gpus", type=_positive_int, default=None,
+                   help="devices for all engines (CPU processes when there is no GPU); default 1, or with "
+                        "--colocate the trainer's devices")
     g.add_argument("--rollout-num-gpus-per-engine", type=_positive_int, default=1)
+    g.add_argument("--colocate", action="store_true",
+                   help="engines share the trainer's devices: they release their memory while the trainer trains "
+                        "and get the weights in place (CUDA IPC / shared memory) instead of by broadcast")
     g.add_argument("--sglang-server-concurrency", type=_positive_int, default=64,
                    help="most requests in flight per engine (the client queues the rest)")
     g.add_argument("--use-sglang-router", action="store_true",

@@ -217,6 +217,7 @@ class EngineConfig:
     router_port: int | None = None  # --sglang-router-port
     # --router-<name> VALUE, keyed by sglang-router's option name (dashes -> underscores)
     router_args: dict[str, Any] = field(default_factory=dict)
+    colocate: bool = False  # --colocate: engines on the trainer's devices (placement, weight sync, memory)
 
     @property
     def num_engines(self) -> int:

@@ -227,6 +227,9 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(0 <= a.adam_beta2 < 1, f"--adam-beta2 must be in [0, 1), got {a.adam_beta2}")
     _check(a.rollout_temperature > 0, f"--rollout-temperature must be > 0, got {a.rollout_temperature}")
     _check(0 < a.rollout_top_p <= 1, f"--rollout-top-p must be in (0, 1], got {a.rollout_top_p}")
+    a.rollout_num_gpus = a.rollout_num_gpus or (parallel.world_size if a.colocate else 1)
+    if a.colocate:
+        _check_colocate(a, parallel)
     _check(a.rollout_num_gpus % a.rollout_num_gpus_per_engine == 0,
            f"--rollout-num-gpus-per-engine ({a.rollout_num_gpus_per_engine}) must divide "
            f"--rollout-num-gpus ({a.rollout_num_gpus})")
@@ -297,7 +300,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
                               a.custom_generate_function_path,
                               a.rollout_seed if a.deterministic_rollout else None, group_rm=a.group_rm),
         engine=EngineConfig(a.rollout_backend, a.rollout_num_gpus, a.rollout_num_gpus_per_engine, sglang,
-                            a.use_sglang_router, a.sglang_router_port, router),
+                            a.use_sglang_router, a.sglang_router_port, router, colocate=a.colocate),
         weight_sync=WeightSyncConfig(a.update_weight_buffer_size),
         checkpoint=CheckpointConfig(a.save, a.load, a.save_interval, a.keep_last, a.save_hf),
         logging=LoggingConfig(run_dir, a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_mode,
@@ -309,6 +312,26 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
                           a.reward_failure_value),
         critic=_critic_config(a, parallel, gbs),
     )
+
+
+def _check_colocate(a: argparse.Namespace, parallel: ParallelConfig) -> None:
+    """--colocate: what the colocated loop supports (docs/colocate.md)."""
+    _check(a.rollout_num_gpus <= parallel.world_size,
+           f"--colocate: --rollout-num-gpus ({a.rollout_num_gpus}) must be at most the trainer's devices "
+           f"--actor-num-nodes x --actor-num-gpus-per-node ({parallel.world_size}): engines use the trainer's devices")
+    _check(a.rollout_num_gpus_per_engine == 1,
+           "--colocate needs --rollout-num-gpus-per-engine 1 (each engine takes its weights from the trainer rank "
+           "on its own device)")
+    _check(a.pipeline_model_parallel_size == 1,
+           "--colocate needs --pipeline-model-parallel-size 1 (every trainer rank must hold every layer to hand "
+           "it to the engine on its device)")
+    for flag, given in (("--async", a.async_mode), ("--use-fault-tolerance", a.use_fault_tolerance),
+                        ("--use-sglang-router", a.use_sglang_router)):
+        _check(not given, f"--colocate and {flag} exclude each other (engines sleep while the trainer trains)"
+               if flag == "--async" else f"--colocate does not support {flag} yet")
+    _check(a.update_weights_interval == 1,
+           f"--colocate needs --update-weights-interval 1 (got {a.update_weights_interval}): the engines drop their "
+           "weights during training and must get them back after every step")
 
 
 def _critic_config(a: argparse.Namespace, policy: ParallelConfig, gbs: int) -> CriticConfig | None:

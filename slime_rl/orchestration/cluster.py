@@ -16,7 +16,9 @@ from slime_rl.orchestration.engines import EngineActor, engine_command, engine_e
 from slime_rl.orchestration.placement import PlacementPlan
 from slime_rl.orchestration.rollout_manager import RolloutManager
 from slime_rl.orchestration.trainer_group import CriticGroup, TrainerGroup
+from slime_rl.rollout.client import EngineClient
 from slime_rl.weight_sync.broadcast import EngineTarget
+from slime_rl.weight_sync.colocated import MEMORY_TAGS
 
 
 def init_ray(plan: PlacementPlan) -> None:
@@ -27,7 +29,8 @@ def init_ray(plan: PlacementPlan) -> None:
         ray.init(address=os.environ["RAY_ADDRESS"])
         return
     # Ray's CPU slots are logical: a 2-core laptop still gets one slot per bundle.
-    ray.init(num_cpus=max(len(plan.bundles) + 1, os.cpu_count() or 1), include_dashboard=False,
+    cpus = int(sum(b.get("CPU", 1.0) for b in plan.bundles))  # colocated bundles hold two actors
+    ray.init(num_cpus=max(cpus + 1, os.cpu_count() or 1), include_dashboard=False,
              log_to_driver=True)
 
 
@@ -50,7 +53,7 @@ class Cluster:
         init_ray(self.plan)
         self.pg = placement_group(list(self.plan.bundles), strategy="PACK")
         ray.get(self.pg.ready())
-        gpu = 1 if self.plan.use_gpu else 0
+        gpu = self.plan.actor_gpu  # 1 or 0; 0.5 when colocated: the engine and a trainer rank share the GPU
         urls, targets, started = [], [], []
         for slot in self.plan.engines:
             actor = EngineActor.options(
@@ -64,7 +67,8 @@ class Cluster:
             targets.append(EngineTarget(urls[-1], slot.rank_offset, self.api_key))
             started.append(actor.start.remote(cmd, urls[-1], env=engine_env(self.cfg, self.api_key)))
         # trainer ranks build Megatron while the engines load
-        self.trainers = TrainerGroup(self.cfg, self.pg, self.plan.trainer_bundles, self.plan.use_gpu)
+        self.trainers = TrainerGroup(self.cfg, self.pg, self.plan.trainer_bundles, self.plan.use_gpu,
+                                     num_gpus=self.plan.actor_gpu)
         critic_world = self.cfg.critic.world_size if self.cfg.critic else 0
         threads = max(1, (os.cpu_count() or 1) // (self.cfg.parallel.world_size + critic_world))
         if self.cfg.critic is not None:  # PPO: the critic builds at the same time
@@ -82,7 +86,10 @@ class Cluster:
         self.buffer = Buffer.remote()
         self.rollout_manager = RolloutManager.remote(self.cfg, urls, self.api_key, self.router_url)
         self.targets = targets
-        self.trainers.connect_engines(targets, self.plan.weight_update_world_size)
+        if self.plan.colocated:  # engine e shares trainer rank (= bundle) e's device
+            self.trainers.connect_colocated(targets, [slot.bundles[0] for slot in self.plan.engines])
+        else:
+            self.trainers.connect_engines(targets, self.plan.weight_update_world_size)
 
     def generate(self, step: int) -> dict[str, float]:
         return ray.get(self.rollout_manager.generate.remote(step, self.buffer))
@@ -153,8 +160,19 @@ class Cluster:
             metrics |= self.critics.train(returns)
         return metrics | {"time/train_start": start, "time/train_end": time.time()}
 
+    def release_engines(self) -> None:
+        """--colocate, after the rollout: every engine frees its KV cache and weights for training."""
+        self._on_engines("release_memory_occupation")
+
+    def _on_engines(self, endpoint: str) -> None:
+        for url in self.engine_urls:
+            with EngineClient(url, api_key=self.api_key) as client:
+                getattr(client, endpoint)(MEMORY_TAGS)
+
     def sync_weights(self, version: str) -> dict[str, float]:
         start = time.time()
+        if self.plan.colocated:  # re-allocate; the engines serve again once the sync has refilled every tensor
+            self._on_engines("resume_memory_occupation")
         metrics = self.trainers.sync_weights(version)
         # restarted engines hold the current weights now: only now may they get requests
         ray.get([self.rollout_manager.revive_engine.remote(k, url) for k, url in self._revived.items()])

@@ -50,7 +50,7 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
         return sglang_command(model_path=cfg.model.hf_checkpoint, host=host, port=port,
                               tp_size=cfg.engine.num_gpus_per_engine, nccl_port=nccl_port or port + 1,
                               dist_init_addr=None, base_gpu_id=0, random_seed=seed, api_key=api_key,
-                              extra=dict(cfg.engine.sglang_args))
+                              extra=_colocated_sglang_args(cfg))
     # on CPU the engine runs while the trainer ranks wait (sync loop), so it may use every core
     graph_bs = cfg.engine.sglang_args.get("cuda_graph_max_bs_decode")  # the SGLang flags it shares
     return embedded_command(model_path=cfg.model.hf_checkpoint, host=host, port=port, api_key=None, seed=seed,
@@ -58,6 +58,14 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                             num_threads=None if use_gpu else (os.cpu_count() or 1),
                             disable_cuda_graph=cfg.engine.sglang_args.get("disable_cuda_graph") in (True, "true"),
                             cuda_graph_max_bs=None if graph_bs is None else int(graph_bs))
+
+
+def _colocated_sglang_args(cfg: Config) -> dict:
+    """--sglang-* flags; with --colocate SGLang needs its memory saver to honour /release_memory_occupation."""
+    extra = dict(cfg.engine.sglang_args)
+    if cfg.engine.colocate:
+        extra.setdefault("enable_memory_saver", True)
+    return extra
 
 
 def engine_env(cfg: Config, api_key: str | None) -> dict[str, str]:

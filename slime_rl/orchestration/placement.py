@@ -5,6 +5,10 @@ Layout (disaggregated): bundles 0 .. W-1 hold the W trainer ranks (rank r in bun
 C critic ranks (bundles W .. W+C-1; none for the other estimators), the next bundles hold the
 engines, `rollout_num_gpus_per_engine` consecutive bundles each. On a machine
 without GPUs a bundle is one CPU slot instead of one GPU.
+
+Colocated (`--colocate`): engine e sits in trainer bundle e (the engines take the first
+`--rollout-num-gpus` trainer bundles); such a bundle holds both actors, so it offers two CPU slots
+and each actor asks for half of its GPU (`actor_gpu`): Ray then hands both the same device.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ class PlacementPlan:
     engines: tuple[EngineSlot, ...]
     notes: list[str] = field(default_factory=list)
     critic_bundles: tuple[int, ...] = ()
+    colocated: bool = False
+
+    @property
+    def actor_gpu(self) -> float:
+        """GPUs each trainer/engine actor asks for (0 on CPU; half a bundle's GPU when colocated)."""
+        return 0.0 if not self.use_gpu else 0.5 if self.colocated else 1.0
 
     @property
     def weight_update_world_size(self) -> int:
@@ -47,9 +57,12 @@ class PlacementPlan:
         if self.critic_bundles:
             lines.append(f"  critic ranks 0..{len(self.critic_bundles) - 1} -> bundles {list(self.critic_bundles)}")
         for e in self.engines:
-            lines.append(f"  engine {e.engine_id} -> bundles {list(e.bundles)}, weight-update rank_offset "
-                         f"{e.rank_offset}")
-        lines.append(f"  weight-update group world size {self.weight_update_world_size}")
+            sync = "shared with the trainer" if self.colocated else f"weight-update rank_offset {e.rank_offset}"
+            lines.append(f"  engine {e.engine_id} -> bundles {list(e.bundles)}, {sync}")
+        if self.colocated:
+            lines.append("  colocated: engines share the trainer's bundles; weights handed over in place")
+        else:
+            lines.append(f"  weight-update group world size {self.weight_update_world_size}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -64,7 +77,9 @@ def plan_placement(parallel: ParallelConfig, engine: EngineConfig, cluster_gpus:
     """
     trainer_n = parallel.world_size
     engine_n = engine.num_gpus
-    total = trainer_n + critic_world + engine_n
+    if engine.colocate and engine_n > trainer_n:
+        raise PlacementError(f"--colocate: --rollout-num-gpus ({engine_n}) exceeds the trainer's {trainer_n} devices")
+    total = trainer_n + critic_world + (0 if engine.colocate else engine_n)
     use_gpu = cluster_gpus > 0
     notes: list[str] = []
     if use_gpu and total > cluster_gpus:
@@ -76,13 +91,15 @@ def plan_placement(parallel: ParallelConfig, engine: EngineConfig, cluster_gpus:
     if not use_gpu and cluster_cpus is not None and total > cluster_cpus:
         notes.append(f"{total} CPU bundles on {cluster_cpus} cores: processes share cores")
     bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
+    shared = dict(bundle, CPU=2.0)  # colocated: a trainer rank and an engine
     engines = []
     per = engine.num_gpus_per_engine
     for e in range(engine.num_engines):
-        first = trainer_n + critic_world + e * per
+        first = e * per if engine.colocate else trainer_n + critic_world + e * per
         engines.append(EngineSlot(e, tuple(range(first, first + per)), rank_offset=1 + e * per))
-    return PlacementPlan(use_gpu, tuple(dict(bundle) for _ in range(total)), tuple(range(trainer_n)),
-                         tuple(engines), notes, tuple(range(trainer_n, trainer_n + critic_world)))
+    bundles = tuple(dict(shared if engine.colocate and i < engine_n else bundle) for i in range(total))
+    return PlacementPlan(use_gpu, bundles, tuple(range(trainer_n)), tuple(engines), notes,
+                         tuple(range(trainer_n, trainer_n + critic_world)), colocated=engine.colocate)
 
 
 def dp_shard(n_samples: int, global_batch_size: int, dp_rank: int, dp_size: int) -> list[int]:

@@ -13,6 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime_rl.config import Config
 from slime_rl.orchestration.placement import dp_shard
 from slime_rl.weight_sync.broadcast import GROUP_NAME, EngineTarget, WeightBroadcaster
+from slime_rl.weight_sync.colocated import ColocatedUpdater
 
 
 class TrainerRankError(RuntimeError):
@@ -79,7 +80,7 @@ class TrainerActor:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.worker = None
-        self.broadcaster: WeightBroadcaster | None = None
+        self.broadcaster: WeightBroadcaster | ColocatedUpdater | None = None
         self.rejoins = 0  # groups re-created after an engine restart (--use-fault-tolerance)
         # Ray gives each actor its own GPU as cuda:0; on CPU one thread per rank avoids oversubscription
         os.environ["LOCAL_RANK"] = "0"
@@ -109,6 +110,11 @@ class TrainerActor:
         self.broadcaster = WeightBroadcaster(targets, self.cfg.weight_sync, self.worker.is_weight_source,
                                              master_addr, master_port, world_size, backend, group_name=name)
         self.broadcaster.connect()
+
+    def connect_colocated(self, targets: list[EngineTarget], owners: list[int]) -> None:
+        """--colocate: engine e gets its weights from trainer rank owners[e] (the one on its device)."""
+        self.broadcaster = ColocatedUpdater(targets, [e for e, r in enumerate(owners) if r == self.rank],
+                                            self.cfg.weight_sync)
 
     def fail_at_step(self, step: int | None) -> None:
         """Test hook: make `train(step)` raise on this rank, as a crashing rank would."""
@@ -177,12 +183,13 @@ class TrainerActor:
 class TrainerGroup:
     """Handles to every trainer rank; methods call all ranks and return rank 0's answer."""
 
-    def __init__(self, cfg: Config, placement_group, bundles: tuple[int, ...], use_gpu: bool) -> None:
+    def __init__(self, cfg: Config, placement_group, bundles: tuple[int, ...], use_gpu: bool,
+                 num_gpus: float | None = None) -> None:
         self.cfg = cfg
         world = cfg.parallel.world_size
         self.actors = [
             TrainerActor.options(
-                num_cpus=1, num_gpus=1 if use_gpu else 0,
+                num_cpus=1, num_gpus=(1 if use_gpu else 0) if num_gpus is None else num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, bundles[r]),
             ).remote(r, world)
             for r in range(world)
@@ -197,6 +204,9 @@ class TrainerGroup:
         addrs = ray.get([a.master_address.remote() for a in self.actors])
         ray.get([a.connect_engines.remote(targets, addr, port, world_size)
                  for a, (addr, port) in zip(self.actors, addrs, strict=True)])
+
+    def connect_colocated(self, targets: list[EngineTarget], owners: list[int]) -> None:
+        ray.get([a.connect_colocated.remote(targets, owners) for a in self.actors])
 
     def train(self, step: int, buffer, readers: int | None = None) -> dict[str, float]:
         return gather_ranks([a.train.remote(step, buffer, readers) for a in self.actors], f"train step {step}")[0]

@@ -108,6 +108,16 @@ def update_weight_version_payload(new_version: str, abort_all_requests: bool = T
     return {"new_version": new_version, "abort_all_requests": abort_all_requests}
 
 
+def update_weights_from_tensor_payload(serialized_named_tensors: Sequence[str], load_format: str | None = None,
+                                       flush_cache: bool = True, abort_all_requests: bool | None = None,
+                                       weight_version: str | None = None) -> dict[str, Any]:
+    """UpdateWeightsFromTensorReqInput: one serialized entry per engine TP rank
+    (engines/tensor_ipc.serialize_named_tensors)."""
+    return _drop_none({"serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
+                       "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
+                       "weight_version": weight_version})
+
+
 def memory_occupation_payload(tags: list[str] | None = None) -> dict[str, Any]:
     """Release/ResumeMemoryOccupationReqInput; tags e.g. ["weights", "kv_cache"] (None = all)."""
     return _drop_none({"tags": tags})
@@ -164,6 +174,10 @@ class _Endpoints:
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> Any:
         return self._call("POST", "/update_weight_version",
                           update_weight_version_payload(new_version, abort_all_requests))
+
+    def update_weights_from_tensor(self, serialized_named_tensors: Sequence[str], **kwargs: Any) -> Any:
+        return self._call("POST", "/update_weights_from_tensor",
+                          update_weights_from_tensor_payload(serialized_named_tensors, **kwargs))
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
         return self._call("POST", "/release_memory_occupation", memory_occupation_payload(tags))

@@ -30,11 +30,13 @@ PAYLOADS = {
     "ContinueGenerationReqInput": C.continue_generation_payload(),
     "GetWeightsByNameReqInput": C.get_weights_by_name_payload("lm_head.weight", 10),
     "UpdateWeightVersionReqInput": C.update_weight_version_payload("v2", False),
+    "UpdateWeightsFromTensorReqInput": C.update_weights_from_tensor_payload(["AAAA"], "direct", False, True, "3"),
     "ReleaseMemoryOccupationReqInput": C.memory_occupation_payload(["weights"]),
     "ResumeMemoryOccupationReqInput": C.memory_occupation_payload(["kv_cache"]),
 }
 REQUIRED = {"InitWeightsUpdateGroupReqInput": {"master_address", "master_port", "rank_offset", "world_size"},
             "UpdateWeightsFromDistributedReqInput": {"names", "dtypes", "shapes"},
+            "UpdateWeightsFromTensorReqInput": {"serialized_named_tensors"},
             "GetWeightsByNameReqInput": {"name"}, "UpdateWeightVersionReqInput": {"new_version"}}
 
 

@@ -107,6 +107,7 @@ class Engine:
         self._updating = 0
         self._abort_pending = False
         self._stopping = False
+        self._unavailable: str | None = None  # memory released (colocated mode): why requests are refused
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "max_running_rows": 0,
                       "requests_finished": 0, "requests_aborted": 0}
         self._thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
@@ -115,6 +116,10 @@ class Engine:
     # ---- called from HTTP threads ----
     def submit(self, reqs: list[GenRequest]) -> None:
         with self._cond:
+            if self._unavailable is not None:
+                for req in reqs:
+                    self._finish(req, abort_reason(self._unavailable, 503, "ServiceUnavailable"))
+                return
             self._waiting.extend(reqs)
             self._cond.notify_all()
 
@@ -143,6 +148,25 @@ class Engine:
 
     def _drained(self) -> bool:
         return (not self._batch.rows and not self._admitting) or self._stopping
+
+    def set_unavailable(self, message: str | None) -> None:
+        """With a message: refuse every new and queued request with 503 and that message, abort the
+        running ones and wait until none runs (the caller then frees memory). None: serve again."""
+        with self._cond:
+            self._unavailable = message
+            if message is not None:
+                for req in list(self._waiting):
+                    self._finish(req, abort_reason(message, 503, "ServiceUnavailable"))
+                self._waiting.clear()
+            self._cond.notify_all()
+        if message is not None:
+            self.abort(abort_all=True)
+            with self._cond:
+                self._cond.wait_for(self._drained)
+
+    @property
+    def unavailable(self) -> str | None:
+        return self._unavailable
 
     def resume(self) -> None:
         with self._cond:

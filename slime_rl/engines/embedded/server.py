@@ -11,6 +11,8 @@ needs `Authorization: Bearer <key>` and otherwise gets 401 {"error": "Unauthoriz
 One endpoint of our own (not SGLang's): GET or POST /weights_checksum (key required) answers
 {"checksum", "tensors": {hf_name: sha256}, "weight_version"}, sha256 of each parameter's float32
 bytes; the fault-tolerance test compares a restarted engine with the others and the trainer by it.
+/get_server_info also carries our "memory_occupation" (engines/embedded/memory.py: released tags,
+parameter bytes held, CUDA bytes allocated by this process), which the colocated tests read.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from slime_rl.data.images import load_image_processor
 from slime_rl.engines.embedded.engine import Engine
+from slime_rl.engines.embedded.memory import MemoryOccupation
 from slime_rl.engines.embedded.protocol import build_response, parse_generate, seed_generator
 from slime_rl.engines.embedded.sampling import RequestError
 from slime_rl.engines.embedded.vision import VisionInputs, is_vision_config
@@ -96,6 +99,7 @@ class EmbeddedServer:
                              static_cache=cuda_graph or cfg.static_kv_cache, cuda_graph=cuda_graph,
                              cuda_graph_max_bs=cfg.cuda_graph_max_bs)
         self.weights = WeightSync(self.model, self.engine, cfg.weight_version)
+        self.memory = self.weights.memory = MemoryOccupation(self.engine, self.weights.params)
         self._rid_counter = itertools.count()
         self.httpd = _Listener((cfg.host, cfg.port), _make_handler(self))
         self.httpd.daemon_threads = True
@@ -159,13 +163,17 @@ class EmbeddedServer:
         return {"model_path": self.cfg.model_path, "host": self.cfg.host, "port": self.cfg.port,
                 "random_seed": self.cfg.random_seed, "dtype": self.cfg.dtype, "device": self.cfg.device,
                 "max_running_requests": self.cfg.max_running_requests, "tp_size": 1,
-                "internal_states": [self.engine.load()], "version": "embedded"}
+                "internal_states": [self.engine.load()], "version": "embedded",
+                "memory_occupation": self.memory.info()}
 
     def weights_checksum(self) -> dict:
+        if self.memory.weights_released:
+            raise RequestError("the weights are released (/release_memory_occupation): nothing to checksum")
         tensors = {}
         with self.engine.model_lock:
             for name, param in sorted(self.weights.params.items()):
-                data = param.detach().float().cpu().contiguous().numpy().tobytes()
+                # a copy: numpy() marks a storage not resizable (colocated release resizes them)
+                data = param.detach().to("cpu", torch.float32, copy=True).numpy().tobytes()
                 tensors[name] = hashlib.sha256(data).hexdigest()
         total = hashlib.sha256("".join(f"{k}={v};" for k, v in tensors.items()).encode()).hexdigest()
         return {"checksum": total, "tensors": tensors, "weight_version": self.weights.weight_version}
@@ -200,8 +208,12 @@ class EmbeddedServer:
         if path == "/continue_generation":
             self.engine.resume()
             return 200, {"message": "Generation continued successfully.", "status": "ok"}
-        if path in ("/release_memory_occupation", "/resume_memory_occupation"):
-            return 200, None  # nothing to release on the embedded engine; accepted for colocated flows
+        if path == "/release_memory_occupation":  # SGLang answers an empty 200 to both
+            self.memory.release(body)
+            return 200, None
+        if path == "/resume_memory_occupation":
+            self.memory.resume(body)
+            return 200, None
         if path == "/get_weights_by_name":
             return 200, w.get_by_name(body)
         if path == "/update_weight_version":
@@ -214,7 +226,8 @@ class EmbeddedServer:
             return 200, {"success": True, "message": f"Weight version updated to {version}",
                          "new_version": version}
         ops = {"/init_weights_update_group": w.init_group, "/destroy_weights_update_group": w.destroy_group,
-               "/update_weights_from_distributed": w.update_from_distributed}
+               "/update_weights_from_distributed": w.update_from_distributed,
+               "/update_weights_from_tensor": w.update_from_tensor}
         if path in ops:
             ok, message = ops[path](body)
             return (200 if ok else 400), {"success": ok, "message": message}

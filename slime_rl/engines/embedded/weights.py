@@ -9,6 +9,11 @@
   name. The tensors are received BEFORE taking the model, so the trainer's broadcast is not held up
   by running requests; they are copied under `Engine.weights_exclusive()`, so no forward sees
   half-updated weights.
+- update_weights_from_tensor {serialized_named_tensors, load_format, flush_cache, abort_all_requests,
+  weight_version}: colocated mode. One entry (TP 1) holding named tensors handed over in place (CUDA
+  IPC handles or shared-memory CPU storages, engines/tensor_ipc.py), decoded by a restricted
+  unpickler, copied into the parameters under `Engine.weights_exclusive()`; on CUDA the copy is
+  finished before the answer, so the sender may free or refill its buffer once answered.
 - get_weights_by_name {name, truncate_size}: `param.float().tolist()[:truncate_size]`, as SGLang's
   models answer it (rows, not elements, are truncated).
 Responses are SGLang's (success, message) pairs.
@@ -25,6 +30,7 @@ from slime_rl.engines import dist_group
 from slime_rl.engines.embedded.engine import Engine
 from slime_rl.engines.embedded.sampling import RequestError
 from slime_rl.engines.embedded.vision import checkpoint_aliases
+from slime_rl.engines.tensor_ipc import UnsafePayloadError, deserialize_named_tensors
 
 
 class WeightSync:
@@ -39,6 +45,7 @@ class WeightSync:
         self.weight_version = weight_version
         self._lock = threading.Lock()  # one group operation at a time
         self._copy_stream: torch.cuda.Stream | None = None
+        self.memory = None  # memory.MemoryOccupation, set by the server: refills are reported to it
 
     def init_group(self, body: dict) -> tuple[bool, str]:
         master_address = _field(body, "master_address", str)
@@ -113,10 +120,45 @@ class WeightSync:
             self._load(received)
             if version is not None:
                 self.weight_version = version
+        return self._loaded([n for n, _ in received], version)
+
+    def _loaded(self, names: list[str], version: str | None) -> tuple[bool, str]:
+        if self.memory is not None:
+            self.memory.note_loaded(names)
         message = "Succeeded to update parameter online."
         if version is not None:
             message += f" Weight version updated to {version}."
         return True, message
+
+    def update_from_tensor(self, body: dict) -> tuple[bool, str]:
+        entries = _field(body, "serialized_named_tensors", list)
+        version = _field(body, "weight_version", str, None)
+        load_format = body.get("load_format")
+        if load_format not in (None, "direct"):
+            raise RequestError(f"load_format: {load_format!r} is not supported by the embedded engine's "
+                               "/update_weights_from_tensor (None: a list of (name, tensor) pairs)")
+        if len(entries) != 1:
+            raise RequestError(f"serialized_named_tensors: expected 1 entry (one per TP rank; the embedded engine "
+                               f"has tp_size 1), got {len(entries)}")
+        try:
+            received = deserialize_named_tensors(entries[0])
+        except UnsafePayloadError as e:
+            raise RequestError(str(e)) from e
+        problems = [p for p in (self._check(name, t) for name, t in received) if p]
+        if problems:
+            return False, "Failed to update parameter online: " + "; ".join(problems)
+        if body.get("abort_all_requests"):
+            self.engine.abort(abort_all=True)
+        with self.engine.weights_exclusive(), torch.no_grad():
+            self.engine.wait_weights()
+            torch._foreach_copy_([self.params[n] for n, _ in received], [t for _, t in received])
+            if self.device.type == "cuda":  # the sender's memory must not be read after we answer
+                torch.cuda.synchronize(self.device)
+            if version is not None:
+                self.weight_version = version
+        names = [n for n, _ in received]
+        del received  # drop the mapped IPC / shared-memory storages now
+        return self._loaded(names, version)
 
     def _load(self, received: list[tuple[str, torch.Tensor]]) -> None:
         """Copy into the parameters with one multi-tensor copy. On CUDA it runs on a side stream
@@ -158,6 +200,8 @@ class WeightSync:
         return [(name, flat[a:b].view(dtype).reshape(shape)) for name, dtype, shape, a, b in spans]
 
     def _check(self, name: str, t: torch.Tensor) -> str | None:
+        if self.memory is not None and self.memory.weights_released:
+            return f"{name}: the weights are released; POST /resume_memory_occupation first"
         param = self.params.get(name)
         if param is None:
             return f"{name}: no such parameter in the model"
@@ -171,6 +215,8 @@ class WeightSync:
         param = self.params.get(name)
         if param is None:
             raise RequestError(f"name: no parameter {name!r} in the model")
+        if self.memory is not None and self.memory.weights_released:
+            raise RequestError("the weights are released (/release_memory_occupation); resume and refill them first")
         with self.engine.model_lock:
             self.engine.wait_weights()
             return param.detach().float().cpu().tolist()[:truncate]

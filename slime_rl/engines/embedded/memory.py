@@ -1,0 +1,142 @@
+"""SGLang's /release_memory_occupation and /resume_memory_occupation on the embedded engine, for
+colocated mode (trainer and engine on the same device: the engine gives its memory back while the
+trainer trains).
+
+Tags (ReleaseMemoryOccupationReqInput.tags / ResumeMemoryOccupationReqInput.tags; None means both):
+- "weights": every parameter's storage is resized to 0 bytes (tied parameters share one storage);
+  the Parameter objects stay, so the model's structure and the names the weight sync uses stay too.
+  Buffers that are not weights (rotary inv_freq, ...) are kept: they are small and never synced.
+- "kv_cache": the embedded engine has no preallocated KV pool; a request's KV cache lives with the
+  running batch. Releasing it aborts whatever is running (and so frees that cache).
+Releasing anything aborts running requests and makes the engine refuse /generate (503, with a message
+saying what to do) until it is resumed. On CUDA the freed blocks go back to the driver (empty_cache).
+
+Resuming "weights" re-allocates the storages WITHOUT their old contents: the weights must be refilled
+by /update_weights_from_tensor (or /update_weights_from_distributed) before the engine serves again;
+until every tensor has been refilled, /generate answers 503 naming how many are missing.
+
+An engine that keeps CUDA graphs or a preallocated KV cache must drop them in `release`: a graph
+bakes in the parameters' addresses, and a resume re-allocates the parameters elsewhere.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from slime_rl.engines.embedded.engine import Engine
+from slime_rl.engines.embedded.sampling import RequestError
+
+TAGS = ("weights", "kv_cache")
+
+
+def _view_key(p: torch.Tensor) -> tuple:
+    """Tied parameters are the same view of one storage: one key (a refill of either fills both)."""
+    return p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), tuple(p.stride())
+
+
+def _own_storage(group: list[torch.nn.Parameter]) -> None:
+    """Make the parameters sharing one storage hold a resizable one. On CPU, from_pretrained leaves
+    them on the checkpoint's memory-mapped storage, and `Tensor.numpy()` marks a storage not
+    resizable too: copy it once, keeping the views (and so the ties) as they were."""
+    old = group[0].untyped_storage()
+    if old.resizable():
+        return
+    new = torch.UntypedStorage(old.nbytes(), device=old.device)
+    new.copy_(old)
+    with torch.no_grad():
+        for p in group:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device).set_(new, p.storage_offset(), p.shape, p.stride())
+
+
+class MemoryOccupation:
+    def __init__(self, engine: Engine, params: dict[str, torch.nn.Parameter]) -> None:
+        self.engine = engine
+        self.device = engine.device
+        groups: dict[int, list[torch.nn.Parameter]] = {}
+        for p in params.values():
+            groups.setdefault(p.untyped_storage().data_ptr(), []).append(p)
+        self._groups = list(groups.values())
+        self._storages = [(g[0], g[0].untyped_storage().nbytes()) for g in self._groups]
+        self._key_of = {name: _view_key(p) for name, p in params.items()}
+        self.weights_total_bytes = sum(n for _, n in self._storages)
+        self.released: set[str] = set()
+        self._missing: set[tuple] = set()  # views re-allocated by a resume and not refilled since
+        self._lock = threading.Lock()
+
+    @property
+    def weights_released(self) -> bool:
+        return "weights" in self.released
+
+    def weights_bytes(self) -> int:
+        """Bytes the parameters hold now (0 after a release of "weights")."""
+        return sum(p.untyped_storage().nbytes() for p, _ in self._storages)
+
+    def release(self, body: dict) -> None:
+        tags = _tags(body)
+        with self._lock:
+            self.engine.set_unavailable(self._message(self.released | set(tags)))  # aborts, waits until idle
+            with self.engine.model_lock:
+                self.engine.wait_weights()
+                if "weights" in tags and not self.weights_released:
+                    for group in self._groups:
+                        _own_storage(group)
+                        group[0].untyped_storage().resize_(0)
+                self.released |= set(tags)
+            self._empty_cache()
+
+    def resume(self, body: dict) -> None:
+        tags = _tags(body) if isinstance(body, dict) and body.get("tags") is not None else sorted(self.released)
+        with self._lock:
+            with self.engine.model_lock:
+                if "weights" in tags and self.weights_released:
+                    for p, nbytes in self._storages:
+                        p.untyped_storage().resize_(nbytes)
+                    self._missing = set(self._key_of.values())
+                self.released -= set(tags)
+            self.engine.set_unavailable(self._message(self.released))
+
+    def note_loaded(self, names: list[str]) -> None:
+        """Weights were copied into these parameters: once every re-allocated one is refilled (and
+        nothing is released), the engine serves again."""
+        with self._lock:
+            if not self._missing:
+                return
+            self._missing -= {self._key_of[n] for n in names if n in self._key_of}
+            self.engine.set_unavailable(self._message(self.released))
+
+    def info(self) -> dict:
+        """Reported in /get_server_info as "memory_occupation" (the GPU test compares the numbers)."""
+        cuda = self.device.type == "cuda"
+        return {"released_tags": sorted(self.released), "weights_bytes": self.weights_bytes(),
+                "weights_total_bytes": self.weights_total_bytes, "weights_to_refill": len(self._missing),
+                "cuda_allocated_bytes": torch.cuda.memory_allocated(self.device) if cuda else None,
+                "cuda_reserved_bytes": torch.cuda.memory_reserved(self.device) if cuda else None}
+
+    def _message(self, released: set[str]) -> str | None:
+        if released:
+            return (f"engine memory is released (tags {sorted(released)}): POST /resume_memory_occupation, then "
+                    "refill the weights with /update_weights_from_tensor before generating")
+        if self._missing:
+            return (f"weights were re-allocated by /resume_memory_occupation but {len(self._missing)} of "
+                    f"{len(set(self._key_of.values()))} tensors are not refilled yet: send them with "
+                    "/update_weights_from_tensor or /update_weights_from_distributed")
+        return None
+
+    def _empty_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+
+def _tags(body: object) -> list[str]:
+    tags = body.get("tags") if isinstance(body, dict) else None
+    if tags is None:
+        return list(TAGS)
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise RequestError("tags: expected a list of strings")
+    unknown = [t for t in tags if t not in TAGS]
+    if unknown:
+        raise RequestError(f"tags: {unknown} not supported (only {list(TAGS)})")
+    return tags

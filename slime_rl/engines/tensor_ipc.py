@@ -1,0 +1,112 @@
+"""SGLang's `serialized_named_tensors` (UpdateWeightsFromTensorReqInput): tensors handed to an engine
+on the same host IN PLACE, by reference, not by value.
+
+Format (SGLang's MultiprocessingSerializer): one string per engine TP rank, each the base64 of a
+`multiprocessing.reduction.ForkingPickler` dump of `[(hf_name, tensor), ...]`. torch's reducers
+(torch.multiprocessing.reductions) turn a tensor into a handle of its storage:
+- CUDA: a CUDA IPC handle of the allocation (`rebuild_cuda_tensor`); the receiver maps the sender's
+  memory. Sender and receiver must see the device under the same index (Ray gives each actor of a
+  bundle the same GPU as cuda:0).
+- CPU: with torch's "file_system" sharing strategy, the name of a shared-memory file under /dev/shm
+  plus the sender's torch_shm_manager socket (`rebuild_storage_filename`). This works between any
+  two processes of one host; torch's default "file_descriptor" strategy passes fds over a socket of
+  the sender's multiprocessing manager, which an unrelated process (the engine) cannot join, so the
+  sender must call `use_file_system_sharing()` (process-wide) before serializing CPU tensors.
+The sender must keep the tensors alive until the engine has answered (the engine copies them into its
+parameters before answering).
+
+Decoding never runs a plain `pickle.loads` on what came over HTTP: `RestrictedUnpickler` resolves only
+torch's rebuild functions, its storage classes, `torch.Size`, `torch.Tensor`, `torch.device` and dtypes;
+any other global is refused with `UnsafePayloadError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import importlib
+import io
+import pickle
+from collections.abc import Sequence
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing
+import torch.multiprocessing.reductions  # noqa: F401 (registers torch's reducers with ForkingPickler)
+
+_REDUCTIONS = "torch.multiprocessing.reductions"
+ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
+    (_REDUCTIONS, "rebuild_tensor"),            # CPU tensor over a shared storage
+    (_REDUCTIONS, "rebuild_cuda_tensor"),       # CUDA tensor over an IPC handle
+    (_REDUCTIONS, "rebuild_typed_storage"),
+    (_REDUCTIONS, "rebuild_storage_filename"),  # CPU storage, "file_system" strategy
+    (_REDUCTIONS, "rebuild_storage_empty"),     # a storage of 0 bytes
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("torch", "Size"),
+    ("torch", "Tensor"),
+    ("torch", "device"),
+})
+
+
+class UnsafePayloadError(ValueError):
+    """serialized_named_tensors holds something other than named tensors (or an unknown global)."""
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An Unpickler whose `find_class` resolves only ALLOWED_GLOBALS and `torch.<dtype>`."""
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) in ALLOWED_GLOBALS:
+            return getattr(importlib.import_module(module), name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafePayloadError(f"serialized_named_tensors: global {module}.{name} is not allowed (only torch's "
+                                 "tensor/storage rebuild functions, storage classes, Size, device and dtypes)")
+
+
+def use_file_system_sharing() -> None:
+    """CPU tensors are shared through named /dev/shm files (see the module doc). Process-wide."""
+    if torch.multiprocessing.get_sharing_strategy() != "file_system":
+        torch.multiprocessing.set_sharing_strategy("file_system")
+
+
+def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """One entry of serialized_named_tensors. CUDA tensors: the pending work on the current stream
+    is waited for first, so the engine never reads a buffer that is still being filled. CPU tensors
+    must live in shared memory (`share_memory_()` after `use_file_system_sharing()`), or
+    ForkingPickler moves them there itself (a copy)."""
+    if any(t.is_cuda for _, t in named):
+        torch.cuda.current_stream().synchronize()
+    if any(not t.is_cuda for _, t in named) and torch.multiprocessing.get_sharing_strategy() != "file_system":
+        raise RuntimeError("CPU tensors need torch's 'file_system' sharing strategy: call "
+                           "use_file_system_sharing() first (fd passing does not reach the engine process)")
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump([(str(n), t.detach()) for n, t in named])
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def deserialize_named_tensors(entry: object) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of `serialize_named_tensors`, through RestrictedUnpickler; the result is checked
+    to be a list of (str, Tensor) pairs. Raises UnsafePayloadError naming what is wrong."""
+    if isinstance(entry, str):
+        try:
+            raw = base64.b64decode(entry, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise UnsafePayloadError(f"serialized_named_tensors: not valid base64 ({e})") from e
+    else:
+        raise UnsafePayloadError(f"serialized_named_tensors: expected a base64 string per TP rank, got "
+                                 f"{type(entry).__name__}")
+    try:
+        named = RestrictedUnpickler(io.BytesIO(raw)).load()
+    except UnsafePayloadError:
+        raise
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, RuntimeError) as e:
+        raise UnsafePayloadError(f"serialized_named_tensors: cannot decode ({type(e).__name__}: {e})") from e
+    if isinstance(named, dict):
+        named = list(named.items())
+    if not isinstance(named, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
+            for p in named):
+        raise UnsafePayloadError("serialized_named_tensors: expected a list of (name, tensor) pairs")
+    return [(n, t) for n, t in named]

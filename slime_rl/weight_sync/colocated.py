@@ -1,0 +1,138 @@
+"""Colocated weight sync (`--colocate`): trainer rank r and engine e share a device, so the weights are
+handed over IN PLACE: the trainer fills a bucket buffer and sends the engine handles to it (CUDA IPC
+on GPU, a named /dev/shm file on CPU; engines/tensor_ipc.py) through SGLang's
+/update_weights_from_tensor; the engine copies from the trainer's memory straight into its parameters.
+No process group, no bytes over a socket.
+
+Every trainer rank runs `sync()` over `iter_hf_weights()` (the TP gathers are collective, and with
+PP 1 every rank ends up with every full tensor); a rank sends only to the engines placed on its own
+device (`mine`), so the IPC handle always names a device both processes see under the same index.
+Buckets (`buckets()`, as the broadcaster) are flattened into one of two reused buffers; every tensor
+of a bucket is a view of that buffer, so one handle maps the whole bucket. A buffer is refilled
+only after the engine has answered the request that used it (it copies before answering), which keeps
+the handed memory alive exactly as long as the engine may read it; two buffers let the fill of bucket
+k+1 overlap the engine's copy of bucket k. Both are freed at the end of `sync()`: during the
+rollout the device memory belongs to the engine.
+
+The caller releases the engines' memory before training and resumes it before `sync()`; after a
+resume the engine refuses to generate until every tensor has been refilled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from slime_rl.config import WeightSyncConfig
+from slime_rl.engines.tensor_ipc import serialize_named_tensors, use_file_system_sharing
+from slime_rl.rollout.client import EngineClient
+from slime_rl.weight_sync.broadcast import EngineTarget, buckets, flatten_bucket
+
+MEMORY_TAGS = ["kv_cache", "weights"]  # what engines release for the training phase (SGLang's tags)
+
+
+class ColocatedUpdater:
+    """One per trainer rank. `engines`: every engine (rank 0 pauses and continues them all); `mine`:
+    indices of the engines on this rank's device (it sends to them)."""
+
+    def __init__(self, engines: Sequence[EngineTarget], mine: Sequence[int], cfg: WeightSyncConfig) -> None:
+        self.engines = list(engines)
+        self.mine = list(mine)
+        self.cfg = cfg
+        self._clients = [EngineClient(e.url, api_key=e.api_key) for e in self.engines]
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)))
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    @property
+    def is_source(self) -> bool:
+        return bool(self.mine)
+
+    def sync(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
+        """Hand every tensor of `named_weights` (HF names) to the engines on this device; returns the
+        broadcaster's perf keys ({} on a rank with no engine, which still walks the gathers)."""
+        start = time.perf_counter()
+        if not self.mine:
+            for _ in named_weights:
+                pass
+            return {}
+        phases = {"build": 0.0, "fill": 0.0, "http_wait": 0.0}
+        pending: list[list[Future]] = [[], []]  # the requests that read each buffer
+        total, n_buckets = 0, 0
+        t = time.perf_counter()
+        for i, bucket in enumerate(buckets(named_weights, self.cfg.update_weight_buffer_size)):
+            phases["build"] += time.perf_counter() - t
+            slot = i % 2
+            t = time.perf_counter()
+            self._wait(pending[slot])  # the engine has copied out of this buffer: it may be refilled
+            phases["http_wait"] += time.perf_counter() - t
+            t = time.perf_counter()
+            views = self._fill(slot, bucket)
+            entry = serialize_named_tensors(views)
+            phases["fill"] += time.perf_counter() - t
+            pending[slot] = [self._pool.submit(self._clients[e].update_weights_from_tensor, [entry],
+                                               flush_cache=True, weight_version=version) for e in self.mine]
+            total += sum(x.numel() * x.element_size() for _, x in bucket)
+            n_buckets += 1
+            t = time.perf_counter()
+        t = time.perf_counter()
+        for futures in pending:
+            self._wait(futures)
+        phases["http_wait"] += time.perf_counter() - t
+        self._free_buffers()  # colocated: the engine needs the device memory during the rollout
+        return {"weight_sync/bytes": float(total), "weight_sync/seconds": time.perf_counter() - start,
+                "weight_sync/buckets": float(n_buckets),
+                **{f"weight_sync/{k}_seconds": v for k, v in phases.items()}}
+
+    def _fill(self, slot: int, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The bucket copied into buffer `slot` (grown when too small; on CPU in shared memory), and
+        each tensor as a view of it, under its name."""
+        nbytes = sum(x.numel() * x.element_size() for _, x in bucket)
+        buf = self._buffers[slot]
+        device = bucket[0][1].device
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            if device.type == "cpu":
+                use_file_system_sharing()
+                buf.share_memory_()
+            self._buffers[slot] = buf
+        flat = flatten_bucket(bucket, buf)
+        views, offset = [], 0
+        for name, x in bucket:
+            n = x.numel() * x.element_size()
+            views.append((name, flat[offset:offset + n].view(x.dtype).view(x.shape)))
+            offset += n
+        return views
+
+    @staticmethod
+    def _wait(futures: list[Future]) -> None:
+        for f in futures:
+            _check_ok(f.result(), "update_weights_from_tensor")
+
+    # ---- engine control, run by rank 0 (TrainerActor.sync_weights) ----
+    def pause_engines(self) -> None:
+        for c in self._clients:
+            c.pause_generation()
+
+    def continue_engines(self) -> None:
+        for c in self._clients:
+            c.continue_generation()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        for c in self._clients:
+            c.close()
+        self._free_buffers()
+
+    def _free_buffers(self) -> None:
+        self._buffers = [None, None]
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # blocks the engines mapped and have since dropped
+            torch.cuda.empty_cache()
+
+
+def _check_ok(response: object, endpoint: str) -> None:
+    if isinstance(response, dict) and response.get("success") is False:
+        raise RuntimeError(f"engine refused /{endpoint}: {response.get('message')}")
