@@ -24,9 +24,11 @@ from tests.engines.tensor_sender import perturbed
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_qwen2):
-    s = start_server(tiny_qwen2, random_seed=7)
+@pytest.fixture(scope="module", params=[False, True], ids=["dynamic_cache", "static_cache"])
+def engine(tiny_qwen2, request):
+    """Both decode paths; the static one (slot KV cache, CUDA graphs on GPUs) must drop its cache and
+    graphs on release and rebuild them after the resume."""
+    s = start_server(tiny_qwen2, random_seed=7, static_kv_cache=request.param)
     yield s
     s.shutdown()
 

@@ -205,6 +205,11 @@ class Engine:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def drop_static_state(self) -> None:
+        """Free the static KV cache and the CUDA graphs (colocated release; call when idle)."""
+        if self._static is not None:
+            self._static.release()
+
     def shutdown(self) -> None:
         with self._cond:
             self._stopping = True

@@ -60,6 +60,16 @@ class StaticDecoder:
         self._capture_stream: torch.cuda.Stream | None = None
         self.stats = {"graph_captures": 0, "graph_replays": 0, "static_eager_steps": 0, "slot_moves": 0}
 
+    def release(self) -> None:
+        """Drop the graphs (they bake in the parameters' and the cache's addresses) and the KV
+        buffers (colocated mode's /release_memory_occupation; the engine is idle then). Both come
+        back lazily: the next prefill allocates the cache, the next decode step captures again."""
+        self.graphs.clear()
+        self._pool = None  # the captured graphs' private memory goes back with them
+        self.batch.clear()
+        self.cache.layers = []
+        self.cache.generation += 1
+
     def step(self, rows: list[Row]) -> torch.Tensor:
         """Next-token logits [len(rows), V] (in the order of `rows`) after feeding every row's pending
         token. Call with the model lock held, under no_grad."""

@@ -6,8 +6,8 @@ Tags (ReleaseMemoryOccupationReqInput.tags / ResumeMemoryOccupationReqInput.tags
 - "weights": every parameter's storage is resized to 0 bytes (tied parameters share one storage);
   the Parameter objects stay, so the model's structure and the names the weight sync uses stay too.
   Buffers that are not weights (rotary inv_freq, ...) are kept: they are small and never synced.
-- "kv_cache": the embedded engine has no preallocated KV pool; a request's KV cache lives with the
-  running batch. Releasing it aborts whatever is running (and so frees that cache).
+- "kv_cache": releasing it aborts whatever is running (which frees the dynamic path's per-batch
+  cache) and frees the static path's preallocated slot cache.
 Releasing anything aborts running requests and makes the engine refuse /generate (503, with a message
 saying what to do) until it is resumed. On CUDA the freed blocks go back to the driver (empty_cache).
 
@@ -15,8 +15,9 @@ Resuming "weights" re-allocates the storages WITHOUT their old contents: the wei
 by /update_weights_from_tensor (or /update_weights_from_distributed) before the engine serves again;
 until every tensor has been refilled, /generate answers 503 naming how many are missing.
 
-An engine that keeps CUDA graphs or a preallocated KV cache must drop them in `release`: a graph
-bakes in the parameters' addresses, and a resume re-allocates the parameters elsewhere.
+On the static-cache path (engine.py: slots.py, graphs.py) a release of either tag also drops the
+CUDA graphs and frees the slot KV cache: a graph bakes in the parameters' and the cache's addresses,
+and a resume re-allocates the parameters elsewhere. Both come back lazily after the resume.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class MemoryOccupation:
             self.engine.set_unavailable(self._message(self.released | set(tags)))  # aborts, waits until idle
             with self.engine.model_lock:
                 self.engine.wait_weights()
+                # graphs hold the weights' and the cache's addresses; the static cache is the KV pool
+                self.engine.drop_static_state()
                 if "weights" in tags and not self.weights_released:
                     for group in self._groups:
                         _own_storage(group)
