@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 
 import pytest
-import torch
 
 from slime_rl.config import build_config
 from slime_rl.observability import REQUIRED_KEYS
@@ -18,25 +16,6 @@ from slime_rl.train import preflight, train
 
 pytestmark = pytest.mark.gpu
 ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module")
-def ray_one_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(k, v)
-    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def wider_model(tmp_path_factory):
-    from tests.conftest import _load_tool
-
-    return _load_tool("make_tiny_model").make_tiny_model(tmp_path_factory.mktemp("m256c"), hidden_size=256,
-                                                         num_layers=4, num_heads=8, num_kv_heads=2)
 
 
 def argv(model, data, run_dir, steps):

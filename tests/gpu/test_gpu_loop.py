@@ -4,10 +4,8 @@ broadcast over NCCL. Same code as the CPU e2e test; needs 2 GPUs. Marked `gpu`."
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import torch
 
 from slime_rl.config import build_config
 from slime_rl.observability import REQUIRED_KEYS
@@ -16,25 +14,6 @@ from tests.loop_checks import one_step_then_compare_weights
 
 pytestmark = pytest.mark.gpu
 ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module")
-def ray_gpu():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(k, v)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def wider_model(tmp_path_factory):
-    from tests.conftest import _load_tool
-
-    return _load_tool("make_tiny_model").make_tiny_model(tmp_path_factory.mktemp("m256"), hidden_size=256,
-                                                         num_layers=4, num_heads=8, num_kv_heads=2)
 
 
 def argv(model, data, run_dir, bf16):

@@ -10,13 +10,12 @@ import pytest
 from slime_rl.config import build_config
 from slime_rl.data.vl_counting import make_rows, write_jsonl
 from slime_rl.train import preflight, train
-from tests.gpu.test_gpu_loop import ray_gpu  # noqa: F401  (the module's Ray-on-2-GPUs fixture)
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_gpu_vl_loop(ray_gpu, tiny_qwen2_5_vl, tmp_path, bf16):  # noqa: F811
+def test_gpu_vl_loop(ray_gpu, tiny_qwen2_5_vl, tmp_path, bf16):
     data = write_jsonl(make_rows(32, seed=5, image_dir=tmp_path / "imgs", size=56), tmp_path / "train.jsonl")
     argv = ["--config", "configs/vl_counting_cpu.yaml", "--hf-checkpoint", str(tiny_qwen2_5_vl),
             "--prompt-data", str(data), "--run-dir", str(tmp_path / "run"), "--rollout-batch-size", "8",
