@@ -20,7 +20,7 @@ import torch
 
 from slime_rl.config import WeightSyncConfig
 from slime_rl.engines.dist_group import broadcast_async, destroy_group, dtype_name, init_custom_group
-from slime_rl.rollout.client import EngineClient, EngineError
+from slime_rl.rollout.client import EngineError, KeepAliveEngineClient
 
 GROUP_NAME = "weight_update_group"
 
@@ -132,7 +132,8 @@ class WeightBroadcaster:
         self.world_size = world_size
         self.backend = backend
         self.group = None
-        self._clients = [EngineClient(e.url, api_key=e.api_key) for e in self.engines] if is_source else []
+        # http.client, not httpx: ~0.6 ms less per call, paid 2 + buckets times per sync
+        self._clients = [KeepAliveEngineClient(e.url, api_key=e.api_key) for e in self.engines] if is_source else []
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines))) if is_source else None
         self._buffers: list[torch.Tensor | None] = [None, None]  # the two flat send buffers (sync)
         self._plans: dict[int, _BucketPlan] = {}  # bucket index -> its plan in the last sync
