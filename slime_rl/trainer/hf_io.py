@@ -3,7 +3,8 @@
 `load_hf_weights` reads only the tensors this rank needs (safetensors opens lazily) and copies its
 TP shard of each into the model. `iter_hf_weights` is the inverse used by weight sync: every TP
 rank all-gathers each parameter over the TP group and every rank of a pipeline stage yields the
-same full HF tensors, in a fixed order (so all ranks run the same collectives).
+same full HF tensors, in a fixed order (so all ranks run the same collectives). `iter_hf_sources`
+is what weight sync sends: the same tensors, at TP=1 as views of the parameters cached per model.
 
 Pipeline parallelism: stage p of P owns layers [p * n / P, (p + 1) * n / P), which megatron names
 from 0 on every stage, so `stage_param_maps` pairs each local name with the global HF names.

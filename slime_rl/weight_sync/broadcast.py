@@ -7,6 +7,8 @@ through SGLang's endpoints: `/init_weights_update_group` once, then per bucket
 `/update_weights_from_distributed` (names, dtypes, shapes), whose HTTP call returns only after the
 engine has received and loaded the bucket, so it must be in flight while we broadcast. Buckets are
 pipelined (see `sync`): on 2xH200 a 4B-shape sync went from 0.80 s to 0.028 s (BENCHMARKS.md).
+What is left per sync is fixed host cost, so everything that repeats is kept: the trainer's HF views
+(hf_io.iter_hf_sources), each bucket's plan and the send buffers here, the engine's bucket layouts.
 """
 
 from __future__ import annotations
