@@ -254,6 +254,7 @@ class WeightBroadcaster:
         self.close()
 
     def close(self) -> None:
+        self._buffers, self._plans = [None, None], {}  # the send buffers' memory goes back now
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         for c in self._clients:
