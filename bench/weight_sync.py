@@ -100,7 +100,7 @@ def run_shape(shape: str, repeats: int, bucket_mb: float) -> dict:
             t0 = time.perf_counter()
             sync.pause_engines()
             t1 = time.perf_counter()
-            out = sync.sync(worker.iter_hf_weights(), version=str(r))  # ends with the bytes sent
+            out = sync.sync(worker.iter_hf_sources(), version=str(r))  # ends with the bytes sent
             t2 = time.perf_counter()
             sync.continue_engines()
             full.append(time.perf_counter() - t0)

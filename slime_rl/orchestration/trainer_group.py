@@ -154,7 +154,7 @@ class TrainerActor:
             # another checkpoint than a resumed trainer), then never again: it cannot change
             skip = getattr(self, "_synced_once", False)
             self._synced_once = True
-            return self.broadcaster.sync(self.worker.iter_hf_weights(skip_frozen=skip), version)
+            return self.broadcaster.sync(self.worker.iter_hf_sources(skip_frozen=skip), version)
         finally:
             dist.barrier()
             if self.rank == 0:

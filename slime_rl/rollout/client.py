@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.client
+import json
+import threading
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
@@ -251,6 +255,66 @@ class EngineClient(_Endpoints):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class KeepAliveEngineClient(EngineClient):
+    """EngineClient whose endpoint calls go over the stdlib's http.client, one kept-alive connection
+    per calling thread: ~0.3 ms a call against the embedded engine where httpx takes ~0.9-1.3 ms
+    (measured on CPU), which weight sync pays 2 + buckets times per sync (pause, one per bucket,
+    continue). Same payloads, answers and EngineErrors; `health` stays on httpx."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
+        super().__init__(base_url, api_key, timeout)
+        url = urllib.parse.urlsplit(self.base_url)
+        self._conn_class = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        self._netloc, self._prefix, self._timeout = url.netloc, url.path, timeout
+        self._send_headers = {"Content-Type": "application/json", **_headers(api_key)}
+        self._local = threading.local()
+        self._conns: list[http.client.HTTPConnection] = []
+        self._conns_lock = threading.Lock()
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn, True
+        conn = self._local.conn = self._conn_class(self._netloc, timeout=self._timeout)
+        with self._conns_lock:
+            self._conns.append(conn)
+        return conn, False
+
+    def _drop(self, conn: http.client.HTTPConnection) -> None:
+        conn.close()
+        self._local.conn = None
+        with self._conns_lock:
+            if conn in self._conns:
+                self._conns.remove(conn)
+
+    def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        body = None if payload is None else json.dumps(payload, separators=(",", ":")).encode()
+        while True:
+            conn, reused = self._connection()
+            try:
+                conn.request(method, self._prefix + path, body=body, headers=self._send_headers)
+                r = conn.getresponse()
+                content = r.read()
+                break
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
+                self._drop(conn)  # a kept-alive connection the server closed while idle: once more, fresh
+                if not reused:
+                    raise EngineError(self.base_url, path, None, f"{type(e).__name__}: {e}") from e
+            except (OSError, http.client.HTTPException) as e:
+                self._drop(conn)
+                raise EngineError(self.base_url, path, None, f"{type(e).__name__}: {e}") from e
+        if r.will_close:
+            self._drop(conn)
+        return _decode(self.base_url, path, httpx.Response(r.status, headers=r.getheaders(), content=content))
+
+    def close(self) -> None:
+        with self._conns_lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            conn.close()
+        super().close()
 
 
 class AsyncEngineClient(_Endpoints):

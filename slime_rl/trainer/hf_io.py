@@ -3,7 +3,8 @@
 `load_hf_weights` reads only the tensors this rank needs (safetensors opens lazily) and copies its
 TP shard of each into the model. `iter_hf_weights` is the inverse used by weight sync: every TP
 rank all-gathers each parameter over the TP group and every rank of a pipeline stage yields the
-same full HF tensors, in a fixed order (so all ranks run the same collectives).
+same full HF tensors, in a fixed order (so all ranks run the same collectives). `iter_hf_sources`
+is what weight sync sends: the same tensors, at TP=1 as views of the parameters cached per model.
 
 Pipeline parallelism: stage p of P owns layers [p * n / P, (p + 1) * n / P), which megatron names
 from 0 on every stage, so `stage_param_maps` pairs each local name with the global HF names.
@@ -16,7 +17,9 @@ model.embed_tokens.weight but never emitted, so the HF name is yielded once, by 
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from slime_rl.trainer.convert import Layout, ModelArch, ParamMap, hf_shapes, hf_to_mcore_shard, mcore_shards_to_hf
+from slime_rl.trainer.convert.shards import mcore_param_to_hf_views
 from slime_rl.trainer.model import unwrap
 
 
@@ -179,6 +183,73 @@ def iter_hf_weights(model: torch.nn.Module, arch: ModelArch,
     for local, pm in _emitted(model, arch, skip_frozen):
         shards = _gather_tp(params[local].detach(), tp_size, group, pm.layout is Layout.REPLICATED)
         yield from mcore_shards_to_hf(pm, shards, arch)
+
+
+HFSource = tuple[str, torch.Tensor, tuple[int, ...]]
+
+
+@dataclass
+class _ViewPlan:
+    arch: ModelArch
+    pp: tuple[int, int]
+    # per Megatron parameter of the stage: (owning module's _parameters, leaf name, the parameter,
+    # its data_ptr, shape, dtype, requires_grad) -- what the views depend on
+    signature: list[tuple]
+    sources: list[HFSource]
+
+    def valid(self, arch: ModelArch, pp: tuple[int, int]) -> bool:
+        return (self.arch is arch or self.arch == arch) and self.pp == pp and all(
+            owner.get(leaf) is p and p.data_ptr() == ptr and p.shape == shape and p.dtype == dtype
+            and p.requires_grad == grad for owner, leaf, p, ptr, shape, dtype, grad in self.signature)
+
+
+# unwrapped model -> {skip_frozen: plan}; weak, so a dropped model takes its views with it
+_VIEW_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def _build_view_plan(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool) -> _ViewPlan:
+    core = unwrap(model)
+    pp = _pp()
+    signature, sources = [], []
+    emitted = dict(_emitted(model, arch, skip_frozen))
+    for local, pm, _ in stage_param_maps(arch, *pp):
+        owner_name, _, leaf = local.rpartition(".")
+        owner = core.get_submodule(owner_name)._parameters
+        p = owner[leaf]
+        signature.append((owner, leaf, p, p.data_ptr(), p.shape, p.dtype, p.requires_grad))
+        if local not in emitted:
+            continue
+        for name, view, shape in mcore_param_to_hf_views(pm, p.detach(), arch):
+            if view.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
+                raise AssertionError(f"{local} -> {name}: the TP=1 conversion copied instead of viewing")
+            sources.append((name, view, shape))
+    return _ViewPlan(arch, pp, signature, sources)
+
+
+def iter_hf_sources(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool = False) -> Iterator[HFSource]:
+    """What weight sync sends: (hf_name, source, hf_shape) in `iter_hf_weights`' order, where
+    `source` holds the HF tensor's elements in row-major order but may have a finer shape (a
+    multi-group QKV split is a (groups, rows, ...) strided view; see `mcore_param_to_hf_views`).
+
+    At TP=1 the sources are views of the parameters, built once per (model, skip_frozen) and reused:
+    Megatron keeps each parameter's storage for the whole run (DDP buffers; the optimizer, checkpoint
+    loads and the reference swap all write in place), so a view always reads the current values.
+    The cache is checked on every call (each parameter still registered under its name, with the same
+    data_ptr, shape, dtype and requires_grad) and rebuilt if anything moved. With TP > 1 the
+    parameters are all-gathered into fresh tensors (`iter_hf_weights`); every TP rank must consume."""
+    _, tp_size, _ = _tp()
+    # not decorated with torch.no_grad: on a generator that switches grad mode around every item
+    # (~3 us each, most of this function's cost); the views are detached when the plan is built
+    if tp_size > 1:
+        for name, t in iter_hf_weights(model, arch, skip_frozen):
+            yield name, t, tuple(t.shape)
+        return
+    plans = _VIEW_PLANS.setdefault(unwrap(model), {})
+    plan = plans.get(skip_frozen)
+    if plan is None or not plan.valid(arch, _pp()):
+        plan = plans[skip_frozen] = _build_view_plan(model, arch, skip_frozen)
+    yield from plan.sources
 
 
 def hf_weight_metadata(model: torch.nn.Module, arch: ModelArch,

@@ -372,6 +372,12 @@ class TrainerWorker(MegatronRank):
         self._compat()
         yield from hf_io.iter_hf_weights(self.gpt, self.arch, skip_frozen=skip_frozen)
 
+    def iter_hf_sources(self, skip_frozen: bool = False) -> Iterator[hf_io.HFSource]:
+        """What weight sync sends: (hf_name, source, hf_shape), see `hf_io.iter_hf_sources` (at TP=1
+        cached views of the parameters, so a sync builds nothing)."""
+        self._compat()
+        yield from hf_io.iter_hf_sources(self.gpt, self.arch, skip_frozen=skip_frozen)
+
     def hf_weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         return hf_io.hf_weight_metadata(self.gpt, self.arch)
 

@@ -7,6 +7,8 @@ through SGLang's endpoints: `/init_weights_update_group` once, then per bucket
 `/update_weights_from_distributed` (names, dtypes, shapes), whose HTTP call returns only after the
 engine has received and loaded the bucket, so it must be in flight while we broadcast. Buckets are
 pipelined (see `sync`): on 2xH200 a 4B-shape sync went from 0.80 s to 0.028 s (BENCHMARKS.md).
+What is left per sync is fixed host cost, so everything that repeats is kept: the trainer's HF views
+(hf_io.iter_hf_sources), each bucket's plan and the send buffers here, the engine's bucket layouts.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from slime_rl.config import WeightSyncConfig
 from slime_rl.engines.dist_group import broadcast_async, destroy_group, dtype_name, init_custom_group
-from slime_rl.rollout.client import EngineClient, EngineError
+from slime_rl.rollout.client import EngineError, KeepAliveEngineClient
 
 GROUP_NAME = "weight_update_group"
 
@@ -32,41 +34,86 @@ class EngineTarget:
     api_key: str | None = None
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(named: Iterable[tuple], max_bytes: int) -> Iterator[list[tuple]]:
     """Consecutive groups of tensors of at most max_bytes each (a larger tensor goes alone), one
-    dtype per bucket so every tensor of a flattened bucket starts aligned for its dtype."""
-    bucket: list[tuple[str, torch.Tensor]] = []
+    dtype per bucket so every tensor of a flattened bucket starts aligned for its dtype. The items
+    are (name, tensor) or (name, tensor, announced shape); only the tensor is looked at."""
+    bucket: list[tuple] = []
     size = 0
-    for name, tensor in named:
+    for item in named:
+        tensor = item[1]
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and (size + nbytes > max_bytes or tensor.dtype != bucket[0][1].dtype):
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, tensor))
+        bucket.append(item)
         size += nbytes
     if bucket:
         yield bucket
 
 
-def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None) -> torch.Tensor:
+def _dest_views(tensors: list[torch.Tensor], out: torch.Tensor) -> list[torch.Tensor]:
+    """Views of the head of the uint8 buffer `out`, one per tensor (its shape and dtype), back to back."""
+    if len({t.dtype for t in tensors}) == 1:  # buckets() makes them so: one split, one view each
+        parts = out[:sum(t.numel() * t.element_size() for t in tensors)].view(tensors[0].dtype).split(
+            [t.numel() for t in tensors])
+        return [p.view(t.shape) for p, t in zip(parts, tensors, strict=True)]
+    views, offset = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        views.append(out[offset:offset + n].view(t.dtype).view(t.shape))
+        offset += n
+    return views
+
+
+def flatten_bucket(bucket: list[tuple], out: torch.Tensor | None = None) -> torch.Tensor:
     """The bucket's tensors' bytes back to back, in order: one uint8 tensor. With `out` (a uint8
     buffer at least that large) they are copied straight into its head, one multi-tensor copy, and
     that view is returned: no intermediate per-tensor flattening."""
     if out is None:
-        return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
-    nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-    if len({t.dtype for _, t in bucket}) == 1:  # buckets() makes them so: one split, one view each
-        parts = out[:nbytes].view(bucket[0][1].dtype).split([t.numel() for _, t in bucket])
-        views = [p.view(t.shape) for p, (_, t) in zip(parts, bucket, strict=True)]
-    else:
-        views, offset = [], 0
-        for _, t in bucket:
-            n = t.numel() * t.element_size()
-            views.append(out[offset:offset + n].view(t.dtype).view(t.shape))
-            offset += n
+        return torch.cat([it[1].detach().contiguous().reshape(-1).view(torch.uint8) for it in bucket])
+    tensors = [it[1] for it in bucket]
     with torch.no_grad():  # the sources may be strided views (QKV/gate-up splits): copy_ reads them in place
-        torch._foreach_copy_(views, [t for _, t in bucket])
-    return out[:nbytes]
+        torch._foreach_copy_(_dest_views(tensors, out), tensors)
+    return out[:sum(t.numel() * t.element_size() for t in tensors)]
+
+
+@dataclass
+class _BucketPlan:
+    """Everything about sending one bucket except its bytes: it depends only on the bucket's names,
+    source shapes/dtypes/contiguity and announced shapes (`key`) and on the send buffer, which
+    repeat from sync to sync, so it is built once per bucket index and reused (`sync`)."""
+    key: tuple
+    buffer: torch.Tensor
+    request: dict  # /update_weights_from_distributed's names, dtypes, shapes
+    nbytes: int
+    # contiguous sources and strided ones (QKV splits) in two multi-tensor copies: on CUDA the first
+    # takes the fused multi-tensor kernel, which one strided tensor in the list would rule out
+    dense: tuple[list[int], list[torch.Tensor]]
+    strided: tuple[list[int], list[torch.Tensor]]
+
+    @staticmethod
+    def key_of(bucket: list[tuple]) -> tuple:
+        return tuple((it[0], it[1].shape, it[1].dtype, it[1].is_contiguous(), it[2] if len(it) > 2 else None)
+                     for it in bucket)
+
+    @classmethod
+    def build(cls, bucket: list[tuple], key: tuple, buffer: torch.Tensor) -> _BucketPlan:
+        tensors = [it[1] for it in bucket]
+        views = _dest_views(tensors, buffer)
+        dense = [j for j, t in enumerate(tensors) if t.is_contiguous()]
+        strided = [j for j, t in enumerate(tensors) if not t.is_contiguous()]
+        request = {"names": [it[0] for it in bucket], "dtypes": [dtype_name(t.dtype) for t in tensors],
+                   "shapes": [list(it[2] if len(it) > 2 else it[1].shape) for it in bucket]}
+        return cls(key, buffer, request, sum(t.numel() * t.element_size() for t in tensors),
+                   (dense, [views[j] for j in dense]), (strided, [views[j] for j in strided]))
+
+    def fill(self, bucket: list[tuple]) -> torch.Tensor:
+        with torch.no_grad():
+            for idx, dst in (self.dense, self.strided):
+                if idx:
+                    torch._foreach_copy_(dst, [bucket[j][1] for j in idx])
+        return self.buffer[:self.nbytes]
 
 
 class WeightBroadcaster:
@@ -87,8 +134,11 @@ class WeightBroadcaster:
         self.world_size = world_size
         self.backend = backend
         self.group = None
-        self._clients = [EngineClient(e.url, api_key=e.api_key) for e in self.engines] if is_source else []
+        # http.client, not httpx: ~0.6 ms less per call, paid 2 + buckets times per sync
+        self._clients = [KeepAliveEngineClient(e.url, api_key=e.api_key) for e in self.engines] if is_source else []
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines))) if is_source else None
+        self._buffers: list[torch.Tensor | None] = [None, None]  # the two flat send buffers (sync)
+        self._plans: dict[int, _BucketPlan] = {}  # bucket index -> its plan in the last sync
 
     def connect(self) -> None:
         """Create the group: rank 0 here (hosting the rendezvous), rank_offset.. on each engine."""
@@ -105,13 +155,17 @@ class WeightBroadcaster:
         for f in futures:
             _check_ok(f.result(), "init_weights_update_group")
 
-    def sync(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
-        """Send every tensor of `named_weights` (HF names) to every engine; returns perf metrics.
+    def sync(self, named_weights: Iterable[tuple], version: str) -> dict[str, float]:
+        """Send every tensor of `named_weights` to every engine; returns perf metrics. Items are
+        (hf_name, tensor) or (hf_name, source, hf_shape) where `source` holds the tensor's elements
+        in row-major order in another shape (hf_io.iter_hf_sources: strided QKV views).
 
         Pipelined: bucket k's request is posted before its bytes are copied into one of two
         preallocated flat buffers, and the broadcast is only waited on (device-side, no host sync)
         before its buffer is refilled two buckets later, so the copy of bucket k+1 overlaps the
-        wire time of bucket k and the host never blocks on the GPU until the end."""
+        wire time of bucket k and the host never blocks on the GPU until the end. The two buffers
+        (2 x --update-weight-buffer-size at most) and each bucket's plan (request, destination views)
+        are kept across syncs: the same weights make the same buckets every time."""
         start = time.perf_counter()
         total = 0
         if not self.is_source:
@@ -120,39 +174,47 @@ class WeightBroadcaster:
             return {}
         phases = {"build": 0.0, "fill": 0.0, "http_wait": 0.0, "device_wait": 0.0}
         cap = self.cfg.update_weight_buffer_size
-        buffers: list[torch.Tensor | None] = [None, None]
+        buffers = self._buffers
         pending: list[object | None] = [None, None]  # the broadcast that last read each buffer
         futures: list = []
         n_buckets = 0
         t = time.perf_counter()
         for i, bucket in enumerate(buckets(named_weights, cap)):
+            key = _BucketPlan.key_of(bucket)
+            slot = i % 2
+            plan = self._plans.get(i)
+            if plan is None or plan.key != key or plan.buffer is not buffers[slot]:
+                first = bucket[0][1]
+                nbytes = sum(it[1].numel() * it[1].element_size() for it in bucket)
+                if (buffers[slot] is None or buffers[slot].numel() < nbytes
+                        or buffers[slot].device != first.device):
+                    if pending[slot] is not None:  # the old buffer may still be read by a broadcast
+                        pending[slot].wait()
+                    old, buffers[slot] = buffers[slot], torch.empty(nbytes, dtype=torch.uint8, device=first.device)
+                    # plans viewing the old buffer would keep it alive
+                    self._plans = {k: p for k, p in self._plans.items() if p.buffer is not old}
+                plan = self._plans[i] = _BucketPlan.build(bucket, key, buffers[slot])
             phases["build"] += time.perf_counter() - t
             t = time.perf_counter()
             for f in futures:  # the engine must have taken bucket k-1 before it is asked for bucket k
                 _check_ok(f.result(), "update_weights_from_distributed")
             phases["http_wait"] += time.perf_counter() - t
             futures = [
-                self._pool.submit(c.update_weights_from_distributed, names=[n for n, _ in bucket],
-                                  dtypes=[dtype_name(x.dtype) for _, x in bucket],
-                                  shapes=[list(x.shape) for _, x in bucket], group_name=self.group_name,
+                self._pool.submit(c.update_weights_from_distributed, **plan.request, group_name=self.group_name,
                                   flush_cache=True, weight_version=version, load_format="flattened_bucket")
                 for c in self._clients
             ]
             # one broadcast per bucket (SGLang's flattened bucket): per-tensor calls would pay a
             # collective's latency for every bias and norm
             t = time.perf_counter()
-            nbytes = sum(x.numel() * x.element_size() for _, x in bucket)
-            slot = i % 2
             if pending[slot] is not None:
                 pending[slot].wait()  # NCCL: the current stream waits; gloo: the host waits
-            if buffers[slot] is None or buffers[slot].numel() < nbytes:
-                buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=bucket[0][1].device)
-            flat = flatten_bucket(bucket, buffers[slot])
-            pending[slot] = broadcast_async(self.group, flat, 0)
+            pending[slot] = broadcast_async(self.group, plan.fill(bucket), 0)
             phases["fill"] += time.perf_counter() - t
-            total += nbytes
+            total += plan.nbytes
             n_buckets += 1
             t = time.perf_counter()
+        self._plans = {k: p for k, p in self._plans.items() if k < n_buckets}  # fewer buckets this time
         t = time.perf_counter()
         for f in futures:
             _check_ok(f.result(), "update_weights_from_distributed")
@@ -192,6 +254,7 @@ class WeightBroadcaster:
         self.close()
 
     def close(self) -> None:
+        self._buffers, self._plans = [None, None], {}  # the send buffers' memory goes back now
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         for c in self._clients:

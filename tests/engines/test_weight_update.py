@@ -215,3 +215,50 @@ def test_pipelined_sync_of_many_buckets_with_strided_sources(engine_proc, tiny_q
         assert torch.equal(got, t), name
     assert client.get_model_info()["weight_version"] == "pipe-1"
     client.close()
+
+
+def test_repeated_sync_of_finer_shaped_sources_reuses_its_plans(engine_proc, tiny_qwen2):
+    """What the trainer sends at TP=1 (hf_io.iter_hf_sources): (name, source, HF shape) with the
+    source a strided view of a larger tensor in a finer shape (a QKV split: (groups, rows, cols)).
+    Two syncs with an in-place update of the underlying storage in between: the second reuses
+    every bucket's plan (its request and destination views) and the engine must hold the new
+    values bit for bit, in the announced HF shapes."""
+    from transformers import AutoModelForCausalLM
+
+    from slime_rl.config import WeightSyncConfig
+    from slime_rl.weight_sync.broadcast import EngineTarget, WeightBroadcaster
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    shapes = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+    # each tensor is the middle third (dim 1) of a (2, 3 * k, rest) "fused" storage: strided
+    fused = {n: torch.randn(2, 3 * (s[0] // 2 if s[0] % 2 == 0 else s[0]), *s[1:], generator=gen)
+             for n, s in shapes.items()}
+    items = []
+    for n, s in shapes.items():
+        rows = s[0] // 2 if s[0] % 2 == 0 else s[0]
+        src = fused[n][:, rows:2 * rows] if s[0] % 2 == 0 else fused[n][0, rows:2 * rows]
+        items.append((n, src, s))
+    assert any(not src.is_contiguous() and src.shape != s for _, src, s in items)
+    sync = WeightBroadcaster([EngineTarget(engine_proc, 1)], WeightSyncConfig(4096), True, "127.0.0.1",
+                             _free_port(), 2, "gloo", group_name="wu_plans")
+    sync.connect()
+    client = EngineClient(engine_proc, timeout=120)
+    try:
+        for version in ("plans-1", "plans-2"):
+            before = dict(sync._plans)
+            out = sync.sync(iter(items), version=version)
+            if version == "plans-2":  # same buckets: every plan object reused
+                assert before and all(sync._plans[i] is p for i, p in before.items()), "plans rebuilt"
+            assert out["weight_sync/buckets"] >= 3, out
+            for name, src, s in items:
+                got = torch.tensor(client.get_weights_by_name(name, truncate_size=10**6), dtype=torch.float32)
+                assert torch.equal(got, src.reshape(s)), (version, name)
+            assert client.get_model_info()["weight_version"] == version
+            with torch.no_grad():  # the "optimizer step": in place, the sources are views of it
+                for t in fused.values():
+                    t.mul_(-0.5).add_(1.0)
+    finally:
+        sync.close()
+        assert client.destroy_weights_update_group("wu_plans")["success"] is True
+        client.close()

@@ -82,14 +82,19 @@ def engine(tiny_qwen2):
     s.shutdown()
 
 
-def test_sync_client_drives_the_embedded_engine(engine):
-    with C.EngineClient(engine.url, api_key="k", timeout=60) as c:
+SYNC_CLIENTS = [C.EngineClient, C.KeepAliveEngineClient]  # httpx, and http.client for weight sync
+
+
+@pytest.mark.parametrize("client", SYNC_CLIENTS)
+def test_sync_client_drives_the_embedded_engine(engine, client):
+    with client(engine.url, api_key="k", timeout=60) as c:
         assert c.health() is True
         out = c.generate([5, 6, 7], {"max_new_tokens": 3, "ignore_eos": True}, rid="c-1")
         assert out["meta_info"]["id"] == "c-1" and len(out["meta_info"]["output_token_logprobs"]) == 3
         batch = c.generate([[5, 6], [7]], {"max_new_tokens": 2, "temperature": 0})
         assert isinstance(batch, list) and len(batch) == 2
-        assert c.get_model_info()["weight_version"] == "default"
+        if client is C.EngineClient:  # the first run on the module's engine (the next one finds "v9")
+            assert c.get_model_info()["weight_version"] == "default"
         assert c.flush_cache().startswith("Cache flushed")
         assert c.pause_generation("in_place")["status"] == "ok"
         assert c.continue_generation()["status"] == "ok"
@@ -105,14 +110,15 @@ def test_sync_client_drives_the_embedded_engine(engine):
             c.get_weights_by_name("nope")
         with pytest.raises(C.EngineError, match="does not exist"):
             c.destroy_weights_update_group("never-made")
-    with C.EngineClient(engine.url, timeout=10) as no_key:
+    with client(engine.url, timeout=10) as no_key:
         assert no_key.health() is True  # /health needs no key
         with pytest.raises(C.EngineError, match="401: Unauthorized"):
             no_key.get_model_info()
 
 
-def test_unreachable_engine_is_an_engine_error():
-    with C.EngineClient("http://127.0.0.1:1", timeout=2) as c:
+@pytest.mark.parametrize("client", SYNC_CLIENTS)
+def test_unreachable_engine_is_an_engine_error(client):
+    with client("http://127.0.0.1:1", timeout=2) as c:
         assert c.health() is False
         with pytest.raises(C.EngineError, match="unreachable") as info:
             c.generate([1], {})
@@ -132,3 +138,19 @@ def test_async_client_sends_concurrently(engine):
     outs = asyncio.run(main())
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [4] * 6
     assert [o["meta_info"]["prompt_tokens"] for o in outs] == list(range(1, 7))
+
+
+def test_keep_alive_client_reconnects_after_the_server_drops_it(engine):
+    """The kept-alive connection closed under it (an idle timeout, a restarted front): the next
+    call opens a fresh one instead of failing; one connection per calling thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with C.KeepAliveEngineClient(engine.url, api_key="k", timeout=60) as c:
+        assert c.get_model_info()["weight_version"]
+        first = c._local.conn
+        first.sock.shutdown(2)  # as if the server had closed it while idle
+        assert c.continue_generation()["status"] == "ok"
+        assert c._local.conn is not first
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(c.continue_generation).result()["status"] == "ok"
+        assert len(c._conns) == 2  # this thread's and the pool thread's

@@ -76,6 +76,8 @@ def test_hf_weight_metadata_matches_weights(scenario):
     for rec in scenario("tp2", 2):
         meta = rec["qwen2/metadata"]
         assert [n for n, _, _ in meta] == list(rec["qwen2/weights"])  # same order as the iterator
+        assert list(rec["qwen2/sources"]) == list(rec["qwen2/weights"])  # weight sync's iterator, TP=2
+        assert all(torch.equal(t, rec["qwen2/weights"][n]) for n, t in rec["qwen2/sources"].items())
         for name, dtype, shape in meta:
             assert rec["qwen2/weights"][name].dtype == dtype and tuple(rec["qwen2/weights"][name].shape) == shape
 
@@ -156,3 +158,4 @@ def test_bf16_smoke(scenario, ref):
     assert all(math.isfinite(v) for v in rec["bf16/metrics"].values())
     assert rec["bf16/metrics"]["train/grad_norm"] > 0
     assert rec["bf16/dtypes"] == ["torch.bfloat16"]
+    assert rec["bf16/views_reused"] and rec["bf16/views_current"]  # weight sync's cache after a real step

@@ -93,8 +93,14 @@ def scenario_tp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dic
     w = make_worker(rank, world, port, qwen2, algo=hot, bf16=True)
     port += 1
     res["bf16/logp"] = w.compute_logprobs(batch)
+    views = list(w.iter_hf_sources())  # weight sync's cached TP=1 views, taken before the step
     res["bf16/metrics"] = w.train_step(batch)
     res["bf16/dtypes"] = sorted({str(t.dtype) for _, t in w.iter_hf_weights()})
+    # after the optimizer step the same view objects are handed out and read the new weights
+    fresh = weights(w)
+    res["bf16/views_reused"] = all(a[1] is b[1] for a, b in zip(views, w.iter_hf_sources(), strict=True))
+    res["bf16/views_current"] = ([n for n, _, _ in views] == list(fresh)
+                                 and all(torch.equal(src.reshape(shape), fresh[n]) for n, src, shape in views))
     w.shutdown()
     for name, ckpt, kw in (("llama", ckpts["llama"], {}), ("qwen3", ckpts["qwen3"], {}),
                            ("qwen2_pad", qwen2, {"pad_vocab_multiple": 48}), ("qwen2", qwen2, {})):
@@ -144,6 +150,7 @@ def scenario_tp2(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dic
     res["qwen2/logp"] = w.compute_logprobs(batch)
     res["qwen2/weights"] = weights(w)
     res["qwen2/metadata"] = w.hf_weight_metadata()
+    res["qwen2/sources"] = {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()}  # TP=2: gathered
     w.algo = AlgoConfig()
     res["stats"] = w.forward_backward(batch, w.compute_logprobs(batch))
     res["grad"] = hf_grads(w)

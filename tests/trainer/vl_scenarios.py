@@ -35,7 +35,7 @@ def _run(rank: int, world: int, port: int, ckpts: dict[str, str], **kw) -> dict:
         w.micro = packed
     res["metrics"] = w.train_step(batch)
     res["after"] = _weights(w)
-    res["synced_names"] = [n for n, _ in w.iter_hf_weights(skip_frozen=True)]
+    res["synced_names"] = [n for n, _, _ in w.iter_hf_sources(skip_frozen=True)]  # what sync_weights sends
     w.shutdown()
     return res
 

@@ -210,6 +210,7 @@ class EmbeddedServer:
             return 200, {"message": "Generation continued successfully.", "status": "ok"}
         if path == "/release_memory_occupation":  # SGLang answers an empty 200 to both
             self.memory.release(body)
+            self.weights.forget_plans()
             return 200, None
         if path == "/resume_memory_occupation":
             self.memory.resume(body)

@@ -2,9 +2,10 @@
 
 from slime_rl.trainer.convert.arch import ModelArch, arch_from_hf_config, hf_shapes, load_arch, read_hf_config
 from slime_rl.trainer.convert.registry import FAMILIES, Family, Layout, ParamMap, get_family
-from slime_rl.trainer.convert.shards import hf_to_mcore_shard, mcore_shape, mcore_shards_to_hf
+from slime_rl.trainer.convert.shards import hf_to_mcore_shard, mcore_param_to_hf_views, mcore_shape, mcore_shards_to_hf
 
 __all__ = [
     "FAMILIES", "Family", "Layout", "ModelArch", "ParamMap", "arch_from_hf_config", "get_family",
-    "hf_shapes", "hf_to_mcore_shard", "load_arch", "mcore_shape", "mcore_shards_to_hf", "read_hf_config",
+    "hf_shapes", "hf_to_mcore_shard", "load_arch", "mcore_param_to_hf_views", "mcore_shape",
+    "mcore_shards_to_hf", "read_hf_config",
 ]

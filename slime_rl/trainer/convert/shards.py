@@ -94,3 +94,18 @@ def mcore_shape(pm: ParamMap, hf_shapes: list[tuple[int, ...]], arch: ModelArch,
     """The shape of one TP rank's shard, from the HF shapes (for checks before copying)."""
     metas = [torch.empty(s, device="meta") for s in hf_shapes]
     return tuple(hf_to_mcore_shard(pm, metas, arch, 0, tp_size).shape)
+
+
+def mcore_param_to_hf_views(pm: ParamMap, param: Tensor, arch: ModelArch) -> list[tuple[str, Tensor, tuple[int, ...]]]:
+    """TP=1 only: [(hf_name, view of `param`, HF shape)]. The view holds the HF tensor's elements in
+    row-major order but may keep a finer shape: a QKV split with more than one query group is a
+    (groups, rows, ...) strided view, whose reshape to the HF shape would be a copy. Weight sync
+    copies it into its bucket as is (one strided copy) and announces the HF shape."""
+    if pm.layout is not Layout.QKV:
+        return [(n, t, tuple(t.shape)) for n, t in mcore_shards_to_hf(pm, [param], arch)]
+    groups, d = arch.num_query_groups, arch.kv_channels
+    q_per_group = arch.num_attention_heads // groups
+    rest = tuple(param.shape[1:])
+    per_group = param.view(groups, (q_per_group + 2) * d, *rest)
+    parts = torch.split(per_group, [q_per_group * d, d, d], dim=1)
+    return [(n, t, (t.shape[0] * t.shape[1], *rest)) for n, t in zip(pm.hf, parts, strict=True)]
