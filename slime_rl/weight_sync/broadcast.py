@@ -116,7 +116,30 @@ class _BucketPlan:
         return self.buffer[:self.nbytes]
 
 
-class WeightBroadcaster:
+class EngineControl:
+    """What both weight updaters (this broadcaster, colocated.ColocatedUpdater) do to the engines
+    around a sync, through their `_clients` and `_pool`."""
+
+    _clients: list
+    _pool: ThreadPoolExecutor | None
+
+    def pause_engines(self) -> None:
+        """SGLang's /pause_generation on every engine: nothing generates while weights change."""
+        for c in self._clients:
+            c.pause_generation()
+
+    def continue_engines(self) -> None:
+        for c in self._clients:
+            c.continue_generation()
+
+    def _close_clients(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        for c in self._clients:
+            c.close()
+
+
+class WeightBroadcaster(EngineControl):
     """One per trainer rank. `connect()` once, then `sync(version)` after every update.
 
     With pipeline parallelism every stage has its own source rank and its own group (named per
@@ -153,7 +176,7 @@ class WeightBroadcaster:
         self.group = init_custom_group(self.master_addr, self.master_port, 0, self.world_size, self.group_name,
                                        self.backend)
         for f in futures:
-            _check_ok(f.result(), "init_weights_update_group")
+            check_ok(f.result(), "init_weights_update_group")
 
     def sync(self, named_weights: Iterable[tuple], version: str) -> dict[str, float]:
         """Send every tensor of `named_weights` to every engine; returns perf metrics. Items are
@@ -197,7 +220,7 @@ class WeightBroadcaster:
             phases["build"] += time.perf_counter() - t
             t = time.perf_counter()
             for f in futures:  # the engine must have taken bucket k-1 before it is asked for bucket k
-                _check_ok(f.result(), "update_weights_from_distributed")
+                check_ok(f.result(), "update_weights_from_distributed")
             phases["http_wait"] += time.perf_counter() - t
             futures = [
                 self._pool.submit(c.update_weights_from_distributed, **plan.request, group_name=self.group_name,
@@ -217,7 +240,7 @@ class WeightBroadcaster:
         self._plans = {k: p for k, p in self._plans.items() if k < n_buckets}  # fewer buckets this time
         t = time.perf_counter()
         for f in futures:
-            _check_ok(f.result(), "update_weights_from_distributed")
+            check_ok(f.result(), "update_weights_from_distributed")
         phases["http_wait"] += time.perf_counter() - t
         t = time.perf_counter()
         for w in pending:
@@ -230,15 +253,6 @@ class WeightBroadcaster:
         return {"weight_sync/bytes": float(total), "weight_sync/seconds": seconds,
                 "weight_sync/buckets": float(n_buckets),
                 **{f"weight_sync/{k}_seconds": v for k, v in phases.items()}}
-
-    def pause_engines(self) -> None:
-        """SGLang's /pause_generation on every engine: nothing generates while weights change."""
-        for c in self._clients:
-            c.pause_generation()
-
-    def continue_engines(self) -> None:
-        for c in self._clients:
-            c.continue_generation()
 
     def destroy(self) -> None:
         """Leave the group for good (an engine of it was restarted): the engines that still answer
@@ -255,12 +269,10 @@ class WeightBroadcaster:
 
     def close(self) -> None:
         self._buffers, self._plans = [None, None], {}  # the send buffers' memory goes back now
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-        for c in self._clients:
-            c.close()
+        self._close_clients()
 
 
-def _check_ok(response: dict, endpoint: str) -> None:
+def check_ok(response: object, endpoint: str) -> None:
+    """An engine's {"success": false, "message": ...} answer as an error naming the endpoint."""
     if isinstance(response, dict) and response.get("success") is False:
         raise RuntimeError(f"engine refused /{endpoint}: {response.get('message')}")

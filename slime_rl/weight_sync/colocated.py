@@ -29,12 +29,12 @@ import torch
 from slime_rl.config import WeightSyncConfig
 from slime_rl.engines.tensor_ipc import serialize_named_tensors, use_file_system_sharing
 from slime_rl.rollout.client import EngineClient
-from slime_rl.weight_sync.broadcast import EngineTarget, buckets, flatten_bucket
+from slime_rl.weight_sync.broadcast import EngineControl, EngineTarget, buckets, check_ok, flatten_bucket
 
 MEMORY_TAGS = ["kv_cache", "weights"]  # what engines release for the training phase (SGLang's tags)
 
 
-class ColocatedUpdater:
+class ColocatedUpdater(EngineControl):
     """One per trainer rank. `engines`: every engine (rank 0 pauses and continues them all); `mine`:
     indices of the engines on this rank's device (it sends to them)."""
 
@@ -74,7 +74,7 @@ class ColocatedUpdater:
             phases["fill"] += time.perf_counter() - t
             pending[slot] = [self._pool.submit(self._clients[e].update_weights_from_tensor, [entry],
                                                flush_cache=True, weight_version=version) for e in self.mine]
-            total += sum(x.numel() * x.element_size() for _, x in bucket)
+            total += sum(x.numel() * x.element_size() for _, x, *_ in bucket)
             n_buckets += 1
             t = time.perf_counter()
         t = time.perf_counter()
@@ -89,7 +89,7 @@ class ColocatedUpdater:
     def _fill(self, slot: int, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """The bucket copied into buffer `slot` (grown when too small; on CPU in shared memory), and
         each tensor as a view of it, under its name."""
-        nbytes = sum(x.numel() * x.element_size() for _, x in bucket)
+        nbytes = sum(x.numel() * x.element_size() for _, x, *_ in bucket)
         buf = self._buffers[slot]
         device = bucket[0][1].device
         if buf is None or buf.numel() < nbytes or buf.device != device:
@@ -100,30 +100,19 @@ class ColocatedUpdater:
             self._buffers[slot] = buf
         flat = flatten_bucket(bucket, buf)
         views, offset = [], 0
-        for name, x in bucket:
+        for name, x, *hf_shape in bucket:  # (name, tensor) or weight sync's (name, source, HF shape)
             n = x.numel() * x.element_size()
-            views.append((name, flat[offset:offset + n].view(x.dtype).view(x.shape)))
+            views.append((name, flat[offset:offset + n].view(x.dtype).view(hf_shape[0] if hf_shape else x.shape)))
             offset += n
         return views
 
     @staticmethod
     def _wait(futures: list[Future]) -> None:
         for f in futures:
-            _check_ok(f.result(), "update_weights_from_tensor")
-
-    # ---- engine control, run by rank 0 (TrainerActor.sync_weights) ----
-    def pause_engines(self) -> None:
-        for c in self._clients:
-            c.pause_generation()
-
-    def continue_engines(self) -> None:
-        for c in self._clients:
-            c.continue_generation()
+            check_ok(f.result(), "update_weights_from_tensor")
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
-        for c in self._clients:
-            c.close()
+        self._close_clients()
         self._free_buffers()
 
     def _free_buffers(self) -> None:
@@ -132,7 +121,3 @@ class ColocatedUpdater:
             torch.cuda.ipc_collect()  # blocks the engines mapped and have since dropped
             torch.cuda.empty_cache()
 
-
-def _check_ok(response: object, endpoint: str) -> None:
-    if isinstance(response, dict) and response.get("success") is False:
-        raise RuntimeError(f"engine refused /{endpoint}: {response.get('message')}")

@@ -104,12 +104,9 @@ class WeightSync:
             raise RequestError(f"dtypes: {e}") from e
         if not all(isinstance(s, list) and all(isinstance(x, int) and x >= 0 for x in s) for s in shapes):
             raise RequestError("shapes: expected a list of lists of non-negative ints")
-        group = self.groups.get(group_name)
+        group, error = self._target_group(group_name, body)
         if group is None:
-            return False, (f"Group {group_name} not in {sorted(self.groups)}. "
-                           "Please call `init_weights_update_group` first.")
-        if body.get("abort_all_requests"):
-            self.engine.abort(abort_all=True)
+            return False, error
         # Receive every tensor even if a name is wrong: the trainer broadcasts them all, and a rank
         # that leaves the collective early would hang it.
         if load_format == "flattened_bucket":
@@ -129,6 +126,16 @@ class WeightSync:
             self._remember(body, [self.params[n] for n in names], torch_dtypes[0])
         return self._commit([self.params[n] for n, _ in received], [t for _, t in received],
                             [t for _, t in received], version, names)
+
+    def _target_group(self, group_name: str, body: dict) -> tuple[object | None, str]:
+        """The named group (or None and SGLang's message), after `abort_all_requests` if asked."""
+        group = self.groups.get(group_name)
+        if group is None:
+            return None, (f"Group {group_name} not in {sorted(self.groups)}. "
+                          "Please call `init_weights_update_group` first.")
+        if body.get("abort_all_requests"):
+            self.engine.abort(abort_all=True)
+        return group, ""
 
     def _commit(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], keep: list[torch.Tensor],
                 version: str | None, names: list[str]) -> tuple[bool, str]:
@@ -193,12 +200,9 @@ class WeightSync:
 
     def _update_planned(self, plan: _FlatPlan, body: dict) -> tuple[bool, str]:
         group_name = _field(body, "group_name", str, "weight_update_group")
-        group = self.groups.get(group_name)
+        group, error = self._target_group(group_name, body)
         if group is None:
-            return False, (f"Group {group_name} not in {sorted(self.groups)}. "
-                           "Please call `init_weights_update_group` first.")
-        if body.get("abort_all_requests"):
-            self.engine.abort(abort_all=True)
+            return False, error
         flat = torch.empty(plan.nbytes, dtype=torch.uint8, device=self.device)
         with self._lock:
             dist_group.broadcast(group, flat, src=0)
