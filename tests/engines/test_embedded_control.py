@@ -11,6 +11,9 @@ import pytest
 from engine_testlib import prompt_of, start_server
 
 LONG = {"max_new_tokens": 200, "ignore_eos": True}
+# a short request that always runs its 2 tokens: the engine's sampler is shared, so its state (and
+# whether EOS comes first) depends on how many steps earlier requests ran
+SHORT = {"max_new_tokens": 2, "ignore_eos": True}
 
 
 def in_thread(fn: Callable[[], httpx.Response]) -> tuple[threading.Thread, dict]:
@@ -69,7 +72,7 @@ def test_pause_in_place_holds_requests_and_continue_resumes_them(fresh):
     assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
     steps = fresh.engine.load()["decode_forwards"]
     t2, box2 = in_thread(lambda: post(fresh.url, "/generate", {"input_ids": prompt_of(3),
-                                                               "sampling_params": {"max_new_tokens": 2}}))
+                                                               "sampling_params": SHORT}))
     time.sleep(0.3)
     assert fresh.engine.load()["decode_forwards"] <= steps + 1  # at most the step already under way
     assert "response" not in box and "response" not in box2 and running(fresh) == 1
@@ -88,7 +91,7 @@ def test_pause_abort_mode_aborts_in_flight_and_holds_new_ones(fresh):
     t.join()
     assert box["response"].json()["meta_info"]["finish_reason"]["type"] == "abort"
     t2, box2 = in_thread(lambda: post(fresh.url, "/generate", {"input_ids": prompt_of(3),
-                                                               "sampling_params": {"max_new_tokens": 2}}))
+                                                               "sampling_params": SHORT}))
     time.sleep(0.2)
     assert "response" not in box2
     post(fresh.url, "/continue_generation", {})
@@ -157,9 +160,9 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_lives_on(fresh):
 
     fresh.model.forward = broken
     try:
-        r = post(fresh.url, "/generate", {"input_ids": prompt_of(3), "sampling_params": {"max_new_tokens": 2}})
+        r = post(fresh.url, "/generate", {"input_ids": prompt_of(3), "sampling_params": SHORT})
         assert r.status_code == 500 and "simulated device failure" in r.json()["error"]["message"]
-        ok = post(fresh.url, "/generate", {"input_ids": prompt_of(3), "sampling_params": {"max_new_tokens": 2}})
+        ok = post(fresh.url, "/generate", {"input_ids": prompt_of(3), "sampling_params": SHORT})
         assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2
     finally:
         fresh.model.forward = real
