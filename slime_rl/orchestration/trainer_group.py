@@ -82,6 +82,7 @@ class TrainerActor:
         self.worker = None
         self.broadcaster: WeightBroadcaster | ColocatedUpdater | None = None
         self.rejoins = 0  # groups re-created after an engine restart (--use-fault-tolerance)
+        self._synced_once = False  # a frozen vision tower is sent by the first sync only
         # Ray gives each actor its own GPU as cuda:0; on CPU one thread per rank avoids oversubscription
         os.environ["LOCAL_RANK"] = "0"
 
@@ -152,8 +153,7 @@ class TrainerActor:
         try:
             # a frozen vision tower is sent once per trainer process (the engines may have started from
             # another checkpoint than a resumed trainer), then never again: it cannot change
-            skip = getattr(self, "_synced_once", False)
-            self._synced_once = True
+            skip, self._synced_once = self._synced_once, True
             return self.broadcaster.sync(self.worker.iter_hf_sources(skip_frozen=skip), version)
         finally:
             dist.barrier()

@@ -43,6 +43,8 @@ class MicroBatching:
         if self.pad_multiple > 1 and not self.pack_sequences:
             raise ValueError("--sequence-parallel needs packed sequences (pack_sequences=True): the "
                              "sequence is split over TP ranks, so its length must be a multiple of TP")
+        if self.vision is not None and self.cp_size > 1:
+            raise ValueError("--context-parallel-size > 1 is not supported for vision-language models")
 
     def groups(self, batch: dict, ids: list[int]) -> list[list[int]]:
         """Sample ids of each micro-batch (positions in `batch`)."""
@@ -76,8 +78,6 @@ class MicroBatching:
         else:
             mb = build_micro_batch(batch, use, self.device, per_token)
         if self.vision is not None:
-            if self.cp_size > 1:
-                raise ValueError("--context-parallel-size > 1 is not supported for vision-language models")
             self.vision.attach(mb, batch, use)
         if self.cp_size > 1:
             mb = split_micro_batch(mb, self.cp_size, self.cp_rank)
