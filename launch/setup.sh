@@ -28,9 +28,22 @@ find_python() {
   return 1
 }
 
+# SGLang's own Python code, for the contract tests that drive it on CPU (tests/contract/): the wheel
+# without its dependencies (CUDA kernels, a torch pin), then what its modules import.
+SGLANG_VERSION=0.5.23
+install_sglang_contract() {
+  local py=$1
+  if ! "$py" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$SGLANG_VERSION')" 2>/dev/null; then
+    "$py" -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
+  fi
+  "$py" -m pip install -q -r launch/sglang-contract.txt
+  "$py" -m pip install -q --no-deps compressed-tensors
+}
+
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import slime_rl, megatron.core, ray, transformers, pytest' 2>/dev/null; then
   # an existing venv: pick up dependencies added since it was made (nothing is downloaded if none)
   "$VENV/bin/python" -m pip install -q -e ".[dev]" >/dev/null 2>&1 || "$VENV/bin/python" -m pip install -q -e ".[dev]"
+  install_sglang_contract "$VENV/bin/python" >/dev/null 2>&1 || install_sglang_contract "$VENV/bin/python"
   exit 0
 fi
 PY=$(find_python) || { echo "setup.sh: no Python >= 3.12 found (set PYTHON=/path/to/python3.12)" >&2; exit 1; }
@@ -38,4 +51,5 @@ echo "setup.sh: creating $VENV with $PY ($("$PY" --version))"
 "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e ".[dev]"
+install_sglang_contract "$VENV/bin/python"
 echo "setup.sh: done"
