@@ -120,6 +120,7 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     try:
         cluster.start(train_iters=n_steps * steps_per_rollout)
         first = cluster.resume()
+        logger.start(first)
         if cfg.eval.enabled and not cfg.eval.skip_before_train and first == 0:
             with timer("eval"):
                 row = logger.log(-1, cluster.evaluate() | timer.pop())  # step -1: before any update

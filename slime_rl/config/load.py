@@ -163,6 +163,10 @@ def _require(args: argparse.Namespace, flag: str) -> Any:
     return value
 
 
+def _same_path(a: str, b: str | None) -> bool:
+    return b is not None and os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
@@ -225,8 +229,12 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(0 <= a.min_lr <= a.lr, f"--min-lr must be in [0, --lr], got {a.min_lr}")
     _check(0 <= a.adam_beta1 < 1, f"--adam-beta1 must be in [0, 1), got {a.adam_beta1}")
     _check(0 <= a.adam_beta2 < 1, f"--adam-beta2 must be in [0, 1), got {a.adam_beta2}")
-    _check(a.rollout_temperature > 0, f"--rollout-temperature must be > 0, got {a.rollout_temperature}")
+    _check(0 < a.rollout_temperature < math.inf, f"--rollout-temperature must be > 0 and finite, got "
+           f"{a.rollout_temperature}")
     _check(0 < a.rollout_top_p <= 1, f"--rollout-top-p must be in (0, 1], got {a.rollout_top_p}")
+    # SGLang's SamplingParams.verify: -1 (whole vocabulary) or >= 1; it maps -1 to 1 << 30, the bound
+    _check(a.rollout_top_k == -1 or 1 <= a.rollout_top_k <= 1 << 30,
+           f"--rollout-top-k must be -1 (whole vocabulary) or in [1, 2^30], got {a.rollout_top_k}")
     a.rollout_num_gpus = a.rollout_num_gpus or (parallel.world_size if a.colocate else 1)
     if a.colocate:
         _check_colocate(a, parallel)
@@ -263,6 +271,10 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(not a.mask_offpolicy_in_partial_rollout or a.partial_rollout,
            "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     _check(a.keep_last is None or a.save is not None, "--keep-last needs --save")
+    # a mistyped --load must not train from scratch and exit 0; --load equal to --save is auto-resume,
+    # whose folder does not exist before the first save
+    _check(a.load is None or os.path.exists(a.load) or _same_path(a.load, a.save),
+           f"--load {a.load}: no such folder (to start fresh and resume later, give --save the same path)")
     for flag, module in (("--use-wandb", "wandb"), ("--use-tensorboard", "tensorboard"), ("--use-swanlab", "swanlab")):
         if getattr(a, flag[2:].replace("-", "_")):
             _check(importlib.util.find_spec(module) is not None,
@@ -361,6 +373,9 @@ def _critic_config(a: argparse.Namespace, policy: ParallelConfig, gbs: int) -> C
            * (a.rollout_batch_size * a.n_samples_per_prompt // gbs),
            "--critic-lr-warmup-iters must be below the number of optimizer steps")
     _check(critic.save is None or a.save is not None, "--critic-save needs --save (the critic is saved with it)")
+    _check(critic.load is None or os.path.exists(critic.load) or _same_path(critic.load, critic.save),
+           f"--critic-load {critic.load}: no such folder (to start fresh and resume later, give --critic-save "
+           "the same path)")
     return critic
 
 

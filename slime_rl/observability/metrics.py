@@ -29,14 +29,31 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _read_rows(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a crash mid-write: not a step that happened
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
 class MetricsLogger:
-    """Append-only metrics.jsonl plus optional wandb / tensorboard."""
+    """metrics.jsonl (one line per step) plus optional wandb / tensorboard / swanlab.
+
+    The file holds one run's history: `start(first_step)` keeps the lines of the steps before
+    `first_step` (a resumed run continues its own curve) and sets the rest aside, so a fresh run in
+    an old run dir does not draw two runs as one curve. Nothing is deleted: a file that loses lines
+    is first copied to `metrics.jsonl.old-<n>`."""
 
     def __init__(self, cfg: LoggingConfig, run_config: dict[str, Any] | None = None) -> None:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
+        self._file = None
         self._wandb = None
         self._tb = None
         if cfg.use_wandb:
@@ -55,7 +72,32 @@ class MetricsLogger:
             self._swanlab = swanlab.init(project=cfg.swanlab_project, mode=cfg.swanlab_mode,
                                          log_dir=str(self.run_dir / "swanlog"), config=run_config or {})
 
+    def start(self, first_step: int) -> Path | None:
+        """Open the file for a run whose first step is `first_step` (0: a fresh run). Lines of steps
+        >= first_step (and the step -1 eval line of a fresh run) are set aside; returns the copy
+        that holds the old file whole, or None when nothing was set aside."""
+        assert self._file is None, "start() is called once, before the first log()"
+        backup = None
+        if self.path.exists() and self.path.stat().st_size:
+            rows = _read_rows(self.path)
+            keep = [r for r in rows if first_step > 0 and r["step"] < first_step]
+            if len(keep) != len(self.path.read_text().splitlines()):
+                n = 1
+                while (self.run_dir / f"metrics.jsonl.old-{n}").exists():
+                    n += 1
+                backup = self.run_dir / f"metrics.jsonl.old-{n}"
+                backup.write_bytes(self.path.read_bytes())
+                tmp = self.path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+                tmp.replace(self.path)
+                print(f"[slime_rl] {self.path}: {len(rows) - len(keep)} lines of an earlier run set aside in "
+                      f"{backup.name} (this run starts at step {first_step})", flush=True)
+        self._file = self.path.open("a")
+        return backup
+
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        if self._file is None:
+            self.start(0)
         row = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
@@ -71,7 +113,8 @@ class MetricsLogger:
         return row
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
         if self._tb is not None:

@@ -162,3 +162,34 @@ def test_dry_run_embedded_backend_takes_its_cuda_graph_flags(tiny_qwen2, tmp_pat
     argv_ = line.split()[2:]
     assert argv_[argv_.index("-m") + 1] == "slime_rl.engines.embedded"
     assert "--disable-cuda-graph" in argv_ and argv_[argv_.index("--cuda-graph-max-bs-decode") + 1] == "16"
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--rollout-top-k", "0"], "--rollout-top-k"),
+    (["--rollout-top-k", "-2"], "--rollout-top-k"),
+    (["--rollout-top-k", str(10**20)], "--rollout-top-k"),
+    (["--rollout-temperature", "nan"], "--rollout-temperature"),
+    (["--rollout-temperature", "inf"], "--rollout-temperature"),
+    (["--rollout-top-p", "nan"], "--rollout-top-p"),
+])
+def test_sampling_flags_out_of_sglang_range(tmp_path, extra, flag):
+    # SGLang 0.5.23 SamplingParams.verify: top_k is -1 or >= 1 (-1 becomes 1 << 30); a NaN or infinite
+    # temperature has no distribution to sample from
+    with pytest.raises(ConfigError, match=flag):
+        build_config(base_argv(tmp_path) + extra)
+
+
+def test_sampling_flags_at_the_edges_pass(tmp_path):
+    cfg = build_config(base_argv(tmp_path) + ["--rollout-top-k", str(1 << 30), "--rollout-temperature", "1e-3"])
+    assert cfg.rollout.top_k == 1 << 30
+
+
+def test_load_of_a_missing_folder_is_an_error(tmp_path):
+    missing = tmp_path / "chekpoints"  # a typo of a folder that exists
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(ConfigError, match=f"--load {missing}: no such folder"):
+        build_config(base_argv(tmp_path) + ["--load", str(missing)])
+    # the same path in --save is auto-resume: the folder appears with the first save
+    cfg = build_config(base_argv(tmp_path) + ["--load", str(missing), "--save", str(missing)])
+    assert cfg.checkpoint.load == str(missing)
+    build_config(base_argv(tmp_path) + ["--load", str(tmp_path / "checkpoints")])

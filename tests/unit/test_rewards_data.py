@@ -85,3 +85,40 @@ def test_metrics_jsonl_one_line_per_step(tmp_path):
     assert [r["step"] for r in lines] == [0, 1]
     assert set(REQUIRED_KEYS) <= set(lines[0])
     assert lines[1]["train/loss"] == "nan"
+
+
+def _write_rows(path, steps):
+    path.write_text("".join(json.dumps({"step": s, "train/loss": float(s)}) + "\n" for s in steps))
+
+
+def test_fresh_run_sets_an_old_runs_lines_aside(tmp_path):
+    old = tmp_path / "metrics.jsonl"
+    _write_rows(old, [0, 1, 2])
+    before = old.read_bytes()
+    logger = MetricsLogger(LoggingConfig(run_dir=str(tmp_path)))
+    backup = logger.start(0)
+    logger.log(0, {"train/loss": 9.0})
+    logger.close()
+    assert [json.loads(x)["train/loss"] for x in old.read_text().splitlines()] == [9.0]
+    assert backup.name == "metrics.jsonl.old-1" and backup.read_bytes() == before  # nothing lost
+    logger = MetricsLogger(LoggingConfig(run_dir=str(tmp_path)))  # a third run: the next free name
+    assert logger.start(0).name == "metrics.jsonl.old-2"
+    logger.close()
+
+
+def test_resumed_run_keeps_the_steps_before_it(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _write_rows(path, [0, 1, 2, 3])  # the run died after logging step 3; its checkpoint is after step 1
+    with path.open("a") as f:
+        f.write('{"step": 4, "train/lo')  # a line cut by the crash
+    logger = MetricsLogger(LoggingConfig(run_dir=str(tmp_path)))
+    assert logger.start(2) is not None
+    logger.log(2, {"train/loss": 20.0})
+    logger.close()
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(r["step"], r["train/loss"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 20.0)]
+    # a resume that loses nothing makes no copy
+    logger = MetricsLogger(LoggingConfig(run_dir=str(tmp_path)))
+    assert logger.start(3) is None
+    logger.close()
+    assert not (tmp_path / "metrics.jsonl.old-2").exists()
