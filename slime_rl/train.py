@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from slime_rl.config import Config, ConfigError, RolloutConfig, build_config
-from slime_rl.data import DataError, PromptDataset, num_rollout_for_epochs
+from slime_rl.data import DataError, PromptDataset, TokenLimit, num_rollout_for_epochs
 from slime_rl.engines.launch import check_engine_config
 from slime_rl.observability import MetricsLogger, Timer, summary_line
 from slime_rl.orchestration.placement import PlacementPlan, plan_placement
@@ -42,7 +42,10 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
                           "(pip install slime_rl[router])")
     check_model_features(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
-    dataset = PromptDataset(cfg.data, tokenizer)
+    dataset = PromptDataset(cfg.data, tokenizer, token_limit=token_limit(cfg, cfg.rollout.max_response_len))
+    for _, path in cfg.eval.datasets:  # as the rollout manager reads them: unshuffled, same limits
+        PromptDataset(dataclasses.replace(cfg.data, prompt_data=path, rollout_shuffle=False), tokenizer,
+                      token_limit=token_limit(cfg, cfg.eval.max_response_len, "--eval-max-response-len"))
     if dataset.filtered_too_long:
         print(f"[slime_rl] {dataset.filtered_too_long} prompts longer than --rollout-max-prompt-len dropped")
     if cfg.data.num_epoch is not None:
@@ -54,6 +57,30 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     load_filter(cfg.rollout.dynamic_sampling_filter_path)
     return cfg, plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
                                cluster_cpus=os.cpu_count(), critic_world=cfg.critic.world_size if cfg.critic else 0)
+
+
+def token_limit(cfg: Config, max_response_len: int, flag: str = "--rollout-max-response-len") -> TokenLimit | None:
+    """The engines' context (--sglang-context-length, else the checkpoint's max_position_embeddings)
+    and what a prompt must leave of it: --rollout-max-context-len caps max_new_tokens per request,
+    else the whole max_response_len must fit (SGLang refuses the request otherwise)."""
+    from slime_rl.trainer.convert import read_hf_config
+
+    hf = read_hf_config(cfg.model.hf_checkpoint)
+    given = cfg.engine.sglang_args.get("context_length")
+    if given is not None:
+        context, source = int(given), "--sglang-context-length"
+    else:
+        context = hf.get("max_position_embeddings") or (hf.get("text_config") or {}).get("max_position_embeddings")
+        if context is None:
+            return None
+        source = f"max_position_embeddings of {cfg.model.hf_checkpoint}"
+    cap = cfg.rollout.rollout_max_context_len
+    if cap is not None:
+        return TokenLimit(min(context, cap), 1, source if cap >= context else "--rollout-max-context-len")
+    if max_response_len >= context:
+        raise ConfigError(f"{flag} {max_response_len}: no prompt fits with it in the context of {context} "
+                          f"({source}); lower it, or let --rollout-max-context-len {context} cap each response")
+    return TokenLimit(context, max_response_len, source)
 
 
 def check_model_features(cfg: Config) -> None:

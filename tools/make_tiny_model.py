@@ -79,7 +79,7 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
     common = dict(
         vocab_size=vocab_size, hidden_size=args.hidden_size, intermediate_size=args.hidden_size * 2,
         num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_kv_heads, max_position_embeddings=512, rms_norm_eps=1e-6,
+        num_key_value_heads=args.num_kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-6,
         rope_theta=10000.0, initializer_range=0.02, eos_token_id=eos_id, pad_token_id=pad_id,
         bos_token_id=None, dtype="float32",
     )

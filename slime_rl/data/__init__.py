@@ -1,6 +1,7 @@
 from slime_rl.data.dataset import (
     PromptDataset,
     PromptRow,
+    TokenLimit,
     num_rollout_for_epochs,
     parse_chat_template_kwargs,
     render_prompt,
@@ -13,6 +14,7 @@ __all__ = [
     "PromptDataset",
     "PromptRow",
     "Sample",
+    "TokenLimit",
     "num_rollout_for_epochs",
     "parse_chat_template_kwargs",
     "parse_data_spec",

@@ -2,8 +2,9 @@
 
 Every row is checked at load, before any actor starts: a missing `--input-key`/`--label-key`, a
 prompt of the wrong type, an empty prompt or a malformed message list is reported with its row
-number (all bad rows at once, the first few spelled out). Prompts longer than
-`--rollout-max-prompt-len` tokens are dropped and counted (`filtered_too_long`).
+place (line N of a jsonl file; all bad rows at once, the first few spelled out). Prompts longer than
+`--rollout-max-prompt-len` tokens are dropped and counted (`filtered_too_long`). With a `TokenLimit`
+(the model's context), a prompt the engine would refuse is a bad row too.
 
 Rows with images (`--image-key`, vision-language models) are handled by `slime_rl.data.vl`: the
 images are read, checked and resized at load too, and the prompt ids carry the expanded vision
@@ -23,12 +24,31 @@ from pathlib import Path
 from typing import Any
 
 from slime_rl.config import DataConfig
-from slime_rl.data.readers import DataError, Record, parse_data_spec, read_records
+from slime_rl.data.readers import DataError, Record, bad_rows_error, located_records, parse_data_spec
 from slime_rl.data.vl import VisionRows
 
 logger = logging.getLogger(__name__)
 
-MAX_ERRORS_SHOWN = 10
+
+@dataclass(frozen=True)
+class TokenLimit:
+    """The longest request an engine takes. SGLang (tokenizer_manager `_validate_one_request`, 0.5.23)
+    refuses a request whose prompt has >= `context_len` tokens, or whose prompt plus `max_new_tokens`
+    exceeds it; a prompt that would be refused when drawn is a bad row at load instead.
+    `reserve`: the tokens a prompt must leave free: --rollout-max-response-len, or 1 where
+    --rollout-max-context-len caps each request's max_new_tokens to what is left."""
+    context_len: int
+    reserve: int
+    source: str  # where context_len comes from, for the message
+
+    def problem(self, n_prompt: int) -> str | None:
+        if n_prompt + self.reserve <= self.context_len:
+            return None
+        room = self.context_len - self.reserve
+        return (f"the prompt has {n_prompt} tokens; with {self.reserve} for the response that exceeds the "
+                f"context of {self.context_len} ({self.source}); drop such rows with --rollout-max-prompt-len "
+                f"{room}" if room > 0 else f"the prompt has {n_prompt} tokens, more than the context of "
+                f"{self.context_len} ({self.source}) leaves")
 
 
 @dataclass
@@ -142,7 +162,8 @@ class PromptDataset:
     """
 
     def __init__(self, cfg: DataConfig, tokenizer: Any, metadata_key: str | None = None, tool_key: str | None = None,
-                 chat_template_kwargs: dict[str, Any] | str | None = None, image_processor: Any = None) -> None:
+                 chat_template_kwargs: dict[str, Any] | str | None = None, image_processor: Any = None,
+                 token_limit: TokenLimit | None = None) -> None:
         self.cfg = cfg
         # the flags (--metadata-key, --tool-key, --apply-chat-template-kwargs) unless given here
         self.metadata_key = metadata_key or cfg.metadata_key
@@ -152,24 +173,26 @@ class PromptDataset:
         self.rows: list[PromptRow] = []
         self.filtered_too_long = 0
         errors: list[str] = []
-        records = read_records(cfg.prompt_data)
+        records = located_records(cfg.prompt_data)
         # image paths are relative to the data file; the image processor comes from the tokenizer's
         # checkpoint folder unless given (only looked up when some row has images)
         self.vision = VisionRows(cfg, tokenizer, Path(parse_data_spec(cfg.prompt_data)[0]).parent, image_processor)
-        for row_number, record in records:
+        for where, record in records:
             try:
                 row = self._make_row(record, tokenizer)
             except ValueError as exc:
-                errors.append(f"row {row_number}: {exc}")
+                errors.append(f"{where}: {exc}")
                 continue
             if cfg.rollout_max_prompt_len is not None and len(row.prompt_ids) > cfg.rollout_max_prompt_len:
                 self.filtered_too_long += 1
                 continue
+            problem = token_limit.problem(len(row.prompt_ids)) if token_limit is not None else None
+            if problem is not None:
+                errors.append(f"{where}: {problem}")
+                continue
             self.rows.append(row)
         if errors:
-            shown = "\n  ".join(errors[:MAX_ERRORS_SHOWN])
-            more = f"\n  ... and {len(errors) - MAX_ERRORS_SHOWN} more" if len(errors) > MAX_ERRORS_SHOWN else ""
-            raise DataError(f"{cfg.prompt_data}: {len(errors)} bad row(s) of {len(records)}:\n  {shown}{more}")
+            raise bad_rows_error(cfg.prompt_data, errors, len(records))
         if self.filtered_too_long:
             logger.info("%s: dropped %d of %d prompts longer than --rollout-max-prompt-len=%s", cfg.prompt_data,
                         self.filtered_too_long, len(records), cfg.rollout_max_prompt_len)

@@ -1,9 +1,12 @@
 """Reading prompt files: jsonl, json and parquet, with an optional `path@[start:end]` row slice.
 
-One entry point, `read_records(spec)`, returns `(row_number, record)` pairs. Row numbers are
-1-based positions of the record in the whole file (before slicing), so an error found later in a
-slice still names the row a person would look up in the file. Slices follow Python semantics
-(`data.jsonl@[:100]`, `data.parquet@[-50:]`, `data.json@[10:20]`); an empty slice is an error.
+`read_records(spec)` returns `(row_number, record)` pairs; `located_records(spec)` returns
+`(where, record)` pairs, `where` being what a person looks up: "line N" of a jsonl file (1-based, as
+editors count, blank lines included) or "row N" of a json list / parquet table. Both count in the
+whole file (before slicing), so an error found later in a slice still names the right place. Slices
+follow Python semantics over rows (`data.jsonl@[:100]`, `data.parquet@[-50:]`, `data.json@[10:20]`);
+an empty slice is an error. Every structurally bad line of a jsonl file is listed (up to
+MAX_ERRORS_SHOWN, then a count), not only the first.
 
 Formats, chosen by the file suffix:
 - `.jsonl` (also `.ndjson`): one JSON object per line; blank lines are skipped and do not count as rows.
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 Record = dict[str, Any]
+MAX_ERRORS_SHOWN = 10
 
 _SLICE = re.compile(r"^(?P<path>.+)@\[(?P<start>[+-]?\d*):(?P<stop>[+-]?\d*)\]$")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
@@ -43,36 +47,45 @@ def parse_data_spec(spec: str) -> tuple[str, slice | None]:
     return match["path"], slice(int(start) if start else None, int(stop) if stop else None)
 
 
-def _check_object(path: Path, row: int, value: Any) -> Record:
+def _check_object(path: Path, where: str, value: Any) -> Record:
     if not isinstance(value, dict):
-        raise DataError(f"{path}: row {row}: expected a JSON object, got {type(value).__name__}")
+        raise DataError(f"{path}: {where}: expected a JSON object, got {type(value).__name__}")
     return value
 
 
 def _loads(text: str | bytes) -> Any:
-    """json.loads, with nesting too deep for the parser (RecursionError) reported as bad JSON."""
     try:
         return json.loads(text)
     except RecursionError as exc:
         raise json.JSONDecodeError("nested too deeply", "", 0) from exc
 
 
-def _read_jsonl(path: Path) -> list[Record]:
-    rows: list[Record] = []
-    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is reported with its row, not mid-read
+def bad_rows_error(source: str | Path, errors: list[str], total: int) -> DataError:
+    """One error listing the bad rows (each 'where: what'), the first MAX_ERRORS_SHOWN of them."""
+    shown = "\n  ".join(errors[:MAX_ERRORS_SHOWN])
+    more = f"\n  ... and {len(errors) - MAX_ERRORS_SHOWN} more" if len(errors) > MAX_ERRORS_SHOWN else ""
+    return DataError(f"{source}: {len(errors)} bad row(s) of {total}:\n  {shown}{more}")
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, Record]]:
+    rows: list[tuple[str, Record]] = []
+    errors: list[str] = []
+    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is reported with its line, not mid-read
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
-            row = len(rows) + 1
+            where = f"line {lineno}"
             try:
-                line = raw.decode("utf-8")
+                value = _loads(raw.decode("utf-8"))
+                rows.append((where, _check_object(path, where, value)))
             except UnicodeDecodeError as exc:
-                raise DataError(f"{path}: row {row} (line {lineno}): not valid UTF-8: {exc}") from exc
-            try:
-                value = _loads(line)
+                errors.append(f"{where}: not valid UTF-8: {exc}")
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}: row {row} (line {lineno}): not valid JSON: {exc}") from exc
-            rows.append(_check_object(path, row, value))
+                errors.append(f"{where}: not valid JSON: {exc}")
+            except DataError as exc:
+                errors.append(str(exc).removeprefix(f"{path}: "))
+    if errors:
+        raise bad_rows_error(path, errors, len(rows) + len(errors))
     return rows
 
 
@@ -86,7 +99,7 @@ def _read_json(path: Path) -> list[Record]:
     if not isinstance(value, list):
         raise DataError(f"{path}: expected a list of objects or {{\"data\": [...]}}, got "
                         f"{type(value).__name__}" + (f" with keys {sorted(value)}" if isinstance(value, dict) else ""))
-    return [_check_object(path, i, v) for i, v in enumerate(value, 1)]
+    return [(f"row {i}", _check_object(path, f"row {i}", v)) for i, v in enumerate(value, 1)]
 
 
 def _read_parquet(path: Path) -> list[Record]:
@@ -98,7 +111,7 @@ def _read_parquet(path: Path) -> list[Record]:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several unrelated types (ArrowInvalid, OSError, ...)
         raise DataError(f"{path}: cannot read parquet: {exc}") from exc
-    return table.to_pylist()
+    return [(f"row {i}", r) for i, r in enumerate(table.to_pylist(), 1)]
 
 
 _READERS = {"jsonl": _read_jsonl, "json": _read_json, "parquet": _read_parquet}
@@ -112,8 +125,9 @@ def file_format(path: str | Path) -> str:
     return fmt
 
 
-def read_records(spec: str | Path) -> list[tuple[int, Record]]:
-    """(row_number, record) pairs of a prompt file, sliced when `spec` ends in `@[start:end]`."""
+def located_records(spec: str | Path) -> list[tuple[str, Record]]:
+    """(where, record) pairs of a prompt file, sliced when `spec` ends in `@[start:end]`; `where` is
+    "line N" (jsonl) or "row N" (json, parquet)."""
     path_str, rows_slice = parse_data_spec(str(spec))
     path = Path(path_str)
     fmt = file_format(path)
@@ -122,7 +136,21 @@ def read_records(spec: str | Path) -> list[tuple[int, Record]]:
     records = _READERS[fmt](path)
     if not records:
         raise DataError(f"{path}: no rows")
-    numbered = list(enumerate(records, 1))
+    if rows_slice is None:
+        return records
+    sliced = records[rows_slice]
+    if not sliced:
+        raise DataError(f"{spec}: the slice [{rows_slice.start}:{rows_slice.stop}] selects no rows "
+                        f"(the file has {len(records)})")
+    return sliced
+
+
+def read_records(spec: str | Path) -> list[tuple[int, Record]]:
+    """(row_number, record) pairs of a prompt file (1-based rows of the whole file, blank jsonl lines
+    not counted), sliced when `spec` ends in `@[start:end]`."""
+    path_str, rows_slice = parse_data_spec(str(spec))
+    records = located_records(path_str)
+    numbered = list(enumerate((r for _, r in records), 1))
     if rows_slice is not None:
         numbered = numbered[rows_slice]
         if not numbered:
@@ -133,7 +161,7 @@ def read_records(spec: str | Path) -> list[tuple[int, Record]]:
 
 def read_jsonl(path: str | Path) -> list[Record]:
     """Rows of a jsonl file (kept for callers of the old reader); errors name the file and row."""
-    rows = _read_jsonl(Path(path))
+    rows = [r for _, r in _read_jsonl(Path(path))]
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows

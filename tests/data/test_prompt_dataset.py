@@ -101,7 +101,7 @@ def test_slice_spec_in_prompt_data(tmp_path):
     assert [r.label for r in ds.rows] == [7, 8, 9]
 
 
-def test_every_bad_row_is_reported_with_its_number(tmp_path, qwen_tok):
+def test_every_bad_row_is_reported_with_its_line(tmp_path, qwen_tok):
     rows = [
         {"input": "fine", "label": "0"},                          # 1
         {"input": "no label"},                                    # 2
@@ -117,30 +117,30 @@ def test_every_bad_row_is_reported_with_its_number(tmp_path, qwen_tok):
         PromptDataset(DataConfig(prompt_data=str(f), apply_chat_template=True), qwen_tok)
     msg = str(err.value)
     assert "bad.jsonl: 7 bad row(s) of 8" in msg
-    assert "row 1:" not in msg
-    assert "row 2: missing key 'label' (--label-key)" in msg
-    assert "row 3: 'input' is an empty prompt" in msg
-    assert "row 4: 'input' must be a string or a message list, got int" in msg
-    assert "row 5: 'input' is an empty message list" in msg
-    assert "row 6: 'input': message 0 must be an object with 'role' and 'content'" in msg
-    assert "row 7: 'input': every message has empty content" in msg
-    assert "row 8: missing key 'input' (--input-key)" in msg
+    assert "line 1:" not in msg
+    assert "line 2: missing key 'label' (--label-key)" in msg
+    assert "line 3: 'input' is an empty prompt" in msg
+    assert "line 4: 'input' must be a string or a message list, got int" in msg
+    assert "line 5: 'input' is an empty message list" in msg
+    assert "line 6: 'input': message 0 must be an object with 'role' and 'content'" in msg
+    assert "line 7: 'input': every message has empty content" in msg
+    assert "line 8: missing key 'input' (--input-key)" in msg
 
 
 def test_message_list_without_chat_template_and_bad_metadata_are_row_errors(tmp_path):
     f = write_records([{"input": [{"role": "user", "content": "x"}], "label": 1}], tmp_path / "m.jsonl")
-    with pytest.raises(DataError, match=r"row 1: 'input' is a message list, which needs --apply-chat-template"):
+    with pytest.raises(DataError, match=r"line 1: 'input' is a message list, which needs --apply-chat-template"):
         PromptDataset(DataConfig(prompt_data=str(f)), CharTokenizer())
     f = write_records([{"input": "x", "label": 1, "meta": [1, 2]}], tmp_path / "b.jsonl")
-    with pytest.raises(DataError, match=r"row 1: 'meta' \(--metadata-key\) must be a dict, got list"):
+    with pytest.raises(DataError, match=r"line 1: 'meta' \(--metadata-key\) must be a dict, got list"):
         PromptDataset(DataConfig(prompt_data=str(f)), CharTokenizer(), metadata_key="meta")
 
 
 def test_many_bad_rows_are_summarised(tmp_path):
     f = write_records([{"input": "", "label": i} for i in range(25)], tmp_path / "d.jsonl")
-    with pytest.raises(DataError, match=r"25 bad row\(s\) of 25(.|\n)*row 10: (.|\n)*and 15 more") as err:
+    with pytest.raises(DataError, match=r"25 bad row\(s\) of 25(.|\n)*line 10: (.|\n)*and 15 more") as err:
         PromptDataset(DataConfig(prompt_data=str(f)), CharTokenizer())
-    assert "row 11:" not in str(err.value)
+    assert "line 11:" not in str(err.value)
 
 
 def test_shuffle_is_a_new_permutation_each_epoch(tmp_path):
@@ -193,5 +193,27 @@ def test_format_prompt_errors_name_the_flag_or_the_row(tmp_path, qwen_tok):
         PromptDataset(DataConfig(prompt_data=str(f), format_prompt=str(bad)), qwen_tok)
     undefined = tmp_path / "undefined.jinja"
     undefined.write_text("{{ content }} {{ question }}")
-    with pytest.raises(DataError, match="row 1: --format-prompt failed.*question"):
+    with pytest.raises(DataError, match="line 1: --format-prompt failed.*question"):
         PromptDataset(DataConfig(prompt_data=str(f), format_prompt=str(undefined)), qwen_tok)
+
+
+def test_prompts_the_engine_would_refuse_are_bad_rows(tmp_path):
+    from slime_rl.data import TokenLimit
+
+    # one token per character: "abcdef" is 6 tokens. Context 10, 4 left for the response: a prompt may
+    # have 6 tokens (6 + 4 = 10, SGLang's limit is inclusive), not 7
+    rows = [{"input": "abcdef", "label": 1}, {"input": "abcdefg", "label": 2}, {"input": "x" * 30, "label": 3}]
+    f = write_records(rows, tmp_path / "long.jsonl")
+    limit = TokenLimit(context_len=10, reserve=4, source="max_position_embeddings of m")
+    with pytest.raises(DataError) as err:
+        PromptDataset(DataConfig(prompt_data=str(f)), CharTokenizer(), token_limit=limit)
+    msg = str(err.value)
+    assert "2 bad row(s) of 3" in msg and "line 1:" not in msg
+    assert "line 2: the prompt has 7 tokens" in msg and "context of 10 (max_position_embeddings of m)" in msg
+    assert "--rollout-max-prompt-len 6" in msg  # the flag that drops them instead
+    # dropping them by --rollout-max-prompt-len is what the message says: then the rest load
+    ds = PromptDataset(DataConfig(prompt_data=str(f), rollout_max_prompt_len=6), CharTokenizer(), token_limit=limit)
+    assert [r.label for r in ds.rows] == [1] and ds.filtered_too_long == 2
+    # a response cap (--rollout-max-context-len) leaves the prompt all but one token
+    ds = PromptDataset(DataConfig(prompt_data=f"{f}@[:2]"), CharTokenizer(), token_limit=TokenLimit(10, 1, "c"))
+    assert [r.label for r in ds.rows] == [1, 2]

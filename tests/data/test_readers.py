@@ -72,14 +72,30 @@ def test_json_accepts_hf_data_wrapper_and_rejects_other_shapes(tmp_path):
         read_records(not_obj)
 
 
-def test_jsonl_bad_line_names_file_row_and_line(tmp_path):
+def test_jsonl_bad_line_names_file_and_line(tmp_path):
     f = tmp_path / "bad.jsonl"
-    f.write_text('{"input": "a", "label": 1}\n\n{oops\n')
-    with pytest.raises(DataError, match=r"bad.jsonl: row 2 \(line 3\): not valid JSON"):
+    f.write_text('{"input": "a", "label": 1}\n\n{oops\n')  # the blank line 2 counts, as editors count
+    with pytest.raises(DataError, match=r"bad.jsonl: 1 bad row\(s\) of 2:\n  line 3: not valid JSON"):
         read_records(f)
     f.write_text('{"input": "a", "label": 1}\n[1, 2]\n')
-    with pytest.raises(DataError, match=r"row 2: expected a JSON object, got list"):
+    with pytest.raises(DataError, match=r"line 2: expected a JSON object, got list"):
         read_jsonl(f)
+
+
+def test_every_structurally_bad_jsonl_line_is_listed(tmp_path):
+    good = json.dumps({"input": "a", "label": "1"}).encode()
+    lines = [good, b"{oops", good, b"\xff\xfe not utf-8", b"", b"[1, 2]", good] + [b"nope"] * 12
+    f = tmp_path / "mixed.jsonl"
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError) as err:
+        read_records(f)
+    msg = str(err.value)
+    # 18 lines hold something, 3 of them good; 15 bad; line 5 is blank and is neither
+    assert "mixed.jsonl: 15 bad row(s) of 18:" in msg
+    assert "line 2: not valid JSON" in msg and "line 4: not valid UTF-8" in msg
+    assert "line 6: expected a JSON object, got list" in msg
+    assert "line 8: not valid JSON" in msg and "... and 5 more" in msg
+    assert "line 1:" not in msg and "line 3:" not in msg and "line 7:" not in msg
 
 
 def test_blank_lines_do_not_count_as_rows(tmp_path):

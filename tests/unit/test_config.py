@@ -193,3 +193,32 @@ def test_load_of_a_missing_folder_is_an_error(tmp_path):
     cfg = build_config(base_argv(tmp_path) + ["--load", str(missing), "--save", str(missing)])
     assert cfg.checkpoint.load == str(missing)
     build_config(base_argv(tmp_path) + ["--load", str(tmp_path / "checkpoints")])
+
+
+def test_prompt_longer_than_the_model_context_fails_in_preflight(tiny_qwen2, tmp_path, capsys):
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_qwen2, tmp_path / "m")
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": 40}))
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input": "1", "label": "1"}) + "\n" + json.dumps({"input": "1 " * 60, "label": "1"})
+                    + "\n")
+    argv = ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--rollout-batch-size", "1",
+            "--num-rollout", "1", "--rm-type", "digit", "--rollout-max-response-len", "8", "--dry-run"]
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "line 2: the prompt has" in err and "context of 40 (max_position_embeddings of" in err
+    assert "--rollout-max-prompt-len 32" in err  # 40 - 8 for the response
+    assert train_main(argv + ["--rollout-max-prompt-len", "32"]) == 0
+    # a response budget the context cannot hold is the flag's error, not every row's
+    code = train_main([a if a != "8" else "40" for a in argv])
+    assert code == 2 and "--rollout-max-response-len 40: no prompt fits" in capsys.readouterr().err
+    # unless --rollout-max-context-len caps each response to what the prompt leaves: then only the long
+    # row is wrong (line 1 has room left), and dropping it lets the run start
+    capped = [a if a != "8" else "40" for a in argv] + ["--rollout-max-context-len", "40"]
+    assert train_main(capped) == 2
+    err = capsys.readouterr().err
+    assert "1 bad row(s) of 2" in err and "line 2: the prompt has" in err and "no prompt fits" not in err
+    assert train_main(capped + ["--rollout-max-prompt-len", "39"]) == 0

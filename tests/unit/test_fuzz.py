@@ -146,7 +146,8 @@ def test_malformed_data_raises_data_error_naming_the_row(tiny_qwen2, tmp_path):
             with pytest.raises(DataError) as info:
                 PromptDataset(data_config(spec, rollout_max_prompt_len=256), tokenizer)
             message = str(info.value)
-            assert f"row {bad + 1}" in message, (case, kind, message[:300])
+            where = "line" if path.suffix == ".jsonl" else "row"  # no blank lines: line N holds row N
+            assert f"{where} {bad + 1}" in message, (case, kind, message[:300])
         seen[kind] = seen.get(kind, 0) + 1
     assert set(seen) == set(ROW_FAULTS) | set(FILE_FAULTS)  # every fault kind was exercised
     assert sum(seen[k] for k in ROW_FAULTS) >= 1000

@@ -48,14 +48,14 @@ def write(path, rows):
 
 def test_dataset_reports_row_of_missing_key(tmp_path):
     f = write(tmp_path / "d.jsonl", [{"input": "a", "label": "1"}, {"input": "b"}])
-    with pytest.raises(DataError, match=r"row 2: missing key 'label'"):
+    with pytest.raises(DataError, match=r"line 2: missing key 'label'"):
         PromptDataset(DataConfig(prompt_data=f), CharTokenizer())
 
 
 def test_dataset_bad_json_row_and_length_filter(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input": "a", "label": 1}\n{oops\n')
-    with pytest.raises(DataError, match="row 2"):
+    with pytest.raises(DataError, match="line 2: not valid JSON"):
         PromptDataset(DataConfig(prompt_data=str(bad)), CharTokenizer())
     f = write(tmp_path / "d.jsonl", [{"input": "ab", "label": 1}, {"input": "abcdef", "label": 2}])
     ds = PromptDataset(DataConfig(prompt_data=f, rollout_max_prompt_len=3), CharTokenizer())
