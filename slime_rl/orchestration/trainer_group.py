@@ -62,7 +62,8 @@ def _master_address() -> tuple[str, int]:
     """This node's address and a free port: rank 0 of a Megatron group hosts its rendezvous there."""
     from slime_rl.orchestration.engines import free_port
 
-    return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+    ip = ray.util.get_node_ip_address()
+    return ip, free_port(ip)  # the store binds this address alone (trainer.parallel.rendezvous_store)
 
 
 def _set_cpu_threads(threads: int) -> None:

@@ -7,6 +7,7 @@ the CPU compatibility layer applied before megatron sees a tensor).
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -44,6 +45,31 @@ def _pick_device(rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+_LISTEN_SOCKETS: list[socket.socket] = []
+
+
+def rendezvous_store(rank: int, world_size: int, master_addr: str, master_port: int,
+                     timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store of a process group, its server on rank 0 listening on `master_addr` alone.
+    torch's `tcp://` init (and a TCPStore given only a port) listens on every interface of the node;
+    here rank 0 binds the socket itself and hands its fd to the store."""
+    if rank != 0:
+        return dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((master_addr, master_port))
+        sock.listen(max(world_size, 128))
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=timeout,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    _LISTEN_SOCKETS.append(sock)  # the store serves on this fd for the life of the process: keep it open
+    return store
+
+
 def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp_size: int = 1,
                   pp_size: int = 1, seed: int = 1234, timeout_minutes: int = 30, cp_size: int = 1) -> ParallelInfo:
     """Create the default process group and Megatron's TP/CP/PP/DP groups; seed the RNG tracker.
@@ -56,9 +82,10 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
                          f"{pp_size}")
     device, backend = _pick_device(rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=rank, world_size=world_size,
-                                timeout=timedelta(minutes=timeout_minutes))
+        timeout = timedelta(minutes=timeout_minutes)
+        dist.init_process_group(backend=backend, store=rendezvous_store(rank, world_size, master_addr, master_port,
+                                                                        timeout),
+                                rank=rank, world_size=world_size, timeout=timeout)
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
