@@ -102,4 +102,8 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
+    from slime_rl.trainer.hf_export import relaunch_per_shard
+
+    _args = parse_args(sys.argv[1:])
+    relaunch_per_shard(__file__, sys.argv[1:], _args.tensor_model_parallel_size, _args.pipeline_model_parallel_size)
     main()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from pathlib import Path
 
@@ -115,4 +116,8 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
+    from slime_rl.trainer.hf_export import relaunch_per_shard
+
+    _args = parse_args(sys.argv[1:])
+    relaunch_per_shard(__file__, sys.argv[1:], _args.tensor_model_parallel_size, _args.pipeline_model_parallel_size)
     main()

@@ -43,6 +43,21 @@ def converter_layout(world: int, tp: int | None, pp: int) -> tuple[int, int]:
     return tp, pp
 
 
+def relaunch_per_shard(script: str, argv: list[str], tp: int | None, pp: int) -> None:
+    """A converter started alone (`python tools/convert_*.py ... --tp 2`) needs TP x PP processes: start
+    them with torchrun on this node instead of failing. Returns when it was started by a launcher
+    (WORLD_SIZE set) or needs one process; otherwise replaces this process with torchrun's."""
+    import os
+    import sys
+
+    if "WORLD_SIZE" in os.environ or (tp or 1) * pp <= 1:
+        return
+    n = (tp or 1) * pp
+    print(f"[slime_rl] {n} shards (TP {tp or 1} x PP {pp}): running {n} processes under torchrun", flush=True)
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={n}", script, *argv])
+
+
 def hf_tensor_count(arch: ModelArch) -> int:
     """How many tensors the HF state dict of the model has (a tied model has no lm_head)."""
     return sum(len(pm.hf) for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings))

@@ -52,8 +52,10 @@ def rendezvous_store(rank: int, world_size: int, master_addr: str, master_port: 
                      timeout: timedelta) -> dist.TCPStore:
     """The rendezvous store of a process group, its server on rank 0 listening on `master_addr` alone.
     torch's `tcp://` init (and a TCPStore given only a port) listens on every interface of the node;
-    here rank 0 binds the socket itself and hands its fd to the store."""
-    if rank != 0:
+    here rank 0 binds the socket itself and hands its fd to the store. Under torchrun the elastic agent
+    already serves the store at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE): every rank is
+    a client of it, as in torch's own env:// rendezvous."""
+    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
     family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -10,7 +10,9 @@ this process (the tools check before importing it).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -179,3 +181,19 @@ def test_round_trip_qwen2_5_vl_tp2_pp2_to_tp1(tiny_qwen2_5_vl, tmp_path):
     assert any(n.startswith("visual.") for n in load_file(out / "model.safetensors"))
     proc = "preprocessor_config.json"
     assert (out / proc).read_bytes() == (tiny_qwen2_5_vl / proc).read_bytes()
+
+
+def test_readme_example_alone_starts_its_shards(tiny_qwen2, tmp_path):
+    """README's `python tools/convert_hf_to_megatron.py ... --tp 2`, run alone (no torchrun variables):
+    the tool starts its 2 processes itself (it used to fail: "run exactly TP x PP processes")."""
+    from slime_rl.trainer.checkpoint import read_checkpoint_info
+
+    alone = tmp_path / "alone"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, str(TOOLS / "convert_hf_to_megatron.py"), "--hf-checkpoint",
+                           str(tiny_qwen2), "--save", str(alone), "--tp", "2"], env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "2 shards (TP 2 x PP 1): running 2 processes under torchrun" in done.stdout
+    info = read_checkpoint_info(alone)
+    assert info.contents == ("model",) and (info.topology["tp"], info.topology["pp"]) == (2, 1)
