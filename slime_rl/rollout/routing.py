@@ -166,9 +166,16 @@ class ClientPool:
             ids = list(input_ids)
             if sample.images:  # SGLang wants one <|image_pad|> per image; the sample keeps them expanded
                 ids = one_pad_per_image(ids, len(sample.prompt_ids), len(sample.images), *self._vision_ids())
-            return await self._unless_dead(i, self.balancer.clients[i].generate(
+            out = await self._unless_dead(i, self.balancer.clients[i].generate(
                 input_ids=ids, sampling_params=sampling_params, return_logprob=True, rid=rid,
                 image_data=image_data_of(sample.images)))
+            expanded = (out.get("meta_info") or {}).get("prompt_tokens")
+            if sample.images and expanded is not None and expanded != len(input_ids):
+                # the response is aligned after the trainer's prompt only if both expanded the same way
+                raise RuntimeError(f"sample {sample.index}: the engine expanded its images to a prompt of "
+                                   f"{expanded} tokens, the trainer holds {len(input_ids)}: the engine's image "
+                                   "processor sizes images unlike the data side (--min-pixels/--max-pixels)")
+            return out
         finally:
             self.balancer.release(i)
             live.pop(rid, None)
