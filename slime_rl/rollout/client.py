@@ -374,8 +374,9 @@ class AsyncRouterClient(AsyncEngineClient):
     Authorization header; every other endpoint (abort, pause, continue, weight updates) goes to each
     engine directly and answers a list, one entry per engine: sglang-router 0.3.2 has no route for
     /abort_request, /pause_generation or /continue_generation (it answers 404), and an abort by rid
-    prefix must reach whichever engine the router chose. `num_engines` lets the load balancer allow
-    `per_engine` requests in flight per engine behind the router."""
+    must reach whichever engine the router chose (the others drop a rid they do not hold).
+    `num_engines` lets the load balancer allow `per_engine` requests in flight per engine behind the
+    router."""
 
     ROUTED = frozenset({"/generate", "/get_model_info", "/get_server_info"})
 
