@@ -162,3 +162,11 @@ def test_dry_run_embedded_backend_takes_its_cuda_graph_flags(tiny_qwen2, tmp_pat
     argv_ = line.split()[2:]
     assert argv_[argv_.index("-m") + 1] == "slime_rl.engines.embedded"
     assert "--disable-cuda-graph" in argv_ and argv_[argv_.index("--cuda-graph-max-bs-decode") + 1] == "16"
+
+
+def test_multi_gpu_engines_need_sglang(tmp_path):
+    # the weight-update group counts N ranks per engine; the built-in engine is one process on one device
+    gpus = ["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2"]
+    with pytest.raises(ConfigError, match="--rollout-num-gpus-per-engine 2 needs --rollout-backend sglang"):
+        build_config(base_argv(tmp_path) + gpus)
+    assert build_config(base_argv(tmp_path) + gpus + ["--rollout-backend", "sglang"]).engine.num_engines == 2
