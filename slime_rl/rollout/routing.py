@@ -8,8 +8,9 @@ to. It routes, names every request after its group, remembers which requests of 
 in flight on which engine, and can abort groups. Aborts name every live request by its exact rid:
 SGLang 0.5.23's tokenizer manager drops an `/abort_request` whose rid is not the rid of a request it
 holds (tokenizer_manager.abort_request, one tokenizer worker), so a rid prefix aborts nothing on a
-real server. Request ids are `<nonce>-g<10 digits>-s<10 digits>-r<n>`: unique per request (n counts
-the pool's requests) and readable in engine logs. The nonce is drawn per pool, so two rollouts
+real server. Request ids are `<nonce>-g<10 digits>-s<10 digits>-r<10 digits>`: unique per request (r
+counts the pool's requests), readable in engine logs, and none a prefix of another (SGLang's
+scheduler, past the tokenizer manager, aborts by prefix). The nonce is drawn per pool, so two rollouts
 sharing the engines (training and eval) never collide.
 """
 
@@ -44,7 +45,9 @@ def group_prefix(nonce: str, group_index: int) -> str:
 
 
 def request_id(nonce: str, group_index: int, sample_index: int, n: int) -> str:
-    return f"{group_prefix(nonce, group_index)}s{sample_index:0{_WIDTH}d}-r{n}"
+    # fixed width throughout: no rid is a prefix of another, which matters past the tokenizer manager,
+    # since SGLang's scheduler aborts every request whose rid starts with the forwarded one
+    return f"{group_prefix(nonce, group_index)}s{sample_index:0{_WIDTH}d}-r{n:0{_WIDTH}d}"
 
 
 class LoadBalancer:
