@@ -148,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument("--rollout-seed", type=int, default=42)
     g.add_argument("--deterministic-rollout", action="store_true",
-                   help="seed every request (SGLang sampling_seed) from --rollout-seed and the sample index: "
-                        "rollouts then repeat across engine restarts and resumes")
+                   help="seed every request (SGLang sampling_seed) from --rollout-seed and the sample index, and "
+                        "start the engines with --enable-deterministic-inference (SGLang ignores sampling_seed "
+                        "without it): rollouts then repeat across engine restarts and resumes")
     g.add_argument("--num-rollout", type=_positive_int, default=None, help="training steps")
     g.add_argument("--rollout-stop", nargs="+", default=None, help="stop strings")
     g.add_argument("--rollout-stop-token-ids", nargs="+", type=int, default=None)

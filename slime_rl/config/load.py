@@ -244,6 +244,10 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.rm_type is not None or a.custom_rm_path is not None, "--rm-type or --custom-rm-path is required")
     _check(not a.group_rm or a.custom_rm_path is not None, "--group-rm needs --custom-rm-path (a function that "
            "scores a list of samples)")
+    # the NCCL weight-update group counts N ranks per engine; the built-in engine would join with one
+    _check(a.rollout_backend != "embedded" or a.rollout_num_gpus_per_engine == 1,
+           f"--rollout-num-gpus-per-engine {a.rollout_num_gpus_per_engine} needs --rollout-backend sglang "
+           "(the built-in engine is one process on one device)")
     if a.rollout_backend == "embedded":
         other = sorted(set(sglang) - set(EMBEDDED_SGLANG_ARGS))
         _check(not other, f"--sglang-* flags given ({', '.join(other)}) but --rollout-backend is embedded (it "

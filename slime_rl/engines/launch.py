@@ -90,7 +90,8 @@ def embedded_command(model_path: str | Path, host: str, port: int, api_key: str 
                      seed: int = 0, device: str = "cpu", dtype: str = "float32",
                      max_running_requests: int | None = None, num_threads: int | None = None,
                      weight_version: str | None = None, disable_cuda_graph: bool = False,
-                     cuda_graph_max_bs: int | None = None, python: str = sys.executable) -> list[str]:
+                     cuda_graph_max_bs: int | None = None, enable_deterministic_inference: bool = False,
+                     python: str = sys.executable) -> list[str]:
     """argv of the built-in engine (`python -m slime_rl.engines.embedded ...`)."""
     argv = [python, "-m", "slime_rl.engines.embedded", "--model-path", str(model_path), "--host", host,
             "--port", str(port), "--random-seed", str(seed), "--device", device, "--dtype", dtype]
@@ -106,6 +107,8 @@ def embedded_command(model_path: str | Path, host: str, port: int, api_key: str 
         argv += ["--disable-cuda-graph"]
     if cuda_graph_max_bs is not None:
         argv += ["--cuda-graph-max-bs-decode", str(cuda_graph_max_bs)]
+    if enable_deterministic_inference:
+        argv += ["--enable-deterministic-inference"]
     return argv
 
 

@@ -53,11 +53,11 @@ class Cluster:
         init_ray(self.plan)
         self.pg = placement_group(list(self.plan.bundles), strategy="PACK")
         ray.get(self.pg.ready())
-        gpu = self.plan.actor_gpu  # 1 or 0; 0.5 when colocated: the engine and a trainer rank share the GPU
         urls, targets, started = [], [], []
         for slot in self.plan.engines:
+            # all N GPUs of the engine's bundle (SGLang --tp-size N); 0.5 when colocated: shared with a trainer rank
             actor = EngineActor.options(
-                num_cpus=1, num_gpus=gpu,
+                num_cpus=1, num_gpus=self.plan.engine_actor_gpu(slot),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, slot.bundles[0]),
             ).remote(slot.engine_id)
             host, port = ray.get([actor.node_ip.remote(), actor.pick_port.remote()])

@@ -46,18 +46,25 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
     engine gets its key through `engine_env` instead (argv is world-readable); SGLang only through
     --api-key."""
     seed = cfg.rollout.seed + slot.engine_id
+    # --deterministic-rollout seeds every request; SGLang honours sampling_seed only with this switch
+    deterministic = cfg.rollout.sample_seed is not None
     if cfg.engine.backend == "sglang":
+        extra = _colocated_sglang_args(cfg)
+        if deterministic:
+            extra.setdefault("enable_deterministic_inference", True)
+        # base GPU 0: the actor holds exactly the engine's devices (Ray sets CUDA_VISIBLE_DEVICES to them)
         return sglang_command(model_path=cfg.model.hf_checkpoint, host=host, port=port,
-                              tp_size=cfg.engine.num_gpus_per_engine, nccl_port=nccl_port or port + 1,
+                              tp_size=slot.num_gpus, nccl_port=nccl_port or port + 1,
                               dist_init_addr=None, base_gpu_id=0, random_seed=seed, api_key=api_key,
-                              extra=_colocated_sglang_args(cfg))
+                              extra=extra)
     # on CPU the engine runs while the trainer ranks wait (sync loop), so it may use every core
     graph_bs = cfg.engine.sglang_args.get("cuda_graph_max_bs_decode")  # the SGLang flags it shares
     return embedded_command(model_path=cfg.model.hf_checkpoint, host=host, port=port, api_key=None, seed=seed,
                             device="cuda" if use_gpu else "cpu", dtype="bfloat16" if cfg.model.bf16 else "float32",
                             num_threads=None if use_gpu else (os.cpu_count() or 1),
                             disable_cuda_graph=cfg.engine.sglang_args.get("disable_cuda_graph") in (True, "true"),
-                            cuda_graph_max_bs=None if graph_bs is None else int(graph_bs))
+                            cuda_graph_max_bs=None if graph_bs is None else int(graph_bs),
+                            enable_deterministic_inference=deterministic)
 
 
 def _colocated_sglang_args(cfg: Config) -> dict:

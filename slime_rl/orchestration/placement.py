@@ -2,13 +2,17 @@
 so the plan is tested without a cluster and printed by `--dry-run`.
 
 Layout (disaggregated): bundles 0 .. W-1 hold the W trainer ranks (rank r in bundle r), then PPO's
-C critic ranks (bundles W .. W+C-1; none for the other estimators), the next bundles hold the
-engines, `rollout_num_gpus_per_engine` consecutive bundles each. On a machine
-without GPUs a bundle is one CPU slot instead of one GPU.
+C critic ranks (bundles W .. W+C-1; none for the other estimators), then one bundle per engine holding
+its `rollout_num_gpus_per_engine` (N) GPUs: SGLang runs `--tp-size N --base-gpu-id g` in one process
+tree and needs N devices visible to it, so the engine actor asks Ray for all N GPUs of that bundle
+(Ray sets its CUDA_VISIBLE_DEVICES to them; the server then starts at base GPU 0 of what it sees). In
+the weight-update group the trainer's source is rank 0 and engine e holds ranks
+1 + e*N .. (e+1)*N. On a machine without GPUs a bundle is one CPU slot instead.
 
 Colocated (`--colocate`): engine e sits in trainer bundle e (the engines take the first
 `--rollout-num-gpus` trainer bundles); such a bundle holds both actors, so it offers two CPU slots
-and each actor asks for half of its GPU (`actor_gpu`): Ray then hands both the same device.
+and each actor asks for half of its GPU (`actor_gpu`): Ray then hands both the same device. One
+bundle holds one GPU there, so a colocated engine has one GPU (--rollout-num-gpus-per-engine 1).
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ class PlacementError(ValueError):
 @dataclass(frozen=True)
 class EngineSlot:
     engine_id: int
-    bundles: tuple[int, ...]
+    bundles: tuple[int, ...]  # the one bundle that holds the engine's devices
     # rank of the engine's first device in the weight-update group; the trainer's source is rank 0
     rank_offset: int
+    num_gpus: int = 1  # devices of the engine: its TP size, and its ranks in the weight-update group
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,14 @@ class PlacementPlan:
         """GPUs each trainer/engine actor asks for (0 on CPU; half a bundle's GPU when colocated)."""
         return 0.0 if not self.use_gpu else 0.5 if self.colocated else 1.0
 
+    def engine_actor_gpu(self, slot: EngineSlot) -> float:
+        """GPUs the actor of engine `slot` asks for: all of its bundle's (0 on CPU, half when colocated)."""
+        return 0.0 if not self.use_gpu else 0.5 if self.colocated else float(slot.num_gpus)
+
     @property
     def weight_update_world_size(self) -> int:
         """One trainer source rank plus every engine device."""
-        return 1 + sum(len(e.bundles) for e in self.engines)
+        return 1 + sum(e.num_gpus for e in self.engines)
 
     def describe(self) -> str:
         kind = "GPU" if self.use_gpu else "CPU"
@@ -58,7 +67,8 @@ class PlacementPlan:
             lines.append(f"  critic ranks 0..{len(self.critic_bundles) - 1} -> bundles {list(self.critic_bundles)}")
         for e in self.engines:
             sync = "shared with the trainer" if self.colocated else f"weight-update rank_offset {e.rank_offset}"
-            lines.append(f"  engine {e.engine_id} -> bundles {list(e.bundles)}, {sync}")
+            devices = f" ({e.num_gpus} devices: TP {e.num_gpus})" if e.num_gpus > 1 else ""
+            lines.append(f"  engine {e.engine_id} -> bundles {list(e.bundles)}{devices}, {sync}")
         if self.colocated:
             lines.append("  colocated: engines share the trainer's bundles; weights handed over in place")
         else:
@@ -77,27 +87,35 @@ def plan_placement(parallel: ParallelConfig, engine: EngineConfig, cluster_gpus:
     """
     trainer_n = parallel.world_size
     engine_n = engine.num_gpus
+    per = engine.num_gpus_per_engine
     if engine.colocate and engine_n > trainer_n:
         raise PlacementError(f"--colocate: --rollout-num-gpus ({engine_n}) exceeds the trainer's {trainer_n} devices")
-    total = trainer_n + critic_world + (0 if engine.colocate else engine_n)
+    if engine.colocate and per > 1:
+        raise PlacementError(f"--colocate with --rollout-num-gpus-per-engine {per}: a colocated engine shares one "
+                             "trainer rank's GPU; use --rollout-num-gpus-per-engine 1")
+    total_gpus = trainer_n + critic_world + (0 if engine.colocate else engine_n)
     use_gpu = cluster_gpus > 0
     notes: list[str] = []
-    if use_gpu and total > cluster_gpus:
+    if use_gpu and total_gpus > cluster_gpus:
         raise PlacementError(
-            f"need {total} GPUs (--actor-num-nodes x --actor-num-gpus-per-node = {trainer_n} for the trainer + "
+            f"need {total_gpus} GPUs (--actor-num-nodes x --actor-num-gpus-per-node = {trainer_n} for the trainer + "
             + (f"--critic-num-nodes x --critic-num-gpus-per-node = {critic_world} for the critic + " if critic_world
                else "")
             + f"--rollout-num-gpus = {engine_n} for the engines), the cluster has {cluster_gpus}")
+    n_engines = 0 if engine.colocate else engine.num_engines
+    total = trainer_n + critic_world + n_engines
     if not use_gpu and cluster_cpus is not None and total > cluster_cpus:
         notes.append(f"{total} CPU bundles on {cluster_cpus} cores: processes share cores")
     bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
     shared = dict(bundle, CPU=2.0)  # colocated: a trainer rank and an engine
+    engine_bundle = {"GPU": float(per), "CPU": 1.0} if use_gpu else {"CPU": 1.0}
     engines = []
-    per = engine.num_gpus_per_engine
     for e in range(engine.num_engines):
-        first = e * per if engine.colocate else trainer_n + critic_world + e * per
-        engines.append(EngineSlot(e, tuple(range(first, first + per)), rank_offset=1 + e * per))
-    bundles = tuple(dict(shared if engine.colocate and i < engine_n else bundle) for i in range(total))
+        b = e if engine.colocate else trainer_n + critic_world + e
+        engines.append(EngineSlot(e, (b,), rank_offset=1 + e * per, num_gpus=per))
+    bundles = tuple(dict(shared if engine.colocate and i < engine_n else bundle)
+                    for i in range(trainer_n + critic_world))
+    bundles += tuple(dict(engine_bundle) for _ in range(n_engines))
     return PlacementPlan(use_gpu, bundles, tuple(range(trainer_n)), tuple(engines), notes,
                          tuple(range(trainer_n, trainer_n + critic_world)), colocated=engine.colocate)
 

@@ -64,8 +64,28 @@ def generate_payload(input_ids: Sequence[int] | Sequence[Sequence[int]] | None, 
                        "image_data": image_data, "return_text_in_logprobs": return_text_in_logprobs})
 
 
+def one_pad_per_image(input_ids: Sequence[int], prompt_len: int, n_images: int, pad_id: int,
+                      start_id: int) -> list[int]:
+    """`input_ids` as SGLang 0.5.23 takes them with `image_data`: each image's run of <|image_pad|>
+    after <|vision_start|> in the prompt (the first `prompt_len` ids) cut to one pad. SGLang decodes
+    the ids to text and the HF processor expands every pad into grid_t*grid_h*grid_w/merge^2 of them,
+    refusing a prompt whose pad count is not the image count; the expanded prompt it builds is the
+    one the trainer holds, and the answer carries only output tokens, so both stay aligned."""
+    ids, out, k, runs = list(input_ids), [], 0, 0
+    while k < len(ids):
+        out.append(ids[k])
+        if ids[k] == pad_id and k < prompt_len and k > 0 and ids[k - 1] == start_id:
+            runs += 1
+            while k + 1 < min(len(ids), prompt_len) and ids[k + 1] == pad_id:
+                k += 1
+        k += 1
+    assert runs == n_images, f"{runs} image placeholders in the prompt for {n_images} images"
+    return out
+
+
 def abort_request_payload(rid: str = "", abort_all: bool = False) -> dict[str, Any]:
-    """AbortReq body; the server aborts every request whose rid starts with `rid`."""
+    """AbortReq body. SGLang 0.5.23 aborts the request whose rid is exactly `rid` (or all of them with
+    `abort_all`); a rid it does not hold is dropped without an answer."""
     return {"rid": rid, "abort_all": abort_all}
 
 
@@ -354,8 +374,9 @@ class AsyncRouterClient(AsyncEngineClient):
     Authorization header; every other endpoint (abort, pause, continue, weight updates) goes to each
     engine directly and answers a list, one entry per engine: sglang-router 0.3.2 has no route for
     /abort_request, /pause_generation or /continue_generation (it answers 404), and an abort by rid
-    prefix must reach whichever engine the router chose. `num_engines` lets the load balancer allow
-    `per_engine` requests in flight per engine behind the router."""
+    must reach whichever engine the router chose (the others drop a rid they do not hold).
+    `num_engines` lets the load balancer allow `per_engine` requests in flight per engine behind the
+    router."""
 
     ROUTED = frozenset({"/generate", "/get_model_info", "/get_server_info"})
 

@@ -5,8 +5,8 @@ the groups kept plus the groups in flight fall short of `rollout_batch_size`, ge
 concurrently, and passes each finished, scored group through the filter
 (`--dynamic-sampling-filter-path`, e.g. `slime_rl.rollout.filters.check_reward_nonzero_std`). Once
 exactly `rollout_batch_size` groups are kept, or the deadline passes, or the prompts run out, it
-stops sending and aborts what is still in flight, group by group (see `routing` for why a group's
-rid prefix cannot hit another group).
+stops sending and aborts what is still in flight, group by group, each request by its exact rid
+(see `routing`: SGLang drops an abort whose rid is not a live one).
 
 What was cut (groups with ABORTED samples: tokens and log-probs so far, per-token versions) and
 what finished after the target was reached (surplus) is returned as `leftover` under
@@ -35,7 +35,9 @@ from slime_rl.rollout.options import RolloutOptions, sampling_params
 from slime_rl.rollout.partial import COMPLETED, group_status
 from slime_rl.rollout.routing import ClientPool
 
-ABORT_RETRY_S = 0.5  # a request can reach an engine just after its group's abort: abort again until drained
+# a request can reach an engine just after its abort (SGLang drops an abort for a rid it does not hold
+# yet): abort the still-live rids again until drained
+ABORT_RETRY_S = 0.5
 
 
 @dataclass

@@ -4,12 +4,14 @@
 (the rest wait here, not in the server's accept queue), and per-engine counters.
 
 `ClientPool`: what a generate function (built-in or custom, see `slime_rl.rollout.custom`) talks
-to. It routes, names every request after its group, remembers which engines hold which group, and
-can abort groups. Request ids: SGLang's `/abort_request` aborts every request whose rid STARTS WITH
-the given string, so a group's prefix must not be a prefix of any other group's rid ('g1' would
-also abort 'g10'). Group prefixes are therefore fixed width AND end in a terminator:
-`<nonce>-g<10 digits>-`, and every request is `<group prefix>s<10 digits>-r<n>`. The nonce is
-drawn per pool, so two rollouts sharing the engines (training and eval) never abort each other.
+to. It routes, names every request after its group, remembers which requests of which group are
+in flight on which engine, and can abort groups. Aborts name every live request by its exact rid:
+SGLang 0.5.23's tokenizer manager drops an `/abort_request` whose rid is not the rid of a request it
+holds (tokenizer_manager.abort_request, one tokenizer worker), so a rid prefix aborts nothing on a
+real server. Request ids are `<nonce>-g<10 digits>-s<10 digits>-r<10 digits>`: unique per request (r
+counts the pool's requests), readable in engine logs, and none a prefix of another (SGLang's
+scheduler, past the tokenizer manager, aborts by prefix). The nonce is drawn per pool, so two rollouts
+sharing the engines (training and eval) never collide.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from slime_rl.data import Sample
-from slime_rl.rollout.client import AsyncEngineClient, EngineError, image_data_of
+from slime_rl.data.images import IMAGE_PAD, VISION_START
+from slime_rl.rollout.client import AsyncEngineClient, EngineError, image_data_of, one_pad_per_image
 from slime_rl.rollout.health import EngineHealth, NoLiveEngineError
 
 _WIDTH = 10  # digits in group and sample numbers: fixed width keeps prefixes prefix-free
@@ -42,7 +45,9 @@ def group_prefix(nonce: str, group_index: int) -> str:
 
 
 def request_id(nonce: str, group_index: int, sample_index: int, n: int) -> str:
-    return f"{group_prefix(nonce, group_index)}s{sample_index:0{_WIDTH}d}-r{n}"
+    # fixed width throughout: no rid is a prefix of another, which matters past the tokenizer manager,
+    # since SGLang's scheduler aborts every request whose rid starts with the forwarded one
+    return f"{group_prefix(nonce, group_index)}s{sample_index:0{_WIDTH}d}-r{n:0{_WIDTH}d}"
 
 
 class LoadBalancer:
@@ -116,7 +121,8 @@ class ClientPool:
         self.stopped = False
         self.context_capped = 0  # requests whose max_new_tokens the context length cut
         self._n = itertools.count()
-        self._group_engines: dict[int, set[int]] = {}
+        # group -> {rid: engine index} of the requests sent and not yet answered: what an abort names
+        self._live: dict[int, dict[str, int]] = {}
 
     @property
     def clients(self) -> list[AsyncEngineClient]:
@@ -150,19 +156,38 @@ class ClientPool:
         if self.stopped:
             return stopped_response("rollout stopped before the request was sent")
         i = await self.balancer.acquire()
+        if self.stopped:  # stop() ran while this request waited for a slot
+            self.balancer.release(i)
+            return stopped_response("rollout stopped before the request was sent")
+        rid = request_id(self.nonce, sample.group_index, sample.index, next(self._n))
+        live = self._live.setdefault(sample.group_index, {})
+        live[rid] = i
         try:
-            if self.stopped:  # stop() ran while this request waited for a slot
-                return stopped_response("rollout stopped before the request was sent")
-            self._group_engines.setdefault(sample.group_index, set()).add(i)
-            rid = request_id(self.nonce, sample.group_index, sample.index, next(self._n))
             if self.sample_seed is not None:
                 seed = (self.sample_seed * 1_000_003 + sample.index * 7919 + len(input_ids)) % (2**31 - 1)
                 sampling_params = {**sampling_params, "sampling_seed": seed}
-            return await self._unless_dead(i, self.balancer.clients[i].generate(
-                input_ids=list(input_ids), sampling_params=sampling_params, return_logprob=True, rid=rid,
+            ids = list(input_ids)
+            if sample.images:  # SGLang wants one <|image_pad|> per image; the sample keeps them expanded
+                ids = one_pad_per_image(ids, len(sample.prompt_ids), len(sample.images), *self._vision_ids())
+            out = await self._unless_dead(i, self.balancer.clients[i].generate(
+                input_ids=ids, sampling_params=sampling_params, return_logprob=True, rid=rid,
                 image_data=image_data_of(sample.images)))
+            expanded = (out.get("meta_info") or {}).get("prompt_tokens")
+            if sample.images and expanded is not None and expanded != len(input_ids):
+                # the response is aligned after the trainer's prompt only if both expanded the same way
+                raise RuntimeError(f"sample {sample.index}: the engine expanded its images to a prompt of "
+                                   f"{expanded} tokens, the trainer holds {len(input_ids)}: the engine's image "
+                                   "processor sizes images unlike the data side (--min-pixels/--max-pixels)")
+            return out
         finally:
             self.balancer.release(i)
+            live.pop(rid, None)
+            if not live:
+                self._live.pop(sample.group_index, None)
+
+    def _vision_ids(self) -> tuple[int, int]:
+        """(<|image_pad|>, <|vision_start|>) ids of the tokenizer."""
+        return tuple(int(self.tokenizer.convert_tokens_to_ids(t)) for t in (IMAGE_PAD, VISION_START))
 
     async def _unless_dead(self, i: int, call: Any) -> dict:
         """The engine's answer; `_EngineDied` once engine `i` is declared dead (this request failed
@@ -192,11 +217,15 @@ class ClientPool:
         """No new requests from now on (those in flight run until aborted or finished)."""
         self.stopped = True
 
+    def live_rids(self, group_index: int) -> dict[str, int]:
+        """{rid: engine index} of this group's requests sent and not yet answered."""
+        return dict(self._live.get(group_index, {}))
+
     async def abort_groups(self, group_indices: Sequence[int]) -> int:
-        """Abort every in-flight request of these groups, only on the engines that got one; returns
-        the number of abort calls sent."""
-        calls = [self.clients[e].abort_request(rid=group_prefix(self.nonce, g))
-                 for g in group_indices for e in sorted(self._group_engines.get(g, ()))
+        """Abort every in-flight request of these groups by its exact rid, on the engine that has
+        it; returns the number of abort calls sent."""
+        calls = [self.clients[e].abort_request(rid=rid)
+                 for g in group_indices for rid, e in sorted(self._live.get(g, {}).items())
                  if self.health is None or self.health.is_alive(e)]
         await asyncio.gather(*calls)
         return len(calls)

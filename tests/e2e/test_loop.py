@@ -116,6 +116,23 @@ def test_dapo_dynamic_sampling_partial_rollout_and_eval(ray_session, tiny_qwen2,
         assert "eval/digits/reward_mean" in row
 
 
+def test_over_sampling_aborts_land_and_partial_rollout_resumes_them(ray_session, tiny_qwen2, digit_data, tmp_path):
+    """8 groups drawn for 4: the even groups stop after 4 tokens and fill the batch while the odd ones
+    (whole budget) are still on the engine. Their requests are aborted by exact rid (the built-in
+    engine, like SGLang, drops any other rid): they come back ABORTED with their tokens so far and
+    are continued first next step."""
+    extra = ["--over-sampling-batch-size", "8", "--partial-rollout", "--rollout-max-response-len", "96",
+             "--custom-generate-function-path", "tests.unit.plugins.odd_groups_slow.generate"]
+    rows = train(*preflight(build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + extra)))
+    first, second = rows
+    assert first["rollout/groups_kept"] == 4 and first["rollout/abort_requests"] > 0
+    assert first["rollout/groups_aborted"] >= 1  # the abort reached requests still running
+    assert first["rollout/groups_leftover"] == first["rollout/groups_aborted"] + first["rollout/groups_surplus"] == 4
+    assert second["rollout/groups_resumed"] == 4 and second["rollout/groups_kept"] == 4
+    assert second["rollout/response_len_mean"] == 96  # the resumed odd groups ran their whole budget
+    assert all(np.isfinite(r["train/loss"]) for r in rows)
+
+
 def test_resume_continues_exactly(ray_session, tiny_qwen2, digit_data, tmp_path):
     """4 steps straight vs 2 steps, a new cluster, --load, 2 more: steps 2-3 match. Rollouts repeat
     because every request is seeded from the sample index (--deterministic-rollout); the trainer

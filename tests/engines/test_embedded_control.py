@@ -51,11 +51,17 @@ def fresh(tiny_qwen2):
     s.shutdown()
 
 
-def test_abort_request_by_rid_prefix_finishes_with_abort(fresh):
+def test_abort_request_drops_a_rid_prefix_and_aborts_the_exact_rid(fresh):
     t, box = in_thread(lambda: post(fresh.url, "/generate", {"input_ids": prompt_of(5), "rid": "group7-sample0",
                                                               "sampling_params": LONG, "return_logprob": True}))
     wait_for(lambda: fresh.engine.load()["decode_forwards"] >= 3)
-    r = post(fresh.url, "/abort_request", {"rid": "group7"})  # SGLang matches rids by prefix
+    # SGLang 0.5.23's tokenizer manager forwards an abort only for a rid it holds: a prefix is dropped
+    r = post(fresh.url, "/abort_request", {"rid": "group7"})
+    assert r.status_code == 200 and r.content == b""
+    steps = fresh.engine.load()["decode_forwards"]
+    wait_for(lambda: fresh.engine.load()["decode_forwards"] >= steps + 3)
+    assert "response" not in box and running(fresh) == 1
+    r = post(fresh.url, "/abort_request", {"rid": "group7-sample0"})
     assert r.status_code == 200 and r.content == b""
     t.join()
     out = box["response"].json()
@@ -63,6 +69,21 @@ def test_abort_request_by_rid_prefix_finishes_with_abort(fresh):
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     n = len(out["output_ids"])
     assert 0 < n < LONG["max_new_tokens"] and len(out["meta_info"]["output_token_logprobs"]) == n
+
+
+def test_an_exact_live_rid_aborts_what_starts_with_it_as_sglangs_scheduler(fresh):
+    # past the tokenizer manager's exact check SGLang's scheduler matches by prefix: "job-1" also
+    # aborts "job-10"; "job-2" is untouched
+    threads = {rid: in_thread(lambda rid=rid: post(fresh.url, "/generate", {
+        "input_ids": prompt_of(4), "rid": rid, "sampling_params": LONG}))
+        for rid in ("job-1", "job-10", "job-2")}
+    wait_for(lambda: running(fresh) == 3)
+    post(fresh.url, "/abort_request", {"rid": "job-1"})
+    reasons = {}
+    for rid, (t, box) in threads.items():
+        t.join()
+        reasons[rid] = box["response"].json()["meta_info"]["finish_reason"]["type"]
+    assert reasons == {"job-1": "abort", "job-10": "abort", "job-2": "length"}
 
 
 def test_pause_in_place_holds_requests_and_continue_resumes_them(fresh):

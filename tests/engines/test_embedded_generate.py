@@ -81,6 +81,23 @@ def test_sampling_seed_and_random_seed_reproduce_in_a_fresh_server(http, server,
     assert runs[0][-1] == seeded  # sampling_seed does not depend on the server or its history
 
 
+def test_sampling_seed_is_ignored_without_deterministic_inference(tiny_qwen2, caplog):
+    """SGLang 0.5.23 builds per-request seeds only under --enable-deterministic-inference: without it
+    the same sampling_seed gives different tokens, and the engine says so once in its log."""
+    prompt = prompt_of(6, salt=3)
+    s = start_server(tiny_qwen2, random_seed=99, enable_deterministic_inference=False)
+    try:
+        with caplog.at_level("WARNING", logger="slime_rl.engines.embedded.server"), \
+                httpx.Client(base_url=s.url, timeout=60) as c:
+            outs = [gen(c, prompt, max_new_tokens=16, sampling_seed=7, ignore_eos=True)["output_ids"]
+                    for _ in range(2)]
+    finally:
+        s.shutdown()
+    assert outs[0] != outs[1]  # one shared generator drew both: 16 equal draws by chance is ~impossible
+    warned = [r for r in caplog.records if "--enable-deterministic-inference" in r.getMessage()]
+    assert len(warned) == 1
+
+
 def test_max_new_tokens_and_stop_token_ids(http):
     prompt = prompt_of(7, salt=4)
     greedy = gen(http, prompt, max_new_tokens=10, temperature=0, ignore_eos=True)

@@ -23,14 +23,15 @@ from vl_testlib import reference, write_pictures
 
 from slime_rl.config import DataConfig
 from slime_rl.data import PromptDataset, write_records
-from slime_rl.rollout.client import image_data_of
+from slime_rl.data.images import IMAGE_PAD, VISION_START
+from slime_rl.rollout.client import image_data_of, one_pad_per_image
 
 ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def vl_server(tiny_qwen2_5_vl) -> Iterator:
-    s = start_server(tiny_qwen2_5_vl, random_seed=7, max_running_requests=8)
+    s = start_server(tiny_qwen2_5_vl, random_seed=7, max_running_requests=8, enable_deterministic_inference=True)
     yield s
     s.shutdown()
 
@@ -66,6 +67,16 @@ def rows(tiny_qwen2_5_vl, tmp_path_factory):
     return ds.rows, originals
 
 
+@pytest.fixture(scope="module")
+def wire(tiny_qwen2_5_vl):
+    """A row's prompt ids as SGLang takes them with image_data: one <|image_pad|> per image."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2_5_vl)
+    ids = [tok.convert_tokens_to_ids(t) for t in (IMAGE_PAD, VISION_START)]
+    return lambda row: one_pad_per_image(row.prompt_ids, len(row.prompt_ids), len(row.images), *ids)
+
+
 def _check(out: dict, vl64, prompt: list[int], images: list) -> None:
     got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
     assert len(out["output_ids"]) == 12
@@ -76,19 +87,19 @@ def _check(out: dict, vl64, prompt: list[int], images: list) -> None:
 SP = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True}
 
 
-def test_single_request_logprobs_match_float64_reference(vl_http, vl64, rows):
+def test_single_request_logprobs_match_float64_reference(vl_http, vl64, rows, wire):
     rows_, originals = rows
     row = rows_[0]
-    r = vl_http.post("/generate", json={"input_ids": row.prompt_ids, "image_data": image_data_of(row.images),
+    r = vl_http.post("/generate", json={"input_ids": wire(row), "image_data": image_data_of(row.images),
                                         "sampling_params": SP, "return_logprob": True})
     assert r.status_code == 200, r.text
     _check(r.json(), vl64, row.prompt_ids, originals[0])
 
 
-def test_input_logprobs_over_the_image_prompt(vl_http, vl64, rows):
+def test_input_logprobs_over_the_image_prompt(vl_http, vl64, rows, wire):
     rows_, originals = rows
     row = rows_[1]
-    r = vl_http.post("/generate", json={"input_ids": row.prompt_ids, "image_data": image_data_of(row.images),
+    r = vl_http.post("/generate", json={"input_ids": wire(row), "image_data": image_data_of(row.images),
                                         "sampling_params": dict(SP, max_new_tokens=1), "return_logprob": True,
                                         "logprob_start_len": 0})
     entries = r.json()["meta_info"]["input_token_logprobs"]
@@ -98,11 +109,11 @@ def test_input_logprobs_over_the_image_prompt(vl_http, vl64, rows):
     assert torch.allclose(got, want, atol=ATOL, rtol=0), (got - want).abs().max()
 
 
-def test_batch_of_image_and_text_prompts(vl_http, vl64, rows):
+def test_batch_of_image_and_text_prompts(vl_http, vl64, rows, wire):
     """Rows of different lengths share one left-padded prefill and one decode batch; the text-only row
     uses the same 3-D position tensor (all three components equal)."""
     rows_, originals = rows
-    body = {"input_ids": [r.prompt_ids for r in rows_], "image_data": [image_data_of(r.images) or [] for r in rows_],
+    body = {"input_ids": [wire(r) for r in rows_], "image_data": [image_data_of(r.images) or [] for r in rows_],
             "sampling_params": SP, "return_logprob": True}
     r = vl_http.post("/generate", json=body)
     assert r.status_code == 200, r.text
@@ -110,31 +121,32 @@ def test_batch_of_image_and_text_prompts(vl_http, vl64, rows):
         _check(out, vl64, row.prompt_ids, imgs)
 
 
-def test_single_pad_form_is_expanded(vl_http, vl64, rows, tiny_qwen2_5_vl):
-    """SGLang also takes one <|image_pad|> per image and expands it; same seed, same tokens as the full form."""
-    from transformers import AutoConfig
-
-    pad = AutoConfig.from_pretrained(tiny_qwen2_5_vl).image_token_id
+def test_one_pad_per_image_is_expanded_and_the_expanded_form_refused(vl_server, vl_http, vl64, rows, wire):
+    """As SGLang (the HF processor expands each pad): one <|image_pad|> per image is expanded to the
+    image's grid, the same prompt the data side built; N pads for one image are refused."""
     row = rows[0][1]
-    collapsed = [t for i, t in enumerate(row.prompt_ids) if not (t == pad and row.prompt_ids[i - 1] == pad)]
-    assert collapsed.count(pad) == 2 < row.prompt_ids.count(pad)
-    sp = dict(SP, sampling_seed=11)
-    outs = [vl_http.post("/generate", json={"input_ids": ids, "image_data": image_data_of(row.images),
-                                            "sampling_params": sp, "return_logprob": True}).json()
-            for ids in (collapsed, row.prompt_ids)]
-    assert outs[0]["output_ids"] == outs[1]["output_ids"]
-    assert outs[0]["meta_info"]["prompt_tokens"] == len(row.prompt_ids)
-    _check(outs[0], vl64, row.prompt_ids, rows[1][1])
+    sent = wire(row)
+    assert len(sent) < len(row.prompt_ids)
+    out = vl_http.post("/generate", json={"input_ids": sent, "image_data": image_data_of(row.images),
+                                          "sampling_params": SP, "return_logprob": True}).json()
+    assert out["meta_info"]["prompt_tokens"] == len(row.prompt_ids)
+    _check(out, vl64, row.prompt_ids, rows[1][1])
+    r = vl_http.post("/generate", json={"input_ids": row.prompt_ids, "image_data": image_data_of(row.images),
+                                        "sampling_params": SP})
+    pads = row.prompt_ids.count(vl_server.model.config.image_token_id)
+    assert pads > 2
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].endswith(f"Found total {pads} <|image_pad|> tokens and 2 images."), r.text
 
 
-def test_image_forms_file_path_and_base64(vl_http, rows, tmp_path):
+def test_image_forms_file_path_and_base64(vl_http, rows, wire, tmp_path):
     row = rows[0][0]
     path = tmp_path / "img.png"
     path.write_bytes(base64.b64decode(row.images[0].split(",", 1)[1]))
     sp = dict(SP, sampling_seed=5)
     url = image_data_of(row.images)[0]
     forms = [url, str(path), "file://" + str(path), url.split(",", 1)[1], {"url": url}]
-    outs = [vl_http.post("/generate", json={"input_ids": row.prompt_ids, "image_data": form, "sampling_params": sp})
+    outs = [vl_http.post("/generate", json={"input_ids": wire(row), "image_data": form, "sampling_params": sp})
             for form in forms]
     assert all(o.status_code == 200 for o in outs), [o.text for o in outs]
     assert len({tuple(o.json()["output_ids"]) for o in outs}) == 1
@@ -145,20 +157,25 @@ def test_image_forms_file_path_and_base64(vl_http, rows, tmp_path):
     (["https://example.com/a.png"], "not fetched"),
     (["data:image/png;base64,AAAA"], "not a readable image"),
 ])
-def test_bad_image_requests_are_400(vl_http, rows, image_data, match):
+def test_bad_image_requests_are_400(vl_http, rows, wire, image_data, match):
     row = rows[0][0]
-    r = vl_http.post("/generate", json={"input_ids": row.prompt_ids, "image_data": image_data, "sampling_params": SP})
+    r = vl_http.post("/generate", json={"input_ids": wire(row), "image_data": image_data, "sampling_params": SP})
     assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
 
 
-def test_wrong_pad_count_is_400(vl_server, vl_http, rows):
+def test_wrong_pad_count_is_400(vl_server, vl_http, rows, wire):
     row = rows[0][0]
-    r = vl_http.post("/generate", json={"input_ids": row.prompt_ids[:3] + row.prompt_ids[4:],
-                                        "image_data": image_data_of(row.images), "sampling_params": SP})
-    assert r.status_code == 400 and "<|image_pad|>" in r.json()["error"]["message"]
-    pad = vl_server.model.config.image_token_id
-    r = vl_http.post("/generate", json={"input_ids": row.prompt_ids + [pad],
-                                        "image_data": image_data_of(row.images), "sampling_params": SP})
+    pad, start = vl_server.model.config.image_token_id, vl_server.model.config.vision_start_token_id
+    sent = wire(row)
+    # a pad the prompt holds beyond the image's own one: the HF processor counts every pad
+    r = vl_http.post("/generate", json={"input_ids": sent + [pad], "image_data": image_data_of(row.images),
+                                        "sampling_params": SP})
+    assert r.status_code == 400, r.text
+    assert "Found total 2 <|image_pad|> tokens and 1 images." in r.json()["error"]["message"]
+    k = sent.index(pad)
+    assert sent[k - 1] == start
+    r = vl_http.post("/generate", json={"input_ids": sent[:k - 1] + sent[k:], "image_data": image_data_of(row.images),
+                                        "sampling_params": SP})
     assert r.status_code == 400 and "outside an image" in r.json()["error"]["message"], r.text
 
 
@@ -210,7 +227,7 @@ def test_rollout_sends_image_data(vl_server, vl64, rows):
             assert torch.allclose(torch.tensor(s.rollout_logprobs, dtype=torch.float64), want, atol=ATOL, rtol=0)
 
 
-def test_retract_reprefills_images_and_positions(vl_server, vl_http, vl64, rows):
+def test_retract_reprefills_images_and_positions(vl_server, vl_http, vl64, rows, wire):
     """pause(retract) drops the KV cache; the request is prefilled again from prompt + output so far
     (images again, 3-D positions from get_rope_index, a sampled <|image_pad|> in the output staying
     text) and must continue exactly as without the retraction."""
@@ -218,7 +235,7 @@ def test_retract_reprefills_images_and_positions(vl_server, vl_http, vl64, rows)
     import time
 
     row, imgs = rows[0][0], rows[1][0]
-    body = {"input_ids": row.prompt_ids, "image_data": image_data_of(row.images), "return_logprob": True,
+    body = {"input_ids": wire(row), "image_data": image_data_of(row.images), "return_logprob": True,
             "sampling_params": {"max_new_tokens": 100, "ignore_eos": True, "sampling_seed": 7}}
     plain = vl_http.post("/generate", json=body).json()
     pad = vl_server.model.config.image_token_id

@@ -18,9 +18,10 @@ import torch
 from PIL import Image
 from vl_testlib import reference
 
+from slime_rl.data.images import IMAGE_PAD, VISION_START
 from slime_rl.engines import dist_group
 from slime_rl.engines.launch import embedded_command, wait_healthy
-from slime_rl.rollout.client import EngineClient, image_data_of
+from slime_rl.rollout.client import EngineClient, image_data_of, one_pad_per_image
 
 
 def _free_port() -> int:
@@ -73,10 +74,14 @@ def test_update_vision_and_language_weights_then_generate(engine, tiny_qwen2_5_v
     Image.new("RGB", (84, 112), (200, 0, 0)).save(tmp_path / "a.png")
     spec = str(write_records([{"problem": "<image>How many red shapes?", "answer": "1", "images": ["a.png"]}],
                              tmp_path / "d.jsonl"))
-    row = PromptDataset(DataConfig(spec, "problem", "answer", True),
-                        AutoTokenizer.from_pretrained(tiny_qwen2_5_vl)).rows[0]
-    res = engine.generate(row.prompt_ids, {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True},
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2_5_vl)
+    row = PromptDataset(DataConfig(spec, "problem", "answer", True), tok).rows[0]
+    # SGLang's form: one <|image_pad|> per image (the engine expands it to row.prompt_ids)
+    sent = one_pad_per_image(row.prompt_ids, len(row.prompt_ids), 1,
+                             *(tok.convert_tokens_to_ids(t) for t in (IMAGE_PAD, VISION_START)))
+    res = engine.generate(sent, {"max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True},
                           image_data=image_data_of(row.images))
+    assert res["meta_info"]["prompt_tokens"] == len(row.prompt_ids)
     assert res["meta_info"]["weight_version"] == "step-1"
 
     # the reference loads the same tensors through transformers' checkpoint-name mapping

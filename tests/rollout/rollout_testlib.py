@@ -16,7 +16,9 @@ from tests.logprob_ref import reference_logprobs  # noqa: F401 (re-exported for 
 
 
 def start_server(model_path: Path, **kw: Any) -> EmbeddedServer:
-    """port=0: the OS picks a free loopback port (no race with other tests)."""
+    """port=0: the OS picks a free loopback port (no race with other tests). Requests' sampling_seed
+    is honoured (enable_deterministic_inference, as SGLang needs it) unless the caller says otherwise."""
+    kw.setdefault("enable_deterministic_inference", True)
     return EmbeddedServer(ServerConfig(model_path=str(model_path), host="127.0.0.1", port=0, **kw)).start()
 
 

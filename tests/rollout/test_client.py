@@ -62,6 +62,17 @@ def test_payload_details():
         C.pause_generation_payload("later")
 
 
+def test_one_pad_per_image_cuts_each_prompt_image_to_one_pad():
+    S, P, E = 90, 91, 92  # vision_start, image_pad, vision_end
+    prompt = [1, S, P, P, P, E, 2, S, P, P, E, 3]
+    response = [4, P, P, 5]  # pads the model sampled are text: SGLang would count them, they stay as they are
+    got = C.one_pad_per_image(prompt + response, len(prompt), 2, P, S)
+    assert got == [1, S, P, E, 2, S, P, E, 3] + response
+    assert C.one_pad_per_image([1, S, P, E], 4, 1, P, S) == [1, S, P, E]  # already one pad: unchanged
+    with pytest.raises(AssertionError, match="2 image placeholders in the prompt for 1 images"):
+        C.one_pad_per_image(prompt, len(prompt), 1, P, S)
+
+
 def test_payloads_construct_sglangs_own_structs():
     io = pytest.importorskip("sglang.srt.managers.io_struct",
                              reason="sglang is not installed (pip install sglang to run the struct check)")

@@ -1,6 +1,6 @@
 """Dynamic sampling / over-sampling against a real embedded engine: prompts drawn in batches until
-exactly rollout_batch_size groups pass the filter, the rest aborted by group rid prefix without
-touching anyone else's requests."""
+exactly rollout_batch_size groups pass the filter, the rest aborted by the exact rids of their
+requests in flight (SGLang drops any other rid) without touching anyone else's requests."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from slime_rl.rollout.filters import check_reward_nonzero_std
 from slime_rl.rollout.generate import generate_groups
 from slime_rl.rollout.options import RolloutOptions
 from slime_rl.rollout.partial import ABORTED, COMPLETED, TRUNCATED, status
-from slime_rl.rollout.routing import group_prefix, request_id
+from slime_rl.rollout.routing import ClientPool, request_id
 
 FILTER = "slime_rl.rollout.filters.check_reward_nonzero_std"
 
@@ -35,16 +35,48 @@ def reward(sample: Sample) -> float:
     return 1.0 if sample.label == "same" else random.Random(sample.index).random()
 
 
-def test_group_prefixes_cannot_hit_other_groups():
-    # SGLang aborts by rid prefix: group 1's prefix must not start any rid of groups 10, 11, 100, ...
-    rids = {g: [request_id("ab12", g, s, n) for s in (0, 7, 123) for n in (0, 5)] for g in (0, 1, 10, 11, 100, 1000)}
-    for g in rids:
-        for other, their in rids.items():
-            hit = any(r.startswith(group_prefix("ab12", g)) for r in their)
-            assert hit == (g == other), (g, other)
-    assert not request_id("ab12", 1, 0, 0).startswith(group_prefix("ab1", 1))  # the nonce ends at '-' too
-    with pytest.raises(ValueError, match="digits"):
-        group_prefix("x", 10**10)
+class HeldClient:
+    """A client whose /generate waits until released, recording every abort it is sent."""
+
+    def __init__(self) -> None:
+        self.aborts: list[str] = []
+        self.sent: list[str] = []
+        self.release = asyncio.Event()
+
+    async def generate(self, *, rid: str, **_kw) -> dict:
+        self.sent.append(rid)
+        await self.release.wait()
+        return {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "output_token_logprobs": []}}
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.aborts.append(rid)
+
+
+def test_abort_groups_names_each_live_rid_exactly():
+    # SGLang 0.5.23 drops an abort whose rid is not a live rid, so a group is aborted rid by rid
+    async def go():
+        engines = [HeldClient(), HeldClient()]
+        pool = ClientPool(engines, tokenizer=None, per_engine=4)
+        samples = [Sample(index=i, group_index=g, prompt="", prompt_ids=[1]) for g, i in ((3, 0), (3, 1), (30, 2))]
+        tasks = [asyncio.create_task(pool.generate(s, [1], {})) for s in samples]
+        while sum(len(e.sent) for e in engines) < 3:
+            await asyncio.sleep(0)
+        assert await pool.abort_groups([3]) == 2
+        group3 = sorted(r for e in engines for r in e.sent if "-g0000000003-" in r)
+        assert sorted(r for e in engines for r in e.aborts) == group3 and len(set(group3)) == 2
+        for e in engines:  # each abort went to the engine that holds that rid
+            assert set(e.aborts) <= set(e.sent)
+        for e in engines:
+            e.release.set()
+        await asyncio.gather(*tasks)
+        assert pool.live_rids(3) == {} and pool.live_rids(30) == {}
+        assert await pool.abort_groups([3, 30]) == 0  # nothing in flight: nothing to abort
+
+    asyncio.run(go())
+    # SGLang's scheduler aborts by prefix once the tokenizer manager forwards a rid: none may start another
+    rids = [request_id("ab12", g, s, n) for g in (1, 10) for s in (2, 20) for n in (1, 12, 123)]
+    assert len(set(rids)) == len(rids)
+    assert not any(a != b and b.startswith(a) for a in rids for b in rids)
 
 
 def test_nonzero_std_filter_on_hand_made_groups():

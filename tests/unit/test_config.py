@@ -222,3 +222,11 @@ def test_prompt_longer_than_the_model_context_fails_in_preflight(tiny_qwen2, tmp
     err = capsys.readouterr().err
     assert "1 bad row(s) of 2" in err and "line 2: the prompt has" in err and "no prompt fits" not in err
     assert train_main(capped + ["--rollout-max-prompt-len", "39"]) == 0
+
+
+def test_multi_gpu_engines_need_sglang(tmp_path):
+    # the weight-update group counts N ranks per engine; the built-in engine is one process on one device
+    gpus = ["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2"]
+    with pytest.raises(ConfigError, match="--rollout-num-gpus-per-engine 2 needs --rollout-backend sglang"):
+        build_config(base_argv(tmp_path) + gpus)
+    assert build_config(base_argv(tmp_path) + gpus + ["--rollout-backend", "sglang"]).engine.num_engines == 2

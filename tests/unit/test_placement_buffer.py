@@ -15,9 +15,20 @@ def test_plan_cpu_quickstart_layout():
 
 
 def test_plan_gpu_engines_rank_offsets_and_shortage():
+    # SGLang --tp-size 2 needs both GPUs visible to one process: one bundle of 2 GPUs per engine, and
+    # the engine's actor asks for both; weight-update ranks: trainer 0, engine 0 -> 1,2, engine 1 -> 3,4
     plan = plan_placement(ParallelConfig(2, 1, 1, 2), EngineConfig(num_gpus=4, num_gpus_per_engine=2), cluster_gpus=8)
-    assert [(e.bundles, e.rank_offset) for e in plan.engines] == [((2, 3), 1), ((4, 5), 3)]
+    assert [(e.bundles, e.rank_offset, e.num_gpus) for e in plan.engines] == [((2,), 1, 2), ((3,), 3, 2)]
+    assert plan.bundles == ({"GPU": 1.0, "CPU": 1.0},) * 2 + ({"GPU": 2.0, "CPU": 1.0},) * 2
+    assert sum(b.get("GPU", 0) for b in plan.bundles) == 6  # 2 trainer + 4 engine GPUs, none twice
+    assert [plan.engine_actor_gpu(e) for e in plan.engines] == [2.0, 2.0]
     assert plan.weight_update_world_size == 5
+    assert "engine 1 -> bundles [3] (2 devices: TP 2), weight-update rank_offset 3" in plan.describe()
+    one = plan_placement(ParallelConfig(1, 1, 1, 1), EngineConfig(num_gpus=1), cluster_gpus=2)
+    assert one.engine_actor_gpu(one.engines[0]) == 1.0 and one.weight_update_world_size == 2
+    with pytest.raises(PlacementError, match="--colocate with --rollout-num-gpus-per-engine 2"):
+        plan_placement(ParallelConfig(2, 1, 1, 2), EngineConfig(num_gpus=2, num_gpus_per_engine=2, colocate=True),
+                       cluster_gpus=2)
     with pytest.raises(PlacementError, match="--rollout-num-gpus"):
         plan_placement(ParallelConfig(2, 1, 1, 2), EngineConfig(num_gpus=4), cluster_gpus=4)
 

@@ -13,9 +13,10 @@ SGLang 0.5.23):
   far) after `continue`, so their KV cache is recomputed with whatever weights are loaded then.
 - a weight update while paused runs at once; otherwise it blocks admission, waits for the running
   requests to finish (SGLang's model_update_lock writer), and new requests wait for it.
-- abort_request(rid) aborts every request whose rid starts with `rid` (SGLang's scheduler matches
-  by prefix); the request finishes normally with finish_reason {"type": "abort", ...} and the
-  tokens it had.
+- abort_request(rid) is dropped without a word unless `rid` is exactly the rid of a live request
+  (SGLang's tokenizer manager, one tokenizer worker, forwards only a rid it holds); then, as SGLang's
+  scheduler, every live request whose rid starts with `rid` is aborted. An aborted request finishes
+  normally with finish_reason {"type": "abort", ...} and the tokens it had.
 
 Decoding has two paths. The dynamic one (the default on CPU) keeps the running batch in a left-padded
 DynamicCache (batch.py). The static one (the default on CUDA; `static_cache=True` elsewhere) keeps
@@ -124,14 +125,17 @@ class Engine:
             self._cond.notify_all()
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        if not abort_all and not rid:  # an empty rid would prefix-match everything (as SGLang says)
+        if not abort_all and not rid:  # SGLang ignores it too (it would match everything on the scheduler)
             return
         with self._cond:
+            running = self._admitting + [row.req for row in self._batch.rows]
+            if not abort_all and all(req.rid != rid for req in [*self._waiting, *running]):
+                return  # the tokenizer manager's check: not a live rid
             for req in list(self._waiting):
-                if abort_all or req.rid.startswith(rid):
+                if abort_all or req.rid.startswith(rid):  # the scheduler's match
                     self._waiting.remove(req)
                     self._finish(req, abort_reason("Abort in waiting queue"))
-            for req in self._admitting + [row.req for row in self._batch.rows]:
+            for req in running:
                 if abort_all or req.rid.startswith(rid):
                     req.aborted = self._abort_pending = True
             self._cond.notify_all()

@@ -58,6 +58,9 @@ class ServerConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # larger batches run the static step eagerly
     static_kv_cache: bool = False
+    # SGLang 0.5.23 honours a request's sampling_seed only under --enable-deterministic-inference
+    # (sampling_batch_info builds the seeds only then); without it the seed is ignored
+    enable_deterministic_inference: bool = False
 
 
 class EmbeddedServer:
@@ -101,6 +104,7 @@ class EmbeddedServer:
         self.weights = WeightSync(self.model, self.engine, cfg.weight_version)
         self.memory = self.weights.memory = MemoryOccupation(self.engine, self.weights.params)
         self._rid_counter = itertools.count()
+        self._seed_warned = False
         self.httpd = _Listener((cfg.host, cfg.port), _make_handler(self))
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -131,7 +135,12 @@ class EmbeddedServer:
         reqs, is_batch = parse_generate(body, self.tokenizer, self.vocab_size, self.context_len, self.next_rid,
                                         self.vision)
         for r in reqs:
-            seed_generator(r, self.engine.device)
+            if self.cfg.enable_deterministic_inference:
+                seed_generator(r, self.engine.device)
+            elif r.params.sampling_seed is not None and not self._seed_warned:
+                self._seed_warned = True  # SGLang ignores it silently; say it once
+                logger.warning("sampling_seed ignored: the engine was started without "
+                               "--enable-deterministic-inference (as SGLang 0.5.23 does)")
         self.engine.submit(reqs)
         for r in reqs:
             r.done.wait()

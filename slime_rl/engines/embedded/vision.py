@@ -6,9 +6,11 @@ for a batch a list with one image per prompt or a list of lists. An image is a s
 `data:image/...;base64,` URL, a local file path, `file://` path, or bare base64) or a dict with a
 `url` (SGLang's ImageData); http(s) URLs are refused (the engine runs offline).
 
-`input_ids` mark each image as <|vision_start|> <|image_pad|>... <|vision_end|>, with either one pad
-(SGLang expands it) or the full grid_t*grid_h*grid_w/merge^2 pads (as the HF processor writes them);
-the engine expands a single pad and refuses any other count.
+`input_ids` mark each image as <|vision_start|> <|image_pad|> <|vision_end|>: one pad per image, which
+the engine expands to grid_t*grid_h*grid_w/merge^2 pads from the image's grid. SGLang 0.5.23 does the
+same by decoding the ids to text and handing it to the HF processor, which expands each pad and
+refuses a prompt whose pad count is not the image count ("Found total N <|image_pad|> tokens and 1
+images"): so the already expanded form is refused here with that message too.
 
 Only the prompt's <|image_pad|> ids are image positions; the same id sampled in the output is text
 (it matters when a retracted request is prefilled again from prompt + output). So the prefill puts
@@ -88,6 +90,11 @@ class VisionInputs:
     def prepare(self, input_ids: list[int], items: list[Any]) -> tuple[list[int], torch.Tensor | None,
                                                                      torch.Tensor | None]:
         """(input_ids with expanded pads, pixel_values, image_grid_thw) of one request."""
+        pads = input_ids.count(self.image_token_id)
+        if items and pads != len(items):  # transformers' ProcessorMixin check, as SGLang answers it
+            raise RequestError(f"The total number of {IMAGE_PAD} tokens in the prompts should be the same as the "
+                               f"number of images passed. Found total {pads} {IMAGE_PAD} tokens and {len(items)} "
+                               "images.")
         runs = self._pad_runs(input_ids)
         if sum(n for _, n in runs) != input_ids.count(self.image_token_id):
             raise RequestError("input_ids: an <|image_pad|> outside an image (every run of them must follow "
@@ -106,11 +113,8 @@ class VisionInputs:
         ids: list[int] = []
         last = 0
         for k, ((start, length), grid) in enumerate(zip(runs, grids.tolist(), strict=True)):
+            assert length == 1, f"image_data[{k}]: {length} pads passed the count check"
             n = grid[0] * grid[1] * grid[2] // self.merge ** 2
-            if length not in (1, n):
-                raise RequestError(f"image_data[{k}]: the image gives {n} tokens (grid {grid}) but the input_ids "
-                                   f"hold {length} <|image_pad|>; send 1 or {n} (resize the image as the data "
-                                   "side did: --min-pixels/--max-pixels within the checkpoint's bounds)")
             ids += input_ids[last:start] + [self.image_token_id] * n
             last = start + length
         return ids + input_ids[last:], out["pixel_values"], grids
