@@ -47,7 +47,10 @@ def vl64(tiny_qwen2_5_vl):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(tiny_qwen2_5_vl, dtype=torch.float64).eval()
-    return model, AutoImageProcessor.from_pretrained(tiny_qwen2_5_vl)
+    # the reference resizes the original images as the data side does (PIL); with torchvision installed
+    # AutoImageProcessor would pick its torchvision backend, whose resize differs from PIL's by ~1e-3
+    # in pixels (the engine gets the data side's images, already at their final size)
+    return model, AutoImageProcessor.from_pretrained(tiny_qwen2_5_vl, backend="pil")
 
 
 @pytest.fixture(scope="module")
