@@ -136,6 +136,7 @@ class MemoryOccupation:
                 "cuda_reserved_bytes": torch.cuda.memory_reserved(self.device) if cuda else None}
 
     def _message(self, released: set[str]) -> str | None:
+        released = released & set(TAGS)  # a tag SGLang does not know is recorded but frees nothing
         if released:
             return (f"engine memory is released (tags {sorted(released)}): POST /resume_memory_occupation, then "
                     "refill the weights with /update_weights_from_tensor before generating")
