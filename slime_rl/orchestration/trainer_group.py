@@ -226,7 +226,7 @@ class TrainerGroup:
         gather_ranks([a.init.remote(self.cfg, addr, port, train_iters, threads) for a in self.actors], "init")
 
     def connect_engines(self, targets: list[EngineTarget], world_size: int) -> None:
-        # each PP stage's source hosts its own group's rendezvous
+        # each PP stage's source hosts its own group's rendezvous; the stages join in turns (actor side)
         addrs = ray.get([a.master_address.remote() for a in self.actors])
         ray.get([a.connect_engines.remote(targets, addr, port, world_size)
                  for a, (addr, port) in zip(self.actors, addrs, strict=True)])

@@ -1,5 +1,6 @@
 """Disaggregated weight sync: the trainer's source rank broadcasts HF-named tensors to every
-engine device through one torch.distributed group (gloo on CPU, NCCL on GPU).
+engine device through one torch.distributed group (gloo on CPU, NCCL on GPU). The call sequence
+and the SGLang 0.5.23 rules it follows (sessions, one call at a time): docs/sglang_contract.md.
 
 Every trainer rank runs `sync()`: gathering TP shards is collective, so all ranks walk the
 weights together; only the source rank (global rank 0) buckets and sends. The engines are driven
@@ -209,8 +210,9 @@ class WeightBroadcaster(EngineControl):
 
     With pipeline parallelism every stage has its own source rank and its own group (named per
     stage), each joined by every engine device at the same rank offsets; the stages send their
-    own layers, concurrently. The caller pauses the engines before and continues them after all
-    stages are done (trainer_group does it around a barrier)."""
+    own layers one stage after another (`in_stage_order`). The caller pauses the engines and opens
+    their weight-update session before, and closes and continues after all stages are done
+    (trainer_group does it around barriers)."""
 
     def __init__(self, engines: Sequence[EngineTarget], cfg: WeightSyncConfig, is_source: bool, master_addr: str,
                  master_port: int, world_size: int, backend: str, group_name: str = GROUP_NAME) -> None:
