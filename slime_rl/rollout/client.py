@@ -212,10 +212,10 @@ class _Endpoints:
         return self._call("POST", "/resume_memory_occupation", memory_occupation_payload(tags))
 
 
-def check_success(response: Any, endpoint: str) -> None:
+def check_success(response: Any, url: str, endpoint: str) -> None:
     """A 200 answer of {"success": false, "message"} (some SGLang builds) as an EngineError too."""
     if isinstance(response, dict) and response.get("success") is False:
-        raise EngineError("", endpoint, 200, str(response.get("message")))
+        raise EngineError(url, endpoint, 200, str(response.get("message")))
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -276,7 +276,7 @@ class EngineClient(_Endpoints):
         if self._has_sessions is False:
             return False
         try:
-            check_success(self.begin_weight_update(), "/begin_weight_update")
+            check_success(self.begin_weight_update(), self.base_url, "/begin_weight_update")
         except EngineError as e:
             if e.status != 404:
                 raise
@@ -288,7 +288,7 @@ class EngineClient(_Endpoints):
     def close_weight_update_session(self) -> None:
         """/end_weight_update, on a server where `open_weight_update_session` opened one."""
         if self._has_sessions:
-            check_success(self.end_weight_update(), "/end_weight_update")
+            check_success(self.end_weight_update(), self.base_url, "/end_weight_update")
 
     def health(self) -> bool:
         """True when GET /health answers 200; False when it answers otherwise or not at all."""

@@ -12,9 +12,13 @@ tests/contract/ drives SGLang's own manager with the same sequences.
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import pytest
 from engine_testlib import prompt_of, start_server
+
+from slime_rl.rollout.client import EngineClient
 
 OUTSIDE = "{} must run between begin_weight_update() and end_weight_update()"
 ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
@@ -60,10 +64,22 @@ def test_session_selector_must_be_one_of_sglangs(http):
     assert http.post("/end_weight_update", json={}).status_code == 400  # nothing was opened
 
 
-def test_deprecated_info_endpoints_answer_as_the_new_ones(http):
-    assert http.get("/get_model_info").json() == http.get("/model_info").json()
-    old, new = http.get("/get_server_info").json(), http.get("/server_info").json()
+def test_deprecated_info_endpoints_answer_as_the_new_ones_with_a_warning(http, caplog):
+    with caplog.at_level(logging.WARNING, logger="slime_rl.engines.embedded.server"):
+        assert http.get("/model_info").json() == http.get("/get_model_info").json()
+        old, new = http.get("/get_server_info").json(), http.get("/server_info").json()
     assert old.keys() == new.keys() and old["model_path"] == new["model_path"]
+    warned = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(warned) == 2 and "'/model_info'" in warned[0] and "'/server_info'" in warned[1]
+
+
+def test_the_client_calls_the_non_deprecated_info_paths():
+    class Recorder(EngineClient):
+        def _call(self, method, path, payload=None):
+            return method, path
+
+    with Recorder("http://engine.invalid") as c:
+        assert (c.get_model_info(), c.get_server_info()) == (("GET", "/model_info"), ("GET", "/server_info"))
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["dropped", "cpu_backup"])
