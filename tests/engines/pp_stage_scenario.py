@@ -2,11 +2,12 @@
 ranks would be), with the engines reached in crossed orders: stage 0 reaches engine A first and B one
 second later, stage 1 the other way round. An engine serves one weight-update call at a time for the
 whole call (SGLang's lock; engines/embedded/session.py), and joining a gloo group waits for every
-member: so stages that connect or send at once leave A inside stage 0's group waiting for B and B
-inside stage 1's waiting for A. `serialize=True` runs each stage's turn through
-weight_sync.broadcast.in_stage_order (what the trainer does), `False` lets them go at once (the code
-before #17). Used in-process by test_pp_stage_order.py, and as a script (`python -m
-tests.engines.pp_stage_scenario MODEL concurrent`) for the run expected to hang.
+member: so stages that connect at once leave A inside stage 0's group waiting for B and B inside
+stage 1's waiting for A (with NCCL, whose broadcast needs every rank, sending at once does too).
+`serialize=True` runs each stage's turn through weight_sync.broadcast.in_stage_order (what the
+trainer does), `False` lets them go at once (the code before #17). Used in-process by
+test_pp_stage_order.py, and as a script (`python -m tests.engines.pp_stage_scenario MODEL
+concurrent`) for the run expected to hang.
 """
 
 from __future__ import annotations

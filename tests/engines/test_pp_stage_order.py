@@ -1,6 +1,11 @@
 """#17 row 4: with PP=2 every stage syncs its own group; an engine serves one weight-update call at a
 time (SGLang's lock, held for the whole call), so two engines reached by the stages in crossed orders
-deadlock unless the stages take turns. Scenario: pp_stage_scenario.py (gloo, PP=2, 2 engines)."""
+deadlock unless the stages take turns. Scenario: pp_stage_scenario.py (gloo, PP=2, 2 engines).
+
+On gloo the hang reproduces in the groups' rendezvous (/init_weights_update_group: each member waits
+for all); a gloo broadcast is the root sending to each rank directly, so crossed update calls alone
+still finish here (measured: connect in turns, sync at once, completes). With NCCL the broadcast
+itself needs every rank (ring/tree), so on GPUs the crossed syncs hang too; the turns cover both."""
 
 from __future__ import annotations
 
