@@ -18,7 +18,7 @@ from slime_rl.orchestration.rollout_manager import RolloutManager
 from slime_rl.orchestration.trainer_group import CriticGroup, TrainerGroup
 from slime_rl.rollout.client import EngineClient
 from slime_rl.weight_sync.broadcast import EngineTarget
-from slime_rl.weight_sync.colocated import MEMORY_TAGS
+from slime_rl.weight_sync.colocated import MEMORY_TAGS, RESUME_AFTER_SYNC, RESUME_BEFORE_SYNC
 
 
 def init_ray(plan: PlacementPlan) -> None:
@@ -40,6 +40,7 @@ class Cluster:
         self.pg = None
         self.engines: list = []
         self.engine_urls: list[str] = []
+        self._released = False  # --colocate: the engines' memory is released since the last sync
         self.router = None  # --use-sglang-router: the RouterActor, and router_url its address
         self.router_url: str | None = None
         self.trainers: TrainerGroup | None = None
@@ -161,19 +162,26 @@ class Cluster:
         return metrics | {"time/train_start": start, "time/train_end": time.time()}
 
     def release_engines(self) -> None:
-        """--colocate, after the rollout: every engine frees its KV cache and weights for training."""
-        self._on_engines("release_memory_occupation")
+        """--colocate, after the rollout: every engine frees its weights, KV cache and CUDA graphs for
+        training (SGLang drops released weights: the next sync must send all of them)."""
+        self._on_engines("release_memory_occupation", MEMORY_TAGS)
+        self._released = True
 
-    def _on_engines(self, endpoint: str) -> None:
+    def _on_engines(self, endpoint: str, tags: list[str]) -> None:
         for url in self.engine_urls:
             with EngineClient(url, api_key=self.api_key) as client:
-                getattr(client, endpoint)(MEMORY_TAGS)
+                getattr(client, endpoint)(tags)
 
     def sync_weights(self, version: str) -> dict[str, float]:
         start = time.time()
-        if self.plan.colocated:  # re-allocate; the engines serve again once the sync has refilled every tensor
-            self._on_engines("resume_memory_occupation")
-        metrics = self.trainers.sync_weights(version)
+        # colocated: only what was released is resumed (SGLang refuses to resume a tag it holds);
+        # the weights first, then the sync refills them, then the KV cache and CUDA graphs
+        released, self._released = self._released, False
+        if released:
+            self._on_engines("resume_memory_occupation", RESUME_BEFORE_SYNC)
+        metrics = self.trainers.sync_weights(version, weights_dropped=released)
+        if released:
+            self._on_engines("resume_memory_occupation", RESUME_AFTER_SYNC)
         # restarted engines hold the current weights now: only now may they get requests
         ray.get([self.rollout_manager.revive_engine.remote(k, url) for k, url in self._revived.items()])
         self._revived.clear()

@@ -44,7 +44,9 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                    nccl_port: int | None = None) -> list[str]:
     """The launch command of one engine: what the actor runs and what --dry-run prints. The built-in
     engine gets its key through `engine_env` instead (argv is world-readable); SGLang only through
-    --api-key."""
+    --api-key. `nccl_port` None: SGLang picks its own on its node, checked free and below the
+    kernel's ephemeral range (so no outgoing connection takes it before it binds): port + 1 was
+    neither checked nor safe from the ephemeral range."""
     seed = cfg.rollout.seed + slot.engine_id
     # --deterministic-rollout seeds every request; SGLang honours sampling_seed only with this switch
     deterministic = cfg.rollout.sample_seed is not None
@@ -54,7 +56,7 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
             extra.setdefault("enable_deterministic_inference", True)
         # base GPU 0: the actor holds exactly the engine's devices (Ray sets CUDA_VISIBLE_DEVICES to them)
         return sglang_command(model_path=cfg.model.hf_checkpoint, host=host, port=port,
-                              tp_size=slot.num_gpus, nccl_port=nccl_port or port + 1,
+                              tp_size=slot.num_gpus, nccl_port=nccl_port,
                               dist_init_addr=None, base_gpu_id=0, random_seed=seed, api_key=api_key,
                               extra=extra)
     # on CPU the engine runs while the trainer ranks wait (sync loop), so it may use every core
@@ -67,11 +69,23 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                             enable_deterministic_inference=deterministic)
 
 
+# --mem-fraction-static for a colocated SGLang engine: the share of the GPU its weights + KV pool take.
+# SGLang sizes the pool from the memory free at start-up times this fraction (0.88 or so by default),
+# as if alone on the GPU; colocated, the trainer's process already holds its model there, and during
+# the sync the trainer's two bucket buffers (--update-weight-buffer-size each) sit next to the
+# engine's resumed weights. 0.7 keeps 30% of what was free for the trainer's CUDA context, allocator
+# slack and those buffers (the KV pool is released during training anyway).
+# --sglang-mem-fraction-static overrides it.
+COLOCATED_MEM_FRACTION_STATIC = 0.7
+
+
 def _colocated_sglang_args(cfg: Config) -> dict:
-    """--sglang-* flags; with --colocate SGLang needs its memory saver to honour /release_memory_occupation."""
+    """--sglang-* flags; with --colocate SGLang needs its memory saver to honour /release_memory_occupation
+    and a static-memory fraction that leaves the trainer room (COLOCATED_MEM_FRACTION_STATIC)."""
     extra = dict(cfg.engine.sglang_args)
     if cfg.engine.colocate:
         extra.setdefault("enable_memory_saver", True)
+        extra.setdefault("mem_fraction_static", COLOCATED_MEM_FRACTION_STATIC)
     return extra
 
 

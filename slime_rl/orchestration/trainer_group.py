@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime_rl.config import Config
 from slime_rl.orchestration.placement import dp_shard
-from slime_rl.weight_sync.broadcast import GROUP_NAME, EngineTarget, WeightBroadcaster
+from slime_rl.weight_sync.broadcast import GROUP_NAME, EngineTarget, WeightBroadcaster, in_stage_order
 from slime_rl.weight_sync.colocated import ColocatedUpdater
 
 
@@ -101,6 +101,15 @@ class TrainerActor:
 
     def connect_engines(self, targets: list[EngineTarget], master_addr: str, master_port: int,
                         world_size: int) -> None:
+        """Every rank: each PP stage's source joins the engines into its own group, one stage after
+        another (an engine serves one group init at a time and blocks in it: see in_stage_order)."""
+        import torch.distributed as dist
+
+        in_stage_order(self.worker.pp_rank, self.worker.pp_size, dist.barrier,
+                       lambda: self._connect_engines(targets, master_addr, master_port, world_size))
+
+    def _connect_engines(self, targets: list[EngineTarget], master_addr: str, master_port: int,
+                         world_size: int) -> None:
         import torch
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -143,22 +152,39 @@ class TrainerActor:
         metrics = self.worker.train_step(shard, inputs, update)
         return metrics, idx, inputs.returns
 
-    def sync_weights(self, version: str) -> dict[str, float]:
-        """All ranks: pause the engines (rank 0), every stage's source sends its layers, continue."""
+    def sync_weights(self, version: str, weights_dropped: bool = False) -> dict[str, float]:
+        """All ranks: rank 0 pauses the engines and opens their weight-update session (SGLang
+        0.5.23 refuses updates outside one); the stages' sources send their layers one stage after
+        another (in_stage_order: stages sending at once deadlock two engines); rank 0 closes the
+        session and continues the engines. `weights_dropped`: the engines released their weights
+        since the last sync (colocated), so they hold nothing and everything must be sent."""
         import torch.distributed as dist
 
         assert self.broadcaster is not None, "connect_engines first"
         if self.rank == 0:
             self.broadcaster.pause_engines()
+            self.broadcaster.begin_update()
         dist.barrier()
+        failed = True
         try:
-            # a frozen vision tower is sent once per trainer process (the engines may have started from
-            # another checkpoint than a resumed trainer), then never again: it cannot change
-            skip, self._synced_once = self._synced_once, True
-            return self.broadcaster.sync(self.worker.iter_hf_sources(skip_frozen=skip), version)
+            # a frozen vision tower is sent by the first sync of this trainer process (the engines may
+            # have started from another checkpoint than a resumed trainer) and after every release
+            # that dropped the engines' weights; otherwise never again: it cannot change
+            skip = self._synced_once and not weights_dropped
+            self._synced_once = True
+            if isinstance(self.broadcaster, ColocatedUpdater):  # each rank to its own engines: no cross-engine wait
+                metrics = self.broadcaster.sync(self.worker.iter_hf_sources(skip_frozen=skip), version,
+                                                own_session=False)
+            else:
+                metrics = in_stage_order(self.worker.pp_rank, self.worker.pp_size, dist.barrier,
+                                         lambda: self.broadcaster.sync(self.worker.iter_hf_sources(skip_frozen=skip),
+                                                                       version, own_session=False))
+            failed = False
+            return metrics or {}
         finally:
             dist.barrier()
             if self.rank == 0:
+                self.broadcaster.end_update(quiet=failed)
                 self.broadcaster.continue_engines()
 
     def save_checkpoint(self, root: str, step: int, extra: dict) -> str:
@@ -201,7 +227,7 @@ class TrainerGroup:
         gather_ranks([a.init.remote(self.cfg, addr, port, train_iters, threads) for a in self.actors], "init")
 
     def connect_engines(self, targets: list[EngineTarget], world_size: int) -> None:
-        # each PP stage's source hosts its own group's rendezvous
+        # each PP stage's source hosts its own group's rendezvous; the stages join in turns (actor side)
         addrs = ray.get([a.master_address.remote() for a in self.actors])
         ray.get([a.connect_engines.remote(targets, addr, port, world_size)
                  for a, (addr, port) in zip(self.actors, addrs, strict=True)])
@@ -219,12 +245,12 @@ class TrainerGroup:
                                f"train step {step}")
         return results[0][0], _assemble([(idx, rows) for _, idx, rows in results], len(values))
 
-    def sync_weights(self, version: str) -> dict[str, float]:
-        """Bandwidth = bytes of every stage / the slowest stage's time (the stages send at once)."""
-        results = [r for r in gather_ranks([a.sync_weights.remote(version) for a in self.actors],
+    def sync_weights(self, version: str, weights_dropped: bool = False) -> dict[str, float]:
+        """Bandwidth = bytes of every stage / the sum of the stages' times (they send one after another)."""
+        results = [r for r in gather_ranks([a.sync_weights.remote(version, weights_dropped) for a in self.actors],
                                            f"weight sync {version}") if r]
         total = sum(r["weight_sync/bytes"] for r in results)
-        seconds = max(r["weight_sync/seconds"] for r in results)
+        seconds = sum(r["weight_sync/seconds"] for r in results)
         return {"weight_sync/bytes": total, "perf/weight_sync_GBps": total / seconds / 1e9}
 
     def save_checkpoint(self, root: str, step: int, extra: dict) -> str:

@@ -143,8 +143,21 @@ def update_weights_from_tensor_payload(serialized_named_tensors: Sequence[str], 
 
 
 def memory_occupation_payload(tags: list[str] | None = None) -> dict[str, Any]:
-    """Release/ResumeMemoryOccupationReqInput; tags e.g. ["weights", "kv_cache"] (None = all)."""
+    """Release/ResumeMemoryOccupationReqInput; tags among "weights", "kv_cache", "cuda_graph"
+    (SGLang's memory-saver tags; None = all three)."""
     return _drop_none({"tags": tags})
+
+
+def begin_weight_update_payload(selector: str = "all") -> dict[str, Any]:
+    """BeginWeightUpdateReqInput: which runners the session covers ("all", "target" or "draft")."""
+    if selector not in ("all", "target", "draft"):
+        raise ValueError(f"selector {selector!r}: expected 'all', 'target' or 'draft'")
+    return {"selector": selector}
+
+
+def end_weight_update_payload() -> dict[str, Any]:
+    """EndWeightUpdateReqInput has no fields of its own."""
+    return {}
 
 
 class _Endpoints:
@@ -160,10 +173,12 @@ class _Endpoints:
                                                                 rid, image_data, **kwargs))
 
     def get_model_info(self) -> Any:
-        return self._call("GET", "/get_model_info")
+        """GET /model_info (SGLang 0.5.23 logs /get_model_info as deprecated; both answer the same)."""
+        return self._call("GET", "/model_info")
 
     def get_server_info(self) -> Any:
-        return self._call("GET", "/get_server_info")
+        """GET /server_info (the non-deprecated name of /get_server_info)."""
+        return self._call("GET", "/server_info")
 
     def flush_cache(self) -> Any:
         return self._call("POST", "/flush_cache")
@@ -203,11 +218,24 @@ class _Endpoints:
         return self._call("POST", "/update_weights_from_tensor",
                           update_weights_from_tensor_payload(serialized_named_tensors, **kwargs))
 
+    def begin_weight_update(self, selector: str = "all") -> Any:
+        """POST /begin_weight_update: SGLang 0.5.23 refuses weight updates outside this session."""
+        return self._call("POST", "/begin_weight_update", begin_weight_update_payload(selector))
+
+    def end_weight_update(self) -> Any:
+        return self._call("POST", "/end_weight_update", end_weight_update_payload())
+
     def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
         return self._call("POST", "/release_memory_occupation", memory_occupation_payload(tags))
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
         return self._call("POST", "/resume_memory_occupation", memory_occupation_payload(tags))
+
+
+def check_success(response: Any, url: str, endpoint: str) -> None:
+    """A 200 answer of {"success": false, "message"} (some SGLang builds) as an EngineError too."""
+    if isinstance(response, dict) and response.get("success") is False:
+        raise EngineError(url, endpoint, 200, str(response.get("message")))
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -252,6 +280,7 @@ class EngineClient(_Endpoints):
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, headers=_headers(api_key), timeout=_timeout(timeout))
+        self._has_sessions: bool | None = None  # /begin_weight_update exists there (None: not asked yet)
 
     def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         try:
@@ -259,6 +288,27 @@ class EngineClient(_Endpoints):
         except httpx.HTTPError as e:
             raise EngineError(self.base_url, path, None, f"{type(e).__name__}: {e}") from e
         return _decode(self.base_url, path, r)
+
+    def open_weight_update_session(self) -> bool:
+        """/begin_weight_update; False (and no call next time) on a server without sessions: SGLang
+        before 0.5.23 has no such route and answers 404, and accepts updates without a session. The
+        answer decides, not a version string (builds of one version differ)."""
+        if self._has_sessions is False:
+            return False
+        try:
+            check_success(self.begin_weight_update(), self.base_url, "/begin_weight_update")
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            self._has_sessions = False
+            return False
+        self._has_sessions = True
+        return True
+
+    def close_weight_update_session(self) -> None:
+        """/end_weight_update, on a server where `open_weight_update_session` opened one."""
+        if self._has_sessions:
+            check_success(self.end_weight_update(), self.base_url, "/end_weight_update")
 
     def health(self) -> bool:
         """True when GET /health answers 200; False when it answers otherwise or not at all."""
@@ -378,7 +428,7 @@ class AsyncRouterClient(AsyncEngineClient):
     `num_engines` lets the load balancer allow `per_engine` requests in flight per engine behind the
     router."""
 
-    ROUTED = frozenset({"/generate", "/get_model_info", "/get_server_info"})
+    ROUTED = frozenset({"/generate", "/model_info", "/server_info", "/get_model_info", "/get_server_info"})
 
     def __init__(self, router_url: str, engine_urls: Sequence[str], api_key: str | None = None,
                  timeout: float | None = None) -> None:

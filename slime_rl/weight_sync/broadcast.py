@@ -1,5 +1,6 @@
 """Disaggregated weight sync: the trainer's source rank broadcasts HF-named tensors to every
-engine device through one torch.distributed group (gloo on CPU, NCCL on GPU).
+engine device through one torch.distributed group (gloo on CPU, NCCL on GPU). The call sequence
+and the SGLang 0.5.23 rules it follows (sessions, one call at a time): docs/sglang_contract.md.
 
 Every trainer rank runs `sync()`: gathering TP shards is collective, so all ranks walk the
 weights together; only the source rank (global rank 0) buckets and sends. The engines are driven
@@ -14,7 +15,7 @@ What is left per sync is fixed host cost, so everything that repeats is kept: th
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -116,12 +117,77 @@ class _BucketPlan:
         return self.buffer[:self.nbytes]
 
 
+def with_last[T](items: Iterable[T]) -> Iterator[tuple[T, bool]]:
+    """(item, is_last) for each item: one item of look-ahead. The updaters ask the engine to flush its
+    cache on the last bucket only (UpdateWeightsFromDistributedReqInput.flush_cache, default True in
+    SGLang): a flush per bucket repeats work the next bucket makes stale again."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+def in_stage_order[R](pp_rank: int, pp_size: int, barrier: Callable[[], None], send: Callable[[], R]) -> R | None:
+    """Run `send` on this pipeline stage's turn: stage 0 first, then 1, ..., every rank meeting at
+    `barrier` after each turn. Why: an SGLang engine serves one weight-update call at a time and
+    holds it for the whole call (its broadcast included). Stages sending at once to every engine can
+    reach engine A stage 0 first and engine B stage 1 first: A waits in group 0 for B, B in group 1
+    for A, forever. One global order rules that out. A failing `send` still takes part in the
+    remaining barriers (the other ranks wait there), then raises."""
+    result, error = None, None
+    for stage in range(pp_size):
+        if stage == pp_rank:
+            try:
+                result = send()
+            except Exception as e:  # re-raised below, after the barriers the other ranks wait at
+                error = e
+        barrier()
+    if error is not None:
+        raise error
+    return result
+
+
 class EngineControl:
     """What both weight updaters (this broadcaster, colocated.ColocatedUpdater) do to the engines
-    around a sync, through their `_clients` and `_pool`."""
+    around a sync, through their `_clients` and `_pool`.
+
+    Order around one sync (docs/sglang_contract.md): pause_engines, begin_update, the buckets,
+    end_update, continue_engines. SGLang 0.5.23 refuses every update outside the session that
+    /begin_weight_update opens; one caller must open it for all the senders of a sync (with PP
+    the trainer's rank 0 does, `sync(own_session=False)` on every stage)."""
 
     _clients: list
     _pool: ThreadPoolExecutor | None
+
+    def begin_update(self) -> None:
+        """Open the weight-update session on every engine (not on an older server without sessions)."""
+        for c in self._clients:
+            c.open_weight_update_session()
+
+    def end_update(self, quiet: bool = False) -> None:
+        """Close it. `quiet`: after a failed sync, report a refusal instead of raising over the cause."""
+        for c in self._clients:
+            try:
+                c.close_weight_update_session()
+            except EngineError as e:
+                if not quiet:
+                    raise
+                print(f"[slime_rl] {c.base_url}: /end_weight_update after a failed sync: {e}", flush=True)
+
+    def _in_session(self, send: Callable[[], dict[str, float]]) -> dict[str, float]:
+        self.begin_update()
+        try:
+            metrics = send()
+        except BaseException:
+            self.end_update(quiet=True)
+            raise
+        self.end_update()
+        return metrics
 
     def pause_engines(self) -> None:
         """SGLang's /pause_generation on every engine: nothing generates while weights change."""
@@ -144,8 +210,9 @@ class WeightBroadcaster(EngineControl):
 
     With pipeline parallelism every stage has its own source rank and its own group (named per
     stage), each joined by every engine device at the same rank offsets; the stages send their
-    own layers, concurrently. The caller pauses the engines before and continues them after all
-    stages are done (trainer_group does it around a barrier)."""
+    own layers one stage after another (`in_stage_order`). The caller pauses the engines and opens
+    their weight-update session before, and closes and continues after all stages are done
+    (trainer_group does it around barriers)."""
 
     def __init__(self, engines: Sequence[EngineTarget], cfg: WeightSyncConfig, is_source: bool, master_addr: str,
                  master_port: int, world_size: int, backend: str, group_name: str = GROUP_NAME) -> None:
@@ -178,8 +245,10 @@ class WeightBroadcaster(EngineControl):
         for f in futures:
             check_ok(f.result(), "init_weights_update_group")
 
-    def sync(self, named_weights: Iterable[tuple], version: str) -> dict[str, float]:
-        """Send every tensor of `named_weights` to every engine; returns perf metrics. Items are
+    def sync(self, named_weights: Iterable[tuple], version: str, own_session: bool = True) -> dict[str, float]:
+        """Send every tensor of `named_weights` to every engine; returns perf metrics. `own_session`:
+        open and close the engines' weight-update session around it (False: the caller holds one
+        open around every stage's sync). Items are
         (hf_name, tensor) or (hf_name, source, hf_shape) where `source` holds the tensor's elements
         in row-major order in another shape (hf_io.iter_hf_sources: strided QKV views).
 
@@ -189,12 +258,17 @@ class WeightBroadcaster(EngineControl):
         wire time of bucket k and the host never blocks on the GPU until the end. The two buffers
         (2 x --update-weight-buffer-size at most) and each bucket's plan (request, destination views)
         are kept across syncs: the same weights make the same buckets every time."""
-        start = time.perf_counter()
-        total = 0
         if not self.is_source:
             for _ in named_weights:  # take part in the TP/PP gathers that produce the tensors
                 pass
             return {}
+        if own_session:
+            return self._in_session(lambda: self._send(named_weights, version))
+        return self._send(named_weights, version)
+
+    def _send(self, named_weights: Iterable[tuple], version: str) -> dict[str, float]:
+        start = time.perf_counter()
+        total = 0
         phases = {"build": 0.0, "fill": 0.0, "http_wait": 0.0, "device_wait": 0.0}
         cap = self.cfg.update_weight_buffer_size
         buffers = self._buffers
@@ -202,7 +276,7 @@ class WeightBroadcaster(EngineControl):
         futures: list = []
         n_buckets = 0
         t = time.perf_counter()
-        for i, bucket in enumerate(buckets(named_weights, cap)):
+        for i, (bucket, last) in enumerate(with_last(buckets(named_weights, cap))):
             key = _BucketPlan.key_of(bucket)
             slot = i % 2
             plan = self._plans.get(i)
@@ -224,7 +298,7 @@ class WeightBroadcaster(EngineControl):
             phases["http_wait"] += time.perf_counter() - t
             futures = [
                 self._pool.submit(c.update_weights_from_distributed, **plan.request, group_name=self.group_name,
-                                  flush_cache=True, weight_version=version, load_format="flattened_bucket")
+                                  flush_cache=last, weight_version=version, load_format="flattened_bucket")
                 for c in self._clients
             ]
             # one broadcast per bucket (SGLang's flattened bucket): per-tensor calls would pay a

@@ -14,8 +14,10 @@ the handed memory alive exactly as long as the engine may read it; two buffers l
 k+1 overlap the engine's copy of bucket k. Both are freed at the end of `sync()`: during the
 rollout the device memory belongs to the engine.
 
-The caller releases the engines' memory before training and resumes it before `sync()`; after a
-resume the engine refuses to generate until every tensor has been refilled.
+The caller releases the engines' memory (MEMORY_TAGS) before training, resumes the weights alone before
+`sync()` and the KV cache and CUDA graphs after it. A release drops the weights (SGLang without
+--enable-weights-cpu-backup), so the sync after one sends every tensor, frozen ones included; the
+embedded engine refuses to generate until every tensor has been refilled.
 """
 
 from __future__ import annotations
@@ -28,10 +30,15 @@ import torch
 
 from slime_rl.config import WeightSyncConfig
 from slime_rl.engines.tensor_ipc import serialize_named_tensors, use_file_system_sharing
-from slime_rl.rollout.client import EngineClient
-from slime_rl.weight_sync.broadcast import EngineControl, EngineTarget, buckets, check_ok, flatten_bucket
+from slime_rl.rollout.client import EngineClient, EngineError
+from slime_rl.weight_sync.broadcast import EngineControl, EngineTarget, buckets, check_ok, flatten_bucket, with_last
 
-MEMORY_TAGS = ["kv_cache", "weights"]  # what engines release for the training phase (SGLang's tags)
+# SGLang's memory-saver tags (srt/constants.py, 0.5.23). Training takes all three; the sync resumes the
+# weights alone (it writes into them), and the KV cache and CUDA graphs come back only after it, so
+# the trainer's bucket buffers and the engine's KV pool are never on the device at once (slime's order).
+MEMORY_TAGS = ["weights", "kv_cache", "cuda_graph"]
+RESUME_BEFORE_SYNC = ["weights"]
+RESUME_AFTER_SYNC = ["kv_cache", "cuda_graph"]
 
 
 class ColocatedUpdater(EngineControl):
@@ -50,19 +57,41 @@ class ColocatedUpdater(EngineControl):
     def is_source(self) -> bool:
         return bool(self.mine)
 
-    def sync(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
+    def sync(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: str,
+             own_session: bool = True) -> dict[str, float]:
         """Hand every tensor of `named_weights` (HF names) to the engines on this device; returns the
-        broadcaster's perf keys ({} on a rank with no engine, which still walks the gathers)."""
-        start = time.perf_counter()
+        broadcaster's perf keys ({} on a rank with no engine, which still walks the gathers).
+        `own_session`: open/close the weight-update session on this rank's engines around it (False:
+        the caller, rank 0, holds one open on every engine)."""
         if not self.mine:
             for _ in named_weights:
                 pass
             return {}
+        if own_session:
+            mine = [self._clients[e] for e in self.mine]
+            for c in mine:
+                c.open_weight_update_session()
+            try:
+                metrics = self._send(named_weights, version)
+            except BaseException:
+                for c in mine:
+                    try:
+                        c.close_weight_update_session()
+                    except EngineError as e:
+                        print(f"[slime_rl] {c.base_url}: /end_weight_update after a failed sync: {e}", flush=True)
+                raise
+            for c in mine:
+                c.close_weight_update_session()
+            return metrics
+        return self._send(named_weights, version)
+
+    def _send(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
+        start = time.perf_counter()
         phases = {"build": 0.0, "fill": 0.0, "http_wait": 0.0}
         pending: list[list[Future]] = [[], []]  # the requests that read each buffer
         total, n_buckets = 0, 0
         t = time.perf_counter()
-        for i, bucket in enumerate(buckets(named_weights, self.cfg.update_weight_buffer_size)):
+        for i, (bucket, last) in enumerate(with_last(buckets(named_weights, self.cfg.update_weight_buffer_size))):
             phases["build"] += time.perf_counter() - t
             slot = i % 2
             t = time.perf_counter()
@@ -73,7 +102,7 @@ class ColocatedUpdater(EngineControl):
             entry = serialize_named_tensors(views)
             phases["fill"] += time.perf_counter() - t
             pending[slot] = [self._pool.submit(self._clients[e].update_weights_from_tensor, [entry],
-                                               flush_cache=True, weight_version=version) for e in self.mine]
+                                               flush_cache=last, weight_version=version) for e in self.mine]
             total += sum(x.numel() * x.element_size() for _, x, *_ in bucket)
             n_buckets += 1
             t = time.perf_counter()

@@ -119,6 +119,7 @@ def test_nccl_weight_update_from_a_trainer_rank(tiny_qwen2, tmp_path):
         ref = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
         gen = torch.Generator().manual_seed(1)
         new = [(n, torch.randn(p.shape, generator=gen).to("cuda:0")) for n, p in ref.named_parameters()]
+        assert client.open_weight_update_session() is True  # SGLang 0.5.23 refuses updates outside one
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(client.update_weights_from_distributed, [n for n, _ in new],
                               [t.dtype for _, t in new], [list(t.shape) for _, t in new], group_name="wu",
@@ -126,6 +127,7 @@ def test_nccl_weight_update_from_a_trainer_rank(tiny_qwen2, tmp_path):
             for _, t in new:
                 dist_group.broadcast(pg, t, src=0)
             assert fut.result()["success"] is True
+        client.close_weight_update_session()
         for name, t in new:
             got = torch.tensor(client.get_weights_by_name(name, truncate_size=10**6))
             assert torch.equal(got, t.cpu()), name

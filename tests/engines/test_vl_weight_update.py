@@ -62,11 +62,13 @@ def test_update_vision_and_language_weights_then_generate(engine, tiny_qwen2_5_v
         joined = pool.submit(engine.init_weights_update_group, "127.0.0.1", port, 1, 2, "vl", "gloo")
         pg = dist_group.init_custom_group("127.0.0.1", port, 0, 2, "vl", "gloo")
         assert joined.result()["success"] is True
+        assert engine.open_weight_update_session() is True  # SGLang 0.5.23 refuses updates outside one
         fut = pool.submit(engine.update_weights_from_distributed, [n for n, _ in new], [t.dtype for _, t in new],
                           [list(t.shape) for _, t in new], group_name="vl", weight_version="step-1")
         for _, t in new:
             dist_group.broadcast(pg, t, src=0)
         assert fut.result()["success"] is True
+        engine.close_weight_update_session()
     for name in ("visual.blocks.0.attn.qkv.weight", "visual.merger.mlp.2.bias", "model.layers.1.mlp.up_proj.weight"):
         got = torch.tensor(engine.get_weights_by_name(name, truncate_size=10**6), dtype=torch.float32)
         assert torch.equal(got, dict(new)[name]), name

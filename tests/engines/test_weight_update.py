@@ -64,16 +64,35 @@ def group(engine_proc):
 
 
 def push(client: EngineClient, pg, named: list[tuple[str, torch.Tensor]], **kw) -> dict | EngineError:
-    """What the trainer does per bucket: send the metadata over HTTP, broadcast the tensors in order."""
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(client.update_weights_from_distributed, [n for n, _ in named],
-                          [t.dtype for _, t in named], [list(t.shape) for _, t in named], group_name="wu", **kw)
-        for _, t in named:
-            dist_group.broadcast(pg, t, src=0)
-        try:
-            return fut.result()
-        except EngineError as e:
-            return e
+    """What the trainer does per bucket: send the metadata over HTTP, broadcast the tensors in order,
+    inside a weight-update session (SGLang 0.5.23 refuses updates outside one)."""
+    assert client.begin_weight_update() == {"success": True, "message": "Success"}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(client.update_weights_from_distributed, [n for n, _ in named],
+                              [t.dtype for _, t in named], [list(t.shape) for _, t in named], group_name="wu", **kw)
+            for _, t in named:
+                dist_group.broadcast(pg, t, src=0)
+            try:
+                return fut.result()
+            except EngineError as e:
+                return e
+    finally:
+        assert client.end_weight_update()["success"] is True
+
+
+def test_update_outside_a_session_is_refused_before_the_broadcast(group):
+    """SGLang 0.5.23 (weight_updater.py) answers 400 with this message and never joins the bucket's
+    broadcast; so nothing is broadcast here, and a session-wrapped update afterwards still lines up."""
+    client, pg = group
+    with pytest.raises(EngineError) as err:
+        client.update_weights_from_distributed(["model.norm.weight"], [torch.float32], [[64]], group_name="wu")
+    assert err.value.status == 400
+    assert err.value.message == ("update_weights_from_distributed must run between begin_weight_update() and "
+                                 "end_weight_update()")
+    twos = torch.full((64,), 2.0)
+    assert push(client, pg, [("model.norm.weight", twos)])["success"] is True
+    assert client.get_weights_by_name("model.norm.weight") == twos.tolist()
 
 
 def test_update_every_parameter_then_generate(group, tiny_qwen2):
@@ -168,6 +187,7 @@ def test_flattened_bucket_of_mixed_dtypes(group):
     norm = torch.linspace(-1, 1, 64)  # float32, 256 bytes
     bias = torch.linspace(0, 0.5, 64, dtype=torch.bfloat16)  # bf16, 128 bytes, into a float32 param
     flat = torch.cat([t.flatten().view(torch.uint8) for t in (norm, bias)])
+    client.begin_weight_update()
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(client.update_weights_from_distributed,
                           ["model.layers.0.input_layernorm.weight", "model.layers.1.self_attn.q_proj.bias"],
@@ -175,6 +195,7 @@ def test_flattened_bucket_of_mixed_dtypes(group):
                           load_format="flattened_bucket")
         dist_group.broadcast(pg, flat, src=0)
         assert fut.result()["success"] is True
+    client.end_weight_update()
     assert client.get_weights_by_name("model.layers.0.input_layernorm.weight") == norm.tolist()
     got = torch.tensor(client.get_weights_by_name("model.layers.1.self_attn.q_proj.bias", 1000))
     assert torch.equal(got, bias.float())

@@ -3,8 +3,8 @@
 Flag names are SGLang's ServerArgs names where SGLang has the option (sglang/srt/arg_groups/fields/*.py,
 SGLang 0.5.23: --model-path, --host, --port, --api-key, --random-seed, --dtype, --device,
 --max-running-requests, --weight-version, --tp-size, --log-level, --disable-cuda-graph,
---cuda-graph-max-bs-decode, --enable-deterministic-inference; --cuda-graph-max-bs is its older name),
-so a launcher builds the same argv for either engine.
+--cuda-graph-max-bs-decode, --enable-deterministic-inference, --enable-weights-cpu-backup;
+--cuda-graph-max-bs is its older name), so a launcher builds the same argv for either engine.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the static KV cache even without CUDA graphs (CPU, or with --disable-cuda-graph)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="honour each request's sampling_seed (SGLang 0.5.23 ignores it without this switch)")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="keep a host copy of released weights and restore it on resume (SGLang's flag); "
+                        "without it a release drops the weights and they must all be sent again")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -70,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         max_running_requests=args.max_running_requests, weight_version=args.weight_version,
         num_threads=args.num_threads, disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs, static_kv_cache=args.static_kv_cache,
-        enable_deterministic_inference=args.enable_deterministic_inference))
+        enable_deterministic_inference=args.enable_deterministic_inference,
+        enable_weights_cpu_backup=args.enable_weights_cpu_backup))
 
     def stop(signum: int, _frame) -> None:
         # serve_forever runs in this thread; shutdown() must be called from another one.

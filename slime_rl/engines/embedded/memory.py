@@ -2,18 +2,24 @@
 colocated mode (trainer and engine on the same device: the engine gives its memory back while the
 trainer trains).
 
-Tags (ReleaseMemoryOccupationReqInput.tags / ResumeMemoryOccupationReqInput.tags; None means both):
+Tags (ReleaseMemoryOccupationReqInput.tags / ResumeMemoryOccupationReqInput.tags): SGLang 0.5.23's
+memory-saver tags "weights", "kv_cache", "cuda_graph" (srt/constants.py); None or [] means all three.
+As SGLang's SchedulerWeightUpdaterManager does, a release records any tag (one it does not know frees
+nothing), and a resume of a tag that is not released is an error (SGLang: a KeyError, answered 400).
 - "weights": every parameter's storage is resized to 0 bytes (tied parameters share one storage);
   the Parameter objects stay, so the model's structure and the names the weight sync uses stay too.
   Buffers that are not weights (rotary inv_freq, ...) are kept: they are small and never synced.
+- "cuda_graph": the captured graphs (dropped by any release here, see below).
 - "kv_cache": releasing it aborts whatever is running (which frees the dynamic path's per-batch
   cache) and frees the static path's preallocated slot cache.
 Releasing anything aborts running requests and makes the engine refuse /generate (503, with a message
 saying what to do) until it is resumed. On CUDA the freed blocks go back to the driver (empty_cache).
 
-Resuming "weights" re-allocates the storages WITHOUT their old contents: the weights must be refilled
-by /update_weights_from_tensor (or /update_weights_from_distributed) before the engine serves again;
-until every tensor has been refilled, /generate answers 503 naming how many are missing.
+Resuming "weights" re-allocates the storages WITHOUT their old contents (SGLang drops released weights
+unless --enable-weights-cpu-backup): the weights must be refilled by /update_weights_from_tensor (or
+/update_weights_from_distributed) before the engine serves again; until every tensor has been
+refilled, /generate answers 503 naming how many are missing. With `cpu_backup` (the flag) a release
+keeps a host copy of every storage and the resume restores it: nothing to refill.
 
 On the static-cache path (engine.py: slots.py, graphs.py) a release of either tag also drops the
 CUDA graphs and frees the slot KV cache: a graph bakes in the parameters' and the cache's addresses,
@@ -29,7 +35,7 @@ import torch
 from slime_rl.engines.embedded.engine import Engine
 from slime_rl.engines.embedded.sampling import RequestError
 
-TAGS = ("weights", "kv_cache")
+TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 def _view_key(p: torch.Tensor) -> tuple:
@@ -52,8 +58,10 @@ def _own_storage(group: list[torch.nn.Parameter]) -> None:
 
 
 class MemoryOccupation:
-    def __init__(self, engine: Engine, params: dict[str, torch.nn.Parameter]) -> None:
+    def __init__(self, engine: Engine, params: dict[str, torch.nn.Parameter], cpu_backup: bool = False) -> None:
         self.engine = engine
+        self.cpu_backup = cpu_backup
+        self._backup: list[torch.UntypedStorage] = []  # host copies of the released storages (cpu_backup)
         self.device = engine.device
         groups: dict[int, list[torch.nn.Parameter]] = {}
         for p in params.values():
@@ -85,18 +93,28 @@ class MemoryOccupation:
                 if "weights" in tags and not self.weights_released:
                     for group in self._groups:
                         _own_storage(group)
+                        if self.cpu_backup:
+                            self._backup.append(group[0].untyped_storage().cpu().clone())
                         group[0].untyped_storage().resize_(0)
                 self.released |= set(tags)
             self._empty_cache()
 
     def resume(self, body: dict) -> None:
-        tags = _tags(body) if isinstance(body, dict) and body.get("tags") is not None else sorted(self.released)
+        tags = _tags(body)
         with self._lock:
+            not_released = [t for t in tags if t not in self.released]
+            if not_released:  # SGLang: offload_tags.remove(tag) raises KeyError, answered 400
+                raise RequestError(f"tags: {not_released} are not released (released: {sorted(self.released)})")
             with self.engine.model_lock:
-                if "weights" in tags and self.weights_released:
+                if "weights" in tags:
                     for p, nbytes in self._storages:
                         p.untyped_storage().resize_(nbytes)
-                    self._missing = set(self._key_of.values())
+                    if self._backup:  # --enable-weights-cpu-backup: the old contents come back
+                        for (p, _), host in zip(self._storages, self._backup, strict=True):
+                            p.untyped_storage().copy_(host)
+                        self._backup = []
+                    else:
+                        self._missing = set(self._key_of.values())
                 self.released -= set(tags)
             self.engine.set_unavailable(self._message(self.released))
 
@@ -118,6 +136,7 @@ class MemoryOccupation:
                 "cuda_reserved_bytes": torch.cuda.memory_reserved(self.device) if cuda else None}
 
     def _message(self, released: set[str]) -> str | None:
+        released = released & set(TAGS)  # a tag SGLang does not know is recorded but frees nothing
         if released:
             return (f"engine memory is released (tags {sorted(released)}): POST /resume_memory_occupation, then "
                     "refill the weights with /update_weights_from_tensor before generating")
@@ -135,11 +154,8 @@ class MemoryOccupation:
 
 def _tags(body: object) -> list[str]:
     tags = body.get("tags") if isinstance(body, dict) else None
-    if tags is None:
+    if not tags:  # None or []: every tag, as SGLang
         return list(TAGS)
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise RequestError("tags: expected a list of strings")
-    unknown = [t for t in tags if t not in TAGS]
-    if unknown:
-        raise RequestError(f"tags: {unknown} not supported (only {list(TAGS)})")
-    return tags
+    return list(dict.fromkeys(tags))

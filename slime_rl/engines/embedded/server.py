@@ -11,8 +11,9 @@ needs `Authorization: Bearer <key>` and otherwise gets 401 {"error": "Unauthoriz
 One endpoint of our own (not SGLang's): GET or POST /weights_checksum (key required) answers
 {"checksum", "tensors": {hf_name: sha256}, "weight_version"}, sha256 of each parameter's float32
 bytes; the fault-tolerance test compares a restarted engine with the others and the trainer by it.
-/get_server_info also carries our "memory_occupation" (engines/embedded/memory.py: released tags,
-parameter bytes held, CUDA bytes allocated by this process), which the colocated tests read.
+/server_info (and its deprecated name /get_server_info) also carries our "memory_occupation"
+(engines/embedded/memory.py: released tags, parameter bytes held, CUDA bytes allocated by this
+process), which the colocated tests read. /begin_weight_update and /end_weight_update: session.py.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ from slime_rl.engines.embedded.engine import Engine
 from slime_rl.engines.embedded.memory import MemoryOccupation
 from slime_rl.engines.embedded.protocol import build_response, parse_generate, seed_generator
 from slime_rl.engines.embedded.sampling import RequestError
+from slime_rl.engines.embedded.session import WeightUpdateSession
 from slime_rl.engines.embedded.vision import VisionInputs, is_vision_config
 from slime_rl.engines.embedded.weights import WeightSync
 
 logger = logging.getLogger(__name__)
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+DEPRECATED = {"/get_model_info": "/model_info", "/get_server_info": "/server_info"}  # old -> new path
 
 
 @dataclass
@@ -61,6 +64,9 @@ class ServerConfig:
     # SGLang 0.5.23 honours a request's sampling_seed only under --enable-deterministic-inference
     # (sampling_batch_info builds the seeds only then); without it the seed is ignored
     enable_deterministic_inference: bool = False
+    # SGLang's --enable-weights-cpu-backup: a release of "weights" keeps a host copy that a resume
+    # restores; without it the released weights are gone and must be sent again (memory.py)
+    enable_weights_cpu_backup: bool = False
 
 
 class EmbeddedServer:
@@ -102,7 +108,9 @@ class EmbeddedServer:
                              static_cache=cuda_graph or cfg.static_kv_cache, cuda_graph=cuda_graph,
                              cuda_graph_max_bs=cfg.cuda_graph_max_bs)
         self.weights = WeightSync(self.model, self.engine, cfg.weight_version)
-        self.memory = self.weights.memory = MemoryOccupation(self.engine, self.weights.params)
+        self.memory = self.weights.memory = MemoryOccupation(self.engine, self.weights.params,
+                                                             cpu_backup=cfg.enable_weights_cpu_backup)
+        self.session = WeightUpdateSession()
         self._rid_counter = itertools.count()
         self._seed_warned = False
         self.httpd = _Listener((cfg.host, cfg.port), _make_handler(self))
@@ -193,9 +201,13 @@ class EmbeddedServer:
             return (200 if self.engine.is_alive() else 503), None
         if path == "/health_generate":
             return self.health_generate()
-        if path in ("/get_model_info", "/model_info"):
+        if path in DEPRECATED:  # SGLang 0.5.23 still answers the old names, with a warning in its log
+            logger.warning("Endpoint '%s' is deprecated and will be removed in a future version. Please use "
+                           "'%s' instead.", path, DEPRECATED[path])
+            path = DEPRECATED[path]
+        if path == "/model_info":
             return 200, self.model_info()
-        if path in ("/get_server_info", "/server_info"):
+        if path == "/server_info":
             return 200, self.server_info()
         if path == "/weights_checksum":
             return 200, self.weights_checksum()
@@ -237,9 +249,15 @@ class EmbeddedServer:
                          "new_version": version}
         ops = {"/init_weights_update_group": w.init_group, "/destroy_weights_update_group": w.destroy_group,
                "/update_weights_from_distributed": w.update_from_distributed,
-               "/update_weights_from_tensor": w.update_from_tensor}
+               "/update_weights_from_tensor": w.update_from_tensor,
+               "/begin_weight_update": self.session.begin, "/end_weight_update": self.session.end}
         if path in ops:
-            ok, message = ops[path](body)
+            with self.session.call_lock:  # SGLang: one weight-update call at a time, for the whole call
+                refused = self.session.refusal(path)
+                if refused is not None:  # before the group is touched: this bucket's broadcast is not joined
+                    return 400, {"success": False, "message": refused}
+                ok, message = ops[path](body)
+                self.session.note_result(path, ok)
             return (200 if ok else 400), {"success": ok, "message": message}
         return 404, {"detail": "Not Found"}
 
