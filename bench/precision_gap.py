@@ -8,7 +8,9 @@ loop does, and prints mean |Δlogp| over the same sampled response tokens for ea
 islands (`SLIME_RL_FP32_ISLANDS`, see slime_rl/engines/embedded/precision.py):
 
 - engine side: the HF model with `apply_precision_policy`, fed the prompt once and then one token
-  at a time through the KV cache (the decode path the engine's log-probs come from);
+  at a time through the KV cache (the decode path the engine's log-probs come from), and also in
+  one full forward (`prefill_vs_trainer`, `decode_vs_prefill` split the gap: the second part is
+  kernel numerics of one-token steps, which no rounding rule on either side removes);
 - trainer side: megatron GPTModel (TP=1, one gloo rank) built by `build_from_checkpoint`, weights
   by `load_hf_weights`, one forward over prompt + response (the trainer's path).
 
@@ -62,23 +64,26 @@ def sample_sequences(model_dir: Path, n: int, new_tokens: int, device: str) -> l
     return out
 
 
-def engine_logprobs(model_dir: Path, dtype: torch.dtype, seqs, device: str) -> list[torch.Tensor]:
-    """Log-probs of each response token from the HF model on the engine's decode path (KV cache)."""
+def engine_logprobs(model_dir: Path, dtype: torch.dtype, seqs, device: str) -> tuple[list[torch.Tensor], ...]:
+    """Log-probs of each response token from the HF model: on the engine's decode path (prompt once,
+    then one token at a time through the KV cache) and, for comparison, in one full forward."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     print(f"  engine islands: {apply_precision_policy(model) or 'none'}")
-    out = []
+    decode, full = [], []
     with torch.no_grad():
         for prompt, response in seqs:
+            target = torch.tensor(response, device=device)[:, None]
             res = model(torch.tensor([prompt], device=device), use_cache=True)
             logits = [res.logits[0, -1]]
             for tok in response[:-1]:
                 res = model(torch.tensor([[tok]], device=device), past_key_values=res.past_key_values, use_cache=True)
                 logits.append(res.logits[0, -1])
-            lp = torch.log_softmax(torch.stack(logits).float(), dim=-1)
-            out.append(lp.gather(1, torch.tensor(response, device=device)[:, None]).squeeze(1).cpu())
-    return out
+            decode.append(torch.log_softmax(torch.stack(logits).float(), dim=-1).gather(1, target).squeeze(1).cpu())
+            whole = model(torch.tensor([prompt + response], device=device)).logits[0, len(prompt) - 1:-1]
+            full.append(torch.log_softmax(whole.float(), dim=-1).gather(1, target).squeeze(1).cpu())
+    return decode, full
 
 
 def trainer_logprobs(model_dir: Path, bf16: bool, seqs, device: str) -> list[torch.Tensor]:
@@ -132,13 +137,17 @@ def main(argv: list[str] | None = None) -> None:
         islands_from_env()  # a typo in the table fails here
         start = time.perf_counter()
         dtype = getattr(torch, dtype_name)
-        eng = torch.cat(engine_logprobs(model_dir, dtype, seqs, args.device))
+        decode, full = (torch.cat(x) for x in engine_logprobs(model_dir, dtype, seqs, args.device))
         trn = torch.cat(trainer_logprobs(model_dir, dtype == torch.bfloat16, seqs, args.device))
-        diff = (eng - trn).abs()
+        diff = (decode - trn).abs()
         row = {"row": name, "islands": islands, "mean_abs_diff": diff.mean().item(), "max_abs_diff": diff.max().item(),
+               # the same engine model in one full forward: what is left is decode-vs-prefill numerics
+               "prefill_vs_trainer": (full - trn).abs().mean().item(),
+               "decode_vs_prefill": (decode - full).abs().mean().item(),
                "tokens": diff.numel(), "seconds": round(time.perf_counter() - start, 1)}
         results.append(row)
         print(f"{name:34s} mean |dlogp| {row['mean_abs_diff']:.3e}  max {row['max_abs_diff']:.3e}  "
+              f"prefill-vs-trainer {row['prefill_vs_trainer']:.3e}  decode-vs-prefill {row['decode_vs_prefill']:.3e}  "
               f"({row['tokens']} tokens, {row['seconds']} s)", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
