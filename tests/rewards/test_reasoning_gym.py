@@ -89,3 +89,20 @@ def test_bad_rows_name_the_field_and_row(rows):
 def test_unknown_task_in_the_tool_names_the_flag(tmp_path):
     with pytest.raises(SystemExit, match="--task 'no_such_task'"):
         _tool().main(["--task", "no_such_task", "--n", "2", "--out", str(tmp_path / "x.jsonl")])
+
+
+def test_preflight_refuses_rows_without_the_verifiers_metadata(tiny_qwen2, rows, tmp_path):
+    from slime_rl.config import build_config
+    from slime_rl.data import DataError, write_records
+    from slime_rl.train import preflight
+
+    bad = [rows[0], {k: v for k, v in rows[1].items() if k != "reasoning_gym"}]
+    data = write_records(bad, tmp_path / "bad.jsonl")
+    args = ["--hf-checkpoint", str(tiny_qwen2), "--prompt-data", str(data), "--run-dir", str(tmp_path / "run"),
+            "--apply-chat-template", "--rm-type", "reasoning_gym", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--num-rollout", "1",
+            "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
+    with pytest.raises(DataError, match=r"bad\.jsonl \(--rm-type reasoning_gym\): row 1: metadata\['reasoning_gym'\]"):
+        preflight(build_config(args))
+    write_records(rows[:2], data)
+    preflight(build_config(args))  # the tool's rows pass
