@@ -116,7 +116,10 @@ def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]
         max_grad_norm=1.0, max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none",
         bf16=not cpu, use_cpu=cpu, seed=args.seed, use_vllm=False)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32 if cpu else torch.bfloat16)
+    # fp32 weights + bf16 autocast (the HF Trainer's mixed precision) by default, like our fp32 main
+    # params: pure bf16 weights would round away AdamW updates of lr ~5e-6 and barely learn
+    dtype = torch.bfloat16 if args.trl_dtype == "bf16" and not cpu else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=config, train_dataset=dataset,
                           processing_class=tok, callbacks=[StepTimer()])
     trainer.train()
@@ -164,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--trl-micro-batch", type=int, default=64, help="TRL per_device_train_batch_size (completions)")
+    ap.add_argument("--trl-dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="TRL's weights (GPU: bf16 autocast either way); fp32 = mixed precision as ours")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
