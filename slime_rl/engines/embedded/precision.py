@@ -16,12 +16,14 @@ Log-softmax is fp32 on both sides already (`sampling.token_logprobs`, `trainer/l
 RoPE (cos/sin computed in fp32, applied in the activation dtype) and the SDPA softmax (fp32 inside
 the kernels) are done alike by HF, Megatron and SGLang, so they are left as they are.
 
-Measured on CPU (bench/precision_gap.py, SmolLM2-135M, 2 x 16 sampled tokens, mean |dlogp| of the
-engine's decode path vs the trainer): fp32 3.7e-6; bf16 stock 3.2e-2, +lm_head 2.8e-2, both islands
-2.1e-2. With both, the trainer equals the engine's one-pass (prefill) forward bit for bit (0.0): the
-rest is decode-vs-prefill numerics (one-token GEMMs take other kernels and round to bf16 elsewhere;
-an fp32 attention island leaves it at 2.1e-2), which SGLang has as well (its answer is
-batch-invariant kernels, --enable-deterministic-inference / rl_on_policy_target).
+Measured on CPU (bench/precision_gap.py --n 3 --new-tokens 24, SmolLM2-135M, 72 sampled tokens;
+mean |dlogp| of the engine's decode path vs the trainer, then the engine's one-pass forward vs the
+trainer): fp32 3.7e-6; bf16 stock 3.1e-2 / 4.2e-2; +rmsnorm 3.0e-2 / 0.0 (the forwards are then
+equal bit for bit); +lm_head 2.6e-2 / 3.4e-2; both (default) 2.2e-2 / 0.0. What is left is
+decode-vs-prefill numerics (one-token GEMMs take other kernels and round to bf16 elsewhere; an fp32
+attention island leaves it as it is), which SGLang has as well (its answer is batch-invariant
+kernels, --enable-deterministic-inference / rl_on_policy_target). fp32 logits shrink it because a
+logit of ~20 in bf16 carries a rounding step of 0.125.
 
 `SLIME_RL_FP32_ISLANDS` (comma list, default `rmsnorm,lm_head`; `none` for stock HF) selects the
 islands, for `bench/precision_gap.py`, which measures the gap each one closes. fp32 models are
