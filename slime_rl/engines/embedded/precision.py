@@ -86,7 +86,10 @@ def apply_precision_policy(model: torch.nn.Module, islands: frozenset[str] | Non
     done = []
     if "rmsnorm" in islands:
         n = 0
-        for module in model.modules():
+        # the language model only: a VL vision tower runs as stock HF code in the trainer too
+        # (trainer/vision.py), so its norms must round as HF's do on both sides
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        for module in decoder.modules():
             # HF's RMSNorms (LlamaRMSNorm, Qwen2RMSNorm, ...) all hold `weight` and `variance_epsilon`
             if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
                 module.forward = types.MethodType(_rmsnorm_fp32_weight, module)
