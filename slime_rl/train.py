@@ -52,6 +52,8 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
         steps = num_rollout_for_epochs(len(dataset), cfg.rollout.rollout_batch_size, cfg.data.num_epoch)
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_rollout=steps))
     reward_fn(cfg.rollout)
+    if cfg.rollout.rm_type == "reasoning_gym" and cfg.rollout.custom_rm_path is None:
+        check_reasoning_gym_rows(cfg.data.prompt_data, dataset)
     # extension points load here, so a bad dotted path fails before any actor starts
     load_generate_function(cfg.rollout.custom_generate_function_path)
     load_filter(cfg.rollout.dynamic_sampling_filter_path)
@@ -81,6 +83,17 @@ def token_limit(cfg: Config, max_response_len: int, flag: str = "--rollout-max-r
         raise ConfigError(f"{flag} {max_response_len}: no prompt fits with it in the context of {context} "
                           f"({source}); lower it, or let --rollout-max-context-len {context} cap each response")
     return TokenLimit(context, max_response_len, source)
+
+
+def check_reasoning_gym_rows(where: object, dataset: PromptDataset) -> None:
+    """--rm-type reasoning_gym: every row names a reasoning-gym task and has a label, checked now
+    rather than as reward failures in the middle of step 0."""
+    from slime_rl.rewards.reasoning_gym import ReasoningGymLabelError, check_labels
+
+    try:
+        check_labels([r.metadata for r in dataset.rows], [r.label for r in dataset.rows])
+    except ReasoningGymLabelError as exc:
+        raise DataError(f"{where} (--rm-type reasoning_gym): {exc}") from exc
 
 
 def check_model_features(cfg: Config) -> None:

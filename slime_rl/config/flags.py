@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--update-weights-interval", type=_positive_int, default=1,
                    help="broadcast weights to the engines every N steps")
     g.add_argument("--rm-type", default=None,
-                   help="built-in reward: digit, math, format, dapo, f1, math_format, remote_rm")
+                   help="built-in reward: digit, math, format, dapo, f1, math_format, reasoning_gym, remote_rm")
     g.add_argument("--rm-url", default=None, help="remote reward model (POST prompt/response/label/metadata)")
     g.add_argument("--reward-key", default="score", help="the score's key when a reward returns a dict")
     g.add_argument("--rm-timeout", type=float, default=30.0, help="seconds per remote reward call")

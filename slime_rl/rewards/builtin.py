@@ -9,6 +9,7 @@ dict whose "score" is the reward (its other numeric keys are logged as metrics).
 | `format` | 1 when the response is `<think>reasoning</think>` then an answer (see below)  |
 | `f1`     | token F1 of the answer against the label (best over a list of labels)        |
 | `math_format` | 0.9 x `math` + 0.1 x format with a `\boxed{}` answer (EasyR1's score) |
+| `reasoning_gym` | reasoning-gym's own `score_answer` for the row's task (see `rewards.reasoning_gym`); logs `acc` |
 
 `remote_rm` (an HTTP reward model at `--rm-url`) is not here: it needs a URL, so
 `make_reward_fn` builds it (see `slime_rl.rewards.remote`).
@@ -23,6 +24,7 @@ from collections.abc import Callable
 
 from slime_rl.data import Sample
 from slime_rl.rewards.math_grader import answer_region, is_equivalent, last_boxed
+from slime_rl.rewards.reasoning_gym import reasoning_gym_reward
 
 _DIGIT = re.compile(r"\d")
 
@@ -121,4 +123,5 @@ BUILTIN: dict[str, Callable[[Sample], float | dict[str, float]]] = {
     "format": format_reward,
     "f1": f1_reward,
     "math_format": math_format_reward,
+    "reasoning_gym": reasoning_gym_reward,
 }

@@ -7,6 +7,7 @@ chooses the dtype and the parallel layout.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -128,9 +129,32 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
         from slime_rl.trainer.vision import attach_vision_tower
 
         attach_vision_tower(model, arch)
+    if bf16 and post_process and fp32_lm_head_enabled():
+        fp32_output_layer(model.output_layer)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def fp32_lm_head_enabled() -> bool:
+    """The `lm_head` island of the engine's precision policy (engines/embedded/precision.py, env
+    SLIME_RL_FP32_ISLANDS): the trainer follows the same switch so both sides stay alike."""
+    raw = os.environ.get("SLIME_RL_FP32_ISLANDS", "rmsnorm,lm_head")
+    return "lm_head" in {s.strip() for s in raw.split(",")}
+
+
+def fp32_output_layer(layer: torch.nn.Module) -> None:
+    """Logits in fp32 from the bf16 hidden state and bf16 (possibly tied) weight, as SGLang's
+    `--enable-fp32-lm-head` and the built-in engine compute them: bf16 logits of magnitude ~20
+    carry rounding errors of ~0.06, which alone put |trainer - engine| log-prob gaps at ~1e-2.
+    Wraps the layer's linear function (megatron's autograd Function), so TP/SP communication and
+    the backward stay megatron's; the weight's grad flows back through the cast to the bf16 param."""
+    inner = layer._forward_impl
+
+    def forward_impl(input, weight, *args, **kwargs):  # noqa: A002 - megatron's keyword name
+        return inner(input.float(), weight.float(), *args, **kwargs)
+
+    layer._forward_impl = forward_impl
 
 
 class LocalRMSNorm(torch.nn.RMSNorm):

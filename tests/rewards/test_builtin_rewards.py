@@ -127,7 +127,7 @@ def test_f1_by_hand():
 
 def test_digit_unchanged_and_builtin_names():
     assert digit_reward(sample(" 7 3", label="7")) == 1.0 and digit_reward(sample("3 7", label="7")) == 0.0
-    assert set(BUILTIN) == {"digit", "math", "dapo", "format", "f1", "math_format"}
+    assert set(BUILTIN) == {"digit", "math", "dapo", "format", "f1", "math_format", "reasoning_gym"}
 
 
 @pytest.mark.parametrize("response, acc, fmt", [

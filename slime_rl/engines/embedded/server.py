@@ -33,6 +33,7 @@ import torch
 from slime_rl.data.images import load_image_processor
 from slime_rl.engines.embedded.engine import Engine
 from slime_rl.engines.embedded.memory import MemoryOccupation
+from slime_rl.engines.embedded.precision import apply_precision_policy
 from slime_rl.engines.embedded.protocol import build_response, parse_generate, seed_generator
 from slime_rl.engines.embedded.sampling import RequestError
 from slime_rl.engines.embedded.session import WeightUpdateSession
@@ -92,6 +93,8 @@ class EmbeddedServer:
             self.vision = VisionInputs(hf, load_image_processor(cfg.model_path), self.tokenizer)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype).to(cfg.device).eval()
+        # bf16/fp16: the fp32 islands SGLang and the trainer keep (RMSNorm weight, lm head)
+        apply_precision_policy(self.model)
         hf = self.model.config
         eos = set()
         try:

@@ -1,0 +1,215 @@
+"""This project vs TRL's GRPOTrainer on the same model, data, reward and settings, one GPU, one run.
+
+    python bench/peer_trl.py --out bench/results/peer_trl_16x8x64.json [--prompts 16 --group 8 \
+        --max-new-tokens 64 --steps 30 --warmup 5 --lr 5e-6] [--model DIR] [--skip-trl|--skip-ours]
+
+Why: issue #18 measured TRL at 2.1 s per step against our 10.2 s on SmolLM2-135M. This puts both
+on identical work so the ratio can be tracked: the same reasoning-gym prompts (one jsonl, each side
+shuffles it its own way), the same reward (`slime_rl.rewards.reasoning_gym.reasoning_gym_reward`,
+called by both), `--prompts` x `--group` samples and one optimizer step per step, `--max-new-tokens`,
+temperature, lr (constant), AdamW (0.9, 0.999), no weight decay, grad clip 1, clip 0.2 both sides,
+token-mean loss over the batch (TRL's loss_type "dapo"), group-std advantages, no KL (beta 0), bf16.
+
+- ours: `python -m slime_rl.cli train --config configs/smollm2_chain_sum_grpo_1gpu.yaml ...` (the real
+  entry point, colocated on the one GPU) in a subprocess; per-step figures from its metrics.jsonl
+  (`perf/step_s`, `rollout/reward_mean`).
+- TRL: `GRPOTrainer` in this process after ours has exited (HF generate, no vLLM); per-step wall time
+  from a callback (on_step_begin -> on_step_end, one optimizer step each), reward from the reward
+  function's own calls (one per generation batch = one per optimizer step).
+
+`--out F.json`: ours_step_s and trl_step_s (means over steps warmup..steps-1), ratio = trl / ours,
+the settings and both reward series; the raw files (our run dir's metrics.jsonl, TRL's per-step
+records) go next to it, with a PNG of both reward curves. On CPU (`--device cpu`, a smoke run:
+fp32, the CPU recipe) use e.g. --prompts 2 --group 2 --max-new-tokens 8 --steps 2 --warmup 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from slime_rl.data import Sample, write_records  # noqa: E402
+from slime_rl.rewards.reasoning_gym import METADATA_KEY, reasoning_gym_reward  # noqa: E402
+
+
+def make_data(task: str, n: int, seed: int, out: Path) -> list[dict[str, Any]]:
+    from tools.make_reasoning_gym_data import make_rows
+
+    rows = make_rows(task, n, seed)
+    write_records(rows, out)
+    return rows
+
+
+def shared_reward(response: str, label: str, meta: dict[str, Any], index: int = 0) -> float:
+    """The one reward both sides use: reasoning-gym's verifier on the response text."""
+    sample = Sample(index=index, group_index=index, prompt="", prompt_ids=[], label=label, response=response,
+                    metadata={METADATA_KEY: meta})
+    return reasoning_gym_reward(sample)["score"]
+
+
+def run_ours(args: argparse.Namespace, model: Path, data: Path, run_dir: Path) -> list[dict[str, Any]]:
+    recipe = ROOT / "configs" / ("smollm2_chain_sum_cpu.yaml" if args.device == "cpu" else
+                                 "smollm2_chain_sum_grpo_1gpu.yaml")
+    batch = args.prompts * args.group
+    cmd = [sys.executable, "-m", "slime_rl.cli", "train", "--config", str(recipe), "--hf-checkpoint", str(model),
+           "--prompt-data", str(data), "--run-dir", str(run_dir), "--num-rollout", str(args.steps),
+           "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.group),
+           "--global-batch-size", str(batch), "--rollout-max-response-len", str(args.max_new_tokens),
+           "--lr", str(args.lr), "--rollout-temperature", str(args.temperature), "--seed", str(args.seed),
+           *args.ours_extra]
+    if args.device == "cpu":
+        cmd += ["--micro-batch-size", str(batch)]
+    print("ours:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]], out_dir: Path) -> list[dict]:
+    """TRL GRPOTrainer on the same rows; returns one record per optimizer step."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    # the metadata dicts differ between rows (Arrow wants one schema): carried as JSON text
+    dataset = Dataset.from_list([{"prompt": r["input"], "label": r["label"], "rg_meta": json.dumps(r[METADATA_KEY])}
+                                 for r in rows])
+    rewards: list[float] = []
+
+    def reward_fn(completions, label, rg_meta, **kwargs) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scores = [shared_reward(t, lab, json.loads(m), i)
+                  for i, (t, lab, m) in enumerate(zip(texts, label, rg_meta, strict=True))]
+        rewards.append(statistics.fmean(scores))
+        return scores
+
+    steps: list[dict] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, _args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, _args, state, control, **kwargs):
+            steps.append({"step": state.global_step - 1, "step_s": time.perf_counter() - self.start})
+
+    batch = args.prompts * args.group
+    micro = min(batch, args.trl_micro_batch)
+    if batch % micro:
+        raise SystemExit(f"--trl-micro-batch {micro} must divide --prompts x --group = {batch}")
+    cpu = args.device == "cpu"
+    config = GRPOConfig(
+        output_dir=str(out_dir / "trl"), per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
+        num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=args.temperature,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=0.0, epsilon=0.2, epsilon_high=0.2,
+        loss_type="dapo", scale_rewards="group", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
+        max_grad_norm=1.0, max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none",
+        bf16=not cpu, use_cpu=cpu, seed=args.seed, use_vllm=False)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    # fp32 weights + bf16 autocast (the HF Trainer's mixed precision) by default, like our fp32 main
+    # params: pure bf16 weights would round away AdamW updates of lr ~5e-6 and barely learn
+    dtype = torch.bfloat16 if args.trl_dtype == "bf16" and not cpu else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=config, train_dataset=dataset,
+                          processing_class=tok, callbacks=[StepTimer()])
+    trainer.train()
+    for record, reward in zip(steps, rewards, strict=False):
+        record["reward_mean"] = reward
+    return steps
+
+
+def mean_after(values: list[float], warmup: int) -> float:
+    if len(values) <= warmup:
+        raise SystemExit(f"--warmup {warmup} leaves no steps of {len(values)} to average")
+    return statistics.fmean(values[warmup:])
+
+
+def plot(ours: list[float], trl: list[float], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if ours:
+        ax.plot(range(len(ours)), ours, label="slime_rl")
+    if trl:
+        ax.plot(range(len(trl)), trl, label="TRL GRPOTrainer")
+    ax.set(xlabel="step", ylabel="reward mean", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", type=Path, default=None, help="HF folder (default: import the SmolLM2 GGUF)")
+    ap.add_argument("--task", default="chain_sum")
+    ap.add_argument("--n-data", type=int, default=5000)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--lr", type=float, default=5e-6)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--trl-micro-batch", type=int, default=64, help="TRL per_device_train_batch_size (completions)")
+    ap.add_argument("--trl-dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="TRL's weights (GPU: bf16 autocast either way); fp32 = mixed precision as ours")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--skip-ours", action="store_true")
+    ap.add_argument("--ours-extra", nargs=argparse.REMAINDER, default=[], help="more flags for slime-rl train")
+    args = ap.parse_args(argv)
+    out_dir = args.out.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out.stem
+    work = Path(tempfile.mkdtemp(prefix="peer_trl_"))
+    model = args.model
+    if model is None:
+        from tools.import_gguf import import_gguf
+
+        model = import_gguf(work / "model", dtype="fp32" if args.device == "cpu" else "bf16")
+    rows = make_data(args.task, args.n_data, 0, work / f"{args.task}.jsonl")
+    result: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "ours_extra")}
+                              | {"model": str(model), "ours_extra": args.ours_extra}}
+    result["settings"]["model"] = str(model)
+    ours_rewards, trl_rewards = [], []
+    if not args.skip_ours:
+        run_dir = out_dir / f"{stem}_ours_run"
+        metrics = [r for r in run_ours(args, model, work / f"{args.task}.jsonl", run_dir) if r["step"] >= 0]
+        ours_rewards = [r["rollout/reward_mean"] for r in metrics]
+        result |= {"ours_step_s": mean_after([r["perf/step_s"] for r in metrics], args.warmup),
+                   "ours_step_s_series": [r["perf/step_s"] for r in metrics], "ours_reward": ours_rewards,
+                   "ours_rollout_s": mean_after([r["perf/rollout_s"] for r in metrics], args.warmup),
+                   "ours_train_s": mean_after([r["perf/train_s"] for r in metrics], args.warmup),
+                   "ours_logprob_abs_diff": [r.get("train/rollout_logprob_abs_diff") for r in metrics]}
+    if not args.skip_trl:
+        trl_steps = run_trl(args, model, rows, work)
+        (out_dir / f"{stem}_trl_steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in trl_steps))
+        trl_rewards = [s.get("reward_mean") for s in trl_steps]
+        result |= {"trl_step_s": mean_after([s["step_s"] for s in trl_steps], args.warmup),
+                   "trl_step_s_series": [s["step_s"] for s in trl_steps], "trl_reward": trl_rewards}
+    if "ours_step_s" in result and "trl_step_s" in result:
+        result["ratio"] = result["trl_step_s"] / result["ours_step_s"]
+    args.out.write_text(json.dumps(result, indent=2))
+    plot(ours_rewards, trl_rewards, out_dir / f"{stem}_reward.png",
+         f"{args.task}: {args.prompts}x{args.group}, <= {args.max_new_tokens} new tokens, lr {args.lr}")
+    print(json.dumps({k: result.get(k) for k in ("ours_step_s", "trl_step_s", "ratio")}))
+
+
+if __name__ == "__main__":
+    main()

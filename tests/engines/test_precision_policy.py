@@ -1,0 +1,60 @@
+"""The engine's bf16 precision policy (engines/embedded/precision.py): the fp32 islands SGLang keeps,
+checked against float64 references and against the trainer's own norm (torch.nn.RMSNorm)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime_rl.engines.embedded.precision import ENV, apply_precision_policy, islands_from_env
+
+
+@pytest.fixture()
+def llama_bf16(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.bfloat16).eval()
+
+
+def test_rmsnorm_rounds_once_like_sglang_and_the_trainer(llama_bf16, monkeypatch):
+    monkeypatch.setenv(ENV, "rmsnorm")
+    norm = llama_bf16.model.layers[0].input_layernorm
+    torch.manual_seed(0)
+    norm.weight.data = (torch.rand_like(norm.weight, dtype=torch.float32) * 2).bfloat16()
+    x = (torch.randn(16, norm.weight.numel()) * 3).bfloat16()
+    stock = norm(x)
+    assert apply_precision_policy(llama_bf16) == ["rmsnorm x5"]  # 2 layers x 2 norms + the final norm
+    got = norm(x)
+    x64 = x.double()
+    ref = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight.double())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref.bfloat16())  # one rounding, at the end
+    trainer_norm = torch.nn.RMSNorm(x.shape[-1], eps=norm.variance_epsilon, dtype=torch.bfloat16)
+    trainer_norm.weight.data = norm.weight.data.clone()
+    assert torch.equal(got, trainer_norm(x))  # Megatron's local-spec norm rounds the same way
+    assert not torch.equal(stock, got)  # stock HF rounds before the weight product: it differs
+
+
+def test_lm_head_gives_fp32_logits_and_follows_weight_updates(llama_bf16, monkeypatch):
+    monkeypatch.setenv(ENV, "lm_head")
+    assert apply_precision_policy(llama_bf16) == ["lm_head"]
+    head = llama_bf16.get_output_embeddings()
+    h = torch.randn(3, 5, head.in_features).bfloat16()
+    logits = head(h)
+    ref = h.double() @ head.weight.double().T
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), ref, rtol=1e-5, atol=1e-5)  # fp32 accumulation, no bf16 rounding
+    with torch.no_grad():
+        head.weight.mul_(2)  # an in-place weight sync must be seen by the patched forward
+    torch.testing.assert_close(head(h).double(), 2 * ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_models_and_none_are_untouched(tiny_llama, llama_bf16, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    fp32 = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    assert apply_precision_policy(fp32) == []
+    monkeypatch.setenv(ENV, "none")
+    assert apply_precision_policy(llama_bf16) == []
+    monkeypatch.setenv(ENV, "rmsnorm,softmax")
+    with pytest.raises(ValueError, match=r"SLIME_RL_FP32_ISLANDS='rmsnorm,softmax': unknown island\(s\) \['softmax'\]"):
+        islands_from_env()
