@@ -86,12 +86,12 @@ def engine_logprobs(model_dir: Path, dtype: torch.dtype, seqs, device: str) -> t
     return decode, full
 
 
-def trainer_logprobs(model_dir: Path, bf16: bool, seqs, device: str) -> list[torch.Tensor]:
+def trainer_logprobs(model_dir: Path, bf16: bool, seqs, device: str, fp32_lm_head: bool) -> list[torch.Tensor]:
     """Log-probs of each response token from megatron's GPTModel, one full forward per sequence."""
     from slime_rl.trainer.hf_io import load_hf_weights
     from slime_rl.trainer.model import build_from_checkpoint
 
-    arch, model = build_from_checkpoint(model_dir, bf16=bf16)
+    arch, model = build_from_checkpoint(model_dir, bf16=bf16, fp32_lm_head=fp32_lm_head)
     load_hf_weights(model, model_dir, arch)
     model.eval()
     out = []
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         dtype = getattr(torch, dtype_name)
         decode, full = (torch.cat(x) for x in engine_logprobs(model_dir, dtype, seqs, args.device))
-        trn = torch.cat(trainer_logprobs(model_dir, dtype == torch.bfloat16, seqs, args.device))
+        trn = torch.cat(trainer_logprobs(model_dir, dtype == torch.bfloat16, seqs, args.device,
+                                         "lm_head" in islands_from_env()))
         diff = (decode - trn).abs()
         row = {"row": name, "islands": islands, "mean_abs_diff": diff.mean().item(), "max_abs_diff": diff.max().item(),
                # the same engine model in one full forward: what is left is decode-vs-prefill numerics

@@ -69,6 +69,9 @@ class ModelConfig:
     bf16: bool = False
     seed: int = 1234
     freeze_vision_tower: bool = False  # vision-language models: the vision tower does not train
+    # --sglang-enable-fp32-lm-head: logits in fp32 on the engines (SGLang's flag, the built-in engine's
+    # too) and in the trainer alike, so both sides round the logits the same way
+    fp32_lm_head: bool = False
 
 
 @dataclass(frozen=True)

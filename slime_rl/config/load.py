@@ -167,6 +167,11 @@ def _same_path(a: str, b: str | None) -> bool:
     return b is not None and os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
 
 
+def _truthy(value: Any) -> bool:
+    """A `--sglang-<switch>` value: given bare (True) or spelled true/false (YAML, the command line)."""
+    return value is True or str(value).lower() in ("true", "1")
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
@@ -295,7 +300,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         optimizer=OptimizerConfig(a.optimizer, a.lr, a.min_lr, a.lr_decay_style, a.lr_warmup_iters,
                                   a.lr_decay_iters, a.weight_decay, a.clip_grad, a.adam_beta1,
                                   a.adam_beta2, a.adam_eps),
-        model=ModelConfig(hf, a.bf16, a.seed, freeze_vision_tower=a.freeze_vision_tower),
+        model=ModelConfig(hf, a.bf16, a.seed, freeze_vision_tower=a.freeze_vision_tower,
+                          fp32_lm_head=_truthy(sglang.get("enable_fp32_lm_head"))),
         algo=AlgoConfig(a.advantage_estimator, a.eps_clip, eps_high, a.kl_loss_coef, a.kl_loss_type,
                         a.rollout_temperature, not a.disable_grpo_std_normalization, a.overlong_buffer_len,
                         a.overlong_penalty_factor, a.eps_clip_c, a.use_kl_loss, a.kl_coef, a.gamma,

@@ -7,7 +7,6 @@ chooses the dtype and the parallel layout.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -78,7 +77,7 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
                     pre_process: bool | None = None, post_process: bool | None = None,
                     sequence_parallel: bool = False, recompute_granularity: str | None = None,
                     recompute_method: str | None = None, recompute_num_layers: int | None = None,
-                    context_parallel_size: int = 1):
+                    context_parallel_size: int = 1, fp32_lm_head: bool = False):
     """A GPTModel for this rank (parallel state must be initialized). Its logits are vocab-parallel
     ([b, s, padded_vocab / tp]); its parameters are uninitialized until `hf_io.load_hf_weights`.
     pre_process / post_process default to whether this rank is the first / last pipeline stage;
@@ -129,18 +128,11 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
         from slime_rl.trainer.vision import attach_vision_tower
 
         attach_vision_tower(model, arch)
-    if bf16 and post_process and fp32_lm_head_enabled():
+    if bf16 and post_process and fp32_lm_head:
         fp32_output_layer(model.output_layer)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
-
-
-def fp32_lm_head_enabled() -> bool:
-    """The `lm_head` island of the engine's precision policy (engines/embedded/precision.py, env
-    SLIME_RL_FP32_ISLANDS): the trainer follows the same switch so both sides stay alike."""
-    raw = os.environ.get("SLIME_RL_FP32_ISLANDS", "rmsnorm,lm_head")
-    return "lm_head" in {s.strip() for s in raw.split(",")}
 
 
 def fp32_output_layer(layer: torch.nn.Module) -> None:

@@ -79,7 +79,7 @@ class MegatronRank:
             model.hf_checkpoint, bf16=model.bf16, tp_size=tp, pp_size=pp,
             pad_vocab_multiple=pad_vocab_multiple, sequence_parallel=sequence_parallel,
             recompute_granularity=recompute_granularity, recompute_method=recompute_method,
-            recompute_num_layers=recompute_num_layers, context_parallel_size=cp)
+            recompute_num_layers=recompute_num_layers, context_parallel_size=cp, fp32_lm_head=model.fp32_lm_head)
         hf_io.load_hf_weights(self.gpt, model.hf_checkpoint, self.arch)
         vision = None
         if self.arch.vision is not None:

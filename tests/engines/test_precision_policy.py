@@ -48,6 +48,20 @@ def test_lm_head_gives_fp32_logits_and_follows_weight_updates(llama_bf16, monkey
     torch.testing.assert_close(head(h).double(), 2 * ref, rtol=1e-5, atol=1e-5)
 
 
+def test_the_flag_chooses_the_islands_when_the_env_is_unset(tiny_llama, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.delenv(ENV, raising=False)
+    stock = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.bfloat16).eval()
+    # RMSNorm always rounds as SGLang's; fp32 logits only with --enable-fp32-lm-head, as in SGLang
+    assert apply_precision_policy(stock) == ["rmsnorm x5"]
+    h = torch.randn(2, stock.config.hidden_size).bfloat16()
+    assert stock.get_output_embeddings()(h).dtype == torch.bfloat16
+    fp32_head = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.bfloat16).eval()
+    assert apply_precision_policy(fp32_head, fp32_lm_head=True) == ["rmsnorm x5", "lm_head"]
+    assert fp32_head.get_output_embeddings()(h).dtype == torch.float32
+
+
 def test_fp32_models_and_none_are_untouched(tiny_llama, llama_bf16, monkeypatch):
     from transformers import AutoModelForCausalLM
 

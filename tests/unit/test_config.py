@@ -230,3 +230,18 @@ def test_multi_gpu_engines_need_sglang(tmp_path):
     with pytest.raises(ConfigError, match="--rollout-num-gpus-per-engine 2 needs --rollout-backend sglang"):
         build_config(base_argv(tmp_path) + gpus)
     assert build_config(base_argv(tmp_path) + gpus + ["--rollout-backend", "sglang"]).engine.num_engines == 2
+
+
+def test_fp32_lm_head_is_one_switch_for_engines_and_trainer(tmp_path):
+    from slime_rl.orchestration.engines import engine_command
+    from slime_rl.orchestration.placement import plan_placement
+
+    cfg = build_config(base_argv(tmp_path))
+    assert cfg.model.fp32_lm_head is False  # SGLang's default: bf16 logits
+    for flag in (["--sglang-enable-fp32-lm-head"], ["--sglang-enable-fp32-lm-head", "true"]):
+        cfg = build_config(base_argv(tmp_path) + flag)
+        assert cfg.model.fp32_lm_head is True  # the trainer's output layer follows the engines' flag
+        plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=0, cluster_cpus=2)
+        argv = engine_command(cfg, plan.engines[0], host="h", port=1, api_key=None, use_gpu=False)
+        assert "--enable-fp32-lm-head" in argv  # the built-in engine takes SGLang's flag name
+    assert build_config(base_argv(tmp_path) + ["--sglang-enable-fp32-lm-head", "false"]).model.fp32_lm_head is False

@@ -3,7 +3,7 @@
 Flag names are SGLang's ServerArgs names where SGLang has the option (sglang/srt/arg_groups/fields/*.py,
 SGLang 0.5.23: --model-path, --host, --port, --api-key, --random-seed, --dtype, --device,
 --max-running-requests, --weight-version, --tp-size, --log-level, --disable-cuda-graph,
---cuda-graph-max-bs-decode, --enable-deterministic-inference, --enable-weights-cpu-backup;
+--cuda-graph-max-bs-decode, --enable-deterministic-inference, --enable-weights-cpu-backup, --enable-fp32-lm-head;
 --cuda-graph-max-bs is its older name), so a launcher builds the same argv for either engine.
 """
 
@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the static KV cache even without CUDA graphs (CPU, or with --disable-cuda-graph)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="honour each request's sampling_seed (SGLang 0.5.23 ignores it without this switch)")
+    p.add_argument("--enable-fp32-lm-head", action="store_true",
+                   help="logits in fp32 from the bf16 hidden state and weight (SGLang's flag); the trainer "
+                        "computes them so too when the run passes --sglang-enable-fp32-lm-head")
     p.add_argument("--enable-weights-cpu-backup", action="store_true",
                    help="keep a host copy of released weights and restore it on resume (SGLang's flag); "
                         "without it a release drops the weights and they must all be sent again")
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         num_threads=args.num_threads, disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs, static_kv_cache=args.static_kv_cache,
         enable_deterministic_inference=args.enable_deterministic_inference,
-        enable_weights_cpu_backup=args.enable_weights_cpu_backup))
+        enable_weights_cpu_backup=args.enable_weights_cpu_backup, enable_fp32_lm_head=args.enable_fp32_lm_head))
 
     def stop(signum: int, _frame) -> None:
         # serve_forever runs in this thread; shutdown() must be called from another one.

@@ -10,8 +10,11 @@ on where; stock HF modeling code does not. So the engine is brought to SGLang's 
 | `rmsnorm` | `layernorm.py` forward_native: fp32 `(x * weight).to(dtype)` | bf16 `weight * x.to(dtype)` |
 | `lm_head` | `logits_processor.py`, `--enable-fp32-lm-head`: fp32 logits | bf16 matmul, bf16 logits     |
 
-The trainer's side of `lm_head` is `slime_rl.trainer.model.fp32_output_layer`; against a real
-SGLang server pass `--sglang-enable-fp32-lm-head` so both sides compute the same logits.
+`rmsnorm` is always on (it is how SGLang and the trainer round). `lm_head` follows SGLang's own
+switch, `--enable-fp32-lm-head` (off by default there too): a run passes `--sglang-enable-fp32-lm-head`
+and the engines (SGLang or built-in) and the trainer (`slime_rl.trainer.model.fp32_output_layer`) all
+compute fp32 logits, so one flag keeps the two sides alike. It is opt-in because the trainer's fp32
+output layer is an fp32 GEMM over the whole vocabulary (slow at 150k vocabularies).
 Log-softmax is fp32 on both sides already (`sampling.token_logprobs`, `trainer/logprobs.py`), and
 RoPE (cos/sin computed in fp32, applied in the activation dtype) and the SDPA softmax (fp32 inside
 the kernels) are done alike by HF, Megatron and SGLang, so they are left as they are.
@@ -25,9 +28,9 @@ attention island leaves it as it is), which SGLang has as well (its answer is ba
 kernels, --enable-deterministic-inference / rl_on_policy_target). fp32 logits shrink it because a
 logit of ~20 in bf16 carries a rounding step of 0.125.
 
-`SLIME_RL_FP32_ISLANDS` (comma list, default `rmsnorm,lm_head`; `none` for stock HF) selects the
-islands, for `bench/precision_gap.py`, which measures the gap each one closes. fp32 models are
-untouched (every island is a no-op there).
+`SLIME_RL_FP32_ISLANDS` (comma list of islands, or `none` for stock HF) overrides the choice, for
+`bench/precision_gap.py`, which measures the gap each one closes; runs do not set it. fp32 models
+are untouched (every island is a no-op there).
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ ISLANDS = ("rmsnorm", "lm_head")
 ENV = "SLIME_RL_FP32_ISLANDS"
 
 
-def islands_from_env() -> frozenset[str]:
-    """The islands `SLIME_RL_FP32_ISLANDS` names (all by default); an unknown name raises."""
-    raw = os.environ.get(ENV, ",".join(ISLANDS)).strip()
+def islands_from_env(default: frozenset[str] = frozenset(ISLANDS)) -> frozenset[str]:
+    """The islands `SLIME_RL_FP32_ISLANDS` names (`default` when it is unset); an unknown name raises."""
+    if ENV not in os.environ:
+        return default
+    raw = os.environ[ENV].strip()
     names = frozenset() if raw in ("", "none") else frozenset(s.strip() for s in raw.split(",") if s.strip())
     unknown = names - set(ISLANDS)
     if unknown:
@@ -76,10 +81,13 @@ def _lm_head_fp32(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return fp32_linear(hidden_states, self.weight)
 
 
-def apply_precision_policy(model: torch.nn.Module, islands: frozenset[str] | None = None) -> list[str]:
-    """Patch `model`'s RMSNorm modules and output embedding in place (instance methods, so weight
-    updates and tied weights keep working); returns what was patched, for the log."""
-    islands = islands_from_env() if islands is None else islands
+def apply_precision_policy(model: torch.nn.Module, fp32_lm_head: bool = False,
+                           islands: frozenset[str] | None = None) -> list[str]:
+    """Patch `model`'s RMSNorm modules (always) and output embedding (`fp32_lm_head`) in place
+    (instance methods, so weight updates and tied weights keep working); `islands` (or
+    SLIME_RL_FP32_ISLANDS) overrides the choice. Returns what was patched, for the log."""
+    if islands is None:
+        islands = islands_from_env(frozenset({"rmsnorm"} | ({"lm_head"} if fp32_lm_head else set())))
     dtype = next(model.parameters()).dtype
     if dtype == torch.float32 or not islands:
         return []

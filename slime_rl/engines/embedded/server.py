@@ -68,6 +68,8 @@ class ServerConfig:
     # SGLang's --enable-weights-cpu-backup: a release of "weights" keeps a host copy that a resume
     # restores; without it the released weights are gone and must be sent again (memory.py)
     enable_weights_cpu_backup: bool = False
+    # SGLang's --enable-fp32-lm-head: fp32 logits (precision.py); RMSNorm rounds as SGLang's always
+    enable_fp32_lm_head: bool = False
 
 
 class EmbeddedServer:
@@ -94,7 +96,7 @@ class EmbeddedServer:
         else:
             self.model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype).to(cfg.device).eval()
         # bf16/fp16: the fp32 islands SGLang and the trainer keep (RMSNorm weight, lm head)
-        apply_precision_policy(self.model)
+        apply_precision_policy(self.model, fp32_lm_head=cfg.enable_fp32_lm_head)
         hf = self.model.config
         eos = set()
         try:
