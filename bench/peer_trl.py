@@ -152,6 +152,45 @@ def plot(ours: list[float], trl: list[float], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def run_concurrent(args: argparse.Namespace, argv: list[str]) -> None:
+    """This script twice at once, `--skip-trl` on GPU 0 and `--skip-ours` on GPU 1, merged into --out."""
+    import os
+
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("--concurrent needs two GPUs")
+    rest = [a for a in argv if a != "--concurrent"]
+    parts = {}
+    procs = []
+    for side, gpu, skip in (("ours", "0", "--skip-trl"), ("trl", "1", "--skip-ours")):
+        parts[side] = args.out.with_name(f"{args.out.stem}_{side}.json")
+        cmd = [sys.executable, __file__, skip, *_replace_out(rest, parts[side])]  # before a --ours-extra tail
+        procs.append(subprocess.Popen(cmd, env=os.environ | {"CUDA_VISIBLE_DEVICES": gpu}))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"--concurrent: exit codes {codes} (ours, trl)")
+    result = json.loads(parts["ours"].read_text())
+    trl = json.loads(parts["trl"].read_text())
+    result |= {k: v for k, v in trl.items() if k.startswith("trl_")}
+    result["ratio"] = result["trl_step_s"] / result["ours_step_s"]
+    result["settings"]["concurrent"] = "ours on GPU 0, TRL on GPU 1, at the same time"
+    args.out.write_text(json.dumps(result, indent=2))
+    plot(result["ours_reward"], result["trl_reward"], args.out.with_name(f"{args.out.stem}_reward.png"),
+         f"{args.task}: {args.prompts}x{args.group}, <= {args.max_new_tokens} new tokens, lr {args.lr}")
+    print(json.dumps({k: result.get(k) for k in ("ours_step_s", "trl_step_s", "ratio")}))
+
+
+def _replace_out(argv: list[str], out: Path) -> list[str]:
+    argv = list(argv)
+    for i, a in enumerate(argv):
+        if a == "--out":
+            argv[i + 1] = str(out)
+            return argv
+        if a.startswith("--out="):
+            argv[i] = f"--out={out}"
+            return argv
+    raise AssertionError("--out is required")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -172,6 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="two GPUs: ours on GPU 0 and TRL on GPU 1 at the same time (each side alone on its GPU; "
+                         "the host's cores are shared), then one JSON as usual")
     ap.add_argument("--ours-extra", nargs=argparse.REMAINDER, default=[], help="more flags for slime-rl train")
     args = ap.parse_args(argv)
     out_dir = args.out.parent
@@ -184,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
 
         model = import_gguf(work / "model", dtype="fp32" if args.device == "cpu" else "bf16")
     rows = make_data(args.task, args.n_data, 0, work / f"{args.task}.jsonl")
+    if args.concurrent:
+        return run_concurrent(args, argv if argv is not None else sys.argv[1:])
     result: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "ours_extra")}
                               | {"model": str(model), "ours_extra": args.ours_extra}}
     result["settings"]["model"] = str(model)
