@@ -113,7 +113,10 @@ class StaticDecoder:
             mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)
         else:
             mask = visible
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask={"full_attention": mask},
+        # a 4-D tensor, not a {"layer type": mask} dict: every family's mask builder
+        # (masking_utils.create_causal_mask) returns a 4-D mask as it is, while only Qwen2/Qwen3's
+        # forward accepts the dict (Llama hands it to create_causal_mask, which calls .ndim on it)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                          use_cache=True, **{self.cache_kw: self.cache})
         return out.logits[:, -1, :]
 
