@@ -359,16 +359,15 @@ class Engine:
     def _sample_and_check(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
         """Sample one token per row, record it, finish rows that stop; returns the indices to keep."""
         params = [r.req.params for r in rows]
-        dev = self.device
-        temp = torch.tensor([p.temperature for p in params], device=dev)
+        temp = torch.tensor([p.temperature for p in params], device=self.device)
         logprobs = token_logprobs(logits, temp)
-        tokens = sample(logprobs, torch.tensor([p.top_p for p in params], device=dev),
-                        torch.tensor([p.top_k for p in params], device=dev),
-                        torch.tensor([p.min_p for p in params], device=dev),
-                        [r.req.generator or self.default_gen for r in rows])
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        tokens = sample(logprobs, params, [r.req.generator for r in rows], self.default_gen)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        # one device->host copy per step (token ids < 2**53 are exact in float64)
+        host = torch.stack([tokens.double(), chosen.double()]).cpu()
+        tok_list, lp_list = host[0].long().tolist(), host[1].tolist()
         keep = []
-        for i, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), chosen, strict=True)):
+        for i, (row, tok, lp) in enumerate(zip(rows, tok_list, lp_list, strict=True)):
             req = row.req
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
