@@ -109,7 +109,7 @@ class Engine:
         self._stopping = False
         self._unavailable: str | None = None  # memory released (colocated mode): why requests are refused
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "max_running_rows": 0,
-                      "requests_finished": 0, "requests_aborted": 0}
+                      "requests_finished": 0, "requests_aborted": 0, "prefill_shared_rows": 0}
         self._thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
         self._thread.start()
 
@@ -293,7 +293,16 @@ class Engine:
                 self._cond.notify_all()
             return
         seqs = [r.input_ids + r.output_ids for r in ready]
-        ids, mask, pos = left_pad(seqs, self.pad_id, self.device)
+        # prefix sharing: the n samples of a GRPO group carry the same prompt; prefill each distinct
+        # sequence once and give every request a copy of its row (KV cache, mask, logits). Images
+        # make requests differ beyond their ids, so vision models prefill every request.
+        if self.is_vision:
+            distinct, src = seqs, list(range(len(seqs)))
+        else:
+            first: dict[tuple[int, ...], int] = {}
+            src = [first.setdefault(tuple(s), len(first)) for s in seqs]
+            distinct = [list(k) for k in first]
+        ids, mask, pos = left_pad(distinct, self.pad_id, self.device)
         want_input_lp = any(r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in ready)
         with self.model_lock, torch.no_grad():
             self.wait_weights()
@@ -306,13 +315,19 @@ class Engine:
             out = self.model(**inputs, attention_mask=mask, position_ids=pos, use_cache=True,
                              logits_to_keep=0 if want_input_lp else 1)
         self.stats["prefill_forwards"] += 1
+        self.stats["prefill_shared_rows"] += len(ready) - len(distinct)
         if want_input_lp:
-            self._input_logprobs(ready, out.logits, ids.shape[1])
+            self._input_logprobs(ready, src, out.logits, ids.shape[1])
         rows = [Row(req=r, next_pos=len(s) + d) for r, s, d in zip(ready, seqs, deltas, strict=True)]
-        keep = self._sample_and_check(rows, out.logits[:, -1, :])
+        cache, last = _out_cache(out), out.logits[:, -1, :]
+        if len(distinct) < len(ready):
+            idx = torch.tensor(src, device=self.device)
+            cache.batch_select_indices(idx)  # repeated indices: one copy of the row per request
+            mask, last = mask.index_select(0, idx), last.index_select(0, idx)
+        keep = self._sample_and_check(rows, last)
         with self._cond:
             n_old = len(self._batch)
-            self._batch.merge(rows, mask, _out_cache(out))
+            self._batch.merge(rows, mask, cache)
             self._batch.keep(list(range(n_old)) + [n_old + i for i in keep])
             self._admitting = []
             self.stats["max_running_rows"] = max(self.stats["max_running_rows"], len(self._batch))
@@ -345,9 +360,11 @@ class Engine:
             b.keep(keep)
             self._cond.notify_all()
 
-    def _input_logprobs(self, reqs: list[GenRequest], logits: torch.Tensor, width: int) -> None:
-        """Prompt log-probs from `logprob_start_len` on; the first prompt token has none (None)."""
-        for i, req in enumerate(reqs):
+    def _input_logprobs(self, reqs: list[GenRequest], src: list[int], logits: torch.Tensor, width: int) -> None:
+        """Prompt log-probs from `logprob_start_len` on; the first prompt token has none (None).
+        Request j's prompt is row src[j] of `logits` (shared prefills)."""
+        for j, req in enumerate(reqs):
+            i = src[j]
             if not (req.return_logprob and req.logprob_start_len >= 0):
                 continue
             n, off = len(req.input_ids), width - len(req.input_ids)
