@@ -109,7 +109,8 @@ class Engine:
         self._stopping = False
         self._unavailable: str | None = None  # memory released (colocated mode): why requests are refused
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "max_running_rows": 0,
-                      "requests_finished": 0, "requests_aborted": 0, "prefill_shared_rows": 0}
+                      "requests_finished": 0, "requests_aborted": 0, "prefill_shared_rows": 0,
+                      "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
         self._thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
         self._thread.start()
 
@@ -251,10 +252,17 @@ class Engine:
                 self._admitting = admit
                 run_decode = self._paused is None and bool(self._batch.rows)
             try:
+                # wall time per phase (each ends with a device->host copy of the sampled tokens, so it
+                # includes the device work): bench/engine_throughput.py reads them from /get_server_info
+                t0 = time.perf_counter()
                 if admit:
                     self._prefill(admit)
+                t1 = time.perf_counter()
                 if run_decode:
                     self._decode()
+                    self.stats["decode_s"] += time.perf_counter() - t1
+                if admit:
+                    self.stats["prefill_s"] += t1 - t0
             except Exception as e:  # the scheduler must outlive a failed forward, or every caller hangs
                 logger.exception("embedded engine: forward failed; failing the running requests")
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
@@ -316,6 +324,7 @@ class Engine:
                              logits_to_keep=0 if want_input_lp else 1)
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_shared_rows"] += len(ready) - len(distinct)
+        self.stats["prefill_tokens"] += sum(len(s) for s in distinct)
         if want_input_lp:
             self._input_logprobs(ready, src, out.logits, ids.shape[1])
         rows = [Row(req=r, next_pos=len(s) + d) for r, s, d in zip(ready, seqs, deltas, strict=True)]
