@@ -27,6 +27,7 @@ import logging
 
 import torch
 
+from slime_rl.engines.embedded.attention import slot_decode_attention
 from slime_rl.engines.embedded.batch import Row
 from slime_rl.engines.embedded.slots import SlotBatch, SlotCache, batch_buckets, slot_inputs
 
@@ -116,8 +117,9 @@ class StaticDecoder:
         # a 4-D tensor, not a {"layer type": mask} dict: every family's mask builder
         # (masking_utils.create_causal_mask) returns a 4-D mask as it is, while only Qwen2/Qwen3's
         # forward accepts the dict (Llama hands it to create_causal_mask, which calls .ndim on it)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                         use_cache=True, **{self.cache_kw: self.cache})
+        with slot_decode_attention(self.model):  # grouped-query decode without copying K/V (attention.py)
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                             use_cache=True, **{self.cache_kw: self.cache})
         return out.logits[:, -1, :]
 
     def _capture(self, bs: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
