@@ -99,7 +99,10 @@ class StaticDecoder:
             logits = self._forward(bs, kv_len)
             self.stats["static_eager_steps"] += 1
         self.stats["slot_moves"] = self.batch.moves
-        return logits.index_select(0, torch.tensor([r.slot for r in rows], device=self.device))
+        slots = [r.slot for r in rows]
+        if slots == list(range(len(rows))):  # rows in slot order (no compaction moved one): no gather
+            return logits[:len(rows)]  # a view of the graph's output; the sampler reads it before the next step
+        return logits.index_select(0, torch.tensor(slots, device=self.device))
 
     def _forward(self, bs: int, kv_len: int) -> torch.Tensor:
         """The step on the first bs slots, reading the static input buffer (what a graph captures)."""
