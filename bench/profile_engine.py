@@ -5,8 +5,9 @@ through the embedded engine:
 1. in process (Engine.submit of all requests): the scheduler's phases are wrapped in timers and
    torch.profiler ranges ("engine.prefill", "engine.decode", "engine.sample"); on CUDA the profiler
    gives the device (kernel) time inside each range, so host overhead = wall - device;
-2. over HTTP (an EmbeddedServer on a free port, one /generate per sample from `--concurrency`
-   client threads, as the rollout client sends them): wall time minus run 1's is the HTTP path.
+2. over HTTP (the engine in its own process, as deployed; one /generate per sample from
+   `--concurrency` client threads, as the rollout client sends them): wall time minus run 1's is the
+   HTTP path, and the engine's own timers say how much of the wall it was busy.
 
     python bench/profile_engine.py                        # CPU small mode: tiny random Qwen2, 4 x 2 x 8
     python bench/profile_engine.py --model smollm2 --prompts 16 --samples 8 --new-tokens 32   # real model
@@ -174,26 +175,53 @@ def run_in_process(server, prompts, a, vocab: int, profile: bool) -> dict:
     return out
 
 
-def run_http(server, prompts, a) -> dict:
+def run_http(ckpt: Path, prompts, a, cuda: bool, work: Path) -> dict:
+    """The engine in its own process (as deployed: the rollout client lives in another process, so
+    the two do not share a GIL), one /generate per sample from `--concurrency` client threads."""
+    import subprocess
+
+    from common import free_port
+
+    from slime_rl.engines.launch import embedded_command, wait_healthy
     from slime_rl.rollout.client import KeepAliveEngineClient
 
-    params = {"max_new_tokens": a.new_tokens, "temperature": 1.0, "ignore_eos": True}
-    local = threading.local()
+    port, log = free_port(), work / "engine_http.log"
+    argv = embedded_command(ckpt, "127.0.0.1", port, device="cuda" if cuda else "cpu",
+                            dtype="bfloat16" if cuda else "float32", max_running_requests=a.max_running,
+                            num_threads=a.threads, disable_cuda_graph=a.dynamic)
+    if a.static and not cuda:
+        argv += ["--static-kv-cache"]
+    proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout=600, process=proc, log_path=log)
+        params = {"max_new_tokens": a.new_tokens, "temperature": 1.0, "ignore_eos": True}
+        local = threading.local()
 
-    def one(prompt: list[int]) -> int:
-        if not hasattr(local, "client"):
-            local.client = KeepAliveEngineClient(server.url)
-        out = local.client.generate([prompt], params, return_logprob=True)
-        return len(out[0]["output_ids"])
+        def one(prompt: list[int]) -> int:
+            if not hasattr(local, "client"):
+                local.client = KeepAliveEngineClient(url)
+            out = local.client.generate([prompt], params, return_logprob=True)
+            return len(out[0]["output_ids"])
 
-    work = [p for p in prompts for _ in range(a.samples)]
-    before = server.engine.load()["prefill_forwards"]
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(a.concurrency) as pool:
-        tokens = sum(pool.map(one, work))
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "prefill_forwards": server.engine.load()["prefill_forwards"] - before}
+        work_items = [p for p in prompts for _ in range(a.samples)]
+        res = {}
+        for _ in range(2):  # the first run captures the CUDA graphs; the second is measured
+            with KeepAliveEngineClient(url) as c:
+                before = c.get_server_info()["internal_states"][0]
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(a.concurrency) as pool:
+                tokens = sum(pool.map(one, work_items))
+            wall = time.perf_counter() - t0
+            with KeepAliveEngineClient(url) as c:
+                state = c.get_server_info()["internal_states"][0]
+            res = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+                   **{k: state[k] - before[k] for k in ("prefill_forwards", "decode_forwards", "decode_s",
+                                                         "prefill_s", "prefill_shared_rows") if k in state}}
+        return res
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def main() -> None:
@@ -231,10 +259,10 @@ def main() -> None:
                "path": "dynamic" if server.engine._static is None else "static",
                "prompts": a.prompts, "samples": a.samples, "new_tokens": a.new_tokens,
                "in_process": run_in_process(server, prompts, a, vocab, not a.no_profile)}
-        if not a.skip_http:
-            res["http"] = run_http(server, prompts, a)
     finally:
         server.shutdown()
+    if not a.skip_http:
+        res["http"] = run_http(ckpt, prompts, a, cuda, work)
     report(res)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
@@ -262,9 +290,11 @@ def report(res: dict) -> None:
         print("host self time by op (ms, calls): " + "; ".join(f"{k} {t} ({n})" for k, t, n in r["top_host_ops"]))
     if "http" in res:
         h = res["http"]
-        print(f"over HTTP (one /generate per sample): {h['tokens']} tokens in {h['wall_s']:.3f} s = "
-              f"{h['tokens_per_s']:,.0f} tokens/s, {h['prefill_forwards']} prefill forwards; "
-              f"HTTP path adds {h['wall_s'] - r['wall_s']:+.3f} s")
+        busy = h.get("decode_s", 0.0) + h.get("prefill_s", 0.0)
+        print(f"over HTTP (engine process, one /generate per sample): {h['tokens']} tokens in {h['wall_s']:.3f} s "
+              f"= {h['tokens_per_s']:,.0f} tokens/s, {h['prefill_forwards']} prefill forwards, "
+              f"{h['decode_forwards']} decode steps; engine busy {busy:.3f} s ({100 * busy / h['wall_s']:.0f}% of "
+              f"the wall); HTTP path adds {h['wall_s'] - r['wall_s']:+.3f} s over in process")
 
 
 if __name__ == "__main__":
