@@ -19,7 +19,8 @@ ROUTER_PREFIX = "--router-"
 OWN_SGLANG_FLAGS = ("--sglang-server-concurrency", "--sglang-router-port")
 # SGLang ServerArgs the built-in engine reads too (its CLI takes the same names), so --sglang-<name>
 # also works with --rollout-backend embedded
-EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "cuda_graph_max_bs_decode", "enable_fp32_lm_head")
+EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "cuda_graph_max_bs_decode", "enable_fp32_lm_head",
+                        "max_running_requests")
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "ppo")

@@ -61,7 +61,13 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                               extra=extra)
     # on CPU the engine runs while the trainer ranks wait (sync loop), so it may use every core
     graph_bs = cfg.engine.sglang_args.get("cuda_graph_max_bs_decode")  # the SGLang flags it shares
+    # rows decoding together: --sglang-max-running-requests, else as many as the rollout client keeps
+    # in flight (--sglang-server-concurrency), so no request waits in the engine while slots are free
+    # and none waits in the client while the engine could batch it
+    running = cfg.engine.sglang_args.get("max_running_requests")
+    running = int(running) if running is not None else cfg.rollout.concurrency_per_engine
     return embedded_command(model_path=cfg.model.hf_checkpoint, host=host, port=port, api_key=None, seed=seed,
+                            max_running_requests=running,
                             device="cuda" if use_gpu else "cpu", dtype="bfloat16" if cfg.model.bf16 else "float32",
                             num_threads=None if use_gpu else (os.cpu_count() or 1),
                             disable_cuda_graph=cfg.engine.sglang_args.get("disable_cuda_graph") in (True, "true"),

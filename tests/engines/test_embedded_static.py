@@ -156,6 +156,9 @@ def test_batch_buckets():
     assert batch_buckets(3) == [1, 2, 3]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 100]
+    assert batch_buckets(512) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192, 224, 256, 320, 384,
+                                  448, 512]
 
 
 def test_unsupported_models_stay_on_the_dynamic_path(model_tok, tiny_qwen2_5_vl):

@@ -239,10 +239,10 @@ def test_retract_reprefills_images_and_positions(vl_server, vl_http, vl64, rows,
 
     row, imgs = rows[0][0], rows[1][0]
     body = {"input_ids": wire(row), "image_data": image_data_of(row.images), "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 100, "ignore_eos": True, "sampling_seed": 7}}
+            "sampling_params": {"max_new_tokens": 100, "ignore_eos": True, "sampling_seed": 6}}
     plain = vl_http.post("/generate", json=body).json()
     pad = vl_server.model.config.image_token_id
-    assert plain["output_ids"].index(pad) == 7  # seed 7 samples a pad early: retracted after it
+    assert plain["output_ids"].index(pad) == 7  # seed 6 samples a pad early: retracted after it
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("r", vl_http.post("/generate", json=body)))
     before = vl_server.engine.load()["decode_forwards"]

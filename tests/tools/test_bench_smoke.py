@@ -47,6 +47,15 @@ def test_engine_throughput_smoke(tmp_path, script):
     last, result = run_smoke(script, tmp_path)
     assert re.fullmatch(r"ratio \(engine / HF generate tokens/s\) \d+\.\d\d", last), last
     assert result["engine_tokens_per_s"] > 0 and result["hf_tokens_per_s"] > 0
+    for b in (2, 4):  # the smoke mode's decode batches
+        assert result[f"decode_step_s_b{b}"] > 0 and result[f"roofline_step_s_b{b}"] > 0
+        assert result[f"step_over_roofline_b{b}"] == result[f"decode_step_s_b{b}"] / result[f"roofline_step_s_b{b}"]
+    # bytes a step reads, by hand for the tiny shape (bench/common.py): 2 layers, hidden 64, MLP 128,
+    # vocab 64 tied, 2 KV heads of 16 dims; fp32; contexts of 8 prompt + 8 / 2 decode tokens
+    params = 64 * 64 + 2 * (2 * 64 + (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128) + 64
+    kv = 4 * 12 * 2 * 2 * 2 * 16
+    assert result["step_bytes_b4"] == 4 * params + 4 * kv
+    assert result["prefill_tokens_per_s"] > 0 and result["device_copy_bytes_per_s"] > 0
 
 
 def test_gpu_e2e_smoke(tmp_path):
@@ -61,3 +70,15 @@ def test_gpu_e2e_smoke(tmp_path):
     assert last.startswith("disaggregated tiny: 3 steps") and last.endswith("PASS"), last
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["perf/weight_sync_GBps"] > 0 for r in rows)
+
+
+def test_profile_engine_smoke(tmp_path):
+    """bench/profile_engine.py on CPU: the phase table, from the scheduler thread's profiler too."""
+    last, result = run_smoke("profile_engine.py", tmp_path)
+    assert last.startswith("over HTTP (engine process, one /generate per sample): 64 tokens"), last
+    r = result["in_process"]
+    assert r["tokens"] == 4 * 2 * 8 and r["decode_steps"] == 7  # the first token of each comes from prefill
+    assert r["engine.decode_calls"] == 7 and r["prefill_forwards"] >= 1
+    for label in ("engine.prefill", "engine.decode", "engine.sample"):
+        assert r[f"{label}_host_s"] > 0, label  # the profiler saw the scheduler thread's ranges
+    assert result["http"]["tokens"] == 64

@@ -110,7 +110,8 @@ class Engine:
         self._stopping = False
         self._unavailable: str | None = None  # memory released (colocated mode): why requests are refused
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "max_running_rows": 0,
-                      "requests_finished": 0, "requests_aborted": 0}
+                      "requests_finished": 0, "requests_aborted": 0, "prefill_shared_rows": 0,
+                      "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
         self._thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
         self._thread.start()
 
@@ -255,10 +256,17 @@ class Engine:
                 self._admitting = admit
                 run_decode = self._paused is None and bool(self._batch.rows)
             try:
+                # wall time per phase (each ends with a device->host copy of the sampled tokens, so it
+                # includes the device work): bench/engine_throughput.py reads them from /get_server_info
+                t0 = time.perf_counter()
                 if admit:
                     self._prefill(admit)
+                t1 = time.perf_counter()
                 if run_decode:
                     self._decode()
+                    self.stats["decode_s"] += time.perf_counter() - t1
+                if admit:
+                    self.stats["prefill_s"] += t1 - t0
             except Exception as e:  # the scheduler must outlive a failed forward, or every caller hangs
                 logger.exception("embedded engine: forward failed; failing the running requests")
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
@@ -297,7 +305,16 @@ class Engine:
                 self._cond.notify_all()
             return
         seqs = [r.input_ids + r.output_ids for r in ready]
-        ids, mask, pos = left_pad(seqs, self.pad_id, self.device)
+        # prefix sharing: the n samples of a GRPO group carry the same prompt; prefill each distinct
+        # sequence once and give every request a copy of its row (KV cache, mask, logits). Images
+        # make requests differ beyond their ids, so vision models prefill every request.
+        if self.is_vision:
+            distinct, src = seqs, list(range(len(seqs)))
+        else:
+            first: dict[tuple[int, ...], int] = {}
+            src = [first.setdefault(tuple(s), len(first)) for s in seqs]
+            distinct = [list(k) for k in first]
+        ids, mask, pos = left_pad(distinct, self.pad_id, self.device)
         want_input_lp = any(r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in ready)
         with self.model_lock, torch.no_grad():
             self.wait_weights()
@@ -310,13 +327,20 @@ class Engine:
             out = self.model(**inputs, attention_mask=mask, position_ids=pos, use_cache=True,
                              logits_to_keep=0 if want_input_lp else 1)
         self.stats["prefill_forwards"] += 1
+        self.stats["prefill_shared_rows"] += len(ready) - len(distinct)
+        self.stats["prefill_tokens"] += sum(len(s) for s in distinct)
         if want_input_lp:
-            self._input_logprobs(ready, out.logits, ids.shape[1])
+            self._input_logprobs(ready, src, out.logits, ids.shape[1])
         rows = [Row(req=r, next_pos=len(s) + d) for r, s, d in zip(ready, seqs, deltas, strict=True)]
-        keep = self._sample_and_check(rows, out.logits[:, -1, :])
+        cache, last = _out_cache(out), out.logits[:, -1, :]
+        if len(distinct) < len(ready):
+            idx = torch.tensor(src, device=self.device)
+            cache.batch_select_indices(idx)  # repeated indices: one copy of the row per request
+            mask, last = mask.index_select(0, idx), last.index_select(0, idx)
+        keep = self._sample_and_check(rows, last)
         with self._cond:
             n_old = len(self._batch)
-            self._batch.merge(rows, mask, _out_cache(out))
+            self._batch.merge(rows, mask, cache)
             self._batch.keep(list(range(n_old)) + [n_old + i for i in keep])
             self._admitting = []
             self.stats["max_running_rows"] = max(self.stats["max_running_rows"], len(self._batch))
@@ -349,9 +373,11 @@ class Engine:
             b.keep(keep)
             self._cond.notify_all()
 
-    def _input_logprobs(self, reqs: list[GenRequest], logits: torch.Tensor, width: int) -> None:
-        """Prompt log-probs from `logprob_start_len` on; the first prompt token has none (None)."""
-        for i, req in enumerate(reqs):
+    def _input_logprobs(self, reqs: list[GenRequest], src: list[int], logits: torch.Tensor, width: int) -> None:
+        """Prompt log-probs from `logprob_start_len` on; the first prompt token has none (None).
+        Request j's prompt is row src[j] of `logits` (shared prefills)."""
+        for j, req in enumerate(reqs):
+            i = src[j]
             if not (req.return_logprob and req.logprob_start_len >= 0):
                 continue
             n, off = len(req.input_ids), width - len(req.input_ids)
@@ -363,16 +389,15 @@ class Engine:
     def _sample_and_check(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
         """Sample one token per row, record it, finish rows that stop; returns the indices to keep."""
         params = [r.req.params for r in rows]
-        dev = self.device
-        temp = torch.tensor([p.temperature for p in params], device=dev)
+        temp = torch.tensor([p.temperature for p in params], device=self.device)
         logprobs = token_logprobs(logits, temp)
-        tokens = sample(logprobs, torch.tensor([p.top_p for p in params], device=dev),
-                        torch.tensor([p.top_k for p in params], device=dev),
-                        torch.tensor([p.min_p for p in params], device=dev),
-                        [r.req.generator or self.default_gen for r in rows])
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        tokens = sample(logprobs, params, [r.req.generator for r in rows], self.default_gen)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        # one device->host copy per step (token ids < 2**53 are exact in float64)
+        host = torch.stack([tokens.double(), chosen.double()]).cpu()
+        tok_list, lp_list = host[0].long().tolist(), host[1].tolist()
         keep = []
-        for i, (row, tok, lp) in enumerate(zip(rows, tokens.tolist(), chosen, strict=True)):
+        for i, (row, tok, lp) in enumerate(zip(rows, tok_list, lp_list, strict=True)):
             req = row.req
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)

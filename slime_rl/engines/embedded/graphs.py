@@ -27,6 +27,7 @@ import logging
 
 import torch
 
+from slime_rl.engines.embedded.attention import slot_decode_attention
 from slime_rl.engines.embedded.batch import Row
 from slime_rl.engines.embedded.slots import SlotBatch, SlotCache, batch_buckets, slot_inputs
 
@@ -98,7 +99,10 @@ class StaticDecoder:
             logits = self._forward(bs, kv_len)
             self.stats["static_eager_steps"] += 1
         self.stats["slot_moves"] = self.batch.moves
-        return logits.index_select(0, torch.tensor([r.slot for r in rows], device=self.device))
+        slots = [r.slot for r in rows]
+        if slots == list(range(len(rows))):  # rows in slot order (no compaction moved one): no gather
+            return logits[:len(rows)]  # a view of the graph's output; the sampler reads it before the next step
+        return logits.index_select(0, torch.tensor(slots, device=self.device))
 
     def _forward(self, bs: int, kv_len: int) -> torch.Tensor:
         """The step on the first bs slots, reading the static input buffer (what a graph captures)."""
@@ -113,8 +117,12 @@ class StaticDecoder:
             mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)
         else:
             mask = visible
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask={"full_attention": mask},
-                         use_cache=True, **{self.cache_kw: self.cache})
+        # a 4-D tensor, not a {"layer type": mask} dict: every family's mask builder
+        # (masking_utils.create_causal_mask) returns a 4-D mask as it is, while only Qwen2/Qwen3's
+        # forward accepts the dict (Llama hands it to create_causal_mask, which calls .ndim on it)
+        with slot_decode_attention(self.model):  # grouped-query decode without copying K/V (attention.py)
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                             use_cache=True, **{self.cache_kw: self.cache})
         return out.logits[:, -1, :]
 
     def _capture(self, bs: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:

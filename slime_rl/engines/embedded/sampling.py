@@ -113,31 +113,65 @@ def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Ten
     return torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
 
 
-def sample(logprobs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor,
-           generators: list[torch.Generator]) -> torch.Tensor:
+def needs_truncation(p: SamplingParams, vocab_size: int) -> bool:
+    """Whether top-k / top-p / min-p can remove a token (greedy, top_k=1, is handled apart)."""
+    return (1 < p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def sample(logprobs: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           default_generator: torch.Generator) -> torch.Tensor:
     """Draw one token per row from the temperature-scaled distribution truncated by top-k/top-p/min-p.
 
-    logprobs [B, V] (from `token_logprobs`); top_p, min_p float [B]; top_k long [B] (-1 = all);
-    generators: one per row, so a request with its own `sampling_seed` gets the same tokens whatever
-    batch it lands in. Returns token ids [B] (long).
+    logprobs [B, V] (from `token_logprobs`); params: each row's request parameters; generators: a
+    row's own generator (a request with `sampling_seed`: the same tokens whatever batch it lands in)
+    or None (the engine's `default_generator`). Returns token ids [B] (long).
+
+    Cost per step is what the requests ask for, decided on the host from `params` (no device sync):
+    - greedy rows (top_k 1): argmax, no noise drawn;
+    - the others: Gumbel-max in vocabulary order, argmax(log p + G) with G = -log(-log U), which is
+      a draw from p; rows without their own generator share one [n, V] draw;
+    - only rows that truncate are sorted (the top-k/top-p/min-p mask is built in sorted order and
+      scattered back to vocabulary order), so plain temperature sampling never sorts the vocabulary.
+    Because the noise is indexed by token id in every case, a row draws the same token whether or
+    not its neighbours needed the sort.
     """
     B, V = logprobs.shape
-    sorted_lp, order = logprobs.sort(dim=-1, descending=True)
-    sorted_p = sorted_lp.exp()
-    rank = torch.arange(V, device=logprobs.device).expand(B, V)
-    k = torch.where(top_k < 1, torch.full_like(top_k, V), top_k.clamp(max=V))
-    drop = rank >= k[:, None]
-    # top-p: keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-    drop |= mass_before > top_p[:, None]
-    drop |= sorted_p < (min_p[:, None] * sorted_p[:, :1])
-    drop[:, 0] = False
-    masked = sorted_lp.masked_fill(drop, float("-inf"))
-    # Gumbel-max: argmax(log p + G) is a draw from p; the noise is drawn row by row so each row uses
-    # its own generator (and the draw of one row does not depend on its neighbours).
-    noise = torch.stack([
-        torch.rand(V, generator=g, device=logprobs.device, dtype=torch.float32) for g in generators
-    ]).clamp_(min=1e-20)
-    gumbel = -torch.log(-torch.log(noise))
-    pick = torch.argmax(masked + gumbel, dim=-1)
-    return order.gather(1, pick[:, None]).squeeze(1)
+    dev = logprobs.device
+    greedy = [p.top_k == 1 for p in params]
+    if all(greedy):
+        return logprobs.argmax(dim=-1)
+    scores = logprobs
+    trunc = [i for i, p in enumerate(params) if not greedy[i] and needs_truncation(p, V)]
+    if trunc:
+        idx = torch.tensor(trunc, device=dev)
+        sub = logprobs.index_select(0, idx)
+        sorted_lp, order = sub.sort(dim=-1, descending=True)
+        sorted_p = sorted_lp.exp()
+        top_k = torch.tensor([params[i].top_k for i in trunc], device=dev)
+        top_p = torch.tensor([params[i].top_p for i in trunc], device=dev, dtype=torch.float32)
+        min_p = torch.tensor([params[i].min_p for i in trunc], device=dev, dtype=torch.float32)
+        rank = torch.arange(V, device=dev).expand(len(trunc), V)
+        k = torch.where(top_k < 1, torch.full_like(top_k, V), top_k.clamp(max=V))
+        drop = rank >= k[:, None]
+        # top-p: keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+        drop |= mass_before > top_p[:, None]
+        drop |= sorted_p < (min_p[:, None] * sorted_p[:, :1])
+        drop[:, 0] = False
+        drop_vocab = torch.zeros_like(drop).scatter_(1, order, drop)  # back to token-id order
+        scores = logprobs.index_copy(0, idx, sub.masked_fill(drop_vocab, float("-inf")))
+    noise = torch.empty((B, V), device=dev, dtype=torch.float32)
+    shared = [i for i in range(B) if not greedy[i] and generators[i] is None]
+    if len(shared) == B:
+        torch.rand((B, V), generator=default_generator, device=dev, out=noise)
+    elif shared:
+        noise[torch.tensor(shared, device=dev)] = torch.rand((len(shared), V), generator=default_generator,
+                                                             device=dev)
+    for i in range(B):
+        if not greedy[i] and generators[i] is not None:
+            noise[i] = torch.rand(V, generator=generators[i], device=dev)
+    gumbel = noise.clamp_(min=1e-20).log_().neg_().log_().neg_()  # -log(-log U), in place
+    pick = torch.argmax(scores + gumbel, dim=-1)
+    if any(greedy):
+        pick = torch.where(torch.tensor(greedy, device=dev), logprobs.argmax(dim=-1), pick)
+    return pick

@@ -1,0 +1,63 @@
+"""Attention for the static path's decode step: one query token per row against the slot cache,
+grouped-query heads served without copying the keys and values.
+
+transformers' sdpa attention expands the KV heads to the query heads (`repeat_kv`) whenever a mask
+is given (its GQA kernel path needs no mask on CUDA), and the static step always passes one (rows
+have different lengths). That copy reads and writes every cached key and value `heads / kv_heads`
+times per layer per step (6x for Qwen2.5-1.5B), so the memory traffic of attention grows with the
+group size instead of being one read of the cache. For a decode step (q = 1) grouping is a reshape:
+the G query heads sharing a KV head become G rows of one matrix product against that head's keys.
+
+`decode_attention` is registered with transformers' AttentionInterface under `SLOT_DECODE`; the
+static step switches the model to it for its own forward only (`slot_decode_attention`) and back,
+so prefill and the dynamic path keep the model's own implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface
+
+SLOT_DECODE = "slime_slot_decode"
+
+
+def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """query [B, H, 1, D]; key, value [B, Hkv, T, D]; attention_mask [B, 1, 1, T], bool (True = attend)
+    or additive float. Returns ([B, 1, H, D], None) like transformers' attention functions.
+    Query head h reads KV head h // (H / Hkv), as transformers' repeat_kv pairs them."""
+    B, H, q, D = query.shape
+    assert q == 1, "decode_attention serves one query token per row"
+    hkv = key.shape[1]
+    scale = scaling if scaling is not None else D ** -0.5
+    qg = query.reshape(B, hkv, H // hkv, D)  # [B, Hkv, G, D]: the group's heads are adjacent
+    scores = torch.matmul(qg, key.transpose(-1, -2)).float() * scale  # [B, Hkv, G, T]
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask.float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value)  # [B, Hkv, G, D]
+    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(SLOT_DECODE, decode_attention)
+
+
+@contextlib.contextmanager
+def slot_decode_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Run the model's attention layers through `decode_attention` inside the block. Text-only models
+    (the static path's) read `_attn_implementation` from the one config their layers share; the
+    internal field is set directly so no sub-config is touched."""
+    cfg = model.config.get_text_config()
+    before = cfg._attn_implementation_internal
+    cfg._attn_implementation_internal = SLOT_DECODE
+    try:
+        yield
+    finally:
+        cfg._attn_implementation_internal = before
