@@ -28,7 +28,7 @@ case "$1" in
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/engines/test_gpu_engine.py -x 2>&1 \
       | grep -v Warning | tail -25 | tee "$OUT/gpu_tests_${kind}_$day.txt"
     python3 bench/engine_throughput.py --shape 1.5b --prompts 64 --prompt-len 128 --new-tokens 256 \
-      --decode-batches 64,256 --skip-eager --out "$OUT/engine_throughput_1xH200_$day.json" 2>&1 \
+      --decode-batches 64,256 --skip-eager --skip-hf --out "$OUT/engine_throughput_1xH200_$day.json" 2>&1 \
       | grep -v -e Warning -e "it/s]" | tail -20 | tee "$OUT/engine_throughput_1xH200_$day.txt"
     python3 bench/profile_engine.py --model 1.5b --prompts 8 --samples 8 --prompt-len 128 --new-tokens 256 \
       --max-running 64 --concurrency 64 --out "$OUT/profile_engine_1.5b_1xH200_$day.json" 2>&1 \
