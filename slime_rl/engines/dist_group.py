@@ -94,6 +94,8 @@ _DTYPES = {
 
 def dtype_from_name(name: str) -> torch.dtype:
     """SGLang sends dtypes as torch attribute names ("bfloat16", or "torch.bfloat16" from str(dtype))."""
+    if not isinstance(name, str):
+        raise ValueError(f"dtype {name!r}: expected a dtype name (a string)")
     key = name.removeprefix("torch.")
     if key not in _DTYPES:
         raise ValueError(f"dtype {name!r}: unknown (expected one of {sorted(_DTYPES)})")

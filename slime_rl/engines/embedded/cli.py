@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the static KV cache even without CUDA graphs (CPU, or with --disable-cuda-graph)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="honour each request's sampling_seed (SGLang 0.5.23 ignores it without this switch)")
+    p.add_argument("--max-request-bytes", type=int, default=256 << 20,
+                   help="a request body larger than this is refused with 413 before it is read")
     p.add_argument("--enable-fp32-lm-head", action="store_true",
                    help="logits in fp32 from the bf16 hidden state and weight (SGLang's flag); the trainer "
                         "computes them so too when the run passes --sglang-enable-fp32-lm-head")
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         num_threads=args.num_threads, disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs, static_kv_cache=args.static_kv_cache,
         enable_deterministic_inference=args.enable_deterministic_inference,
-        enable_weights_cpu_backup=args.enable_weights_cpu_backup, enable_fp32_lm_head=args.enable_fp32_lm_head))
+        enable_weights_cpu_backup=args.enable_weights_cpu_backup, enable_fp32_lm_head=args.enable_fp32_lm_head,
+        max_request_bytes=args.max_request_bytes))
 
     def stop(signum: int, _frame) -> None:
         # serve_forever runs in this thread; shutdown() must be called from another one.

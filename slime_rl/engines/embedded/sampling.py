@@ -13,6 +13,7 @@ before any top-p / top-k / min-p truncation. Truncation only decides which token
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +70,8 @@ class SamplingParams:
         p.top_p = _float(raw, "top_p", p.top_p, lo=0.0, hi=1.0)
         if "top_p" in raw and p.top_p <= 0.0:
             raise RequestError("sampling_params.top_p: must be in (0, 1]")
-        p.top_k = _int(raw, "top_k", p.top_k, lo=-1)
+        # SGLang maps -1 to 1 << 30 (TOP_K_ALL); a larger k means the same and would overflow a tensor
+        p.top_k = _int(raw, "top_k", p.top_k, lo=-1, hi=1 << 30)
         if p.top_k == 0:
             raise RequestError("sampling_params.top_k: must be -1 (all) or >= 1")
         p.min_p = _float(raw, "min_p", p.min_p, lo=0.0, hi=1.0)
@@ -88,22 +90,24 @@ class SamplingParams:
                     raise RequestError(f"sampling_params.{name}: expected a bool")
                 setattr(p, name, raw[name])
         if "sampling_seed" in raw:
-            p.sampling_seed = _int(raw, "sampling_seed", 0)
+            p.sampling_seed = _int(raw, "sampling_seed", 0, lo=0, hi=(1 << 63) - 1)  # a torch generator's seed
         if p.temperature < _SAMPLING_EPS:  # SGLang: greedy is top_k=1 at temperature 1
             p.temperature, p.top_k = 1.0, 1
         return p
 
 
-def _int(raw: dict, name: str, default: int, lo: int | None = None) -> int:
+def _int(raw: dict, name: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
     v = raw.get(name, default)
-    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
-        raise RequestError(f"sampling_params.{name}: expected an int" + (f" >= {lo}" if lo is not None else ""))
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        bounds = f" in [{lo}, {hi}]" if hi is not None else (f" >= {lo}" if lo is not None else "")
+        raise RequestError(f"sampling_params.{name}: expected an int{bounds}")
     return v
 
 
 def _float(raw: dict, name: str, default: float, lo: float, hi: float | None = None) -> float:
     v = raw.get(name, default)
-    if isinstance(v, bool) or not isinstance(v, int | float) or v < lo or (hi is not None and v > hi):
+    if (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < lo
+            or (hi is not None and v > hi)):
         raise RequestError(f"sampling_params.{name}: expected a number in [{lo}, {hi if hi is not None else 'inf'}]")
     return float(v)
 

@@ -70,6 +70,14 @@ class ServerConfig:
     enable_weights_cpu_backup: bool = False
     # SGLang's --enable-fp32-lm-head: fp32 logits (precision.py); RMSNorm rounds as SGLang's always
     enable_fp32_lm_head: bool = False
+    # a body larger than this is refused (413) before it is read: weight updates travel over NCCL/IPC,
+    # so the largest bodies are VL requests with images as data URLs
+    max_request_bytes: int = 256 << 20
+
+
+# a connection that sends nothing for this long is closed (a stalled client holds one thread until
+# then); long /generate calls wait on the scheduler, not on the socket, so they are not cut
+SOCKET_IDLE_TIMEOUT_S = 300.0
 
 
 class EmbeddedServer:
@@ -285,6 +293,7 @@ class _Listener(ThreadingHTTPServer):
 def _make_handler(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive for httpx clients
+        timeout = SOCKET_IDLE_TIMEOUT_S
         # TCP_NODELAY: headers and body are two writes; with Nagle on, the body waits for the
         # client's delayed ACK (~40 ms on Linux) -- that was 44 ms per request, measured.
         disable_nagle_algorithm = True
@@ -303,17 +312,27 @@ def _make_handler(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
 
         def _handle(self, method: str) -> None:
             path = self.path.split("?", 1)[0]
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            # the key and the size come from the headers: an unauthenticated or oversized body is
+            # refused without reading it (the connection is closed, so its bytes are never taken)
             key = server.cfg.api_key
             if key and not path.startswith(OPEN_PREFIXES):
                 auth = self.headers.get("Authorization") or ""
                 scheme, _, token = auth.partition(" ")
-                if scheme.lower() != "bearer" or not secrets.compare_digest(token, key):
-                    return self._send(401, {"error": "Unauthorized"})
+                if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
+                    return self._refuse(401, "Unauthorized")
+            length = self.headers.get("Content-Length") or "0"
+            if not length.isdigit():
+                return self._refuse(400, f"Content-Length: expected a byte count, got {length[:40]!r}")
+            if int(length) > server.cfg.max_request_bytes:
+                return self._refuse(413, f"body of {int(length)} bytes: more than the engine takes "
+                                         f"({server.cfg.max_request_bytes}, --max-request-bytes)")
+            raw = self.rfile.read(int(length))
             try:
                 body = json.loads(raw) if raw.strip() else {}
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 return self._send(400, {"error": {"message": f"body: invalid JSON ({e})"}})
+            except RecursionError:
+                return self._send(400, {"error": {"message": "body: JSON nested too deeply"}})
             try:
                 status, payload = server.route(method, path, body)
             except RequestError as e:
@@ -322,6 +341,10 @@ def _make_handler(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
                 logger.exception("%s %s failed", method, path)
                 status, payload = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
             self._send(status, payload)
+
+        def _refuse(self, status: int, message: str) -> None:
+            self.close_connection = True  # the unread body must not be taken for the next request
+            self._send(status, {"error": {"message": message}} if status != 401 else {"error": message})
 
         def _send(self, status: int, payload: Any) -> None:
             if payload is None:

@@ -21,6 +21,7 @@ Responses are SGLang's (success, message) pairs.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,8 @@ class WeightSync:
         # model.embed_tokens.weight): updating either one updates the shared storage.
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.params.update(checkpoint_aliases(self.params, model.config))  # Qwen2.5-VL: HF checkpoint names
+        # (aliases and tied names count twice: a generous bound on what one update can announce)
+        self._held_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.groups: dict[str, object] = {}
         self.weight_version = weight_version
         self._lock = threading.Lock()  # one group operation at a time
@@ -104,6 +107,11 @@ class WeightSync:
             raise RequestError(f"dtypes: {e}") from e
         if not all(isinstance(s, list) and all(isinstance(x, int) and x >= 0 for x in s) for s in shapes):
             raise RequestError("shapes: expected a list of lists of non-negative ints")
+        # every tensor is allocated before the broadcast: a request announcing more bytes than the model
+        # holds cannot be a weight update (and would fail the allocation with a 500)
+        announced = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, torch_dtypes, strict=True))
+        if announced > self._held_bytes:
+            raise RequestError(f"shapes: {announced} bytes announced, more than the model's {self._held_bytes}")
         group, error = self._target_group(group_name, body)
         if group is None:
             return False, error
