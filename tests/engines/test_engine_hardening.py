@@ -70,9 +70,11 @@ def test_malformed_bodies_are_400(server, body, words):
 def _raw_exchange(port: int, head: bytes, timeout: float = 5.0) -> tuple[bytes, float]:
     """Send only the request head (no body) and time the answer: the server must not wait for the body."""
     start = time.perf_counter()
+    data = b""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(head)
-        data = s.recv(4096)
+        while chunk := s.recv(4096):  # a refusal closes the connection ("Connection: close"): read to EOF
+            data += chunk
     return data, time.perf_counter() - start
 
 
@@ -87,6 +89,7 @@ def test_key_and_size_are_checked_before_the_body_is_read(tiny_qwen2):
         data, took = _raw_exchange(port, b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
                                          b"Content-Length: 2000000\r\n\r\n")
         assert data.startswith(b"HTTP/1.1 413") and b"--max-request-bytes" in data and took < 2.0
+        assert b"Connection: close" in data  # the unread body ends the connection, and the client is told
         data, _ = _raw_exchange(port, b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
                                       b"Content-Length: -5\r\n\r\n")
         assert data.startswith(b"HTTP/1.1 400")

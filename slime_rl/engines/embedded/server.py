@@ -343,10 +343,12 @@ def _make_handler(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
             self._send(status, payload)
 
         def _refuse(self, status: int, message: str) -> None:
-            self.close_connection = True  # the unread body must not be taken for the next request
-            self._send(status, {"error": {"message": message}} if status != 401 else {"error": message})
+            # the body is left unread: the connection must end (and the client be told, so that it
+            # does not send its next request on it), or the body's bytes would be read as a request
+            self._send(status, {"error": {"message": message}} if status != 401 else {"error": message},
+                       close=True)
 
-        def _send(self, status: int, payload: Any) -> None:
+        def _send(self, status: int, payload: Any, close: bool = False) -> None:
             if payload is None:
                 data, ctype = b"", "text/plain"
             elif isinstance(payload, str):
@@ -356,6 +358,8 @@ def _make_handler(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
+            if close:
+                self.send_header("Connection", "close")  # BaseHTTPRequestHandler then closes after it
             self.end_headers()
             self.wfile.write(data)
 
