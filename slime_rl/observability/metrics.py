@@ -29,9 +29,9 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _read_rows(path: Path) -> list[dict]:
+def _read_rows(lines: list[str]) -> list[dict]:
     rows = []
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:  # a line cut by a crash mid-write: not a step that happened
@@ -78,15 +78,17 @@ class MetricsLogger:
         that holds the old file whole, or None when nothing was set aside."""
         assert self._file is None, "start() is called once, before the first log()"
         backup = None
-        if self.path.exists() and self.path.stat().st_size:
-            rows = _read_rows(self.path)
+        old = self.path.read_bytes() if self.path.exists() else b""
+        if old:
+            lines = old.decode("utf-8", errors="replace").splitlines()
+            rows = _read_rows(lines)
             keep = [r for r in rows if first_step > 0 and r["step"] < first_step]
-            if len(keep) != len(self.path.read_text().splitlines()):
+            if len(keep) != len(lines):
                 n = 1
                 while (self.run_dir / f"metrics.jsonl.old-{n}").exists():
                     n += 1
                 backup = self.run_dir / f"metrics.jsonl.old-{n}"
-                backup.write_bytes(self.path.read_bytes())
+                backup.write_bytes(old)
                 tmp = self.path.with_suffix(".jsonl.tmp")
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
                 tmp.replace(self.path)
