@@ -230,7 +230,6 @@ def main(argv: list[str] | None = None) -> None:
         return run_concurrent(args, argv if argv is not None else sys.argv[1:])
     result: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "ours_extra")}
                               | {"model": str(model), "ours_extra": args.ours_extra}}
-    result["settings"]["model"] = str(model)
     ours_rewards, trl_rewards = [], []
     if not args.skip_ours:
         run_dir = out_dir / f"{stem}_ours_run"
