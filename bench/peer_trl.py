@@ -76,8 +76,10 @@ def run_ours(args: argparse.Namespace, model: Path, data: Path, run_dir: Path) -
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]], out_dir: Path) -> list[dict]:
-    """TRL GRPOTrainer on the same rows; returns one record per optimizer step."""
+def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]], out_dir: Path,
+            progress: Path | None = None) -> list[dict]:
+    """TRL GRPOTrainer on the same rows; returns one record per optimizer step (each also appended to
+    `progress` as it ends, so a run stopped by a time limit keeps its steps)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -102,6 +104,10 @@ def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]
 
         def on_step_end(self, _args, state, control, **kwargs):
             steps.append({"step": state.global_step - 1, "step_s": time.perf_counter() - self.start})
+            if progress is not None:  # the reward of this step was recorded by its generation batch
+                record = steps[-1] | ({"reward_mean": rewards[len(steps) - 1]} if len(rewards) >= len(steps) else {})
+                with progress.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
 
     batch = args.prompts * args.group
     micro = min(batch, args.trl_micro_batch)
@@ -156,12 +162,13 @@ def run_concurrent(args: argparse.Namespace, argv: list[str]) -> None:
     """This script twice at once, `--skip-trl` on GPU 0 and `--skip-ours` on GPU 1, merged into --out."""
     import os
 
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("--concurrent needs two GPUs")
+    # one GPU: both sides on it at once (a 135M model leaves most of an H200 idle); the learning curves
+    # are unchanged, the step times are not each side's alone and the ratio is not reported as one
+    shared = torch.cuda.device_count() < 2
     rest = [a for a in argv if a != "--concurrent"]
     parts = {}
     procs = []
-    for side, gpu, skip in (("ours", "0", "--skip-trl"), ("trl", "1", "--skip-ours")):
+    for side, gpu, skip in (("ours", "0", "--skip-trl"), ("trl", "0" if shared else "1", "--skip-ours")):
         parts[side] = args.out.with_name(f"{args.out.stem}_{side}.json")
         cmd = [sys.executable, __file__, skip, *_replace_out(rest, parts[side])]  # before a --ours-extra tail
         procs.append(subprocess.Popen(cmd, env=os.environ | {"CUDA_VISIBLE_DEVICES": gpu}))
@@ -172,7 +179,8 @@ def run_concurrent(args: argparse.Namespace, argv: list[str]) -> None:
     trl = json.loads(parts["trl"].read_text())
     result |= {k: v for k, v in trl.items() if k.startswith("trl_")}
     result["ratio"] = result["trl_step_s"] / result["ours_step_s"]
-    result["settings"]["concurrent"] = "ours on GPU 0, TRL on GPU 1, at the same time"
+    result["settings"]["concurrent"] = ("ours and TRL on GPU 0 at the same time (step times are shared-GPU "
+                                        "figures)" if shared else "ours on GPU 0, TRL on GPU 1, at the same time")
     args.out.write_text(json.dumps(result, indent=2))
     plot(result["ours_reward"], result["trl_reward"], args.out.with_name(f"{args.out.stem}_reward.png"),
          f"{args.task}: {args.prompts}x{args.group}, <= {args.max_new_tokens} new tokens, lr {args.lr}")
@@ -197,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", type=Path, default=None, help="HF folder (default: import the SmolLM2 GGUF)")
     ap.add_argument("--task", default="chain_sum")
     ap.add_argument("--n-data", type=int, default=5000)
+    ap.add_argument("--data", type=Path, default=None, help="training prompts (default: --n-data rows of --task, "
+                                                            "seed 0)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -213,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--concurrent", action="store_true",
                     help="two GPUs: ours on GPU 0 and TRL on GPU 1 at the same time (each side alone on its GPU; "
-                         "the host's cores are shared), then one JSON as usual")
+                         "the host's cores are shared), then one JSON as usual; one GPU: both on it at once "
+                         "(for learning curves; the step times are then shared-GPU figures)")
     ap.add_argument("--ours-extra", nargs=argparse.REMAINDER, default=[], help="more flags for slime-rl train")
     args = ap.parse_args(argv)
     out_dir = args.out.parent
@@ -225,15 +236,23 @@ def main(argv: list[str] | None = None) -> None:
         from tools.import_gguf import import_gguf
 
         model = import_gguf(work / "model", dtype="fp32" if args.device == "cpu" else "bf16")
-    rows = make_data(args.task, args.n_data, 0, work / f"{args.task}.jsonl")
+    data = work / f"{args.task}.jsonl"
+    if args.data is not None:  # a training file made beforehand (e.g. so a held-out file can exclude it)
+        from slime_rl.data import read_records
+
+        rows = [record for _, record in read_records(str(args.data))]
+        write_records(rows, data)
+    else:
+        rows = make_data(args.task, args.n_data, 0, data)
     if args.concurrent:
         return run_concurrent(args, argv if argv is not None else sys.argv[1:])
-    result: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "ours_extra")}
+    result: dict[str, Any] = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                                           if k not in ("out", "ours_extra")}
                               | {"model": str(model), "ours_extra": args.ours_extra}}
     ours_rewards, trl_rewards = [], []
     if not args.skip_ours:
         run_dir = out_dir / f"{stem}_ours_run"
-        metrics = [r for r in run_ours(args, model, work / f"{args.task}.jsonl", run_dir) if r["step"] >= 0]
+        metrics = [r for r in run_ours(args, model, data, run_dir) if r["step"] >= 0]
         ours_rewards = [r["rollout/reward_mean"] for r in metrics]
         result |= {"ours_step_s": mean_after([r["perf/step_s"] for r in metrics], args.warmup),
                    "ours_step_s_series": [r["perf/step_s"] for r in metrics], "ours_reward": ours_rewards,
@@ -241,8 +260,10 @@ def main(argv: list[str] | None = None) -> None:
                    "ours_train_s": mean_after([r["perf/train_s"] for r in metrics], args.warmup),
                    "ours_logprob_abs_diff": [r.get("train/rollout_logprob_abs_diff") for r in metrics]}
     if not args.skip_trl:
-        trl_steps = run_trl(args, model, rows, work)
-        (out_dir / f"{stem}_trl_steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in trl_steps))
+        steps_file = out_dir / f"{stem}_trl_steps.jsonl"
+        steps_file.unlink(missing_ok=True)
+        trl_steps = run_trl(args, model, rows, work, progress=steps_file.with_suffix(".partial.jsonl"))
+        steps_file.write_text("".join(json.dumps(s) + "\n" for s in trl_steps))
         trl_rewards = [s.get("reward_mean") for s in trl_steps]
         result |= {"trl_step_s": mean_after([s["step_s"] for s in trl_steps], args.warmup),
                    "trl_step_s_series": [s["step_s"] for s in trl_steps], "trl_reward": trl_rewards}

@@ -15,6 +15,12 @@ difficulty set by the task's config. Each row is what the default flags read:
   label is metadata); its `source_dataset` names the task whose `score_answer` the reward calls, and
   the rest is what that verifier reads (some tasks check against metadata, not only the answer).
 
+`--exclude FILE` drops every row whose question also appears in FILE (a training file), so a
+held-out evaluation set shares no question with the data the model was trained on; the tool draws
+more rows until `--n` remain and says how many it dropped. Another `--seed` alone does NOT make a
+held-out set: reasoning-gym draws row i of seed s from `Random(s + i)`, so seed 777's rows are seed
+0's rows 777, 778, ... (a 5,000-row training file of seed 0 contains the first 4,223 of them).
+
 `--config key=value` sets the task's config fields (values parsed as JSON when they parse, e.g.
 `min_terms=2`, `allow_negation=false`); the default `--suffix` asks for a bare number, which is
 the format a 135M instruct model can meet (see `rewards/reasoning_gym.py` for the extraction).
@@ -76,6 +82,33 @@ def make_rows(task: str, n: int, seed: int, config: dict[str, Any] | None = None
     return rows
 
 
+def question_of(row: dict[str, Any]) -> str:
+    """The text a row asks (the last message's content, or the input string)."""
+    prompt = row["input"]
+    return prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
+
+
+def make_heldout_rows(task: str, n: int, seed: int, exclude: list[dict[str, Any]], config: dict[str, Any] | None = None,
+                      suffix: str = DEFAULT_SUFFIX) -> tuple[list[dict[str, Any]], int]:
+    """`n` rows of `task` at `seed` none of whose questions occurs in `exclude`; returns (rows, dropped).
+    Draws 2n, 4n, ... rows until n survive (a task with few distinct questions raises)."""
+    seen = {question_of(r) for r in exclude}
+    size = 2 * n
+    while True:
+        kept, dropped = [], 0
+        for row in make_rows(task, size, seed, config, suffix):
+            if question_of(row) in seen:
+                dropped += 1
+            else:
+                kept.append(row)
+                if len(kept) == n:
+                    return kept, dropped
+        if size >= 64 * n:
+            raise SystemExit(f"--exclude: only {len(kept)} of {size} rows of {task!r} are not in the excluded "
+                             f"file; cannot make {n} held-out rows")
+        size *= 2
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", required=True, help="a reasoning-gym dataset name, e.g. chain_sum")
@@ -84,12 +117,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True, help=".jsonl, .json or .parquet")
     ap.add_argument("--config", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--suffix", default=DEFAULT_SUFFIX, help="appended to every question")
+    ap.add_argument("--exclude", type=Path, default=None,
+                    help="a prompt file (e.g. the training data): drop rows whose question appears in it")
     args = ap.parse_args(argv)
     if args.n <= 0:
         raise SystemExit(f"--n {args.n}: must be positive")
-    rows = make_rows(args.task, args.n, args.seed, parse_config(args.config), args.suffix)
+    config = parse_config(args.config)
+    dropped = 0
+    if args.exclude is not None:
+        if not args.exclude.is_file():
+            raise SystemExit(f"--exclude {args.exclude}: no such file")
+        from slime_rl.data import read_records
+
+        excluded = [record for _, record in read_records(str(args.exclude))]
+        rows, dropped = make_heldout_rows(args.task, args.n, args.seed, excluded, config, args.suffix)
+    else:
+        rows = make_rows(args.task, args.n, args.seed, config, args.suffix)
     write_records(rows, args.out)
-    print(f"wrote {len(rows)} rows of {args.task} to {args.out}")
+    note = f" ({dropped} dropped: their question is in {args.exclude})" if args.exclude is not None else ""
+    print(f"wrote {len(rows)} rows of {args.task} to {args.out}{note}")
 
 
 if __name__ == "__main__":

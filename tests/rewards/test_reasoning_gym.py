@@ -106,3 +106,25 @@ def test_preflight_refuses_rows_without_the_verifiers_metadata(tiny_qwen2, rows,
         preflight(build_config(args))
     write_records(rows[:2], data)
     preflight(build_config(args))  # the tool's rows pass
+
+
+def test_exclude_makes_a_heldout_set_disjoint_from_the_training_file(tmp_path):
+    # reasoning-gym draws row i of seed s from Random(s + i): seed 5's rows are seed 0's rows 5, 6, ...,
+    # so a "held-out" file made with another seed repeats the training file, which --exclude must undo
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    tool = _tool()
+    tool.main(["--task", "basic_arithmetic", "--n", "300", "--seed", "0", "--out", str(train)])
+    train_q = {r["input"][-1]["content"] for _, r in read_records(str(train))}
+    plain = tool.make_rows("basic_arithmetic", 40, 5)
+    overlap = sum(r["input"][-1]["content"] in train_q for r in plain)
+    assert overlap > 0  # otherwise this test proves nothing
+    tool.main(["--task", "basic_arithmetic", "--n", "40", "--seed", "5", "--out", str(held), "--exclude", str(train)])
+    held_rows = [r for _, r in read_records(str(held))]
+    assert len(held_rows) == 40
+    assert not {r["input"][-1]["content"] for r in held_rows} & train_q
+    assert overlap == 40  # every row: seed 5's rows 0..39 are seed 0's rows 5..44
+    # the kept rows are a long plain draw's rows in order, with the repeated ones skipped
+    expected = [r for r in tool.make_rows("basic_arithmetic", 1000, 5) if r["input"][-1]["content"] not in train_q][:40]
+    assert held_rows == expected
+    with pytest.raises(SystemExit, match="--exclude"):
+        tool.main(["--task", "chain_sum", "--n", "5", "--out", str(held), "--exclude", str(tmp_path / "missing.jsonl")])
