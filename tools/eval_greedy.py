@@ -27,6 +27,8 @@ def generate_greedy(model_dir: Path, prompts: list[list[dict]], max_new_tokens: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
+    if tok.pad_token is None:  # e.g. SmolLM2's GGUF tokenizer: left padding is masked, any id will do
+        tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     out: list[str] = []
     for i in range(0, len(prompts), batch):
