@@ -44,8 +44,12 @@ case "$1" in
     python3 tools/import_gguf.py --out /tmp/smol-fp32 --dtype fp32 2>&1 | tail -2 ;;
   real)
     need_model
-    python3 bench/precision_gap.py --model /tmp/smol-fp32 --n 32 --new-tokens 64 \
-      --out "$OUT/precision_gap_1xH200_$day.json" 2>&1 | grep -v Warning | tail -12
+    # the default islands with the engine's batched decode (M = 32 rows per step), then with split-K
+    # partial sums reduced in fp32 on both sides
+    python3 bench/precision_gap.py --model /tmp/smol-fp32 --n 32 --new-tokens 64 --rows 0,4 --batched-decode \
+      --out "$OUT/precision_gap_batched_1xH200_$day.json" 2>&1 | grep "mean |dlogp|"
+    python3 bench/precision_gap.py --model /tmp/smol-fp32 --n 32 --new-tokens 64 --rows 4 --batched-decode \
+      --splitk-fp32 --out "$OUT/precision_gap_batched_splitk_1xH200_$day.json" 2>&1 | grep "mean |dlogp|"
     python3 bench/profile_engine.py --model /tmp/smol-bf16 --prompts 64 --samples 8 --prompt-len 64 --new-tokens 128 \
       --max-running 512 --concurrency 512 --out "$OUT/profile_engine_smollm2_1xH200_$day.json" 2>&1 \
       | grep -v Warning | tail -30 | tee "$OUT/profile_engine_smollm2_1xH200_$day.txt"

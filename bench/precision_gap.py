@@ -64,23 +64,51 @@ def sample_sequences(model_dir: Path, n: int, new_tokens: int, device: str) -> l
     return out
 
 
-def engine_logprobs(model_dir: Path, dtype: torch.dtype, seqs, device: str) -> tuple[list[torch.Tensor], ...]:
+def batched_decode_logprobs(model, seqs, device: str) -> list[torch.Tensor]:
+    """The decode path with every sequence in one batch (one-token GEMMs of M = len(seqs) rows, as in
+    the engine's decode step, rather than M = 1): prompts left-padded, positions from the mask."""
+    width = max(len(p) for p, _ in seqs)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in seqs], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in seqs], device=device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    res = model(ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    logits = [res.logits[:, -1]]
+    steps = len(seqs[0][1])
+    assert all(len(r) == steps for _, r in seqs), "responses of one length (min_new_tokens)"
+    for t in range(steps - 1):
+        tok = torch.tensor([[r[t]] for _, r in seqs], device=device)
+        mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
+        pos = pos[:, -1:] + 1
+        res = model(tok, attention_mask=mask, position_ids=pos, past_key_values=res.past_key_values, use_cache=True)
+        logits.append(res.logits[:, -1])
+    lp = torch.log_softmax(torch.stack(logits, dim=1).float(), dim=-1)  # [B, steps, V]
+    target = torch.tensor([r for _, r in seqs], device=device)[..., None]
+    return list(lp.gather(2, target).squeeze(2).cpu())
+
+
+def engine_logprobs(model_dir: Path, dtype: torch.dtype, seqs, device: str,
+                    batched: bool = False) -> tuple[list[torch.Tensor], ...]:
     """Log-probs of each response token from the HF model: on the engine's decode path (prompt once,
-    then one token at a time through the KV cache) and, for comparison, in one full forward."""
+    then one token at a time through the KV cache; one sequence at a time, or all at once with
+    `batched`) and, for comparison, in one full forward."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     print(f"  engine islands: {apply_precision_policy(model) or 'none'}")
     decode, full = [], []
     with torch.no_grad():
+        if batched:
+            decode = batched_decode_logprobs(model, seqs, device)
         for prompt, response in seqs:
             target = torch.tensor(response, device=device)[:, None]
-            res = model(torch.tensor([prompt], device=device), use_cache=True)
-            logits = [res.logits[0, -1]]
-            for tok in response[:-1]:
-                res = model(torch.tensor([[tok]], device=device), past_key_values=res.past_key_values, use_cache=True)
-                logits.append(res.logits[0, -1])
-            decode.append(torch.log_softmax(torch.stack(logits).float(), dim=-1).gather(1, target).squeeze(1).cpu())
+            if not batched:
+                res = model(torch.tensor([prompt], device=device), use_cache=True)
+                logits = [res.logits[0, -1]]
+                for tok in response[:-1]:
+                    res = model(torch.tensor([[tok]], device=device), past_key_values=res.past_key_values,
+                                use_cache=True)
+                    logits.append(res.logits[0, -1])
+                decode.append(torch.log_softmax(torch.stack(logits).float(), dim=-1).gather(1, target).squeeze(1).cpu())
             whole = model(torch.tensor([prompt + response], device=device)).logits[0, len(prompt) - 1:-1]
             full.append(torch.log_softmax(whole.float(), dim=-1).gather(1, target).squeeze(1).cpu())
     return decode, full
@@ -122,7 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rows", default=",".join(str(i) for i in range(len(ROWS))), help="indices into the table")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--batched-decode", action="store_true",
+                    help="decode all --n sequences in one batch (the engine's M rows per step), not one at a time")
+    ap.add_argument("--splitk-fp32", action="store_true",
+                    help="torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False in this process "
+                         "(split-K partial sums of bf16 GEMMs reduced in fp32), for both sides")
     args = ap.parse_args(argv)
+    if args.splitk_fp32:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     model_dir = args.model
     if model_dir is None:
         from tools.import_gguf import import_gguf
@@ -137,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         islands_from_env()  # a typo in the table fails here
         start = time.perf_counter()
         dtype = getattr(torch, dtype_name)
-        decode, full = (torch.cat(x) for x in engine_logprobs(model_dir, dtype, seqs, args.device))
+        decode, full = (torch.cat(x) for x in engine_logprobs(model_dir, dtype, seqs, args.device,
+                                                              args.batched_decode))
         trn = torch.cat(trainer_logprobs(model_dir, dtype == torch.bfloat16, seqs, args.device,
                                          "lm_head" in islands_from_env()))
         diff = (decode - trn).abs()
@@ -153,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"model": str(model_dir), "device": args.device, "n": args.n,
-                                        "new_tokens": args.new_tokens, "rows": results}, indent=2))
+                                        "new_tokens": args.new_tokens, "batched_decode": args.batched_decode,
+                                        "splitk_fp32": args.splitk_fp32, "rows": results}, indent=2))
 
 
 if __name__ == "__main__":
