@@ -114,7 +114,7 @@ class RolloutManager:
         self.api_key = api_key
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
-        self.reward_fn = reward_fn_from_config(cfg.rollout, failure_value=cfg.fault.reward_failure_value)
+        self.reward_fn = reward_fn_from_config(cfg.reward, failure_value=cfg.reward.reward_failure_value)
         self.dead: dict[int, str] = {}  # engine -> why it was declared dead; until it is revived
         self.options = RolloutOptions.from_config(cfg.rollout)
         self.eval_sets = {name: PromptDataset(replace(cfg.data, prompt_data=path, rollout_shuffle=False),

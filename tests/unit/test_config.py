@@ -122,14 +122,14 @@ def test_reward_flags_reach_the_reward_function(tmp_path):
 
     cfg = build_config(base_argv(tmp_path) + ["--rm-type", "remote_rm"])
     with pytest.raises(RewardError, match="--rm-url"):
-        reward_fn(cfg.rollout)  # remote_rm without a URL is refused before any actor starts
+        reward_fn(cfg.reward)  # remote_rm without a URL is refused before any actor starts
     ok = build_config(base_argv(tmp_path) + ["--rm-type", "math"])
-    assert callable(reward_fn(ok.rollout))
+    assert callable(reward_fn(ok.reward))
     from slime_rl.rewards import GroupReward
 
     group = build_config(base_argv(tmp_path) + ["--group-rm", "--custom-rm-path",
                                                 "tests.rewards.plugins.easyr1_reward:compute_score_batch"])
-    assert isinstance(reward_fn(group.rollout), GroupReward)
+    assert isinstance(reward_fn(group.reward), GroupReward)
 
 
 def test_dry_run_sglang_backend_passes_sglang_flags_through(tiny_qwen2, tmp_path, capsys):
