@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoTokenizer
 
-from slime_rl.config import Config, ConfigError, RolloutConfig, build_config
+from slime_rl.config import Config, ConfigError, RewardConfig, build_config
 from slime_rl.data import DataError, PromptDataset, TokenLimit, num_rollout_for_epochs
 from slime_rl.engines.launch import check_engine_config
 from slime_rl.observability import MetricsLogger, Timer, summary_line
@@ -51,8 +51,8 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     if cfg.data.num_epoch is not None:
         steps = num_rollout_for_epochs(len(dataset), cfg.rollout.rollout_batch_size, cfg.data.num_epoch)
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_rollout=steps))
-    reward_fn(cfg.rollout)
-    if cfg.rollout.rm_type == "reasoning_gym" and cfg.rollout.custom_rm_path is None:
+    reward_fn(cfg.reward)
+    if cfg.reward.rm_type == "reasoning_gym" and cfg.reward.custom_rm_path is None:
         check_reasoning_gym_rows(cfg.data.prompt_data, dataset)
     # extension points load here, so a bad dotted path fails before any actor starts
     load_generate_function(cfg.rollout.custom_generate_function_path)
@@ -116,9 +116,9 @@ def check_model_features(cfg: Config) -> None:
                           f"models ({model_type}) is not supported yet; use grpo, dapo, gspo, rloo or reinforce++")
 
 
-def reward_fn(rollout: RolloutConfig):
+def reward_fn(reward: RewardConfig):
     """The reward function the flags name (checked now: errors name the flag)."""
-    return reward_fn_from_config(rollout)
+    return reward_fn_from_config(reward)
 
 
 def dry_run(cfg: Config, plan: PlacementPlan) -> None:
@@ -150,8 +150,8 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     from slime_rl.orchestration.cluster import Cluster
     from slime_rl.orchestration.trainer_group import TrainerRankError
 
-    steps_per_rollout = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt // cfg.batch.global_batch_size
-    n_steps, interval = cfg.rollout.num_rollout, cfg.rollout.update_weights_interval
+    steps_per_rollout = cfg.optimizer_steps_per_rollout
+    n_steps, interval = cfg.rollout.num_rollout, cfg.weight_sync.update_weights_interval
     logger = MetricsLogger(cfg.logging, cfg.to_dict())
     timer = Timer()
     rows = []

@@ -118,6 +118,32 @@ def reinforce_plus_plus_advantages(rewards: Tensor, mask: Tensor, kl: Tensor | N
     return advantages, returns
 
 
+def group_mean_baseline(rewards: Tensor) -> Tensor:
+    """REINFORCE++-baseline's rollout half: each reward minus its group's mean.
+
+    rewards: [G, n] -> [G, n], one scalar per sample (the RolloutManager computes it: only it sees
+    whole groups; the trainer's batch is split by DP rank). n = 1 gives 0.
+    """
+    _check_group(rewards)
+    r = _float(rewards)
+    return r - r.mean(dim=1, keepdim=True)
+
+
+def baseline_token_advantages(centred: Tensor, mask: Tensor, kl: Tensor | None = None,
+                              kl_coef: float = 0.0) -> Tensor:
+    """REINFORCE++-baseline's trainer half, before whitening: a_t = centred[b] - kl_coef * kl_t.
+
+    centred: [B] (`group_mean_baseline`, flattened); mask, kl: [B, T]. The KL term as in slime
+    (kl=None leaves it out); masked positions read 0 and their kl is never used. Returns [B, T].
+    """
+    r = _float(centred)
+    m = _float(mask).to(r.dtype)
+    adv = r.unsqueeze(1) * m
+    if kl is not None:
+        adv = torch.where(m > 0, adv - kl_coef * _float(kl).to(r.dtype), adv)
+    return adv
+
+
 def reinforce_plus_plus_baseline_advantages(rewards: Tensor, mask: Tensor, kl: Tensor | None = None,
                                             kl_coef: float = 0.0, whiten: bool = True) -> Tensor:
     """REINFORCE++-baseline: (reward - group mean) on every token, then global whitening.
@@ -127,17 +153,14 @@ def reinforce_plus_plus_baseline_advantages(rewards: Tensor, mask: Tensor, kl: T
     then whitened over all valid tokens of the batch (masked mean, unbiased std). n = 1 gives a
     zero baseline-subtracted reward (the group mean is the reward itself). Returns [G * n, T], 0 on
     masked positions; whiten=False leaves the whitening to the trainer (global moments).
+    The run splits it: `group_mean_baseline` on the rollout side, `baseline_token_advantages` and
+    the (global) whitening on the trainer side.
     """
     _check_group(rewards)
     if mask.shape[0] != rewards.numel():
         raise ValueError(f"mask has {mask.shape[0]} rows but rewards hold {rewards.numel()} samples")
-    r = _float(rewards)
-    centred = (r - r.mean(dim=1, keepdim=True)).reshape(-1, 1)
-    m = _float(mask).to(r.dtype)
-    adv = centred * m
-    if kl is not None:
-        adv = torch.where(m > 0, adv - kl_coef * _float(kl).to(r.dtype), adv)
-    return masked_whiten(adv, m) if whiten else adv
+    adv = baseline_token_advantages(group_mean_baseline(rewards).reshape(-1), mask, kl, kl_coef)
+    return masked_whiten(adv, mask.to(adv.dtype)) if whiten else adv
 
 
 def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,

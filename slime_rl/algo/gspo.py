@@ -7,12 +7,18 @@ its value is s_i on every token of sample i and its gradient is s_i * grad logp_
 advantage per sample and seq-mean-token-mean aggregation this has the gradient of the paper's
 sequence-level objective, and it lets GSPO reuse the per-token loss and aggregation path.
 Needs the whole response of a sample on one rank (context parallel: gather the sums first).
+
+The log of the token ratio is clamped at GSPO_LOG_RATIO_MAX = 10 from above before exp, as verl's
+compute_policy_loss_gspo does (verl/trainer/ppo/core_algos.py; PPO's per-token bound there is 20,
+algo/losses.py): the identity (value and gradient) below 10, a finite e^10 ~ 2.2e4 above it.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+GSPO_LOG_RATIO_MAX = 10.0
 
 
 def gspo_seq_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
@@ -26,12 +32,13 @@ def gspo_seq_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
 
 
 def gspo_token_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """s_{i,t} = exp(sg[log s_i] + logp_t - sg[logp_t]): value s_i, gradient s_i * grad logp_t.
+    """s_{i,t} = exp(min(sg[log s_i] + logp_t - sg[logp_t], GSPO_LOG_RATIO_MAX)): value s_i, gradient
+    s_i * grad logp_t (while log s_i <= 10).
 
     logp, old_logp, mask: [B, T] -> [B, T] (the value at masked positions is s_i too; mask it).
     """
     log_s = gspo_seq_log_ratio(logp.detach(), old_logp, mask)
-    return torch.exp(log_s.unsqueeze(1) + logp - logp.detach())
+    return torch.exp(torch.clamp(log_s.unsqueeze(1) + logp - logp.detach(), max=GSPO_LOG_RATIO_MAX))
 
 
 def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, eps_clip: float,

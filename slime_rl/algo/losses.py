@@ -16,8 +16,9 @@ from torch import Tensor
 from slime_rl.algo.aggregate import aggregate
 from slime_rl.algo.kl import kl_penalty
 
-__all__ = ["ClipFractions", "clip_fractions", "entropy_from_logits", "explained_variance", "kl_penalty",
-           "masked_mean", "masked_sum", "ppo_clip_loss", "ppo_kl", "tis_weights", "value_loss"]
+__all__ = ["PPO_LOG_RATIO_CLAMP", "ClipFractions", "clip_fractions", "entropy_from_logits", "explained_variance",
+           "kl_penalty", "log_ratio", "masked_mean", "masked_sum", "ppo_clip_loss", "ppo_kl", "tis_weights",
+           "value_loss"]
 
 
 def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
@@ -30,6 +31,19 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+# The log-ratio log(pi / pi_old) is clamped before exp, as verl does (verl/trainer/ppo/core_algos.py:
+# compute_policy_loss_vanilla clamps it to [-20, 20]; compute_policy_loss_gspo clamps the sequence
+# log-ratio at 10 from above, GSPO_LOG_RATIO_MAX in algo/gspo.py): a stale or corrupted old log-prob
+# then gives a large finite ratio (e^20 ~ 5e8) instead of inf/nan. Within the bound the clamp is the
+# identity, value and gradient alike, so training whose ratios stay in range is unchanged.
+PPO_LOG_RATIO_CLAMP = 20.0
+
+
+def log_ratio(logp: Tensor, old_logp: Tensor) -> Tensor:
+    """log(pi / pi_old) per token, clamped to [-PPO_LOG_RATIO_CLAMP, PPO_LOG_RATIO_CLAMP] (no gradient outside)."""
+    return torch.clamp(logp - old_logp, -PPO_LOG_RATIO_CLAMP, PPO_LOG_RATIO_CLAMP)
+
+
 def _check_dual_clip(eps_clip_c: float | None) -> None:
     if eps_clip_c is not None and eps_clip_c <= 1.0:
         raise ValueError(f"--eps-clip-c (dual-clip lower bound) must be > 1.0, got {eps_clip_c}")
@@ -39,7 +53,8 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_clip: 
                   eps_clip_high: float, eps_clip_c: float | None = None) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate, per token (clip-higher when eps_clip_high > eps_clip, as in DAPO).
 
-    logp, old_logp, advantages: [B, T]. ratio r = exp(logp - old_logp);
+    logp, old_logp, advantages: [B, T]. ratio r = exp(logp - old_logp), the log-ratio clamped to
+    [-20, 20] first (`log_ratio`, verl's bound);
     loss = -min(r * A, clip(r, 1 - eps_clip, 1 + eps_clip_high) * A).
     Dual clip (Ye et al. 2020, arXiv 1912.09729; verl's clip_ratio_c), when eps_clip_c = c > 1:
     for A < 0 the loss is further capped, loss = min(loss, -c * A), so a token whose ratio ran far
@@ -49,7 +64,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_clip: 
     No reduction: aggregate with the loss mask and the denominator the caller chooses.
     """
     _check_dual_clip(eps_clip_c)
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(log_ratio(logp, old_logp))
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
@@ -75,7 +90,7 @@ def clip_fractions(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_clip:
     """
     _check_dual_clip(eps_clip_c)
     with torch.no_grad():
-        ratio = torch.exp(logp - old_logp)
+        ratio = torch.exp(log_ratio(logp, old_logp))
         high = ((advantages > 0) & (ratio > 1.0 + eps_clip_high)).float()
         low = ((advantages < 0) & (ratio < 1.0 - eps_clip)).float()
         if eps_clip_c is None:

@@ -12,6 +12,7 @@ from slime_rl.config.groups import (
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
+    RewardConfig,
     RolloutConfig,
     TrainerConfig,
     WeightSyncConfig,
@@ -21,5 +22,5 @@ from slime_rl.config.load import ConfigError, build_config, parse_flags
 __all__ = [
     "AlgoConfig", "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
     "EngineConfig", "EvalConfig", "FaultConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
-    "RolloutConfig", "TrainerConfig", "WeightSyncConfig", "build_config", "parse_flags",
+    "RewardConfig", "RolloutConfig", "TrainerConfig", "WeightSyncConfig", "build_config", "parse_flags",
 ]

@@ -1,4 +1,4 @@
-"""The command-line surface of `slime-rl train`.
+"""The command-line surface of `slime-rl train`, as one declarative table.
 
 Megatron's own flag names for everything Megatron owns (parallel sizes, batch sizes, optimizer,
 checkpoints) so that users carry their Megatron scripts over unchanged; slime's names for the RL
@@ -7,11 +7,26 @@ flags; `--sglang-*` passed through to SGLang's server under its own ServerArgs n
 We mirror Megatron's names instead of calling `megatron.training.arguments.parse_args`: this room
 may not import Megatron (DESIGN.md), and Megatron's parser adds ~800 flags of which the trainer
 derives the architecture ones from the HF config anyway.
+
+`FLAGS` is the one place a flag is declared: its name, the config group field(s) it lands in
+(`to`, "group.field"), its default (the group dataclasses take their field defaults from here,
+`default_of`), its type/choices (argparse) and its own range check (`check`, applied by `load.py`
+with a message that names the flag). `derived` names the fields `load.py` computes from the flag
+together with others (e.g. --eps-clip-high defaults to --eps-clip). `groups.py` checks at import
+that every target field exists and that its default is the flag's, so a renamed field fails loudly.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from slime_rl.config.estimators import ADVANTAGE_ESTIMATORS
 
 SGLANG_PREFIX = "--sglang-"
 ROUTER_PREFIX = "--router-"
@@ -23,10 +38,14 @@ EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "cuda_graph_max_bs_decode", "enabl
                         "max_running_requests")
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "ppo")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
+# the one definition of the loss-aggregation modes; their math is slime_rl.algo.aggregate's
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ROLLOUT_BACKENDS = ("embedded", "sglang")
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "EMBEDDED_SGLANG_ARGS", "FLAGS", "KL_LOSS_TYPES", "LOSS_AGG_MODES",
+           "LR_DECAY_STYLES", "OWN_SGLANG_FLAGS", "ROLLOUT_BACKENDS", "ROUTER_PREFIX", "SGLANG_PREFIX", "Flag",
+           "build_parser", "default_of", "flag"]
 
 
 def _positive_int(text: str) -> int:
@@ -57,225 +76,345 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _tuple(value: Sequence | None) -> tuple:
+    return () if value is None else tuple(value)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag of `slime-rl train` (see the module docstring)."""
+
+    name: str                                 # "--rollout-max-response-len"
+    to: str | tuple[str, ...] = ()            # "group.field" (a field of Config itself: "field") it lands in
+    derived: str | tuple[str, ...] = ()       # fields load.py computes from it and other flags
+    default: Any = None
+    type: Callable[[str], Any] | None = None
+    choices: Sequence[Any] | None = None
+    nargs: str | None = None
+    metavar: str | None = None
+    action: str | None = None                 # "store_true" / "store_false" (default then False / True)
+    dest: str | None = None                   # the namespace attribute when not the name's
+    convert: Callable[[Any], Any] | None = None  # namespace value -> field value (e.g. a list -> a tuple)
+    check: tuple[Callable[[Any], bool], str] | None = None  # (holds, "must be ..."); None values skip it
+    required: bool = False                    # load.py refuses a run without it (the field default is a placeholder)
+    help: str | None = None
+    section: str = ""                         # the argparse group (docs/flags.md's table)
+
+    def __post_init__(self) -> None:
+        if self.action is not None:
+            object.__setattr__(self, "default", self.action == "store_false")
+
+    @property
+    def key(self) -> str:
+        """The attribute of the parsed namespace (and the YAML key, dashes as underscores)."""
+        return self.dest or self.name[2:].replace("-", "_")
+
+    @property
+    def targets(self) -> tuple[tuple[str, str], ...]:
+        """(group, field) pairs the value lands in as given; group "" is Config itself."""
+        return tuple(_split(t) for t in _many(self.to))
+
+    @property
+    def derived_targets(self) -> tuple[tuple[str, str], ...]:
+        return tuple(_split(t) for t in _many(self.derived))
+
+    def value(self, namespace: argparse.Namespace) -> Any:
+        """The field value from the parsed flags."""
+        raw = getattr(namespace, self.key)
+        return raw if self.convert is None else self.convert(raw)
+
+    @property
+    def field_default(self) -> Any:
+        """What the target fields hold when the flag is not given."""
+        return self.default if self.convert is None else self.convert(self.default)
+
+
+def _many(x: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (x,) if isinstance(x, str) else x
+
+
+def _split(target: str) -> tuple[str, str]:
+    group, _, field = target.rpartition(".")
+    return group, field
+
+
+def section(title: str, *flags: Flag) -> tuple[Flag, ...]:
+    return tuple(dataclasses.replace(f, section=title) for f in flags)
+
+
+FLAGS: tuple[Flag, ...] = (
+    *section('options',
+        Flag('--config', help="YAML file whose keys are these flags' names"),
+        Flag('--dry-run', 'dry_run', action="store_true", help='print the placement plan and engine commands'),
+    ),
+    *section('parallelism (Megatron names)',
+        Flag('--tensor-model-parallel-size', 'parallel.tensor_model_parallel_size', default=1, type=_positive_int),
+        Flag('--pipeline-model-parallel-size', 'parallel.pipeline_model_parallel_size', default=1, type=_positive_int),
+        Flag('--sequence-parallel', 'trainer.sequence_parallel', action="store_true",
+             help='Megatron sequence parallelism (needs TP > 1)'),
+        Flag('--context-parallel-size', 'parallel.context_parallel_size', default=1, type=_positive_int,
+             help="split every sequence over this many ranks (megatron's load-balanced 2*CP chunks; padded and "
+                  'packed micro-batches)'),
+        Flag('--actor-num-nodes', 'parallel.actor_num_nodes', default=1, type=_positive_int),
+        Flag('--actor-num-gpus-per-node', 'parallel.actor_num_gpus_per_node', default=1, type=_positive_int,
+             help='trainer ranks per node (CPU processes when there is no GPU)'),
+    ),
+    *section('batches (Megatron names)',
+        Flag('--micro-batch-size', 'batch.micro_batch_size', default=1, type=_positive_int),
+        Flag('--global-batch-size', derived='batch.global_batch_size', type=_positive_int,
+             help='samples per optimizer step; default: one step per rollout'),
+        Flag('--use-dynamic-batch-size', 'trainer.use_dynamic_batch_size', action="store_true",
+             help='fill micro-batches up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples'),
+        Flag('--max-tokens-per-gpu', 'trainer.max_tokens_per_gpu', type=_positive_int),
+        Flag('--no-pack-sequences', 'trainer.pack_sequences', action="store_false", dest='pack_sequences',
+             help='right-padded micro-batches instead of packed (THD) sequences'),
+        Flag('--recompute-granularity', 'trainer.recompute_granularity', choices=('full', 'selective')),
+        Flag('--recompute-method', 'trainer.recompute_method', choices=('uniform', 'block')),
+        Flag('--recompute-num-layers', 'trainer.recompute_num_layers', type=_positive_int),
+    ),
+    *section('optimizer (Megatron names)',
+        Flag('--optimizer', 'optimizer.optimizer', default='adam', choices=('adam', 'sgd')),
+        Flag('--lr', 'optimizer.lr', default=1e-06, type=float, check=(lambda v: v > 0, "must be > 0")),
+        Flag('--min-lr', 'optimizer.min_lr', default=0.0, type=float),
+        Flag('--lr-decay-style', 'optimizer.lr_decay_style', default='constant', choices=LR_DECAY_STYLES),
+        Flag('--lr-warmup-iters', 'optimizer.lr_warmup_iters', default=0, type=_nonneg_int),
+        Flag('--lr-decay-iters', 'optimizer.lr_decay_iters', type=_positive_int),
+        Flag('--weight-decay', 'optimizer.weight_decay', default=0.0, type=_nonneg_float),
+        Flag('--clip-grad', 'optimizer.clip_grad', default=1.0, type=_nonneg_float),
+        Flag('--adam-beta1', 'optimizer.adam_beta1', default=0.9, type=float,
+             check=(lambda v: 0 <= v < 1, "must be in [0, 1)")),
+        Flag('--adam-beta2', 'optimizer.adam_beta2', default=0.999, type=float,
+             check=(lambda v: 0 <= v < 1, "must be in [0, 1)")),
+        Flag('--adam-eps', 'optimizer.adam_eps', default=1e-08, type=float),
+        Flag('--seed', 'model.seed', default=1234, type=int),
+        Flag('--bf16', 'model.bf16', action="store_true"),
+        Flag('--freeze-vision-tower', 'model.freeze_vision_tower', action="store_true",
+             help="vision-language checkpoints: the vision tower does not train (EasyR1's freeze_vision_tower); "
+                  'weight sync sends it once, then only the language model'),
+    ),
+    *section('checkpoints (Megatron names)',
+        Flag('--save', 'checkpoint.save'),
+        Flag('--load', 'checkpoint.load'),
+        Flag('--save-interval', 'checkpoint.save_interval', type=_positive_int,
+             help='steps between saves (and at the end)'),
+        Flag('--keep-last', 'checkpoint.keep_last', type=_positive_int, help='keep only the newest N checkpoints'),
+        Flag('--save-hf', 'checkpoint.save_hf',
+             help='also write an HF folder at every save and at the end; a path template that may contain '
+                  '{rollout_id} (e.g. runs/x/hf_{rollout_id})'),
+    ),
+    *section('model and data',
+        Flag('--hf-checkpoint', 'model.hf_checkpoint', required=True,
+             help='HF model folder (config, safetensors, tokenizer)'),
+        Flag('--prompt-data', 'data.prompt_data', required=True, help='jsonl file of prompts'),
+        Flag('--input-key', 'data.input_key', default='input'),
+        Flag('--label-key', 'data.label_key', default='label'),
+        Flag('--apply-chat-template', 'data.apply_chat_template', action="store_true"),
+        Flag('--metadata-key', 'data.metadata_key', help="a dict column merged into each sample's metadata"),
+        Flag('--tool-key', 'data.tool_key', help='a column of tools passed to the chat template'),
+        Flag('--apply-chat-template-kwargs', 'data.chat_template_kwargs',
+             help='JSON, e.g. \'{"enable_thinking": false}\''),
+        Flag('--format-prompt', 'data.format_prompt',
+             help="a jinja2 file rendering each prompt from `content` before the chat template (EasyR1's "
+                  'format_prompt), e.g. configs/prompts/think_boxed.jinja'),
+        Flag('--num-epoch', 'data.num_epoch', type=_positive_int, help='instead of --num-rollout'),
+        Flag('--rollout-shuffle', 'data.rollout_shuffle', action="store_true"),
+        Flag('--rollout-max-prompt-len', 'data.rollout_max_prompt_len', type=_positive_int),
+        Flag('--image-key', 'data.image_key', default='images',
+             help='column of image paths/bytes (vision-language models); rows without it are text-only'),
+        Flag('--min-pixels', 'data.min_pixels', type=_positive_int,
+             help="smallest image area after resizing (default: the checkpoint's image processor)"),
+        Flag('--max-pixels', 'data.max_pixels', type=_positive_int,
+             help="largest image area after resizing (default: the checkpoint's image processor)"),
+    ),
+    *section('rollout',
+        Flag('--rollout-batch-size', 'rollout.rollout_batch_size', type=_positive_int, required=True,
+             help='prompts per step'),
+        Flag('--n-samples-per-prompt', 'rollout.n_samples_per_prompt', default=1, type=_positive_int),
+        Flag('--rollout-max-response-len', ('rollout.max_response_len', 'trainer.loss_agg_max_len'),
+             derived='eval.max_response_len', default=1024, type=_positive_int),
+        Flag('--rollout-temperature', ('rollout.temperature', 'algo.temperature'), derived='eval.temperature',
+             default=1.0, type=float, check=(lambda v: 0 < v < math.inf, "must be > 0 and finite")),
+        Flag('--rollout-top-p', 'rollout.top_p', derived='eval.top_p', default=1.0, type=float,
+             check=(lambda v: 0 < v <= 1, "must be in (0, 1]")),
+        # SGLang's SamplingParams.verify: -1 (whole vocabulary) or >= 1; it maps -1 to 1 << 30, the bound
+        Flag('--rollout-top-k', 'rollout.top_k', default=-1, type=int,
+             check=(lambda v: v == -1 or 1 <= v <= 1 << 30, "must be -1 (whole vocabulary) or in [1, 2^30]")),
+        Flag('--rollout-seed', ('rollout.seed', 'data.seed'), derived='rollout.sample_seed', default=42, type=int),
+        Flag('--deterministic-rollout', derived='rollout.sample_seed', action="store_true",
+             help='seed every request (SGLang sampling_seed) from --rollout-seed and the sample index, and start '
+                  'the engines with --enable-deterministic-inference (SGLang ignores sampling_seed without it): '
+                  'rollouts then repeat across engine restarts and resumes'),
+        Flag('--num-rollout', derived='rollout.num_rollout', type=_positive_int, help='training steps'),
+        Flag('--rollout-stop', 'rollout.rollout_stop', nargs='+', convert=_tuple, help='stop strings'),
+        Flag('--rollout-stop-token-ids', 'rollout.rollout_stop_token_ids', type=int, nargs='+', convert=_tuple),
+        Flag('--rollout-max-context-len', 'rollout.rollout_max_context_len', type=_positive_int,
+             help='prompt + response cap (max_new_tokens is lowered to fit)'),
+        Flag('--over-sampling-batch-size', 'rollout.over_sampling_batch_size', type=_positive_int,
+             help='prompts drawn at a time while filling --rollout-batch-size kept groups'),
+        Flag('--dynamic-sampling-filter-path', 'rollout.dynamic_sampling_filter_path',
+             help='module:function(group) -> bool; DAPO: slime_rl.rollout.filters.check_reward_nonzero_std'),
+        Flag('--partial-rollout', 'rollout.partial_rollout', action="store_true",
+             help='groups cut at the end of a rollout continue next step instead of being dropped'),
+        Flag('--mask-offpolicy-in-partial-rollout', 'rollout.mask_offpolicy_in_partial_rollout', action="store_true"),
+        Flag('--rollout-deadline-s', 'rollout.rollout_deadline_s', type=float,
+             help='cut a rollout after this many seconds'),
+        Flag('--custom-generate-function-path', 'rollout.custom_generate_function_path',
+             help='module:function, async (sample, sampling_params, client_pool) -> Sample'),
+        Flag('--async', 'rollout.async_mode', action="store_true", dest='async_mode',
+             help='one-step off-policy: generate step k+1 while training step k'),
+        Flag('--update-weights-interval', 'weight_sync.update_weights_interval', default=1, type=_positive_int,
+             help='broadcast weights to the engines every N steps'),
+        Flag('--rm-type', 'reward.rm_type',
+             help='built-in reward: digit, math, format, dapo, f1, math_format, reasoning_gym, remote_rm'),
+        Flag('--rm-url', 'reward.rm_url', help='remote reward model (POST prompt/response/label/metadata)'),
+        Flag('--reward-key', 'reward.reward_key', default='score', help="the score's key when a reward returns a dict"),
+        Flag('--rm-timeout', 'reward.rm_timeout_s', default=30.0, type=float, help='seconds per remote reward call'),
+        Flag('--rm-max-retries', 'reward.rm_max_retries', default=3, type=_nonneg_int),
+        Flag('--rm-backoff', 'reward.rm_backoff_s', default=0.5, type=float,
+             help='first retry delay, doubled each time'),
+        Flag('--custom-rm-path', 'reward.custom_rm_path', help='module:function or module.function'),
+        Flag('--group-rm', 'reward.group_rm', action="store_true",
+             help='--custom-rm-path scores a whole group at once: list[Sample] -> list[float | dict]'),
+        Flag('--reward-failure-value', 'reward.reward_failure_value', default=0.0, type=float,
+             check=(math.isfinite, "must be finite"),
+             help='reward of a sample whose reward function raised (counted in rollout/reward_failures, first '
+                  "traceback logged); a step where every sample's reward raises stops the run"),
+    ),
+    *section('evaluation',
+        Flag('--eval-interval', 'eval.interval', type=_positive_int, help='evaluate every N steps'),
+        Flag('--eval-prompt-data', derived='eval.datasets', nargs='+', metavar='NAME PATH',
+             help='pairs: name path [name path ...]'),
+        Flag('--n-samples-per-eval-prompt', 'eval.n_samples_per_prompt', default=1, type=_positive_int),
+        Flag('--eval-temperature', derived='eval.temperature', type=float, help='default: --rollout-temperature'),
+        Flag('--eval-top-p', derived='eval.top_p', type=float, help='default: --rollout-top-p'),
+        Flag('--eval-max-response-len', derived='eval.max_response_len', type=_positive_int,
+             help='default: --rollout-max-response-len'),
+        Flag('--skip-eval-before-train', 'eval.skip_before_train', action="store_true"),
+    ),
+    *section('rollout engines',
+        Flag('--rollout-backend', 'engine.backend', default='embedded', choices=ROLLOUT_BACKENDS),
+        Flag('--rollout-num-gpus', derived='engine.num_gpus', type=_positive_int,
+             help='devices for all engines (CPU processes when there is no GPU); default 1, or with --colocate the '
+                  "trainer's devices"),
+        Flag('--rollout-num-gpus-per-engine', 'engine.num_gpus_per_engine', default=1, type=_positive_int),
+        Flag('--colocate', 'engine.colocate', action="store_true",
+             help="engines share the trainer's devices: they release their memory while the trainer trains and get "
+                  'the weights in place (CUDA IPC / shared memory) instead of by broadcast'),
+        Flag('--sglang-server-concurrency', 'rollout.concurrency_per_engine', default=64, type=_positive_int,
+             help='most requests in flight per engine (the client queues the rest)'),
+        Flag('--use-sglang-router', 'engine.use_router', action="store_true",
+             help='put sglang-router (pip install sglang-router) on the head node in front of the engines: '
+                  '/generate goes through it, control and weight updates go to every engine; `--router-<name> '
+                  'VALUE` passes its flag --<name> through'),
+        Flag('--sglang-router-port', 'engine.router_port', type=_positive_int,
+             help='port of the router of --use-sglang-router (default: a free one)'),
+        Flag('--update-weight-buffer-size', 'weight_sync.update_weight_buffer_size', default=512 * 1024**2,
+             type=_positive_int,
+             help='bytes per weight-sync bucket'),
+        Flag('--use-fault-tolerance', 'fault.use_fault_tolerance', action="store_true",
+             help="health-check the engines; a dead or hung engine's requests go to the others, and it is "
+                  'restarted in its placement and given the current weights before the next rollout'),
+        Flag('--rollout-health-check-interval', 'fault.health_check_interval_s', default=10.0, type=_positive_float,
+             help='seconds between /health checks of every engine during a rollout'),
+        Flag('--rollout-health-check-timeout', 'fault.health_check_timeout_s', default=5.0, type=_positive_float,
+             help='an engine whose /health does not answer 200 within this many seconds is declared dead'),
+    ),
+    *section('algorithm',
+        Flag('--advantage-estimator', 'algo.advantage_estimator', default='grpo', choices=ADVANTAGE_ESTIMATORS),
+        Flag('--disable-grpo-std-normalization', 'algo.normalize_group_std', action="store_true", convert=operator.not_,
+             help='Dr.GRPO: centre rewards by the group mean without dividing by the std'),
+        Flag('--overlong-buffer-len', 'algo.overlong_buffer_len', default=0, type=_nonneg_int,
+             help='DAPO overlong shaping: penalty ramps over the last N tokens of --rollout-max-response-len'),
+        Flag('--overlong-penalty-factor', 'algo.overlong_penalty_factor', default=1.0, type=_nonneg_float),
+        Flag('--eps-clip', 'algo.eps_clip', default=0.2, type=float, check=(lambda v: 0 < v < 1, "must be in (0, 1)")),
+        Flag('--eps-clip-high', derived='algo.eps_clip_high', type=float, help='default: --eps-clip'),
+        Flag('--loss-agg-mode', 'trainer.loss_agg_mode', default='token-mean', choices=LOSS_AGG_MODES,
+             help='token-mean: over all tokens of the global batch (DAPO); seq-mean-*: per sample first'),
+        Flag('--eps-clip-c', 'algo.eps_clip_c', type=float, check=(lambda v: v > 1, "must be > 1"),
+             help='dual-clip constant c > 1 (for A < 0)'),
+        Flag('--use-kl-loss', 'algo.use_kl_loss', action="store_true", help='KL to the reference model in the loss'),
+        Flag('--kl-loss-coef', 'algo.kl_loss_coef', default=0.0, type=_nonneg_float),
+        Flag('--kl-coef', 'algo.kl_coef', default=0.0, type=_nonneg_float,
+             help='KL to the reference folded into token rewards (REINFORCE++)'),
+        Flag('--gamma', 'algo.gamma', default=1.0, type=float, check=(lambda v: 0 < v <= 1, "must be in (0, 1]"),
+             help="discount of token returns (REINFORCE++, PPO's GAE)"),
+        Flag('--lambd', 'algo.lambd', default=1.0, type=float, help='GAE lambda (PPO)'),
+        Flag('--value-clip', 'algo.value_clip', default=0.2, type=float,
+             help='PPO value-loss clip around the rollout-time values'),
+        Flag('--entropy-coef', 'algo.entropy_coef', default=0.0, type=_nonneg_float, help='entropy bonus in the loss'),
+        Flag('--use-tis', 'algo.use_tis', action="store_true",
+             help="truncated importance sampling against the engine's log-probs"),
+        Flag('--tis-clip', 'algo.tis_clip', default=2.0, type=float),
+        Flag('--tis-clip-low', 'algo.tis_clip_low', default=0.0, type=float),
+        Flag('--kl-loss-type', 'algo.kl_loss_type', default='low_var_kl', choices=KL_LOSS_TYPES),
+        Flag('--ref-update-interval', 'algo.ref_update_interval', type=_positive_int,
+             help='replace the frozen reference (KL) with the current policy every N rollouts; default: the '
+                  'initial policy for the whole run'),
+    ),
+    *section("critic (PPO: --advantage-estimator ppo; slime's names)",
+        Flag('--critic-num-nodes', derived='critic.num_nodes', type=_positive_int, help='default: --actor-num-nodes'),
+        Flag('--critic-num-gpus-per-node', derived='critic.num_gpus_per_node', type=_positive_int,
+             help='critic ranks per node, default: --actor-num-gpus-per-node (CPU processes without GPUs)'),
+        Flag('--critic-lr', derived='critic.lr', type=float, help='default: --lr'),
+        Flag('--critic-lr-warmup-iters', 'critic.lr_warmup_iters', default=0, type=_nonneg_int),
+        Flag('--critic-load', 'critic.load',
+             help='checkpoint folder of a critic (--critic-save); default: the --hf-checkpoint backbone with a new '
+                  'value head'),
+        Flag('--critic-save', 'critic.save', help='save the critic here with every --save'),
+        Flag('--num-critic-only-steps', 'critic.num_critic_only_steps', default=0, type=_nonneg_int,
+             help='first steps train only the critic (the policy is not updated)'),
+    ),
+    *section('logging',
+        Flag('--run-dir', derived='logging.run_dir', help='where metrics.jsonl goes; default runs/<time>'),
+        Flag('--use-wandb', 'logging.use_wandb', action="store_true"),
+        Flag('--wandb-project', 'logging.wandb_project', default='slime_rl'),
+        Flag('--wandb-group', 'logging.wandb_group'),
+        Flag('--wandb-mode', 'logging.wandb_mode', default='online', choices=('online', 'offline', 'disabled')),
+        Flag('--use-tensorboard', 'logging.use_tensorboard', action="store_true",
+             help='scalars to <run-dir>/tensorboard'),
+        Flag('--use-swanlab', 'logging.use_swanlab', action="store_true"),
+        Flag('--swanlab-project', 'logging.swanlab_project', default='slime_rl'),
+        Flag('--swanlab-mode', 'logging.swanlab_mode', default='online',
+             choices=('online', 'offline', 'local', 'disabled'),
+             help='offline/local keep the run under <run-dir>/swanlog'),
+        Flag('--dump-rollouts', 'logging.dump_rollouts', action="store_true",
+             help="write each step's prompts, responses and rewards to <run-dir>/rollouts/step_NNNNNN.jsonl"),
+    ),
+)
+
+_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
+assert len(_BY_NAME) == len(FLAGS), "a flag is declared twice"
+
+
+def flag(name: str) -> Flag:
+    """The table entry of `name` ("--rollout-max-response-len")."""
+    return _BY_NAME[name]
+
+
+def default_of(name: str) -> Any:
+    """The default a group field takes from its flag (the one place the value is written)."""
+    return _BY_NAME[name].field_default
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """All flags of `slime-rl train`. Defaults follow Megatron (optimizer) and slime (RL)."""
+    """All flags of `slime-rl train`, from `FLAGS`. Defaults follow Megatron (optimizer) and slime (RL)."""
     p = argparse.ArgumentParser(
         prog="slime-rl train",
         description="RL post-training: Megatron-core trainer, SGLang (or built-in) rollout engines, Ray.",
         allow_abbrev=False,
     )
-    p.add_argument("--config", default=None, help="YAML file whose keys are these flags' names")
-    p.add_argument("--dry-run", action="store_true", help="print the placement plan and engine commands")
-
-    g = p.add_argument_group("parallelism (Megatron names)")
-    g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (needs TP > 1)")
-    g.add_argument("--context-parallel-size", type=_positive_int, default=1,
-                   help="split every sequence over this many ranks (megatron's load-balanced 2*CP chunks; "
-                        "padded and packed micro-batches)")
-    g.add_argument("--actor-num-nodes", type=_positive_int, default=1)
-    g.add_argument("--actor-num-gpus-per-node", type=_positive_int, default=1,
-                   help="trainer ranks per node (CPU processes when there is no GPU)")
-
-    g = p.add_argument_group("batches (Megatron names)")
-    g.add_argument("--micro-batch-size", type=_positive_int, default=1)
-    g.add_argument("--global-batch-size", type=_positive_int, default=None,
-                   help="samples per optimizer step; default: one step per rollout")
-    g.add_argument("--use-dynamic-batch-size", action="store_true",
-                   help="fill micro-batches up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples")
-    g.add_argument("--max-tokens-per-gpu", type=_positive_int, default=None)
-    g.add_argument("--no-pack-sequences", dest="pack_sequences", action="store_false",
-                   help="right-padded micro-batches instead of packed (THD) sequences")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
-    g.add_argument("--recompute-num-layers", type=_positive_int, default=None)
-
-    g = p.add_argument_group("optimizer (Megatron names)")
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    g.add_argument("--lr", type=float, default=1e-6)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
-    g.add_argument("--lr-warmup-iters", type=_nonneg_int, default=0)
-    g.add_argument("--lr-decay-iters", type=_positive_int, default=None)
-    g.add_argument("--weight-decay", type=_nonneg_float, default=0.0)
-    g.add_argument("--clip-grad", type=_nonneg_float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--freeze-vision-tower", action="store_true",
-                   help="vision-language checkpoints: the vision tower does not train (EasyR1's freeze_vision_tower); "
-                        "weight sync sends it once, then only the language model")
-
-    g = p.add_argument_group("checkpoints (Megatron names)")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=_positive_int, default=None, help="steps between saves (and at the end)")
-    g.add_argument("--keep-last", type=_positive_int, default=None, help="keep only the newest N checkpoints")
-    g.add_argument("--save-hf", default=None,
-                   help="also write an HF folder at every save and at the end; a path template that may contain "
-                        "{rollout_id} (e.g. runs/x/hf_{rollout_id})")
-
-    g = p.add_argument_group("model and data")
-    g.add_argument("--hf-checkpoint", default=None, help="HF model folder (config, safetensors, tokenizer)")
-    g.add_argument("--prompt-data", default=None, help="jsonl file of prompts")
-    g.add_argument("--input-key", default="input")
-    g.add_argument("--label-key", default="label")
-    g.add_argument("--apply-chat-template", action="store_true")
-    g.add_argument("--metadata-key", default=None, help="a dict column merged into each sample's metadata")
-    g.add_argument("--tool-key", default=None, help="a column of tools passed to the chat template")
-    g.add_argument("--apply-chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
-    g.add_argument("--format-prompt", default=None,
-                   help="a jinja2 file rendering each prompt from `content` before the chat template (EasyR1's "
-                        "format_prompt), e.g. configs/prompts/think_boxed.jinja")
-    g.add_argument("--num-epoch", type=_positive_int, default=None, help="instead of --num-rollout")
-    g.add_argument("--rollout-shuffle", action="store_true")
-    g.add_argument("--rollout-max-prompt-len", type=_positive_int, default=None)
-    g.add_argument("--image-key", default="images",
-                   help="column of image paths/bytes (vision-language models); rows without it are text-only")
-    g.add_argument("--min-pixels", type=_positive_int, default=None,
-                   help="smallest image area after resizing (default: the checkpoint's image processor)")
-    g.add_argument("--max-pixels", type=_positive_int, default=None,
-                   help="largest image area after resizing (default: the checkpoint's image processor)")
-
-    g = p.add_argument_group("rollout")
-    g.add_argument("--rollout-batch-size", type=_positive_int, default=None, help="prompts per step")
-    g.add_argument("--n-samples-per-prompt", type=_positive_int, default=1)
-    g.add_argument("--rollout-max-response-len", type=_positive_int, default=1024)
-    g.add_argument("--rollout-temperature", type=float, default=1.0)
-    g.add_argument("--rollout-top-p", type=float, default=1.0)
-    g.add_argument("--rollout-top-k", type=int, default=-1)
-    g.add_argument("--rollout-seed", type=int, default=42)
-    g.add_argument("--deterministic-rollout", action="store_true",
-                   help="seed every request (SGLang sampling_seed) from --rollout-seed and the sample index, and "
-                        "start the engines with --enable-deterministic-inference (SGLang ignores sampling_seed "
-                        "without it): rollouts then repeat across engine restarts and resumes")
-    g.add_argument("--num-rollout", type=_positive_int, default=None, help="training steps")
-    g.add_argument("--rollout-stop", nargs="+", default=None, help="stop strings")
-    g.add_argument("--rollout-stop-token-ids", nargs="+", type=int, default=None)
-    g.add_argument("--rollout-max-context-len", type=_positive_int, default=None,
-                   help="prompt + response cap (max_new_tokens is lowered to fit)")
-    g.add_argument("--over-sampling-batch-size", type=_positive_int, default=None,
-                   help="prompts drawn at a time while filling --rollout-batch-size kept groups")
-    g.add_argument("--dynamic-sampling-filter-path", default=None,
-                   help="module:function(group) -> bool; DAPO: slime_rl.rollout.filters.check_reward_nonzero_std")
-    g.add_argument("--partial-rollout", action="store_true",
-                   help="groups cut at the end of a rollout continue next step instead of being dropped")
-    g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true")
-    g.add_argument("--rollout-deadline-s", type=float, default=None, help="cut a rollout after this many seconds")
-    g.add_argument("--custom-generate-function-path", default=None,
-                   help="module:function, async (sample, sampling_params, client_pool) -> Sample")
-    g.add_argument("--async", dest="async_mode", action="store_true",
-                   help="one-step off-policy: generate step k+1 while training step k")
-    g.add_argument("--update-weights-interval", type=_positive_int, default=1,
-                   help="broadcast weights to the engines every N steps")
-    g.add_argument("--rm-type", default=None,
-                   help="built-in reward: digit, math, format, dapo, f1, math_format, reasoning_gym, remote_rm")
-    g.add_argument("--rm-url", default=None, help="remote reward model (POST prompt/response/label/metadata)")
-    g.add_argument("--reward-key", default="score", help="the score's key when a reward returns a dict")
-    g.add_argument("--rm-timeout", type=float, default=30.0, help="seconds per remote reward call")
-    g.add_argument("--rm-max-retries", type=_nonneg_int, default=3)
-    g.add_argument("--rm-backoff", type=float, default=0.5, help="first retry delay, doubled each time")
-    g.add_argument("--custom-rm-path", default=None, help="module:function or module.function")
-    g.add_argument("--group-rm", action="store_true",
-                   help="--custom-rm-path scores a whole group at once: list[Sample] -> list[float | dict]")
-    g.add_argument("--reward-failure-value", type=float, default=0.0,
-                   help="reward of a sample whose reward function raised (counted in rollout/reward_failures, "
-                        "first traceback logged); a step where every sample's reward raises stops the run")
-
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-interval", type=_positive_int, default=None, help="evaluate every N steps")
-    g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH",
-                   help="pairs: name path [name path ...]")
-    g.add_argument("--n-samples-per-eval-prompt", type=_positive_int, default=1)
-    g.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
-    g.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")
-    g.add_argument("--eval-max-response-len", type=_positive_int, default=None,
-                   help="default: --rollout-max-response-len")
-    g.add_argument("--skip-eval-before-train", action="store_true")
-
-    g = p.add_argument_group("rollout engines")
-    g.add_argument("--rollout-backend", choices=ROLLOUT_BACKENDS, default="embedded")
-    g.add_argument("--rollout-num-gpus", type=_positive_int, default=None,
-                   help="devices for all engines (CPU processes when there is no GPU); default 1, or with "
-                        "--colocate the trainer's devices")
-    g.add_argument("--rollout-num-gpus-per-engine", type=_positive_int, default=1)
-    g.add_argument("--colocate", action="store_true",
-                   help="engines share the trainer's devices: they release their memory while the trainer trains "
-                        "and get the weights in place (CUDA IPC / shared memory) instead of by broadcast")
-    g.add_argument("--sglang-server-concurrency", type=_positive_int, default=64,
-                   help="most requests in flight per engine (the client queues the rest)")
-    g.add_argument("--use-sglang-router", action="store_true",
-                   help="put sglang-router (pip install sglang-router) on the head node in front of the engines: "
-                        "/generate goes through it, control and weight updates go to every engine; "
-                        "`--router-<name> VALUE` passes its flag --<name> through")
-    g.add_argument("--sglang-router-port", type=_positive_int, default=None,
-                   help="port of the router of --use-sglang-router (default: a free one)")
-    g.add_argument("--update-weight-buffer-size", type=_positive_int, default=512 * 1024**2,
-                   help="bytes per weight-sync bucket")
-    g.add_argument("--use-fault-tolerance", action="store_true",
-                   help="health-check the engines; a dead or hung engine's requests go to the others, and it is "
-                        "restarted in its placement and given the current weights before the next rollout")
-    g.add_argument("--rollout-health-check-interval", type=_positive_float, default=10.0,
-                   help="seconds between /health checks of every engine during a rollout")
-    g.add_argument("--rollout-health-check-timeout", type=_positive_float, default=5.0,
-                   help="an engine whose /health does not answer 200 within this many seconds is declared dead")
-
-    g = p.add_argument_group("algorithm")
-    g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
-    g.add_argument("--disable-grpo-std-normalization", action="store_true",
-                   help="Dr.GRPO: centre rewards by the group mean without dividing by the std")
-    g.add_argument("--overlong-buffer-len", type=_nonneg_int, default=0,
-                   help="DAPO overlong shaping: penalty ramps over the last N tokens of --rollout-max-response-len")
-    g.add_argument("--overlong-penalty-factor", type=_nonneg_float, default=1.0)
-    g.add_argument("--eps-clip", type=float, default=0.2)
-    g.add_argument("--eps-clip-high", type=float, default=None, help="default: --eps-clip")
-    g.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean",
-                   help="token-mean: over all tokens of the global batch (DAPO); seq-mean-*: per sample first")
-    g.add_argument("--eps-clip-c", type=float, default=None, help="dual-clip constant c > 1 (for A < 0)")
-    g.add_argument("--use-kl-loss", action="store_true", help="KL to the reference model in the loss")
-    g.add_argument("--kl-loss-coef", type=_nonneg_float, default=0.0)
-    g.add_argument("--kl-coef", type=_nonneg_float, default=0.0,
-                   help="KL to the reference folded into token rewards (REINFORCE++)")
-    g.add_argument("--gamma", type=float, default=1.0, help="discount of token returns (REINFORCE++, PPO's GAE)")
-    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda (PPO)")
-    g.add_argument("--value-clip", type=float, default=0.2, help="PPO value-loss clip around the rollout-time values")
-    g.add_argument("--entropy-coef", type=_nonneg_float, default=0.0, help="entropy bonus in the loss")
-    g.add_argument("--use-tis", action="store_true",
-                   help="truncated importance sampling against the engine's log-probs")
-    g.add_argument("--tis-clip", type=float, default=2.0)
-    g.add_argument("--tis-clip-low", type=float, default=0.0)
-    g.add_argument("--kl-loss-type", choices=KL_LOSS_TYPES, default="low_var_kl")
-    g.add_argument("--ref-update-interval", type=_positive_int, default=None,
-                   help="replace the frozen reference (KL) with the current policy every N rollouts; "
-                        "default: the initial policy for the whole run")
-
-    g = p.add_argument_group("critic (PPO: --advantage-estimator ppo; slime's names)")
-    g.add_argument("--critic-num-nodes", type=_positive_int, default=None, help="default: --actor-num-nodes")
-    g.add_argument("--critic-num-gpus-per-node", type=_positive_int, default=None,
-                   help="critic ranks per node, default: --actor-num-gpus-per-node (CPU processes without GPUs)")
-    g.add_argument("--critic-lr", type=float, default=None, help="default: --lr")
-    g.add_argument("--critic-lr-warmup-iters", type=_nonneg_int, default=0)
-    g.add_argument("--critic-load", default=None,
-                   help="checkpoint folder of a critic (--critic-save); default: the --hf-checkpoint backbone "
-                        "with a new value head")
-    g.add_argument("--critic-save", default=None, help="save the critic here with every --save")
-    g.add_argument("--num-critic-only-steps", type=_nonneg_int, default=0,
-                   help="first steps train only the critic (the policy is not updated)")
-
-    g = p.add_argument_group("logging")
-    g.add_argument("--run-dir", default=None, help="where metrics.jsonl goes; default runs/<time>")
-    g.add_argument("--use-wandb", action="store_true")
-    g.add_argument("--wandb-project", default="slime_rl")
-    g.add_argument("--wandb-group", default=None)
-    g.add_argument("--wandb-mode", choices=("online", "offline", "disabled"), default="online")
-    g.add_argument("--use-tensorboard", action="store_true", help="scalars to <run-dir>/tensorboard")
-    g.add_argument("--use-swanlab", action="store_true")
-    g.add_argument("--swanlab-project", default="slime_rl")
-    g.add_argument("--swanlab-mode", choices=("online", "offline", "local", "disabled"), default="online",
-                   help="offline/local keep the run under <run-dir>/swanlog")
-    g.add_argument("--dump-rollouts", action="store_true",
-                   help="write each step's prompts, responses and rewards to <run-dir>/rollouts/step_NNNNNN.jsonl")
+    groups: dict[str, argparse._ActionsContainer] = {"options": p}
+    for f in FLAGS:
+        if f.section not in groups:
+            groups[f.section] = p.add_argument_group(f.section)
+        kwargs: dict[str, Any] = {"help": f.help}
+        if f.dest is not None:
+            kwargs["dest"] = f.dest
+        if f.action is not None:
+            kwargs["action"] = f.action
+        else:
+            kwargs |= {"default": f.default, "type": f.type, "choices": f.choices, "nargs": f.nargs,
+                       "metavar": f.metavar}
+            kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "default"}
+        groups[f.section].add_argument(f.name, **kwargs)
     return p

@@ -1,4 +1,9 @@
-"""Typed config groups built from the flat flags. Functions take the group they need."""
+"""Typed config groups built from the flat flags. Functions take the group they need.
+
+Field defaults come from the flag table (`flags.default_of`): a value has one default, written once.
+`load.py` fills the groups by keyword from the same table, and `_check_table` (run at import) makes
+a field that a flag names but the group lacks -- a rename -- fail loudly here, not silently later.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime_rl.config.estimators import EstimatorSpec, estimator_spec
+from slime_rl.config.flags import FLAGS, default_of
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    actor_num_nodes: int = 1
-    actor_num_gpus_per_node: int = 1
-    context_parallel_size: int = 1
+    tensor_model_parallel_size: int = default_of("--tensor-model-parallel-size")
+    pipeline_model_parallel_size: int = default_of("--pipeline-model-parallel-size")
+    actor_num_nodes: int = default_of("--actor-num-nodes")
+    actor_num_gpus_per_node: int = default_of("--actor-num-gpus-per-node")
+    context_parallel_size: int = default_of("--context-parallel-size")
 
     @property
     def world_size(self) -> int:
@@ -27,7 +35,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class BatchConfig:
-    micro_batch_size: int = 1
+    micro_batch_size: int = default_of("--micro-batch-size")
     global_batch_size: int = 1
 
 
@@ -36,39 +44,40 @@ class TrainerConfig:
     """How the trainer lays out work: packing, token budgets, sequence parallel, recompute, loss
     aggregation. Passed to TrainerWorker as keyword arguments of the same names."""
 
-    pack_sequences: bool = True
-    use_dynamic_batch_size: bool = False
-    max_tokens_per_gpu: int | None = None
-    sequence_parallel: bool = False
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    loss_agg_mode: str = "token-mean"
+    pack_sequences: bool = default_of("--no-pack-sequences")
+    use_dynamic_batch_size: bool = default_of("--use-dynamic-batch-size")
+    max_tokens_per_gpu: int | None = default_of("--max-tokens-per-gpu")
+    sequence_parallel: bool = default_of("--sequence-parallel")
+    recompute_granularity: str | None = default_of("--recompute-granularity")
+    recompute_method: str | None = default_of("--recompute-method")
+    recompute_num_layers: int | None = default_of("--recompute-num-layers")
+    loss_agg_mode: str = default_of("--loss-agg-mode")
     # seq-mean-token-sum-norm (Dr.GRPO) divides by a constant horizon: the response budget
-    loss_agg_max_len: int | None = None
+    loss_agg_max_len: int | None = default_of("--rollout-max-response-len")
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    optimizer: str = "adam"
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_decay_style: str = "constant"
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int | None = None
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
+    optimizer: str = default_of("--optimizer")
+    lr: float = default_of("--lr")
+    min_lr: float = default_of("--min-lr")
+    lr_decay_style: str = default_of("--lr-decay-style")
+    lr_warmup_iters: int = default_of("--lr-warmup-iters")
+    lr_decay_iters: int | None = default_of("--lr-decay-iters")
+    weight_decay: float = default_of("--weight-decay")
+    clip_grad: float = default_of("--clip-grad")
+    adam_beta1: float = default_of("--adam-beta1")
+    adam_beta2: float = default_of("--adam-beta2")
+    adam_eps: float = default_of("--adam-eps")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     hf_checkpoint: str = ""
-    bf16: bool = False
-    seed: int = 1234
-    freeze_vision_tower: bool = False  # vision-language models: the vision tower does not train
+    bf16: bool = default_of("--bf16")
+    seed: int = default_of("--seed")
+    # vision-language models: the vision tower does not train
+    freeze_vision_tower: bool = default_of("--freeze-vision-tower")
     # --sglang-enable-fp32-lm-head: logits in fp32 on the engines (SGLang's flag, the built-in engine's
     # too) and in the trainer alike, so both sides round the logits the same way
     fp32_lm_head: bool = False
@@ -76,37 +85,43 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    advantage_estimator: str = "grpo"
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.2
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
+    advantage_estimator: str = default_of("--advantage-estimator")
+    eps_clip: float = default_of("--eps-clip")
+    eps_clip_high: float = default_of("--eps-clip")  # --eps-clip-high, else --eps-clip
+    kl_loss_coef: float = default_of("--kl-loss-coef")
+    kl_loss_type: str = default_of("--kl-loss-type")
     # log-probs are taken of logits / temperature on both sides (engine and trainer)
-    temperature: float = 1.0
-    normalize_group_std: bool = True
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
-    eps_clip_c: float | None = None
-    use_kl_loss: bool = False
-    kl_coef: float = 0.0  # reward-shaping KL (REINFORCE++), not a loss term
-    gamma: float = 1.0
-    lambd: float = 1.0  # GAE (ppo)
-    value_clip: float = 0.2  # clipped value loss (ppo)
-    entropy_coef: float = 0.0
-    use_tis: bool = False
-    tis_clip: float = 2.0
-    tis_clip_low: float = 0.0
-    ref_update_interval: int | None = None  # rollouts between reference refreshes; None: frozen
+    temperature: float = default_of("--rollout-temperature")
+    normalize_group_std: bool = default_of("--disable-grpo-std-normalization")
+    overlong_buffer_len: int = default_of("--overlong-buffer-len")
+    overlong_penalty_factor: float = default_of("--overlong-penalty-factor")
+    eps_clip_c: float | None = default_of("--eps-clip-c")
+    use_kl_loss: bool = default_of("--use-kl-loss")
+    kl_coef: float = default_of("--kl-coef")  # reward-shaping KL (REINFORCE++), not a loss term
+    gamma: float = default_of("--gamma")
+    lambd: float = default_of("--lambd")  # GAE (ppo)
+    value_clip: float = default_of("--value-clip")  # clipped value loss (ppo)
+    entropy_coef: float = default_of("--entropy-coef")
+    use_tis: bool = default_of("--use-tis")
+    tis_clip: float = default_of("--tis-clip")
+    tis_clip_low: float = default_of("--tis-clip-low")
+    # rollouts between reference refreshes; None: frozen
+    ref_update_interval: int | None = default_of("--ref-update-interval")
+
+    @property
+    def estimator(self) -> EstimatorSpec:
+        """What --advantage-estimator needs and implies (config/estimators.py; its math: algo.estimator_for)."""
+        return estimator_spec(self.advantage_estimator)
 
     @property
     def token_level_advantages(self) -> bool:
         """Estimators whose advantages the trainer computes per token (they need log-probs or
         whitening over the whole batch); the others arrive as one scalar per sample."""
-        return self.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+        return self.estimator.token_level_advantages
 
     @property
     def use_critic(self) -> bool:
-        return self.advantage_estimator == "ppo"
+        return self.estimator.critic
 
     @property
     def use_reference(self) -> bool:
@@ -117,13 +132,13 @@ class AlgoConfig:
 class CriticConfig:
     """PPO's value model: its own ranks (same TP/PP as the policy), LR and checkpoints."""
 
-    num_nodes: int = 1
-    num_gpus_per_node: int = 1
-    lr: float = 1e-6
-    lr_warmup_iters: int = 0
-    load: str | None = None
-    save: str | None = None
-    num_critic_only_steps: int = 0
+    num_nodes: int = default_of("--actor-num-nodes")  # --critic-num-nodes, else the policy's
+    num_gpus_per_node: int = default_of("--actor-num-gpus-per-node")
+    lr: float = default_of("--lr")  # --critic-lr, else --lr
+    lr_warmup_iters: int = default_of("--critic-lr-warmup-iters")
+    load: str | None = default_of("--critic-load")
+    save: str | None = default_of("--critic-save")
+    num_critic_only_steps: int = default_of("--num-critic-only-steps")
 
     @property
     def world_size(self) -> int:
@@ -144,65 +159,84 @@ class CriticConfig:
 @dataclass(frozen=True)
 class DataConfig:
     prompt_data: str = ""
-    input_key: str = "input"
-    label_key: str = "label"
-    apply_chat_template: bool = False
-    rollout_shuffle: bool = False
-    rollout_max_prompt_len: int | None = None
-    seed: int = 42
-    metadata_key: str | None = None
-    tool_key: str | None = None
-    chat_template_kwargs: str | None = None  # JSON object, e.g. '{"enable_thinking": false}'
-    num_epoch: int | None = None
-    image_key: str | None = "images"  # EasyR1's column name; absent in text-only data
-    min_pixels: int | None = None  # None: the checkpoint's image processor decides
-    max_pixels: int | None = None
-    format_prompt: str | None = None  # jinja2 file: each prompt is rendered from `content` first
+    input_key: str = default_of("--input-key")
+    label_key: str = default_of("--label-key")
+    apply_chat_template: bool = default_of("--apply-chat-template")
+    rollout_shuffle: bool = default_of("--rollout-shuffle")
+    rollout_max_prompt_len: int | None = default_of("--rollout-max-prompt-len")
+    seed: int = default_of("--rollout-seed")
+    metadata_key: str | None = default_of("--metadata-key")
+    tool_key: str | None = default_of("--tool-key")
+    # JSON object, e.g. '{"enable_thinking": false}'
+    chat_template_kwargs: str | None = default_of("--apply-chat-template-kwargs")
+    num_epoch: int | None = default_of("--num-epoch")
+    image_key: str | None = default_of("--image-key")  # EasyR1's column name; absent in text-only data
+    min_pixels: int | None = default_of("--min-pixels")  # None: the checkpoint's image processor decides
+    max_pixels: int | None = default_of("--max-pixels")
+    # jinja2 file: each prompt is rendered from `content` first
+    format_prompt: str | None = default_of("--format-prompt")
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
     rollout_batch_size: int = 1
-    n_samples_per_prompt: int = 1
-    max_response_len: int = 1024
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int = 42
-    num_rollout: int = 1
-    rm_type: str | None = None
-    custom_rm_path: str | None = None
-    concurrency_per_engine: int = 64
-    rm_url: str | None = None
-    reward_key: str = "score"
-    rm_timeout_s: float = 30.0
-    rm_max_retries: int = 3
-    rm_backoff_s: float = 0.5
-    async_mode: bool = False
-    update_weights_interval: int = 1
-    # names shared with slime_rl.rollout.options.RolloutOptions, which copies them by name
-    rollout_stop: tuple[str, ...] = ()
-    rollout_stop_token_ids: tuple[int, ...] = ()
-    rollout_max_context_len: int | None = None
-    over_sampling_batch_size: int | None = None
-    dynamic_sampling_filter_path: str | None = None
-    partial_rollout: bool = False
-    mask_offpolicy_in_partial_rollout: bool = False
-    rollout_deadline_s: float | None = None
-    custom_generate_function_path: str | None = None
+    n_samples_per_prompt: int = default_of("--n-samples-per-prompt")
+    max_response_len: int = default_of("--rollout-max-response-len")
+    temperature: float = default_of("--rollout-temperature")
+    top_p: float = default_of("--rollout-top-p")
+    top_k: int = default_of("--rollout-top-k")
+    seed: int = default_of("--rollout-seed")
+    num_rollout: int = 1  # --num-rollout, or from --num-epoch once the data is read
+    concurrency_per_engine: int = default_of("--sglang-server-concurrency")
+    async_mode: bool = default_of("--async")
+    rollout_stop: tuple[str, ...] = default_of("--rollout-stop")
+    rollout_stop_token_ids: tuple[int, ...] = default_of("--rollout-stop-token-ids")
+    rollout_max_context_len: int | None = default_of("--rollout-max-context-len")
+    over_sampling_batch_size: int | None = default_of("--over-sampling-batch-size")
+    dynamic_sampling_filter_path: str | None = default_of("--dynamic-sampling-filter-path")
+    partial_rollout: bool = default_of("--partial-rollout")
+    mask_offpolicy_in_partial_rollout: bool = default_of("--mask-offpolicy-in-partial-rollout")
+    rollout_deadline_s: float | None = default_of("--rollout-deadline-s")
+    custom_generate_function_path: str | None = default_of("--custom-generate-function-path")
     sample_seed: int | None = None  # set from --rollout-seed by --deterministic-rollout
-    group_rm: bool = False  # --custom-rm-path scores whole groups
+
+    @property
+    def samples_per_rollout(self) -> int:
+        """Samples a step trains on: --rollout-batch-size x --n-samples-per-prompt."""
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def draw_size(self) -> int:
+        """Prompts drawn at a time while filling the step's groups."""
+        return self.over_sampling_batch_size or self.rollout_batch_size
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """How samples are scored: the built-in or custom reward function, the remote reward model, and
+    what a raising reward scores."""
+
+    rm_type: str | None = default_of("--rm-type")
+    custom_rm_path: str | None = default_of("--custom-rm-path")
+    rm_url: str | None = default_of("--rm-url")
+    reward_key: str = default_of("--reward-key")
+    rm_timeout_s: float = default_of("--rm-timeout")
+    rm_max_retries: int = default_of("--rm-max-retries")
+    rm_backoff_s: float = default_of("--rm-backoff")
+    group_rm: bool = default_of("--group-rm")  # --custom-rm-path scores whole groups
+    # a sample whose reward raised scores this (counted in rollout/reward_failures)
+    reward_failure_value: float = default_of("--reward-failure-value")
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    interval: int | None = None
+    interval: int | None = default_of("--eval-interval")
     datasets: tuple[tuple[str, str], ...] = ()  # (name, path)
-    n_samples_per_prompt: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_response_len: int = 1024
-    skip_before_train: bool = False
+    n_samples_per_prompt: int = default_of("--n-samples-per-eval-prompt")
+    temperature: float = default_of("--rollout-temperature")  # --eval-temperature, else the rollout's
+    top_p: float = default_of("--rollout-top-p")
+    max_response_len: int = default_of("--rollout-max-response-len")
+    skip_before_train: bool = default_of("--skip-eval-before-train")
 
     @property
     def enabled(self) -> bool:
@@ -211,16 +245,17 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    backend: str = "embedded"
-    num_gpus: int = 1
-    num_gpus_per_engine: int = 1
+    backend: str = default_of("--rollout-backend")
+    num_gpus: int = 1  # --rollout-num-gpus, else 1 (with --colocate: the trainer's devices)
+    num_gpus_per_engine: int = default_of("--rollout-num-gpus-per-engine")
     # --sglang-<name> VALUE, keyed by SGLang's ServerArgs field name (dashes -> underscores)
     sglang_args: dict[str, Any] = field(default_factory=dict)
-    use_router: bool = False  # --use-sglang-router
-    router_port: int | None = None  # --sglang-router-port
+    use_router: bool = default_of("--use-sglang-router")
+    router_port: int | None = default_of("--sglang-router-port")
     # --router-<name> VALUE, keyed by sglang-router's option name (dashes -> underscores)
     router_args: dict[str, Any] = field(default_factory=dict)
-    colocate: bool = False  # --colocate: engines on the trainer's devices (placement, weight sync, memory)
+    # engines on the trainer's devices (placement, weight sync, memory)
+    colocate: bool = default_of("--colocate")
 
     @property
     def num_engines(self) -> int:
@@ -229,16 +264,17 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
-    update_weight_buffer_size: int = 512 * 1024**2
+    update_weight_buffer_size: int = default_of("--update-weight-buffer-size")
+    update_weights_interval: int = default_of("--update-weights-interval")  # steps between weight syncs
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save: str | None = None
-    load: str | None = None
-    save_interval: int | None = None
-    keep_last: int | None = None
-    save_hf: str | None = None  # HF folder path template, may contain {rollout_id}
+    save: str | None = default_of("--save")
+    load: str | None = default_of("--load")
+    save_interval: int | None = default_of("--save-interval")
+    keep_last: int | None = default_of("--keep-last")
+    save_hf: str | None = default_of("--save-hf")  # HF folder path template, may contain {rollout_id}
 
     def hf_path(self, rollout_id: int) -> str:
         """Where --save-hf writes after rollout `rollout_id` (slime's save_hf.format(rollout_id=...))."""
@@ -256,26 +292,25 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     run_dir: str = "runs/default"
-    use_wandb: bool = False
-    wandb_project: str = "slime_rl"
-    wandb_group: str | None = None
-    wandb_mode: str = "online"
-    use_tensorboard: bool = False
-    dump_rollouts: bool = False
-    use_swanlab: bool = False
-    swanlab_project: str = "slime_rl"
-    swanlab_mode: str = "online"
+    use_wandb: bool = default_of("--use-wandb")
+    wandb_project: str = default_of("--wandb-project")
+    wandb_group: str | None = default_of("--wandb-group")
+    wandb_mode: str = default_of("--wandb-mode")
+    use_tensorboard: bool = default_of("--use-tensorboard")
+    dump_rollouts: bool = default_of("--dump-rollouts")
+    use_swanlab: bool = default_of("--use-swanlab")
+    swanlab_project: str = default_of("--swanlab-project")
+    swanlab_mode: str = default_of("--swanlab-mode")
 
 
 @dataclass(frozen=True)
 class FaultConfig:
-    """What the run does when a part of it fails: rollout engines (--use-fault-tolerance) and reward
-    functions (a sample whose reward raised scores `reward_failure_value`)."""
+    """What the run does when a rollout engine fails (--use-fault-tolerance); a failing reward
+    function is RewardConfig's (--reward-failure-value)."""
 
-    use_fault_tolerance: bool = False
-    health_check_interval_s: float = 10.0
-    health_check_timeout_s: float = 5.0
-    reward_failure_value: float = 0.0
+    use_fault_tolerance: bool = default_of("--use-fault-tolerance")
+    health_check_interval_s: float = default_of("--rollout-health-check-interval")
+    health_check_timeout_s: float = default_of("--rollout-health-check-timeout")
 
 
 @dataclass(frozen=True)
@@ -293,9 +328,45 @@ class Config:
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     eval: EvalConfig = field(default_factory=EvalConfig)
-    dry_run: bool = False
+    dry_run: bool = default_of("--dry-run")
     fault: FaultConfig = field(default_factory=FaultConfig)
-    critic: CriticConfig | None = None  # set iff --advantage-estimator ppo
+    critic: CriticConfig | None = None  # set iff the estimator needs a critic (--advantage-estimator ppo)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """Optimizer steps a rollout's samples make: samples_per_rollout / --global-batch-size."""
+        return self.rollout.samples_per_rollout // self.batch.global_batch_size
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# the group each "group.field" of the flag table names ("" is Config itself)
+GROUPS: dict[str, type] = {
+    "": Config, "parallel": ParallelConfig, "batch": BatchConfig, "trainer": TrainerConfig,
+    "optimizer": OptimizerConfig, "model": ModelConfig, "algo": AlgoConfig, "critic": CriticConfig,
+    "data": DataConfig, "rollout": RolloutConfig, "reward": RewardConfig, "eval": EvalConfig,
+    "engine": EngineConfig, "weight_sync": WeightSyncConfig, "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig, "fault": FaultConfig,
+}
+
+
+def _check_table() -> None:
+    """Every field a flag names exists in its group, and a field the flag fills as given has the
+    flag's default (a required flag's field default is a placeholder). Raises at import."""
+    for f in FLAGS:
+        for group, name in f.targets + f.derived_targets:
+            cls = GROUPS.get(group)
+            if cls is None:
+                raise TypeError(f"flag table: {f.name} names group {group!r}, which is not in config.groups.GROUPS")
+            fields = {x.name: x for x in dataclasses.fields(cls)}
+            if name not in fields:
+                raise TypeError(f"flag table: {f.name} lands in {cls.__name__}.{name}, which does not exist "
+                                f"(renamed? fields: {', '.join(fields)})")
+            if (group, name) in f.targets and not f.required and fields[name].default != f.field_default:
+                raise TypeError(f"flag table: {cls.__name__}.{name} defaults to {fields[name].default!r}, "
+                                f"{f.name} to {f.field_default!r}")
+
+
+_check_table()

@@ -8,34 +8,25 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, OWN_SGLANG_FLAGS, ROUTER_PREFIX, SGLANG_PREFIX, build_parser
-from slime_rl.config.groups import (
-    AlgoConfig,
-    BatchConfig,
-    CheckpointConfig,
-    Config,
-    CriticConfig,
-    DataConfig,
-    EngineConfig,
-    EvalConfig,
-    FaultConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    RolloutConfig,
-    TrainerConfig,
-    WeightSyncConfig,
+from slime_rl.config.estimators import ESTIMATOR_SPECS, estimator_spec
+from slime_rl.config.flags import (
+    EMBEDDED_SGLANG_ARGS,
+    FLAGS,
+    OWN_SGLANG_FLAGS,
+    ROUTER_PREFIX,
+    SGLANG_PREFIX,
+    build_parser,
 )
+from slime_rl.config.groups import GROUPS, Config, CriticConfig, EvalConfig, ParallelConfig
 
 # how parse_flags keys a `--router-<name>` in its pass-through dict: `--sglang-router-ip` (slime's
 # external-router flag) stays the SGLang name `router_ip` and cannot be taken for a router flag
@@ -177,13 +168,34 @@ def _check(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_flags(a: argparse.Namespace) -> None:
+    """Each flag's own range check from the table (flags.Flag.check); unset (None) flags skip it."""
+    for f in FLAGS:
+        value = getattr(a, f.key)
+        if f.check is not None and value is not None:
+            holds, must = f.check
+            _check(holds(value), f"{f.name} {must}, got {value}")
+
+
+def _fields(a: argparse.Namespace, group: str) -> dict[str, Any]:
+    """The fields of `group` that flags fill as given (flags.Flag.to), by keyword."""
+    return {name: f.value(a) for f in FLAGS for g, name in f.targets if g == group}
+
+
+def _group(a: argparse.Namespace, group: str, **derived: Any) -> Any:
+    """GROUPS[group] by keyword: the fields its flags fill as given, plus the `derived` ones that
+    load.py computed (from several flags, or from the --sglang-* pass-through)."""
+    return GROUPS[group](**_fields(a, group), **derived)
+
+
 def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     """argv of `slime-rl train` -> a validated Config. Raises ConfigError naming the flag."""
     a, passthrough = parse_flags(argv)
     sglang, router = split_router_args(passthrough)
-    hf = _require(a, "--hf-checkpoint")
-    prompt_data = _require(a, "--prompt-data")
-    rbs = _require(a, "--rollout-batch-size")
+    for f in FLAGS:
+        if f.required:
+            _require(a, f.name)
+    hf, prompt_data = a.hf_checkpoint, a.prompt_data
     _check(a.num_rollout is None or a.num_epoch is None, "--num-rollout and --num-epoch exclude each other")
     # with --num-epoch the step count is known once the dataset is read (train.preflight sets it)
     num_rollout = a.num_rollout if a.num_epoch is not None else _require(a, "--num-rollout")
@@ -194,8 +206,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         data_file = prompt_data.split("@[", 1)[0]  # path@[start:end] selects rows
         _check(Path(data_file).is_file(), f"--prompt-data {data_file}: file not found")
 
-    parallel = ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                              a.actor_num_nodes, a.actor_num_gpus_per_node, a.context_parallel_size)
+    _check_flags(a)
+    parallel: ParallelConfig = _group(a, "parallel")
     mp = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size * parallel.context_parallel_size
     _check(parallel.world_size % mp == 0,
            f"--tensor-model-parallel-size ({a.tensor_model_parallel_size}) x --context-parallel-size "
@@ -209,7 +221,9 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(not a.use_dynamic_batch_size or a.max_tokens_per_gpu is not None,
            "--use-dynamic-batch-size needs --max-tokens-per-gpu")
 
-    samples = rbs * a.n_samples_per_prompt
+    rollout = _group(a, "rollout", num_rollout=num_rollout,
+                     sample_seed=a.rollout_seed if a.deterministic_rollout else None)
+    samples = rollout.samples_per_rollout
     gbs = a.global_batch_size or samples
     dp = parallel.data_parallel_size
     _check(samples % gbs == 0,
@@ -217,29 +231,24 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(gbs % (a.micro_batch_size * dp) == 0,
            f"--global-batch-size ({gbs}) must be a multiple of --micro-batch-size ({a.micro_batch_size}) "
            f"x data-parallel size ({dp})")
-    _check(0 < a.eps_clip < 1, f"--eps-clip must be in (0, 1), got {a.eps_clip}")
     eps_high = a.eps_clip if a.eps_clip_high is None else a.eps_clip_high
     _check(0 < eps_high < 10, f"--eps-clip-high must be in (0, 10), got {eps_high}")
     _check(a.overlong_buffer_len <= a.rollout_max_response_len,
            f"--overlong-buffer-len ({a.overlong_buffer_len}) must be <= --rollout-max-response-len "
            f"({a.rollout_max_response_len})")
-    _check(a.eps_clip_c is None or a.eps_clip_c > 1, f"--eps-clip-c must be > 1, got {a.eps_clip_c}")
     _check(a.tis_clip > 0 and 0 <= a.tis_clip_low <= a.tis_clip,
            f"--tis-clip-low ({a.tis_clip_low}) must be in [0, --tis-clip ({a.tis_clip})]")
-    _check(0 < a.gamma <= 1, f"--gamma must be in (0, 1], got {a.gamma}")
-    _check(a.kl_coef == 0 or a.advantage_estimator in ("reinforce_plus_plus", "ppo"),
-           "--kl-coef (KL in the rewards) is used by --advantage-estimator reinforce_plus_plus and ppo; "
+    spec = estimator_spec(a.advantage_estimator)
+    _check(a.kl_coef == 0 or spec.kl_in_rewards,
+           f"--kl-coef (KL in the rewards) is used by --advantage-estimator "
+           f"{' and '.join(s.name for s in ESTIMATOR_SPECS.values() if s.kl_in_rewards)}; "
            "use --use-kl-loss --kl-loss-coef for a KL loss")
-    _check(a.lr > 0, f"--lr must be > 0, got {a.lr}")
     _check(0 <= a.min_lr <= a.lr, f"--min-lr must be in [0, --lr], got {a.min_lr}")
-    _check(0 <= a.adam_beta1 < 1, f"--adam-beta1 must be in [0, 1), got {a.adam_beta1}")
-    _check(0 <= a.adam_beta2 < 1, f"--adam-beta2 must be in [0, 1), got {a.adam_beta2}")
-    _check(0 < a.rollout_temperature < math.inf, f"--rollout-temperature must be > 0 and finite, got "
-           f"{a.rollout_temperature}")
-    _check(0 < a.rollout_top_p <= 1, f"--rollout-top-p must be in (0, 1], got {a.rollout_top_p}")
-    # SGLang's SamplingParams.verify: -1 (whole vocabulary) or >= 1; it maps -1 to 1 << 30, the bound
-    _check(a.rollout_top_k == -1 or 1 <= a.rollout_top_k <= 1 << 30,
-           f"--rollout-top-k must be -1 (whole vocabulary) or in [1, 2^30], got {a.rollout_top_k}")
+    if spec.loss_agg_mode is not None and a.loss_agg_mode != spec.loss_agg_mode:
+        # a warning, not a changed default: a recipe that relies on the default keeps its numbers
+        warnings.warn(f"--advantage-estimator {spec.name} with --loss-agg-mode {a.loss_agg_mode}: the method's "
+                      f"paper (and verl) aggregate with {spec.loss_agg_mode}; pass --loss-agg-mode "
+                      f"{spec.loss_agg_mode} to match it", UserWarning, stacklevel=2)
     a.rollout_num_gpus = a.rollout_num_gpus or (parallel.world_size if a.colocate else 1)
     if a.colocate:
         _check_colocate(a, parallel)
@@ -289,50 +298,25 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
             _check(importlib.util.find_spec(module) is not None,
                    f"{flag}: the '{module}' package is not installed (pip install slime_rl[{module}])")
 
-    _check(math.isfinite(a.reward_failure_value), f"--reward-failure-value {a.reward_failure_value}: must be finite")
     run_dir = a.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return Config(
         parallel=parallel,
-        batch=BatchConfig(a.micro_batch_size, gbs),
-        trainer=TrainerConfig(a.pack_sequences, a.use_dynamic_batch_size, a.max_tokens_per_gpu, a.sequence_parallel,
-                              a.recompute_granularity, a.recompute_method, a.recompute_num_layers, a.loss_agg_mode,
-                              a.rollout_max_response_len),
-        optimizer=OptimizerConfig(a.optimizer, a.lr, a.min_lr, a.lr_decay_style, a.lr_warmup_iters,
-                                  a.lr_decay_iters, a.weight_decay, a.clip_grad, a.adam_beta1,
-                                  a.adam_beta2, a.adam_eps),
-        model=ModelConfig(hf, a.bf16, a.seed, freeze_vision_tower=a.freeze_vision_tower,
-                          fp32_lm_head=_truthy(sglang.get("enable_fp32_lm_head"))),
-        algo=AlgoConfig(a.advantage_estimator, a.eps_clip, eps_high, a.kl_loss_coef, a.kl_loss_type,
-                        a.rollout_temperature, not a.disable_grpo_std_normalization, a.overlong_buffer_len,
-                        a.overlong_penalty_factor, a.eps_clip_c, a.use_kl_loss, a.kl_coef, a.gamma,
-                        a.lambd, a.value_clip, a.entropy_coef, a.use_tis, a.tis_clip, a.tis_clip_low,
-                        ref_update_interval=a.ref_update_interval),
-        data=DataConfig(prompt_data, a.input_key, a.label_key, a.apply_chat_template, a.rollout_shuffle,
-                        a.rollout_max_prompt_len, a.rollout_seed, a.metadata_key, a.tool_key,
-                        a.apply_chat_template_kwargs, a.num_epoch, image_key=a.image_key,
-                        min_pixels=a.min_pixels, max_pixels=a.max_pixels, format_prompt=a.format_prompt),
-        rollout=RolloutConfig(rbs, a.n_samples_per_prompt, a.rollout_max_response_len,
-                              a.rollout_temperature, a.rollout_top_p, a.rollout_top_k, a.rollout_seed,
-                              num_rollout, a.rm_type, a.custom_rm_path, a.sglang_server_concurrency,
-                              a.rm_url, a.reward_key, a.rm_timeout, a.rm_max_retries, a.rm_backoff,
-                              a.async_mode, a.update_weights_interval, tuple(a.rollout_stop or ()),
-                              tuple(a.rollout_stop_token_ids or ()), a.rollout_max_context_len,
-                              a.over_sampling_batch_size, a.dynamic_sampling_filter_path, a.partial_rollout,
-                              a.mask_offpolicy_in_partial_rollout, a.rollout_deadline_s,
-                              a.custom_generate_function_path,
-                              a.rollout_seed if a.deterministic_rollout else None, group_rm=a.group_rm),
-        engine=EngineConfig(a.rollout_backend, a.rollout_num_gpus, a.rollout_num_gpus_per_engine, sglang,
-                            a.use_sglang_router, a.sglang_router_port, router, colocate=a.colocate),
-        weight_sync=WeightSyncConfig(a.update_weight_buffer_size),
-        checkpoint=CheckpointConfig(a.save, a.load, a.save_interval, a.keep_last, a.save_hf),
-        logging=LoggingConfig(run_dir, a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_mode,
-                              a.use_tensorboard, a.dump_rollouts, use_swanlab=a.use_swanlab,
-                              swanlab_project=a.swanlab_project, swanlab_mode=a.swanlab_mode),
+        batch=_group(a, "batch", global_batch_size=gbs),
+        trainer=_group(a, "trainer"),
+        optimizer=_group(a, "optimizer"),
+        model=_group(a, "model", fp32_lm_head=_truthy(sglang.get("enable_fp32_lm_head"))),
+        algo=_group(a, "algo", eps_clip_high=eps_high),
+        data=_group(a, "data"),
+        rollout=rollout,
+        reward=_group(a, "reward"),
+        engine=_group(a, "engine", num_gpus=a.rollout_num_gpus, sglang_args=sglang, router_args=router),
+        weight_sync=_group(a, "weight_sync"),
+        checkpoint=_group(a, "checkpoint"),
+        logging=_group(a, "logging", run_dir=run_dir),
         eval=_eval_config(a, check_paths),
-        dry_run=a.dry_run,
-        fault=FaultConfig(a.use_fault_tolerance, a.rollout_health_check_interval, a.rollout_health_check_timeout,
-                          a.reward_failure_value),
+        fault=_group(a, "fault"),
         critic=_critic_config(a, parallel, gbs),
+        **_fields(a, ""),
     )
 
 
@@ -358,16 +342,15 @@ def _check_colocate(a: argparse.Namespace, parallel: ParallelConfig) -> None:
 
 def _critic_config(a: argparse.Namespace, policy: ParallelConfig, gbs: int) -> CriticConfig | None:
     """PPO's critic (None for the other estimators, whose critic flags must stay unset)."""
-    flags = ("critic_num_nodes", "critic_num_gpus_per_node", "critic_lr", "critic_load", "critic_save")
-    if a.advantage_estimator != "ppo":
-        given = [f"--{f.replace('_', '-')}" for f in flags if getattr(a, f) is not None]
-        given += ["--num-critic-only-steps"] if a.num_critic_only_steps else []
-        _check(not given, f"{', '.join(given)}: critic flags need --advantage-estimator ppo")
+    if not estimator_spec(a.advantage_estimator).critic:
+        given = [f.name for f in FLAGS if any(g == "critic" for g, _ in f.targets + f.derived_targets)
+                 and getattr(a, f.key) != f.default]
+        _check(not given, f"{', '.join(given)}: critic flags need --advantage-estimator "
+               f"{' or '.join(s.name for s in ESTIMATOR_SPECS.values() if s.critic)}")
         return None
-    critic = CriticConfig(a.critic_num_nodes or policy.actor_num_nodes,
-                          a.critic_num_gpus_per_node or policy.actor_num_gpus_per_node,
-                          a.lr if a.critic_lr is None else a.critic_lr, a.critic_lr_warmup_iters,
-                          a.critic_load, a.critic_save, a.num_critic_only_steps)
+    critic: CriticConfig = _group(a, "critic", num_nodes=a.critic_num_nodes or policy.actor_num_nodes,
+                                  num_gpus_per_node=a.critic_num_gpus_per_node or policy.actor_num_gpus_per_node,
+                                  lr=a.lr if a.critic_lr is None else a.critic_lr)
     mp = policy.tensor_model_parallel_size * policy.pipeline_model_parallel_size
     _check(critic.world_size % mp == 0,
            f"--critic-num-nodes x --critic-num-gpus-per-node ({critic.world_size}) must be a multiple of "
@@ -379,8 +362,9 @@ def _critic_config(a: argparse.Namespace, policy: ParallelConfig, gbs: int) -> C
     _check(critic.lr > 0, f"--critic-lr must be > 0, got {critic.lr}")
     _check(a.value_clip > 0, f"--value-clip must be > 0, got {a.value_clip}")
     _check(0 <= a.lambd <= 1, f"--lambd must be in [0, 1], got {a.lambd}")
+    samples = _group(a, "rollout").samples_per_rollout
     _check(critic.lr_warmup_iters == 0 or a.num_rollout is None or critic.lr_warmup_iters < a.num_rollout
-           * (a.rollout_batch_size * a.n_samples_per_prompt // gbs),
+           * (samples // gbs),
            "--critic-lr-warmup-iters must be below the number of optimizer steps")
     _check(critic.save is None or a.save is not None, "--critic-save needs --save (the critic is saved with it)")
     _check(critic.load is None or os.path.exists(critic.load) or _same_path(critic.load, critic.save),
@@ -396,7 +380,9 @@ def _eval_config(a: argparse.Namespace, check_paths: bool) -> EvalConfig:
     for name, path in datasets:
         _check(not check_paths or Path(path).is_file(), f"--eval-prompt-data {name}: file not found: {path}")
     _check(not datasets or a.eval_interval is not None, "--eval-prompt-data needs --eval-interval")
-    return EvalConfig(a.eval_interval, datasets, a.n_samples_per_eval_prompt,
-                      a.rollout_temperature if a.eval_temperature is None else a.eval_temperature,
-                      a.rollout_top_p if a.eval_top_p is None else a.eval_top_p,
-                      a.eval_max_response_len or a.rollout_max_response_len, a.skip_eval_before_train)
+    eval_cfg: EvalConfig = _group(
+        a, "eval", datasets=datasets,
+        temperature=a.rollout_temperature if a.eval_temperature is None else a.eval_temperature,
+        top_p=a.rollout_top_p if a.eval_top_p is None else a.eval_top_p,
+        max_response_len=a.eval_max_response_len or a.rollout_max_response_len)
+    return eval_cfg

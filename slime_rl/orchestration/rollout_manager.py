@@ -1,5 +1,5 @@
 """RolloutManager: draws prompts, generates scored groups on the engines, turns them into the
-trainer's batch (GRPO advantages included) and puts it in the Buffer.
+trainer's batch (the estimator's rollout-side advantages included) and puts it in the Buffer.
 
 Failures it absorbs: with --use-fault-tolerance, engines that die or hang during a rollout
 (`slime_rl.rollout.health`); they stay dead here until the cluster has restarted them with the
@@ -20,7 +20,7 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
-from slime_rl.algo import grpo_advantages, overlong_penalty, rloo_advantages
+from slime_rl.algo import estimator_for, overlong_penalty
 from slime_rl.config import AlgoConfig, Config
 from slime_rl.data import PromptDataset, Sample
 from slime_rl.rewards import reward_fn_from_config, reward_metric_means
@@ -44,17 +44,10 @@ def shaped_rewards(groups: list[list[Sample]], algo: AlgoConfig, max_response_le
 
 
 def group_advantages(rewards: torch.Tensor, algo: AlgoConfig) -> torch.Tensor:
-    """[G, n] -> [G, n] scalar advantages (broadcast to tokens by the trainer)."""
-    if algo.advantage_estimator in ("grpo", "gspo"):  # GSPO: GRPO's advantages, a sequence-level ratio
-        return grpo_advantages(rewards, normalize_std=algo.normalize_group_std)
-    if algo.advantage_estimator == "reinforce_plus_plus_baseline":
-        # group-mean baseline here; the trainer whitens over every token of the batch
-        return rewards - rewards.mean(dim=1, keepdim=True)
-    if algo.advantage_estimator in ("reinforce_plus_plus", "ppo"):
-        return torch.zeros_like(rewards)  # token returns (ppo: GAE) are built by the trainer from the rewards
-    if algo.advantage_estimator == "rloo":
-        return rloo_advantages(rewards)
-    raise ValueError(f"--advantage-estimator {algo.advantage_estimator!r} is not computed on the rollout side")
+    """[G, n] -> [G, n] scalar advantages (broadcast to tokens by the trainer): the rollout half of
+    the estimator (algo.estimators: GRPO/GSPO, RLOO, REINFORCE++-baseline's group mean; the
+    token-level ones build theirs in the trainer from the rewards)."""
+    return estimator_for(algo).rollout_advantages(rewards, algo)
 
 
 def samples_to_batch(groups: list[list[Sample]], algo: AlgoConfig | None = None,
@@ -114,7 +107,7 @@ class RolloutManager:
         self.api_key = api_key
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
-        self.reward_fn = reward_fn_from_config(cfg.rollout, failure_value=cfg.fault.reward_failure_value)
+        self.reward_fn = reward_fn_from_config(cfg.reward, failure_value=cfg.reward.reward_failure_value)
         self.dead: dict[int, str] = {}  # engine -> why it was declared dead; until it is revived
         self.options = RolloutOptions.from_config(cfg.rollout)
         self.eval_sets = {name: PromptDataset(replace(cfg.data, prompt_data=path, rollout_shuffle=False),

@@ -10,10 +10,11 @@ with per-sample coefficients c_i from global counts (summed over DP before the s
 | seq-mean-token-mean      | 1 / (B * n_i) | mean over samples of each sample's token mean  |
 | seq-mean-token-sum       | 1 / B         | mean over samples of each sample's token sum   |
 | seq-mean-token-sum-norm  | 1 / (B * H)   | Dr.GRPO: token sums over a constant horizon H  |
-Samples with no trained token (n_i = 0) add nothing and are not counted in B (as
-slime_rl.algo.aggregate does). Since c_i depends only on sample i and global counts, each
-micro-batch's share is known in advance and the gradient does not depend on how M is split;
-steps.py then undoes megatron's 1 / (num_microbatches * dp_size) scaling.
+Samples with no trained token (n_i = 0) add nothing and are not counted in B. The modes' names
+are the flag's (config/flags.LOSS_AGG_MODES) and c_i is slime_rl.algo.aggregate.sample_coefficient,
+which algo.aggregate uses too: one definition, one implementation. Since c_i depends only on
+sample i and global counts, each micro-batch's share is known in advance and the gradient does
+not depend on how M is split; steps.py then undoes megatron's 1 / (num_microbatches * dp_size) scaling.
 """
 
 from __future__ import annotations
@@ -21,15 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from slime_rl.algo.aggregate import AGG_MODES as LOSS_AGG_MODES
+from slime_rl.algo.aggregate import check_mode, sample_coefficient
 
-
-def check_mode(mode: str, max_len: int | None = None) -> None:
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"--loss-agg-mode {mode!r} is not one of {', '.join(LOSS_AGG_MODES)}")
-    if mode == "seq-mean-token-sum-norm" and (max_len is None or max_len < 1):
-        raise ValueError("--loss-agg-mode seq-mean-token-sum-norm needs a constant horizon "
-                         "(loss_agg_max_len, e.g. the rollout's max response length)")
+__all__ = ["LOSS_AGG_MODES", "GlobalCounts", "check_mode", "local_counts", "sample_coefficients", "token_weights"]
 
 
 def local_counts(loss_masks: Sequence[Sequence[float]]) -> tuple[float, float]:
@@ -50,20 +46,8 @@ def sample_coefficients(loss_masks: Sequence[Sequence[float]], mode: str,
     """c_i per sample (see the module table); 0 for samples without trained tokens and when
     the whole mini-batch has none (nothing to train: zero loss, zero gradient)."""
     check_mode(mode, counts.max_len)
-    out = []
-    for m in loss_masks:
-        n_i = float(sum(m))
-        if n_i <= 0 or counts.tokens <= 0:
-            out.append(0.0)
-        elif mode == "token-mean":
-            out.append(1.0 / counts.tokens)
-        elif mode == "seq-mean-token-mean":
-            out.append(1.0 / (counts.samples * n_i))
-        elif mode == "seq-mean-token-sum":
-            out.append(1.0 / counts.samples)
-        else:
-            out.append(1.0 / (counts.samples * counts.max_len))
-    return out
+    return [sample_coefficient(mode, float(sum(m)), counts.tokens, counts.samples, counts.max_len)
+            for m in loss_masks]
 
 
 def token_weights(loss_masks: Sequence[Sequence[float]], mode: str,

@@ -1,6 +1,7 @@
 """What the trainer optimises: per-token advantages of a step, the per-micro-batch policy objective,
-and the step's metrics. The math is slime_rl.algo's; this module decides which pieces the
-AlgoConfig switches on and how they are reduced across micro-batches and DP ranks.
+and the step's metrics. The math is slime_rl.algo's (the estimator object, algo.estimator_for, gives
+the advantages and the pg loss); this module decides which pieces the AlgoConfig switches on and how
+they are reduced across micro-batches and DP ranks.
 
 Advantages (once per train_step, before the mini-batches; they do not change within a step):
   * scalar estimators (grpo, gspo, rloo): the batch's per-sample `advantages`, broadcast to the
@@ -18,9 +19,9 @@ Advantages (once per train_step, before the mini-batches; they do not change wit
 Policy objective per token ([b, T]; the micro-batch returns sum_t loss_weight * loss_t, the
 weights carrying the loss_agg_mode's global denominators, see loss_agg.py):
   loss_t = w_t * pg_t + kl_loss_coef * kl(logp, ref_logp)_t - entropy_coef * H_t
-  pg_t: ppo_clip_loss (clip-higher, dual clip with eps_clip_c) or, for gspo, gspo_loss (the
-    sequence-level ratio; a sample is always whole in one micro-batch: packing never splits one;
-    eps_clip_c is not applied to gspo);
+  pg_t: the estimator's policy_loss: ppo_clip_loss (clip-higher, dual clip with eps_clip_c) or, for
+    gspo, gspo_loss (the sequence-level ratio; a sample is always whole in one micro-batch: packing
+    never splits one; eps_clip_c is not applied to gspo);
   w_t: TIS weights clamp(exp(old_logp - rollout_logp), tis_clip_low, tis_clip) when use_tis, else 1;
   the KL term when use_kl_loss or kl_loss_coef > 0; the entropy term when entropy_coef > 0 (H is
   the differentiable vocab-parallel entropy of softmax(logits / temperature)).
@@ -36,27 +37,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime_rl.algo import (
-    clip_fractions,
-    gae_advantages,
-    gspo_loss,
-    gspo_seq_log_ratio,
-    kl_penalty,
-    masked_moments,
-    masked_sum,
-    masked_whiten,
-    outcome_token_rewards,
-    ppo_clip_loss,
-    reinforce_plus_plus_advantages,
-    tis_weights,
-)
+from slime_rl.algo import estimator_for, kl_penalty, masked_moments, masked_sum, masked_whiten, tis_weights
 from slime_rl.config.groups import AlgoConfig
 from slime_rl.trainer.batching import MicroBatch
 
 # per-micro-batch sums (summed over micro-batches and DP); every one is a masked token sum except
 # "entropy_agg" and "loss", which are this micro-batch's share of the aggregated (loss_agg) value
 STAT_KEYS = ("pg", "kl", "clipped", "clip_high", "clip_low", "k1_old_new", "entropy_agg", "tis_w",
-             "tis_clipped", "tokens", "loss")
+             "tis_clipped", "tokens", "loss", "clip_dual")
 
 
 def uses_kl_loss(algo: AlgoConfig) -> bool:
@@ -86,7 +74,8 @@ def token_advantages(algo: AlgoConfig, batch: dict, old_logprobs: list, ref_logp
     all-reduced over `group` (the DP group): every rank must call it. `values`: the critic's
     per-token values (ppo only). Returns (advantages, returns), one list per sample (response
     length), 0 on untrained tokens; returns (GAE's A + V, not whitened) only for ppo, else None."""
-    assert algo.token_level_advantages, algo.advantage_estimator
+    estimator = estimator_for(algo)
+    assert estimator.spec.token_level_advantages, algo.advantage_estimator
     lens = [int(r) for r in batch["response_lengths"]]
     width = max(lens)
     mask = _pad(batch["loss_masks"], width)
@@ -95,22 +84,14 @@ def token_advantages(algo: AlgoConfig, batch: dict, old_logprobs: list, ref_logp
         if ref_logprobs is None:
             raise ValueError("--kl-coef > 0 needs the reference model's log-probs")
         kl = kl_penalty(_pad(old_logprobs, width), _pad(ref_logprobs, width), algo.kl_loss_type)
-    returns = None
-    if algo.advantage_estimator == "reinforce_plus_plus":
-        rewards = torch.tensor([float(r) for r in batch["rewards"]], dtype=torch.float64)
-        raw, _ = reinforce_plus_plus_advantages(rewards, mask, kl, algo.kl_coef, algo.gamma, whiten=False)
-    elif algo.advantage_estimator == "ppo":
-        if values is None or [len(v) for v in values] != lens:
-            raise ValueError("--advantage-estimator ppo needs the critic's values of every response token")
-        rewards = torch.tensor([float(r) for r in batch["rewards"]], dtype=torch.float64)
-        token_rewards = outcome_token_rewards(rewards, mask, kl, algo.kl_coef)
-        raw, ret = gae_advantages(token_rewards, _pad(values, width), mask, algo.gamma, algo.lambd)
-        returns = [row[:n] for row, n in zip(ret.tolist(), lens, strict=True)]
-    else:  # reinforce_plus_plus_baseline: the rollout side already subtracted the group mean
-        scalar = torch.tensor([float(a) for a in batch["advantages"]], dtype=torch.float64)
-        raw = scalar.unsqueeze(1) * mask
-        if kl is not None:
-            raw = raw - algo.kl_coef * kl * mask
+    if estimator.spec.critic and (values is None or [len(v) for v in values] != lens):
+        raise ValueError(f"--advantage-estimator {algo.advantage_estimator} needs the critic's values of every "
+                         "response token")
+    rewards = torch.tensor([float(r) for r in batch["rewards"]], dtype=torch.float64)
+    scalar = torch.tensor([float(a) for a in batch["advantages"]], dtype=torch.float64)  # the rollout side's
+    raw, ret = estimator.token_advantages(rewards, scalar, mask, kl, None if values is None else _pad(values, width),
+                                          algo)
+    returns = None if ret is None else [row[:n] for row, n in zip(ret.tolist(), lens, strict=True)]
     moments = _all_reduce(masked_moments(raw, mask), device, group)
     adv = masked_whiten(raw, mask, moments=moments)
     return [row[:n] for row, n in zip(adv.tolist(), lens, strict=True)], returns
@@ -155,14 +136,7 @@ def policy_objective(algo: AlgoConfig, logp: Tensor, mb: MicroBatch, entropy: Te
     differentiable; sums: float32 [len(STAT_KEYS)], detached)."""
     old, adv, mask = mb.per_token["old_logp"], mb.per_token["advantages"], mb.loss_mask
     weight = mb.per_token["loss_weight"]
-    if algo.advantage_estimator == "gspo":
-        pg, clipped = gspo_loss(logp, old, adv, mask, algo.eps_clip, algo.eps_clip_high)
-        # clip bounds of the sequence ratio s_i, on every token of sample i
-        log_s = gspo_seq_log_ratio(logp.detach(), old, mask).unsqueeze(1).expand_as(logp)
-        frac = clip_fractions(log_s, torch.zeros_like(log_s), adv, algo.eps_clip, algo.eps_clip_high)
-    else:
-        pg, clipped = ppo_clip_loss(logp, old, adv, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c)
-        frac = clip_fractions(logp, old, adv, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c)
+    pg, clipped, frac = estimator_for(algo).policy_loss(logp, old, adv, mask, algo)
     zeros = torch.zeros_like(pg).detach()
     tis_w, tis_clipped = torch.ones_like(zeros), zeros
     if algo.use_tis:
@@ -186,7 +160,7 @@ def policy_objective(algo: AlgoConfig, logp: Tensor, mb: MicroBatch, entropy: Te
     sums = torch.stack([masked_sum(pg, mask), masked_sum(kl, mask), masked_sum(clipped, mask),
                         masked_sum(frac.high, mask), masked_sum(frac.low, mask),
                         masked_sum(old - logp, mask), entropy_agg, masked_sum(tis_w, mask),
-                        masked_sum(tis_clipped, mask), mask.sum(), share]).detach().float()
+                        masked_sum(tis_clipped, mask), mask.sum(), share, masked_sum(frac.dual, mask)]).detach().float()
     return share, sums
 
 
@@ -202,6 +176,7 @@ def train_metrics(algo: AlgoConfig, step: dict[str, float], stats: list[dict[str
       train/kl: token mean of kl_loss_type(logp, ref_logp) with a reference model, else the k1
         estimate mean(old - logp) of the LAST mini-batch; train/ppo_kl: mean(old - logp) over all;
       train/pg_clipfrac(_high/_low): clipped tokens (upper + lower / upper / lower bound);
+      train/pg_clipfrac_dual (eps_clip_c set): tokens whose loss the dual-clip cap replaced;
       train/entropy: of the old policy; train/entropy_loss (entropy_coef > 0): the aggregated
         (loss_agg_mode) entropy of the trained policy, so L includes -entropy_coef * it;
       train/tis_weight_mean, train/tis_clipfrac (use_tis); train/advantage_mean /
@@ -228,6 +203,8 @@ def train_metrics(algo: AlgoConfig, step: dict[str, float], stats: list[dict[str
         "train/pg_clipfrac_low": frac("clip_low"),
         "train/lr": lr,
     }
+    if algo.eps_clip_c is not None:
+        out["train/pg_clipfrac_dual"] = frac("clip_dual")
     if algo.entropy_coef > 0:
         out["train/entropy_loss"] = sum(s["entropy_agg"] for s in stats) / len(stats)
     if algo.use_tis:

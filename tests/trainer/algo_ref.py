@@ -114,7 +114,7 @@ def reference_step(model, ref_model, batch: dict, kw: dict, mode: str, old: list
             for lp, o in zip(logps, old or logps, strict=True)]
     adv = reference_advantages(kw, batch, [o.tolist() for o in olds], [r.tolist() for r in refs_lp])
     eps, eps_high, c = EPS_CLIP, EPS_CLIP, kw.get("eps_clip_c")
-    pg, high, low, tis_w, tis_clip = [], [], [], [], []
+    pg, high, low, dual, tis_w, tis_clip = [], [], [], [], [], []
     for i, (lp, o, m) in enumerate(zip(logps, olds, masks, strict=True)):
         a = torch.tensor(adv[i], dtype=torch.float64)
         if kw.get("advantage_estimator") == "gspo":  # sequence ratio s_i = exp(mean_t (logp - old))
@@ -127,6 +127,8 @@ def reference_step(model, ref_model, batch: dict, kw: dict, mode: str, old: list
         r = ratio.detach()
         high.append(((a > 0) & (r > 1 + eps_high)).double())
         low.append(((a < 0) & (r < 1 - eps)).double())
+        if c is not None:  # the dual-clip cap -c * A is the smaller loss exactly when r > c
+            dual.append(((a < 0) & (r > c)).double())
         raw_w = torch.exp(o - torch.tensor(rollout[i], dtype=torch.float64))
         if kw.get("use_tis"):
             lo, hi = kw["tis_clip_low"], kw["tis_clip"]
@@ -158,5 +160,7 @@ def reference_step(model, ref_model, batch: dict, kw: dict, mode: str, old: list
             "entropy_agg": float(ent_agg.detach()), "tokens": n_tok, "loss": float(total.detach())}
     if tis_w:
         sums["tis_w"], sums["tis_clipped"] = tok_sum(tis_w), tok_sum(tis_clip)
+    if dual:
+        sums["clip_dual"] = tok_sum(dual)
     return {"loss": float(total.detach()), "grad": grads, "sums": sums, "advantages": adv,
             "adv_mean": mean, "adv_std": std, "entropy_mean": tok_sum(ents) / n_tok}

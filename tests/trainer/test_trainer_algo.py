@@ -78,6 +78,8 @@ def _stat_keys(kw: dict) -> list[str]:
         keys.append("entropy_agg")
     if kw.get("use_tis"):
         keys += ["tis_w", "tis_clipped"]
+    if kw.get("eps_clip_c") is not None:
+        keys.append("clip_dual")
     return keys
 
 
@@ -101,6 +103,7 @@ def test_gradient_and_sums_match_reference(scenario, algo_expected, world, case)
 def test_clipping_is_active_where_it_should_be(algo_expected):
     sums = {case: algo_expected(1, case)["grad_run"]["sums"] for case in ("dual_clip", "gspo", "tis")}
     assert sums["dual_clip"]["clip_high"] == 2 and sums["dual_clip"]["clip_low"] == 3
+    assert sums["dual_clip"]["clip_dual"] == 3  # ratios 4.5, 3.7, 3.3 > c = 3 with A < 0
     assert sums["gspo"]["clip_high"] == 2  # sample 2 (2 tokens), s = 1.22 > 1.2
     assert 0 < sums["tis"]["tis_clipped"] < sums["tis"]["tokens"]
 
@@ -134,6 +137,8 @@ def test_train_step_metrics(scenario, algo_expected, world, case):
         keys.add("train/entropy_loss")
     if kw.get("use_tis"):
         keys |= {"train/tis_weight_mean", "train/tis_clipfrac"}
+    if kw.get("eps_clip_c") is not None:
+        keys.add("train/pg_clipfrac_dual")
     assert set(m) == keys and all(math.isfinite(v) for v in m.values())
     want = algo_expected(world, case)["train_step"]
     s = want["sums"]
@@ -147,6 +152,7 @@ def test_train_step_metrics(scenario, algo_expected, world, case):
     assert m["train/grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
     # one mini-batch that starts at the old policy: ratio 1, nothing clipped, PPO-KL 0
     assert m["train/pg_clipfrac"] == m["train/pg_clipfrac_high"] == m["train/pg_clipfrac_low"] == 0.0
+    assert m.get("train/pg_clipfrac_dual", 0.0) == 0.0
     assert abs(m["train/ppo_kl"]) < 1e-6
     if "kl" in _stat_keys(kw):
         assert m["train/kl"] == pytest.approx(s["kl"] / n, abs=1e-5) and m["train/kl"] > 1e-4

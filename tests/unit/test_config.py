@@ -122,14 +122,14 @@ def test_reward_flags_reach_the_reward_function(tmp_path):
 
     cfg = build_config(base_argv(tmp_path) + ["--rm-type", "remote_rm"])
     with pytest.raises(RewardError, match="--rm-url"):
-        reward_fn(cfg.rollout)  # remote_rm without a URL is refused before any actor starts
+        reward_fn(cfg.reward)  # remote_rm without a URL is refused before any actor starts
     ok = build_config(base_argv(tmp_path) + ["--rm-type", "math"])
-    assert callable(reward_fn(ok.rollout))
+    assert callable(reward_fn(ok.reward))
     from slime_rl.rewards import GroupReward
 
     group = build_config(base_argv(tmp_path) + ["--group-rm", "--custom-rm-path",
                                                 "tests.rewards.plugins.easyr1_reward:compute_score_batch"])
-    assert isinstance(reward_fn(group.rollout), GroupReward)
+    assert isinstance(reward_fn(group.reward), GroupReward)
 
 
 def test_dry_run_sglang_backend_passes_sglang_flags_through(tiny_qwen2, tmp_path, capsys):
@@ -245,3 +245,32 @@ def test_fp32_lm_head_is_one_switch_for_engines_and_trainer(tmp_path):
         argv = engine_command(cfg, plan.engines[0], host="h", port=1, api_key=None, use_gpu=False)
         assert "--enable-fp32-lm-head" in argv  # the built-in engine takes SGLang's flag name
     assert build_config(base_argv(tmp_path) + ["--sglang-enable-fp32-lm-head", "false"]).model.fp32_lm_head is False
+
+
+def test_gspo_with_token_mean_warns_and_keeps_the_default(tmp_path):
+    """GSPO's paper (and verl) average per sequence first; the default stays token-mean (no recipe's
+    numbers move) and the run is warned."""
+    import warnings
+
+    gspo = base_argv(tmp_path) + ["--advantage-estimator", "gspo"]
+    with pytest.warns(UserWarning, match="--loss-agg-mode seq-mean-token-mean"):
+        cfg = build_config(gspo)
+    assert cfg.trainer.loss_agg_mode == "token-mean"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_config(gspo + ["--loss-agg-mode", "seq-mean-token-mean"])
+        build_config(base_argv(tmp_path))  # grpo: token-mean is DAPO's choice, no warning
+
+
+def test_derived_sizes(tmp_path):
+    cfg = build_config(base_argv(tmp_path) + ["--global-batch-size", "4"])
+    assert cfg.rollout.samples_per_rollout == 4 * 2
+    assert cfg.optimizer_steps_per_rollout == 2
+    assert cfg.rollout.draw_size == 4
+    assert build_config(base_argv(tmp_path) + ["--over-sampling-batch-size", "6"]).rollout.draw_size == 6
+
+
+def test_every_critic_flag_needs_a_critic(tmp_path):
+    for extra in (["--critic-lr-warmup-iters", "2"], ["--critic-num-nodes", "1"], ["--num-critic-only-steps", "1"]):
+        with pytest.raises(ConfigError, match=f"{extra[0]}: critic flags need --advantage-estimator ppo"):
+            build_config(base_argv(tmp_path) + extra)

@@ -29,10 +29,10 @@ def test_recipe_parses(recipe):
         from slime_rl.data.dataset import load_format_prompt
 
         assert load_format_prompt(str(ROOT / cfg.data.format_prompt)).render(content="Q?").startswith("Q?")
-    if cfg.rollout.rm_type:
+    if cfg.reward.rm_type:
         from slime_rl.rewards import BUILTIN
 
-        assert cfg.rollout.rm_type in BUILTIN or cfg.rollout.rm_type == "remote_rm"
+        assert cfg.reward.rm_type in BUILTIN or cfg.reward.rm_type == "remote_rm"
 
 
 def test_there_are_recipes():
