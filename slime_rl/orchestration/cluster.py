@@ -17,6 +17,7 @@ from slime_rl.orchestration.placement import PlacementPlan
 from slime_rl.orchestration.rollout_manager import RolloutManager
 from slime_rl.orchestration.trainer_group import CriticGroup, TrainerGroup
 from slime_rl.rollout.client import EngineClient
+from slime_rl.trainer.checkpoint_layout import keep_last
 from slime_rl.weight_sync.broadcast import EngineTarget
 from slime_rl.weight_sync.colocated import MEMORY_TAGS, RESUME_AFTER_SYNC, RESUME_BEFORE_SYNC
 
@@ -115,8 +116,6 @@ class Cluster:
             if self.critics is not None and self.cfg.critic.save:
                 self.critics.save_checkpoint(self.cfg.critic.save, step, {"rollout_id": step})
             if ckpt.keep_last is not None:
-                from slime_rl.trainer.checkpoint import keep_last
-
                 keep_last(ckpt.save, ckpt.keep_last)
         if ckpt.save_hf:
             self.trainers.save_hf(ckpt.hf_path(step))
