@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from slime_rl.trainer.convert import load_arch
-from slime_rl.trainer.hf_io import check_hf_weights
-from slime_rl.trainer.parallel import launcher_env
+from slime_rl.trainer.hf_files import check_hf_weights
+from slime_rl.trainer.launch_env import launcher_env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def stored_dtype_is_bf16(hf_dir: str | Path) -> bool:
     from safetensors import safe_open
 
-    from slime_rl.trainer.hf_io import safetensors_index
+    from slime_rl.trainer.hf_files import safetensors_index
 
     where = safetensors_index(hf_dir)
     name, file = next(iter(where.items()))
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     hf = Path(args.hf_checkpoint)
     rank, world, addr, port = launcher_env()
-    from slime_rl.trainer.hf_export import converter_layout
+    from slime_rl.trainer.launch_env import converter_layout
 
     tp, pp = converter_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     # fail on an unsupported model_type, a layout the config cannot split into, or weights of
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    from slime_rl.trainer.hf_export import relaunch_per_shard
+    from slime_rl.trainer.launch_env import relaunch_per_shard
 
     _args = parse_args(sys.argv[1:])
     relaunch_per_shard(__file__, sys.argv[1:], _args.tensor_model_parallel_size, _args.pipeline_model_parallel_size)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from slime_rl.trainer.convert import load_arch
-from slime_rl.trainer.parallel import launcher_env
+from slime_rl.trainer.launch_env import launcher_env
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     # imported here: the checks below need no megatron
     from slime_rl.trainer.checkpoint_layout import is_megatron_checkpoint, resolve_checkpoint
-    from slime_rl.trainer.hf_export import converter_layout
+    from slime_rl.trainer.launch_env import converter_layout
 
     if not is_megatron_checkpoint(args.load):
         raise SystemExit(f"--load {args.load}: not a Megatron checkpoint (an HF folder? use it directly)")
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    from slime_rl.trainer.hf_export import relaunch_per_shard
+    from slime_rl.trainer.launch_env import relaunch_per_shard
 
     _args = parse_args(sys.argv[1:])
     relaunch_per_shard(__file__, sys.argv[1:], _args.tensor_model_parallel_size, _args.pipeline_model_parallel_size)

@@ -5,7 +5,7 @@ checkpoints) so that users carry their Megatron scripts over unchanged; slime's 
 flags; `--sglang-*` passed through to SGLang's server under its own ServerArgs names.
 
 We mirror Megatron's names instead of calling `megatron.training.arguments.parse_args`: this room
-may not import Megatron (DESIGN.md), and Megatron's parser adds ~800 flags of which the trainer
+may not import Megatron (ARCHITECTURE.md), and Megatron's parser adds ~800 flags of which the trainer
 derives the architecture ones from the HF config anyway.
 
 `FLAGS` is the one place a flag is declared: its name, the config group field(s) it lands in

@@ -13,7 +13,7 @@ from typing import Any
 
 from slime_rl.config import LoggingConfig
 
-# The keys every step's line must have (DESIGN.md, contracts).
+# The keys every step's line must have (ARCHITECTURE.md, contracts).
 REQUIRED_KEYS = (
     "step", "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/kl", "train/entropy",
     "train/grad_norm", "train/rollout_logprob_abs_diff", "perf/step_s", "perf/rollout_s", "perf/train_s",

@@ -15,8 +15,9 @@ from slime_rl.orchestration.buffer import Buffer
 from slime_rl.orchestration.engines import EngineActor, engine_command, engine_env
 from slime_rl.orchestration.placement import PlacementPlan
 from slime_rl.orchestration.rollout_manager import RolloutManager
-from slime_rl.orchestration.trainer_group import CriticGroup, TrainerGroup
+from slime_rl.orchestration.trainer_group import CRITIC, RankGroup
 from slime_rl.rollout.client import EngineClient
+from slime_rl.trainer.checkpoint_layout import keep_last
 from slime_rl.weight_sync.broadcast import EngineTarget
 from slime_rl.weight_sync.colocated import MEMORY_TAGS, RESUME_AFTER_SYNC, RESUME_BEFORE_SYNC
 
@@ -43,8 +44,8 @@ class Cluster:
         self._released = False  # --colocate: the engines' memory is released since the last sync
         self.router = None  # --use-sglang-router: the RouterActor, and router_url its address
         self.router_url: str | None = None
-        self.trainers: TrainerGroup | None = None
-        self.critics: CriticGroup | None = None
+        self.trainers: RankGroup | None = None
+        self.critics: RankGroup | None = None  # PPO
         self.rollout_manager = None
         self.buffer = None
         self.targets: list[EngineTarget] = []
@@ -68,16 +69,16 @@ class Cluster:
             targets.append(EngineTarget(urls[-1], slot.rank_offset, self.api_key))
             started.append(actor.start.remote(cmd, urls[-1], env=engine_env(self.cfg, self.api_key)))
         # trainer ranks build Megatron while the engines load
-        self.trainers = TrainerGroup(self.cfg, self.pg, self.plan.trainer_bundles, self.plan.use_gpu,
-                                     num_gpus=self.plan.actor_gpu)
+        self.trainers = RankGroup(self.cfg, self.pg, self.plan.trainer_bundles, self.plan.use_gpu,
+                                  num_gpus=self.plan.actor_gpu)
         critic_world = self.cfg.critic.world_size if self.cfg.critic else 0
         threads = max(1, (os.cpu_count() or 1) // (self.cfg.parallel.world_size + critic_world))
         if self.cfg.critic is not None:  # PPO: the critic builds at the same time
-            self.critics = CriticGroup(self.cfg, self.pg, self.plan.critic_bundles, self.plan.use_gpu)
+            self.critics = RankGroup(self.cfg, self.pg, self.plan.critic_bundles, self.plan.use_gpu, role=CRITIC)
             critic_ready = self.critics.init_async(train_iters, threads)
         self.trainers.init(train_iters, threads)
         if self.critics is not None:
-            ray.get(critic_ready)
+            self.critics.wait_init(critic_ready)
         ray.get(started)
         self.engine_urls = urls
         if self.cfg.engine.use_router:
@@ -115,8 +116,6 @@ class Cluster:
             if self.critics is not None and self.cfg.critic.save:
                 self.critics.save_checkpoint(self.cfg.critic.save, step, {"rollout_id": step})
             if ckpt.keep_last is not None:
-                from slime_rl.trainer.checkpoint import keep_last
-
                 keep_last(ckpt.save, ckpt.keep_last)
         if ckpt.save_hf:
             self.trainers.save_hf(ckpt.hf_path(step))
@@ -153,12 +152,13 @@ class Cluster:
         start = time.time()
         if self.critics is None:
             metrics = self.trainers.train(step, self.buffer)
-        else:  # PPO: critic values -> GAE and the policy update -> the critic update on the returns
-            readers = self.cfg.parallel.world_size + self.cfg.critic.world_size
-            values = self.critics.compute_values(step, self.buffer, readers)
+        else:  # PPO: critic values -> GAE and the policy update -> the critic update on the returns,
+            # through the step's buffer entry, read once by each policy rank and twice by each critic rank
+            readers = self.cfg.parallel.world_size + 2 * self.cfg.critic.world_size
+            self.critics.compute_values(step, self.buffer, readers)
             update = step >= self.cfg.critic.num_critic_only_steps
-            metrics, returns = self.trainers.train_ppo(step, self.buffer, readers, values, update)
-            metrics |= self.critics.train(returns)
+            metrics = self.trainers.train_ppo(step, self.buffer, readers, update)
+            metrics |= self.critics.train_critic(step, self.buffer, readers)
         return metrics | {"time/train_start": start, "time/train_end": time.time()}
 
     def release_engines(self) -> None:
@@ -216,19 +216,18 @@ class Cluster:
         return len(dead)
 
     def shutdown(self, failed: bool = False) -> None:
-        """`failed`: a trainer rank failed, so the others are killed rather than asked to stop."""
-        if self.trainers is not None and failed:
-            self.trainers.kill()
-        elif self.trainers is not None:
+        """`failed`: a trainer or critic rank failed, so the ranks are killed rather than asked to stop
+        (the others may wait in a collective for the failed one)."""
+        for group, name in ((self.trainers, "trainer"), (self.critics, "critic")):
+            if group is None:
+                continue
+            if failed:
+                group.kill()
+                continue
             try:
-                self.trainers.shutdown()
+                group.shutdown()
             except ray.exceptions.RayError as exc:
-                print(f"[slime_rl] trainer shutdown: {exc}")
-        if self.critics is not None:
-            try:
-                self.critics.shutdown()
-            except ray.exceptions.RayError as exc:
-                print(f"[slime_rl] critic shutdown: {exc}")
+                print(f"[slime_rl] {name} shutdown: {exc}")
         if self.router is not None:  # before the engines: it would mark them dead and log errors
             ray.get(self.router.stop.remote())
         if self.engines:

@@ -37,18 +37,15 @@ step failed (`RewardFailures.since`), since then the reward is broken rather tha
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from slime_rl.config.dotted_path import load_by_path
 from slime_rl.data import Sample
 from slime_rl.rewards.builtin import BUILTIN
 from slime_rl.rewards.remote import RemoteRewardModel
@@ -69,49 +66,11 @@ class RewardResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _load_file_module(file: str, flag: str, spec_text: str) -> Any:
-    path = Path(file).resolve()
-    if not path.is_file():
-        raise RewardError(f"{flag} {spec_text!r}: no such file {file!r}")
-    name = f"slime_rl_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # the user's module raised while importing; say which file
-        del sys.modules[name]
-        raise RewardError(f"{flag} {spec_text!r}: importing {file} failed: {type(exc).__name__}: {exc}") from exc
-    return module
-
-
-def load_by_path(path: str, flag: str) -> Callable:
-    """'pkg.module:function', 'pkg.module.function' or 'dir/file.py:function' -> the function;
-    errors name the flag."""
-    module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not attr:
-        raise RewardError(f"{flag} {path!r}: expected 'module:function', 'module.function' or 'file.py:function'")
-    if module_name.endswith(".py") or "/" in module_name:
-        module = _load_file_module(module_name, flag, path)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise RewardError(f"{flag} {path!r}: cannot import module {module_name!r}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise RewardError(f"{flag} {path!r}: module {module_name!r} has no function {attr!r}")
-    return fn
-
-
 def load_reward(rm_type: str | None, custom_rm_path: str | None) -> RewardFn:
     """The reward function the flags name (the custom path wins); sync or async. For `remote_rm`,
     per-sample `metadata["rm_type"]` and dict rewards, use `make_reward_fn`."""
     if custom_rm_path:
-        return load_by_path(custom_rm_path, "--custom-rm-path")
+        return load_by_path(custom_rm_path, "--custom-rm-path", RewardError)
     if rm_type in BUILTIN:
         return BUILTIN[rm_type]
     if rm_type == "remote_rm":
@@ -265,7 +224,7 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
     if group_rm:
         if not custom_rm_path:
             raise RewardError("--group-rm needs --custom-rm-path (a function of a list of samples)")
-        return GroupReward(load_by_path(custom_rm_path, "--custom-rm-path"), reward_key, failure_value)
+        return GroupReward(load_by_path(custom_rm_path, "--custom-rm-path", RewardError), reward_key, failure_value)
 
     remote = (RemoteRewardModel(rm_url, timeout_s=rm_timeout_s, max_retries=rm_max_retries, backoff_s=rm_backoff_s)
               if rm_url else None)
@@ -281,7 +240,7 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
                           "remote_rm)")
 
     if custom_rm_path:
-        default = (load_by_path(custom_rm_path, "--custom-rm-path"), reward_key)
+        default = (load_by_path(custom_rm_path, "--custom-rm-path", RewardError), reward_key)
     elif rm_type:
         default = resolve(rm_type, "--rm-type")
     else:

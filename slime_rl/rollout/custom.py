@@ -22,8 +22,8 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from slime_rl.config.dotted_path import load_by_path
 from slime_rl.data import Sample
-from slime_rl.rewards import load_by_path
 from slime_rl.rollout.partial import append_model_turn, mark_truncated
 from slime_rl.rollout.routing import ClientPool
 

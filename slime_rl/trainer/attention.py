@@ -31,9 +31,8 @@ try:  # torch >= 2.11: variable-length flash attention (CUDA only)
 except ImportError:  # pragma: no cover - depends on the torch build
     _varlen_attn = None
 
-from megatron.core.transformer.module import MegatronModule
-
 from slime_rl.trainer.context_parallel import all_gather_seq, local_positions
+from slime_rl.trainer.mcore import MegatronModule, ProcessGroupCollection
 
 
 def _varlen_params() -> set[str]:
@@ -56,8 +55,6 @@ class SDPACoreAttention(MegatronModule):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None) -> None:
         super().__init__(config=config)
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp = pg_collection.tp.size()

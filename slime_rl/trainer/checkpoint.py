@@ -47,6 +47,14 @@ from slime_rl.trainer.checkpoint_layout import (  # noqa: F401  (re-exported: th
     resolve_checkpoint,
     write_atomic,
 )
+from slime_rl.trainer.mcore import (
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    dist_checkpointing,
+    mpu,
+    tensor_parallel,
+)
 from slime_rl.trainer.model import unwrap
 
 logger = logging.getLogger(__name__)
@@ -57,8 +65,6 @@ OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
 
 # ---- state
 def _topology() -> dict[str, int]:
-    from megatron.core import parallel_state as mpu
-
     return {"world": dist.get_world_size(), "tp": mpu.get_tensor_model_parallel_world_size(),
             "pp": mpu.get_pipeline_model_parallel_world_size(), "dp": mpu.get_data_parallel_world_size()}
 
@@ -73,8 +79,6 @@ def _single_chunk(model_chunks: list[torch.nn.Module] | torch.nn.Module) -> torc
 
 def _sharding_metadata(optim_sharding: str) -> dict[str, Any]:
     """The metadata megatron's sharded_state_dict methods read (as Megatron-LM 0.19 builds it)."""
-    from megatron.core import parallel_state as mpu
-
     return {"distrib_optim_sharding_type": optim_sharding, "singleton_local_shards": False,
             "chained_optim_avoid_prefix": True,
             "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
@@ -82,9 +86,6 @@ def _sharding_metadata(optim_sharding: str) -> dict[str, Any]:
 
 def _rng_sharded_object(state: Any) -> Any:
     """One object per (pp, tp, dp) rank: every rank's generators differ (TP offsets the seed)."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     shape = (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size(),
              mpu.get_data_parallel_world_size())
     offset = (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
@@ -93,8 +94,6 @@ def _rng_sharded_object(state: Any) -> Any:
 
 
 def get_rng_state() -> dict[str, Any]:
-    from megatron.core import tensor_parallel
-
     state: dict[str, Any] = {
         "random": random.getstate(),
         "numpy": np.random.get_state(),
@@ -108,8 +107,6 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -166,8 +163,6 @@ def _restore_adam_steps(optimizer: Any) -> None:
 def _model_global_shapes(sharded: Any) -> dict[str, tuple[int, ...]]:
     """key -> global shape of every ShardedTensor in a model's sharded state dict (factories, e.g.
     the SwiGLU fc1 split, are built to see their tensors)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
     out: dict[str, tuple[int, ...]] = {}
 
     def visit(x: Any) -> None:
@@ -189,8 +184,6 @@ def _model_global_shapes(sharded: Any) -> dict[str, tuple[int, ...]]:
 def checkpoint_model_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """Global shapes of the model tensors of a checkpoint folder (e.g. the padded vocab of
     `embedding.word_embeddings.weight`), read from its metadata without loading anything."""
-    from megatron.core import dist_checkpointing
-
     meta = dist_checkpointing.load_tensors_metadata(str(path))
     return {k: tuple(v.global_shape) for k, v in meta.items()
             if k.startswith(_MODEL_KEY_PREFIXES) and hasattr(v, "global_shape")}
@@ -198,8 +191,6 @@ def checkpoint_model_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
 
 def checkpoint_model_dtype(path: str | Path) -> torch.dtype:
     """The dtype of the checkpoint's word embedding (the dtype its model was trained in)."""
-    from megatron.core import dist_checkpointing
-
     return dist_checkpointing.load_tensors_metadata(str(path))["embedding.word_embeddings.weight"].dtype
 
 
@@ -208,8 +199,6 @@ def check_model_matches(path: str | Path, model_sharded: Any) -> None:
     model (built from an HF config) does not match the checkpoint's weights; dist_checkpointing's
     own errors for these cases do not name the tensor. With PP each stage holds part of the keys:
     the check runs on their union over the PP group (every rank of the group must call it)."""
-    from megatron.core import parallel_state as mpu
-
     ckpt = checkpoint_model_shapes(path)
     model = _model_global_shapes(model_sharded)
     if mpu.model_parallel_is_initialized() and mpu.get_pipeline_model_parallel_world_size() > 1:
@@ -254,8 +243,6 @@ def save_checkpoint(root: str | Path, step: int, model_chunks: list[torch.nn.Mod
         raise ValueError(f"optim_sharding={optim_sharding!r}: one of {OPTIM_SHARDINGS}")
     extra = dict(extra or {})
     _check_json(extra)
-    from megatron.core import dist_checkpointing
-
     root = Path(root)
     final = iter_dir(root, step)
     tmp = final.with_name(final.name + TMP_SUFFIX)
@@ -316,8 +303,6 @@ def load_checkpoint(path: str | Path, model_chunks: list[torch.nn.Module] | torc
     the optimizer's fp32 main params are refreshed from the loaded weights, and the LR schedule is
     not loaded either); True requires it.
     RNG states are restored only when the parallel layout is the one saved (they are per rank)."""
-    from megatron.core import dist_checkpointing
-
     where = resolve_checkpoint(path)
     if (where / MARKER_FILE).is_file():
         info = read_checkpoint_info(where)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime_rl.trainer.batching import MicroBatch
+from slime_rl.trainer.mcore import mpu
 
 
 def local_positions(length: int, cp_size: int, cp_rank: int) -> Tensor:
@@ -145,7 +146,5 @@ def gather_replicated(x: Tensor, mb: MicroBatch, group: dist.ProcessGroup | None
     if mb.cp_own is None:
         return x
     if group is None:
-        from megatron.core import parallel_state as mpu
-
         group = mpu.get_context_parallel_group()
     return _GatherReplicated.apply(x, mb.cp_own.to(x.dtype), group)

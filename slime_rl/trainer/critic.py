@@ -28,6 +28,7 @@ from torch import Tensor
 from slime_rl.algo import masked_sum, value_loss_terms
 from slime_rl.trainer.batching import MicroBatch, validate_batch
 from slime_rl.trainer.loss_agg import GlobalCounts, local_counts, token_weights
+from slime_rl.trainer.mcore import gather_from_sequence_parallel_region, on_rank_thread
 from slime_rl.trainer.micro import collect_per_sample
 from slime_rl.trainer.parallel import broadcast_from_last_stage, dp_group
 from slime_rl.trainer.steps import LossScale, model_forward, response_logits
@@ -61,8 +62,6 @@ class ValueHead(torch.nn.Module):
                 ) -> tuple[Tensor, None]:
         del weight, runtime_gather_output  # the LM layer's arguments; a value head has no tied weight
         if self.sequence_parallel:
-            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
             # backward: each rank keeps its slice of the full gradient (every rank computed all of it)
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden, self.weight, self.bias), None
@@ -130,10 +129,10 @@ class CriticWorker(MegatronRank):
                                      param.dtype, param.device)
 
     @torch.no_grad()
+    @on_rank_thread
     def compute_values(self, batch: dict) -> list[list[float]]:
         """Per-sample values of the response tokens (same length as each response); forward only.
         Every rank returns the same lists for its DP shard."""
-        self._compat()
         n = validate_batch(batch, ("tokens", "response_lengths"))
         if n == 0:
             return []
@@ -141,9 +140,9 @@ class CriticWorker(MegatronRank):
         store = self._run(values_step(), mbs, forward_only=True)
         return collect_per_sample(store, "values", n, [int(r) for r in batch["response_lengths"]], self.info.device)
 
+    @on_rank_thread
     def forward_backward(self, batch: dict, old_values: list, returns: list) -> dict[str, float]:
         """Zero the grads and run one mini-batch of the value loss; returns DP-summed CRITIC_STAT_KEYS."""
-        self._compat()
         tokens, samples = self._dp_sum(list(local_counts(batch["loss_masks"])))
         counts = GlobalCounts(tokens=tokens, samples=samples, max_len=self.loss_agg_max_len)
         per_token = {"old_values": old_values, "returns": returns,
@@ -161,6 +160,7 @@ class CriticWorker(MegatronRank):
         broadcast_from_last_stage(sums)
         return dict(zip(CRITIC_STAT_KEYS, self._dp_sum(sums.tolist()), strict=True))
 
+    @on_rank_thread
     def train_step(self, batch: dict, old_values: list, returns: list) -> dict[str, float]:
         """One critic update on this DP rank's shard: `old_values` (compute_values at rollout time)
         and `returns` (the policy's GAE returns) per sample; one optimizer step per mini-batch of
@@ -170,7 +170,6 @@ class CriticWorker(MegatronRank):
             (population variances; NaN when the returns are all equal);
           critic/value_mean (V_old over trained tokens), critic/value_clipfrac, critic/grad_norm
           (mean over mini-batches, before clipping), critic/lr."""
-        self._compat()
         n = validate_batch(batch, ("tokens", "response_lengths", "loss_masks"))
         if n == 0:
             raise ValueError("critic train_step got an empty batch on this DP rank")

@@ -22,40 +22,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
+from tqdm import tqdm
 
+from slime_rl.trainer.checkpoint_layout import copy_hf_metadata
 from slime_rl.trainer.convert import ModelArch
 from slime_rl.trainer.hf_io import hf_weight_metadata, iter_hf_weights
+from slime_rl.trainer.mcore import mpu
 from slime_rl.trainer.model import unwrap
 
 TMP_SUFFIX = ".tmp"
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
-def converter_layout(world: int, tp: int | None, pp: int) -> tuple[int, int]:
-    """(tp, pp) a converter runs at: one process per model shard (TP x PP = world; DP is
-    pointless there). `tp` defaults to world / pp. SystemExit names the flags otherwise."""
-    if pp < 1 or world % pp != 0:
-        raise SystemExit(f"--pipeline-model-parallel-size {pp} does not divide the {world} processes")
-    tp = tp or world // pp
-    if tp * pp != world:
-        raise SystemExit(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} with {world} "
-                         "processes: run exactly TP x PP processes (one per shard)")
-    return tp, pp
-
-
-def relaunch_per_shard(script: str, argv: list[str], tp: int | None, pp: int) -> None:
-    """A converter started alone (`python tools/convert_*.py ... --tp 2`) needs TP x PP processes: start
-    them with torchrun on this node instead of failing. Returns when it was started by a launcher
-    (WORLD_SIZE set) or needs one process; otherwise replaces this process with torchrun's."""
-    import os
-    import sys
-
-    if "WORLD_SIZE" in os.environ or (tp or 1) * pp <= 1:
-        return
-    n = (tp or 1) * pp
-    print(f"[slime_rl] {n} shards (TP {tp or 1} x PP {pp}): running {n} processes under torchrun", flush=True)
-    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              f"--nproc-per-node={n}", script, *argv])
 
 
 def hf_tensor_count(arch: ModelArch) -> int:
@@ -67,8 +44,6 @@ def gather_hf_weights(model: torch.nn.Module, arch: ModelArch) -> Iterator[tuple
     """On global rank 0: every HF tensor of the model, stage by stage (HF order). On every other
     rank: nothing, but every rank must run the generator to its end (it runs the TP all-gathers and
     the sends to rank 0). A tensor may share storage with a parameter: copy it to keep it."""
-    from megatron.core import parallel_state as mpu
-
     if mpu.get_data_parallel_rank() != 0:  # every DP replica holds the same weights
         return
     pp_rank, pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
@@ -121,8 +96,6 @@ class ShardWriter:
         self.total_bytes += size
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         path = self.out / f"_part{len(self.files):05d}.safetensors"
         save_file(self.pending, str(path), metadata={"format": "pt"})
         self.files.append((path, list(self.pending)))
@@ -149,8 +122,6 @@ class ShardWriter:
 
 def _finish_folder(tmp: Path, hf_dir: str | Path, dtype: torch.dtype) -> None:
     """Config, tokenizer and generation config of the source folder, with the written dtype."""
-    from slime_rl.trainer.checkpoint_layout import copy_hf_metadata
-
     copy_hf_metadata(hf_dir, tmp)
     config = json.loads((tmp / "config.json").read_text())
     for key in ("dtype", "torch_dtype"):  # transformers 5 writes dtype, 4 torch_dtype
@@ -177,8 +148,6 @@ def save_hf_folder(model: torch.nn.Module, arch: ModelArch, out: str | Path, hf_
     of the trainer must call it, global rank 0 writes. `hf_dir`: the HF folder the model came from
     (config.json, tokenizer, generation_config are copied). `dtype`: cast to it (default: the
     model's). Returns `out`."""
-    from tqdm import tqdm
-
     out = Path(out)
     tmp = out.with_name(out.name + TMP_SUFFIX)
     writer = None

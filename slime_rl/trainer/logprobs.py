@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from slime_rl.trainer.mcore import mpu, vocab_parallel_cross_entropy
+
 
 def _tp_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if group is not None:
         return group
-    from megatron.core import parallel_state as mpu
-
     return mpu.get_tensor_model_parallel_group()
 
 
@@ -47,8 +47,6 @@ def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, *, temperature: flo
     Uses megatron's vocab_parallel_cross_entropy (all-reduces max, target logit and sum-exp over
     the TP group; its backward is softmax - onehot on the local slice).
     """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     group = _tp_group(tp_group)
     scaled = _scaled_masked(logits, temperature, vocab_size, group)
     return -vocab_parallel_cross_entropy(scaled, targets, tp_group=group)

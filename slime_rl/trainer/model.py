@@ -12,7 +12,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from slime_rl.trainer import packed_rope
+from slime_rl.trainer.attention import SDPACoreAttention
 from slime_rl.trainer.convert import ModelArch, load_arch
+from slime_rl.trainer.mcore import (
+    GPTModel,
+    TransformerBlockSubmodules,
+    TransformerConfig,
+    get_gpt_layer_local_spec,
+    mpu,
+)
+from slime_rl.trainer.vision import attach_vision_tower
 
 
 def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: int,
@@ -24,8 +34,6 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
     asserts it); recompute_* are megatron's activation-recomputation knobs, passed through."""
     if sequence_parallel and tp_size == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
         num_layers=arch.num_layers,
@@ -82,13 +90,6 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
     ([b, s, padded_vocab / tp]); its parameters are uninitialized until `hf_io.load_hf_weights`.
     pre_process / post_process default to whether this rank is the first / last pipeline stage;
     with PP, megatron gives each stage num_layers / pp consecutive layers (named from 0 locally)."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from slime_rl.trainer import packed_rope
-    from slime_rl.trainer.attention import SDPACoreAttention
-
     packed_rope.install()  # packed THD RoPE without per-sample host syncs (see packed_rope.py)
 
     if arch.num_layers % pp_size != 0:
@@ -125,8 +126,6 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
         rotary_percent=1.0,
     )
     if arch.vision is not None and pre_process:
-        from slime_rl.trainer.vision import attach_vision_tower
-
         attach_vision_tower(model, arch)
     if bf16 and post_process and fp32_lm_head:
         fp32_output_layer(model.output_layer)
@@ -163,8 +162,6 @@ class LocalRMSNorm(torch.nn.RMSNorm):
 
 def _sequence_parallel_block_spec(spec, arch: ModelArch, layers_here: int):
     """The local layer spec with SP-capable norms, as a block spec so the final norm is ours too."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
     spec.submodules.input_layernorm = LocalRMSNorm
     spec.submodules.pre_mlp_layernorm = LocalRMSNorm
     if arch.qk_layernorm:  # q/k norms see the gathered sequence; megatron sums their grads anyway

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from slime_rl.trainer.mcore import rope_utils
+
 _ORIGINAL: Any = None
 
 
@@ -40,22 +42,19 @@ def apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotar
         return _ORIGINAL(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                          mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale, cp_group=cp_group,
                          multi_latent_attention=multi_latent_attention)
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-
     if multi_latent_attention is not None:
         mla_rotary_interleaved = multi_latent_attention
     total = t.shape[0]
     # megatron: per-token frequencies when their count equals cu_seqlens[-1], which is T without CP
     per_token = freqs if freqs.size(0) == total else freqs[packed_positions(cu_seqlens, total).to(freqs.device)]
-    return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), per_token, rotary_interleaved=rotary_interleaved,
-                                      mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale).squeeze(1)
+    return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), per_token, rotary_interleaved=rotary_interleaved,
+                                                 mla_rotary_interleaved=mla_rotary_interleaved,
+                                                 mscale=mscale).squeeze(1)
 
 
 def install() -> None:
     """Route megatron's THD RoPE through `apply_rotary_pos_emb_thd` (once per process)."""
     global _ORIGINAL
-    from megatron.core.models.common.embeddings import rope_utils
-
     if rope_utils._apply_rotary_pos_emb_thd is apply_rotary_pos_emb_thd:
         return
     _ORIGINAL = rope_utils._apply_rotary_pos_emb_thd

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from slime_rl.trainer.batching import MicroBatch, build_micro_batch
+from slime_rl.trainer.mcore import PackedSeqParams
 
 
 def build_packed_micro_batch(batch: dict, sample_ids: list[int], device: torch.device,
@@ -25,8 +26,6 @@ def build_packed_micro_batch(batch: dict, sample_ids: list[int], device: torch.d
     `segment_multiple`: each sample's segment is right-padded to a multiple of it (2 * cp under
     context parallelism, which splits every sample into 2 * cp chunks; causal attention keeps the
     padding after a sample's last token out of its real tokens)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     # the padded builder gives the response-side tensors ([b, T] targets, masks, per-token data);
     # only tokens, positions and logit_index change with the layout
     padded = build_micro_batch(batch, sample_ids, torch.device("cpu"), per_token)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from slime_rl.trainer import cpu_compat
+from slime_rl.trainer.mcore import mpu, tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,6 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
         dist.init_process_group(backend=backend, store=rendezvous_store(rank, world_size, master_addr, master_port,
                                                                         timeout),
                                 rank=rank, world_size=world_size, timeout=timeout)
-    from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
-
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                   pipeline_model_parallel_size=pp_size,
                                   context_parallel_size=cp_size,
@@ -108,27 +106,19 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
 
 
 def tp_group() -> dist.ProcessGroup:
-    from megatron.core import parallel_state as mpu
-
     return mpu.get_tensor_model_parallel_group()
 
 
 def dp_group() -> dist.ProcessGroup:
-    from megatron.core import parallel_state as mpu
-
     return mpu.get_data_parallel_group()
 
 
 def cp_group() -> dist.ProcessGroup:
-    from megatron.core import parallel_state as mpu
-
     return mpu.get_context_parallel_group()
 
 
 def teardown_parallel() -> None:
     """Destroy Megatron's groups and the default group (safe to call twice)."""
-    from megatron.core import parallel_state as mpu
-
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     if dist.is_initialized():
@@ -136,36 +126,17 @@ def teardown_parallel() -> None:
 
 
 def pp_group() -> dist.ProcessGroup:
-    from megatron.core import parallel_state as mpu
-
     return mpu.get_pipeline_model_parallel_group()
 
 
 def pp_last_rank() -> int:
     """Global rank of the last pipeline stage in this rank's PP group (it computes the loss)."""
-    from megatron.core import parallel_state as mpu
-
     return mpu.get_pipeline_model_parallel_last_rank()
 
 
 def broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
     """Every stage of the PP group gets the last stage's `t` (same shape on all; in place).
     Only the last stage runs the loss function, so per-token results and metrics start there."""
-    from megatron.core import parallel_state as mpu
-
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(t, src=pp_last_rank(), group=pp_group())
     return t
-
-
-def launcher_env() -> tuple[int, int, str, int]:
-    """(rank, world, master_addr, master_port) from torchrun's variables, or a world of one on a
-    free local port (a tool run alone)."""
-    if "WORLD_SIZE" in os.environ:
-        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                int(os.environ["MASTER_PORT"]))
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return 0, 1, "127.0.0.1", s.getsockname()[1]

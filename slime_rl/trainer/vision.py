@@ -32,6 +32,7 @@ from slime_rl.data.images import load_image_processor, pixel_inputs
 from slime_rl.data.mrope import mrope_positions
 from slime_rl.trainer.convert import ModelArch
 from slime_rl.trainer.convert.vision import vision_module
+from slime_rl.trainer.mcore import tensor_parallel
 
 
 @dataclass
@@ -149,8 +150,6 @@ class VisionBatching:
 def decoder_input(gpt: torch.nn.Module, mb: Any) -> Tensor:
     """The first stage's decoder input [s, b, h] (the local sequence part under SP): word
     embeddings with the vision tower's features at the image pads."""
-    from megatron.core import tensor_parallel
-
     emb = gpt.embedding(input_ids=mb.tokens, position_ids=None)  # [s, b, h], not scattered (attach_vision_tower)
     v = mb.vision
     if v.pixel_values is not None:

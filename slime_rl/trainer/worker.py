@@ -20,9 +20,20 @@ import torch
 import torch.distributed as dist
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
-from slime_rl.trainer import checkpoint, cpu_compat, hf_export, hf_io
+from slime_rl.trainer import checkpoint, hf_export, hf_io
 from slime_rl.trainer.batching import MicroBatch, chunks, validate_batch
 from slime_rl.trainer.loss_agg import GlobalCounts, check_mode, local_counts, token_weights
+from slime_rl.trainer.mcore import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    Float16Module,
+    MegatronOptimizerConfig,
+    OptimizerParamScheduler,
+    finalize_model_grads,
+    get_forward_backward_func,
+    get_megatron_optimizer,
+    on_rank_thread,
+)
 from slime_rl.trainer.micro import MicroBatching, collect_per_sample
 from slime_rl.trainer.model import build_from_checkpoint
 from slime_rl.trainer.objective import StepInputs, step_metrics, step_sums, token_advantages, train_metrics
@@ -54,12 +65,6 @@ class MegatronRank:
                  loss_agg_max_len: int | None = None, sequence_parallel: bool = False,
                  recompute_granularity: str | None = None, recompute_method: str | None = None,
                  recompute_num_layers: int | None = None) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.transformer.module import Float16Module
-
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
         cp = parallel.context_parallel_size
         check_mode(loss_agg_mode, loss_agg_max_len)
@@ -102,8 +107,6 @@ class MegatronRank:
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=inner)
-        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-
         self.optimizer = get_megatron_optimizer(MegatronOptimizerConfig(
             optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
             clip_grad=optim.clip_grad, adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2,
@@ -122,12 +125,6 @@ class MegatronRank:
 
     def _prepare_model(self) -> None:
         """Hook between loading the HF weights and wrapping the model for training."""
-
-    def _compat(self) -> None:
-        # the CPU layer's device mode is per thread; a host may call us from a different thread
-        # than the constructor's (no-op on GPU and when already active here)
-        if self.info.device.type == "cpu":
-            cpu_compat.apply()
 
     # ---- topology
     @property
@@ -157,8 +154,6 @@ class MegatronRank:
         return self.info.tp_rank == 0 and self.info.dp_rank == 0 and self.info.cp_rank == 0
 
     def _run(self, step_func, mbs: list[MicroBatch], forward_only: bool) -> list:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         # seq_length / micro_batch_size only size PP buffers when shapes are fixed; with PP the
         # config sets variable_seq_lengths, so stages exchange each micro-batch's shape
         return get_forward_backward_func()(
@@ -171,9 +166,9 @@ class MegatronRank:
         dist.all_reduce(t, op=op, group=dp_group())
         return t.tolist()
 
+    @on_rank_thread
     def optimizer_step(self) -> tuple[float, float]:
         """Clip, step, advance the LR schedule; returns (grad norm before clipping, lr used)."""
-        self._compat()
         lr = float(self.optimizer.param_groups[0]["lr"])
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
@@ -197,25 +192,25 @@ class MegatronRank:
                              f" {len(minis)} mini-batches of {per_rank}); shard the batch evenly")
         return minis
 
+    @on_rank_thread
     def save_checkpoint(self, root: str, step: int, extra: dict) -> str:
         """Megatron torch_dist checkpoint of model, optimizer, scheduler and RNG (+ `extra`), atomic;
         every rank calls it. Returns the folder."""
-        self._compat()
         path = checkpoint.save_checkpoint(root, step, [self.model], self.optimizer, self.scheduler, extra,
                                           hf_dir=self.model_cfg.hf_checkpoint)
         return str(path)
 
+    @on_rank_thread
     def load_latest_checkpoint(self, root: str) -> dict | None:
         """Load the newest complete checkpoint under `root` (incomplete saves are skipped); returns its
         `extra`, or None when there is none yet (a fresh run that will save there)."""
-        self._compat()
         path = checkpoint.latest_checkpoint(root)
         if path is None:
             return None
         return checkpoint.load_checkpoint(path, [self.model], self.optimizer, self.scheduler)
 
+    @on_rank_thread
     def shutdown(self) -> None:
-        self._compat()
         teardown_parallel()
 
 
@@ -255,20 +250,20 @@ class TrainerWorker(MegatronRank):
         ent = collect_per_sample(store, "entropy", n, lens, self.info.device) if with_entropy else None
         return logp, ent
 
+    @on_rank_thread
     def compute_logprobs(self, batch: dict) -> list[list[float]]:
         """Log-probs (of logits / algo.temperature) of each sample's response tokens; forward only.
         `batch` needs `tokens` and `response_lengths`."""
-        self._compat()
         if validate_batch(batch, ("tokens", "response_lengths")) == 0:
             return []
         return self._forward_logprobs(batch, with_entropy=False)[0]
 
     @contextlib.contextmanager
+    @on_rank_thread
     def reference_weights(self) -> Iterator[None]:
         """Swap the reference weights (the initial policy, or the last refresh under
         --ref-update-interval) in for the block, then the current ones back (exactly)."""
         assert self._ref is not None, "no reference copy: the worker was built with algo.use_reference false"
-        self._compat()
         params = dict(self.gpt.named_parameters())
         backup = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
         with torch.no_grad():
@@ -282,6 +277,7 @@ class TrainerWorker(MegatronRank):
                     p.copy_(backup[n])
 
     # ---- training
+    @on_rank_thread
     def forward_backward(self, batch: dict, old_logprobs: list, ref_logprobs: list | None = None,
                          advantages: list | None = None) -> dict:
         """Zero the grads, run one mini-batch (this rank's samples) through the schedule; the
@@ -289,7 +285,6 @@ class TrainerWorker(MegatronRank):
         reduce-scatters, so each DP rank holds the reduced values of its own shard). `advantages`:
         per-token lists (token-level estimators) replacing the batch's scalar ones. Returns the
         DP-summed STAT_KEYS (identical on every rank; "loss" is the mini-batch loss L of loss_agg.py)."""
-        self._compat()
         tokens, samples = self._dp_sum(list(local_counts(batch["loss_masks"])))
         counts = GlobalCounts(tokens=tokens, samples=samples, max_len=self.loss_agg_max_len)
         per_token = {"old_logp": old_logprobs,
@@ -311,12 +306,12 @@ class TrainerWorker(MegatronRank):
         broadcast_from_last_stage(sums)
         return dict(zip(STAT_KEYS, self._dp_sum(sums.tolist()), strict=True))
 
+    @on_rank_thread
     def step_inputs(self, batch: dict, values: list | None = None) -> StepInputs:
         """Everything a train step computes once before its mini-batches: old log-probs and
         entropy (forward only), reference log-probs (algo.use_reference), per-token advantages
         (algo.token_level_advantages; whitened over the DP group; ppo: GAE on the critic's
         `values`, which also gives the returns) and the DP-summed step sums."""
-        self._compat()
         old, entropy = self._forward_logprobs(batch, with_entropy=True)
         ref = None
         if self.algo.use_reference:
@@ -332,12 +327,12 @@ class TrainerWorker(MegatronRank):
         inputs.sums = step_sums(batch, inputs, self.info.device, dp_group())
         return inputs
 
+    @on_rank_thread
     def train_step(self, batch: dict, inputs: StepInputs | None = None, update: bool = True) -> dict[str, float]:
         """One RL update on this DP rank's shard (see module docstring); the metrics, identical on
         every rank, are objective.train_metrics'. `inputs`: step_inputs(batch) when the caller
         computed them already (ppo: it needs their returns for the critic). update=False (PPO's
         critic-only steps) changes nothing and returns objective.step_metrics."""
-        self._compat()
         n = validate_batch(batch)
         if n == 0:
             raise ValueError("train_step got an empty batch on this DP rank")
@@ -363,27 +358,27 @@ class TrainerWorker(MegatronRank):
         return train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
 
     # ---- weights out
+    @on_rank_thread
     def iter_hf_weights(self, skip_frozen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, full tensor) of this pipeline stage's parameters (global HF names; a tied
         embedding only from stage 0) for weight sync; every rank must consume it to the end (TP
         all-gathers). A tensor may share storage with a parameter (e.g. norms, TP=1): copy it to
         keep it past an update. With PP, the union over stages is the whole HF state dict.
         `skip_frozen`: without parameters that never train (--freeze-vision-tower)."""
-        self._compat()
         yield from hf_io.iter_hf_weights(self.gpt, self.arch, skip_frozen=skip_frozen)
 
+    @on_rank_thread
     def iter_hf_sources(self, skip_frozen: bool = False) -> Iterator[hf_io.HFSource]:
         """What weight sync sends: (hf_name, source, hf_shape), see `hf_io.iter_hf_sources` (at TP=1
         cached views of the parameters, so a sync builds nothing)."""
-        self._compat()
         yield from hf_io.iter_hf_sources(self.gpt, self.arch, skip_frozen=skip_frozen)
 
     def hf_weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         return hf_io.hf_weight_metadata(self.gpt, self.arch)
 
+    @on_rank_thread
     def save_hf(self, path: str) -> str:
         """The model as an HF folder at `path` (atomic; config, tokenizer, generation config copied
         from --hf-checkpoint; vocab padding removed), through the weight-sync gather path; every
         rank calls it, global rank 0 writes."""
-        self._compat()
         return str(hf_export.save_hf_folder(self.gpt, self.arch, path, self.model_cfg.hf_checkpoint))

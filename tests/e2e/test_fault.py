@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from slime_rl.config import build_config
 from slime_rl.rollout.client import EngineClient
 from slime_rl.train import RunFailed, preflight, train
 from tests.loop_checks import digit_data_fixture, ray_session_fixture
 
-ray = pytest.importorskip("ray")
 KEY = "fault-test-secret"
 PROMPTS, N = 8, 4
 
@@ -80,6 +80,7 @@ def sha(array) -> str:
     return hashlib.sha256(array.astype("float32").tobytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_killed_and_hung_engines_lose_no_sample_and_come_back_with_the_weights(
         ray_session, tiny_qwen2, digit_data, tmp_path):
     from slime_rl.orchestration.cluster import Cluster
@@ -144,20 +145,18 @@ def test_killed_and_hung_engines_lose_no_sample_and_come_back_with_the_weights(
     assert assert_key_nowhere(KEY, run, ray_logs()) > 0
 
 
+@pytest.mark.slow
 def test_a_crashed_trainer_rank_stops_the_run_naming_it_and_resume_continues(
         ray_session, tiny_qwen2, digit_data, tmp_path, monkeypatch, capfd):
     import secrets
 
-    from slime_rl.orchestration.cluster import Cluster
+    from slime_rl.orchestration import trainer_group
     from slime_rl.trainer.checkpoint import latest_checkpoint
+    from tests.rank_hooks import FAILING_RANK, FAILING_STEP, RankFailingAtStep
 
-    real_train = Cluster.train
-
-    def train_with_rank1_crashing_at_step_1(self, step):
-        ray.get(self.trainers.actors[1].fail_at_step.remote(1))  # test hook: rank 1 raises in train(1)
-        return real_train(self, step)
-
-    monkeypatch.setattr(Cluster, "train", train_with_rank1_crashing_at_step_1)
+    assert (FAILING_RANK, FAILING_STEP) == (1, 1)
+    real_actor = trainer_group.RankActor
+    monkeypatch.setattr(trainer_group, "RankActor", RankFailingAtStep)  # rank 1 raises in train(1)
     run_key = secrets.token_hex(16)
     monkeypatch.setattr("slime_rl.train.secrets.token_hex", lambda n: run_key)  # to look for it afterwards
     ckpt = tmp_path / "ckpt"
@@ -168,7 +167,7 @@ def test_a_crashed_trainer_rank_stops_the_run_naming_it_and_resume_continues(
     assert "trainer rank 1 failed during train step 1" in message and "injected failure" in message
     assert f"--load {ckpt}" in message
     assert latest_checkpoint(ckpt).name == "iter_0000000"  # step 0's checkpoint is intact and complete
-    monkeypatch.setattr(Cluster, "train", real_train)
+    monkeypatch.setattr(trainer_group, "RankActor", real_actor)
     rows = train(*preflight(build_config(
         argv(tiny_qwen2, digit_data, tmp_path / "b", steps=2, tp=2) + ["--load", str(ckpt)])))
     assert [r["step"] for r in rows] == [1]  # auto-resume continues after the last complete step
@@ -176,6 +175,7 @@ def test_a_crashed_trainer_rank_stops_the_run_naming_it_and_resume_continues(
     assert assert_key_nowhere(run_key, tmp_path, ray_logs(), text=out.out + out.err) > 0
 
 
+@pytest.mark.slow
 def test_reward_failures_are_scored_counted_and_a_fully_broken_step_stops_the_run(
         ray_session, tiny_qwen2, digit_data, tmp_path):
     from tests.rewards.plugins.failing_rewards import BROKEN_FROM

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from slime_rl.config.dotted_path import load_by_path
 from slime_rl.data import Sample
 from slime_rl.rewards import (
     GroupReward,
@@ -17,7 +18,6 @@ from slime_rl.rewards import (
     RewardResult,
     call_reward,
     call_reward_full,
-    load_by_path,
     load_reward,
     make_reward_fn,
     reward_metric_means,

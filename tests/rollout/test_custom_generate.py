@@ -11,9 +11,9 @@ import torch
 from rollout_testlib import float64_model, start_server, with_clients
 
 from slime_rl.config import RolloutConfig
+from slime_rl.config.dotted_path import PluginLoadError
 from slime_rl.data import PromptRow
-from slime_rl.rewards import RewardError
-from slime_rl.rollout.custom import generate_default, load_generate_function
+from slime_rl.rollout.custom import generate_default, load_filter, load_generate_function
 from slime_rl.rollout.examples import calculator
 from slime_rl.rollout.generate import generate_groups
 from slime_rl.rollout.options import RolloutOptions
@@ -68,8 +68,10 @@ def test_loaded_by_dotted_path():
     assert load_generate_function(None) is generate_default
     with pytest.raises(ValueError, match="--custom-generate-function-path .* must be an `async def`"):
         load_generate_function("slime_rl.rollout.examples.calculator.calculate")
-    with pytest.raises(RewardError, match="--custom-generate-function-path"):
+    with pytest.raises(PluginLoadError, match="--custom-generate-function-path .*cannot import module"):
         load_generate_function("slime_rl.rollout.examples.nowhere.generate")
+    with pytest.raises(PluginLoadError, match="--dynamic-sampling-filter-path .*has no function 'nope'"):
+        load_filter("slime_rl.rollout.examples.calculator:nope")
 
 
 def test_tool_call_turns_bookkeeping(server, calc_model):

@@ -103,6 +103,31 @@ def main() -> None:
 
     cpu_compat.apply()  # the full set on top: still idempotent
     res["applied"] = sorted(cpu_compat.applied())
+
+    # on_rank_thread: the device mode is per thread; a method called from another thread gets it
+    # from the decorator (a plain function on that thread does not have it), generators included
+    import threading
+
+    from slime_rl.trainer.mcore import on_rank_thread
+
+    def alloc() -> str:
+        return str(torch.zeros(1, device="cuda").device)
+
+    @on_rank_thread
+    def decorated_gen():
+        yield alloc()
+
+    thread_res: dict[str, Any] = {}
+
+    def on_thread() -> None:
+        thread_res["plain_error"] = attempt(alloc)[1]
+        thread_res["generator"] = next(decorated_gen())
+        thread_res["decorated"] = on_rank_thread(alloc)()
+
+    fresh = threading.Thread(target=on_thread)  # the generator first: it must not rely on a previous call
+    fresh.start()
+    fresh.join()
+    res["on_rank_thread"] = thread_res
     print(json.dumps(res))
 
 

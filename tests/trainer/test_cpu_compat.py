@@ -67,3 +67,9 @@ def test_streams_and_events_are_noops(report):
 
 def test_apply_is_idempotent_and_complete(report):
     assert report["applied"] == ["current_device", "device_mode", "paged_stash", "rng", "streams"]
+
+
+def test_on_rank_thread_gives_another_thread_the_device_mode(report):
+    r = report["on_rank_thread"]
+    assert r["plain_error"] is not None  # the mode pushed on the main thread does not reach others
+    assert r["generator"] == r["decorated"] == "cpu"

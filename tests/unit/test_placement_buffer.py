@@ -52,3 +52,22 @@ def test_buffer_waits_for_all_readers():
     assert buf.steps() == []
     with pytest.raises(KeyError):
         buf.get(0)
+
+
+def test_buffer_rows_from_ranks_join_the_batch_and_count_as_reads():
+    # PPO's order: 2 critic shards put values, one policy rank reads the batch with them and puts
+    # its returns, the critic ranks read their own returns; 1 + 1 + 2 reads delete the step
+    buf = StepBuffer()
+    buf.put(3, {"tokens": [[1], [2], [3], [4]]})
+    buf.get(3, readers=4)  # the critic ranks' first read (one of them here)
+    buf.put_rows(3, "values", [2, 3], [[0.3], [0.4]])
+    with pytest.raises(AssertionError, match=r"no 'values' rows for samples \[0, 1\]"):
+        buf.get_rows(3, "values", [0, 1, 2], readers=99)  # read before the other shard wrote: refused
+    buf.put_rows(3, "values", [0, 1], [[0.1], [0.2]])
+    batch = buf.get(3, readers=4)
+    assert batch["values"] == [[0.1], [0.2], [0.3], [0.4]] and batch["tokens"][0] == [1]
+    buf.put_rows(3, "returns", [0, 1, 2, 3], [[1.0], [2.0], [3.0], [4.0]])
+    assert buf.get_rows(3, "returns", [1, 3], readers=4) == [[2.0], [4.0]]
+    assert buf.steps() == [3]
+    assert buf.get_rows(3, "returns", [0, 2], readers=4) == [[1.0], [3.0]]
+    assert buf.steps() == []

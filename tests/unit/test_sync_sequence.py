@@ -68,7 +68,7 @@ class FakeUpdater:
 
 def _actor(monkeypatch, log, kind, pp_rank=0, pp_size=1, rank=0):
     monkeypatch.setattr("torch.distributed.barrier", lambda *a, **k: log.append("barrier"))
-    actor = object.__new__(tg.TrainerActor.__ray_actor_class__)
+    actor = object.__new__(tg.RankActor.__ray_actor_class__)
     actor.rank, actor._synced_once = rank, False
     actor.worker = SimpleNamespace(pp_rank=pp_rank, pp_size=pp_size,
                                    iter_hf_sources=lambda skip_frozen: f"skip={skip_frozen}")

@@ -1,0 +1,82 @@
+"""The one door to Megatron-core: every trainer module imports Megatron's names from here.
+
+Importing this module first runs the part of the CPU compatibility layer (cpu_compat.py) that
+must precede any megatron import: the stub for the one megatron module that imports triton
+unconditionally (a no-op when triton is installed or CUDA is available). The rest of the layer
+changes global torch state and is applied by `parallel.init_parallel` when a rank starts on CPU,
+and per thread by `on_rank_thread` below.
+
+Only trainer rank processes should import this module (importing megatron costs seconds of CPU):
+the driver reaches the trainer through Ray actors that import `worker` / `critic` inside the
+actor (orchestration/trainer_group.py), and the tools' pre-launch steps use the megatron-free
+modules (convert/, checkpoint_layout.py, hf_files.py, launch_env.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from slime_rl.trainer import cpu_compat
+
+cpu_compat.apply(only=("paged_stash",))  # before the first megatron import (no-op on GPU / with triton)
+
+# the imports below must follow the stub above
+# ruff: noqa: E402, I001
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import parallel_state as mpu
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.module import Float16Module, MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+__all__ = [
+    "DistributedDataParallel", "DistributedDataParallelConfig", "Float16Module", "GPTModel",
+    "MegatronModule", "MegatronOptimizerConfig", "OptimizerParamScheduler", "PackedSeqParams",
+    "ProcessGroupCollection", "ShardedObject", "ShardedTensor", "ShardedTensorFactory",
+    "TransformerBlockSubmodules", "TransformerConfig", "dist_checkpointing", "finalize_model_grads",
+    "gather_from_sequence_parallel_region", "get_forward_backward_func", "get_gpt_layer_local_spec",
+    "get_megatron_optimizer", "mpu", "on_rank_thread", "rope_utils", "tensor_parallel",
+    "vocab_parallel_cross_entropy",
+]
+
+def on_rank_thread[F: Callable[..., Any]](method: F) -> F:
+    """Decorator for a rank's entry points (the methods a host calls): on CPU, make sure the
+    calling thread has the CPU layer's device mode (cpu_compat.CudaToCpuMode) before the body runs.
+
+    The mode is a TorchFunctionMode, and those are per thread: the constructor's thread got it in
+    `init_parallel`, but a host may call a method from another thread (a thread pool, a threaded
+    actor). Ray's default actors run `__init__` and every method on one thread, so there this is a
+    cheap no-op; it is a no-op on GPU too (`cpu_compat.apply` returns at once with CUDA).
+    A generator method (or the generator under a @contextmanager) gets the mode when it starts
+    running, i.e. on the thread that consumes it, as a call in its body would.
+    """
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def gen(*args: Any, **kwargs: Any) -> Any:
+            cpu_compat.apply()
+            return (yield from method(*args, **kwargs))
+
+        return gen  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        cpu_compat.apply()
+        return method(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
