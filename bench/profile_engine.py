@@ -181,8 +181,8 @@ def run_http(ckpt: Path, prompts, a, cuda: bool, work: Path) -> dict:
 
     from common import free_port
 
+    from slime_rl.engines.client import KeepAliveEngineClient
     from slime_rl.engines.launch import embedded_command, wait_healthy
-    from slime_rl.rollout.client import KeepAliveEngineClient
 
     port, log = free_port(), work / "engine_http.log"
     argv = embedded_command(ckpt, "127.0.0.1", port, device="cuda" if cuda else "cpu",

@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from slime_rl.config import RolloutConfig
 from slime_rl.data import PromptRow, Sample
+from slime_rl.engines.client import AsyncEngineClient
 from slime_rl.rewards import GroupReward, RewardFn, call_reward
-from slime_rl.rollout.client import AsyncEngineClient
 from slime_rl.rollout.custom import GenerateFn, generate_default, generate_group_default, load_generate_function
 from slime_rl.rollout.options import RolloutOptions
 from slime_rl.rollout.options import sampling_params as options_sampling_params

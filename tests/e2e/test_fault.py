@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from slime_rl.config import build_config
-from slime_rl.rollout.client import EngineClient
+from slime_rl.engines.client import EngineClient
 from slime_rl.train import RunFailed, preflight, train
 from tests.loop_checks import digit_data_fixture, ray_session_fixture
 

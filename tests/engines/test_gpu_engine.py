@@ -15,8 +15,8 @@ import torch
 from engine_testlib import prompt_of, reference_logprobs, start_server
 
 from slime_rl.engines import dist_group
+from slime_rl.engines.client import EngineClient
 from slime_rl.engines.launch import embedded_command, wait_healthy
-from slime_rl.rollout.client import EngineClient
 
 pytestmark = pytest.mark.gpu
 

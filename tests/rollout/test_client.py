@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_rl.rollout import client as C
+from slime_rl.engines import client as C
 
 SNAPSHOT = json.loads((Path(__file__).parent / "sglang_fields.json").read_text())
 

@@ -15,7 +15,7 @@ import pytest
 from rollout_testlib import row, start_server, with_clients
 
 from slime_rl.config import RolloutConfig
-from slime_rl.rollout.client import AsyncEngineClient
+from slime_rl.engines.client import AsyncEngineClient
 from slime_rl.rollout.custom import generate_default
 from slime_rl.rollout.generate import generate_groups, make_groups, run_group
 from slime_rl.rollout.partial import ABORTED, COMPLETED, TRUNCATED, status

@@ -1,4 +1,6 @@
 """HTTP client for rollout engines speaking SGLang's native API (real SGLang or the embedded engine).
+It lives with the engines so that both rollout (generation, abort) and weight_sync (pause, weight
+updates, memory release) import it downward.
 
 One function per endpoint builds the JSON body with SGLang's own field names (GenerateReqInput,
 InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput, AbortReq, ... in
