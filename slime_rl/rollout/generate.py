@@ -2,10 +2,14 @@
 sample scored as soon as it finishes, groups returned in prompt order.
 
 Requests are spread over the engines by in-flight load (the least busy engine gets the next
-request), so one slow engine does not hold the step. A sample is produced by a generate function
-(the built-in one turn, or `--custom-generate-function-path`, see `slime_rl.rollout.custom`); a
-sample that is already done (a surplus group carried over by partial rollout) is not generated
-again, and an ABORTED one is continued from its response so far.
+request), so one slow engine does not hold the step. With the built-in generate function the
+unfinished samples of a group travel in one /generate request (SGLang's batch form, see
+`run_group`); SGLang answers it once every sample has finished or been aborted.
+
+A sample is produced by a generate function (the built-in one turn, or
+`--custom-generate-function-path`, see `slime_rl.rollout.custom`); a sample that is already done (a
+surplus group carried over by partial rollout) is not generated again, and an ABORTED one is
+continued from its response so far.
 
 With `--group-rm` (a `GroupReward`) a group is scored in one call once all its samples are done.
 

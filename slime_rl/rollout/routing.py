@@ -1,7 +1,9 @@
 """Routing of generate requests over the engines, request ids, and abort.
 
-`LoadBalancer`: least-in-flight routing with at most `per_engine` requests in flight on each engine
-(the rest wait here, not in the server's accept queue), and per-engine counters.
+`LoadBalancer`: least-in-flight routing with at most `per_engine` samples in flight on each engine
+(the rest wait here, not in the server's accept queue), and per-engine counters. A request may carry
+several samples (`ClientPool.generate_many`: the samples of a group in SGLang's batch form of
+/generate, one HTTP call and one server thread instead of n); it holds one slot per sample.
 
 `ClientPool`: what a generate function (built-in or custom, see `slime_rl.rollout.custom`) talks
 to. It routes, names every request after its group, remembers which requests of which group are
