@@ -50,8 +50,8 @@ TIMER_KEYS = ("decode_s", "decode_forwards", "prefill_s", "prefill_tokens")
 
 def engine_run(ckpt: Path, prompts: list[list[int]], new_tokens: int, cuda: bool, log: Path,
                graphs: bool) -> dict:
+    from slime_rl.engines.client import EngineClient
     from slime_rl.engines.launch import embedded_command, wait_healthy
-    from slime_rl.rollout.client import EngineClient
 
     port = free_port()
     argv = embedded_command(ckpt, "127.0.0.1", port, device="cuda" if cuda else "cpu",

@@ -6,8 +6,9 @@ through the embedded engine:
    torch.profiler ranges ("engine.prefill", "engine.decode", "engine.sample"); on CUDA the profiler
    gives the device (kernel) time inside each range, so host overhead = wall - device;
 2. over HTTP (the engine in its own process, as deployed; one /generate per sample from
-   `--concurrency` client threads, as the rollout client sends them): wall time minus run 1's is the
-   HTTP path, and the engine's own timers say how much of the wall it was busy.
+   `--concurrency` client threads, then one per prompt with its samples in SGLang's batch form, as
+   the rollout client sends a group): wall time minus run 1's is the HTTP path, and the engine's own
+   timers say how much of the wall it was busy.
 
     python bench/profile_engine.py                        # CPU small mode: tiny random Qwen2, 4 x 2 x 8
     python bench/profile_engine.py --model smollm2 --prompts 16 --samples 8 --new-tokens 32   # real model
@@ -174,15 +175,17 @@ def run_in_process(server, prompts, a, vocab: int, profile: bool) -> dict:
     return out
 
 
-def run_http(ckpt: Path, prompts, a, cuda: bool, work: Path) -> dict:
+def run_http(ckpt: Path, prompts, a, cuda: bool, work: Path, grouped: bool = False) -> dict:
     """The engine in its own process (as deployed: the rollout client lives in another process, so
-    the two do not share a GIL), one /generate per sample from `--concurrency` client threads."""
+    the two do not share a GIL), one /generate per sample from `--concurrency` client threads, or
+    (`grouped`) one /generate per prompt carrying its `--samples` samples in SGLang's batch form, as
+    the rollout client sends a group (rollout/routing.py, ClientPool.generate_many)."""
     import subprocess
 
     from common import free_port
 
+    from slime_rl.engines.client import KeepAliveEngineClient
     from slime_rl.engines.launch import embedded_command, wait_healthy
-    from slime_rl.rollout.client import KeepAliveEngineClient
 
     port, log = free_port(), work / "engine_http.log"
     argv = embedded_command(ckpt, "127.0.0.1", port, device="cuda" if cuda else "cpu",
@@ -197,13 +200,13 @@ def run_http(ckpt: Path, prompts, a, cuda: bool, work: Path) -> dict:
         params = {"max_new_tokens": a.new_tokens, "temperature": 1.0, "ignore_eos": True}
         local = threading.local()
 
-        def one(prompt: list[int]) -> int:
+        def one(batch: list[list[int]]) -> int:
             if not hasattr(local, "client"):
                 local.client = KeepAliveEngineClient(url)
-            out = local.client.generate([prompt], params, return_logprob=True)
-            return len(out[0]["output_ids"])
+            out = local.client.generate(batch, [params] * len(batch), return_logprob=True)
+            return sum(len(o["output_ids"]) for o in out)
 
-        work_items = [p for p in prompts for _ in range(a.samples)]
+        work_items = [[p] * a.samples for p in prompts] if grouped else [[p] for p in prompts for _ in range(a.samples)]
         res = {}
         for _ in range(2):  # the first run captures the CUDA graphs; the second is measured
             with KeepAliveEngineClient(url) as c:
@@ -262,6 +265,7 @@ def main() -> None:
         server.shutdown()
     if not a.skip_http:
         res["http"] = run_http(ckpt, prompts, a, cuda, work)
+        res["http_grouped"] = run_http(ckpt, prompts, a, cuda, work, grouped=True)
     report(res)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=2))
@@ -287,10 +291,12 @@ def report(res: dict) -> None:
               f"ms per decode step; decode step wall {r['step_wall_ms']:.2f} ms")
     if r.get("top_host_ops"):
         print("host self time by op (ms, calls): " + "; ".join(f"{k} {t} ({n})" for k, t, n in r["top_host_ops"]))
-    if "http" in res:
-        h = res["http"]
+    for key, how in (("http", "one /generate per sample"), ("http_grouped", "one /generate per group")):
+        if key not in res:
+            continue
+        h = res[key]
         busy = h.get("decode_s", 0.0) + h.get("prefill_s", 0.0)
-        print(f"over HTTP (engine process, one /generate per sample): {h['tokens']} tokens in {h['wall_s']:.3f} s "
+        print(f"over HTTP (engine process, {how}): {h['tokens']} tokens in {h['wall_s']:.3f} s "
               f"= {h['tokens_per_s']:,.0f} tokens/s, {h['prefill_forwards']} prefill forwards, "
               f"{h['decode_forwards']} decode steps; engine busy {busy:.3f} s ({100 * busy / h['wall_s']:.0f}% of "
               f"the wall); HTTP path adds {h['wall_s'] - r['wall_s']:+.3f} s over in process")

@@ -48,7 +48,7 @@ def check_engine_weights(url: str, worker) -> int:
     """The engine holds exactly the trainer's weights after the sync: compare the last tensor of
     every layer kind and the first and last 2-D ones (two rows each: /get_weights_by_name truncates
     rows), bit for bit. Returns how many tensors were compared."""
-    from slime_rl.rollout.client import EngineClient
+    from slime_rl.engines.client import EngineClient
 
     named = list(worker.iter_hf_weights())
     pick = {n: t for n, t in named if t.dim() == 1}  # the last bias/norm of each name pattern

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from slime_rl.rollout.client import EngineClient
+from slime_rl.engines.client import EngineClient
 
 
 def ray_session_fixture(num_cpus: int = 4):

@@ -11,12 +11,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime_rl.config import Config
+from slime_rl.engines.client import EngineClient
 from slime_rl.orchestration.buffer import Buffer
 from slime_rl.orchestration.engines import EngineActor, engine_command, engine_env
 from slime_rl.orchestration.placement import PlacementPlan
 from slime_rl.orchestration.rollout_manager import RolloutManager
 from slime_rl.orchestration.trainer_group import CRITIC, RankGroup
-from slime_rl.rollout.client import EngineClient
 from slime_rl.trainer.checkpoint_layout import keep_last
 from slime_rl.weight_sync.broadcast import EngineTarget
 from slime_rl.weight_sync.colocated import MEMORY_TAGS, RESUME_AFTER_SYNC, RESUME_BEFORE_SYNC

@@ -136,7 +136,7 @@ class EngineActor:
 
     def alive(self, timeout: float = 5.0) -> bool:
         """The process runs and its /health answers 200 within `timeout` seconds."""
-        from slime_rl.rollout.client import EngineClient
+        from slime_rl.engines.client import EngineClient
 
         if self.process is None or self.process.poll() is not None or self.url is None:
             return False

@@ -23,8 +23,8 @@ from transformers import AutoTokenizer
 from slime_rl.algo import estimator_for, overlong_penalty
 from slime_rl.config import AlgoConfig, Config
 from slime_rl.data import PromptDataset, Sample
+from slime_rl.engines.client import AsyncEngineClient, AsyncRouterClient
 from slime_rl.rewards import reward_fn_from_config, reward_metric_means
-from slime_rl.rollout.client import AsyncEngineClient, AsyncRouterClient
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.eval import evaluate
 from slime_rl.rollout.health import EngineHealth

@@ -18,8 +18,9 @@ samples) unless it computes the reward itself. Examples: `generate_default` (one
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from slime_rl.config.dotted_path import load_by_path
@@ -42,6 +43,31 @@ async def generate_default(sample: Sample, sampling_params: dict[str, Any], clie
                                      {**sampling_params, "max_new_tokens": budget})
     append_model_turn(sample, out, client_pool.tokenizer)
     return sample
+
+
+async def generate_group_default(samples: Sequence[Sample], sampling_params: dict[str, Any],
+                                 client_pool: ClientPool) -> list[Sample]:
+    """`generate_default` for several samples (the unfinished ones of a group) in as few /generate
+    requests as the pool allows: SGLang's batch form, at most `client_pool.max_batch` samples per
+    request, each sample with its own budget, seed and rid. The same tokens as one request per
+    sample wherever the engine's sampling does not depend on the batch (deterministic rollout)."""
+    todo = []
+    for sample in samples:
+        budget = client_pool.budget(sample, sampling_params["max_new_tokens"])
+        if budget <= 0:
+            mark_truncated(sample)
+        else:
+            todo.append((sample, {**sampling_params, "max_new_tokens": budget}))
+
+    async def chunk(part: list[tuple[Sample, dict[str, Any]]]) -> None:
+        outs = await client_pool.generate_many([s for s, _ in part], [s.prompt_ids + s.response_ids for s, _ in part],
+                                               [p for _, p in part])
+        for (sample, _), out in zip(part, outs, strict=True):
+            append_model_turn(sample, out, client_pool.tokenizer)
+
+    size = client_pool.max_batch
+    await asyncio.gather(*(chunk(todo[k:k + size]) for k in range(0, len(todo), size)))
+    return list(samples)
 
 
 def load_generate_function(path: str | None) -> GenerateFn:

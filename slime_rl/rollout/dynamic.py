@@ -26,8 +26,8 @@ from typing import Any
 from tqdm import tqdm
 
 from slime_rl.data import PromptRow, Sample
+from slime_rl.engines.client import AsyncEngineClient
 from slime_rl.rewards import GroupReward, RewardFn
-from slime_rl.rollout.client import AsyncEngineClient
 from slime_rl.rollout.custom import FilterFn, GenerateFn, load_filter, load_generate_function
 from slime_rl.rollout.generate import make_groups, run_group
 from slime_rl.rollout.health import EngineHealth

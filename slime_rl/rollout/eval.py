@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from slime_rl.data import PromptRow
+from slime_rl.engines.client import AsyncEngineClient
 from slime_rl.rewards import GroupReward, RewardFn
-from slime_rl.rollout.client import AsyncEngineClient
 from slime_rl.rollout.custom import GenerateFn, generate_default
 from slime_rl.rollout.generate import make_groups, run_group
 from slime_rl.rollout.routing import ClientPool

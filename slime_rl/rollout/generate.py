@@ -2,10 +2,14 @@
 sample scored as soon as it finishes, groups returned in prompt order.
 
 Requests are spread over the engines by in-flight load (the least busy engine gets the next
-request), so one slow engine does not hold the step. A sample is produced by a generate function
-(the built-in one turn, or `--custom-generate-function-path`, see `slime_rl.rollout.custom`); a
-sample that is already done (a surplus group carried over by partial rollout) is not generated
-again, and an ABORTED one is continued from its response so far.
+request), so one slow engine does not hold the step. With the built-in generate function the
+unfinished samples of a group travel in one /generate request (SGLang's batch form, see
+`run_group`); SGLang answers it once every sample has finished or been aborted.
+
+A sample is produced by a generate function (the built-in one turn, or
+`--custom-generate-function-path`, see `slime_rl.rollout.custom`); a sample that is already done (a
+surplus group carried over by partial rollout) is not generated again, and an ABORTED one is
+continued from its response so far.
 
 With `--group-rm` (a `GroupReward`) a group is scored in one call once all its samples are done.
 
@@ -24,9 +28,9 @@ from tqdm import tqdm
 
 from slime_rl.config import RolloutConfig
 from slime_rl.data import PromptRow, Sample
+from slime_rl.engines.client import AsyncEngineClient
 from slime_rl.rewards import GroupReward, RewardFn, call_reward
-from slime_rl.rollout.client import AsyncEngineClient
-from slime_rl.rollout.custom import GenerateFn, load_generate_function
+from slime_rl.rollout.custom import GenerateFn, generate_default, generate_group_default, load_generate_function
 from slime_rl.rollout.options import RolloutOptions
 from slime_rl.rollout.options import sampling_params as options_sampling_params
 from slime_rl.rollout.partial import is_done, mask_offpolicy
@@ -59,12 +63,19 @@ async def run_sample(pool: ClientPool, sample: Sample, params: dict[str, Any], g
                      score_unfinished: bool = False, stats: dict[str, int] | None = None) -> Sample:
     """Generate (or continue) one sample and score it once it is done. `score_unfinished` also scores
     a sample that stayed ABORTED (a caller that has no way to continue it, like `generate_groups`)."""
-    if not is_done(sample):
+    generated = not is_done(sample)
+    if generated:
         sample = await generate_fn(sample, params, pool)
-        if is_done(sample) and mask_offpolicy_tokens:
-            masked = mask_offpolicy(sample)
-            if stats is not None:
-                stats["offpolicy_tokens_masked"] = stats.get("offpolicy_tokens_masked", 0) + masked
+    return await _after_generate(sample, generated, reward_fn, mask_offpolicy_tokens, score_unfinished, stats)
+
+
+async def _after_generate(sample: Sample, generated: bool, reward_fn: RewardFn | GroupReward,
+                          mask_offpolicy_tokens: bool = False, score_unfinished: bool = False,
+                          stats: dict[str, int] | None = None) -> Sample:
+    if generated and is_done(sample) and mask_offpolicy_tokens:
+        masked = mask_offpolicy(sample)
+        if stats is not None:
+            stats["offpolicy_tokens_masked"] = stats.get("offpolicy_tokens_masked", 0) + masked
     if not isinstance(reward_fn, GroupReward) and sample.reward is None and (is_done(sample) or score_unfinished):
         sample.reward = await call_reward(reward_fn, sample)
     return sample
@@ -74,13 +85,28 @@ async def run_group(pool: ClientPool, group: list[Sample], params: dict[str, Any
                     reward_fn: RewardFn | GroupReward, on_sample: Callable[[Sample], None] | None = None,
                     **kw: Any) -> list[Sample]:
     """All samples of one group concurrently; returns the group (the same list, entries replaced by
-    what the generate function returned)."""
+    what the generate function returned). With the built-in generate function and engines that take
+    SGLang's batch form (`pool.batches`), the group's unfinished samples go in one /generate request
+    (split at `pool.max_batch`); otherwise (a custom generate function, sglang-router) one request
+    per sample."""
     async def one(k: int) -> None:
         group[k] = await run_sample(pool, group[k], params, generate_fn, reward_fn, **kw)
         if on_sample is not None:
             on_sample(group[k])
 
-    await asyncio.gather(*(one(k) for k in range(len(group))))
+    async def after(k: int, generated: bool) -> None:
+        group[k] = await _after_generate(group[k], generated, reward_fn, **kw)
+        if on_sample is not None:
+            on_sample(group[k])
+
+    if generate_fn is generate_default and pool.batches:
+        todo = [k for k, s in enumerate(group) if not is_done(s)]
+        if todo:
+            await generate_group_default([group[k] for k in todo], params, pool)
+        sent = set(todo)
+        await asyncio.gather(*(after(k, k in sent) for k in range(len(group))))
+    else:
+        await asyncio.gather(*(one(k) for k in range(len(group))))
     if isinstance(reward_fn, GroupReward):
         await _score_group(reward_fn, group, kw.get("score_unfinished", False))
     return group

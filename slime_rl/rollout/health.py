@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterable, Sequence
 
-from slime_rl.rollout.client import AsyncEngineClient, EngineError
+from slime_rl.engines.client import AsyncEngineClient, EngineError
 
 
 class NoLiveEngineError(RuntimeError):

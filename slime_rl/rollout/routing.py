@@ -1,7 +1,9 @@
 """Routing of generate requests over the engines, request ids, and abort.
 
-`LoadBalancer`: least-in-flight routing with at most `per_engine` requests in flight on each engine
-(the rest wait here, not in the server's accept queue), and per-engine counters.
+`LoadBalancer`: least-in-flight routing with at most `per_engine` samples in flight on each engine
+(the rest wait here, not in the server's accept queue), and per-engine counters. A request may carry
+several samples (`ClientPool.generate_many`: the samples of a group in SGLang's batch form of
+/generate, one HTTP call and one server thread instead of n); it holds one slot per sample.
 
 `ClientPool`: what a generate function (built-in or custom, see `slime_rl.rollout.custom`) talks
 to. It routes, names every request after its group, remembers which requests of which group are
@@ -17,6 +19,7 @@ sharing the engines (training and eval) never collide.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import secrets
@@ -26,7 +29,7 @@ from typing import Any
 
 from slime_rl.data import Sample
 from slime_rl.data.images import IMAGE_PAD, VISION_START
-from slime_rl.rollout.client import AsyncEngineClient, EngineError, image_data_of, one_pad_per_image
+from slime_rl.engines.client import AsyncEngineClient, EngineError, image_data_of, one_pad_per_image
 from slime_rl.rollout.health import EngineHealth, NoLiveEngineError
 
 _WIDTH = 10  # digits in group and sample numbers: fixed width keeps prefixes prefix-free
@@ -51,8 +54,10 @@ def request_id(nonce: str, group_index: int, sample_index: int, n: int) -> str:
 
 
 class LoadBalancer:
-    """Least-in-flight routing over engine clients, at most `per_engine` requests in flight on each;
-    counts requests per engine (`sent`, `in_flight`, `peak`)."""
+    """Least-in-flight routing over engine clients, at most `per_engine` samples in flight on each
+    (a request of k samples holds k of those slots); counts samples per engine (`sent`, `in_flight`,
+    `peak`). Waiters are served first come, first served, so a large request is not starved by
+    small ones."""
 
     def __init__(self, clients: Sequence[AsyncEngineClient], per_engine: int = 64) -> None:
         if not clients:
@@ -60,32 +65,65 @@ class LoadBalancer:
         if per_engine < 1:
             raise ValueError(f"--concurrency-per-engine {per_engine}: must be >= 1")
         self.clients = list(clients)
+        self.per_engine = per_engine
         self.in_flight = [0] * len(clients)
         self.sent = [0] * len(clients)
         self.peak = [0] * len(clients)
         # a router client stands for `num_engines` engines: the cap stays per engine
-        self._slots = asyncio.Semaphore(per_engine * sum(getattr(c, "num_engines", 1) for c in clients))
+        self.capacity = per_engine * sum(getattr(c, "num_engines", 1) for c in clients)
+        self._free = self.capacity
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
         self.health: EngineHealth | None = None  # --use-fault-tolerance: dead engines get nothing
 
-    async def acquire(self) -> int:
-        await self._slots.acquire()
+    async def _take(self, weight: int) -> None:
+        if not self._waiters and self._free >= weight:
+            self._free -= weight
+            return
+        fut = asyncio.get_running_loop().create_future()
+        entry = (weight, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # granted, then cancelled: hand the slots back
+                self._give(weight)
+            elif entry in self._waiters:
+                self._waiters.remove(entry)
+                self._give(0)  # the next waiter may fit now that this one left the head
+            raise
+
+    def _give(self, weight: int) -> None:
+        self._free += weight
+        while self._waiters and self._free >= self._waiters[0][0]:
+            w, fut = self._waiters.popleft()
+            if fut.done():
+                continue
+            self._free -= w
+            fut.set_result(None)
+
+    async def acquire(self, weight: int = 1) -> int:
+        """An engine index for a request of `weight` samples (1 <= weight <= per_engine)."""
+        if not 1 <= weight <= self.per_engine:
+            raise ValueError(f"a request of {weight} samples: expected 1..{self.per_engine} "
+                             "(--concurrency-per-engine)")
+        await self._take(weight)
         live = range(len(self.clients)) if self.health is None else self.health.alive()
         if not live:
-            self._slots.release()
+            self._give(weight)
             raise NoLiveEngineError(f"every rollout engine is dead: {self.health.reasons}")
         # ties go to the engine that got fewer requests so far, so a quiet start still alternates
         i = min(live, key=lambda k: (self.in_flight[k], self.sent[k]))
-        self.in_flight[i] += 1
-        self.sent[i] += 1
+        self.in_flight[i] += weight
+        self.sent[i] += weight
         self.peak[i] = max(self.peak[i], self.in_flight[i])
         return i
 
-    def release(self, i: int) -> None:
-        self.in_flight[i] -= 1
-        self._slots.release()
+    def release(self, i: int, weight: int = 1) -> None:
+        self.in_flight[i] -= weight
+        self._give(weight)
 
     def counters(self) -> list[dict[str, Any]]:
-        """Per engine: its URL, requests sent, in flight now, and the most in flight at once."""
+        """Per engine: its URL, samples sent, in flight now, and the most in flight at once."""
         return [{"url": getattr(c, "base_url", str(k)), "sent": self.sent[k], "in_flight": self.in_flight[k],
                  "peak": self.peak[k]} for k, c in enumerate(self.clients)]
 
@@ -141,49 +179,105 @@ class ClientPool:
                 left = room
         return max(left, 0)
 
+    @property
+    def batches(self) -> bool:
+        """Whether every client takes SGLang's batch form of /generate (a list of input_ids with a
+        list of sampling_params): engines do; sglang-router does not (its /generate body has one
+        sampling_params object), nor does a client that does not say so (`batch_generate`)."""
+        return all(getattr(c, "batch_generate", False) for c in self.clients)
+
+    @property
+    def max_batch(self) -> int:
+        """The most samples one request may carry: the per-engine cap (--concurrency-per-engine)."""
+        return self.balancer.per_engine
+
     async def generate(self, sample: Sample, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> dict:
         """POST /generate on the least busy engine, with log-probs, under a rid of the sample's group.
         After `stop()`, requests not yet sent are not sent: they answer an abort with no tokens.
         With `health` (fault tolerance), a request whose engine dies is sent again, unchanged, to a
         live engine (see `slime_rl.rollout.health`)."""
+        return (await self._send_retrying([sample], [input_ids], [sampling_params], batch=False))[0]
+
+    async def generate_many(self, samples: Sequence[Sample], input_ids: Sequence[Sequence[int]],
+                            sampling_params: Sequence[dict[str, Any]]) -> list[dict]:
+        """`generate` for several samples in ONE /generate request (SGLang's batch form: lists of
+        input_ids, sampling_params, rid and image_data, one entry per sample; the answer is the list
+        of per-sample answers in the same order). Each sample keeps its own rid (so an abort names
+        it alone), its own sampling_seed and budget. At most `max_batch` samples; needs `batches`."""
+        if not samples or not len(samples) == len(input_ids) == len(sampling_params):
+            raise ValueError(f"generate_many: {len(samples)} samples, {len(input_ids)} inputs and "
+                             f"{len(sampling_params)} sampling_params (expected the same, >= 1)")
+        if len(samples) > self.max_batch:
+            raise ValueError(f"generate_many: {len(samples)} samples in one request, at most {self.max_batch} "
+                             "(--concurrency-per-engine)")
+        return await self._send_retrying(list(samples), list(input_ids), list(sampling_params), batch=True)
+
+    async def _send_retrying(self, samples: list[Sample], inputs: list[Sequence[int]],
+                             params: list[dict[str, Any]], batch: bool) -> list[dict]:
         while True:
             try:
-                return await self._generate_once(sample, input_ids, sampling_params)
+                return await self._send(samples, inputs, params, batch)
             except _EngineDied:
                 self.health.retried += 1
 
-    async def _generate_once(self, sample: Sample, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> dict:
+    def seeded(self, sample: Sample, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
+        """`sampling_params` with the sample's sampling_seed (--deterministic-rollout), drawn from the
+        pool's seed, the sample's index and its length so far."""
+        if self.sample_seed is None:
+            return sampling_params
+        seed = (self.sample_seed * 1_000_003 + sample.index * 7919 + len(input_ids)) % (2**31 - 1)
+        return {**sampling_params, "sampling_seed": seed}
+
+    async def _send(self, samples: list[Sample], inputs: list[Sequence[int]], params: list[dict[str, Any]],
+                    batch: bool) -> list[dict]:
+        k = len(samples)
         if self.stopped:
-            return stopped_response("rollout stopped before the request was sent")
-        i = await self.balancer.acquire()
+            return [stopped_response("rollout stopped before the request was sent") for _ in range(k)]
+        i = await self.balancer.acquire(k)
         if self.stopped:  # stop() ran while this request waited for a slot
-            self.balancer.release(i)
-            return stopped_response("rollout stopped before the request was sent")
-        rid = request_id(self.nonce, sample.group_index, sample.index, next(self._n))
-        live = self._live.setdefault(sample.group_index, {})
-        live[rid] = i
+            self.balancer.release(i, k)
+            return [stopped_response("rollout stopped before the request was sent") for _ in range(k)]
+        rids = [request_id(self.nonce, s.group_index, s.index, next(self._n)) for s in samples]
+        for s, rid in zip(samples, rids, strict=True):
+            self._live.setdefault(s.group_index, {})[rid] = i
         try:
-            if self.sample_seed is not None:
-                seed = (self.sample_seed * 1_000_003 + sample.index * 7919 + len(input_ids)) % (2**31 - 1)
-                sampling_params = {**sampling_params, "sampling_seed": seed}
-            ids = list(input_ids)
-            if sample.images:  # SGLang wants one <|image_pad|> per image; the sample keeps them expanded
-                ids = one_pad_per_image(ids, len(sample.prompt_ids), len(sample.images), *self._vision_ids())
-            out = await self._unless_dead(i, self.balancer.clients[i].generate(
-                input_ids=ids, sampling_params=sampling_params, return_logprob=True, rid=rid,
-                image_data=image_data_of(sample.images)))
-            expanded = (out.get("meta_info") or {}).get("prompt_tokens")
-            if sample.images and expanded is not None and expanded != len(input_ids):
-                # the response is aligned after the trainer's prompt only if both expanded the same way
-                raise RuntimeError(f"sample {sample.index}: the engine expanded its images to a prompt of "
-                                   f"{expanded} tokens, the trainer holds {len(input_ids)}: the engine's image "
-                                   "processor sizes images unlike the data side (--min-pixels/--max-pixels)")
-            return out
+            ids, images = [], []
+            for s, x in zip(samples, inputs, strict=True):
+                x = list(x)
+                if s.images:  # SGLang wants one <|image_pad|> per image; the sample keeps them expanded
+                    x = one_pad_per_image(x, len(s.prompt_ids), len(s.images), *self._vision_ids())
+                ids.append(x)
+                images.append(image_data_of(s.images))
+            sps = [self.seeded(s, x, p) for s, x, p in zip(samples, inputs, params, strict=True)]
+            client = self.balancer.clients[i]
+            if batch:
+                call = client.generate(input_ids=ids, sampling_params=sps, return_logprob=True, rid=rids,
+                                       image_data=images if any(images) else None)
+            else:
+                call = client.generate(input_ids=ids[0], sampling_params=sps[0], return_logprob=True, rid=rids[0],
+                                       image_data=images[0])
+            out = await self._unless_dead(i, call)
+            outs = out if batch else [out]
+            if not isinstance(outs, list) or len(outs) != k:
+                raise RuntimeError(f"engine {getattr(client, 'base_url', i)}: a /generate of {k} prompts "
+                                   f"answered {len(outs) if isinstance(outs, list) else type(outs).__name__} "
+                                   "items")
+            for s, x, o in zip(samples, inputs, outs, strict=True):
+                expanded = (o.get("meta_info") or {}).get("prompt_tokens")
+                if s.images and expanded is not None and expanded != len(x):
+                    # the response is aligned after the trainer's prompt only if both expanded the same way
+                    raise RuntimeError(f"sample {s.index}: the engine expanded its images to a prompt of "
+                                       f"{expanded} tokens, the trainer holds {len(x)}: the engine's image "
+                                       "processor sizes images unlike the data side (--min-pixels/--max-pixels)")
+            return outs
         finally:
-            self.balancer.release(i)
-            live.pop(rid, None)
-            if not live:
-                self._live.pop(sample.group_index, None)
+            self.balancer.release(i, k)
+            for s, rid in zip(samples, rids, strict=True):
+                live = self._live.get(s.group_index)
+                if live is not None:
+                    live.pop(rid, None)
+                    if not live:
+                        del self._live[s.group_index]
 
     def _vision_ids(self) -> tuple[int, int]:
         """(<|image_pad|>, <|vision_start|>) ids of the tokenizer."""

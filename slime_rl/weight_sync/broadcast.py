@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from slime_rl.config import WeightSyncConfig
+from slime_rl.engines.client import EngineError, KeepAliveEngineClient
 from slime_rl.engines.dist_group import broadcast_async, destroy_group, dtype_name, init_custom_group
-from slime_rl.rollout.client import EngineError, KeepAliveEngineClient
 
 GROUP_NAME = "weight_update_group"
 

@@ -29,8 +29,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from slime_rl.config import WeightSyncConfig
+from slime_rl.engines.client import EngineClient, EngineError
 from slime_rl.engines.tensor_ipc import serialize_named_tensors, use_file_system_sharing
-from slime_rl.rollout.client import EngineClient, EngineError
 from slime_rl.weight_sync.broadcast import EngineControl, EngineTarget, buckets, check_ok, flatten_bucket, with_last
 
 # SGLang's memory-saver tags (srt/constants.py, 0.5.23). Training takes all three; the sync resumes the

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from slime_rl.config import WeightSyncConfig
+from slime_rl.engines.client import EngineClient, EngineError
 from slime_rl.engines.embedded.sampling import RequestError
 from slime_rl.engines.embedded.session import WeightUpdateSession
-from slime_rl.rollout.client import EngineClient, EngineError
 from slime_rl.weight_sync.broadcast import EngineTarget, WeightBroadcaster
 from slime_rl.weight_sync.colocated import MEMORY_TAGS, RESUME_AFTER_SYNC, RESUME_BEFORE_SYNC, ColocatedUpdater
 
@@ -200,7 +200,7 @@ def test_the_built_in_engine_gate_answers_as_sglang(manager):
 
 
 def _builders() -> dict:
-    from slime_rl.rollout import client as C
+    from slime_rl.engines import client as C
     return {
         "InitWeightsUpdateGroupReqInput": C.init_weights_update_group_payload("10.0.0.1", 29500, 1, 3, "g", "gloo"),
         "UpdateWeightsFromDistributedReqInput": C.update_weights_from_distributed_payload(

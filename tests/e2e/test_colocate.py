@@ -9,8 +9,8 @@ import hashlib
 import pytest
 
 from slime_rl.config import build_config
+from slime_rl.engines.client import EngineClient, EngineError
 from slime_rl.observability import REQUIRED_KEYS
-from slime_rl.rollout.client import EngineClient, EngineError
 from slime_rl.train import preflight, train
 from tests.e2e.test_loop import argv
 from tests.loop_checks import digit_data_fixture, ray_session_fixture

@@ -21,7 +21,7 @@ import pytest
 import ray
 
 from slime_rl.config import build_config
-from slime_rl.rollout.client import EngineClient
+from slime_rl.engines.client import EngineClient
 from slime_rl.train import RunFailed, preflight, train
 from tests.loop_checks import digit_data_fixture, ray_session_fixture
 

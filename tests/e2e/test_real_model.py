@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from slime_rl.config import build_config
 from slime_rl.data import write_records
-from slime_rl.rollout.client import EngineClient
+from slime_rl.engines.client import EngineClient
 from slime_rl.train import preflight
 from tests.conftest import ROOT
 from tests.loop_checks import ray_session_fixture

@@ -10,7 +10,7 @@ from engine_testlib import start_server
 from safetensors.torch import load_file
 
 from slime_rl.config import WeightSyncConfig
-from slime_rl.rollout.client import EngineClient
+from slime_rl.engines.client import EngineClient
 from slime_rl.weight_sync.broadcast import EngineTarget
 from slime_rl.weight_sync.colocated import MEMORY_TAGS, ColocatedUpdater
 

@@ -24,7 +24,7 @@ from vl_testlib import reference, write_pictures
 from slime_rl.config import DataConfig
 from slime_rl.data import PromptDataset, write_records
 from slime_rl.data.images import IMAGE_PAD, VISION_START
-from slime_rl.rollout.client import image_data_of, one_pad_per_image
+from slime_rl.engines.client import image_data_of, one_pad_per_image
 
 ATOL = 1e-5
 
@@ -209,7 +209,7 @@ def test_rollout_sends_image_data(vl_server, vl64, rows):
     import asyncio
 
     from slime_rl.config import RolloutConfig
-    from slime_rl.rollout.client import AsyncEngineClient
+    from slime_rl.engines.client import AsyncEngineClient
     from slime_rl.rollout.generate import generate_groups
 
     rows_, originals = rows

@@ -15,8 +15,8 @@ import torch
 from engine_testlib import prompt_of, reference_logprobs, start_server
 
 from slime_rl.engines import dist_group
+from slime_rl.engines.client import EngineClient
 from slime_rl.engines.launch import embedded_command, wait_healthy
-from slime_rl.rollout.client import EngineClient
 
 pytestmark = pytest.mark.gpu
 
@@ -96,6 +96,84 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_qwen2):
     assert g["graph_captures"] >= 2 and g["graph_replays"] > 0 and g["static_eager_steps"] == 0, g
     b2 = stats["graph_bs2"]  # batches above --cuda-graph-max-bs-decode 2 run the static step eagerly
     assert b2["graph_replays"] > 0 and b2["static_eager_steps"] > 0, b2
+
+
+def _one_batch(http: httpx.Client, n_new: int = 20) -> list[tuple[list[int], list[float]]]:
+    """Six prompts in one batch request (so the batch composition is the same every time): greedy
+    and seeded sampling rows, (tokens, log-probs) per row."""
+    body = {"input_ids": [prompt_of(3 + 4 * i, salt=i) for i in range(6)], "return_logprob": True,
+            "sampling_params": [{"max_new_tokens": n_new, "ignore_eos": True,
+                                 **({"temperature": 0.0} if i % 2 else {"temperature": 0.9, "sampling_seed": i})}
+                                for i in range(6)]}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in r.json()]
+
+
+def test_cuda_graphs_survive_a_colocated_release_and_resume(tiny_qwen2):
+    """Colocated mode frees the weights and the KV cache after every rollout: the graphs must stay
+    valid (the weights and the cache come back as one same-size storage each, memory.py/slots.py)
+    and are not captured again; the outputs after the resume equal those before and the eager path's."""
+    eager = start_server(tiny_qwen2, device="cuda", dtype="float32", disable_cuda_graph=True)
+    try:
+        with httpx.Client(base_url=eager.url, timeout=120) as http:
+            want = _one_batch(http)
+    finally:
+        eager.shutdown()
+    s = start_server(tiny_qwen2, device="cuda", dtype="float32", enable_weights_cpu_backup=True)
+    try:
+        with httpx.Client(base_url=s.url, timeout=120) as http:
+            first = _one_batch(http)
+            captured = s.engine.load()["graph_captures"]
+            for _ in range(3):  # a few colocated steps
+                assert http.post("/release_memory_occupation", json={}).status_code == 200
+                assert s.memory.info()["weights_bytes"] == 0
+                for tags in (["weights"], ["kv_cache", "cuda_graph"]):  # the loop's order (cluster.py)
+                    assert http.post("/resume_memory_occupation", json={"tags": tags}).status_code == 200
+                again = _one_batch(http)
+                assert [t for t, _ in again] == [t for t, _ in first]
+                assert again == first  # same batch, same graphs: bit-identical
+            stats = s.engine.load()
+    finally:
+        s.shutdown()
+    assert captured > 0 and stats["graph_captures"] == captured, stats
+    assert stats["graphs_dropped_moved"] == 0 and stats["graphs_kept_after_release"] >= 3, stats
+    for (wt, wl), (gt, gl) in zip(want, first, strict=True):
+        assert gt == wt
+        torch.testing.assert_close(torch.tensor(gl), torch.tensor(wl), atol=1e-4, rtol=0)
+
+
+def test_one_host_synchronization_per_decode_step(tiny_qwen2):
+    """torch's sync debug mode warns at every host synchronization; the decode steps of a batch add
+    one each (the sampled tokens' copy), whatever the prefill costs."""
+    import warnings
+
+    s = start_server(tiny_qwen2, device="cuda", dtype="float32")
+    seen: list[str] = []
+    show = warnings.showwarning
+    try:
+        with httpx.Client(base_url=s.url, timeout=120) as http:
+            _one_batch(http, 40)  # capture the graphs first (capture synchronizes)
+
+            def count(n_new: int) -> tuple[int, int]:
+                steps0, seen0 = s.engine.load()["decode_forwards"], len(seen)
+                _one_batch(http, n_new)
+                return s.engine.load()["decode_forwards"] - steps0, len(seen) - seen0
+
+            warnings.showwarning = lambda message, *a, **k: seen.append(str(message))
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    short_steps, short_syncs = count(2)
+                    long_steps, long_syncs = count(34)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = show
+        s.shutdown()
+    assert long_steps - short_steps == 32
+    assert long_syncs - short_syncs <= 32, seen[-10:]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL weight sync needs two GPUs (one per rank)")

@@ -18,7 +18,7 @@ import torch
 from engine_testlib import start_server
 from pp_stage_scenario import run
 
-from slime_rl.rollout.client import EngineClient
+from slime_rl.engines.client import EngineClient
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from engine_testlib import prompt_of, start_server
 
-from slime_rl.rollout.client import EngineClient
+from slime_rl.engines.client import EngineClient
 
 OUTSIDE = "{} must run between begin_weight_update() and end_weight_update()"
 ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"

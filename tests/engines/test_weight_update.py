@@ -21,8 +21,8 @@ import torch
 from engine_testlib import prompt_of, reference_logprobs
 
 from slime_rl.engines import dist_group
+from slime_rl.engines.client import EngineClient, EngineError
 from slime_rl.engines.launch import embedded_command, wait_healthy
-from slime_rl.rollout.client import EngineClient, EngineError
 
 
 def _free_port() -> int:

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from slime_rl.config import build_config
+from slime_rl.engines.client import EngineClient, EngineError
 from slime_rl.observability import REQUIRED_KEYS
-from slime_rl.rollout.client import EngineClient, EngineError
 from slime_rl.train import preflight, train
 
 pytestmark = pytest.mark.gpu

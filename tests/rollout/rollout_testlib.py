@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from slime_rl.data import PromptRow
+from slime_rl.engines.client import AsyncEngineClient
 from slime_rl.engines.embedded.server import EmbeddedServer, ServerConfig
-from slime_rl.rollout.client import AsyncEngineClient
 from tests.logprob_ref import reference_logprobs  # noqa: F401 (re-exported for the tests)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_rl.rollout import client as C
+from slime_rl.engines import client as C
 
 SNAPSHOT = json.loads((Path(__file__).parent / "sglang_fields.json").read_text())
 
@@ -165,3 +165,29 @@ def test_keep_alive_client_reconnects_after_the_server_drops_it(engine):
         with ThreadPoolExecutor(1) as pool:
             assert pool.submit(c.continue_generation).result()["status"] == "ok"
         assert len(c._conns) == 2  # this thread's and the pool thread's
+
+
+def test_group_payload_splits_per_sample_in_sglangs_own_struct():
+    """The rollout client's group request (rollout/routing.py: lists of input_ids, sampling_params,
+    rid and image_data) as SGLang 0.5.23 reads it: GenerateReqInput.normalize_batch_and_arguments
+    makes a batch whose item i (what the tokenizer manager sends to the scheduler, in order) carries
+    sample i's prompt, its own sampling_seed and budget, its rid and its images."""
+    io = pytest.importorskip("sglang.srt.managers.io_struct",
+                             reason="sglang is not installed (pip install sglang to run the struct check)")
+    url = "data:image/png;base64,AAAA"
+    payload = C.generate_payload([[1, 2], [1, 2, 7]], [{"max_new_tokens": 4, "sampling_seed": 11},
+                                                       {"max_new_tokens": 3, "sampling_seed": 12}],
+                                 return_logprob=True, rid=["g-s0", "g-s1"], image_data=[[url], [url]])
+    obj = io.GenerateReqInput(**payload)
+    obj.normalize_batch_and_arguments()
+    assert not obj.is_single and obj.batch_size == 2
+    items = [obj[i] for i in range(2)]
+    assert [x.input_ids for x in items] == [[1, 2], [1, 2, 7]]
+    assert [x.rid for x in items] == ["g-s0", "g-s1"]
+    assert [x.sampling_params["sampling_seed"] for x in items] == [11, 12]
+    assert [x.sampling_params["max_new_tokens"] for x in items] == [4, 3]
+    assert [x.return_logprob for x in items] == [True, True]
+    assert [x.image_data for x in items] == [[url], [url]]
+    text_only = io.GenerateReqInput(**C.generate_payload([[1], [2]], [{}, {}], rid=["a", "b"]))
+    text_only.normalize_batch_and_arguments()
+    assert [text_only[i].image_data for i in range(2)] == [None, None]

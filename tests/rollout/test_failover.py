@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from slime_rl.data import Sample
-from slime_rl.rollout.client import EngineError
+from slime_rl.engines.client import EngineError
 from slime_rl.rollout.health import EngineHealth, NoLiveEngineError
 from slime_rl.rollout.routing import ClientPool
 

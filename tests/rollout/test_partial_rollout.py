@@ -14,7 +14,7 @@ import torch
 from rollout_testlib import feeder, float64_model, reference_logprobs, row, start_server, with_clients
 
 from slime_rl.data import Sample
-from slime_rl.rollout.client import EngineClient
+from slime_rl.engines.client import EngineClient
 from slime_rl.rollout.custom import generate_default
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.options import RolloutOptions

@@ -15,8 +15,8 @@ from rollout_testlib import row, start_server
 
 from slime_rl.config import RolloutConfig
 from slime_rl.data import Sample
+from slime_rl.engines.client import AsyncRouterClient
 from slime_rl.engines.launch import router_command, wait_healthy
-from slime_rl.rollout.client import AsyncRouterClient
 from slime_rl.rollout.generate import generate_groups
 from slime_rl.rollout.routing import ClientPool
 

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 
 from slime_rl.config import build_config
-from slime_rl.rollout.client import EngineClient
+from slime_rl.engines.client import EngineClient
 from slime_rl.train import preflight
 from tests.loop_checks import digit_data_fixture, one_step_then_compare_weights, ray_session_fixture
 

@@ -75,10 +75,10 @@ def test_gpu_e2e_smoke(tmp_path):
 def test_profile_engine_smoke(tmp_path):
     """bench/profile_engine.py on CPU: the phase table, from the scheduler thread's profiler too."""
     last, result = run_smoke("profile_engine.py", tmp_path)
-    assert last.startswith("over HTTP (engine process, one /generate per sample): 64 tokens"), last
+    assert last.startswith("over HTTP (engine process, one /generate per group): 64 tokens"), last
     r = result["in_process"]
     assert r["tokens"] == 4 * 2 * 8 and r["decode_steps"] == 7  # the first token of each comes from prefill
     assert r["engine.decode_calls"] == 7 and r["prefill_forwards"] >= 1
     for label in ("engine.prefill", "engine.decode", "engine.sample"):
         assert r[f"{label}_host_s"] > 0, label  # the profiler saw the scheduler thread's ranges
-    assert result["http"]["tokens"] == 64
+    assert result["http"]["tokens"] == result["http_grouped"]["tokens"] == 64

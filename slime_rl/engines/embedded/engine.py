@@ -40,7 +40,7 @@ import torch
 
 from slime_rl.engines.embedded.batch import Row, RunningBatch, can_merge, left_pad
 from slime_rl.engines.embedded.graphs import StaticDecoder
-from slime_rl.engines.embedded.sampling import SamplingParams, sample, token_logprobs
+from slime_rl.engines.embedded.sampling import SamplingParams, device_tensor, sample, token_logprobs
 from slime_rl.engines.embedded.slots import unsupported
 from slime_rl.engines.embedded.vision import is_vision_config, prefill_vision_kwargs
 
@@ -211,7 +211,8 @@ class Engine:
         return self._thread.is_alive()
 
     def drop_static_state(self) -> None:
-        """Free the static KV cache and the CUDA graphs (colocated release; call when idle)."""
+        """Free the static KV cache, keeping the CUDA graphs (colocated release; call when idle):
+        graphs.StaticDecoder.release."""
         if self._static is not None:
             self._static.release()
 
@@ -354,8 +355,8 @@ class Engine:
                 logits = self._static.step(b.rows)
             self._after_decode(logits)
             return
-        ids = torch.tensor([[r.pending] for r in b.rows], device=self.device)
-        pos = torch.tensor([[r.next_pos] for r in b.rows], device=self.device)
+        ids = device_tensor([[r.pending] for r in b.rows], torch.long, self.device)
+        pos = device_tensor([[r.next_pos] for r in b.rows], torch.long, self.device)
         b.mask = torch.cat([b.mask, b.mask.new_ones((len(b), 1))], dim=1)
         with self.model_lock, torch.no_grad():
             self.wait_weights()
@@ -389,7 +390,7 @@ class Engine:
     def _sample_and_check(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
         """Sample one token per row, record it, finish rows that stop; returns the indices to keep."""
         params = [r.req.params for r in rows]
-        temp = torch.tensor([p.temperature for p in params], device=self.device)
+        temp = device_tensor([p.temperature for p in params], torch.float32, self.device)
         logprobs = token_logprobs(logits, temp)
         tokens = sample(logprobs, params, [r.req.generator for r in rows], self.default_gen)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)

@@ -16,6 +16,10 @@ lazily the first time a (bs, kv_len) pair runs and replayed afterwards:
   step's real inputs, so the KV writes they make are the ones the step makes anyway;
 - graphs are dropped when the cache reallocates (capacity growth: their buffer addresses are
   stale); weight updates copy into the parameters in place, so graphs stay valid across them;
+- a colocated release/resume keeps them: the weights and the KV cache are each one storage freed
+  and re-allocated at the same size (memory.py, slots.py), and the first step after a release
+  compares every address the graphs baked in (`addresses()`) with those at capture, dropping the
+  graphs only if one moved (stats graphs_kept_after_release / graphs_dropped_moved);
 - a batch above `graph_max_bs` (SGLang's --cuda-graph-max-bs-decode) runs the same static forward
   eagerly, as does every step on CPU; if a capture fails, graphs are switched off with a warning.
 """
@@ -29,6 +33,7 @@ import torch
 
 from slime_rl.engines.embedded.attention import slot_decode_attention
 from slime_rl.engines.embedded.batch import Row
+from slime_rl.engines.embedded.sampling import device_tensor
 from slime_rl.engines.embedded.slots import SlotBatch, SlotCache, batch_buckets, slot_inputs
 
 logger = logging.getLogger(__name__)
@@ -59,17 +64,40 @@ class StaticDecoder:
         self._generation = self.cache.generation
         self._pool = None
         self._capture_stream: torch.cuda.Stream | None = None
-        self.stats = {"graph_captures": 0, "graph_replays": 0, "static_eager_steps": 0, "slot_moves": 0}
+        self._check_addresses = False  # set by a release: verify the graphs before the next replay
+        self._graph_addresses: tuple = ()  # `addresses()` when the current graphs were captured
+        self.stats = {"graph_captures": 0, "graph_replays": 0, "static_eager_steps": 0, "slot_moves": 0,
+                      "graphs_kept_after_release": 0, "graphs_dropped_moved": 0}
 
     def release(self) -> None:
-        """Drop the graphs (they bake in the parameters' and the cache's addresses) and the KV
-        buffers (colocated mode's /release_memory_occupation; the engine is idle then). Both come
-        back lazily: the next prefill allocates the cache, the next decode step captures again."""
-        self.graphs.clear()
-        self._pool = None  # the captured graphs' private memory goes back with them
+        """Free the KV buffers (colocated mode's /release_memory_occupation; the engine is idle then)
+        and keep the graphs: the cache's storage comes back, zeroed, with the next prefill
+        (slots.SlotCache.restore), the weights' with the resume (memory.py). Both are single
+        storages re-allocated at their old size, which usually returns their old addresses; the
+        first step after this checks that every address the graphs baked in is unchanged, and drops
+        the graphs (captured again lazily) if one moved."""
         self.batch.clear()
-        self.cache.layers = []
-        self.cache.generation += 1
+        self.cache.release()
+        self._check_addresses = True
+
+    def addresses(self) -> tuple:
+        """What a captured graph reads and writes by address: every parameter and buffer of the model,
+        the KV buffers and the static input buffer (the logits live in the graphs' own pool)."""
+        return (tuple(t.data_ptr() for t in self.model.parameters()),
+                tuple(t.data_ptr() for t in self.model.buffers()),
+                tuple(t.data_ptr() for layer in self.cache.layers for t in (layer.keys, layer.values)),
+                self.inputs.data_ptr())
+
+    def _verify_graphs(self) -> None:
+        self._check_addresses = False
+        if not self.graphs:
+            return
+        if self.addresses() == self._graph_addresses:
+            self.stats["graphs_kept_after_release"] += len(self.graphs)
+        else:
+            logger.info("embedded engine: memory moved across a release; capturing the decode step again")
+            self.stats["graphs_dropped_moved"] += len(self.graphs)
+            self.graphs.clear()
 
     def step(self, rows: list[Row]) -> torch.Tensor:
         """Next-token logits [len(rows), V] (in the order of `rows`) after feeding every row's pending
@@ -84,10 +112,13 @@ class StaticDecoder:
         need = max(r.next_pos for r in rows) + 1
         self.cache.ensure_capacity(need)
         kv_len = max(self.min_kv_len, next_pow2(need))
-        self.inputs[:, :bs].copy_(torch.tensor(slot_inputs(rows, bs, self.pad_id), dtype=torch.long))
+        # pinned, asynchronous: the step's only host synchronization is the sampler's token copy
+        self.inputs[:, :bs].copy_(device_tensor(slot_inputs(rows, bs, self.pad_id), torch.long, self.device))
         if self.cache.generation != self._generation:
             self.graphs.clear()
             self._generation = self.cache.generation
+        if self._check_addresses:
+            self._verify_graphs()
         logits = None
         if self.use_graphs and bs <= self.graph_max_bs:
             entry = self.graphs.get((bs, kv_len)) or self._capture(bs, kv_len)
@@ -102,7 +133,7 @@ class StaticDecoder:
         slots = [r.slot for r in rows]
         if slots == list(range(len(rows))):  # rows in slot order (no compaction moved one): no gather
             return logits[:len(rows)]  # a view of the graph's output; the sampler reads it before the next step
-        return logits.index_select(0, torch.tensor(slots, device=self.device))
+        return logits.index_select(0, device_tensor(slots, torch.long, self.device))
 
     def _forward(self, bs: int, kv_len: int) -> torch.Tensor:
         """The step on the first bs slots, reading the static input buffer (what a graph captures)."""
@@ -147,6 +178,8 @@ class StaticDecoder:
             self.use_graphs = False
             self.graphs.clear()
             return None
+        if not self.graphs:
+            self._graph_addresses = self.addresses()
         self.graphs[(bs, kv_len)] = (graph, logits)
         self.stats["graph_captures"] += 1
         logger.info("embedded engine: captured the decode step for bs %d, kv_len %d", bs, kv_len)

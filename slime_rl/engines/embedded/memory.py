@@ -6,10 +6,11 @@ Tags (ReleaseMemoryOccupationReqInput.tags / ResumeMemoryOccupationReqInput.tags
 memory-saver tags "weights", "kv_cache", "cuda_graph" (srt/constants.py); None or [] means all three.
 As SGLang's SchedulerWeightUpdaterManager does, a release records any tag (one it does not know frees
 nothing), and a resume of a tag that is not released is an error (SGLang: a KeyError, answered 400).
-- "weights": every parameter's storage is resized to 0 bytes (tied parameters share one storage);
-  the Parameter objects stay, so the model's structure and the names the weight sync uses stay too.
+- "weights": the parameters live in one storage (`pack_parameters`, done once at start), which is
+  resized to 0 bytes; the Parameter objects stay (views of it), so the model's structure and the
+  names the weight sync uses stay too.
   Buffers that are not weights (rotary inv_freq, ...) are kept: they are small and never synced.
-- "cuda_graph": the captured graphs (dropped by any release here, see below).
+- "cuda_graph": recorded; the captured graphs and their memory pool are KEPT (see below).
 - "kv_cache": releasing it aborts whatever is running (which frees the dynamic path's per-batch
   cache) and frees the static path's preallocated slot cache.
 Releasing anything aborts running requests and makes the engine refuse /generate (503, with a message
@@ -21,9 +22,15 @@ unless --enable-weights-cpu-backup): the weights must be refilled by /update_wei
 refilled, /generate answers 503 naming how many are missing. With `cpu_backup` (the flag) a release
 keeps a host copy of every storage and the resume restores it: nothing to refill.
 
-On the static-cache path (engine.py: slots.py, graphs.py) a release of either tag also drops the
-CUDA graphs and frees the slot KV cache: a graph bakes in the parameters' and the cache's addresses,
-and a resume re-allocates the parameters elsewhere. Both come back lazily after the resume.
+On the static-cache path (engine.py: slots.py, graphs.py) a release of any tag frees the slot KV cache
+(one storage too; re-allocated and zeroed by the first prefill after the resume) and keeps the CUDA
+graphs: a graph bakes in the parameters' and the cache's addresses, and a same-size re-allocation of
+one storage usually returns the same address, so the graphs stay valid and nothing is captured
+again. SGLang gets the same through torch_memory_saver, which keeps virtual addresses and unmaps the
+physical memory. Before its first replay after a release the decoder compares every address its
+graphs baked in with the current ones and drops the graphs if any moved (stats
+`graphs_kept_after_release` / `graphs_dropped_moved`). The graphs' own pool (per graph: one decode
+step's activations and its logits, batch x vocabulary floats) stays allocated through a release.
 """
 
 from __future__ import annotations
@@ -43,18 +50,31 @@ def _view_key(p: torch.Tensor) -> tuple:
     return p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), tuple(p.stride())
 
 
-def _own_storage(group: list[torch.nn.Parameter]) -> None:
-    """Make the parameters sharing one storage hold a resizable one. On CPU, from_pretrained leaves
-    them on the checkpoint's memory-mapped storage, and `Tensor.numpy()` marks a storage not
-    resizable too: copy it once, keeping the views (and so the ties) as they were."""
-    old = group[0].untyped_storage()
-    if old.resizable():
-        return
-    new = torch.UntypedStorage(old.nbytes(), device=old.device)
-    new.copy_(old)
+ALIGN = 256  # bytes: every parameter's storage starts at a multiple of this in the arena
+
+
+def pack_parameters(groups: list[list[torch.nn.Parameter]], device: torch.device) -> torch.UntypedStorage:
+    """Move the parameters into ONE storage (the arena): each group of parameters sharing a storage
+    (tied weights) gets its storage's bytes at an aligned offset, and every parameter becomes the
+    same view of the arena it was of its own storage (ties kept). A release then frees one storage
+    and a resume re-allocates one: every parameter's address moves by the same amount or, as a
+    same-size allocation usually lands where the last one was, not at all, which is what lets the
+    CUDA graphs (they bake the addresses in) survive a release/resume (graphs.py)."""
+    offsets, total = [], 0
+    for group in groups:
+        total = -(-total // ALIGN) * ALIGN
+        offsets.append(total)
+        total += group[0].untyped_storage().nbytes()
+    arena = torch.UntypedStorage(total, device=device)
+    flat = torch.empty(0, dtype=torch.uint8, device=device).set_(arena)
     with torch.no_grad():
-        for p in group:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device).set_(new, p.storage_offset(), p.shape, p.stride())
+        for group, off in zip(groups, offsets, strict=True):
+            old = group[0].untyped_storage()
+            flat[off:off + old.nbytes()].copy_(torch.empty(0, dtype=torch.uint8, device=device).set_(old))
+            for p in group:
+                p.data = torch.empty(0, dtype=p.dtype, device=device).set_(
+                    arena, off // p.element_size() + p.storage_offset(), p.shape, p.stride())
+    return arena
 
 
 class MemoryOccupation:
@@ -66,10 +86,10 @@ class MemoryOccupation:
         groups: dict[int, list[torch.nn.Parameter]] = {}
         for p in params.values():
             groups.setdefault(p.untyped_storage().data_ptr(), []).append(p)
-        self._groups = list(groups.values())
-        self._storages = [(g[0], g[0].untyped_storage().nbytes()) for g in self._groups]
+        # a checkpoint alias names the same Parameter twice: pack each Parameter once
+        self._arena = pack_parameters([list({id(p): p for p in g}.values()) for g in groups.values()], self.device)
         self._key_of = {name: _view_key(p) for name, p in params.items()}
-        self.weights_total_bytes = sum(n for _, n in self._storages)
+        self.weights_total_bytes = self._arena.nbytes()
         self.released: set[str] = set()
         self._missing: set[tuple] = set()  # views re-allocated by a resume and not refilled since
         self._lock = threading.Lock()
@@ -80,7 +100,7 @@ class MemoryOccupation:
 
     def weights_bytes(self) -> int:
         """Bytes the parameters hold now (0 after a release of "weights")."""
-        return sum(p.untyped_storage().nbytes() for p, _ in self._storages)
+        return self._arena.nbytes()
 
     def release(self, body: dict) -> None:
         tags = _tags(body)
@@ -88,14 +108,13 @@ class MemoryOccupation:
             self.engine.set_unavailable(self._message(self.released | set(tags)))  # aborts, waits until idle
             with self.engine.model_lock:
                 self.engine.wait_weights()
-                # graphs hold the weights' and the cache's addresses; the static cache is the KV pool
+                # the static KV cache is freed; its graphs are kept and checked before their next replay
                 self.engine.drop_static_state()
                 if "weights" in tags and not self.weights_released:
-                    for group in self._groups:
-                        _own_storage(group)
-                        if self.cpu_backup:
-                            self._backup.append(group[0].untyped_storage().cpu().clone())
-                        group[0].untyped_storage().resize_(0)
+                    if self.cpu_backup:
+                        host = self._arena.cpu()
+                        self._backup = [host.clone() if self.device.type == "cpu" else host]
+                    self._arena.resize_(0)
                 self.released |= set(tags)
             self._empty_cache()
 
@@ -107,12 +126,9 @@ class MemoryOccupation:
                 raise RequestError(f"tags: {not_released} are not released (released: {sorted(self.released)})")
             with self.engine.model_lock:
                 if "weights" in tags:
-                    for p, nbytes in self._storages:
-                        p.untyped_storage().resize_(nbytes)
+                    self._arena.resize_(self.weights_total_bytes)
                     if self._backup:  # --enable-weights-cpu-backup: the old contents come back
-                        for (p, _), host in zip(self._storages, self._backup, strict=True):
-                            p.untyped_storage().copy_(host)
-                        self._backup = []
+                        self._arena.copy_(self._backup.pop())
                     else:
                         self._missing = set(self._key_of.values())
                 self.released -= set(tags)

@@ -112,6 +112,16 @@ def _float(raw: dict, name: str, default: float, lo: float, hi: float | None = N
     return float(v)
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(values, dtype, device)` without a host synchronization on CUDA: the values go
+    into pinned host memory and are copied asynchronously (the pinned block is not reused before
+    the copy ran: the caching host allocator records the copy's stream). A plain `torch.tensor(...,
+    device="cuda")` copies from pageable memory and waits for the stream, once per call."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits / T) over the full vocabulary in float32; logits [B, V], temperature [B]."""
     return torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
@@ -147,13 +157,13 @@ def sample(logprobs: torch.Tensor, params: list[SamplingParams], generators: lis
     scores = logprobs
     trunc = [i for i, p in enumerate(params) if not greedy[i] and needs_truncation(p, V)]
     if trunc:
-        idx = torch.tensor(trunc, device=dev)
+        idx = device_tensor(trunc, torch.long, dev)
         sub = logprobs.index_select(0, idx)
         sorted_lp, order = sub.sort(dim=-1, descending=True)
         sorted_p = sorted_lp.exp()
-        top_k = torch.tensor([params[i].top_k for i in trunc], device=dev)
-        top_p = torch.tensor([params[i].top_p for i in trunc], device=dev, dtype=torch.float32)
-        min_p = torch.tensor([params[i].min_p for i in trunc], device=dev, dtype=torch.float32)
+        top_k = device_tensor([params[i].top_k for i in trunc], torch.long, dev)
+        top_p = device_tensor([params[i].top_p for i in trunc], torch.float32, dev)
+        min_p = device_tensor([params[i].min_p for i in trunc], torch.float32, dev)
         rank = torch.arange(V, device=dev).expand(len(trunc), V)
         k = torch.where(top_k < 1, torch.full_like(top_k, V), top_k.clamp(max=V))
         drop = rank >= k[:, None]
@@ -169,7 +179,7 @@ def sample(logprobs: torch.Tensor, params: list[SamplingParams], generators: lis
     if len(shared) == B:
         torch.rand((B, V), generator=default_generator, device=dev, out=noise)
     elif shared:
-        noise[torch.tensor(shared, device=dev)] = torch.rand((len(shared), V), generator=default_generator,
+        noise[device_tensor(shared, torch.long, dev)] = torch.rand((len(shared), V), generator=default_generator,
                                                              device=dev)
     for i in range(B):
         if not greedy[i] and generators[i] is not None:
@@ -177,5 +187,5 @@ def sample(logprobs: torch.Tensor, params: list[SamplingParams], generators: lis
     gumbel = noise.clamp_(min=1e-20).log_().neg_().log_().neg_()  # -log(-log U), in place
     pick = torch.argmax(scores + gumbel, dim=-1)
     if any(greedy):
-        pick = torch.where(torch.tensor(greedy, device=dev), logprobs.argmax(dim=-1), pick)
+        pick = torch.where(device_tensor(greedy, torch.bool, dev), logprobs.argmax(dim=-1), pick)
     return pick

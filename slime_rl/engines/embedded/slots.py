@@ -82,16 +82,55 @@ class SlotCache(Cache):
         self.slots, self.capacity = slots, capacity
         self.cols: torch.Tensor | None = None
         self.kv_len = 0
+        self.arena: torch.UntypedStorage | None = None  # the storage every layer's keys/values view
+        self._shapes: list = []
+        self._arena_bytes = 0
         self.generation = 0  # bumped whenever the buffers are reallocated
 
     def allocate(self, like: DynamicCache) -> None:
         """Zeroed buffers shaped after a prefill cache (layer count, heads, head dims, dtype, device)."""
-        self.layers = []
-        for layer in like.layers:
-            k, v = layer.keys, layer.values
-            self.layers.append(SlotLayer(k.new_zeros((self.slots, k.shape[1], self.capacity, k.shape[3])),
-                                         v.new_zeros((self.slots, v.shape[1], self.capacity, v.shape[3]))))
+        self._shapes = [((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), k.dtype, k.device)
+                        for k, v in ((layer.keys, layer.values) for layer in like.layers)]
+        self.layers = [SlotLayer(k, v) for k, v in self._buffers(self.capacity)]
         self.generation += 1
+
+    def _buffers(self, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys and values [slots, heads, capacity, head_dim] as views of ONE zeroed
+        storage (`self.arena`): a release frees it and a resume re-allocates it in one piece, so its
+        address, which the CUDA graphs bake in, usually comes back the same (memory.py)."""
+        views, total = [], 0
+        for (kh, kd), (vh, vd), dtype, _ in self._shapes:
+            for heads, dim in ((kh, kd), (vh, vd)):
+                views.append((total, (self.slots, heads, capacity, dim), dtype))
+                total += self.slots * heads * capacity * dim * dtype.itemsize
+                total = -(-total // 256) * 256
+        device = self._shapes[0][3]
+        self.arena, self._arena_bytes = torch.UntypedStorage(total, device=device), total
+        out = [torch.empty(0, dtype=dtype, device=device).set_(self.arena, off // dtype.itemsize, shape)
+               for off, shape, dtype in views]
+        for t in out:
+            t.zero_()
+        return list(zip(out[0::2], out[1::2], strict=True))
+
+    @property
+    def released(self) -> bool:
+        return bool(self.layers) and self.arena.nbytes() == 0
+
+    def release(self) -> None:
+        """Free the buffers' memory; the layers keep their views (and shapes) for `restore`."""
+        if self.layers:
+            self.arena.resize_(0)
+
+    def restore(self) -> None:
+        """Re-allocate the released buffers (same size, one piece) and zero them: a free slot or an
+        unwritten column is masked, but a masked NaN left by old memory would still poison the
+        softmax's weighted sum."""
+        if not self.released:
+            return
+        self.arena.resize_(self._arena_bytes)
+        for layer in self.layers:
+            layer.keys.zero_()
+            layer.values.zero_()
 
     def ensure_capacity(self, columns: int) -> None:
         """Grow (doubling, keeping the contents) until `columns` columns fit."""
@@ -100,12 +139,10 @@ class SlotCache(Cache):
         cap = self.capacity
         while cap < columns:
             cap *= 2
-        for layer in self.layers:
-            for name in ("keys", "values"):
-                old = getattr(layer, name)
-                new = old.new_zeros((old.shape[0], old.shape[1], cap, old.shape[3]))
-                new[:, :, :self.capacity] = old
-                setattr(layer, name, new)
+        for layer, (k, v) in zip(self.layers, self._buffers(cap), strict=True):
+            k[:, :, :self.capacity] = layer.keys
+            v[:, :, :self.capacity] = layer.values
+            layer.keys, layer.values = k, v
         self.capacity = cap
         self.generation += 1
 
@@ -208,6 +245,12 @@ class SlotBatch:
                 raise RuntimeError(f"static KV cache: row position {r.next_pos} != cached tokens {n}")
         if not self.cache.layers:
             self.cache.allocate(cache)
+        elif self.cache.released:  # the first prefill after a colocated release
+            if self.cache.arena.device.type == "cuda":
+                # what the weight sync left cached goes back first, so the same-size re-allocation
+                # can land where the cache was (the graphs hold that address)
+                torch.cuda.empty_cache()
+            self.cache.restore()
         self.cache.ensure_capacity(max(lengths) + 1)  # +1: the pending token's column
         used = {r.slot for r in self.rows}
         free = [s for s in range(self.cache.slots) if s not in used][:len(rows)]

@@ -1,4 +1,6 @@
 """HTTP client for rollout engines speaking SGLang's native API (real SGLang or the embedded engine).
+It lives with the engines so that both rollout (generation, abort) and weight_sync (pause, weight
+updates, memory release) import it downward.
 
 One function per endpoint builds the JSON body with SGLang's own field names (GenerateReqInput,
 InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput, AbortReq, ... in
@@ -49,17 +51,21 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def generate_payload(input_ids: Sequence[int] | Sequence[Sequence[int]] | None, sampling_params: dict[str, Any],
+def generate_payload(input_ids: Sequence[int] | Sequence[Sequence[int]] | None,
+                     sampling_params: dict[str, Any] | Sequence[dict[str, Any]],
                      return_logprob: bool = True, rid: str | list[str] | None = None, image_data: Any = None,
                      logprob_start_len: int | None = None, text: str | list[str] | None = None,
                      return_text_in_logprobs: bool | None = None) -> dict[str, Any]:
-    """GenerateReqInput body: exactly one of `input_ids` / `text`; a list of lists is a batch."""
+    """GenerateReqInput body: exactly one of `input_ids` / `text`; a list of lists is a batch, whose
+    `sampling_params` (and `rid`, `image_data`) may be one per prompt (a list) or shared."""
     if (input_ids is None) == (text is None):
         raise ValueError("generate_payload: give exactly one of input_ids and text")
     if input_ids is not None:
         input_ids = [list(x) for x in input_ids] if input_ids and isinstance(input_ids[0], Sequence) \
             else list(input_ids)
-    return _drop_none({"input_ids": input_ids, "text": text, "sampling_params": dict(sampling_params),
+    sampling_params = dict(sampling_params) if isinstance(sampling_params, dict) \
+        else [dict(p) for p in sampling_params]
+    return _drop_none({"input_ids": input_ids, "text": text, "sampling_params": sampling_params,
                        "return_logprob": return_logprob, "logprob_start_len": logprob_start_len, "rid": rid,
                        "image_data": image_data, "return_text_in_logprobs": return_text_in_logprobs})
 
@@ -162,6 +168,10 @@ def end_weight_update_payload() -> dict[str, Any]:
 
 class _Endpoints:
     """Endpoint methods shared by both clients; `_call` sends (sync) or returns a coroutine (async)."""
+
+    # /generate takes SGLang's batch form (lists of input_ids, sampling_params, rid, image_data):
+    # GenerateReqInput.normalize_batch_and_arguments, answered as a list in the same order
+    batch_generate = True
 
     def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         raise NotImplementedError
@@ -428,6 +438,9 @@ class AsyncRouterClient(AsyncEngineClient):
     `num_engines` lets the load balancer allow `per_engine` requests in flight per engine behind the
     router."""
 
+    # sglang-router parses /generate into its own GenerateRequest, whose sampling_params is one
+    # object (and rid one string): a list of per-sample sampling_params does not pass it
+    batch_generate = False
     ROUTED = frozenset({"/generate", "/model_info", "/server_info", "/get_model_info", "/get_server_info"})
 
     def __init__(self, router_url: str, engine_urls: Sequence[str], api_key: str | None = None,
