@@ -53,7 +53,8 @@ def _load(url: str, path: str, body: dict | None, clients: int, seconds: float) 
     took = time.perf_counter() - t0
     lat.sort()
     return {"requests": len(lat), "req_per_s": round(len(lat) / took, 1), "errors": errors[0],
-            "median_ms": round(1e3 * statistics.median(lat), 2), "p99_ms": round(1e3 * lat[int(0.99 * (len(lat) - 1))], 2)}
+            "median_ms": round(1e3 * statistics.median(lat), 2),
+            "p99_ms": round(1e3 * lat[int(0.99 * (len(lat) - 1))], 2)}
 
 
 def main() -> None:
