@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 _MAX_HEAD_BYTES = 64 << 10  # request line + headers (h11's default is 16 KiB)
 _READ_CHUNK = 256 << 10
 _SHUTDOWN_GRACE_S = 2.0
+_LINGER_S = 1.0
 
 
 @dataclass
@@ -145,8 +146,9 @@ class HttpServer:
             return
         self.connections += 1
         self._writers.add(writer)
+        linger = False
         try:
-            await self._serve(reader, writer)
+            linger = await self._serve(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away
         except asyncio.CancelledError:
@@ -156,9 +158,10 @@ class HttpServer:
         finally:
             self.connections -= 1
             self._writers.discard(writer)
-            await _close(writer)
+            await _close(writer, reader if linger else None)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Serve requests until the connection ends; True when it ends on a refusal whose body is unread."""
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD_BYTES)
         loop = asyncio.get_running_loop()
         lim = self.limits
@@ -176,7 +179,7 @@ class HttpServer:
                         status = e.error_status_hint
                         writer.write(_raw_answer(status, "Bad Request" if status == 400 else "Error",
                                                  f"malformed HTTP request: {e}"))
-                        return
+                        return True
                     if event is not h11.NEED_DATA:
                         break
                     data = await _read(reader, deadline - loop.time())
@@ -187,39 +190,41 @@ class HttpServer:
                 if started:  # half a head: say why before closing; an idle kept-alive connection just ends
                     writer.write(_raw_answer(408, "Request Timeout", f"the request head did not arrive within "
                                              f"{lim.read_timeout_s:g} s (--http-read-timeout)"))
-                return
+                return False
             if isinstance(event, h11.ConnectionClosed):
-                return
+                return False
             assert isinstance(event, h11.Request), event
             first = False
             self._busy += 1
             try:
-                if not await self._exchange(conn, reader, writer, event, deadline):
-                    return
+                end = await self._exchange(conn, reader, writer, event, deadline)
+                if end is not None:
+                    return end
             finally:
                 self._busy -= 1
             if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
-                return
+                return False
             conn.start_next_cycle()
 
     async def _exchange(self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        event: h11.Request, deadline: float) -> bool:
-        """Read the body of `event`, answer it; False when the connection must end."""
+                        event: h11.Request, deadline: float) -> bool | None:
+        """Read the body of `event` and answer it. None: the connection goes on; otherwise it ends, True when
+        the client may still be sending a body we refused (then it is drained before closing)."""
         method, path = event.method.decode("latin-1"), event.target.decode("latin-1").split("?", 1)[0]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
         refusal = self.app.check_head(method, path, headers)
         if refusal is not None:
             await self._respond(conn, writer, *refusal, close=True)
-            return False
+            return True
         if conn.client_is_waiting_for_100_continue:
             writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
         body, refusal = await self._read_body(conn, reader, deadline)
         if refusal is not None:
             await self._respond(conn, writer, *refusal, close=True)
-            return False
+            return refusal[0] != 408  # a timed-out client sends nothing more: no drain
         status, payload = await self.app.handle(method, path, body)
         await self._respond(conn, writer, status, payload)
-        return True
+        return None
 
     async def _read_body(self, conn: h11.Connection, reader: asyncio.StreamReader,
                          deadline: float) -> tuple[bytes, tuple[int, Any] | None]:
@@ -272,11 +277,18 @@ async def _read(reader: asyncio.StreamReader, timeout: float) -> bytes:
         raise _Timeout from e
 
 
-async def _close(writer: asyncio.StreamWriter) -> None:
+async def _close(writer: asyncio.StreamWriter, reader: asyncio.StreamReader | None = None) -> None:
+    """End the connection. With `reader`: our side is shut first and what the client still sends (the
+    body of a refused request) is read and dropped for up to _LINGER_S, so that closing with unread
+    bytes does not reset the connection before the client has read our answer (a lingering close)."""
     try:
         if writer.can_write_eof():
             writer.write_eof()
-    except OSError:
+        if reader is not None and not writer.transport.is_closing():
+            deadline = asyncio.get_running_loop().time() + _LINGER_S
+            while await _read(reader, deadline - asyncio.get_running_loop().time()):
+                pass
+    except (OSError, _Timeout):
         pass
     writer.close()
     try:
