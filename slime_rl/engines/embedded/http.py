@@ -214,7 +214,7 @@ class HttpServer:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
         refusal = self.app.check_head(method, path, headers)
         if refusal is not None:
-            await self._respond(conn, writer, *refusal, close=True)
+            await self._respond(conn, writer, *refusal, close=True, head_only=method == "HEAD")
             return True
         if conn.client_is_waiting_for_100_continue:
             writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
@@ -223,7 +223,7 @@ class HttpServer:
             await self._respond(conn, writer, *refusal, close=True)
             return refusal[0] != 408  # a timed-out client sends nothing more: no drain
         status, payload = await self.app.handle(method, path, body)
-        await self._respond(conn, writer, status, payload)
+        await self._respond(conn, writer, status, payload, head_only=method == "HEAD")
         return None
 
     async def _read_body(self, conn: h11.Connection, reader: asyncio.StreamReader,
@@ -255,13 +255,14 @@ class HttpServer:
                 raise ConnectionResetError("the client closed the connection in the middle of its body")
 
     async def _respond(self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int, payload: Any,
-                       close: bool = False) -> None:
+                       close: bool = False, head_only: bool = False) -> None:
         data, ctype = encode_payload(payload)
         headers = [("Content-Type", ctype), ("Content-Length", str(len(data)))]
         if close:
             headers.append(("Connection", "close"))
-        writer.write(conn.send(h11.Response(status_code=status, headers=headers)) + conn.send(h11.Data(data=data))
-                     + conn.send(h11.EndOfMessage()))
+        head = conn.send(h11.Response(status_code=status, headers=headers))
+        body = conn.send(h11.Data(data=data)) if data and not head_only else b""  # HEAD: the headers alone
+        writer.write(head + body + conn.send(h11.EndOfMessage()))
         try:  # a client that does not read its answer is dropped, not waited for forever
             await asyncio.wait_for(writer.drain(), self.limits.idle_timeout_s)
         except TimeoutError as e:

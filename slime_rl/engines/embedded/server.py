@@ -320,19 +320,19 @@ class EmbeddedServer:
         if int(length) > self.cfg.max_request_bytes:
             return 413, {"error": {"message": f"body of {int(length)} bytes: more than the engine takes "
                                               f"({self.cfg.max_request_bytes}, --max-request-bytes)"}}
-        if method not in ("GET", "POST", "PUT"):
+        if method not in ("GET", "HEAD", "POST", "PUT"):  # HEAD: GET's answer without its body (Starlette's)
             return 405, {"detail": "Method Not Allowed"}
         return None
 
     async def handle(self, method: str, path: str, raw: bytes) -> tuple[int, Any]:
         if path == "/health":  # on the loop: a liveness probe needs no thread
             return (200 if self.engine.is_alive() else 503), None
-        if path == "/generate" and method != "GET":
+        if path == "/generate" and method in ("POST", "PUT"):
             return await self._generate_async(raw)
         return await self.http.run_blocking(self._guarded, path, self._route_raw, method, path, raw)
 
     def _route_raw(self, method: str, path: str, raw: bytes) -> tuple[int, Any]:
-        return self.route("GET" if method == "GET" else "POST", path, _parse_body(raw))
+        return self.route("GET" if method in ("GET", "HEAD") else "POST", path, _parse_body(raw))
 
     def _guarded(self, path: str, fn: Callable[..., tuple[int, Any]], *args: Any) -> tuple[int, Any]:
         """fn(*args) with its failures as answers: a bad request 400 naming the field, anything else 500."""
