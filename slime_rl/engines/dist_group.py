@@ -8,7 +8,8 @@ object (`ProcessGroupGloo` / `ProcessGroupNCCL`) and collectives are called on t
 
 Key layout. A real SGLang engine builds its end with `init_custom_process_group`
 (python/sglang/srt/utils/common.py, SGLang 0.5.23): rendezvous on tcp://master_address:master_port
-(rank 0 hosts the TCPStore), then `PrefixStore(group_name, store)`, and torch's
+(rank 0 hosts the TCPStore; ours listens on master_address alone: `tcp_store`), then
+`PrefixStore(group_name, store)`, and torch's
 `_new_process_group_helper` adds `PrefixStore(f"{group_name}/")` and `PrefixStore(f"{device}/")`
 ("cpu" for gloo, "cuda" for nccl) before creating the backend. We build the same chain of prefixes,
 so our trainer (rank 0) and a real SGLang engine meet on the same store keys, and our embedded engine
@@ -21,6 +22,7 @@ rank (SGLang's weight_updater.py), so for N engines of TP t, world_size = 1 + N 
 from __future__ import annotations
 
 import datetime
+import socket
 
 import torch
 import torch.distributed as dist
@@ -28,10 +30,35 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's default_pg_timeout, as SGLang uses
 
 
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A TCPStore whose server (`is_master`) listens on `host` alone. torch's TCPStore takes the address
+    only to connect to; its server listens on every interface of the node. Here the socket is bound to
+    `host` by us and its descriptor handed to the store, which owns it from then on (it closes it when
+    it goes). Clients (`is_master` False) are plain TCPStores. Used by the weight-update group (below)
+    and the trainer's rendezvous (trainer/parallel.py)."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise OSError(e.errno, f"the TCP store cannot listen on {host}:{port}: {e.strerror}") from e
+        sock.listen(max(world_size, 128))
+        store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes the descriptor itself
+    return store
+
+
 def _backend_store(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                    device: str, timeout: datetime.timedelta) -> dist.Store:
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
-                          timeout=timeout, wait_for_workers=True, multi_tenant=True)
+    store = tcp_store(master_address, master_port, world_size, rank == 0, timeout)
     store = dist.PrefixStore(group_name, store)
     store = dist.PrefixStore(f"{group_name}/", store)
     return dist.PrefixStore(f"{device}/", store)

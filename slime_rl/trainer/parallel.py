@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from slime_rl.engines.dist_group import tcp_store
 from slime_rl.trainer import cpu_compat
 from slime_rl.trainer.mcore import mpu, tensor_parallel
 
@@ -46,31 +47,15 @@ def _pick_device(rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-_LISTEN_SOCKETS: list[socket.socket] = []
-
-
 def rendezvous_store(rank: int, world_size: int, master_addr: str, master_port: int,
                      timeout: timedelta) -> dist.TCPStore:
-    """The rendezvous store of a process group, its server on rank 0 listening on `master_addr` alone.
-    torch's `tcp://` init (and a TCPStore given only a port) listens on every interface of the node;
-    here rank 0 binds the socket itself and hands its fd to the store. Under torchrun the elastic agent
-    already serves the store at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE): every rank is
-    a client of it, as in torch's own env:// rendezvous."""
-    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
-    family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((master_addr, master_port))
-        sock.listen(max(world_size, 128))
-        store = dist.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=timeout,
-                              master_listen_fd=sock.fileno())
-    except BaseException:
-        sock.close()
-        raise
-    _LISTEN_SOCKETS.append(sock)  # the store serves on this fd for the life of the process: keep it open
-    return store
+    """The rendezvous store of a process group, its server on rank 0 listening on `master_addr` alone
+    (engines/dist_group.tcp_store). torch's `tcp://` init (and a TCPStore given only a port) listens on
+    every interface of the node. Under torchrun the elastic agent already serves the store at
+    MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE): every rank is a client of it, as in torch's
+    own env:// rendezvous."""
+    is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    return tcp_store(master_addr, master_port, world_size, is_master, timeout)
 
 
 def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp_size: int = 1,

@@ -82,3 +82,49 @@ def test_meets_sglangs_own_group_on_the_same_store_keys(tmp_path):
     pg = dist_group.init_custom_group("127.0.0.1", port, 0, 2, "weight_update_group", "gloo")
     dist_group.broadcast(pg, torch.arange(4.0) * 2, src=0)
     assert proc.wait(timeout=120) == 0
+
+
+def test_the_weight_update_store_listens_on_the_master_address_only():
+    # all of 127.0.0.0/8 is loopback on Linux: host the group on 127.0.0.2 and probe 127.0.0.1, which a
+    # store on every interface (torch's TCPStore given an address) answers
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        port = s.getsockname()[1]
+    got: dict[int, torch.Tensor] = {}
+
+    def rank(r: int) -> None:
+        pg = dist_group.init_custom_group("127.0.0.2", port, r, 2, "weight_update_group", "gloo")
+        t = torch.full((3,), 7.0) if r == 0 else torch.zeros(3)
+        if r == 0:
+            with socket.socket() as probe:  # the store is up now (rank 0 has its group)
+                probe.settimeout(2)
+                got["probe"] = probe.connect_ex(("127.0.0.1", port))
+        dist_group.broadcast(pg, t, src=0)
+        got[r] = t
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert torch.equal(got[1], torch.full((3,), 7.0))  # the group works through the bound store
+    assert got["probe"] != 0  # nothing listens on the other loopback address
+    # the same probe against a store on every interface connects: the test can tell the two apart
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        open_port = s.getsockname()[1]
+    from datetime import timedelta
+    wide = torch.distributed.TCPStore("127.0.0.2", open_port, 1, is_master=True, timeout=timedelta(seconds=5))
+    with socket.socket() as probe:
+        probe.settimeout(2)
+        assert probe.connect_ex(("127.0.0.1", open_port)) == 0
+    del wide
+
+
+def test_a_taken_store_address_names_itself():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            dist_group.init_custom_group("127.0.0.1", port, 0, 1, "g", "gloo")

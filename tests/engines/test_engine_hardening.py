@@ -114,3 +114,24 @@ def test_weight_update_requests_with_bad_dtypes_or_shapes_are_400(server):
             assert r.status_code == 400 and "bytes announced" in r.text
         finally:
             assert c.post("/end_weight_update", json={}).status_code == 200
+
+
+def test_methods_and_expect_continue_as_sglang_serves_them(server):
+    # FastAPI/Starlette (SGLang's server): HEAD answers a GET route without its body, another method 405
+    port = int(server.url.rsplit(":", 1)[1])
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.head("/health")
+        assert r.status_code == 200 and r.content == b""
+        r = c.request("DELETE", "/generate")
+        assert r.status_code == 405 and r.json() == {"detail": "Method Not Allowed"}
+    # curl sends `Expect: 100-continue` before a large body and waits for the interim answer
+    body = json.dumps({"input_ids": prompt_of(4), "sampling_params": {"max_new_tokens": 2}}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 100")
+        s.sendall(body)
+        data = b""
+        while b"output_ids" not in data:
+            data += s.recv(65536)
+        assert data.startswith(b"HTTP/1.1 200")

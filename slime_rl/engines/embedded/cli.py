@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="honour each request's sampling_seed (SGLang 0.5.23 ignores it without this switch)")
     p.add_argument("--max-request-bytes", type=int, default=256 << 20,
                    help="a request body larger than this is refused with 413 before it is read")
+    p.add_argument("--http-read-timeout", type=float, default=30.0,
+                   help="seconds a request's head and body may take to arrive (else 408, connection closed)")
+    p.add_argument("--http-idle-timeout", type=float, default=300.0,
+                   help="seconds a kept-alive connection may wait for its next request before it is closed")
+    p.add_argument("--http-max-connections", type=int, default=4096,
+                   help="open connections served at once; one more is answered 503 and closed")
     p.add_argument("--enable-fp32-lm-head", action="store_true",
                    help="logits in fp32 from the bf16 hidden state and weight (SGLang's flag); the trainer "
                         "computes them so too when the run passes --sglang-enable-fp32-lm-head")
@@ -70,6 +76,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--max-running-requests: must be >= 1")
     if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < 1:
         raise SystemExit("--cuda-graph-max-bs-decode: must be >= 1")
+    for flag, value in (("--http-read-timeout", args.http_read_timeout), ("--http-idle-timeout",
+                        args.http_idle_timeout), ("--http-max-connections", args.http_max_connections),
+                        ("--max-request-bytes", args.max_request_bytes)):
+        if not value > 0:  # also NaN
+            raise SystemExit(f"{flag} {value}: must be > 0")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = EmbeddedServer(ServerConfig(
         model_path=args.model_path, host=args.host, port=args.port,
@@ -80,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         cuda_graph_max_bs=args.cuda_graph_max_bs, static_kv_cache=args.static_kv_cache,
         enable_deterministic_inference=args.enable_deterministic_inference,
         enable_weights_cpu_backup=args.enable_weights_cpu_backup, enable_fp32_lm_head=args.enable_fp32_lm_head,
-        max_request_bytes=args.max_request_bytes))
+        max_request_bytes=args.max_request_bytes, read_timeout_s=args.http_read_timeout,
+        idle_timeout_s=args.http_idle_timeout, max_connections=args.http_max_connections))
 
     def stop(signum: int, _frame) -> None:
         # serve_forever runs in this thread; shutdown() must be called from another one.

@@ -23,6 +23,13 @@ DynamicCache (batch.py). The static one (the default on CUDA; `static_cache=True
 it in a preallocated per-slot cache and, on CUDA, replays the decode step from CUDA graphs
 (slots.py, graphs.py); models it does not support (vision-language, sliding-window layers, ...) stay
 on the dynamic path. Both give the same tokens and log-probs.
+
+A request that fails inside the scheduler fails alone (answered 500 with its rid and the error; the
+HTTP layer has already refused what it can name, so this is the second line): a failed prefill is
+redone one request at a time, a failed batched sampling one row at a time, and a row whose stop check
+raises is dropped; the others of the batch go on with the tokens they would have drawn without it.
+A failed decode step (no request to blame) or a device-wide error (out of memory, a CUDA error) still
+fails every running request, with a message that says so.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +75,9 @@ class GenRequest:
     created: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
+    # called (from whichever thread finishes the request) right after `done` is set: the HTTP layer's
+    # event loop wakes on it instead of holding a thread per waiting request
+    on_done: Callable[[], None] | None = None
 
 
 def abort_reason(message: str = "Aborted", status_code: int | None = None, err_type: str | None = None) -> dict:
@@ -269,8 +279,20 @@ class Engine:
                 if admit:
                     self.stats["prefill_s"] += t1 - t0
             except Exception as e:  # the scheduler must outlive a failed forward, or every caller hangs
-                logger.exception("embedded engine: forward failed; failing the running requests")
-                self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                # what reaches here is not one request's fault (those fail alone in _prefill and
+                # _sample_and_check): a failed decode step or a device-wide error
+                kind = "device-wide error" if _device_wide(e) else "failed step"
+                logger.exception("embedded engine: %s; failing every running request", kind)
+                self._fail_all(f"engine error ({kind}; every running request of the batch fails): "
+                               f"{type(e).__name__}: {e}")
+
+    def _fail_one(self, req: GenRequest, where: str, e: Exception) -> None:
+        """Answer one request with its error (500); the rest of its batch goes on."""
+        logger.error("embedded engine: request %s failed in %s (the rest of the batch continues)", req.rid, where,
+                     exc_info=e)
+        with self._cond:
+            self._finish(req, abort_reason(f"engine error in request {req.rid} ({where}): {type(e).__name__}: {e}; "
+                                           "the other requests of its batch continue", 500, "InternalServerError"))
 
     def _fail_all(self, message: str) -> None:
         with self._cond:
@@ -300,11 +322,39 @@ class Engine:
                     self._finish(req, {"type": "length", "length": req.params.max_new_tokens})
             else:
                 ready.append(req)
-        if not ready:
+        groups = []
+        try:
+            if ready:
+                groups.append(self._prefill_forward(ready))
+        except Exception as e:
+            if _device_wide(e):
+                raise
+            if len(ready) == 1:
+                self._fail_one(ready[0], "prefill", e)
+            else:  # one request's fault (an id the embedding lacks, ...): prefill each alone to find it
+                logger.warning("embedded engine: prefill of %d requests failed (%s: %s); prefilling them one "
+                               "by one", len(ready), type(e).__name__, e)
+                for req in ready:
+                    try:
+                        groups.append(self._prefill_forward([req]))
+                    except Exception as e1:
+                        if _device_wide(e1):
+                            raise
+                        self._fail_one(req, "prefill", e1)
+        for rows, mask, cache, last in groups:
+            keep = self._sample_and_check(rows, last)
             with self._cond:
-                self._admitting = []
-                self._cond.notify_all()
-            return
+                n_old = len(self._batch)
+                self._batch.merge(rows, mask, cache)
+                self._batch.keep(list(range(n_old)) + [n_old + i for i in keep])
+                self.stats["max_running_rows"] = max(self.stats["max_running_rows"], len(self._batch))
+        with self._cond:
+            self._admitting = []
+            self._cond.notify_all()
+
+    def _prefill_forward(self, ready: list[GenRequest]) -> tuple[list[Row], torch.Tensor, object, torch.Tensor]:
+        """One prefill forward of `ready` (and their prompt log-probs); returns their rows, mask, KV cache
+        and last logits, not yet sampled nor merged into the batch."""
         seqs = [r.input_ids + r.output_ids for r in ready]
         # prefix sharing: the n samples of a GRPO group carry the same prompt; prefill each distinct
         # sequence once and give every request a copy of its row (KV cache, mask, logits). Images
@@ -338,14 +388,7 @@ class Engine:
             idx = torch.tensor(src, device=self.device)
             cache.batch_select_indices(idx)  # repeated indices: one copy of the row per request
             mask, last = mask.index_select(0, idx), last.index_select(0, idx)
-        keep = self._sample_and_check(rows, last)
-        with self._cond:
-            n_old = len(self._batch)
-            self._batch.merge(rows, mask, cache)
-            self._batch.keep(list(range(n_old)) + [n_old + i for i in keep])
-            self._admitting = []
-            self.stats["max_running_rows"] = max(self.stats["max_running_rows"], len(self._batch))
-            self._cond.notify_all()
+        return rows, mask, cache, last
 
     def _decode(self) -> None:
         b = self._batch
@@ -388,7 +431,48 @@ class Engine:
             req.input_logprobs = ([None] + vals.tolist())[req.logprob_start_len:]
 
     def _sample_and_check(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
-        """Sample one token per row, record it, finish rows that stop; returns the indices to keep."""
+        """Sample one token per row, record it, finish rows that stop; returns the indices to keep.
+        A row whose sampling or stop check raises is answered with its error and dropped alone."""
+        failed: dict[int, Exception] = {}
+        try:
+            tok_list, lp_list = self._sample(rows, logits)
+        except Exception as e:
+            if _device_wide(e):
+                raise
+            # one row's parameters broke the batched sampler: sample row by row to find it. The
+            # sampler draws every row's noise only after the per-row tensors are built, so a failure
+            # there has not advanced any row's generator and the others draw what they would have.
+            tok_list, lp_list = [0] * len(rows), [0.0] * len(rows)
+            for i in range(len(rows)):
+                try:
+                    (tok_list[i],), (lp_list[i],) = self._sample(rows[i:i + 1], logits[i:i + 1])
+                except Exception as e1:
+                    if _device_wide(e1):
+                        raise
+                    failed[i] = e1
+        keep = []
+        for i, (row, tok, lp) in enumerate(zip(rows, tok_list, lp_list, strict=True)):
+            req = row.req
+            if i in failed:
+                self._fail_one(req, "sampling", failed[i])
+                continue
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            row.pending = tok
+            try:
+                reason = self._finish_reason(req, tok)
+            except Exception as e:  # e.g. the stop-string check (the tokenizer's decode) of this request
+                self._fail_one(req, "stop check", e)
+                continue
+            if reason is None:
+                keep.append(i)
+            else:
+                with self._cond:
+                    self._finish(req, reason)
+        return keep
+
+    def _sample(self, rows: list[Row], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The rows' sampled tokens and their log-probs, on the host."""
         params = [r.req.params for r in rows]
         temp = device_tensor([p.temperature for p in params], torch.float32, self.device)
         logprobs = token_logprobs(logits, temp)
@@ -396,20 +480,7 @@ class Engine:
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         # one device->host copy per step (token ids < 2**53 are exact in float64)
         host = torch.stack([tokens.double(), chosen.double()]).cpu()
-        tok_list, lp_list = host[0].long().tolist(), host[1].tolist()
-        keep = []
-        for i, (row, tok, lp) in enumerate(zip(rows, tok_list, lp_list, strict=True)):
-            req = row.req
-            req.output_ids.append(tok)
-            req.output_logprobs.append(lp)
-            row.pending = tok
-            reason = self._finish_reason(req, tok)
-            if reason is None:
-                keep.append(i)
-            else:
-                with self._cond:
-                    self._finish(req, reason)
-        return keep
+        return host[0].long().tolist(), host[1].tolist()
 
     def _finish_reason(self, req: GenRequest, tok: int) -> dict | None:
         # SGLang's order (schedule_batch.update_finish_state): stop string, then stop token / EOS
@@ -434,6 +505,18 @@ class Engine:
         if reason["type"] == "abort":
             self.stats["requests_aborted"] += 1
         req.done.set()
+        if req.on_done is not None:
+            req.on_done()
+
+
+def _device_wide(e: BaseException) -> bool:
+    """An error that is no request's fault and leaves the device unusable for the step (out of memory,
+    a CUDA/NCCL/cuBLAS error): the batch fails; retrying row by row would only fail again."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    text = str(e)
+    return any(s in text for s in ("CUDA error", "CUDA out of memory", "device-side assert", "CUBLAS_STATUS",
+                                   "cuDNN error", "NCCL error"))
 
 
 def _out_cache(out) -> object:

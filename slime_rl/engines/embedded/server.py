@@ -1,4 +1,4 @@
-"""HTTP front of the embedded engine: SGLang's native endpoints on the stdlib ThreadingHTTPServer.
+"""HTTP front of the embedded engine: SGLang's native endpoints, served by an event loop (http.py).
 
 Paths, request fields, response shapes and status codes follow SGLang 0.5.23
 (python/sglang/srt/entrypoints/http_server.py): control endpoints answer {"success", "message"}
@@ -18,20 +18,22 @@ process), which the colocated tests read. /begin_weight_update and /end_weight_u
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import json
 import logging
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
 
 from slime_rl.data.images import load_image_processor
-from slime_rl.engines.embedded.engine import Engine
+from slime_rl.engines.embedded.engine import Engine, GenRequest
+from slime_rl.engines.embedded.http import HttpLimits, HttpServer
 from slime_rl.engines.embedded.memory import MemoryOccupation
 from slime_rl.engines.embedded.precision import apply_precision_policy
 from slime_rl.engines.embedded.protocol import build_response, parse_generate, seed_generator
@@ -73,11 +75,14 @@ class ServerConfig:
     # a body larger than this is refused (413) before it is read: weight updates travel over NCCL/IPC,
     # so the largest bodies are VL requests with images as data URLs
     max_request_bytes: int = 256 << 20
-
-
-# a connection that sends nothing for this long is closed (a stalled client holds one thread until
-# then); long /generate calls wait on the scheduler, not on the socket, so they are not cut
-SOCKET_IDLE_TIMEOUT_S = 300.0
+    # a request's head and body must arrive within this many seconds (else 408 and the connection
+    # closes); a kept-alive connection idle for idle_timeout_s closes. Long /generate calls wait on
+    # the scheduler, not on the socket, so they are not cut. Open connections above max_connections
+    # are answered 503; blocking endpoint bodies run on at most http_workers threads (http.py).
+    read_timeout_s: float = 30.0
+    idle_timeout_s: float = 300.0
+    max_connections: int = 4096
+    http_workers: int = 16
 
 
 class EmbeddedServer:
@@ -126,33 +131,43 @@ class EmbeddedServer:
         self.session = WeightUpdateSession()
         self._rid_counter = itertools.count()
         self._seed_warned = False
-        self.httpd = _Listener((cfg.host, cfg.port), _make_handler(self))
-        self.httpd.daemon_threads = True
+        self.http = HttpServer(cfg.host, cfg.port, self, HttpLimits(
+            max_request_bytes=cfg.max_request_bytes, read_timeout_s=cfg.read_timeout_s,
+            idle_timeout_s=cfg.idle_timeout_s, max_connections=cfg.max_connections, workers=cfg.http_workers))
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
+        host, port = self.http.server_address[:2]
         return f"http://{host}:{port}"
 
     def start(self) -> EmbeddedServer:
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="embedded-http", daemon=True)
+        self._thread = threading.Thread(target=self.http.serve_forever, name="embedded-http", daemon=True)
         self._thread.start()
         return self
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever()
+        self.http.serve_forever()
 
     def shutdown(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        # the engine first: it finishes the running requests (abort, "Server shutting down") and the
+        # transport gets a moment to send those answers before it drops the connections
         self.engine.shutdown()
+        self.http.shutdown()
 
     def next_rid(self) -> str:
         return f"embedded-{next(self._rid_counter)}-{secrets.token_hex(4)}"
 
     # ---- endpoint bodies: (status, payload); payload dict/list -> JSON, str -> text, None -> empty ----
     def generate(self, body: Any) -> tuple[int, Any]:
+        """/generate from a blocking caller (the pool's threads: /health_generate)."""
+        reqs, is_batch = self._prepare_generate(body)
+        self.engine.submit(reqs)
+        for r in reqs:
+            r.done.wait()
+        return self._generate_result(reqs, is_batch, body)
+
+    def _prepare_generate(self, body: Any) -> tuple[list[GenRequest], bool]:
         reqs, is_batch = parse_generate(body, self.tokenizer, self.vocab_size, self.context_len, self.next_rid,
                                         self.vision)
         for r in reqs:
@@ -162,15 +177,33 @@ class EmbeddedServer:
                 self._seed_warned = True  # SGLang ignores it silently; say it once
                 logger.warning("sampling_seed ignored: the engine was started without "
                                "--enable-deterministic-inference (as SGLang 0.5.23 does)")
-        self.engine.submit(reqs)
-        for r in reqs:
-            r.done.wait()
+        return reqs, is_batch
+
+    def _generate_result(self, reqs: list[GenRequest], is_batch: bool, body: dict) -> tuple[int, Any]:
         failed = [r.finish_reason for r in reqs if (r.finish_reason or {}).get("status_code")]
         if failed:
             return failed[0]["status_code"], {"error": {"message": failed[0]["message"]}}
         text_lp = bool(body.get("return_text_in_logprobs"))
         outs = [build_response(r, self.tokenizer, self.weights.weight_version, text_lp) for r in reqs]
         return 200, outs if is_batch else outs[0]
+
+    async def _generate_async(self, raw: bytes) -> tuple[int, Any]:
+        """/generate on the event loop: parse and answer on the pool, wait for the scheduler on no thread."""
+        status, prep = await self.http.run_blocking(self._guarded, "/generate", self._parse_and_prepare, raw)
+        if status:
+            return status, prep
+        body, (reqs, is_batch) = prep
+        loop = asyncio.get_running_loop()
+        waits = [loop.create_future() for _ in reqs]
+        for r, fut in zip(reqs, waits, strict=True):
+            r.on_done = _waker(loop, fut)
+        self.engine.submit(reqs)
+        await asyncio.gather(*waits)
+        return await self.http.run_blocking(self._guarded, "/generate", self._generate_result, reqs, is_batch, body)
+
+    def _parse_and_prepare(self, raw: bytes) -> tuple[int, Any]:
+        body = _parse_body(raw)
+        return 0, (body, self._prepare_generate(body))
 
     def health_generate(self) -> tuple[int, Any]:
         if not self.engine.is_alive():
@@ -274,6 +307,42 @@ class EmbeddedServer:
             return (200 if ok else 400), {"success": ok, "message": message}
         return 404, {"detail": "Not Found"}
 
+    # ---- the transport's application interface (http.py) ----
+    def check_head(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, Any] | None:
+        """The key and the size come from the headers: an unauthenticated or oversized body is refused
+        without reading it (the transport then closes the connection, so its bytes are never taken)."""
+        key = self.cfg.api_key
+        if key and not path.startswith(OPEN_PREFIXES):
+            scheme, _, token = (headers.get("authorization") or "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
+                return 401, {"error": "Unauthorized"}  # SGLang's body for it
+        length = headers.get("content-length") or "0"  # h11 has refused one that is not a byte count
+        if int(length) > self.cfg.max_request_bytes:
+            return 413, {"error": {"message": f"body of {int(length)} bytes: more than the engine takes "
+                                              f"({self.cfg.max_request_bytes}, --max-request-bytes)"}}
+        if method not in ("GET", "HEAD", "POST", "PUT"):  # HEAD: GET's answer without its body (Starlette's)
+            return 405, {"detail": "Method Not Allowed"}
+        return None
+
+    async def handle(self, method: str, path: str, raw: bytes) -> tuple[int, Any]:
+        if path == "/health":  # on the loop: a liveness probe needs no thread
+            return (200 if self.engine.is_alive() else 503), None
+        if path == "/generate" and method in ("POST", "PUT"):
+            return await self._generate_async(raw)
+        return await self.http.run_blocking(self._guarded, path, self._route_raw, method, path, raw)
+
+    def _route_raw(self, method: str, path: str, raw: bytes) -> tuple[int, Any]:
+        return self.route("GET" if method in ("GET", "HEAD") else "POST", path, _parse_body(raw))
+
+    def _guarded(self, path: str, fn: Callable[..., tuple[int, Any]], *args: Any) -> tuple[int, Any]:
+        """fn(*args) with its failures as answers: a bad request 400 naming the field, anything else 500."""
+        try:
+            return fn(*args)
+        except RequestError as e:
+            return 400, {"error": {"message": str(e)}}
+        except Exception as e:  # a server must answer (and log) whatever broke in a handler
+            logger.exception("%s failed", path)
+            return 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
 
 def _opt(body: Any, name: str, kind: type, default: Any) -> Any:
     if not isinstance(body, dict):
@@ -284,83 +353,20 @@ def _opt(body: Any, name: str, kind: type, default: Any) -> Any:
     return value
 
 
-class _Listener(ThreadingHTTPServer):
-    # the stdlib's accept backlog is 5: a rollout opens hundreds of connections at once, and the
-    # ones over the backlog are reset (seen as ReadError in the client at 64 in flight)
-    request_queue_size = 4096
+def _parse_body(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw.strip() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"body: invalid JSON ({e})") from e
+    except RecursionError as e:
+        raise RequestError("body: JSON nested too deeply") from e
 
 
-def _make_handler(server: EmbeddedServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive for httpx clients
-        timeout = SOCKET_IDLE_TIMEOUT_S
-        # TCP_NODELAY: headers and body are two writes; with Nagle on, the body waits for the
-        # client's delayed ACK (~40 ms on Linux) -- that was 44 ms per request, measured.
-        disable_nagle_algorithm = True
-
-        def log_message(self, fmt: str, *args: Any) -> None:
-            logger.debug("%s " + fmt, self.address_string(), *args)
-
-        def do_GET(self) -> None:
-            self._handle("GET")
-
-        def do_POST(self) -> None:
-            self._handle("POST")
-
-        def do_PUT(self) -> None:
-            self._handle("POST")
-
-        def _handle(self, method: str) -> None:
-            path = self.path.split("?", 1)[0]
-            # the key and the size come from the headers: an unauthenticated or oversized body is
-            # refused without reading it (the connection is closed, so its bytes are never taken)
-            key = server.cfg.api_key
-            if key and not path.startswith(OPEN_PREFIXES):
-                auth = self.headers.get("Authorization") or ""
-                scheme, _, token = auth.partition(" ")
-                if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
-                    return self._refuse(401, "Unauthorized")
-            length = self.headers.get("Content-Length") or "0"
-            if not length.isdigit():
-                return self._refuse(400, f"Content-Length: expected a byte count, got {length[:40]!r}")
-            if int(length) > server.cfg.max_request_bytes:
-                return self._refuse(413, f"body of {int(length)} bytes: more than the engine takes "
-                                         f"({server.cfg.max_request_bytes}, --max-request-bytes)")
-            raw = self.rfile.read(int(length))
-            try:
-                body = json.loads(raw) if raw.strip() else {}
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                return self._send(400, {"error": {"message": f"body: invalid JSON ({e})"}})
-            except RecursionError:
-                return self._send(400, {"error": {"message": "body: JSON nested too deeply"}})
-            try:
-                status, payload = server.route(method, path, body)
-            except RequestError as e:
-                status, payload = 400, {"error": {"message": str(e)}}
-            except Exception as e:  # a server must answer (and log) whatever broke in a handler
-                logger.exception("%s %s failed", method, path)
-                status, payload = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
-            self._send(status, payload)
-
-        def _refuse(self, status: int, message: str) -> None:
-            # the body is left unread: the connection must end (and the client be told, so that it
-            # does not send its next request on it), or the body's bytes would be read as a request
-            self._send(status, {"error": {"message": message}} if status != 401 else {"error": message},
-                       close=True)
-
-        def _send(self, status: int, payload: Any, close: bool = False) -> None:
-            if payload is None:
-                data, ctype = b"", "text/plain"
-            elif isinstance(payload, str):
-                data, ctype = payload.encode(), "text/plain; charset=utf-8"
-            else:
-                data, ctype = json.dumps(payload).encode(), "application/json"
-            self.send_response(status)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            if close:
-                self.send_header("Connection", "close")  # BaseHTTPRequestHandler then closes after it
-            self.end_headers()
-            self.wfile.write(data)
-
-    return Handler
+def _waker(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[[], None]:
+    """A GenRequest.on_done that resolves `fut` on its loop (called from the scheduler's thread)."""
+    def wake() -> None:
+        try:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        except RuntimeError:  # the loop has ended (shutdown): nobody waits any more
+            pass
+    return wake
