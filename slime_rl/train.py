@@ -25,6 +25,7 @@ from slime_rl.engines.launch import check_engine_config
 from slime_rl.observability import MetricsLogger, Timer, summary_line
 from slime_rl.orchestration.placement import PlacementPlan, plan_placement
 from slime_rl.rewards import RewardError, reward_fn_from_config
+from slime_rl.rewards.labels import label_problem
 from slime_rl.rollout.custom import load_filter, load_generate_function
 
 
@@ -42,10 +43,13 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
                           "(pip install slime_rl[router])")
     check_model_features(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
-    dataset = PromptDataset(cfg.data, tokenizer, token_limit=token_limit(cfg, cfg.rollout.max_response_len))
+    labels = label_problem(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)  # what the reward needs of a label
+    dataset = PromptDataset(cfg.data, tokenizer, token_limit=token_limit(cfg, cfg.rollout.max_response_len),
+                            label_check=labels)
     for _, path in cfg.eval.datasets:  # as the rollout manager reads them: unshuffled, same limits
         PromptDataset(dataclasses.replace(cfg.data, prompt_data=path, rollout_shuffle=False), tokenizer,
-                      token_limit=token_limit(cfg, cfg.eval.max_response_len, "--eval-max-response-len"))
+                      token_limit=token_limit(cfg, cfg.eval.max_response_len, "--eval-max-response-len"),
+                      label_check=labels)
     if dataset.filtered_too_long:
         print(f"[slime_rl] {dataset.filtered_too_long} prompts longer than --rollout-max-prompt-len dropped")
     if cfg.data.num_epoch is not None:
