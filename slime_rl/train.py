@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import os
 import secrets
+import signal
 import sys
 import time
 import traceback
@@ -246,6 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.dry_run:
         dry_run(cfg, plan)
         return 0
+    if not os.environ.get("RAY_ADDRESS"):  # this driver starts Ray: what it starts goes with it, kill -9 included
+        from slime_rl.orchestration.reaper import start_reaper
+
+        start_reaper()
+    # SIGTERM (kill, a scheduler's cancel) unwinds like Ctrl-C: the engines and trainers are stopped
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         train(cfg, plan)
     except RunFailed as exc:
@@ -254,6 +261,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"slime-rl train: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
