@@ -113,8 +113,9 @@ def describe(exc: BaseException, *, phase: str, step: int | None, save: str | No
                       "or spread the model over more GPUs (--tensor-model-parallel-size).")
     elif isinstance(cause, NoLiveEngineError):
         what = f"no live rollout engine: {cause}"
-        advice = ("Every engine died; --use-fault-tolerance restarts dead engines between attempts."
-                  if not fault_tolerance else "The engines could not be restarted.")
+        advice = ("--use-fault-tolerance restarts dead engines and generates the step again." if not fault_tolerance
+                  else "The engines died again after each restart: their own logs (lines prefixed [engine K] "
+                       "in Ray's logs) say why.")
     elif isinstance(cause, EngineLaunchError):
         what = f"a rollout engine did not start: {_last_line(cause)}"
     elif isinstance(cause, (EngineError, EngineFailure)) and cause.status is None:
