@@ -103,7 +103,7 @@ class Cluster:
             self.trainers.connect_engines(targets, self.plan.weight_update_world_size)
 
     def generate(self, step: int) -> dict[str, float]:
-        return ray.get(self.rollout_manager.generate.remote(step, self.buffer))
+        return self.wait(self.generate_async(step))
 
     def generate_async(self, step: int):
         """Start rollout `step`; the batch lands in the buffer, the metrics in the returned ref."""
