@@ -12,8 +12,10 @@ import dataclasses
 import importlib.util
 import os
 import secrets
+import signal
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 
 import torch
@@ -25,11 +27,18 @@ from slime_rl.engines.launch import check_engine_config
 from slime_rl.observability import MetricsLogger, Timer, summary_line
 from slime_rl.orchestration.placement import PlacementPlan, plan_placement
 from slime_rl.rewards import RewardError, reward_fn_from_config
+from slime_rl.rewards.labels import label_problem
 from slime_rl.rollout.custom import load_filter, load_generate_function
 
 
 class RunFailed(RuntimeError):
-    """The run stopped because a part of it failed; the message says which and how to resume."""
+    """The run stopped because a part of it failed; the message says what, where and what to run
+    next (slime_rl.orchestration.failures). `known`: a failure the message fully explains (an
+    unexpected one also gets its traceback printed by `main`)."""
+
+    def __init__(self, message: str, known: bool = True) -> None:
+        super().__init__(message)
+        self.known = known
 
 
 def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
@@ -42,10 +51,13 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
                           "(pip install slime_rl[router])")
     check_model_features(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
-    dataset = PromptDataset(cfg.data, tokenizer, token_limit=token_limit(cfg, cfg.rollout.max_response_len))
+    labels = label_problem(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)  # what the reward needs of a label
+    dataset = PromptDataset(cfg.data, tokenizer, token_limit=token_limit(cfg, cfg.rollout.max_response_len),
+                            label_check=labels)
     for _, path in cfg.eval.datasets:  # as the rollout manager reads them: unshuffled, same limits
         PromptDataset(dataclasses.replace(cfg.data, prompt_data=path, rollout_shuffle=False), tokenizer,
-                      token_limit=token_limit(cfg, cfg.eval.max_response_len, "--eval-max-response-len"))
+                      token_limit=token_limit(cfg, cfg.eval.max_response_len, "--eval-max-response-len"),
+                      label_check=labels)
     if dataset.filtered_too_long:
         print(f"[slime_rl] {dataset.filtered_too_long} prompts longer than --rollout-max-prompt-len dropped")
     if cfg.data.num_epoch is not None:
@@ -148,6 +160,7 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     ratio is exact; the engine/trainer gap shows in train/rollout_logprob_abs_diff).
     """
     from slime_rl.orchestration.cluster import Cluster
+    from slime_rl.orchestration.failures import describe
     from slime_rl.orchestration.trainer_group import TrainerRankError
 
     steps_per_rollout = cfg.optimizer_steps_per_rollout
@@ -157,17 +170,21 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     rows = []
     cluster = Cluster(cfg, plan, api_key=secrets.token_hex(16))
     failed = False
+    phase, step = "start", None  # where a failure happened, for the message
     try:
         cluster.start(train_iters=n_steps * steps_per_rollout)
+        phase = "resume from --load"
         first = cluster.resume()
         logger.start(first)
         if cfg.eval.enabled and not cfg.eval.skip_before_train and first == 0:
+            phase = "eval before training"
             with timer("eval"):
                 row = logger.log(-1, cluster.evaluate() | timer.pop())  # step -1: before any update
             print(f"eval before training: {row}", flush=True)
         pending = cluster.generate_async(first) if first < n_steps else None
         for step in range(first, n_steps):
             start = time.perf_counter()
+            phase = "rollout"
             with timer("rollout"):
                 metrics = cluster.wait(pending)
             pending = None
@@ -176,23 +193,28 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
             if cfg.engine.colocate:  # the engines' memory goes to the trainer until the weight sync
                 with timer("release"):
                     cluster.release_engines()
+            phase = "train"
             with timer("train"):
                 metrics |= cluster.train(step)
             if pending is not None:
                 with timer("rollout_overlap_wait"):
                     cluster.wait_done(pending)
+            phase = "engine restart"
             restarted = cluster.heal_engines() if cfg.fault.use_fault_tolerance else 0
             if restarted:
                 metrics["fault/engines_restarted"] = float(restarted)
             if restarted or (step + 1) % interval == 0 or step + 1 == n_steps:  # a restarted engine needs weights
+                phase = "weight sync"
                 with timer("weight_sync"):
                     metrics |= cluster.sync_weights(version=str(step + 1))
             if cfg.eval.enabled and (step + 1) % cfg.eval.interval == 0:
                 if pending is not None:  # eval must see the new weights: let the overlapped rollout finish first
                     cluster.wait_done(pending)
+                phase = "eval"
                 with timer("eval"):
                     metrics |= cluster.evaluate()
             if cfg.checkpoint.saves_at(step, n_steps):  # --save and/or --save-hf
+                phase = "checkpoint save"
                 with timer("save"):
                     cluster.save(step)  # the rollout side is saved as it was before rollout step + 1
             if pending is None and step + 1 < n_steps:
@@ -204,12 +226,11 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
             row = logger.log(step, metrics)
             rows.append(row)
             print(summary_line(row), flush=True)
-    except (TrainerRankError, RewardError) as exc:  # RewardError: every sample of a step failed to score
+    except Exception as exc:  # every failure reads as one sentence: what, where, what to run next
         failed = isinstance(exc, TrainerRankError)
-        save = cfg.checkpoint.save
-        where = (f"; the last complete checkpoint under {save} stays: rerun with --load {save} to resume from it"
-                 if save else " (no --save: nothing to resume from)")
-        raise RunFailed(f"run stopped: {exc}{where}") from exc
+        text, known = describe(exc, phase=phase, step=step, save=cfg.checkpoint.save,
+                               fault_tolerance=cfg.fault.use_fault_tolerance)
+        raise RunFailed(text, known=known) from exc
     finally:
         cluster.shutdown(failed=failed)
         logger.close()
@@ -226,12 +247,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.dry_run:
         dry_run(cfg, plan)
         return 0
+    if not os.environ.get("RAY_ADDRESS"):  # this driver starts Ray: what it starts goes with it, kill -9 included
+        from slime_rl.orchestration.reaper import start_reaper
+
+        start_reaper()
+    # SIGTERM (kill, a scheduler's cancel) unwinds like Ctrl-C: the engines and trainers are stopped
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         train(cfg, plan)
     except RunFailed as exc:
+        if not exc.known and exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
         print(f"slime-rl train: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,12 +159,13 @@ class PromptDataset:
     `DataConfig` does not hold: `metadata_key` (a dict column merged into each row's metadata),
     `tool_key` (a list of tool schemas passed to the chat template, also kept as metadata["tools"]),
     `chat_template_kwargs` (a dict or JSON string for `apply_chat_template`) and `image_processor`
-    (for rows with images; default: the one saved next to the tokenizer).
+    (for rows with images; default: the one saved next to the tokenizer). `label_check` (label ->
+    what is wrong, or None; `rewards.labels.label_problem`) makes a label the reward cannot use a bad row.
     """
 
     def __init__(self, cfg: DataConfig, tokenizer: Any, metadata_key: str | None = None, tool_key: str | None = None,
                  chat_template_kwargs: dict[str, Any] | str | None = None, image_processor: Any = None,
-                 token_limit: TokenLimit | None = None) -> None:
+                 token_limit: TokenLimit | None = None, label_check: Callable[[Any], str | None] | None = None) -> None:
         self.cfg = cfg
         # the flags (--metadata-key, --tool-key, --apply-chat-template-kwargs) unless given here
         self.metadata_key = metadata_key or cfg.metadata_key
@@ -187,6 +189,9 @@ class PromptDataset:
                 self.filtered_too_long += 1
                 continue
             problem = token_limit.problem(len(row.prompt_ids)) if token_limit is not None else None
+            if problem is None and label_check is not None:  # the reward type decides what a label must be
+                label_problem = label_check(row.label)
+                problem = None if label_problem is None else f"'{cfg.label_key}' (--label-key) {label_problem}"
             if problem is not None:
                 errors.append(f"{where}: {problem}")
                 continue

@@ -14,9 +14,11 @@ from slime_rl.config import Config
 from slime_rl.engines.client import EngineClient
 from slime_rl.orchestration.buffer import Buffer
 from slime_rl.orchestration.engines import EngineActor, engine_command, engine_env
+from slime_rl.orchestration.failures import root_cause
 from slime_rl.orchestration.placement import PlacementPlan
 from slime_rl.orchestration.rollout_manager import RolloutManager
-from slime_rl.orchestration.trainer_group import CRITIC, RankGroup
+from slime_rl.orchestration.trainer_group import CRITIC, RankGroup, TrainerRankError
+from slime_rl.rollout.health import NoLiveEngineError
 from slime_rl.trainer.checkpoint_layout import keep_last
 from slime_rl.weight_sync.broadcast import EngineTarget
 from slime_rl.weight_sync.colocated import MEMORY_TAGS, RESUME_AFTER_SYNC, RESUME_BEFORE_SYNC
@@ -35,6 +37,12 @@ def init_ray(plan: PlacementPlan) -> None:
              log_to_driver=True)
 
 
+# --use-fault-tolerance: a rollout whose every engine died is generated again after the restart (this
+# many times per step), and a weight sync that failed with an engine dead is retried after the restart
+MAX_ROLLOUT_RESTARTS = 3
+MAX_SYNC_RETRIES = 2
+
+
 class Cluster:
     def __init__(self, cfg: Config, plan: PlacementPlan, api_key: str | None) -> None:
         self.cfg, self.plan, self.api_key = cfg, plan, api_key
@@ -50,6 +58,8 @@ class Cluster:
         self.buffer = None
         self.targets: list[EngineTarget] = []
         self._revived: dict[int, str] = {}  # restarted engines, handed to the rollout side after a sync
+        self._rollout_steps: dict = {}  # generate_async's refs -> their step (to run one again)
+        self.weight_version = "0"  # of the last sync: what a restarted engine gets again
 
     def start(self, train_iters: int) -> None:
         init_ray(self.plan)
@@ -94,14 +104,38 @@ class Cluster:
             self.trainers.connect_engines(targets, self.plan.weight_update_world_size)
 
     def generate(self, step: int) -> dict[str, float]:
-        return ray.get(self.rollout_manager.generate.remote(step, self.buffer))
+        return self.wait(self.generate_async(step))
 
     def generate_async(self, step: int):
         """Start rollout `step`; the batch lands in the buffer, the metrics in the returned ref."""
-        return self.rollout_manager.generate.remote(step, self.buffer)
+        ref = self.rollout_manager.generate.remote(step, self.buffer)
+        self._rollout_steps[ref] = step
+        return ref
 
     def wait(self, ref) -> dict[str, float]:
-        return ray.get(ref)
+        """The metrics of a rollout started by `generate_async`. --use-fault-tolerance: when every
+        engine died during it (NoLiveEngineError; with one engine, that one), the rollout side goes
+        back to where the step began, the dead engines are restarted with the current weights, and
+        the step is generated again, at most MAX_ROLLOUT_RESTARTS times: same prompts, same sample
+        numbers, none lost and none twice."""
+        step = self._rollout_steps.pop(ref, None)
+        restarts = 0
+        while True:
+            try:
+                metrics = ray.get(ref)
+                return metrics | {"fault/rollout_restarts": float(restarts)} if restarts else metrics
+            except ray.exceptions.RayTaskError as exc:
+                if (not isinstance(root_cause(exc), NoLiveEngineError) or step is None
+                        or not self.cfg.fault.use_fault_tolerance or restarts >= MAX_ROLLOUT_RESTARTS):
+                    raise
+                restarts += 1
+                print(f"[slime_rl] rollout of step {step}: every engine died ({root_cause(exc)}); restarting them "
+                      f"with the current weights and generating the step again ({restarts}/{MAX_ROLLOUT_RESTARTS})",
+                      flush=True)
+            ray.get(self.rollout_manager.rewind.remote(step))
+            self.heal_engines()
+            self.sync_weights(version=self.weight_version)
+            ref = self.rollout_manager.generate.remote(step, self.buffer)
 
     def wait_done(self, ref) -> None:
         ray.wait([ref], num_returns=1, timeout=None, fetch_local=False)
@@ -173,6 +207,29 @@ class Cluster:
                 getattr(client, endpoint)(tags)
 
     def sync_weights(self, version: str) -> dict[str, float]:
+        """Broadcast the trainer's weights as `version`. --use-fault-tolerance: when the sync fails and
+        an engine is dead (killed during the broadcast), the dead engines are restarted, the group is
+        re-created and the sync runs again, at most MAX_SYNC_RETRIES times."""
+        retries = 0
+        while True:
+            try:
+                metrics = self._sync_weights(version)
+                self.weight_version = version
+                return metrics | {"fault/weight_sync_retries": float(retries)} if retries else metrics
+            except TrainerRankError as exc:
+                if not self.cfg.fault.use_fault_tolerance or retries >= MAX_SYNC_RETRIES:
+                    raise
+                timeout = self.cfg.fault.health_check_timeout_s
+                alive = ray.get([e.alive.remote(timeout) for e in self.engines])
+                if all(alive):
+                    raise  # no engine died: the trainer's own failure
+                retries += 1
+                dead = [k for k, ok in enumerate(alive) if not ok]
+                print(f"[slime_rl] weight sync {version} failed with engine(s) {dead} dead ({exc}); restarting them "
+                      f"and syncing again ({retries}/{MAX_SYNC_RETRIES})", flush=True)
+                self.heal_engines()
+
+    def _sync_weights(self, version: str) -> dict[str, float]:
         start = time.time()
         # colocated: only what was released is resumed (SGLang refuses to resume a tag it holds);
         # the weights first, then the sync refills them, then the KV cache and CUDA graphs
@@ -196,7 +253,7 @@ class Cluster:
         timeout = self.cfg.fault.health_check_timeout_s
         dead = dict(ray.get(self.rollout_manager.dead_engines.remote()))
         alive = ray.get([e.alive.remote(timeout) for e in self.engines])
-        dead |= {k: "failed its health check between rollouts" for k, ok in enumerate(alive) if not ok}
+        dead = {k: "failed its health check between rollouts" for k, ok in enumerate(alive) if not ok} | dead
         if not dead:
             return 0
         restarts = []
@@ -217,20 +274,20 @@ class Cluster:
 
     def shutdown(self, failed: bool = False) -> None:
         """`failed`: a trainer or critic rank failed, so the ranks are killed rather than asked to stop
-        (the others may wait in a collective for the failed one)."""
-        for group, name in ((self.trainers, "trainer"), (self.critics, "critic")):
-            if group is None:
-                continue
-            if failed:
-                group.kill()
-                continue
+        (the others may wait in a collective for the failed one). Every part is stopped even when
+        another part's stop fails (a dead actor, an engine gone)."""
+        def attempt(what: str, fn) -> None:
             try:
-                group.shutdown()
-            except ray.exceptions.RayError as exc:
-                print(f"[slime_rl] {name} shutdown: {exc}")
+                fn()
+            except Exception as exc:  # noqa: BLE001  (the rest must still be stopped)
+                print(f"[slime_rl] {what}: {exc}", flush=True)
+
+        for group, name in ((self.trainers, "trainer"), (self.critics, "critic")):
+            if group is not None:
+                attempt(f"{name} {'kill' if failed else 'shutdown'}", group.kill if failed else group.shutdown)
         if self.router is not None:  # before the engines: it would mark them dead and log errors
-            ray.get(self.router.stop.remote())
-        if self.engines:
-            ray.get([e.stop.remote() for e in self.engines])
+            attempt("router stop", lambda: ray.get(self.router.stop.remote()))
+        for k, engine in enumerate(self.engines):
+            attempt(f"engine {k} stop", lambda e=engine: ray.get(e.stop.remote()))
         if self.pg is not None:
-            remove_placement_group(self.pg)
+            attempt("placement group removal", lambda: remove_placement_group(self.pg))

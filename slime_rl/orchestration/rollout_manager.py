@@ -23,7 +23,8 @@ from transformers import AutoTokenizer
 from slime_rl.algo import estimator_for, overlong_penalty
 from slime_rl.config import AlgoConfig, Config
 from slime_rl.data import PromptDataset, Sample
-from slime_rl.engines.client import AsyncEngineClient, AsyncRouterClient
+from slime_rl.engines.client import AsyncEngineClient, AsyncRouterClient, EngineError
+from slime_rl.orchestration.failures import EngineFailure, RolloutStarved
 from slime_rl.rewards import reward_fn_from_config, reward_metric_means
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.eval import evaluate
@@ -97,6 +98,10 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
     } | reward_metric_means(flat)
 
 
+# one rollout may draw the data this many times over before its filter is called hopeless
+MAX_EPOCHS_PER_ROLLOUT = 3
+
+
 @ray.remote(num_cpus=0)
 class RolloutManager:
     def __init__(self, cfg: Config, engine_urls: list[str], api_key: str | None = None,
@@ -138,9 +143,11 @@ class RolloutManager:
                 if health is not None:
                     await stack.enter_async_context(health.watching(clients))
                 result = await generate_filtered_groups(
-                    clients, self.dataset.next_batch, self.options, self.reward_fn, self.tokenizer,
+                    clients, self._draw_guard(step), self.options, self.reward_fn, self.tokenizer,
                     resume=self.leftover if self.options.partial_rollout else (), first_index=self.next_index,
                     first_group=self.next_group, progress=True, health=health)
+        except EngineError as exc:  # as an error Ray can carry to the driver, which names the engine
+            raise EngineFailure.of(exc) from None
         finally:
             if health is not None:
                 self.dead = dict(health.reasons)
@@ -149,7 +156,8 @@ class RolloutManager:
         failed = self.reward_fn.failures.check_step(reward_mark, step)  # raises when every sample failed
         groups = result.groups
         if not groups:
-            raise RuntimeError(f"step {step}: the rollout kept no group (deadline or filter); nothing to train on")
+            raise RolloutStarved(f"the rollout of step {step} kept no group before --rollout-deadline-s "
+                                 f"{self.cfg.rollout.rollout_deadline_s}; nothing to train on")
         self.leftover = result.leftover
         if self.cfg.logging.dump_rollouts:
             dump_rollouts(Path(self.cfg.logging.run_dir) / "rollouts" / f"step_{step:06d}.jsonl", groups)
@@ -157,6 +165,25 @@ class RolloutManager:
         await buffer.put.remote(step, samples_to_batch(groups, self.cfg.algo, self.cfg.rollout.max_response_len))
         return (rollout_metrics(groups) | result.metrics | {"rollout/reward_failures": float(failed)}
                 | {"time/rollout_start": start, "time/rollout_end": time.time()})
+
+    def _draw_guard(self, step: int):
+        """The dataset's next_batch, stopping the run once one rollout has drawn every prompt
+        MAX_EPOCHS_PER_ROLLOUT times without filling its batch (the filter keeps next to nothing:
+        the data is exhausted for it) instead of drawing forever."""
+        cap = MAX_EPOCHS_PER_ROLLOUT * len(self.dataset)
+        drawn = 0
+
+        def next_rows(n: int) -> list:
+            nonlocal drawn
+            if drawn and drawn + n > cap:
+                raise RolloutStarved(
+                    f"the rollout of step {step} drew {drawn} prompts ({MAX_EPOCHS_PER_ROLLOUT} passes over the "
+                    f"{len(self.dataset)} prompts of --prompt-data) and --dynamic-sampling-filter-path "
+                    f"{self.cfg.rollout.dynamic_sampling_filter_path} kept fewer than --rollout-batch-size "
+                    f"{self.cfg.rollout.rollout_batch_size} groups: the data is exhausted for this filter")
+            drawn += n
+            return self.dataset.next_batch(n)
+        return next_rows
 
     def _health(self) -> EngineHealth | None:
         f = self.cfg.fault
@@ -166,6 +193,11 @@ class RolloutManager:
                               timeout_s=f.health_check_timeout_s)
         health.reasons.update(self.dead)
         return health
+
+    def rewind(self, step: int) -> None:
+        """Rollout `step` failed (every engine died): back to the state before it, so that running it
+        again draws the same prompts and numbers the samples the same."""
+        self.load_state_dict(self._state_before[step])
 
     def dead_engines(self) -> dict[int, str]:
         """Engines declared dead by a rollout and not yet revived, with the reason."""

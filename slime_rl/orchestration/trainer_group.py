@@ -52,7 +52,7 @@ def gather_ranks(refs: list, what: str, role: str = POLICY) -> list:
             rank = pending.pop(ref)
             try:
                 results[rank] = ray.get(ref)
-            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            except ray.exceptions.RayError as e:  # a task error, a dead actor, or an error Ray cannot rebuild
                 raise TrainerRankError(rank, what, e, role) from e
     return results
 

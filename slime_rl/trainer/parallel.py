@@ -7,7 +7,6 @@ the CPU compatibility layer applied before megatron sees a tensor).
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 

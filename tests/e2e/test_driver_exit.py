@@ -1,0 +1,80 @@
+"""A driver that is killed (kill -9: no handler runs) takes what it started with it: Ray's GCS, raylet
+and agents, the actors' workers, the engine server. `slime-rl train` runs as a real process here,
+starting its own Ray; only the processes that were its descendants are looked at."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.e2e.test_fault import argv
+from tests.loop_checks import digit_data_fixture
+from tests.procs import ROOT
+
+digit_data = digit_data_fixture(16, seed=7)
+
+
+def tree(pid: int) -> dict[int, tuple[float, str]]:
+    """{pid: (start time, command line)} of the live descendants of `pid`."""
+    out = {}
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            out[p.pid] = (p.create_time(), " ".join(p.cmdline())[:120])
+        except psutil.Error:
+            pass
+    return out
+
+
+def still_alive(recorded: dict[int, tuple[float, str]]) -> dict[int, str]:
+    alive = {}
+    for pid, (created, cmd) in recorded.items():
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
+                alive[pid] = cmd
+        except psutil.Error:
+            pass
+    return alive
+
+
+def test_a_killed_driver_leaves_no_process_behind(tiny_qwen2, digit_data, tmp_path):
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    log = (tmp_path / "driver.log").open("w")
+    driver = subprocess.Popen([sys.executable, "-m", "slime_rl.train", *argv(tiny_qwen2, digit_data, run, steps=1000)],
+                              cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    recorded: dict[int, tuple[float, str]] = {}
+    try:
+        # what a run starts under its driver: Ray's processes, actors, an engine server, the reaper
+        parts = ("gcs_server", "raylet", "ray::TrainerActor", "slime_rl.engines", "slime_rl.orchestration.reaper")
+        deadline = time.time() + 240
+        while time.time() < deadline:  # until every part of the run is up
+            assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+            recorded |= tree(driver.pid)
+            commands = " ".join(cmd for _, cmd in recorded.values())
+            if all(part in commands for part in parts):
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"not every part started in time: {sorted(c for _, c in recorded.values())}")
+        time.sleep(2.0)
+        recorded |= tree(driver.pid)
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        deadline = time.time() + 30
+        while still_alive(recorded) and time.time() < deadline:
+            time.sleep(0.5)
+        left = still_alive(recorded)
+        assert not left, f"left behind after kill -9 of the driver: {left}"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        for pid in still_alive(recorded):  # only what this test's driver started
+            os.kill(pid, signal.SIGKILL)

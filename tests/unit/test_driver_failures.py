@@ -1,0 +1,83 @@
+"""The driver's one error format, for failures that come back through Ray as they do in a run: raised
+in a Ray task or actor (RayTaskError wrapping them), gathered like the trainer ranks' results."""
+
+from __future__ import annotations
+
+import pytest
+
+from slime_rl.orchestration.failures import EngineFailure, describe, is_out_of_memory, resume_hint, root_cause
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_one_cpu():
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def raised_in_ray(fn) -> BaseException:
+    """What the driver gets when `fn` raises in a Ray task."""
+    with pytest.raises(ray.exceptions.RayError) as info:
+        ray.get(ray.remote(fn).remote())
+    return info.value
+
+
+def allocate_too_much():
+    import torch
+
+    torch.empty(2**62, dtype=torch.uint8)  # 4 EiB: torch's CPU allocator refuses it (ENOMEM)
+
+
+def every_engine_dead():
+    from slime_rl.rollout.health import NoLiveEngineError
+
+    raise NoLiveEngineError("every rollout engine is dead: {0: 'engine http://h:1/generate unreachable'}")
+
+
+def engine_refused():
+    raise EngineFailure("http://h:1", "/generate", None, "RemoteProtocolError: Server disconnected")
+
+
+def test_an_out_of_memory_rank_is_named_with_what_to_lower(ray_one_cpu):
+    from slime_rl.orchestration.trainer_group import TrainerRankError, gather_ranks
+
+    with pytest.raises(TrainerRankError) as info:
+        gather_ranks([ray.remote(lambda: {}).remote(), ray.remote(allocate_too_much).remote()], "train step 3")
+    assert is_out_of_memory(info.value.__cause__)
+    text, known = describe(info.value, phase="train", step=3, save=None, fault_tolerance=False)
+    assert known
+    assert text.startswith("run stopped: trainer rank 1 failed during train step 3: ")
+    assert "Cannot allocate memory" in text  # torch's own words, the last line of the rank's error
+    assert "The rank ran out of memory: lower --micro-batch-size" in text
+    assert text.endswith("No checkpoint to resume from (--save is not set): rerun to start over.")
+
+
+def test_no_live_engine_and_a_dead_engine_through_ray(ray_one_cpu, tmp_path):
+    exc = raised_in_ray(every_engine_dead)
+    assert type(root_cause(exc)).__name__ == "NoLiveEngineError"
+    text, known = describe(exc, phase="rollout", step=2, save=str(tmp_path / "none"), fault_tolerance=False)
+    assert known and text == (
+        "run stopped: no live rollout engine: every rollout engine is dead: {0: 'engine http://h:1/generate "
+        "unreachable'} (during rollout of step 2). --use-fault-tolerance restarts dead engines and generates the "
+        f"step again. No checkpoint to resume from (none complete under --save {tmp_path / 'none'} yet): rerun "
+        "to start over.")
+    text, _ = describe(exc, phase="rollout", step=2, save=None, fault_tolerance=True)
+    assert "The engines died again after each restart" in text
+    # an engine error survives the trip through Ray with its fields (EngineError itself would not)
+    exc = raised_in_ray(engine_refused)
+    assert root_cause(exc).url == "http://h:1"
+    text, _ = describe(exc, phase="rollout", step=0, save=None, fault_tolerance=False)
+    assert text.startswith("run stopped: rollout engine at http://h:1 died (RemoteProtocolError: Server "
+                           "disconnected) (during rollout of step 0). --use-fault-tolerance restarts")
+
+
+def test_an_unexpected_error_is_marked_for_its_traceback(ray_one_cpu):
+    exc = raised_in_ray(lambda: {}["missing"])
+    text, known = describe(exc, phase="eval", step=4, save=None, fault_tolerance=False)
+    assert not known and text.startswith("run stopped: KeyError: 'missing' (during eval of step 4).")
+
+
+def test_resume_hint_without_a_save_folder():
+    assert resume_hint(None) == "No checkpoint to resume from (--save is not set): rerun to start over."
