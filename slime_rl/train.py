@@ -51,7 +51,7 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
                           "(pip install slime_rl[router])")
     check_model_features(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
-    labels = label_problem(cfg.rollout.rm_type, cfg.rollout.custom_rm_path)  # what the reward needs of a label
+    labels = label_problem(cfg.reward.rm_type, cfg.reward.custom_rm_path)  # what the reward needs of a label
     dataset = PromptDataset(cfg.data, tokenizer, token_limit=token_limit(cfg, cfg.rollout.max_response_len),
                             label_check=labels)
     for _, path in cfg.eval.datasets:  # as the rollout manager reads them: unshuffled, same limits
