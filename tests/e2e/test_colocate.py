@@ -15,13 +15,12 @@ from slime_rl.train import preflight, train
 from tests.e2e.test_loop import argv
 from tests.loop_checks import digit_data_fixture, ray_session_fixture
 
-ray = pytest.importorskip("ray")
-
 ray_session = ray_session_fixture(4)  # 2 colocated bundles of 2 CPU slots (a trainer rank + an engine)
 digit_data = digit_data_fixture(64, seed=4)
 COLOCATE = ["--colocate", "--rollout-num-gpus", "2"]  # 2 engines on the 2 trainer ranks' bundles (TP 2)
 
 
+@pytest.mark.slow
 def test_colocated_loop_two_steps(ray_session, tiny_qwen2, digit_data, tmp_path):
     rows = train(*preflight(build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + COLOCATE)))
     assert [r["step"] for r in rows] == [0, 1]
@@ -39,6 +38,7 @@ def _sha(t) -> str:  # as the engine's /weights_checksum: sha256 of each tensor'
     return hashlib.sha256(t.astype("float32").tobytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_release_train_resume_hand_over(ray_session, tiny_qwen2, digit_data, tmp_path):
     from slime_rl.orchestration.cluster import Cluster
 

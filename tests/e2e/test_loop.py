@@ -14,9 +14,6 @@ from slime_rl.observability import REQUIRED_KEYS
 from slime_rl.train import preflight, train
 from tests.loop_checks import digit_data_fixture, one_step_then_compare_weights, ray_session_fixture
 
-ray = pytest.importorskip("ray")
-
-
 ray_session = ray_session_fixture(4)
 
 
@@ -31,6 +28,7 @@ def argv(model, data, run_dir, steps):
 digit_data = digit_data_fixture(64, seed=1)
 
 
+@pytest.mark.slow
 def test_two_steps_write_metrics_and_logprobs_agree(ray_session, tiny_qwen2, digit_data, tmp_path):
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
         "--use-wandb", "--wandb-mode", "offline", "--use-tensorboard", "--use-swanlab", "--swanlab-mode", "offline"])
@@ -66,6 +64,7 @@ def check_logging_backends(run_dir, rows):
     assert logged == [(r["step"], pytest.approx(r["rollout/reward_mean"], rel=1e-6)) for r in rows]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]],
                          ids=["tp2", "pp2"])
 def test_engine_weights_equal_trainer_after_sync(ray_session, tiny_qwen2, digit_data, tmp_path, layout):
@@ -87,6 +86,7 @@ def test_engine_weights_equal_trainer_after_sync(ray_session, tiny_qwen2, digit_
         cluster.shutdown()
 
 
+@pytest.mark.slow
 def test_async_overlaps_rollout_with_training_and_syncs_between(ray_session, tiny_qwen2, digit_data, tmp_path):
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=3) + ["--async"])
     rows = train(*preflight(cfg))
@@ -100,6 +100,7 @@ def test_async_overlaps_rollout_with_training_and_syncs_between(ray_session, tin
     assert all(np.isfinite(r["train/loss"]) for r in rows)
 
 
+@pytest.mark.slow
 def test_dapo_dynamic_sampling_partial_rollout_and_eval(ray_session, tiny_qwen2, digit_data, tmp_path):
     extra = ["--dynamic-sampling-filter-path", "slime_rl.rollout.filters.check_reward_nonzero_std",
              "--over-sampling-batch-size", "8", "--partial-rollout", "--eval-interval", "1",
@@ -116,6 +117,7 @@ def test_dapo_dynamic_sampling_partial_rollout_and_eval(ray_session, tiny_qwen2,
         assert "eval/digits/reward_mean" in row
 
 
+@pytest.mark.slow
 def test_over_sampling_aborts_land_and_partial_rollout_resumes_them(ray_session, tiny_qwen2, digit_data, tmp_path):
     """8 groups drawn for 4: the even groups stop after 4 tokens and fill the batch while the odd ones
     (whole budget) are still on the engine. Their requests are aborted by exact rid (the built-in
@@ -133,6 +135,7 @@ def test_over_sampling_aborts_land_and_partial_rollout_resumes_them(ray_session,
     assert all(np.isfinite(r["train/loss"]) for r in rows)
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(ray_session, tiny_qwen2, digit_data, tmp_path):
     """4 steps straight vs 2 steps, a new cluster, --load, 2 more: steps 2-3 match. Rollouts repeat
     because every request is seeded from the sample index (--deterministic-rollout); the trainer
@@ -160,6 +163,7 @@ def _cfg_plan(args):
     return preflight(build_config(args))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", [
     ["--advantage-estimator", "rloo"],
     ["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.01", "--gamma", "0.99"],
@@ -180,6 +184,7 @@ def test_algorithm_families_train(ray_session, tiny_qwen2, digit_data, tmp_path,
         assert rows[0]["train/kl"] >= 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", [["compute_score"], ["compute_score_batch", "--group-rm"]], ids=["sample", "group"])
 def test_easyr1_reward_file_trains_a_step_and_dumps_rollouts(ray_session, tiny_qwen2, digit_data, tmp_path, form):
     """An EasyR1-style reward file (compute_score -> overall/format/accuracy), loaded by file path, per

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from slime_rl.config import build_config
 from slime_rl.observability import REQUIRED_KEYS
@@ -16,6 +17,7 @@ from tests.e2e.test_loop import argv, digit_data, ray_session  # noqa: F401 (fix
 CP2 = ["--tensor-model-parallel-size", "1", "--context-parallel-size", "2"]
 
 
+@pytest.mark.slow
 def test_cp2_two_steps_logprobs_agree_with_engine(ray_session, tiny_qwen2, digit_data, tmp_path):  # noqa: F811
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + CP2)
     assert cfg.parallel.context_parallel_size == 2 and cfg.parallel.data_parallel_size == 1

@@ -15,8 +15,6 @@ from slime_rl.data.vl_counting import make_rows, write_jsonl
 from slime_rl.train import preflight, train
 from tests.loop_checks import one_step_then_compare_weights, ray_session_fixture
 
-ray = pytest.importorskip("ray")
-
 ray_session = ray_session_fixture(4)
 
 
@@ -34,6 +32,7 @@ def argv(model, data, run_dir, steps: int, *extra: str) -> list[str]:
             "--update-weight-buffer-size", "20000", *extra]
 
 
+@pytest.mark.slow
 def test_two_grpo_steps_with_images(ray_session, tiny_qwen2_5_vl, vl_data, tmp_path):
     rows = train(*preflight(build_config(argv(tiny_qwen2_5_vl, vl_data, tmp_path / "run", 2))))
     assert [r["step"] for r in rows] == [0, 1]
@@ -46,6 +45,7 @@ def test_two_grpo_steps_with_images(ray_session, tiny_qwen2_5_vl, vl_data, tmp_p
     assert rows[1]["perf/weight_sync_GBps"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("freeze", [False, True], ids=["trained", "frozen"])
 def test_engine_holds_trainer_weights_after_sync(ray_session, tiny_qwen2_5_vl, vl_data, tmp_path, freeze):
     """After one update and a sync the engine's tensors equal the trainer's, bit for bit; the

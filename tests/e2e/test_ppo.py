@@ -15,8 +15,6 @@ from slime_rl.observability import REQUIRED_KEYS
 from slime_rl.train import dry_run, preflight, train
 from tests.loop_checks import digit_data_fixture, ray_session_fixture
 
-ray = pytest.importorskip("ray")
-
 PPO_KEYS = {"train/value_loss", "train/explained_variance", "critic/value_mean", "critic/grad_norm",
             "critic/value_clipfrac", "critic/lr", "train/pg_loss", "train/pg_clipfrac", "train/advantage_mean",
             "train/advantage_std"}
@@ -40,6 +38,7 @@ def argv(model, data, run_dir, steps: int, *extra: str) -> list[str]:
             "--custom-rm-path", "tests.unit.plugins.example_reward:index_reward", *extra]
 
 
+@pytest.mark.slow
 def test_ppo_trains_policy_and_critic(ray_session, tiny_qwen2, digit_data, tmp_path):
     rows = train(*preflight(build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", 2))))
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -58,6 +57,7 @@ def test_ppo_trains_policy_and_critic(ray_session, tiny_qwen2, digit_data, tmp_p
     assert rows[1]["perf/weight_sync_GBps"] > 0
 
 
+@pytest.mark.slow
 def test_critic_only_steps_leave_the_policy_alone(ray_session, tiny_qwen2, digit_data, tmp_path):
     """--num-critic-only-steps 1: step 0 updates only the critic; step 1 trains both. The policy's
     LR schedule shows it: linear decay from 0.003 to 0 over 4 optimizer steps (2 per rollout), and

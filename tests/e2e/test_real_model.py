@@ -24,7 +24,6 @@ from slime_rl.train import preflight
 from tests.conftest import ROOT
 from tests.loop_checks import ray_session_fixture
 
-ray = pytest.importorskip("ray")
 pytest.importorskip("reasoning_gym")
 
 ray_session = ray_session_fixture(4)
@@ -43,6 +42,7 @@ def _sha(t) -> str:  # as the engine's /weights_checksum: sha256 of each tensor'
     return hashlib.sha256(np.ascontiguousarray(t, dtype=np.float32).tobytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_real_model_two_steps_gap_and_weights(ray_session, smollm2_fp32, rg_data, tmp_path):
     from slime_rl.orchestration.cluster import Cluster
 

@@ -6,6 +6,7 @@ tests/trainer/test_save_hf.py; here the wiring through flags, train.py, the clus
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file
 
@@ -14,12 +15,10 @@ from slime_rl.train import preflight, train
 from tests.e2e.test_loop import argv
 from tests.loop_checks import digit_data_fixture
 
-ray = pytest.importorskip("ray")
-
-
 digit_data = digit_data_fixture(32, seed=1)
 
 
+@pytest.mark.slow
 def test_save_hf_every_interval(tiny_qwen2, digit_data, tmp_path):
     from transformers import AutoModelForCausalLM
 

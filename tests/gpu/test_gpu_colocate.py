@@ -15,7 +15,6 @@ from slime_rl.observability import REQUIRED_KEYS
 from slime_rl.train import preflight, train
 
 pytestmark = pytest.mark.gpu
-ray = pytest.importorskip("ray")
 
 
 def argv(model, data, run_dir, steps):

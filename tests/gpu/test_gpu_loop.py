@@ -13,7 +13,6 @@ from slime_rl.train import preflight, train
 from tests.loop_checks import one_step_then_compare_weights
 
 pytestmark = pytest.mark.gpu
-ray = pytest.importorskip("ray")
 
 
 def argv(model, data, run_dir, bf16):

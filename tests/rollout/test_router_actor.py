@@ -8,11 +8,11 @@ import time
 
 import httpx
 import pytest
+import ray
 from rollout_testlib import start_server
 
 from slime_rl.config import build_config
 
-ray = pytest.importorskip("ray")
 pytest.importorskip("sglang_router.launch_router", reason="sglang-router is not installed "
                     "(pip install slime_rl[router])")
 KEY = "router-actor-key"

@@ -14,7 +14,6 @@ from slime_rl.engines.client import EngineClient
 from slime_rl.train import preflight
 from tests.loop_checks import digit_data_fixture, one_step_then_compare_weights, ray_session_fixture
 
-ray = pytest.importorskip("ray")
 KEY = "two-engines-secret"
 
 

@@ -58,6 +58,7 @@ def test_engine_throughput_smoke(tmp_path, script):
     assert result["prefill_tokens_per_s"] > 0 and result["device_copy_bytes_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_gpu_e2e_smoke(tmp_path):
     """The GPU end-to-end script on CPU: 3 steps of the real loop, its metrics and its verdict line."""
     import json
@@ -72,6 +73,7 @@ def test_gpu_e2e_smoke(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["perf/weight_sync_GBps"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_profile_engine_smoke(tmp_path):
     """bench/profile_engine.py on CPU: the phase table, from the scheduler thread's profiler too."""
     last, result = run_smoke("profile_engine.py", tmp_path)

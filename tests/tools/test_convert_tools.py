@@ -58,6 +58,7 @@ def qwen2_tp2pp2(tiny_qwen2, tmp_path_factory) -> Path:
     return mcore
 
 
+@pytest.mark.slow
 def test_round_trip_tp2_pp2_tied_qwen2(tiny_qwen2, qwen2_tp2pp2, tmp_path):
     """HF -> Megatron (TP=2, PP=2) -> HF (TP=2, PP=2): the embedding on stage 0 and its copy as the
     output layer on stage 1 are both filled on import; export emits the one HF tensor."""
@@ -74,6 +75,7 @@ def test_round_trip_tp2_pp2_tied_qwen2(tiny_qwen2, qwen2_tp2pp2, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # the .tmp folder was renamed
 
 
+@pytest.mark.slow
 def test_round_trip_tp2_pp2_untied_llama(tiny_llama, tmp_path):
     """HF -> Megatron (TP=2, PP=2) -> HF at TP=1, PP=2 (resharded on load); then a config that does
     not match the weights: the error names the tensor and both shapes."""
@@ -93,6 +95,7 @@ def test_round_trip_tp2_pp2_untied_llama(tiny_llama, tmp_path):
                                             "--hf-config-dir", str(bad)])
 
 
+@pytest.mark.slow
 def test_tp2pp2_checkpoint_loads_at_tp1_like_a_direct_conversion(tiny_qwen2, qwen2_tp2pp2, tmp_path):
     """The TP=2, PP=2 conversion loaded by a TP=1 trainer gives the weights and log-probs of a
     conversion made directly at TP=1 (same padded vocab, 96) and of the HF folder itself."""
@@ -110,6 +113,7 @@ def test_tp2pp2_checkpoint_loads_at_tp1_like_a_direct_conversion(tiny_qwen2, qwe
     assert len(pp_ckpt["logp"]) > 1 and all(len(r) > 0 for r in pp_ckpt["logp"])
 
 
+@pytest.mark.slow
 def test_sharded_export_writer(tmp_path):
     from slime_rl.trainer.hf_export import ShardWriter
 
@@ -125,6 +129,7 @@ def test_sharded_export_writer(tmp_path):
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
 
 
+@pytest.mark.slow
 def test_unsupported_model_type_and_layout(tiny_qwen2, tmp_path):
     bad = tmp_path / "gpt2"
     shutil.copytree(tiny_qwen2, bad)
@@ -150,6 +155,7 @@ def test_unsupported_model_type_and_layout(tiny_qwen2, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_config_that_does_not_match_the_weights(tiny_qwen2, tmp_path):
     """A config of another size: the error (before megatron is imported) names the tensor and both
     shapes; a config with more layers names the missing tensors."""
@@ -170,6 +176,7 @@ def test_config_that_does_not_match_the_weights(tiny_qwen2, tmp_path):
             to_mcore(["--hf-checkpoint", str(bad), "--save", str(tmp_path / "out")])
 
 
+@pytest.mark.slow
 def test_round_trip_qwen2_5_vl_tp2_pp2_to_tp1(tiny_qwen2_5_vl, tmp_path):
     """Qwen2.5-VL: HF -> Megatron (TP=2, PP=2; the vision tower lives on stage 0 and is saved in the
     distributed checkpoint replicated over TP) -> HF at TP=1: every tensor, visual.* included, equal;
@@ -183,6 +190,7 @@ def test_round_trip_qwen2_5_vl_tp2_pp2_to_tp1(tiny_qwen2_5_vl, tmp_path):
     assert (out / proc).read_bytes() == (tiny_qwen2_5_vl / proc).read_bytes()
 
 
+@pytest.mark.slow
 def test_readme_example_alone_starts_its_shards(tiny_qwen2, tmp_path):
     """README's `python tools/convert_hf_to_megatron.py ... --tp 2`, run alone (no torchrun variables):
     the tool starts its 2 processes itself (it used to fail: "run exactly TP x PP processes")."""

@@ -45,6 +45,7 @@ def runs(tiny_qwen2, tmp_path_factory) -> dict:
     return {"root": root, "save": save, "resume": resume, "tp1": tp1, "crashed": crashed}
 
 
+@pytest.mark.slow
 def test_interrupted_save_is_skipped(runs):
     root = runs["root"]
     assert [r["crash"] for r in runs["save"]] == ["simulated crash"] * 2
@@ -59,6 +60,7 @@ def test_interrupted_save_is_skipped(runs):
     assert info.topology == {"world": 2, "tp": 2, "pp": 1, "dp": 1}
 
 
+@pytest.mark.slow
 def test_resume_is_exact(runs):
     for save, resume in zip(runs["save"], runs["resume"], strict=True):
         assert resume["extra"] == EXTRA
@@ -79,6 +81,7 @@ def test_resume_is_exact(runs):
     assert any(not torch.equal(s["after"][n], t) for n, t in s["at_save"].items())
 
 
+@pytest.mark.slow
 def test_tp2_checkpoint_loads_at_tp1(runs):
     (tp1,), save = runs["tp1"], runs["save"][0]
     assert "dp_reshardable" in tp1["refused"] and "TP=2" in tp1["refused"]

@@ -96,6 +96,7 @@ def test_ppo_advantages_need_values():
                          None, torch.device("cpu"), None, None)
 
 
+@pytest.mark.slow
 def test_critic_values_equal_hf_backbone_with_the_head(scenario, ckpts):
     (rec,) = scenario("critic1", 1)
     assert rec["tied"]  # qwen2 ties its embeddings: the input embedding stays, the LM head is gone
@@ -110,6 +111,7 @@ def _trained(batch: dict, rows: list[list[float]]) -> list[float]:
     return [x for m, row in zip(batch["loss_masks"], rows, strict=True) for k, x in zip(m, row, strict=True) if k]
 
 
+@pytest.mark.slow
 def test_critic_step_metrics_match_the_formulas_and_fit_the_returns(scenario):
     (rec,) = scenario("critic1", 1)
     batch = make_batch()
@@ -138,12 +140,14 @@ def test_critic_step_metrics_match_the_formulas_and_fit_the_returns(scenario):
     assert 0 < lm["critic/value_clipfrac"] < 1
 
 
+@pytest.mark.slow
 def test_critic_checkpoint_round_trip_is_exact(scenario):
     (rec,) = scenario("critic1", 1)
     assert rec["reload/extra"] == {"rollout_id": 0}
     assert rec["reload/values"] == rec["tp1/after"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "sp", "pp"])
 def test_critic_at_tp2_equals_tp1(scenario, layout):
     """TP=2 (the head on replicated hidden states), TP=2 + sequence parallel (the head gathers the

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron.core.models.common.embeddings import rope_utils
 
-rope_utils = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
-
-from slime_rl.trainer import packed_rope  # noqa: E402
+from slime_rl.trainer import packed_rope
 
 
 class _Group:  # the only thing the THD functions ask of the CP group

@@ -29,6 +29,7 @@ def saved(tiny_qwen2, tmp_path_factory) -> dict:
     return {"base": base, "out": out, "recs": recs}
 
 
+@pytest.mark.slow
 def test_folder_is_complete_and_atomic(saved, tiny_qwen2):
     base, out = saved["base"], saved["out"]
     assert [r["path"] for r in saved["recs"]] == [str(out)] * 2
@@ -40,6 +41,7 @@ def test_folder_is_complete_and_atomic(saved, tiny_qwen2):
     assert json.loads((out / "config.json").read_text()) == json.loads((tiny_qwen2 / "config.json").read_text())
 
 
+@pytest.mark.slow
 def test_transformers_loads_the_trainer_weights(saved, tiny_qwen2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

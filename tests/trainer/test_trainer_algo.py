@@ -83,6 +83,7 @@ def _stat_keys(kw: dict) -> list[str]:
     return keys
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("case", list(CASES))
 def test_gradient_and_sums_match_reference(scenario, algo_expected, world, case):
@@ -100,6 +101,7 @@ def test_gradient_and_sums_match_reference(scenario, algo_expected, world, case)
     assert max(float((off[n] - g).abs().max()) for n, g in want["grad"].items()) > 1e-3
 
 
+@pytest.mark.slow
 def test_clipping_is_active_where_it_should_be(algo_expected):
     sums = {case: algo_expected(1, case)["grad_run"]["sums"] for case in ("dual_clip", "gspo", "tis")}
     assert sums["dual_clip"]["clip_high"] == 2 and sums["dual_clip"]["clip_low"] == 3
@@ -108,6 +110,7 @@ def test_clipping_is_active_where_it_should_be(algo_expected):
     assert 0 < sums["tis"]["tis_clipped"] < sums["tis"]["tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("case", ["rpp", "rpp_baseline"])
 def test_token_advantages_whitened_over_the_global_batch(scenario, algo_expected, world, case):
@@ -125,6 +128,7 @@ def test_token_advantages_whitened_over_the_global_batch(scenario, algo_expected
                        for a, b in zip(row, want[i], strict=True)) > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("case", list(CASES))
 def test_train_step_metrics(scenario, algo_expected, world, case):
@@ -163,6 +167,7 @@ def test_train_step_metrics(scenario, algo_expected, world, case):
         assert m["train/tis_clipfrac"] == s["tis_clipped"] / n
 
 
+@pytest.mark.slow
 def test_metrics_same_under_dp2(scenario):
     (one,) = scenario("algo1", 1)
     two = scenario("algo2", 2)[0]
@@ -171,6 +176,7 @@ def test_metrics_same_under_dp2(scenario):
             assert two[f"{case}/metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (case, key)
 
 
+@pytest.mark.slow
 def test_vocab_parallel_entropy_value_and_gradient_tp2(scenario):
     ranks = scenario("entropy_tp2", 2)
     logits, weights = entropy_inputs()
@@ -187,6 +193,7 @@ def test_vocab_parallel_entropy_value_and_gradient_tp2(scenario):
     assert torch.equal(ranks[1]["grad"][..., -1], torch.zeros(3, 4))  # the padded id gets nothing
 
 
+@pytest.mark.slow
 def test_reference_refreshes_every_interval(scenario):
     """--ref-update-interval 2: rollouts 0-1 use the initial policy as reference, rollouts 2-3 the
     policy after rollout 1's update. The reference forward swaps weights in and out, so the

@@ -39,18 +39,21 @@ def _assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     assert sum(float(w.abs().sum()) for w in want.values()) > 0  # the test is not vacuous
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
 def test_tp1_logprobs_match_hf(scenario, ref, family):
     (rec,) = scenario("tp1", 1)
     assert _max_diff(rec[f"{family}/logp"], ref[f"{family}/logp_t07"]) < LOGP_TOL
 
 
+@pytest.mark.slow
 def test_padded_vocab_never_changes_logprobs(scenario, ref):
     (rec,) = scenario("tp1", 1)
     assert rec["qwen2_pad/padded_vocab"] == 96  # 64 rounded up to a multiple of 48
     assert _max_diff(rec["qwen2_pad/logp"], ref["qwen2/logp_t07"]) < LOGP_TOL
 
 
+@pytest.mark.slow
 def test_tp2_logprobs_equal_tp1(scenario, ref):
     (tp1,) = scenario("tp1", 1)
     ranks = scenario("tp2", 2)
@@ -62,6 +65,7 @@ def test_tp2_logprobs_equal_tp1(scenario, ref):
             assert _max_diff(rec[f"{family}/logp"], ref[f"{family}/logp_t07"]) < LOGP_TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
 def test_tp2_iter_hf_weights_bit_exact(scenario, ckpts, family):
     want = load_file(ckpts[family] / "model.safetensors")
@@ -72,6 +76,7 @@ def test_tp2_iter_hf_weights_bit_exact(scenario, ckpts, family):
             assert torch.equal(got[name], tensor), name
 
 
+@pytest.mark.slow
 def test_hf_weight_metadata_matches_weights(scenario):
     for rec in scenario("tp2", 2):
         meta = rec["qwen2/metadata"]
@@ -82,6 +87,7 @@ def test_hf_weight_metadata_matches_weights(scenario):
             assert rec["qwen2/weights"][name].dtype == dtype and tuple(rec["qwen2/weights"][name].shape) == shape
 
 
+@pytest.mark.slow
 def test_gradient_matches_hf_and_ignores_micro_batch_size(scenario, ref):
     (rec,) = scenario("tp1", 1)
     for key in ("grad_mbs1", "grad_mbs2"):
@@ -91,11 +97,13 @@ def test_gradient_matches_hf_and_ignores_micro_batch_size(scenario, ref):
     assert rec["stats_mbs1"]["tokens"] == rec["stats_mbs2"]["tokens"] == 12
 
 
+@pytest.mark.slow
 def test_tp2_gradient_matches_hf(scenario, ref):
     for rec in scenario("tp2", 2):
         _assert_grads_close(rec["grad"], ref["grad"])
 
 
+@pytest.mark.slow
 def test_train_step_metrics_and_update(scenario, ref):
     (rec,) = scenario("tp1", 1)
     m = rec["metrics"]
@@ -115,6 +123,7 @@ def test_train_step_metrics_and_update(scenario, ref):
     assert len(changed) == len(rec["before"])  # Adam moves every tensor that has a gradient
 
 
+@pytest.mark.slow
 def test_metrics_same_under_tp2_and_dp2(scenario):
     (tp1,) = scenario("tp1", 1)
     for name, world in (("tp2", 2), ("dp2", 2)):
@@ -124,6 +133,7 @@ def test_metrics_same_under_tp2_and_dp2(scenario):
             assert ranks[0]["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
 
 
+@pytest.mark.slow
 def test_dp2_ranks_hold_identical_weights(scenario):
     r0, r1 = scenario("dp2", 2)
     assert {r0["dp_rank"], r1["dp_rank"]} == {0, 1} and r0["dp_size"] == 2
@@ -137,6 +147,7 @@ def test_dp2_ranks_hold_identical_weights(scenario):
         assert torch.allclose(t, tp1["after"][name], atol=ADAM_STEP_TOL), name
 
 
+@pytest.mark.slow
 def test_reference_model_kl(scenario):
     (rec,) = scenario("tp1", 1)
     m = rec["kl/metrics"]
@@ -150,6 +161,7 @@ def test_reference_model_kl(scenario):
     assert any(not torch.equal(rec["kl/trained"][n], rec["before"][n]) for n in rec["before"])
 
 
+@pytest.mark.slow
 def test_bf16_smoke(scenario, ref):
     """bf16 params (Float16Module, fp32 main params in the optimizer): log-probs near the fp32 ones
     (bf16 has ~3 significant digits; measured 3e-3 on log-probs) and a finite step."""

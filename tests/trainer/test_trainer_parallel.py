@@ -37,6 +37,7 @@ def mode_ref(ckpts):
     return {m: hf_policy_grad(model, batch, m, max_len=NORM_MAX_LEN) for m in MODES}
 
 
+@pytest.mark.slow
 def test_packed_logprobs_equal_each_sample_alone(scenario, ref):
     (rec,) = scenario("agg", 1)
     alone = [torch.tensor(x, dtype=torch.float64) for x in rec["logp/alone"]]
@@ -45,6 +46,7 @@ def test_packed_logprobs_equal_each_sample_alone(scenario, ref):
     assert _max_diff(rec["logp/packed4"], ref["logp"]) < LOGP_TOL  # and both equal HF
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_loss_agg_mode_gradient_independent_of_micro_batching(scenario, mode_ref, mode):
     (rec,) = scenario("agg", 1)
@@ -61,12 +63,14 @@ def test_loss_agg_mode_gradient_independent_of_micro_batching(scenario, mode_ref
         assert stats["tokens"] == 12
 
 
+@pytest.mark.slow
 def test_loss_agg_modes_differ(mode_ref):
     """The modes weigh samples differently on this batch (else the test above proves little)."""
     losses = [mode_ref[m][0] for m in MODES]
     assert len({round(x, 9) for x in losses}) == len(MODES)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_and_recompute_match_tp1(scenario, ref):
     (tp1,) = scenario("tp1", 1)
     for rec in scenario("par2", 2):
@@ -77,6 +81,7 @@ def test_sequence_parallel_and_recompute_match_tp1(scenario, ref):
             assert rec["sp/metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_pp2_logprobs_grads_and_metrics_equal_pp1(scenario, ref, ckpts):
     (tp1,) = scenario("tp1", 1)
     ranks = scenario("par2", 2)
@@ -97,6 +102,7 @@ def test_pp2_logprobs_grads_and_metrics_equal_pp1(scenario, ref, ckpts):
         assert torch.allclose(after[name], t, atol=ADAM_STEP_TOL), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,key", [("qwen2", "pp/weights"), ("llama", "pp/llama/weights")])
 def test_pp2_iter_hf_weights_one_stage_each(scenario, ckpts, family, key):
     want = load_file(ckpts[family] / "model.safetensors")
@@ -110,12 +116,14 @@ def test_pp2_iter_hf_weights_one_stage_each(scenario, ckpts, family, key):
         assert torch.equal(got[name], tensor), name
 
 
+@pytest.mark.slow
 def test_pp2_metadata_matches_weights(scenario):
     for rec in scenario("par2", 2):
         meta = rec["pp/metadata"]
         assert [n for n, _, _ in meta] == list(rec["pp/weights"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_dp2_token_budget_with_dummy_micro_batches(scenario, mode_ref, mode):
     ranks = scenario("par2", 2)
@@ -137,6 +145,7 @@ EQUIV_CASES = [(name, scen, world, layout)
                for layout in EQUIV_LAYOUTS.get(name, ("padded", "packed"))]
 
 
+@pytest.mark.slow
 def test_one_rank_baseline_equals_hf_fp64(scenario, ref):
     """The one-rank run the layouts are compared with is itself right (HF float64)."""
     (one,) = scenario("equiv1", 1)
@@ -146,6 +155,7 @@ def test_one_rank_baseline_equals_hf_fp64(scenario, ref):
         assert one[f"base/{layout}/grad_norm"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,scen,world,layout", EQUIV_CASES, ids=[f"{c[0]}-{c[3]}" for c in EQUIV_CASES])
 def test_parallel_layout_equals_one_rank(scenario, name, scen, world, layout):
     """Issue 3's acceptance: log-probs, full gradient, grad norm and loss of each layout equal

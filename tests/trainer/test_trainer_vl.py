@@ -93,6 +93,7 @@ def _weights_diff(a: dict, b: dict) -> float:
     return max(float((a[n].double() - b[n].double()).abs().max()) for n in a)
 
 
+@pytest.mark.slow
 def test_logprobs_match_float64_hf_packed_and_padded(vl_runs, hf_ref):
     (rec,) = vl_runs("vl_tp1", 1)
     packed, padded = _max_diff(rec["logp"], hf_ref), _max_diff(rec["logp_padded"], hf_ref)
@@ -100,6 +101,7 @@ def test_logprobs_match_float64_hf_packed_and_padded(vl_runs, hf_ref):
     assert packed < LOGP_TOL and padded < LOGP_TOL
 
 
+@pytest.mark.slow
 def test_one_step_trains_vision_tower_and_decoder(vl_runs):
     (rec,) = vl_runs("vl_tp1", 1)
     moved = {n for n in rec["before"] if not torch.equal(rec["before"][n], rec["after"][n])}
@@ -108,6 +110,7 @@ def test_one_step_trains_vision_tower_and_decoder(vl_runs):
     assert rec["metrics"]["train/grad_norm"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["vl_tp2_sp", "vl_pp2"])
 def test_parallel_layouts_equal_tp1(vl_runs, name):
     (one,) = vl_runs("vl_tp1", 1)
@@ -125,6 +128,7 @@ def test_parallel_layouts_equal_tp1(vl_runs, name):
     assert _weights_diff(after, before) > 10 * STEP_TOL  # the step did move the weights
 
 
+@pytest.mark.slow
 def test_frozen_vision_tower(vl_runs):
     (rec,) = vl_runs("vl_frozen", 1)
     vision = [n for n in rec["before"] if n.startswith("visual.")]
@@ -134,6 +138,7 @@ def test_frozen_vision_tower(vl_runs):
     assert set(rec["synced_names"]) == set(rec["before"]) - set(vision)
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_continues_exactly(vl_runs):
     """Model and optimizer state of the vision tower survive a Megatron checkpoint: the step after
     resuming gives exactly the weights of the uninterrupted run."""
