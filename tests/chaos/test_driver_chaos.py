@@ -19,14 +19,13 @@ import threading
 import time
 
 import pytest
+import ray
 
 from slime_rl.config import build_config
 from slime_rl.engines.client import EngineClient
 from slime_rl.train import RunFailed, preflight, train
 from tests.e2e.test_fault import KEY, argv
 from tests.loop_checks import digit_data_fixture, ray_session_fixture
-
-ray = pytest.importorskip("ray")
 
 ray_session = ray_session_fixture(4)
 digit_data = digit_data_fixture(16, seed=11)
@@ -52,6 +51,7 @@ def sha(array) -> str:
     return hashlib.sha256(array.astype("float32").tobytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_engine_killed_during_the_weight_broadcast_is_restarted_and_synced_again(
         ray_session, tiny_qwen2, digit_data, tmp_path):
     from slime_rl.orchestration.cluster import Cluster
@@ -112,6 +112,7 @@ def test_engine_killed_during_the_weight_broadcast_is_restarted_and_synced_again
         cluster.shutdown()
 
 
+@pytest.mark.slow
 def test_trainer_killed_during_a_save_leaves_the_previous_checkpoint_and_names_it(
         ray_session, tiny_qwen2, digit_data, tmp_path, monkeypatch):
     from slime_rl.orchestration.cluster import Cluster

@@ -43,6 +43,7 @@ def still_alive(recorded: dict[int, tuple[float, str]]) -> dict[int, str]:
     return alive
 
 
+@pytest.mark.slow
 def test_a_killed_driver_leaves_no_process_behind(tiny_qwen2, digit_data, tmp_path):
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

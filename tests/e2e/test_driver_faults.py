@@ -15,13 +15,12 @@ import signal
 import threading
 
 import pytest
+import ray
 
 from slime_rl.config import build_config
 from slime_rl.train import RunFailed, preflight, train
 from tests.e2e.test_fault import KEY, PROMPTS, N, argv, dumped_ids, wait_running
 from tests.loop_checks import digit_data_fixture, ray_session_fixture
-
-ray = pytest.importorskip("ray")
 
 ray_session = ray_session_fixture(4)
 digit_data = digit_data_fixture(16, seed=5)
@@ -53,6 +52,7 @@ def kill_engine_mid_rollout(monkeypatch, at_step: int) -> dict:
     return seen
 
 
+@pytest.mark.slow
 def test_single_engine_fault_tolerance_waits_for_the_restart_and_loses_no_sample(
         ray_session, tiny_qwen2, digit_data, tmp_path, monkeypatch):
     run = tmp_path / "run"
@@ -75,6 +75,7 @@ def test_single_engine_fault_tolerance_waits_for_the_restart_and_loses_no_sample
     print("gaps after a single-engine restart:", gaps)
 
 
+@pytest.mark.slow
 def test_engine_death_without_fault_tolerance_is_one_sentence_with_the_checkpoint(
         ray_session, tiny_qwen2, digit_data, tmp_path, monkeypatch):
     ckpt = tmp_path / "ckpt"
@@ -92,6 +93,7 @@ def test_engine_death_without_fault_tolerance_is_one_sentence_with_the_checkpoin
     assert "Traceback" not in message and "\n" not in message
 
 
+@pytest.mark.slow
 def test_a_filter_that_keeps_nothing_stops_after_three_passes_over_the_data(
         ray_session, tiny_qwen2, digit_data, tmp_path):
     # --rm-type format on the digit task: the tiny model never writes <think>...</think>, every sample

@@ -4,10 +4,9 @@ in a Ray task or actor (RayTaskError wrapping them), gathered like the trainer r
 from __future__ import annotations
 
 import pytest
+import ray
 
 from slime_rl.orchestration.failures import EngineFailure, describe, is_out_of_memory, resume_hint, root_cause
-
-ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
