@@ -315,7 +315,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         logging=_group(a, "logging", run_dir=run_dir),
         eval=_eval_config(a, check_paths),
         fault=_group(a, "fault"),
-        critic=_critic_config(a, parallel, gbs),
+        critic=_critic_config(a, parallel, gbs, samples),
         **_fields(a, ""),
     )
 
@@ -340,7 +340,7 @@ def _check_colocate(a: argparse.Namespace, parallel: ParallelConfig) -> None:
            "weights during training and must get them back after every step")
 
 
-def _critic_config(a: argparse.Namespace, policy: ParallelConfig, gbs: int) -> CriticConfig | None:
+def _critic_config(a: argparse.Namespace, policy: ParallelConfig, gbs: int, samples: int) -> CriticConfig | None:
     """PPO's critic (None for the other estimators, whose critic flags must stay unset)."""
     if not estimator_spec(a.advantage_estimator).critic:
         given = [f.name for f in FLAGS if any(g == "critic" for g, _ in f.targets + f.derived_targets)
@@ -362,7 +362,6 @@ def _critic_config(a: argparse.Namespace, policy: ParallelConfig, gbs: int) -> C
     _check(critic.lr > 0, f"--critic-lr must be > 0, got {critic.lr}")
     _check(a.value_clip > 0, f"--value-clip must be > 0, got {a.value_clip}")
     _check(0 <= a.lambd <= 1, f"--lambd must be in [0, 1], got {a.lambd}")
-    samples = _group(a, "rollout").samples_per_rollout
     _check(critic.lr_warmup_iters == 0 or a.num_rollout is None or critic.lr_warmup_iters < a.num_rollout
            * (samples // gbs),
            "--critic-lr-warmup-iters must be below the number of optimizer steps")
