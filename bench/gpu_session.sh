@@ -46,8 +46,8 @@ case "$1" in
   speed)
     # #19 on the real model: the engine's graph/sync GPU tests, TRL vs ours at 64 x 8 x 128, the profile
     need_model
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/engines/test_gpu_engine.py -k "survive or synchronization" \
-      2>&1 | grep -v Warning | tail -6 | tee "$OUT/gpu_engine_tests_$day.txt"
+    python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/engines/test_gpu_engine.py -k "survive or synchronization" \
+      2>&1 | grep -e "graphs over" -e passed -e failed -e Error | tail -8 | tee "$OUT/gpu_engine_tests_$day.txt"
     python3 bench/peer_trl.py --model /tmp/smol-bf16 --prompts 64 --group 8 --max-new-tokens 128 --steps 12 \
       --warmup 3 --out "$OUT/peer_trl_64x8x128_$day.json" --ours-extra --sglang-server-concurrency 512 2>&1 \
       | grep -v Warning | grep -e "^step" -e "^{" -e "captured" -e "Error" | tail -16

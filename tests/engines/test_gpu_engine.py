@@ -111,9 +111,11 @@ def _one_batch(http: httpx.Client, n_new: int = 20) -> list[tuple[list[int], lis
 
 
 def test_cuda_graphs_survive_a_colocated_release_and_resume(tiny_qwen2):
-    """Colocated mode frees the weights and the KV cache after every rollout: the graphs must stay
-    valid (the weights and the cache come back as one same-size storage each, memory.py/slots.py)
-    and are not captured again; the outputs after the resume equal those before and the eager path's."""
+    """Colocated mode frees the weights and the KV cache after every rollout: the graphs stay valid when
+    the weights and the cache come back at their old addresses (one same-size storage each,
+    memory.py/slots.py) and are captured again when one moved (on the H200, 2026-12-01, they moved:
+    capturing into the dropped graphs' pool then failed torch's allocator assert and switched graphs
+    off); the outputs after each resume equal those before and the eager path's."""
     eager = start_server(tiny_qwen2, device="cuda", dtype="float32", disable_cuda_graph=True)
     try:
         with httpx.Client(base_url=eager.url, timeout=120) as http:
@@ -136,8 +138,13 @@ def test_cuda_graphs_survive_a_colocated_release_and_resume(tiny_qwen2):
             stats = s.engine.load()
     finally:
         s.shutdown()
-    assert captured > 0 and stats["graph_captures"] == captured, stats
-    assert stats["graphs_dropped_moved"] == 0 and stats["graphs_kept_after_release"] >= 3, stats
+    # the graphs are kept when the re-allocated storages come back at their old addresses, and
+    # captured again (into a new pool) when one moved; either way every step ran on graphs
+    print(f"graphs over 3 release/resume cycles: {stats}")
+    assert captured > 0 and stats["static_eager_steps"] == 0, stats
+    kept, moved = stats["graphs_kept_after_release"], stats["graphs_dropped_moved"]
+    assert kept + moved >= 3 * captured, stats
+    assert stats["graph_captures"] == captured * (1 + moved // captured), stats
     for (wt, wl), (gt, gl) in zip(want, first, strict=True):
         assert gt == wt
         torch.testing.assert_close(torch.tensor(gl), torch.tensor(wl), atol=1e-4, rtol=0)

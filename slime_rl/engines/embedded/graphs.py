@@ -97,7 +97,15 @@ class StaticDecoder:
         else:
             logger.info("embedded engine: memory moved across a release; capturing the decode step again")
             self.stats["graphs_dropped_moved"] += len(self.graphs)
-            self.graphs.clear()
+            self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Drop every graph and, with them, their private memory pool: a pool whose graphs are all gone
+        is freed by the allocator, and capturing into its stale handle again fails an internal assert
+        of torch's CUDACachingAllocator (`use_count > 0`, seen on the H200): the next capture takes a
+        new pool."""
+        self.graphs.clear()
+        self._pool = None
 
     def step(self, rows: list[Row]) -> torch.Tensor:
         """Next-token logits [len(rows), V] (in the order of `rows`) after feeding every row's pending
@@ -115,7 +123,7 @@ class StaticDecoder:
         # pinned, asynchronous: the step's only host synchronization is the sampler's token copy
         self.inputs[:, :bs].copy_(device_tensor(slot_inputs(rows, bs, self.pad_id), torch.long, self.device))
         if self.cache.generation != self._generation:
-            self.graphs.clear()
+            self._drop_graphs()
             self._generation = self.cache.generation
         if self._check_addresses:
             self._verify_graphs()
@@ -176,7 +184,7 @@ class StaticDecoder:
             logger.warning("embedded engine: capturing the decode step (bs %d, kv_len %d) failed, decoding "
                            "without CUDA graphs from now on: %s", bs, kv_len, e)
             self.use_graphs = False
-            self.graphs.clear()
+            self._drop_graphs()
             return None
         if not self.graphs:
             self._graph_addresses = self.addresses()
