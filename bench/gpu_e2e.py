@@ -54,7 +54,7 @@ def main() -> None:
     argv = ["--hf-checkpoint", str(ckpt), "--prompt-data", str(data), "--run-dir", str(out),
             "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size", "128",
             "--micro-batch-size", "16", "--rollout-max-response-len", "8" if a.smoke else "128",
-            "--num-rollout", str(a.steps), "--custom-rm-path", "tests.unit.plugins.example_reward:index_reward",
+            "--num-rollout", str(a.steps), "--custom-rm-path", "tests.plugins.example_reward:index_reward",
             "--lr", "1e-6", "--rollout-num-gpus", "1"]
     if cuda:
         argv += ["--bf16"]

@@ -43,7 +43,7 @@ def test_release_train_resume_hand_over(ray_session, tiny_qwen2, digit_data, tmp
     from slime_rl.orchestration.cluster import Cluster
 
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1) + COLOCATE
-                       + ["--custom-rm-path", "tests.unit.plugins.example_reward:index_reward"])
+                       + ["--custom-rm-path", "tests.plugins.example_reward:index_reward"])
     cfg, plan = preflight(cfg)
     assert plan.colocated and [s.bundles for s in plan.engines] == [(0,), (1,)] and len(plan.bundles) == 2
     cluster = Cluster(cfg, plan, api_key="k")

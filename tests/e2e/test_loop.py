@@ -74,7 +74,7 @@ def test_engine_weights_equal_trainer_after_sync(ray_session, tiny_qwen2, digit_
 
     # a reward that always differs within a group: the update must move the weights
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1) + layout
-                       + ["--custom-rm-path", "tests.unit.plugins.example_reward:index_reward"])
+                       + ["--custom-rm-path", "tests.plugins.example_reward:index_reward"])
     cluster = Cluster(*preflight(cfg), api_key="test-secret")
     try:
         trainer = one_step_then_compare_weights(cluster, api_key="test-secret")
@@ -124,7 +124,7 @@ def test_over_sampling_aborts_land_and_partial_rollout_resumes_them(ray_session,
     engine, like SGLang, drops any other rid): they come back ABORTED with their tokens so far and
     are continued first next step."""
     extra = ["--over-sampling-batch-size", "8", "--partial-rollout", "--rollout-max-response-len", "96",
-             "--custom-generate-function-path", "tests.unit.plugins.odd_groups_slow.generate"]
+             "--custom-generate-function-path", "tests.plugins.odd_groups_slow.generate"]
     rows = train(*preflight(build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + extra)))
     first, second = rows
     assert first["rollout/groups_kept"] == 4 and first["rollout/abort_requests"] > 0
@@ -142,7 +142,7 @@ def test_resume_continues_exactly(ray_session, tiny_qwen2, digit_data, tmp_path)
     state (weights, Adam, scheduler, RNG) and the data position come from the checkpoint."""
     from slime_rl.trainer.checkpoint import latest_checkpoint
 
-    det = ["--deterministic-rollout", "--custom-rm-path", "tests.unit.plugins.example_reward:index_reward"]
+    det = ["--deterministic-rollout", "--custom-rm-path", "tests.plugins.example_reward:index_reward"]
     straight = train(*_cfg_plan(argv(tiny_qwen2, digit_data, tmp_path / "a", steps=4) + det))
     ckpt = tmp_path / "ckpt"
     first = train(*_cfg_plan(argv(tiny_qwen2, digit_data, tmp_path / "b", steps=2) + det
@@ -174,7 +174,7 @@ def _cfg_plan(args):
 def test_algorithm_families_train(ray_session, tiny_qwen2, digit_data, tmp_path, algo):
     """Two loop steps per family: finite, non-zero gradients and the family's metric keys."""
     args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + algo + [
-        "--custom-rm-path", "tests.unit.plugins.example_reward:index_reward"]  # rewards always differ in a group
+        "--custom-rm-path", "tests.plugins.example_reward:index_reward"]  # rewards always differ in a group
     rows = train(*preflight(build_config(args)))
     for row in rows:
         assert np.isfinite(row["train/loss"]) and np.isfinite(row["train/grad_norm"]) and row["train/grad_norm"] > 0

@@ -52,7 +52,7 @@ def test_engine_holds_trainer_weights_after_sync(ray_session, tiny_qwen2_5_vl, v
     vision tower moved unless frozen (then the sync sent it once and it stayed the checkpoint's)."""
     from slime_rl.orchestration.cluster import Cluster
 
-    extra = ["--custom-rm-path", "tests.unit.plugins.example_reward:index_reward"]
+    extra = ["--custom-rm-path", "tests.plugins.example_reward:index_reward"]
     cfg = build_config(argv(tiny_qwen2_5_vl, vl_data, tmp_path / "run", 1, *extra)
                        + (["--freeze-vision-tower"] if freeze else []))
     cluster = Cluster(*preflight(cfg), api_key="test-secret")

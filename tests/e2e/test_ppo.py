@@ -35,7 +35,7 @@ def argv(model, data, run_dir, steps: int, *extra: str) -> list[str]:
             "--advantage-estimator", "ppo", "--critic-num-gpus-per-node", "2", "--critic-lr", "0.001",
             "--gamma", "0.99", "--lambd", "0.95",
             # rewards always differ within a group: every step has a signal
-            "--custom-rm-path", "tests.unit.plugins.example_reward:index_reward", *extra]
+            "--custom-rm-path", "tests.plugins.example_reward:index_reward", *extra]
 
 
 @pytest.mark.slow

@@ -51,7 +51,7 @@ def test_real_model_two_steps_gap_and_weights(ray_session, smollm2_fp32, rg_data
             "--rollout-num-gpus", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
             "--global-batch-size", "4", "--micro-batch-size", "2", "--rollout-max-response-len", "8",
             "--num-rollout", "2", "--lr", "1e-5", "--no-pack-sequences",
-            "--custom-rm-path", "tests.unit.plugins.example_reward:index_reward"]
+            "--custom-rm-path", "tests.plugins.example_reward:index_reward"]
     cfg, plan = preflight(build_config(args))
     assert cfg.parallel.tensor_model_parallel_size == 1 and len(plan.trainer_bundles) == 2  # DP=2
     cluster = Cluster(cfg, plan, api_key=KEY)

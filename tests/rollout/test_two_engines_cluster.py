@@ -34,7 +34,7 @@ def test_both_engines_serve_requests_and_get_every_weight_update(ray_session, ti
             "--rollout-num-gpus", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
             "--global-batch-size", "16", "--micro-batch-size", "4", "--rollout-max-response-len", "6",
             "--num-rollout", "2", "--rm-type", "digit", "--lr", "0.003", "--update-weight-buffer-size", "20000",
-            "--custom-rm-path", "tests.unit.plugins.example_reward:index_reward", "--sglang-server-concurrency", "2"]
+            "--custom-rm-path", "tests.plugins.example_reward:index_reward", "--sglang-server-concurrency", "2"]
     if router:
         argv += ["--use-sglang-router", "--router-policy", "round_robin", "--router-log-level", "warn"]
     cluster = Cluster(*preflight(build_config(argv)), api_key=KEY)

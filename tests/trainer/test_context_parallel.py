@@ -82,7 +82,7 @@ def test_world_not_divisible_by_cp_is_refused():
 
 def test_config_counts_cp_in_the_layout(tmp_path):
     from slime_rl.config import ConfigError, build_config
-    from tests.unit.test_config import base_argv
+    from tests.config.test_config import base_argv
 
     cfg = build_config(base_argv(tmp_path) + ["--context-parallel-size", "2", "--actor-num-gpus-per-node", "4"])
     assert cfg.parallel.context_parallel_size == 2 and cfg.parallel.data_parallel_size == 2

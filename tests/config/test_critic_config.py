@@ -6,7 +6,7 @@ import pytest
 
 from slime_rl.config import ConfigError, EngineConfig, ParallelConfig, build_config
 from slime_rl.orchestration.placement import PlacementError, plan_placement
-from tests.unit.test_config import base_argv
+from tests.config.test_config import base_argv
 
 PPO = ["--advantage-estimator", "ppo"]
 

@@ -20,18 +20,18 @@ def test_digit_reward_first_digit_decides():
 
 
 def test_custom_reward_by_dotted_path_sync_and_async():
-    fn = load_reward(None, "tests.unit.plugins.example_reward:length_reward")
+    fn = load_reward(None, "tests.plugins.example_reward:length_reward")
     assert asyncio.run(call_reward(fn, sample("abcd"))) == 4.0
-    fn = load_reward(None, "tests.unit.plugins.example_reward.async_label_reward")
+    fn = load_reward(None, "tests.plugins.example_reward.async_label_reward")
     assert asyncio.run(call_reward(fn, sample("x7y"))) == 1.0
 
 
 def test_reward_errors_name_the_flag():
     with pytest.raises(RewardError, match="--custom-rm-path"):
-        load_reward(None, "tests.unit.plugins.example_reward:nope")
+        load_reward(None, "tests.plugins.example_reward:nope")
     with pytest.raises(RewardError, match="--rm-type"):
         load_reward("nope", None)
-    fn = load_reward(None, "tests.unit.plugins.example_reward:bad_reward")
+    fn = load_reward(None, "tests.plugins.example_reward:bad_reward")
     with pytest.raises(RewardError, match="expected a number"):
         asyncio.run(call_reward(fn, sample("x")))
 
