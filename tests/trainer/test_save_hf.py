@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from slime_rl.config import ConfigError, build_config
+from tests.config.test_config import base_argv
 from tests.conftest import free_port
 from tests.trainer.checkpoint_scenarios import run_scenario
-from tests.config.test_config import base_argv
 
 
 @pytest.fixture(scope="module")
