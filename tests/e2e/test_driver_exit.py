@@ -54,7 +54,7 @@ def test_a_killed_driver_leaves_no_process_behind(tiny_qwen2, digit_data, tmp_pa
     recorded: dict[int, tuple[float, str]] = {}
     try:
         # what a run starts under its driver: Ray's processes, actors, an engine server, the reaper
-        parts = ("gcs_server", "raylet", "ray::TrainerActor", "slime_rl.engines", "slime_rl.orchestration.reaper")
+        parts = ("gcs_server", "raylet", "ray::RankActor", "slime_rl.engines", "slime_rl.orchestration.reaper")
         deadline = time.time() + 240
         while time.time() < deadline:  # until every part of the run is up
             assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
