@@ -106,12 +106,16 @@ def test_an_abort_of_one_rid_cuts_that_sample_alone(server):
         while len(pool.live_rids(40)) < 3:
             await asyncio.sleep(0.001)
         victim = min(pool.live_rids(40))  # the rid of sample index 0
-        await clients[0].abort_request(rid=victim)
+        # the rid is live on our side before the engine has queued it, and aborting a rid the engine
+        # does not know yet is a no-op (as in SGLang): abort until the group's request answers
+        while not task.done():
+            await clients[0].abort_request(rid=victim)
+            await asyncio.wait({task}, timeout=0.05)
         await task
         return group
 
     group = with_clients([server.url], body)
-    assert status(group[0]) == ABORTED and 0 < len(group[0].response_ids) < 1500 - 8
+    assert status(group[0]) == ABORTED and len(group[0].response_ids) < 1500 - 8  # maybe 0: cut before its first token
     assert [status(s) for s in group[1:]] == [TRUNCATED, TRUNCATED]
     assert all(len(s.response_ids) == len(s.rollout_logprobs) for s in group)
     assert COMPLETED not in {status(s) for s in group}
