@@ -35,14 +35,22 @@ FilterFn = Callable[[list[Sample]], bool]
 async def generate_default(sample: Sample, sampling_params: dict[str, Any], client_pool: ClientPool) -> Sample:
     """One /generate call for the rest of the response: the prompt plus whatever a cut partial
     rollout already produced goes in as input_ids, max_new_tokens is what is left of the budget."""
+    params = _budgeted(sample, sampling_params, client_pool)
+    if params is None:
+        return sample
+    out = await client_pool.generate(sample, sample.prompt_ids + sample.response_ids, params)
+    append_model_turn(sample, out, client_pool.tokenizer)
+    return sample
+
+
+def _budgeted(sample: Sample, sampling_params: dict[str, Any], client_pool: ClientPool) -> dict[str, Any] | None:
+    """`sampling_params` with max_new_tokens cut to what is left of the sample's budget, or None (the
+    sample marked truncated) when nothing is left."""
     budget = client_pool.budget(sample, sampling_params["max_new_tokens"])
     if budget <= 0:
         mark_truncated(sample)
-        return sample
-    out = await client_pool.generate(sample, sample.prompt_ids + sample.response_ids,
-                                     {**sampling_params, "max_new_tokens": budget})
-    append_model_turn(sample, out, client_pool.tokenizer)
-    return sample
+        return None
+    return {**sampling_params, "max_new_tokens": budget}
 
 
 async def generate_group_default(samples: Sequence[Sample], sampling_params: dict[str, Any],
@@ -51,13 +59,8 @@ async def generate_group_default(samples: Sequence[Sample], sampling_params: dic
     requests as the pool allows: SGLang's batch form, at most `client_pool.max_batch` samples per
     request, each sample with its own budget, seed and rid. The same tokens as one request per
     sample wherever the engine's sampling does not depend on the batch (deterministic rollout)."""
-    todo = []
-    for sample in samples:
-        budget = client_pool.budget(sample, sampling_params["max_new_tokens"])
-        if budget <= 0:
-            mark_truncated(sample)
-        else:
-            todo.append((sample, {**sampling_params, "max_new_tokens": budget}))
+    todo = [(sample, params) for sample in samples
+            if (params := _budgeted(sample, sampling_params, client_pool)) is not None]
 
     async def chunk(part: list[tuple[Sample, dict[str, Any]]]) -> None:
         outs = await client_pool.generate_many([s for s, _ in part], [s.prompt_ids + s.response_ids for s, _ in part],
