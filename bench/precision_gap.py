@@ -42,7 +42,11 @@ PROMPTS = ["What is 47 + 38? Answer with the number only.", "Write a haiku about
            "Explain what a prime number is in one sentence.", "Calculate 9 * 7 - 5.",
            "Name three colors of the rainbow.", "What is the capital of France?"]
 ROWS = [("fp32", "float32", "none"), ("bf16 stock", "bfloat16", "none"), ("bf16 +rmsnorm", "bfloat16", "rmsnorm"),
-        ("bf16 +lm_head", "bfloat16", "lm_head"), ("bf16 +rmsnorm+lm_head (default)", "bfloat16", "rmsnorm,lm_head")]
+        ("bf16 +lm_head", "bfloat16", "lm_head"), ("bf16 +rmsnorm+lm_head", "bfloat16", "rmsnorm,lm_head"),
+        ("bf16 +rmsnorm+lm_head+attn_scores (default)", "bfloat16", "rmsnorm,lm_head,attn_scores")]
+# --engine: the engine's own decode path, bf16, fp32 logits on both sides; rows differ in the islands
+ENGINE_ROWS = [("engine bf16 rmsnorm+lm_head (bf16 scores)", "rmsnorm,lm_head"),
+               ("engine bf16 rmsnorm+lm_head+attn_scores (default)", "rmsnorm,lm_head,attn_scores")]
 
 
 def sample_sequences(model_dir: Path, n: int, new_tokens: int, device: str) -> list[tuple[list[int], list[int]]]:
@@ -114,6 +118,40 @@ def engine_logprobs(model_dir: Path, dtype: torch.dtype, seqs, device: str,
     return decode, full
 
 
+def engine_sampled(model_dir: Path, n: int, new_tokens: int, device: str
+                   ) -> tuple[list[tuple[list[int], list[int]]], list[torch.Tensor], dict]:
+    """--engine: the built-in engine itself (in process, bf16, the run's decode path: static KV cache,
+    CUDA graphs on a GPU, its own decode attention, fp32 logits as --sglang-enable-fp32-lm-head)
+    samples n responses (temperature 1, new_tokens each: ignore_eos) to the chat-template prompts and
+    returns them with the log-probs it reports: exactly what the loop's rollout hands the trainer."""
+    from transformers import AutoTokenizer
+
+    from slime_rl.engines.embedded import engine as engine_mod
+    from slime_rl.engines.embedded.sampling import SamplingParams
+    from slime_rl.engines.embedded.server import EmbeddedServer, ServerConfig
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for i in range(n)]
+    server = EmbeddedServer(ServerConfig(model_path=str(model_dir), port=0, device=device, dtype="bfloat16",
+                                         max_running_requests=max(n, 1), enable_fp32_lm_head=True,
+                                         static_kv_cache=True)).start()
+    try:
+        vocab = server.model.config.get_text_config().vocab_size
+        params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
+        reqs = [engine_mod.GenRequest(rid=f"gap-{i}", input_ids=p, params=SamplingParams.from_json(params, vocab),
+                                      return_logprob=True) for i, p in enumerate(prompts)]
+        server.engine.submit(reqs)
+        for r in reqs:
+            r.done.wait()
+        stats = dict(server.engine.load())
+    finally:
+        server.shutdown()
+    seqs = [(r.input_ids, list(r.output_ids)) for r in reqs]
+    return seqs, [torch.tensor(r.output_logprobs, dtype=torch.float32) for r in reqs], stats
+
+
 def trainer_logprobs(model_dir: Path, bf16: bool, seqs, device: str, fp32_lm_head: bool) -> list[torch.Tensor]:
     """Log-probs of each response token from megatron's GPTModel, one full forward per sequence."""
     from slime_rl.trainer.hf_io import load_hf_weights
@@ -155,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--splitk-fp32", action="store_true",
                     help="torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False in this process "
                          "(split-K partial sums of bf16 GEMMs reduced in fp32), for both sides")
+    ap.add_argument("--engine", action="store_true",
+                    help="sample with the built-in engine itself (its static decode path, graphs on a GPU) and "
+                         "compare the log-probs it reports with the trainer's on those tokens; rows: ENGINE_ROWS")
     args = ap.parse_args(argv)
     if args.splitk_fp32:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -164,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
 
         model_dir = import_gguf(Path(tempfile.mkdtemp(prefix="smollm2_")) / "fp32", dtype="fp32")
     init_single_rank()
+    if args.engine:
+        return engine_rows(args, model_dir)
     seqs = sample_sequences(model_dir, args.n, args.new_tokens, args.device)
     results = []
     for i in (int(x) for x in args.rows.split(",")):
@@ -191,6 +234,30 @@ def main(argv: list[str] | None = None) -> None:
         args.out.write_text(json.dumps({"model": str(model_dir), "device": args.device, "n": args.n,
                                         "new_tokens": args.new_tokens, "batched_decode": args.batched_decode,
                                         "splitk_fp32": args.splitk_fp32, "rows": results}, indent=2))
+
+
+def engine_rows(args: argparse.Namespace, model_dir: Path) -> None:
+    results = []
+    for i in (int(x) for x in args.rows.split(",")):
+        name, islands = ENGINE_ROWS[i]
+        os.environ[ENV] = islands
+        islands_from_env()
+        start = time.perf_counter()
+        seqs, reported, stats = engine_sampled(model_dir, args.n, args.new_tokens, args.device)
+        eng = torch.cat(reported)
+        trn = torch.cat(trainer_logprobs(model_dir, True, seqs, args.device, fp32_lm_head=True))
+        diff = (eng - trn).abs()
+        row = {"row": name, "islands": islands, "mean_abs_diff": diff.mean().item(),
+               "max_abs_diff": diff.max().item(), "tokens": diff.numel(),
+               "graph_replays": stats.get("graph_replays"), "seconds": round(time.perf_counter() - start, 1)}
+        results.append(row)
+        print(f"{name:52s} mean |dlogp| {row['mean_abs_diff']:.3e}  max {row['max_abs_diff']:.3e}  "
+              f"({row['tokens']} tokens, {row['seconds']} s)", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"model": str(model_dir), "device": args.device, "n": args.n, "engine": True,
+                                        "new_tokens": args.new_tokens, "splitk_fp32": args.splitk_fp32,
+                                        "rows": results}, indent=2))
 
 
 if __name__ == "__main__":

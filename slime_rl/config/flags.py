@@ -347,6 +347,10 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--tis-clip', 'algo.tis_clip', default=2.0, type=float),
         Flag('--tis-clip-low', 'algo.tis_clip_low', default=0.0, type=float),
         Flag('--kl-loss-type', 'algo.kl_loss_type', default='low_var_kl', choices=KL_LOSS_TYPES),
+        Flag('--separate-old-logprobs', 'algo.separate_old_logprobs', action="store_true",
+             help='compute the old log-probs in their own forward pass even when a step is on-policy (one '
+                  "optimizer step per rollout on each rank); default then: the training forward's own, "
+                  'detached (ratio exactly 1, one forward pass fewer; TRL and verl do the same)'),
         Flag('--ref-update-interval', 'algo.ref_update_interval', type=_positive_int,
              help='replace the frozen reference (KL) with the current policy every N rollouts; default: the '
                   'initial policy for the whole run'),

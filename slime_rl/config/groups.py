@@ -107,6 +107,8 @@ class AlgoConfig:
     tis_clip_low: float = default_of("--tis-clip-low")
     # rollouts between reference refreshes; None: frozen
     ref_update_interval: int | None = default_of("--ref-update-interval")
+    # the old log-probs from their own forward pass even when the step is on-policy (worker.train_step)
+    separate_old_logprobs: bool = default_of("--separate-old-logprobs")
 
     @property
     def estimator(self) -> EstimatorSpec:

@@ -43,8 +43,10 @@ from slime_rl.trainer.batching import MicroBatch
 
 # per-micro-batch sums (summed over micro-batches and DP); every one is a masked token sum except
 # "entropy_agg" and "loss", which are this micro-batch's share of the aggregated (loss_agg) value
+# "entropy_old" and "abs_diff" (entropy, |old - rollout|) are filled only on the fused path, where the
+# old log-probs are the training forward's own (see `policy_objective`'s `fused_old`)
 STAT_KEYS = ("pg", "kl", "clipped", "clip_high", "clip_low", "k1_old_new", "entropy_agg", "tis_w",
-             "tis_clipped", "tokens", "loss", "clip_dual")
+             "tis_clipped", "tokens", "loss", "clip_dual", "entropy_old", "abs_diff")
 
 
 def uses_kl_loss(algo: AlgoConfig) -> bool:
@@ -109,32 +111,51 @@ class StepInputs:
     returns: list | None = None  # ppo: GAE returns, the critic's targets
 
 
-def step_sums(batch: dict, inputs: StepInputs, device: torch.device,
+def step_sums(batch: dict, inputs: StepInputs | None, device: torch.device,
               group: dist.ProcessGroup | None) -> dict[str, float]:
     """DP-summed token sums over trained tokens: entropy, |old - rollout|, count, and the
-    advantages actually used (sum, sum of squares) for advantage_mean / advantage_std."""
+    advantages actually used (sum, sum of squares) for advantage_mean / advantage_std.
+    inputs None (the fused path: no separate old-log-prob pass, no token-level advantages): the
+    batch's scalar advantages; "entropy" and "abs_diff" are 0 here and come from the training
+    forward's sums (`fused_step_sums`)."""
     lens = [int(r) for r in batch["response_lengths"]]
     width = max(lens)
     mask = _pad(batch["loss_masks"], width)
-    if inputs.advantages is not None:
+    if inputs is not None and inputs.advantages is not None:
         adv = _pad(inputs.advantages, width)
     else:
         adv = torch.tensor([float(a) for a in batch["advantages"]], dtype=torch.float64).unsqueeze(1) * mask
-    diff = (_pad(inputs.old, width) - _pad(batch["rollout_logprobs"], width)).abs()
     adv_m = masked_moments(adv, mask)
-    local = torch.stack([(_pad(inputs.entropy, width) * mask).sum(), (diff * mask).sum(), adv_m[0], adv_m[1],
-                         adv_m[2]])
+    if inputs is None:
+        ent = diff = torch.zeros((), dtype=torch.float64)
+    else:
+        ent = (_pad(inputs.entropy, width) * mask).sum()
+        diff = ((_pad(inputs.old, width) - _pad(batch["rollout_logprobs"], width)).abs() * mask).sum()
+    local = torch.stack([ent, diff, adv_m[0], adv_m[1], adv_m[2]])
     keys = ("entropy", "abs_diff", "adv", "adv_sq", "tokens")
     return dict(zip(keys, _all_reduce(local, device, group).tolist(), strict=True))
 
 
+def fused_step_sums(batch_sums: dict[str, float], stats: dict[str, float]) -> dict[str, float]:
+    """step_sums of the fused path: the old policy's entropy and |old - rollout| summed by the one
+    training forward (its STAT_KEYS "entropy_old", "abs_diff", DP-summed like the rest)."""
+    return batch_sums | {"entropy": stats["entropy_old"], "abs_diff": stats["abs_diff"]}
+
+
 # ---- the per-micro-batch objective
-def policy_objective(algo: AlgoConfig, logp: Tensor, mb: MicroBatch, entropy: Tensor | None = None
-                     ) -> tuple[Tensor, Tensor]:
+def policy_objective(algo: AlgoConfig, logp: Tensor, mb: MicroBatch, entropy: Tensor | None = None,
+                     fused_old_entropy: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """logp [b, T] (differentiable), entropy [b, T] (differentiable; needed iff entropy_coef > 0)
     -> (share: sum_t loss_weight * loss_t, this micro-batch's share of the mini-batch loss L,
-    differentiable; sums: float32 [len(STAT_KEYS)], detached)."""
-    old, adv, mask = mb.per_token["old_logp"], mb.per_token["advantages"], mb.loss_mask
+    differentiable; sums: float32 [len(STAT_KEYS)], detached).
+
+    fused_old_entropy [b, T] (detached) selects the fused path: the step has one optimizer step on
+    this rank, so the old policy IS the current one and its log-probs are this forward's, detached
+    (old = logp.detach(), ratio exactly 1: what TRL does with num_iterations 1 and verl when
+    on-policy); the tensor is the old policy's entropy, summed into "entropy_old" with |old -
+    rollout| into "abs_diff" for the step metrics, which the separate pass computes otherwise."""
+    adv, mask = mb.per_token["advantages"], mb.loss_mask
+    old = logp.detach() if fused_old_entropy is not None else mb.per_token["old_logp"]
     weight = mb.per_token["loss_weight"]
     pg, clipped, frac = estimator_for(algo).policy_loss(logp, old, adv, mask, algo)
     zeros = torch.zeros_like(pg).detach()
@@ -157,10 +178,15 @@ def policy_objective(algo: AlgoConfig, logp: Tensor, mb: MicroBatch, entropy: Te
         per_token = per_token - algo.entropy_coef * entropy
         entropy_agg = masked_sum(entropy, weight)
     share = masked_sum(per_token, weight)  # the weights vanish off the loss mask
+    ent_old = abs_diff = zeros.sum()
+    if fused_old_entropy is not None:
+        ent_old = masked_sum(fused_old_entropy, mask)
+        abs_diff = masked_sum((old - mb.per_token["rollout_logp"]).abs(), mask)
     sums = torch.stack([masked_sum(pg, mask), masked_sum(kl, mask), masked_sum(clipped, mask),
                         masked_sum(frac.high, mask), masked_sum(frac.low, mask),
                         masked_sum(old - logp, mask), entropy_agg, masked_sum(tis_w, mask),
-                        masked_sum(tis_clipped, mask), mask.sum(), share, masked_sum(frac.dual, mask)]).detach().float()
+                        masked_sum(tis_clipped, mask), mask.sum(), share, masked_sum(frac.dual, mask),
+                        ent_old, abs_diff]).detach().float()
     return share, sums
 
 

@@ -96,13 +96,15 @@ class LossScale:
         return float(self.num_microbatches * self.dp_size)
 
 
-def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale) -> Callable:
+def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale, fused_old: bool = False) -> Callable:
     """forward_step_func for one training micro-batch (see the module docstring for the scale).
 
     The per-token objective is objective.policy_objective (pg loss of the configured kind, TIS,
     KL loss, entropy bonus). The micro-batch returns share * scale.factor, share =
     sum(loss_weight * loss_t) (loss_weight [b, T] from loss_agg.token_weights), plus detached
     sums for the metrics (objective.STAT_KEYS; "loss" is this micro-batch's share of L).
+    fused_old: the old log-probs are this forward's, detached (objective.policy_objective); the
+    old policy's entropy is computed here too, without grad unless the entropy bonus needs it.
     """
 
     def step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
@@ -113,11 +115,18 @@ def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale) -> Cal
             logits = response_logits(output_tensor, mb)  # [b, T, V_local]
             logp = gather_replicated(vocab_parallel_logprobs(logits, mb.targets, temperature=algo.temperature,
                                                              vocab_size=vocab_size), mb)  # [b, T]
-            entropy = None
+            entropy = old_entropy = None
             if algo.entropy_coef > 0:
                 entropy = gather_replicated(vocab_parallel_entropy(logits, temperature=algo.temperature,
                                                                    vocab_size=vocab_size), mb)
-            share, sums = policy_objective(algo, logp, mb, entropy)
+            if fused_old:
+                if entropy is not None:
+                    old_entropy = entropy.detach()
+                else:
+                    with torch.no_grad():
+                        old_entropy = gather_replicated(vocab_parallel_entropy(
+                            logits.detach(), temperature=algo.temperature, vocab_size=vocab_size), mb)
+            share, sums = policy_objective(algo, logp, mb, entropy, old_entropy)
             return share * scale.factor, {"sums": sums}
 
         return output, loss_func

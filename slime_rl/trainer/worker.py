@@ -36,7 +36,14 @@ from slime_rl.trainer.mcore import (
 )
 from slime_rl.trainer.micro import MicroBatching, collect_per_sample
 from slime_rl.trainer.model import build_from_checkpoint
-from slime_rl.trainer.objective import StepInputs, step_metrics, step_sums, token_advantages, train_metrics
+from slime_rl.trainer.objective import (
+    StepInputs,
+    fused_step_sums,
+    step_metrics,
+    step_sums,
+    token_advantages,
+    train_metrics,
+)
 from slime_rl.trainer.parallel import broadcast_from_last_stage, dp_group, init_parallel, teardown_parallel
 from slime_rl.trainer.steps import STAT_KEYS, LossScale, forward_only_step, policy_loss_step
 from slime_rl.trainer.vision import VisionBatching, float_buffers, freeze_vision_tower, restore_buffers
@@ -278,17 +285,20 @@ class TrainerWorker(MegatronRank):
 
     # ---- training
     @on_rank_thread
-    def forward_backward(self, batch: dict, old_logprobs: list, ref_logprobs: list | None = None,
+    def forward_backward(self, batch: dict, old_logprobs: list | None, ref_logprobs: list | None = None,
                          advantages: list | None = None) -> dict:
         """Zero the grads, run one mini-batch (this rank's samples) through the schedule; the
         DP-reduced gradient is left in the grad buffers (`main_grad`; the distributed optimizer
         reduce-scatters, so each DP rank holds the reduced values of its own shard). `advantages`:
         per-token lists (token-level estimators) replacing the batch's scalar ones. Returns the
-        DP-summed STAT_KEYS (identical on every rank; "loss" is the mini-batch loss L of loss_agg.py)."""
+        DP-summed STAT_KEYS (identical on every rank; "loss" is the mini-batch loss L of loss_agg.py).
+        old_logprobs None: the fused path (objective.policy_objective), the old log-probs are this
+        forward's own; only when the mini-batch is the whole step on every rank (train_step)."""
         tokens, samples = self._dp_sum(list(local_counts(batch["loss_masks"])))
         counts = GlobalCounts(tokens=tokens, samples=samples, max_len=self.loss_agg_max_len)
-        per_token = {"old_logp": old_logprobs,
-                     "loss_weight": token_weights(batch["loss_masks"], self.loss_agg_mode, counts)}
+        per_token = {"loss_weight": token_weights(batch["loss_masks"], self.loss_agg_mode, counts)}
+        if old_logprobs is not None:
+            per_token["old_logp"] = old_logprobs
         if ref_logprobs is not None:
             per_token["ref_logp"] = ref_logprobs
         if advantages is not None:
@@ -299,7 +309,8 @@ class TrainerWorker(MegatronRank):
         scale = LossScale(num_microbatches=len(mbs), dp_size=self.dp_size)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        store = self._run(policy_loss_step(self.algo, self.arch.vocab_size, scale), mbs, forward_only=False)
+        store = self._run(policy_loss_step(self.algo, self.arch.vocab_size, scale, fused_old=old_logprobs is None),
+                          mbs, forward_only=False)
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float32, device=self.info.device)
         if store:  # the last pipeline stage
             sums.copy_(torch.stack([out["sums"] for out in store]).sum(dim=0))
@@ -336,6 +347,8 @@ class TrainerWorker(MegatronRank):
         n = validate_batch(batch)
         if n == 0:
             raise ValueError("train_step got an empty batch on this DP rank")
+        if inputs is None and update and self._on_policy(n):
+            return self._fused_train_step(batch)
         if inputs is None:
             inputs = self.step_inputs(batch)
         if not update:
@@ -356,6 +369,36 @@ class TrainerWorker(MegatronRank):
         if self.algo.ref_update_interval and self._updates % self.algo.ref_update_interval == 0:
             self._refresh_reference()
         return train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
+
+    def _on_policy(self, n: int) -> bool:
+        """Whether this step may take its old log-probs from the training forward: one mini-batch
+        (one optimizer step) per rank, so nothing has changed the weights since the rollout's
+        sync; estimators whose advantages need the old log-probs first (token-level) and
+        --separate-old-logprobs keep the separate pass. Every DP rank decides alike (n is checked
+        over the DP group by _minibatches)."""
+        if self.algo.separate_old_logprobs or self.algo.token_level_advantages:
+            return False
+        return len(self._minibatches(n)) == 1
+
+    def _fused_train_step(self, batch: dict) -> dict[str, float]:
+        """train_step with old log-probs and the old policy's entropy from the one training forward
+        (objective.policy_objective, fused path); the reference log-probs (KL) still take their own
+        forward under the reference weights. Same metrics as the two-pass step."""
+        ref = None
+        if self.algo.use_reference:
+            if self._ref is None:
+                raise ValueError("the algorithm needs a reference model but the worker was built without "
+                                 "one (construct it with an AlgoConfig whose use_reference is true)")
+            with self.reference_weights():
+                ref = self._forward_logprobs(batch, with_entropy=False)[0]
+        batch_sums = step_sums(batch, None, self.info.device, dp_group())
+        stats = self.forward_backward(batch, None, ref, None)
+        grad_norm, lr = self.optimizer_step()
+        self._updates += 1
+        if self.algo.ref_update_interval and self._updates % self.algo.ref_update_interval == 0:
+            self._refresh_reference()
+        return train_metrics(self.algo, fused_step_sums(batch_sums, stats), [stats], [grad_norm], lr,
+                             have_ref=ref is not None)
 
     # ---- weights out
     @on_rank_thread

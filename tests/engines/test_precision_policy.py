@@ -48,17 +48,41 @@ def test_lm_head_gives_fp32_logits_and_follows_weight_updates(llama_bf16, monkey
     torch.testing.assert_close(head(h).double(), 2 * ref, rtol=1e-5, atol=1e-5)
 
 
+def test_attn_scores_keep_the_decode_scores_in_fp32(llama_bf16, monkeypatch):
+    """The static decode step's attention (attention.py) with the island takes q.k in fp32 as flash
+    attention does; bf16 scores of ~20 round in steps of 0.125 and move the softmax. Checked
+    against float64 attention on the same bf16 inputs."""
+    from slime_rl.engines.embedded.attention import FP32_SCORES, decode_attention
+
+    monkeypatch.setenv(ENV, "attn_scores")
+    attn = llama_bf16.model.layers[0].self_attn
+    assert apply_precision_policy(llama_bf16) == ["attn_scores x2"] and getattr(attn, FP32_SCORES)
+    torch.manual_seed(0)
+    B, H, Hkv, T, D = 4, 4, 2, 64, 16
+    q = (torch.randn(B, H, 1, D) * 3).bfloat16()
+    k, v = (torch.randn(B, Hkv, T, D) * 3).bfloat16(), torch.randn(B, Hkv, T, D).bfloat16()
+    mask = torch.ones(B, 1, 1, T, dtype=torch.bool)
+    # float64 reference: query head h reads KV head h // (H / Hkv)
+    kk, vv = k.double().repeat_interleave(H // Hkv, 1), v.double().repeat_interleave(H // Hkv, 1)
+    p = torch.softmax(q.double() @ kk.transpose(-1, -2) * D ** -0.5, dim=-1)
+    ref = (p @ vv).transpose(1, 2)  # [B, 1, H, D]
+    err_fp32 = (decode_attention(attn, q, k, v, mask)[0].double() - ref).abs().mean().item()
+    plain = torch.nn.Module()  # no island flag: bf16 scores
+    err_bf16 = (decode_attention(plain, q, k, v, mask)[0].double() - ref).abs().mean().item()
+    assert err_fp32 < 0.5 * err_bf16, (err_fp32, err_bf16)  # measured 0.22-0.29x over seeds 0-4
+
+
 def test_the_flag_chooses_the_islands_when_the_env_is_unset(tiny_llama, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     monkeypatch.delenv(ENV, raising=False)
     stock = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.bfloat16).eval()
     # RMSNorm always rounds as SGLang's; fp32 logits only with --enable-fp32-lm-head, as in SGLang
-    assert apply_precision_policy(stock) == ["rmsnorm x5"]
+    assert apply_precision_policy(stock) == ["rmsnorm x5", "attn_scores x2"]
     h = torch.randn(2, stock.config.hidden_size).bfloat16()
     assert stock.get_output_embeddings()(h).dtype == torch.bfloat16
     fp32_head = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.bfloat16).eval()
-    assert apply_precision_policy(fp32_head, fp32_lm_head=True) == ["rmsnorm x5", "lm_head"]
+    assert apply_precision_policy(fp32_head, fp32_lm_head=True) == ["rmsnorm x5", "attn_scores x2", "lm_head"]
     assert fp32_head.get_output_embeddings()(h).dtype == torch.float32
 
 

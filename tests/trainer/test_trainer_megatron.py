@@ -124,6 +124,21 @@ def test_train_step_metrics_and_update(scenario, ref):
 
 
 @pytest.mark.slow
+def test_fused_old_logprobs_equal_the_separate_pass(scenario):
+    """One optimizer step per rollout: the old log-probs taken from the training forward (default)
+    and from a forward pass of their own (--separate-old-logprobs) give the same step."""
+    (rec,) = scenario("tp1", 1)
+    fused, separate = rec["metrics"], rec["separate/metrics"]
+    assert set(fused) == set(separate)
+    for key, value in separate.items():
+        assert fused[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    # the fused ratio is exactly 1; the separate pass's is 1 up to fp32 rounding of two forwards
+    assert fused["train/ppo_kl"] == 0.0 and fused["train/pg_clipfrac"] == 0.0
+    for name, t in rec["after"].items():
+        assert torch.allclose(t, rec["separate/after"][name], atol=ADAM_STEP_TOL), name
+
+
+@pytest.mark.slow
 def test_metrics_same_under_tp2_and_dp2(scenario):
     (tp1,) = scenario("tp1", 1)
     for name, world in (("tp2", 2), ("dp2", 2)):

@@ -125,6 +125,12 @@ def scenario_tp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dic
     res["train_step_s"] = time.perf_counter() - t
     res["after"] = weights(w)
     w.shutdown()
+    # the same step with the old log-probs from their own forward pass (the fused path above)
+    w = make_worker(rank, world, port, qwen2, algo=AlgoConfig(separate_old_logprobs=True))
+    port += 1
+    res["separate/metrics"] = w.train_step(batch)
+    res["separate/after"] = weights(w)
+    w.shutdown()
     # reference model: 2 mini-batches, so the second one has moved away from the reference
     w = make_worker(rank, world, port, qwen2, mbs=1, gbs=2, algo=AlgoConfig(kl_loss_coef=0.1))
     res["kl/initial_logp"] = w.compute_logprobs(batch)

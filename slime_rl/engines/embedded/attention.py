@@ -22,6 +22,8 @@ import torch
 from transformers import AttentionInterface
 
 SLOT_DECODE = "slime_slot_decode"
+# set on an attention module by precision.apply_precision_policy (island "attn_scores")
+FP32_SCORES = "_slime_fp32_scores"
 
 
 def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -35,7 +37,12 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     hkv = key.shape[1]
     scale = scaling if scaling is not None else D ** -0.5
     qg = query.reshape(B, hkv, H // hkv, D)  # [B, Hkv, G, D]: the group's heads are adjacent
-    scores = torch.matmul(qg, key.transpose(-1, -2)).float() * scale  # [B, Hkv, G, T]
+    if getattr(module, FP32_SCORES, False) and query.dtype != torch.float32:
+        # fp32 scores from bf16 operands, as flash attention (the trainer's) keeps them: a bf16 score
+        # of ~10 rounds in steps of 0.06, which moves the softmax by a few percent
+        scores = torch.matmul(qg.float(), key.transpose(-1, -2).float()) * scale
+    else:
+        scores = torch.matmul(qg, key.transpose(-1, -2)).float() * scale  # [B, Hkv, G, T]
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, float("-inf"))

@@ -9,8 +9,11 @@ on where; stock HF modeling code does not. So the engine is brought to SGLang's 
 |-----------|-----------------------------------------------------------|-------------------------------|
 | `rmsnorm` | `layernorm.py` forward_native: fp32 `(x * weight).to(dtype)` | bf16 `weight * x.to(dtype)` |
 | `lm_head` | `logits_processor.py`, `--enable-fp32-lm-head`: fp32 logits | bf16 matmul, bf16 logits     |
+| `attn_scores` | flash attention: q·k scores in fp32 inside the kernel | static decode step (attention.py): bf16 |
 
-`rmsnorm` is always on (it is how SGLang and the trainer round). `lm_head` follows SGLang's own
+`rmsnorm` is always on (it is how SGLang and the trainer round), as is `attn_scores`: the static
+decode step's attention (attention.py, the engine's own, not HF's) takes fp32 scores from the bf16
+q and k, as the flash kernels of the trainer and of SGLang do. `lm_head` follows SGLang's own
 switch, `--enable-fp32-lm-head` (off by default there too): a run passes `--sglang-enable-fp32-lm-head`
 and the engines (SGLang or built-in) and the trainer (`slime_rl.trainer.model.fp32_output_layer`) all
 compute fp32 logits, so one flag keeps the two sides alike. It is opt-in because the trainer's fp32
@@ -41,7 +44,9 @@ import types
 import torch
 import torch.nn.functional as F
 
-ISLANDS = ("rmsnorm", "lm_head")
+from slime_rl.engines.embedded.attention import FP32_SCORES
+
+ISLANDS = ("rmsnorm", "lm_head", "attn_scores")
 ENV = "SLIME_RL_FP32_ISLANDS"
 
 
@@ -87,7 +92,7 @@ def apply_precision_policy(model: torch.nn.Module, fp32_lm_head: bool = False,
     (instance methods, so weight updates and tied weights keep working); `islands` (or
     SLIME_RL_FP32_ISLANDS) overrides the choice. Returns what was patched, for the log."""
     if islands is None:
-        islands = islands_from_env(frozenset({"rmsnorm"} | ({"lm_head"} if fp32_lm_head else set())))
+        islands = islands_from_env(frozenset({"rmsnorm", "attn_scores"} | ({"lm_head"} if fp32_lm_head else set())))
     dtype = next(model.parameters()).dtype
     if dtype == torch.float32 or not islands:
         return []
@@ -103,6 +108,15 @@ def apply_precision_policy(model: torch.nn.Module, fp32_lm_head: bool = False,
                 module.forward = types.MethodType(_rmsnorm_fp32_weight, module)
                 n += 1
         done.append(f"rmsnorm x{n}")
+    if "attn_scores" in islands:
+        n = 0
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        for module in decoder.modules():
+            # HF attention modules (LlamaAttention, Qwen2Attention, ...) hold their projections
+            if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+                setattr(module, FP32_SCORES, True)
+                n += 1
+        done.append(f"attn_scores x{n}")
     if "lm_head" in islands:
         head = model.get_output_embeddings()
         if isinstance(head, torch.nn.Linear) and head.bias is None:
