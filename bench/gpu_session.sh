@@ -8,8 +8,12 @@
 #   bash bench/gpu_session.sh part2         # carry .rm2: second half + gguf + reasoning-gym; import SmolLM2
 #   bash bench/gpu_session.sh speed         # GPU engine tests, peer_trl 64x8x128, engine profile on SmolLM2
 #   bash bench/gpu_session.sh real          # peer_trl 16x8x64, precision gap (batched decode, split-K fp32)
-#   TASK=chain_sum [EXTRA_TASK=basic_arithmetic] bash bench/gpu_session.sh learn
+#   TASK=chain_sum [EXTRA_TASK=basic_arithmetic] [TASK_CONFIG="--config k=v ..."] bash bench/gpu_session.sh learn
 #                                           # 150 steps, ours and TRL at once; held-out greedy accuracy
+#   ... bash bench/gpu_session.sh learn-detached   # the same under setsid (outlives the call, may
+#                                           # pass one call's time limit); then, in the next call:
+#   WAIT=560 bash bench/gpu_session.sh collect     # waits for it (<= WAIT s), copies its results to $OUT
+#   bash bench/gpu_session.sh numerics      # engine-vs-trainer log-prob gap on the engine's own decode path
 # Results go to $OUT (default bench/results/raw). NVLink multicast stays off (shared hosts).
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -55,24 +59,42 @@ case "$1" in
       --max-running 512 --concurrency 512 --no-profile --out "$OUT/profile_engine_smollm2_1xH200_$day.json" 2>&1 \
       | grep -v Warning | tail -14 | tee "$OUT/profile_engine_smollm2_1xH200_$day.txt" ;;
   real)
-    # TRL vs ours at 16 x 8 x 64; the precision gap with the engine's batched decode (M = 32 rows per
-    # step), then with split-K partial sums reduced in fp32 on both sides
+    # TRL vs ours at 16 x 8 x 64
     need_model
     python3 bench/peer_trl.py --model /tmp/smol-bf16 --prompts 16 --group 8 --max-new-tokens 64 --steps 20 \
-      --warmup 5 --out "$OUT/peer_trl_16x8x64_$day.json" 2>&1 | grep -v Warning | grep -e "^step" -e "^{" | tail -4
-    python3 bench/precision_gap.py --model /tmp/smol-fp32 --n 32 --new-tokens 64 --rows 0,4 --batched-decode \
-      --out "$OUT/precision_gap_batched_1xH200_$day.json" 2>&1 | grep "mean |dlogp|"
-    python3 bench/precision_gap.py --model /tmp/smol-fp32 --n 32 --new-tokens 64 --rows 4 --batched-decode \
-      --splitk-fp32 --out "$OUT/precision_gap_batched_splitk_1xH200_$day.json" 2>&1 | grep "mean |dlogp|" ;;
+      --warmup 5 --out "$OUT/peer_trl_16x8x64_$day.json" 2>&1 | grep -v Warning | grep -e "^step" -e "^{" | tail -4 ;;
+  numerics)
+    # the gap on the engine's own decode path (static cache, graphs, its attention; 64 rows per step),
+    # bf16 vs fp32 attention scores, then with split-K partial sums reduced in fp32 on both sides; and
+    # HF's batched decode path (the bench's older rows) for comparison
+    need_model
+    python3 bench/precision_gap.py --model /tmp/smol-fp32 --engine --n 64 --new-tokens 64 --rows 0,1 \
+      --out "$OUT/precision_gap_engine_1xH200_$day.json" 2>&1 | grep "mean |dlogp|"
+    python3 bench/precision_gap.py --model /tmp/smol-fp32 --engine --n 64 --new-tokens 64 --rows 1 --splitk-fp32 \
+      --out "$OUT/precision_gap_engine_splitk_1xH200_$day.json" 2>&1 | grep "mean |dlogp|"
+    python3 bench/precision_gap.py --model /tmp/smol-fp32 --n 32 --new-tokens 64 --rows 4,5 --batched-decode \
+      --out "$OUT/precision_gap_batched_1xH200_$day.json" 2>&1 | grep "mean |dlogp|" ;;
+  learn-detached)
+    need_model
+    rm -rf /tmp/learn_out && mkdir -p /tmp/learn_out
+    OUT=/tmp/learn_out setsid nohup bash "$0" learn > /tmp/learn_out/session.log 2>&1 < /dev/null &
+    sleep 2; echo "learn started in its own session: /tmp/learn_out" ;;
+  collect)
+    waited=0
+    while pgrep -f "gpu_session.sh learn" > /dev/null && [ "$waited" -lt "${WAIT:-560}" ]; do sleep 10; waited=$((waited + 10)); done
+    pgrep -f "gpu_session.sh learn" > /dev/null && echo "learn still running after $waited s" || echo "learn done"
+    cp -r /tmp/learn_out/. "$OUT/" 2>/dev/null; tail -8 /tmp/learn_out/session.log ;;
   learn)
     # TASK (chain_sum) for STEPS (150): ours and TRL at once (on GPU 0 and 1, or both on one GPU: the
     # curves are what counts here); the held-out file shares no question with the training file
     # (reasoning-gym's row i of seed s is Random(s + i): another seed alone repeats the training rows)
     need_model
+    set -f  # TASK_CONFIG may hold JSON lists ("operators=[...]"): no globbing of its words
     task=${TASK:-chain_sum}; steps=${STEPS:-150}; tag="peer_trl_learn_${task}_${steps}_$day"
-    python3 tools/make_reasoning_gym_data.py --task "$task" --n 5000 --seed 0 --out "/tmp/train_$task.jsonl"
-    python3 tools/make_reasoning_gym_data.py --task "$task" --n 200 --seed 100000 --exclude "/tmp/train_$task.jsonl" \
-      --out "/tmp/heldout_$task.jsonl"
+    # TASK_CONFIG: the task's config (e.g. "--config max_terms=3"), for training and held-out rows alike
+    python3 tools/make_reasoning_gym_data.py --task "$task" --n 5000 --seed 0 $TASK_CONFIG --out "/tmp/train_$task.jsonl"
+    python3 tools/make_reasoning_gym_data.py --task "$task" --n 200 --seed 100000 $TASK_CONFIG \
+      --exclude "/tmp/train_$task.jsonl" --out "/tmp/heldout_$task.jsonl"
     python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$task.jsonl" --n 200 --max-new-tokens 24 \
       2>&1 | tail -1 | tee "$OUT/${tag}_eval_start.txt"
     trl_gpu=0; [ "$gpus" -ge 2 ] && trl_gpu=1

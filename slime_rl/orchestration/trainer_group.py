@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 
 import ray
@@ -119,8 +120,11 @@ class RankActor:
 
     # ---- policy: training
     def train(self, step: int, buffer, readers: int | None = None) -> dict[str, float]:
+        start = time.perf_counter()
         batch = ray.get(buffer.get.remote(step, readers=readers or self.world_size))
-        return self.worker.train_step(_select(batch, self._shard(len(batch["tokens"]))))
+        fetched = time.perf_counter() - start
+        metrics = self.worker.train_step(_select(batch, self._shard(len(batch["tokens"]))))
+        return metrics | self.worker.last_timings | {"perf/train_fetch_s": fetched}
 
     def train_ppo(self, step: int, buffer, readers: int, update: bool) -> dict[str, float]:
         """PPO: GAE on the critic's values (put into the step's batch by `compute_values`), then the

@@ -13,6 +13,7 @@ values. The same code runs on GPUs (nccl) and on CPU (gloo + cpu_compat).
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -349,6 +350,7 @@ class TrainerWorker(MegatronRank):
             raise ValueError("train_step got an empty batch on this DP rank")
         if inputs is None and update and self._on_policy(n):
             return self._fused_train_step(batch)
+        t0 = time.perf_counter()
         if inputs is None:
             inputs = self.step_inputs(batch)
         if not update:
@@ -358,17 +360,28 @@ class TrainerWorker(MegatronRank):
         def pick(rows: list | None, ids: list[int]) -> list | None:
             return None if rows is None else [rows[i] for i in ids]
 
-        stats, norms, lr = [], [], 0.0
+        t1 = time.perf_counter()
+        stats, norms, lr, opt_s = [], [], 0.0, 0.0
         for ids in minis:
             s = self.forward_backward(self._sub(batch, ids), pick(inputs.old, ids), pick(inputs.ref, ids),
                                       pick(inputs.advantages, ids))
+            t = time.perf_counter()
             grad_norm, lr = self.optimizer_step()
+            opt_s += time.perf_counter() - t
             stats.append(s)
             norms.append(grad_norm)
+        t2 = time.perf_counter()
         self._updates += 1
         if self.algo.ref_update_interval and self._updates % self.algo.ref_update_interval == 0:
             self._refresh_reference()
+        self.last_timings = {"perf/train_inputs_s": t1 - t0, "perf/train_fwd_bwd_s": t2 - t1 - opt_s,
+                             "perf/train_optimizer_s": opt_s}
         return train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
+
+    # wall seconds of the last train_step's phases on this rank (the RankActor adds them to the step's
+    # metrics; the phases end in host syncs: DP-summed stats, the grad norm): old/ref log-probs and
+    # advantages, forward+backward of the mini-batches, optimizer steps
+    last_timings: dict[str, float] = {}
 
     def _on_policy(self, n: int) -> bool:
         """Whether this step may take its old log-probs from the training forward: one mini-batch
@@ -384,6 +397,7 @@ class TrainerWorker(MegatronRank):
         """train_step with old log-probs and the old policy's entropy from the one training forward
         (objective.policy_objective, fused path); the reference log-probs (KL) still take their own
         forward under the reference weights. Same metrics as the two-pass step."""
+        t0 = time.perf_counter()
         ref = None
         if self.algo.use_reference:
             if self._ref is None:
@@ -392,11 +406,16 @@ class TrainerWorker(MegatronRank):
             with self.reference_weights():
                 ref = self._forward_logprobs(batch, with_entropy=False)[0]
         batch_sums = step_sums(batch, None, self.info.device, dp_group())
-        stats = self.forward_backward(batch, None, ref, None)
+        t1 = time.perf_counter()
+        stats = self.forward_backward(batch, None, ref, None)  # returns DP-summed floats: synchronized
+        t2 = time.perf_counter()
         grad_norm, lr = self.optimizer_step()
+        t3 = time.perf_counter()
         self._updates += 1
         if self.algo.ref_update_interval and self._updates % self.algo.ref_update_interval == 0:
             self._refresh_reference()
+        self.last_timings = {"perf/train_inputs_s": t1 - t0, "perf/train_fwd_bwd_s": t2 - t1,
+                             "perf/train_optimizer_s": t3 - t2}
         return train_metrics(self.algo, fused_step_sums(batch_sums, stats), [stats], [grad_norm], lr,
                              have_ref=ref is not None)
 
