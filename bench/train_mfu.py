@@ -114,6 +114,8 @@ def main() -> None:
     p.add_argument("--mbs", type=int, default=8, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     p.add_argument("--profile", action="store_true", help="print a kernel profile of one more step")
+    p.add_argument("--model", default=None, help="an HF folder to train instead of the random --shape")
+    p.add_argument("--fp32-lm-head", action="store_true", help="fp32 logits (--sglang-enable-fp32-lm-head)")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, one step")
     a = p.parse_args()
@@ -133,10 +135,14 @@ def main() -> None:
     if cuda:
         os.environ.setdefault("LOCAL_RANK", "0")
     cfg = SHAPES[a.shape]
-    ckpt = make_checkpoint(a.shape, Path(tempfile.mkdtemp(prefix="mfu_")) / "model", cuda)
+    if a.model:
+        raw = json.loads((Path(a.model) / "config.json").read_text())
+        cfg = {k: raw[k] for k in SHAPES["tiny"]}
+        a.shape = Path(a.model).name
+    ckpt = Path(a.model) if a.model else make_checkpoint(a.shape, Path(tempfile.mkdtemp(prefix="mfu_")) / "model", cuda)
     n_samples = a.mbs * a.tokens_per_mb // a.sample_len
     worker = TrainerWorker(0, 1, "127.0.0.1", free_port(), ParallelConfig(), BatchConfig(1, n_samples),
-                           OptimizerConfig(lr=1e-6), ModelConfig(str(ckpt), bf16=cuda), AlgoConfig(),
+                           OptimizerConfig(lr=1e-6), ModelConfig(str(ckpt), bf16=cuda, fp32_lm_head=a.fp32_lm_head), AlgoConfig(),
                            train_iters=a.steps + 3, use_dynamic_batch_size=True,
                            max_tokens_per_gpu=a.tokens_per_mb)
     n_matmul = matmul_params(unwrap(worker.gpt), cfg)
