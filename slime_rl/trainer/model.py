@@ -129,6 +129,13 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
         attach_vision_tower(model, arch)
     if bf16 and post_process and fp32_lm_head:
         fp32_output_layer(model.output_layer)
+        # the fp32 output layer's GEMMs on tensor cores (TF32) rather than the fp32 pipes (~6x slower; they
+        # were 45% of a SmolLM2 train step's kernel time on an H200): its forward operands are bf16 values,
+        # which TF32's 10-bit mantissa holds exactly, and TF32 accumulates in fp32, so the logits are
+        # those of the fp32 GEMM up to summation order (the engine's bf16 x bf16 -> fp32 GEMM alike); only
+        # the backward's fp32 logit gradient is rounded (to 10 bits, finer than a bf16 layer's 7). In a
+        # bf16 model every other matmul is bf16, so the process-wide setting touches nothing else.
+        torch.set_float32_matmul_precision("high")
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
