@@ -55,8 +55,9 @@ GiB = 2**30
 # fixed per-sync cost of the disaggregated path (pause, continue, the engines' answers), measured on
 # 2xH200 with bench/weight_sync.py (FACTS.md: "about 3.5 ms of fixed cost per sync")
 SYNC_FIXED_S = 0.0035
-# colocated: CUDA IPC hand-over measured at 29-35 GB/s on one H200 (BENCHMARKS.md, Qwen2.5-0.5B shape)
-COLOCATED_GBPS = 30.0
+# colocated: a whole sync (release/resume, CUDA IPC hand-over) of the Qwen2.5-0.5B shape's 0.99 GB took
+# 61.6-62.8 ms on one H200 (bench/results/gpu_e2e_0.5b_colocated_1xH200_2026-11-30.metrics.jsonl, steps 1-2)
+COLOCATED_GBPS = 16.0
 # bytes per (token x local vocab) at the loss's peak: fp32 logits, the response slice, its scaled copy
 LOGITS_BYTES = 12
 

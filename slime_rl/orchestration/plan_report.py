@@ -148,7 +148,8 @@ def estimate_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...]
     link = sync_link(cfg, plan, devices)
     gbps = cfg.plan.inter_node_gbps if link == "inter-node" else cfg.plan.intra_node_gbps
     sync = estimate_sync(shape, lay.bf16, link, gbps)
-    source = {"colocated": "CUDA IPC hand-over, measured 30 GB/s on one H200",
+    gbps = sync.gbps
+    source = {"colocated": f"CUDA IPC hand-over, {gbps:g} GB/s as a whole sync measured on one H200",
               "intra-node": f"{gbps:g} GB/s (--plan-intra-node-gbps)",
               "inter-node": f"{gbps:g} GB/s (--plan-inter-node-gbps; engines on other nodes than the sources)"}[link]
     lines.append(f"weight sync: {sync.bytes / 1e9:.2f} GB of {dtype} HF weights per sync, {link}: {source} "
