@@ -156,7 +156,7 @@ def estimate_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...]
                  f"-> {sync.seconds:.3f} s per sync (every --update-weights-interval "
                  f"{cfg.weight_sync.update_weights_interval} step(s))")
     per_engine = cfg.engine.num_gpus_per_engine
-    lines.append(f"engine weights per GPU: {sync.bytes / per_engine / GiB:.2f} GiB (TP {per_engine}); the KV cache "
+    lines.append(f"weights per engine GPU: {sync.bytes / per_engine / GiB:.2f} GiB (TP {per_engine}); the KV cache "
                  "gets the rest of --sglang-mem-fraction-static")
     return lines
 
