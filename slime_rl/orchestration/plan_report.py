@@ -16,6 +16,11 @@ from slime_rl.orchestration.estimate import (
 from slime_rl.orchestration.placement import Device, PlacementPlan, rank_coords
 
 
+def _count(n: int) -> str:
+    """A parameter count: 7.616 B, 135.5 M, or as it is below a million."""
+    return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"
+
+
 def _layout_text(cfg: Config) -> str:
     p = cfg.parallel
     text = (f"TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x "
@@ -124,18 +129,18 @@ def estimate_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...]
     lay, why = trainer_layout(cfg)
     mem = estimate_memory(shape, lay)
     dtype = "bf16" if lay.bf16 else "fp32"
-    parts = [f"{shape.embedding_params / 1e9:.2f} B embedding", "tied LM head" if shape.tied else "untied LM head"]
+    parts = [f"{_count(shape.embedding_params)} embedding", "tied LM head" if shape.tied else "untied LM head"]
     if shape.vision:
-        parts.append(f"{shape.vision.params / 1e9:.3f} B vision tower")
+        parts.append(f"{_count(shape.vision.params)} vision tower")
     if shape.experts:
         parts.append(f"{shape.experts} experts, top-{shape.top_k}, in {len(shape.moe_layers)} layers")
     opt = "Adam m, v" if lay.optimizer == "adam" else "SGD momentum"
     sp = " with sequence parallel" if lay.sequence_parallel else ""
     lines = [
-        f"model ({cfg.model.hf_checkpoint}/config.json): {shape.model_type}, {shape.params / 1e9:.3f} B parameters "
+        f"model ({cfg.model.hf_checkpoint}/config.json): {shape.model_type}, {_count(shape.params)} parameters "
         f"({', '.join(parts)})",
         f"trainer memory per GPU, estimated (pipeline stage {mem.stage} of {lay.pp}: "
-        f"{mem.params / 1e9:.3f} B parameters on each of its GPUs):",
+        f"{_count(mem.params)} parameters on each of its GPUs):",
         f"  weights      {mem.weights / GiB:7.2f} GiB  ({dtype})",
         f"  grads        {mem.grads / GiB:7.2f} GiB  (fp32 gradient buffer)",
         f"  optimizer    {mem.optimizer / GiB:7.2f} GiB  ({'fp32 master + ' if lay.bf16 else ''}{opt}, distributed "
