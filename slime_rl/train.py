@@ -25,7 +25,7 @@ from slime_rl.config import Config, ConfigError, RewardConfig, build_config
 from slime_rl.data import DataError, PromptDataset, TokenLimit, num_rollout_for_epochs
 from slime_rl.engines.launch import check_engine_config
 from slime_rl.observability import MetricsLogger, Timer, summary_line
-from slime_rl.orchestration.placement import PlacementPlan, plan_placement
+from slime_rl.orchestration.placement import PlacementPlan, assign_devices, plan_placement
 from slime_rl.rewards import RewardError, reward_fn_from_config
 from slime_rl.rewards.labels import label_problem
 from slime_rl.rollout.custom import load_filter, load_generate_function
@@ -41,6 +41,10 @@ class RunFailed(RuntimeError):
         self.known = known
 
 
+# the files an HF folder's tokenizer is read from (any one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
+
+
 def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     """Check data, reward and placement before anything is started; returns the config (with
     --num-epoch turned into steps) and the plan."""
@@ -50,27 +54,58 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
         raise ConfigError("--use-sglang-router: the 'sglang_router' package is not installed on the head node "
                           "(pip install slime_rl[router])")
     check_model_features(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
     labels = label_problem(cfg.reward.rm_type, cfg.reward.custom_rm_path)  # what the reward needs of a label
-    dataset = PromptDataset(cfg.data, tokenizer, token_limit=token_limit(cfg, cfg.rollout.max_response_len),
-                            label_check=labels)
-    for _, path in cfg.eval.datasets:  # as the rollout manager reads them: unshuffled, same limits
-        PromptDataset(dataclasses.replace(cfg.data, prompt_data=path, rollout_shuffle=False), tokenizer,
-                      token_limit=token_limit(cfg, cfg.eval.max_response_len, "--eval-max-response-len"),
-                      label_check=labels)
-    if dataset.filtered_too_long:
-        print(f"[slime_rl] {dataset.filtered_too_long} prompts longer than --rollout-max-prompt-len dropped")
-    if cfg.data.num_epoch is not None:
-        steps = num_rollout_for_epochs(len(dataset), cfg.rollout.rollout_batch_size, cfg.data.num_epoch)
-        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_rollout=steps))
+    not_here = missing_here(cfg)
+    if not any(os.path.isfile(os.path.join(cfg.model.hf_checkpoint, f)) for f in TOKENIZER_FILES):
+        # transformers 5 builds an empty tokenizer from config.json alone: every prompt would be 0 tokens
+        if cfg.plan.cluster is None:
+            raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: no tokenizer files there (one of "
+                              f"{', '.join(TOKENIZER_FILES)})")
+        not_here.append(f"the tokenizer of --hf-checkpoint {cfg.model.hf_checkpoint} (no tokenizer files here)")
+    if not not_here:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
+        dataset = PromptDataset(cfg.data, tokenizer, token_limit=token_limit(cfg, cfg.rollout.max_response_len),
+                                label_check=labels)
+        for _, path in cfg.eval.datasets:  # as the rollout manager reads them: unshuffled, same limits
+            PromptDataset(dataclasses.replace(cfg.data, prompt_data=path, rollout_shuffle=False), tokenizer,
+                          token_limit=token_limit(cfg, cfg.eval.max_response_len, "--eval-max-response-len"),
+                          label_check=labels)
+        if dataset.filtered_too_long:
+            print(f"[slime_rl] {dataset.filtered_too_long} prompts longer than --rollout-max-prompt-len dropped")
+        if cfg.data.num_epoch is not None:
+            steps = num_rollout_for_epochs(len(dataset), cfg.rollout.rollout_batch_size, cfg.data.num_epoch)
+            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_rollout=steps))
+    else:
+        dataset = None
+        token_limit(cfg, cfg.rollout.max_response_len)  # what config.json alone can tell
     reward_fn(cfg.reward)
-    if cfg.reward.rm_type == "reasoning_gym" and cfg.reward.custom_rm_path is None:
+    if dataset is not None and cfg.reward.rm_type == "reasoning_gym" and cfg.reward.custom_rm_path is None:
         check_reasoning_gym_rows(cfg.data.prompt_data, dataset)
     # extension points load here, so a bad dotted path fails before any actor starts
     load_generate_function(cfg.rollout.custom_generate_function_path)
     load_filter(cfg.rollout.dynamic_sampling_filter_path)
-    return cfg, plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
-                               cluster_cpus=os.cpu_count(), critic_world=cfg.critic.world_size if cfg.critic else 0)
+    critic_world = cfg.critic.world_size if cfg.critic else 0
+    if cfg.plan.cluster is not None:  # --dry-run for another cluster: its GPUs, not this machine's
+        nodes, gpus = cfg.plan.cluster
+        plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=nodes * gpus, critic_world=critic_world)
+        assign_devices(plan, nodes, gpus)  # an engine that fits on no node fails here
+    else:
+        plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
+                              cluster_cpus=os.cpu_count(), critic_world=critic_world)
+    plan.notes.extend(f"not checked here (--cluster): {what}" for what in not_here)
+    if cfg.plan.cluster is not None and not_here and cfg.data.num_epoch is not None:
+        plan.notes.append(f"--num-epoch {cfg.data.num_epoch}: the number of steps is known once the data is read")
+    return cfg, plan
+
+
+def missing_here(cfg: Config) -> list[str]:
+    """With --cluster, the prompt files that exist only on that cluster (not checked here, nor is a
+    tokenizer missing from --hf-checkpoint: a folder holding only config.json plans too). Empty otherwise."""
+    if cfg.plan.cluster is None:
+        return []
+    files = [("--prompt-data", cfg.data.prompt_data.split("@[", 1)[0])]
+    files += [(f"--eval-prompt-data {name}", path) for name, path in cfg.eval.datasets]
+    return [f"{flag} {path} (no such file here)" for flag, path in files if not os.path.isfile(path)]
 
 
 def token_limit(cfg: Config, max_response_len: int, flag: str = "--rollout-max-response-len") -> TokenLimit | None:
@@ -134,9 +169,23 @@ def reward_fn(reward: RewardConfig):
 
 
 def dry_run(cfg: Config, plan: PlacementPlan) -> None:
+    """Print the plan (node/GPU ids, layout, steps, memory and weight-sync estimates) and the engine
+    and router commands; nothing is started."""
     from slime_rl.orchestration.engines import engine_command, engine_env
+    from slime_rl.orchestration.plan_report import plan_report
+    from slime_rl.trainer.convert import read_hf_config
 
-    print(plan.describe())
+    if cfg.plan.cluster is not None:
+        devices = assign_devices(plan, *cfg.plan.cluster)
+    else:  # this machine: one node
+        devices = assign_devices(plan, 1, torch.cuda.device_count()) if plan.use_gpu else None
+    try:
+        print(plan_report(cfg, plan, devices, read_hf_config(cfg.model.hf_checkpoint)))
+    except ValueError as exc:  # a model the estimate cannot size: the plan still prints
+        print(plan.describe())
+        print(f"estimates: not available ({exc})")
+    if not plan.use_gpu and cfg.plan.cluster is None:
+        print("note: planned for this machine (no GPU); --cluster NODESxGPUS plans for a GPU cluster")
     for slot in plan.engines:
         cmd = engine_command(cfg, slot, host="<node-ip>", port=30000 + 10 * slot.engine_id, api_key="<run-secret>",
                              use_gpu=plan.use_gpu)

@@ -76,6 +76,14 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _cluster_shape(text: str) -> tuple[int, int]:
+    """`NODESxGPUS` (e.g. 2x8) -> (nodes, GPUs per node)."""
+    nodes, sep, gpus = text.lower().partition("x")
+    if not sep or not nodes.isdigit() or not gpus.isdigit() or int(nodes) < 1 or int(gpus) < 1:
+        raise argparse.ArgumentTypeError(f"must be NODESxGPUS with both >= 1 (e.g. 2x8), got {text!r}")
+    return int(nodes), int(gpus)
+
+
 def _tuple(value: Sequence | None) -> tuple:
     return () if value is None else tuple(value)
 
@@ -146,6 +154,15 @@ FLAGS: tuple[Flag, ...] = (
     *section('options',
         Flag('--config', help="YAML file whose keys are these flags' names"),
         Flag('--dry-run', 'dry_run', action="store_true", help='print the placement plan and engine commands'),
+        Flag('--cluster', 'plan.cluster', type=_cluster_shape, metavar='NODESxGPUS',
+             help='with --dry-run: plan for a cluster of NODES nodes of GPUS GPUs each (e.g. 2x8) instead of this '
+                  "machine's devices; the data and tokenizer are checked only where they exist here"),
+        Flag('--plan-intra-node-gbps', 'plan.intra_node_gbps', default=360.0, type=_positive_float,
+             help='GB/s of a weight-sync broadcast inside a node, for the --dry-run estimate (default: 360, the raw '
+                  'NCCL broadcast measured between two NVLink H200s)'),
+        Flag('--plan-inter-node-gbps', 'plan.inter_node_gbps', default=50.0, type=_positive_float,
+             help='GB/s of a weight-sync broadcast between nodes, for the --dry-run estimate (default: 50, one '
+                  '400 Gb/s InfiniBand NIC; not measured here)'),
     ),
     *section('parallelism (Megatron names)',
         Flag('--tensor-model-parallel-size', 'parallel.tensor_model_parallel_size', default=1, type=_positive_int),

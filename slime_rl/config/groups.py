@@ -316,6 +316,16 @@ class FaultConfig:
 
 
 @dataclass(frozen=True)
+class PlanConfig:
+    """What `--dry-run` plans for: another cluster than this machine (--cluster), and the link speeds
+    its weight-sync estimate assumes."""
+
+    cluster: tuple[int, int] | None = default_of("--cluster")  # (nodes, GPUs per node)
+    intra_node_gbps: float = default_of("--plan-intra-node-gbps")
+    inter_node_gbps: float = default_of("--plan-inter-node-gbps")
+
+
+@dataclass(frozen=True)
 class Config:
     parallel: ParallelConfig
     batch: BatchConfig
@@ -334,6 +344,7 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
     critic: CriticConfig | None = None  # set iff the estimator needs a critic (--advantage-estimator ppo)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     @property
     def optimizer_steps_per_rollout(self) -> int:
@@ -351,6 +362,7 @@ GROUPS: dict[str, type] = {
     "data": DataConfig, "rollout": RolloutConfig, "reward": RewardConfig, "eval": EvalConfig,
     "engine": EngineConfig, "weight_sync": WeightSyncConfig, "checkpoint": CheckpointConfig,
     "logging": LoggingConfig, "fault": FaultConfig,
+    "plan": PlanConfig,
 }
 
 

@@ -200,11 +200,14 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     # with --num-epoch the step count is known once the dataset is read (train.preflight sets it)
     num_rollout = a.num_rollout if a.num_epoch is not None else _require(a, "--num-rollout")
     num_rollout = num_rollout or 1
+    _check(a.cluster is None or a.dry_run, "--cluster plans for another cluster and needs --dry-run (a run uses "
+           "the cluster Ray sees)")
     if check_paths:
         _check(Path(hf, "config.json").is_file(),
                f"--hf-checkpoint {hf}: no config.json there (an HF model folder is expected)")
         data_file = prompt_data.split("@[", 1)[0]  # path@[start:end] selects rows
-        _check(Path(data_file).is_file(), f"--prompt-data {data_file}: file not found")
+        # --cluster plans from here for machines whose data paths may exist only there
+        _check(a.cluster is not None or Path(data_file).is_file(), f"--prompt-data {data_file}: file not found")
 
     _check_flags(a)
     parallel: ParallelConfig = _group(a, "parallel")
@@ -291,7 +294,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.keep_last is None or a.save is not None, "--keep-last needs --save")
     # a mistyped --load must not train from scratch and exit 0; --load equal to --save is auto-resume,
     # whose folder does not exist before the first save
-    _check(a.load is None or os.path.exists(a.load) or _same_path(a.load, a.save),
+    _check(a.load is None or os.path.exists(a.load) or _same_path(a.load, a.save) or a.cluster is not None,
            f"--load {a.load}: no such folder (to start fresh and resume later, give --save the same path)")
     for flag, module in (("--use-wandb", "wandb"), ("--use-tensorboard", "tensorboard"), ("--use-swanlab", "swanlab")):
         if getattr(a, flag[2:].replace("-", "_")):
@@ -313,9 +316,10 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         weight_sync=_group(a, "weight_sync"),
         checkpoint=_group(a, "checkpoint"),
         logging=_group(a, "logging", run_dir=run_dir),
-        eval=_eval_config(a, check_paths),
+        eval=_eval_config(a, check_paths and a.cluster is None),
         fault=_group(a, "fault"),
         critic=_critic_config(a, parallel, gbs, samples),
+        plan=_group(a, "plan"),
         **_fields(a, ""),
     )
 

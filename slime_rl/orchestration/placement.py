@@ -120,6 +120,57 @@ def plan_placement(parallel: ParallelConfig, engine: EngineConfig, cluster_gpus:
                          tuple(range(trainer_n, trainer_n + critic_world)), colocated=engine.colocate)
 
 
+@dataclass(frozen=True)
+class Device:
+    """Where one bundle lands: its node and the GPU ids on that node (CPU bundles: no GPUs)."""
+
+    node: int
+    gpus: tuple[int, ...]
+
+    def __str__(self) -> str:
+        ids = ",".join(map(str, self.gpus))
+        return f"node {self.node} GPU {ids}" if self.gpus else f"node {self.node} (CPU)"
+
+
+def assign_devices(plan: PlacementPlan, nodes: int, gpus_per_node: int) -> tuple[Device, ...]:
+    """The node and GPU ids of every bundle of `plan` on `nodes` nodes of `gpus_per_node` GPUs.
+
+    Bundles are placed in order, each on the first node with enough free GPUs, lowest ids first:
+    the trainer ranks fill the first nodes, then the critic, then the engines. That is where Ray's
+    PACK strategy puts them up to the naming of the nodes (which physical node is "node 0" is Ray's
+    choice); an engine's GPUs are always on one node (SGLang's TP runs inside one process tree).
+    """
+    free = [list(range(gpus_per_node)) for _ in range(nodes)]
+    out = []
+    for b, bundle in enumerate(plan.bundles):
+        need = int(bundle.get("GPU", 0))
+        engine = next((e for e in plan.engines if b in e.bundles and not plan.colocated), None)
+        node = next((n for n in range(nodes) if len(free[n]) >= need), None)
+        if node is None:
+            what = (f"engine {engine.engine_id} needs {need} GPUs of one node (--rollout-num-gpus-per-engine)"
+                    if engine is not None else f"bundle {b} needs {need} GPU")
+            raise PlacementError(f"--cluster {nodes}x{gpus_per_node}: {what}, and no node has that many free "
+                                 f"after the bundles before it")
+        out.append(Device(node, tuple(free[node][:need])))
+        del free[node][:need]
+    return tuple(out)
+
+
+# Megatron's default rank order (megatron.core.parallel_state.initialize_model_parallel): TP varies
+# fastest, then CP, then DP, then PP
+RANK_ORDER = ("tp", "cp", "dp", "pp")
+
+
+def rank_coords(rank: int, parallel: ParallelConfig) -> dict[str, int]:
+    """The (tp, cp, dp, pp) coordinates of trainer rank `rank` in Megatron's order "tp-cp-ep-dp-pp"."""
+    sizes = {"tp": parallel.tensor_model_parallel_size, "cp": parallel.context_parallel_size,
+             "dp": parallel.data_parallel_size, "pp": parallel.pipeline_model_parallel_size}
+    out = {}
+    for axis in RANK_ORDER:
+        rank, out[axis] = divmod(rank, sizes[axis])
+    return out
+
+
 def dp_shard(n_samples: int, global_batch_size: int, dp_rank: int, dp_size: int) -> list[int]:
     """Indices of the samples DP rank `dp_rank` trains on, in order.
 

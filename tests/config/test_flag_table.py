@@ -30,6 +30,7 @@ def _get(cfg: Config, group: str, field: str):
 # flags whose generic non-default value (below) is refused, or that need another flag to be accepted
 VALUES = {"--eps-clip-c": ["3"], "--rollout-top-k": ["5"], "--min-lr": ["1e-7"], "--rm-type": ["math"],
           "--rollout-stop": ["a", "b"], "--rollout-stop-token-ids": ["3", "5"]}
+VALUES["--cluster"] = ["2x8"]
 COMPANIONS = {
     "--tensor-model-parallel-size": ["--actor-num-gpus-per-node", "2"],
     "--pipeline-model-parallel-size": ["--actor-num-gpus-per-node", "2"],
@@ -47,6 +48,7 @@ COMPANIONS = {
     "--critic-save": ["--advantage-estimator", "ppo", "--save", "ckpt"],
     "--num-critic-only-steps": ["--advantage-estimator", "ppo"],
     "--critic-load": ["--advantage-estimator", "ppo"],
+    "--cluster": ["--dry-run"],
 }
 OPTIONAL_PACKAGES = {"--use-wandb": "wandb", "--use-tensorboard": "tensorboard", "--use-swanlab": "swanlab"}
 

@@ -57,3 +57,62 @@ def test_torch_installed_before_anything_that_could_replace_it_and_slime_rl_last
     assert sglang and all("torch==${TORCH_VERSION}" in c for c in sglang)  # SGLang's install keeps the pin
     assert 'pip install -e ".[' in pips[-1]
     assert DOCKERFILE.index("COPY pyproject.toml") < DOCKERFILE.index('pip install -e ".[')
+
+
+# Read from SGLang 0.5.23's wheel METADATA (`pip download --no-deps sglang==0.5.23`): Requires-Dist
+# torch==2.14.1, cuda-python>=13.0, flashinfer_python[cu13]==0.7.2, nvidia-cutlass-dsl[cu13]==4.8.0,
+# nvshmem4py-cu13 -- its kernels are CUDA 13 builds
+SGLANG_WHEEL = {"0.5.23": {"torch": "2.14.1", "cuda_major": 13}}
+
+
+def cuda_of_image(image: str) -> tuple[int, int]:
+    """nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04 -> (13, 0)."""
+    match = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)(?:\.\d+)?-.*", image)
+    assert match, f"CUDA_IMAGE {image!r} is not an nvidia/cuda:<major>.<minor>[.<patch>]-... tag"
+    return int(match.group(1)), int(match.group(2))
+
+
+def cuda_of_torch_index(url: str) -> tuple[int, int]:
+    """https://download.pytorch.org/whl/cu130 -> (13, 0); cu129 -> (12, 9)."""
+    match = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)(\d)", url)
+    assert match, f"TORCH_INDEX_URL {url!r} is not a PyTorch CUDA index (.../whl/cuXYZ)"
+    return int(match.group(1)), int(match.group(2))
+
+
+def test_base_image_cuda_matches_torch_index_and_sglang():
+    args = build_args()
+    base = cuda_of_image(args["CUDA_IMAGE"])
+    assert base == cuda_of_torch_index(args["TORCH_INDEX_URL"]), (args["CUDA_IMAGE"], args["TORCH_INDEX_URL"])
+    wheel = SGLANG_WHEEL[args["SGLANG_VERSION"]]
+    assert base[0] == wheel["cuda_major"], f"SGLang {args['SGLANG_VERSION']} needs CUDA {wheel['cuda_major']} packages"
+    assert args["TORCH_VERSION"] == wheel["torch"]
+
+
+def test_our_checks_of_cuda_tags():
+    assert cuda_of_image("nvidia/cuda:12.9.1-cudnn-devel-ubuntu24.04") == (12, 9)
+    assert cuda_of_torch_index("https://download.pytorch.org/whl/cu129") == (12, 9)
+    assert cuda_of_torch_index("https://download.pytorch.org/whl/cu130") == (13, 0)
+
+
+def test_sglang_pins_are_the_versions_our_launcher_checks_flags_against():
+    """--sglang-* / --router-* are checked against flag tables taken from one SGLang / router version
+    (slime_rl/engines/*_args.json); the image must ship those versions, and the contract tests' too."""
+    import json
+
+    args = build_args()
+    engines = ROOT / "slime_rl" / "engines"
+    server = json.loads((engines / "sglang_server_args.json").read_text())["program"]
+    router = json.loads((engines / "sglang_router_args.json").read_text())["program"]
+    assert server.startswith(f"sglang {args['SGLANG_VERSION']} "), server
+    assert router.startswith(f"sglang-router {args['SGLANG_ROUTER_VERSION']} "), router
+    setup = (ROOT / "launch" / "setup.sh").read_text()
+    assert f"SGLANG_VERSION={args['SGLANG_VERSION']}\n" in setup
+
+
+def test_matplotlib_is_installed_and_imported():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    last = pip_commands()[-1]
+    extras = re.search(r'pip install -e "\.\[([^\]]*)\]"', last).group(1).split(",")
+    assert any(Requirement(r).name == "matplotlib" for e in extras for r in project["optional-dependencies"][e])
+    joined = re.sub(r"\\\n\s*", " ", DOCKERFILE)
+    assert re.search(r"python -c \"import [^\"]*\bmatplotlib\b", joined)

@@ -84,3 +84,21 @@ def test_profile_engine_smoke(tmp_path):
     for label in ("engine.prefill", "engine.decode", "engine.sample"):
         assert r[f"{label}_host_s"] > 0, label  # the profiler saw the scheduler thread's ranges
     assert result["http"]["tokens"] == result["http_grouped"]["tokens"] == 64
+
+
+def test_train_memory_smoke(tmp_path):
+    """CPU: no allocator figures, but the run and the estimate for the same settings go through."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "mem.jsonl"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "train_memory.py"), "--smoke", "--out", str(out),
+                           "--ckpt-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = [ln for ln in proc.stdout.splitlines() if ln.strip()][-1]
+    assert re.fullmatch(r"peak nan GiB, estimate \d+\.\d\d GiB, error \+?nan", last), last
+    (result,) = [json.loads(line) for line in out.read_text().splitlines()]
+    # the tiny shape in fp32 (bench/common.py): weights 4 + grads 4 + Adam 8 bytes per parameter
+    params = 64 * 64 + 2 * (2 * 64 + (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128) + 64
+    assert result["estimate_static_gib"] * 2**30 == pytest.approx(16 * params)

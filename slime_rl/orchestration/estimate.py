@@ -1,0 +1,345 @@
+"""What a planned run needs, from config.json alone: parameters, trainer memory per GPU, weight-sync time.
+
+`--dry-run` prints these next to the placement (`train.dry_run`); nothing here loads weights, starts a
+process or touches a device, so a folder holding only config.json is enough, and a run can be planned
+for a cluster one is not on (`--cluster NODESxGPUS`).
+
+**Parameters** are counted from the config's sizes by the formulas of the HF modules (embedding,
+attention with GQA and its biases, q/k norms, SwiGLU MLP or MoE experts and router, RMSNorms, the LM
+head unless tied, the Qwen2.5-VL vision tower); tests/orchestration/test_estimate.py checks the count
+against transformers' own model built from the same config on the meta device.
+
+**Trainer memory per GPU** follows the trainer's settings (trainer/worker.py): bf16 parameters (fp32
+without --bf16); an fp32 gradient buffer of every local parameter (DDP with grad_reduce_in_fp32, the
+role of Megatron's --accumulate-allreduce-grads-in-fp32); the distributed optimizer's fp32 master
+weights and Adam moments sharded over the data-parallel x context-parallel ranks -- the bytes per
+parameter of Megatron's docs/source/api-guide/dist_optimizer.md table: 2 + 4 + 12 / d for bf16 params
+with fp32 grads, 4 + 4 + 8 / d for fp32. Activations use the method of Korthikanti et al., "Reducing
+Activation Recomputation in Large Transformer Models" (arXiv:2205.05198, section 4.1): count every
+tensor autograd keeps for the backward pass, per layer and token, in bytes. Their GPT layer keeps
+s*b*h*(34 + 5*a*s/h); for the layer we build (megatron local spec, RMSNorm, GQA, SwiGLU, no dropout,
+flash attention -- no s x s score matrix is stored) the same count is, per token, with t the TP size
+and t_sp = t under --sequence-parallel (else 1):
+
+    norms' inputs and outputs (= qkv / fc1 inputs)       8h / t_sp
+    q, k, v after RoPE (kept by flash attention)         2(q + 2kv) / t       (kv -> q if k/v are expanded)
+    attention output (= linear_proj input)               2q / t
+    softmax log-sum-exp (fp32 per head)                  4a / t
+    q/k norm inputs (Qwen3)                              2(q + kv) / t
+    SwiGLU: fc1 output [2f], silu(gate), fc2 input       8f / t
+    (MoE layers: f -> top-k x expert ffn; router logits 4E)
+
+where q = heads x head_dim, kv = kv heads x head_dim, f = ffn size. Recompute (Megatron's flags):
+`full` + `uniform` + N keeps each chunk of N layers' input (2h / t_sp) and recomputes one chunk at a time
+during backward; `full` + `block` + N keeps only the input of the first N layers of a stage; `selective`
+recomputes the core attention, which with flash attention saves only the log-sum-exp. The last stage
+adds the LM head's logits: 12 bytes per (token x vocab / t) at their peak in the loss (fp32 logits, the
+response slice, their temperature-scaled copy that the cross entropy turns into softmax in place).
+Pipeline stages hold min(pp - stage, micro-batches) micro-batches in flight (1F1B), the first the most.
+Not counted: the vision tower's activations, temporary buffers of the backward pass and allocator
+fragmentation; the reference model lives in host memory (a CPU copy swapped in).
+
+**Weight-sync time** = bytes of the HF weights the engines receive / a link bandwidth, plus the fixed
+cost per sync measured on 2xH200 (pause, continue, HTTP answers; /work/shared/FACTS.md). The bandwidth
+is --plan-intra-node-gbps when every engine sits on the node of the trainer's source ranks, else
+--plan-inter-node-gbps. docs/launch.md compares all three estimates with measured runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+GiB = 2**30
+# fixed per-sync cost of the disaggregated path (pause, continue, the engines' answers), measured on
+# 2xH200 with bench/weight_sync.py (FACTS.md: "about 3.5 ms of fixed cost per sync")
+SYNC_FIXED_S = 0.0035
+# colocated: a whole sync (release/resume, CUDA IPC hand-over) of the Qwen2.5-0.5B shape's 0.99 GB took
+# 61.6-62.8 ms on one H200 (bench/results/gpu_e2e_0.5b_colocated_1xH200_2026-11-30.metrics.jsonl, steps 1-2)
+COLOCATED_GBPS = 16.0
+# bytes per (token x local vocab) at the loss's peak: fp32 logits, the response slice, its scaled copy
+LOGITS_BYTES = 12
+
+# what each supported model_type implies beyond config.json's sizes (the HF modules' biases and norms)
+_TYPES = ("llama", "qwen2", "qwen2_5_vl", "qwen3", "qwen3_moe")
+
+# transformers' Qwen2_5_VLVisionConfig defaults, for keys a config.json leaves out
+_VISION_DEFAULTS = {"depth": 32, "hidden_size": 3584, "intermediate_size": 3420, "in_channels": 3, "patch_size": 14,
+                    "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 3584}
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """Qwen2.5-VL's vision tower: patch embedding (Conv3d, no bias), `depth` blocks (two RMSNorms,
+    fused qkv and proj with biases, SwiGLU with biases) and the patch merger (RMSNorm, two linears)."""
+
+    depth: int
+    hidden: int
+    ffn: int
+    in_channels: int
+    patch: int
+    temporal_patch: int
+    merge: int
+    out_hidden: int
+
+    @property
+    def params(self) -> int:
+        h, f = self.hidden, self.ffn
+        patch = self.in_channels * self.temporal_patch * self.patch**2 * h
+        block = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * (h * f + f) + (f * h + h)
+        m = h * self.merge**2
+        merger = h + (m * m + m) + (m * self.out_hidden + self.out_hidden)
+        return patch + self.depth * block + merger
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of an HF decoder (and vision tower) that parameters, memory and sync depend on."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    experts: int = 0  # MoE: routed experts per MoE layer (0: dense)
+    expert_ffn: int = 0
+    top_k: int = 0
+    moe_layers: tuple[int, ...] = ()
+    vision: VisionShape | None = None
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def attention_params(self) -> tuple[int, int]:
+        """(TP-split, replicated) parameters of one layer's attention block and its two RMSNorms."""
+        h, q, kv = self.hidden, self.q, self.kv
+        split = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        replicated = 2 * h + (2 * self.head_dim if self.qk_norm else 0) + (h if self.o_bias else 0)
+        return split, replicated
+
+    def dense_mlp_params(self) -> int:
+        h, f = self.hidden, self.ffn
+        return 3 * h * f + (2 * f + h if self.mlp_bias else 0)
+
+    def moe_params(self) -> tuple[int, int]:
+        """(experts, router) parameters of one MoE layer."""
+        return self.experts * 3 * self.hidden * self.expert_ffn, self.hidden * self.experts
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """Every parameter of the HF model (the LM head once when tied, the vision tower included)."""
+        split, rep = self.attention_params()
+        total = self.layers * (split + rep) + self.hidden  # + final norm
+        n_moe = len(self.moe_layers)
+        total += (self.layers - n_moe) * self.dense_mlp_params() + n_moe * sum(self.moe_params())
+        total += self.embedding_params * (1 if self.tied else 2)
+        return total + (self.vision.params if self.vision else 0)
+
+
+def _need(cfg: dict[str, Any], key: str, where: str) -> int:
+    if key not in cfg:
+        raise ValueError(f"{where}: no {key!r}; the estimate needs the model's sizes")
+    return int(cfg[key])
+
+
+def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShape:
+    """ModelShape of an HF config.json (vision-language configs may nest the decoder in text_config)."""
+    model_type = config.get("model_type", "")
+    if model_type not in _TYPES:
+        raise ValueError(f"{where}: model_type {model_type!r} cannot be estimated; supported: {list(_TYPES)}")
+    cfg = {**config, **(config.get("text_config") or {})} if model_type == "qwen2_5_vl" else config
+    hidden, heads = _need(cfg, "hidden_size", where), _need(cfg, "num_attention_heads", where)
+    layers = _need(cfg, "num_hidden_layers", where)
+    attention_bias = bool(cfg.get("attention_bias", False))
+    # hub configs say num_experts; transformers 5 writes num_local_experts
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if model_type == "qwen3_moe" else 0
+    moe_layers: tuple[int, ...] = ()
+    if experts:
+        step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
+        moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    vision = None
+    if model_type == "qwen2_5_vl":
+        vc = {**_VISION_DEFAULTS, **(config.get("vision_config") or {})}
+        vision = VisionShape(depth=int(vc["depth"]), hidden=int(vc["hidden_size"]), ffn=int(vc["intermediate_size"]),
+                             in_channels=int(vc.get("in_chans", vc["in_channels"])), patch=int(vc["patch_size"]),
+                             temporal_patch=int(vc["temporal_patch_size"]), merge=int(vc["spatial_merge_size"]),
+                             out_hidden=int(vc["out_hidden_size"]))
+    return ModelShape(
+        model_type=model_type, layers=layers, hidden=hidden, ffn=_need(cfg, "intermediate_size", where),
+        heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=_need(cfg, "vocab_size", where),
+        tied=bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        qkv_bias=model_type in ("qwen2", "qwen2_5_vl") or attention_bias,
+        o_bias=model_type in ("llama", "qwen3", "qwen3_moe") and attention_bias,
+        mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        experts=experts, expert_ffn=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
+        top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0, moe_layers=moe_layers, vision=vision)
+
+
+# ---------------------------------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """The trainer settings the memory estimate depends on (all from the flags)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int | None = None  # expert tensor parallel; None: TP (Megatron's default)
+    bf16: bool = True
+    optimizer: str = "adam"
+    sequence_parallel: bool = False
+    tokens_per_micro_batch: int = 4096  # before the CP split
+    micro_batches_in_flight: int | None = None  # None: as 1F1B holds them (pp - stage)
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    gqa_expanded: bool = False  # k/v repeated to the query heads before attention (torch without varlen GQA)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one GPU of the pipeline stage that needs the most."""
+
+    stage: int
+    params: int  # parameters held by this GPU
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+
+
+def activation_bytes_per_token(shape: ModelShape, lay: TrainerLayout, layer: int = 0) -> float:
+    """Bytes one layer keeps for backward per token of a micro-batch, without recompute (module docstring)."""
+    t, t_sp = lay.tp, lay.tp if lay.sequence_parallel else 1
+    kv = shape.q if lay.gqa_expanded else shape.kv
+    out = 8 * shape.hidden / t_sp
+    out += (2 * (shape.q + 2 * kv) + 2 * shape.q + 4 * shape.heads) / t
+    if shape.qk_norm:
+        out += 2 * (shape.q + shape.kv) / t
+    if layer in shape.moe_layers:
+        out += 8 * shape.top_k * shape.expert_ffn / t + 4 * shape.experts
+    else:
+        out += 8 * shape.ffn / t
+    return out
+
+
+def stage_activation_bytes(shape: ModelShape, lay: TrainerLayout, stage: int) -> float:
+    """Activations one micro-batch leaves on a GPU of pipeline stage `stage`, with the recompute flags."""
+    per_stage = shape.layers // lay.pp
+    first = stage * per_stage
+    tokens = lay.tokens_per_micro_batch / lay.cp
+    layer_bytes = [activation_bytes_per_token(shape, lay, first + i) * tokens for i in range(per_stage)]
+    t_sp = lay.tp if lay.sequence_parallel else 1
+    layer_input = 2 * shape.hidden * tokens / t_sp
+    n = lay.recompute_num_layers or 1
+    if lay.recompute_granularity == "full" and lay.recompute_method == "uniform":
+        chunks = math.ceil(per_stage / n)
+        held = chunks * layer_input + max(sum(layer_bytes[i:i + n]) for i in range(0, per_stage, n))
+    elif lay.recompute_granularity == "full" and lay.recompute_method == "block":
+        n = min(n, per_stage)
+        rest = layer_bytes[n:]
+        held = n * layer_input + (sum(rest) if rest else max(layer_bytes))
+    elif lay.recompute_granularity == "selective":  # the core attention: only its log-sum-exp goes
+        held = sum(layer_bytes) - per_stage * 4 * shape.heads / lay.tp * tokens
+    else:
+        held = sum(layer_bytes)
+    if stage == lay.pp - 1:  # final norm: input and output (the LM head's input)
+        held += 4 * shape.hidden * tokens / t_sp
+    return held
+
+
+def _stage_params(shape: ModelShape, lay: TrainerLayout, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters on one GPU of pipeline stage `stage`."""
+    t, per_stage = lay.tp, shape.layers // lay.pp
+    padded_vocab = -(-shape.vocab // t) * t
+    split, rep = shape.attention_params()
+    dense = expert = 0
+    for i in range(stage * per_stage, (stage + 1) * per_stage):
+        dense += split // t + rep
+        if i in shape.moe_layers:
+            experts, router = shape.moe_params()
+            expert += experts // (lay.ep * (lay.etp or t))
+            dense += router
+        else:
+            dense += shape.dense_mlp_params() // t
+    if stage == 0:
+        dense += padded_vocab * shape.hidden // t + (shape.vision.params if shape.vision else 0)
+    if stage == lay.pp - 1:
+        dense += shape.hidden  # final norm
+        if not shape.tied or lay.pp > 1:  # the LM head (a copy of the embedding on the last stage when tied)
+            dense += padded_vocab * shape.hidden // t
+    return dense, expert
+
+
+def estimate_memory(shape: ModelShape, lay: TrainerLayout) -> MemoryEstimate:
+    """Trainer bytes per GPU (module docstring), for the stage whose total is largest."""
+    if shape.layers % lay.pp:
+        raise ValueError(f"num_hidden_layers={shape.layers} is not divisible by --pipeline-model-parallel-size "
+                         f"{lay.pp}")
+    weight_bytes = 2 if lay.bf16 else 4
+    # distributed optimizer: fp32 master + Adam m, v (bf16); m, v (fp32); SGD: master and/or momentum
+    opt_bytes = {("adam", True): 12, ("adam", False): 8, ("sgd", True): 8, ("sgd", False): 4}[
+        (lay.optimizer, lay.bf16)]
+    world = lay.tp * lay.pp * lay.cp * lay.dp
+    expert_dp = max(1, world // (lay.pp * lay.ep * (lay.etp or lay.tp)))
+    best = None
+    for stage in range(lay.pp):
+        dense, expert = _stage_params(shape, lay, stage)
+        in_flight = lay.micro_batches_in_flight or (lay.pp - stage)
+        est = MemoryEstimate(
+            stage=stage, params=dense + expert, weights=(dense + expert) * weight_bytes, grads=(dense + expert) * 4,
+            optimizer=int(opt_bytes * (dense / (lay.dp * lay.cp) + expert / expert_dp)),
+            activations=int(min(in_flight, lay.pp - stage) * stage_activation_bytes(shape, lay, stage)),
+            logits=int(LOGITS_BYTES * lay.tokens_per_micro_batch / lay.cp * (-(-shape.vocab // lay.tp)))
+            if stage == lay.pp - 1 else 0)
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+# ----------------------------------------------------------------------------------- weight sync
+
+
+@dataclass(frozen=True)
+class SyncEstimate:
+    bytes: int  # per sync (the vision tower included)
+    gbps: float
+    link: str  # "intra-node", "inter-node" or "colocated"
+
+    @property
+    def seconds(self) -> float:
+        return self.bytes / (self.gbps * 1e9) + (0.0 if self.link == "colocated" else SYNC_FIXED_S)
+
+
+def estimate_sync(shape: ModelShape, bf16: bool, link: str, gbps: float) -> SyncEstimate:
+    """Time of one weight sync: the HF weights in the trainer's dtype over the link (module docstring)."""
+    return SyncEstimate(shape.params * (2 if bf16 else 4), COLOCATED_GBPS if link == "colocated" else gbps, link)

@@ -1,0 +1,180 @@
+"""The text `--dry-run` prints about a run: where every trainer rank and engine goes (node and GPU
+ids), the parallel layout, optimizer steps per rollout, and the memory and weight-sync estimates of
+`estimate.py`. Pure: it reads the config and config.json, nothing else."""
+
+from __future__ import annotations
+
+from slime_rl.config import Config
+from slime_rl.orchestration.estimate import (
+    GiB,
+    ModelShape,
+    TrainerLayout,
+    estimate_memory,
+    estimate_sync,
+    model_shape,
+)
+from slime_rl.orchestration.placement import Device, PlacementPlan, rank_coords
+
+
+def _count(n: int) -> str:
+    """A parameter count: 7.616 B, 135.5 M, or as it is below a million."""
+    return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"
+
+
+def _layout_text(cfg: Config) -> str:
+    p = cfg.parallel
+    text = (f"TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x "
+            f"CP {p.context_parallel_size} x DP {p.data_parallel_size}")
+    ep = getattr(p, "expert_model_parallel_size", 1)
+    return text + (f" (EP {ep})" if ep > 1 else "")
+
+
+def tokens_per_micro_batch(cfg: Config) -> tuple[int, str]:
+    """Tokens of the largest micro-batch (before the CP split) and how that number was reached."""
+    response = cfg.rollout.max_response_len
+    prompt = cfg.data.rollout_max_prompt_len
+    sample = response + (prompt or 0)
+    unbounded = "" if prompt else " (prompt length unbounded: --rollout-max-prompt-len unset, counted as 0)"
+    if cfg.trainer.use_dynamic_batch_size:
+        budget = cfg.trainer.max_tokens_per_gpu or sample
+        if sample > budget:
+            return sample, f"one sample of {sample} tokens, over --max-tokens-per-gpu {budget}{unbounded}"
+        return budget, f"--max-tokens-per-gpu {budget}"
+    mbs = cfg.batch.micro_batch_size
+    return mbs * sample, f"--micro-batch-size {mbs} x {sample} tokens per sample{unbounded}"
+
+
+def trainer_layout(cfg: Config, gqa_expanded: bool = False) -> tuple[TrainerLayout, str]:
+    """The memory estimate's view of the flags, and the micro-batch note."""
+    p, t = cfg.parallel, cfg.trainer
+    tokens, why = tokens_per_micro_batch(cfg)
+    in_flight = None
+    if not t.use_dynamic_batch_size:  # a fixed number of micro-batches per step and DP rank
+        in_flight = max(1, cfg.batch.global_batch_size // (p.data_parallel_size * cfg.batch.micro_batch_size))
+    lay = TrainerLayout(
+        tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
+        dp=p.data_parallel_size, ep=getattr(p, "expert_model_parallel_size", 1),
+        etp=getattr(p, "expert_tensor_parallel_size", None), bf16=cfg.model.bf16,
+        optimizer=cfg.optimizer.optimizer, sequence_parallel=t.sequence_parallel, tokens_per_micro_batch=tokens,
+        micro_batches_in_flight=in_flight, recompute_granularity=t.recompute_granularity,
+        recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers, gqa_expanded=gqa_expanded)
+    return lay, why
+
+
+def _recompute_text(cfg: Config) -> str:
+    t = cfg.trainer
+    if t.recompute_granularity is None:
+        return "no recompute"
+    if t.recompute_granularity == "selective":
+        return "selective recompute (core attention)"
+    return f"full recompute, {t.recompute_method or 'uniform'} {t.recompute_num_layers or 1}"
+
+
+def sync_link(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] | None) -> str:
+    """"colocated", "intra-node" (every engine on a node of the trainer's source ranks) or "inter-node"."""
+    if plan.colocated:
+        return "colocated"
+    if devices is None:
+        return "intra-node"
+    # the source of each pipeline stage: its rank with tp = cp = dp = 0 (TrainerWorker.is_weight_source)
+    sources = {devices[b].node for r, b in enumerate(plan.trainer_bundles)
+               if all(v == 0 for axis, v in rank_coords(r, cfg.parallel).items() if axis != "pp")}
+    engines = {devices[e.bundles[0]].node for e in plan.engines}
+    return "intra-node" if len(sources | engines) == 1 else "inter-node"
+
+
+def placement_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] | None) -> list[str]:
+    """Node and GPU ids per trainer rank, critic rank and engine, with each rank's coordinates."""
+    lines = [f"trainer: {len(plan.trainer_bundles)} ranks, {_layout_text(cfg)}"]
+    for r, b in enumerate(plan.trainer_bundles):
+        c = rank_coords(r, cfg.parallel)
+        where = str(devices[b]) if devices else f"bundle {b}"
+        lines.append(f"  rank {r}: {where} | tp {c['tp']} pp {c['pp']} cp {c['cp']} dp {c['dp']}")
+    for r, b in enumerate(plan.critic_bundles):
+        lines.append(f"  critic rank {r}: {devices[b] if devices else f'bundle {b}'}")
+    kind = f"{cfg.engine.backend}, TP {cfg.engine.num_gpus_per_engine}"
+    lines.append(f"engines: {len(plan.engines)} ({kind}{', colocated' if plan.colocated else ''})")
+    for e in plan.engines:
+        lines.append(f"  engine {e.engine_id}: {devices[e.bundles[0]] if devices else f'bundle {e.bundles[0]}'}")
+    if devices:
+        tp = cfg.parallel.tensor_model_parallel_size
+        split = [r for r in range(0, len(plan.trainer_bundles), tp)
+                 if len({devices[plan.trainer_bundles[r + i]].node for i in range(tp)}) > 1]
+        if split:
+            lines.append(f"  note: the TP group of rank {split[0]} spans nodes (--tensor-model-parallel-size {tp} "
+                         "over the node boundary): its all-reduces cross the inter-node link")
+        used = len({devices[b].node for b in plan.trainer_bundles})
+        if used != cfg.parallel.actor_num_nodes:
+            lines.append(f"  note: the trainer's {len(plan.trainer_bundles)} ranks fill {used} node(s); "
+                         f"--actor-num-nodes {cfg.parallel.actor_num_nodes} only counts ranks (nodes x GPUs per node)")
+    return lines
+
+
+def steps_lines(cfg: Config) -> list[str]:
+    r, gbs, dp = cfg.rollout, cfg.batch.global_batch_size, cfg.parallel.data_parallel_size
+    lines = [f"batches: {r.rollout_batch_size} prompts x {r.n_samples_per_prompt} samples = {r.samples_per_rollout} "
+             f"samples per rollout / --global-batch-size {gbs} = {cfg.optimizer_steps_per_rollout} optimizer "
+             f"step(s) per rollout; each of the {dp} DP ranks trains {gbs // dp} samples per step"]
+    if cfg.trainer.use_dynamic_batch_size:
+        lines[-1] += f" in micro-batches of <= {cfg.trainer.max_tokens_per_gpu} tokens (--max-tokens-per-gpu)"
+    else:
+        mbs = cfg.batch.micro_batch_size
+        lines[-1] += f" in {gbs // (dp * mbs)} micro-batches of {mbs} (--micro-batch-size)"
+    return lines
+
+
+def estimate_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] | None,
+                   shape: ModelShape) -> list[str]:
+    """Parameters, trainer memory per GPU and weight-sync time (estimate.py's method)."""
+    lay, why = trainer_layout(cfg)
+    mem = estimate_memory(shape, lay)
+    dtype = "bf16" if lay.bf16 else "fp32"
+    parts = [f"{_count(shape.embedding_params)} embedding", "tied LM head" if shape.tied else "untied LM head"]
+    if shape.vision:
+        parts.append(f"{_count(shape.vision.params)} vision tower")
+    if shape.experts:
+        parts.append(f"{shape.experts} experts, top-{shape.top_k}, in {len(shape.moe_layers)} layers")
+    opt = "Adam m, v" if lay.optimizer == "adam" else "SGD momentum"
+    sp = " with sequence parallel" if lay.sequence_parallel else ""
+    lines = [
+        f"model ({cfg.model.hf_checkpoint}/config.json): {shape.model_type}, {_count(shape.params)} parameters "
+        f"({', '.join(parts)})",
+        f"trainer memory per GPU, estimated (pipeline stage {mem.stage} of {lay.pp}: "
+        f"{_count(mem.params)} parameters on each of its GPUs):",
+        f"  weights      {mem.weights / GiB:7.2f} GiB  ({dtype})",
+        f"  grads        {mem.grads / GiB:7.2f} GiB  (fp32 gradient buffer)",
+        f"  optimizer    {mem.optimizer / GiB:7.2f} GiB  ({'fp32 master + ' if lay.bf16 else ''}{opt}, distributed "
+        f"over DP x CP = {lay.dp * lay.cp})",
+        f"  activations  {mem.activations / GiB:7.2f} GiB  (micro-batch of {lay.tokens_per_micro_batch} tokens: "
+        f"{why}; CP {lay.cp}, TP {lay.tp}{sp}; {_recompute_text(cfg)}; {shape.layers // lay.pp} layers per stage)",
+        f"  logits       {mem.logits / GiB:7.2f} GiB  (last stage: fp32 logits, response slice and softmax)",
+        f"  total        {mem.total / GiB:7.2f} GiB",
+    ]
+    link = sync_link(cfg, plan, devices)
+    gbps = cfg.plan.inter_node_gbps if link == "inter-node" else cfg.plan.intra_node_gbps
+    sync = estimate_sync(shape, lay.bf16, link, gbps)
+    gbps = sync.gbps
+    source = {"colocated": f"CUDA IPC hand-over, {gbps:g} GB/s as a whole sync measured on one H200",
+              "intra-node": f"{gbps:g} GB/s (--plan-intra-node-gbps)",
+              "inter-node": f"{gbps:g} GB/s (--plan-inter-node-gbps; engines on other nodes than the sources)"}[link]
+    lines.append(f"weight sync: {sync.bytes / 1e9:.2f} GB of {dtype} HF weights per sync, {link}: {source} "
+                 f"-> {sync.seconds:.3f} s per sync (every --update-weights-interval "
+                 f"{cfg.weight_sync.update_weights_interval} step(s))")
+    per_engine = cfg.engine.num_gpus_per_engine
+    lines.append(f"weights per engine GPU: {sync.bytes / per_engine / GiB:.2f} GiB (TP {per_engine}); the KV cache "
+                 "gets the rest of --sglang-mem-fraction-static")
+    return lines
+
+
+def plan_report(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] | None, config_json: dict) -> str:
+    """Everything `--dry-run` prints before the engine commands (the placement plan's own lines first)."""
+    lines = []
+    if cfg.plan.cluster is not None:
+        nodes, gpus = cfg.plan.cluster
+        lines.append(f"cluster: {nodes} node(s) x {gpus} GPUs (--cluster {nodes}x{gpus}), not this machine")
+    lines.append(plan.describe())
+    lines += placement_lines(cfg, plan, devices)
+    lines += steps_lines(cfg)
+    shape = model_shape(config_json, where=f"{cfg.model.hf_checkpoint}/config.json")
+    lines += estimate_lines(cfg, plan, devices, shape)
+    return "\n".join(lines)

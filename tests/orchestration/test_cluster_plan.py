@@ -1,0 +1,195 @@
+"""`--dry-run --cluster NODESxGPUS`: node/GPU ids per trainer rank and engine, the rank layout against
+Megatron's own rank generator, and the whole dry run of the 7B recipes and of slime's Qwen3-4B script
+from a folder that holds only config.json."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from slime_rl.config import EngineConfig, ParallelConfig, build_config
+from slime_rl.orchestration.placement import PlacementError, assign_devices, plan_placement, rank_coords
+from slime_rl.train import main as train_main
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = Path(__file__).parent / "hf_configs"
+
+
+def config_only(tmp_path: Path, name: str) -> Path:
+    """An HF folder holding only config.json (no weights, no tokenizer)."""
+    folder = tmp_path / name.removesuffix(".json")
+    folder.mkdir()
+    shutil.copy(CONFIGS / name, folder / "config.json")
+    return folder
+
+
+def test_seven_b_layout_on_two_nodes():
+    # configs/qwen2_5_7b_grpo_math.yaml: 8 trainer ranks, 4 engines of TP 2
+    plan = plan_placement(ParallelConfig(4, 1, 1, 8), EngineConfig(num_gpus=8, num_gpus_per_engine=2), cluster_gpus=16)
+    devices = assign_devices(plan, 2, 8)
+    assert [(devices[b].node, devices[b].gpus) for b in plan.trainer_bundles] == [(0, (g,)) for g in range(8)]
+    assert [(devices[e.bundles[0]].node, devices[e.bundles[0]].gpus) for e in plan.engines] == [
+        (1, (0, 1)), (1, (2, 3)), (1, (4, 5)), (1, (6, 7))]
+
+
+def test_engines_fill_the_gpus_left_on_a_node_then_the_next():
+    plan = plan_placement(ParallelConfig(1, 1, 1, 4), EngineConfig(num_gpus=12, num_gpus_per_engine=4),
+                          cluster_gpus=16)
+    devices = assign_devices(plan, 2, 8)
+    assert [str(devices[e.bundles[0]]) for e in plan.engines] == [
+        "node 0 GPU 4,5,6,7", "node 1 GPU 0,1,2,3", "node 1 GPU 4,5,6,7"]
+
+
+def test_colocated_engine_shares_its_trainer_rank_gpu():
+    plan = plan_placement(ParallelConfig(2, 1, 1, 8), EngineConfig(num_gpus=8, colocate=True), cluster_gpus=8)
+    devices = assign_devices(plan, 1, 8)
+    assert all(devices[e.bundles[0]] == devices[plan.trainer_bundles[e.engine_id]] for e in plan.engines)
+
+
+def test_engine_wider_than_a_node_is_refused_naming_the_flag():
+    plan = plan_placement(ParallelConfig(1, 1, 1, 1), EngineConfig(num_gpus=8, num_gpus_per_engine=8), cluster_gpus=12)
+    with pytest.raises(PlacementError, match=r"--cluster 3x4: engine 0 needs 8 GPUs of one node "
+                                             r"\(--rollout-num-gpus-per-engine\)"):
+        assign_devices(plan, 3, 4)
+
+
+def test_rank_coords_match_megatron_rank_generator():
+    from megatron.core.parallel_state import RankGenerator
+
+    tp, cp, dp, pp = 2, 2, 2, 2
+    par = ParallelConfig(tp, pp, 2, 8, cp)
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    for axis in ("tp", "cp", "dp", "pp"):
+        others = [a for a in ("tp", "cp", "dp", "pp") if a != axis]
+        for group in gen.get_ranks(axis):
+            coords = [rank_coords(r, par) for r in group]
+            # one group: same coordinates on the other axes, its own axis 0..size-1 in rank order
+            assert all(all(c[a] == coords[0][a] for a in others) for c in coords), (axis, group)
+            assert [c[axis] for c in coords] == list(range(len(group))), (axis, group)
+
+
+def recipe_argv(recipe: str, hf: Path, *extra: str) -> list[str]:
+    return ["--config", str(ROOT / "configs" / recipe), "--hf-checkpoint", str(hf),
+            "--prompt-data", "/data/not-on-this-machine.jsonl", "--rollout-backend", "sglang", *extra]
+
+
+@pytest.mark.parametrize("recipe", ["qwen2_5_7b_grpo_math.yaml", "qwen2_5_7b_dapo_math.yaml"])
+def test_seven_b_recipes_plan_for_two_nodes_with_estimates(recipe, tmp_path, capsys):
+    hf = config_only(tmp_path, "qwen2_5_7b_instruct.json")
+    code = train_main(recipe_argv(recipe, hf, "--dry-run", "--cluster", "2x8"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "cluster: 2 node(s) x 8 GPUs (--cluster 2x8)" in out
+    assert "trainer: 8 ranks, TP 4 x PP 1 x CP 1 x DP 2" in out
+    assert "rank 7: node 0 GPU 7 | tp 3 pp 0 cp 0 dp 1" in out
+    assert "engine 3: node 1 GPU 6,7" in out
+    assert "qwen2, 7.616 B parameters" in out
+    for part in ("weights", "grads", "optimizer", "activations", "logits", "total"):
+        assert re.search(rf"^  {part} +\d+\.\d\d GiB", out, flags=re.MULTILINE), part
+    # 7,615,616,512 bf16 parameters over the inter-node link at the default 50 GB/s, + 3.5 ms
+    assert "weight sync: 15.23 GB of bf16 HF weights per sync, inter-node" in out
+    assert f"-> {2 * 7_615_616_512 / 50e9 + 0.0035:.3f} s per sync" in out
+    assert "not checked here (--cluster): --prompt-data /data/not-on-this-machine.jsonl" in out
+    assert "the tokenizer of --hf-checkpoint" in out
+
+
+def test_vl_recipe_counts_the_vision_tower(tmp_path, capsys):
+    hf = config_only(tmp_path, "qwen2_5_vl_7b_instruct.json")
+    code = train_main(recipe_argv("qwen2_5_vl_7b_geo3k_grpo.yaml", hf, "--dry-run", "--cluster", "1x8"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "qwen2_5_vl, 8.292 B parameters" in out and "vision tower" in out
+    assert "intra-node: 360 GB/s (--plan-intra-node-gbps)" in out
+
+
+@pytest.mark.parametrize("value", ["2x", "x8", "0x8", "2x0", "2by8", "-1x8"])
+def test_bad_cluster_value_names_the_flag(value, tmp_path, capsys):
+    hf = config_only(tmp_path, "qwen2_5_7b_instruct.json")
+    assert train_main(recipe_argv("qwen2_5_7b_grpo_math.yaml", hf, "--dry-run", f"--cluster={value}")) == 2
+    assert "--cluster" in capsys.readouterr().err
+
+
+def test_cluster_needs_dry_run(tmp_path):
+    hf = config_only(tmp_path, "qwen2_5_7b_instruct.json")
+    with pytest.raises(ValueError, match="--cluster plans for another cluster and needs --dry-run"):
+        build_config(recipe_argv("qwen2_5_7b_grpo_math.yaml", hf, "--cluster", "2x8"))
+
+
+def test_config_only_folder_without_cluster_is_refused_naming_the_flag(tmp_path, capsys):
+    """transformers builds an empty tokenizer from config.json alone; a real run must not start on it."""
+    hf = config_only(tmp_path, "qwen2_5_7b_instruct.json")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n')
+    argv = recipe_argv("qwen2_5_7b_grpo_math.yaml", hf, "--dry-run")
+    argv[argv.index("--prompt-data") + 1] = str(data)
+    assert train_main(argv) == 2
+    assert f"--hf-checkpoint {hf}: no tokenizer files there" in capsys.readouterr().err
+
+
+# slime's scripts/run-qwen3-4B.sh (THUDM/slime), its argument list as the script passes it to train.py,
+# without MODEL_ARGS (the architecture comes from config.json here)
+SLIME_QWEN3_4B = """
+--actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate
+--ref-load /root/Qwen3-4B_torch_dist --load /root/Qwen3-4B_slime/ --save /root/Qwen3-4B_slime/ --save-interval 20
+--prompt-data /root/dapo-math-17k/dapo-math-17k.jsonl --input-key prompt --label-key label --apply-chat-template
+--rollout-shuffle --rm-type deepscaler --num-rollout 3000 --rollout-batch-size 32 --n-samples-per-prompt 8
+--rollout-max-response-len 8192 --rollout-temperature 0.8 --global-batch-size 256 --balance-data
+--optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
+--advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.00 --kl-loss-type low_var_kl --entropy-coef 0.00
+--eps-clip 0.2 --eps-clip-high 0.28
+--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 1 --context-parallel-size 1
+--expert-model-parallel-size 1 --expert-tensor-parallel-size 1
+--recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+--use-dynamic-batch-size --max-tokens-per-gpu 9216
+--eval-interval 20 --eval-prompt-data aime /root/aime-2024/aime-2024.jsonl --n-samples-per-eval-prompt 16
+--eval-max-response-len 16384 --eval-top-p 0.7
+--rollout-num-gpus-per-engine 2 --sglang-mem-fraction-static 0.7
+--attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32
+--attention-backend flash
+""".split()
+
+
+def _refusal_or_plan(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = train_main(argv)
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()[-1] if captured.err.strip() else ""
+    if code != 0 and "unrecognized arguments" in err:
+        unknown = err.split("unrecognized arguments:", 1)[1].split()
+        pytest.xfail(f"slime flags not accepted yet (issue #23's flag part): {[u for u in unknown if u[:2] == '--']}")
+    return code, captured.out, err
+
+
+def _assert_plan(out: str) -> None:
+    assert "trainer: 8 ranks, TP 2 x PP 1 x CP 1 x DP 4" in out
+    assert "qwen3, 4.022 B parameters" in out
+    # 4,022,468,096 parameters: 2 bytes each with --bf16 (which the list does not give), else 4
+    assert "trainer memory per GPU, estimated" in out
+    assert re.search(r"weight sync: (8\.04 GB of bf16|16\.09 GB of fp32) HF weights per sync", out)
+
+
+def _assert_refusal_names_a_flag(err: str, argv: list[str]) -> None:
+    """The message names a flag of the list and says why (more than the flag itself)."""
+    named = [f for f in re.findall(r"--[a-z][a-z0-9-]*", err) if f in argv]
+    assert named, f"the refusal names no flag of the argument list: {err!r}"
+    assert len(err.split(named[0], 1)[1].strip()) > 10 or len(err.split(named[0], 1)[0]) > 30, err
+
+
+def test_slime_qwen3_4b_script_plans_or_each_refusal_names_a_flag(tmp_path, capsys):
+    hf = config_only(tmp_path, "qwen3_4b.json")
+    argv = ["--hf-checkpoint", str(hf), *SLIME_QWEN3_4B, "--dry-run", "--cluster", "1x8"]
+    code, out, err = _refusal_or_plan(argv, capsys)
+    if code == 0:
+        _assert_plan(out)
+    else:
+        assert code == 2, err
+        _assert_refusal_names_a_flag(err, argv)
+    # the same list as our engines take it (SGLang backend, one GPU per colocated engine) plans here
+    fixed = [*argv, "--rollout-backend", "sglang"]
+    fixed[fixed.index("--rollout-num-gpus-per-engine") + 1] = "1"
+    code, out, err = _refusal_or_plan(fixed, capsys)
+    assert code == 0, err
+    _assert_plan(out)
+    assert "colocated" in out

@@ -1,0 +1,162 @@
+"""The --dry-run estimates (orchestration/estimate.py): parameter counts against transformers' own
+models built on the meta device from the same config.json, and the memory pieces against hand
+arithmetic on a small case. The config.json files under hf_configs/ are the hub's for those models."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime_rl.orchestration.estimate import (
+    LOGITS_BYTES,
+    TrainerLayout,
+    activation_bytes_per_token,
+    estimate_memory,
+    estimate_sync,
+    model_shape,
+    stage_activation_bytes,
+)
+
+CONFIGS = Path(__file__).parent / "hf_configs"
+FILES = sorted(p.name for p in CONFIGS.glob("*.json"))
+
+
+def hf_config(name: str) -> dict:
+    return json.loads((CONFIGS / name).read_text())
+
+
+def transformers_param_count(cfg: dict) -> int:
+    """Parameters of transformers' model class for this config, built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[cfg["model_type"]](**{k: v for k, v in cfg.items() if k != "model_type"})
+    auto = AutoModelForImageTextToText if cfg["model_type"] == "qwen2_5_vl" else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_every_registry_family_has_a_config_here():
+    from slime_rl.trainer.convert import FAMILIES
+
+    assert set(FAMILIES) <= {hf_config(f)["model_type"] for f in FILES}
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_param_count_equals_transformers_model_on_meta(name):
+    cfg = hf_config(name)
+    assert model_shape(cfg, where=name).params == transformers_param_count(cfg)
+
+
+@pytest.mark.parametrize("name", [f for f in FILES if hf_config(f)["model_type"] != "qwen3_moe"])
+def test_param_count_equals_the_trainer_registry_shapes(name):
+    """The trainer's own HF name/shape map (convert/registry.py) sums to the same count."""
+    from slime_rl.trainer.convert import arch_from_hf_config, hf_shapes
+
+    cfg = hf_config(name)
+    registry = sum(math.prod(s) for s in hf_shapes(arch_from_hf_config(cfg)).values())
+    assert model_shape(cfg).params == registry
+
+
+def test_param_count_tiny_llama_by_hand():
+    cfg = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 10, "tie_word_embeddings": True}
+    # head_dim 2: q 8, k/v 4 each; per layer: q 8*8 + k 8*4 + v 8*4 + o 8*8 = 192, MLP 3*8*12 = 288, norms 16
+    per_layer = 192 + 288 + 16
+    assert model_shape(cfg).params == 2 * per_layer + 8 + 10 * 8  # + final norm + one (tied) embedding
+    assert model_shape({**cfg, "tie_word_embeddings": False}).params == 2 * per_layer + 8 + 2 * 10 * 8
+
+
+def test_unknown_model_type_names_the_file():
+    with pytest.raises(ValueError, match=r"m/config.json: model_type 'gpt2' cannot be estimated"):
+        model_shape({"model_type": "gpt2"}, where="m/config.json")
+
+
+# A small dense case worked by hand: h 64, f 128, 4 heads of 16, 2 KV heads, vocab 100 (untied), 4 layers.
+SMALL = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "tie_word_embeddings": False}
+
+
+def test_activation_bytes_per_token_by_hand():
+    shape = model_shape(SMALL)
+    # no parallelism: norms 8*64 = 512; q,k,v 2*(64 + 2*32) = 256; attention out 2*64 = 128; lse 4*4 = 16;
+    # SwiGLU 8*128 = 1024
+    assert activation_bytes_per_token(shape, TrainerLayout()) == 512 + 256 + 128 + 16 + 1024
+    # TP 2 without sequence parallel: the norms' part stays whole, the rest halves
+    assert activation_bytes_per_token(shape, TrainerLayout(tp=2)) == 512 + (256 + 128 + 16 + 1024) / 2
+    # with sequence parallel everything is split
+    assert activation_bytes_per_token(shape, TrainerLayout(tp=2, sequence_parallel=True)) == (1936) / 2
+    # k/v expanded to the query heads (torch without varlen GQA): k, v take 2*64 each instead of 2*32
+    assert activation_bytes_per_token(shape, TrainerLayout(gqa_expanded=True)) == 1936 + 2 * 2 * (64 - 32)
+
+
+def test_recompute_by_hand():
+    shape = model_shape(SMALL)
+    tokens, layer, layer_input = 100, 1936 * 100, 2 * 64 * 100
+    base = TrainerLayout(tokens_per_micro_batch=tokens)
+    final_norm = 4 * 64 * tokens
+    assert stage_activation_bytes(shape, base, 0) == 4 * layer + final_norm
+    full = dict(recompute_granularity="full")
+    # uniform 1: 4 layer inputs kept, one layer recomputed at a time
+    uni1 = TrainerLayout(tokens_per_micro_batch=tokens, recompute_method="uniform", recompute_num_layers=1, **full)
+    assert stage_activation_bytes(shape, uni1, 0) == 4 * layer_input + layer + final_norm
+    # uniform 2: 2 chunk inputs kept, one chunk of 2 layers recomputed at a time
+    uni2 = TrainerLayout(tokens_per_micro_batch=tokens, recompute_method="uniform", recompute_num_layers=2, **full)
+    assert stage_activation_bytes(shape, uni2, 0) == 2 * layer_input + 2 * layer + final_norm
+    # block 1: the first layer's input only, the other 3 layers whole
+    blk1 = TrainerLayout(tokens_per_micro_batch=tokens, recompute_method="block", recompute_num_layers=1, **full)
+    assert stage_activation_bytes(shape, blk1, 0) == layer_input + 3 * layer + final_norm
+    sel = TrainerLayout(tokens_per_micro_batch=tokens, recompute_granularity="selective")
+    assert stage_activation_bytes(shape, sel, 0) == 4 * (layer - 16 * tokens) + final_norm
+
+
+def test_memory_per_gpu_by_hand_tp2_pp2_dp2():
+    shape = model_shape(SMALL)
+    lay = TrainerLayout(tp=2, pp=2, dp=2, sequence_parallel=True, tokens_per_micro_batch=64)
+    # one layer: attention q 64*64 + k,v 2*64*32 + o 64*64 + qkv bias (64 + 64) = 12416 -> 6208 per TP rank,
+    # + 2 norms of 64 (replicated); MLP 3*64*128 = 24576 -> 12288 per TP rank
+    layer = 6208 + 128 + 12288
+    emb = 100 * 64 // 2  # vocab 100 splits evenly over TP 2
+    stage0, stage1 = 2 * layer + emb, 2 * layer + 64 + emb  # stage 1: final norm + LM head
+    tokens = 64
+    act_layer = 1936 / 2 * tokens
+    act0 = 2 * (2 * act_layer)  # 1F1B: stage 0 holds pp = 2 micro-batches of its 2 layers
+    act1 = 2 * act_layer + 4 * 64 * tokens / 2
+    logits = LOGITS_BYTES * tokens * 50
+    total0 = stage0 * (2 + 4) + 12 * stage0 / 2 + act0
+    total1 = stage1 * (2 + 4) + 12 * stage1 / 2 + act1 + logits
+    mem = estimate_memory(shape, lay)
+    assert mem.total == pytest.approx(max(total0, total1), abs=2)
+    assert mem.stage == (0 if total0 > total1 else 1)
+    assert mem.params == (stage0 if total0 > total1 else stage1)
+
+
+def test_distributed_optimizer_divides_by_dp_times_cp():
+    shape = model_shape(SMALL)
+    one = estimate_memory(shape, TrainerLayout(dp=1))
+    four = estimate_memory(shape, TrainerLayout(dp=2, cp=2))
+    assert one.weights == four.weights and one.grads == four.grads
+    assert four.optimizer == pytest.approx(one.optimizer / 4, abs=1)
+    assert one.optimizer == 12 * one.params and one.grads == 4 * one.params  # Megatron's table: 2 + 4 + 12 / d
+    fp32 = estimate_memory(shape, TrainerLayout(bf16=False))
+    assert fp32.weights == 4 * fp32.params and fp32.optimizer == 8 * fp32.params  # 4 + 4 + 8 / d
+
+
+def test_expert_parallel_splits_the_experts():
+    shape = model_shape(hf_config("qwen3_30b_a3b.json"))
+    ep1 = estimate_memory(shape, TrainerLayout(dp=8))
+    ep8 = estimate_memory(shape, TrainerLayout(dp=8, ep=8))
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert ep1.params - ep8.params == experts - experts // 8
+
+
+def test_sync_time_is_bytes_over_bandwidth_plus_the_fixed_cost():
+    shape = model_shape(hf_config("qwen2_5_7b_instruct.json"))
+    sync = estimate_sync(shape, bf16=True, link="inter-node", gbps=50.0)
+    assert sync.bytes == 2 * 7_615_616_512
+    assert sync.seconds == pytest.approx(2 * 7_615_616_512 / 50e9 + 0.0035)
