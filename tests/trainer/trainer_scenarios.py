@@ -35,7 +35,8 @@ def make_worker(rank: int, world: int, port: int, ckpt: str, tp: int = 1, mbs: i
                          ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                         actor_num_gpus_per_node=world),
                          BatchConfig(micro_batch_size=mbs, global_batch_size=gbs),
-                         OptimizerConfig(lr=1e-3, clip_grad=1.0), ModelConfig(hf_checkpoint=ckpt, bf16=bf16,
+                         OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.0, lr_decay_style="constant"),
+                         ModelConfig(hf_checkpoint=ckpt, bf16=bf16,
                                                                  freeze_vision_tower=freeze_vision_tower),
                          algo or AlgoConfig(), train_iters=10, **kw)
 
@@ -126,7 +127,7 @@ def scenario_tp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dic
     res["after"] = weights(w)
     w.shutdown()
     # reference model: 2 mini-batches, so the second one has moved away from the reference
-    w = make_worker(rank, world, port, qwen2, mbs=1, gbs=2, algo=AlgoConfig(kl_loss_coef=0.1))
+    w = make_worker(rank, world, port, qwen2, mbs=1, gbs=2, algo=AlgoConfig(kl_loss_coef=0.1, kl_loss_type="low_var_kl"))
     res["kl/initial_logp"] = w.compute_logprobs(batch)
     res["kl/metrics"] = w.train_step(batch)
     res["kl/trained"] = weights(w)
