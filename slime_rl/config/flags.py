@@ -464,7 +464,8 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--use-distributed-optimizer', action="store_true",
              help='always on here (accepted): the optimizer state is sharded over the data-parallel ranks'),
         Flag('--no-gradient-accumulation-fusion', action="store_true",
-             help="always so here (accepted): the fused weight-gradient kernel is apex / TransformerEngine's, not used"),
+             help="always so here (accepted): the fused weight-gradient kernel is apex / TransformerEngine's, "
+                  'not used'),
         Flag('--attention-backend', default='auto', check=(lambda v: v in ('auto', 'flash'), _ATTENTION),
              help='auto or flash: ' + _ATTENTION[len('must be auto or flash: '):]),
         Flag('--transformer-impl', default='local', check=(lambda v: v == 'local', _LOCAL_SPEC),

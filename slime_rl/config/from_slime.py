@@ -50,7 +50,8 @@ DIFFERENCES: tuple[Difference, ...] = (
                "the built-in engine runs everywhere (the CPU quickstart and tests); give --rollout-backend "
                "sglang for SGLang's server, which the other --sglang-* flags need", kind="meaning"),
     Difference("--calculate-per-token-loss", "not given: a mean per sample, then over the global batch "
-               "(our seq-mean-token-mean)", "not given: --loss-agg-mode token-mean (over all tokens of the global batch)",
+               "(our seq-mean-token-mean)",
+               "not given: --loss-agg-mode token-mean (over all tokens of the global batch)",
                "DAPO's aggregation is the default here; give --loss-agg-mode seq-mean-token-mean for slime's",
                kind="meaning"),
     Difference("--rm-type math", "the last `\\boxed{}` of the whole response (verl's grader); none: 0",

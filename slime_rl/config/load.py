@@ -261,7 +261,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.lr_warmup_fraction is None or a.lr_warmup_iters == 0,
            "--lr-warmup-fraction and --lr-warmup-iters exclude each other (Megatron's rule): give one")
     _check(not a.calculate_per_token_loss or a.loss_agg_mode == "token-mean",
-           f"--calculate-per-token-loss is --loss-agg-mode token-mean; it contradicts --loss-agg-mode {a.loss_agg_mode}")
+           "--calculate-per-token-loss is --loss-agg-mode token-mean; it contradicts --loss-agg-mode "
+           f"{a.loss_agg_mode}")
     if spec.loss_agg_mode is not None and a.loss_agg_mode != spec.loss_agg_mode:
         # a warning, not a changed default: a recipe that relies on the default keeps its numbers
         warnings.warn(f"--advantage-estimator {spec.name} with --loss-agg-mode {a.loss_agg_mode}: the method's "
@@ -282,8 +283,9 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            "(the built-in engine is one process on one device)")
     if a.rollout_backend == "embedded":
         other = sorted(set(sglang) - set(EMBEDDED_SGLANG_ARGS))
-        _check(not other, f"--sglang-* flags given ({', '.join(other)}) but --rollout-backend is embedded (it "
-               f"takes only {', '.join('--sglang-' + n.replace('_', '-') for n in EMBEDDED_SGLANG_ARGS)})")
+        _check(not other, f"{', '.join('--sglang-' + n.replace('_', '-') for n in other)}: SGLang's server flags, "
+               "but --rollout-backend is embedded (give --rollout-backend sglang; the built-in engine takes only "
+               f"{', '.join('--sglang-' + n.replace('_', '-') for n in EMBEDDED_SGLANG_ARGS)})")
         bs = sglang.get("cuda_graph_max_bs_decode")
         _check(bs is None or str(bs).isdigit() and int(bs) >= 1,
                f"--sglang-cuda-graph-max-bs-decode must be an integer >= 1, got {bs!r}")

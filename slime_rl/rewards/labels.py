@@ -48,7 +48,8 @@ def digit_label_problem(label: Any) -> str | None:
 
 def math_label_problem(label: Any) -> str | None:
     problem = _scalar_problem(label)
-    return None if problem is None else f"{problem} (the final answer --rm-type math/dapo/math_format/deepscaler compares with)"
+    return None if problem is None else (f"{problem} (the final answer --rm-type math/dapo/math_format/deepscaler "
+                                         "compares with)")
 
 
 def f1_label_problem(label: Any) -> str | None:

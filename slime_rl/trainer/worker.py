@@ -16,7 +16,6 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,19 +41,6 @@ from slime_rl.trainer.objective import StepInputs, step_metrics, step_sums, toke
 from slime_rl.trainer.parallel import broadcast_from_last_stage, dp_group, init_parallel, teardown_parallel
 from slime_rl.trainer.steps import STAT_KEYS, LossScale, forward_only_step, policy_loss_step
 from slime_rl.trainer.vision import VisionBatching, float_buffers, freeze_vision_tower, restore_buffers
-
-
-def _megatron_folder(path: str) -> str:
-    """A Megatron checkpoint root or folder -> the folder to load: ours resolve by their markers; a
-    Megatron-LM root (tracker file naming a step or "release", no markers) -> that folder."""
-    root = Path(path)
-    tracker = root / checkpoint.TRACKER_FILE
-    if tracker.is_file() and checkpoint.latest_checkpoint(root) is None:
-        step = tracker.read_text().strip()
-        folder = root / "release" if step == "release" else checkpoint.iter_dir(root, int(step))
-        if (folder / checkpoint.DIST_CKPT_METADATA).is_file():
-            return str(folder)
-    return path
 
 
 class MegatronRank:
@@ -258,7 +244,7 @@ class TrainerWorker(MegatronRank):
         backup = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
         try:
             if checkpoint.is_megatron_checkpoint(path):
-                checkpoint.load_checkpoint(_megatron_folder(path), [self.model], load_optim=False, load_rng=False)
+                checkpoint.load_checkpoint(path, [self.model], load_optim=False, load_rng=False)
             elif os.path.isfile(os.path.join(path, "config.json")):
                 hf_io.load_hf_weights(self.gpt, path, self.arch)
             else:

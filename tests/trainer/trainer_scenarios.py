@@ -127,7 +127,8 @@ def scenario_tp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dic
     res["after"] = weights(w)
     w.shutdown()
     # reference model: 2 mini-batches, so the second one has moved away from the reference
-    w = make_worker(rank, world, port, qwen2, mbs=1, gbs=2, algo=AlgoConfig(kl_loss_coef=0.1, kl_loss_type="low_var_kl"))
+    w = make_worker(rank, world, port, qwen2, mbs=1, gbs=2,
+                    algo=AlgoConfig(kl_loss_coef=0.1, kl_loss_type="low_var_kl"))
     res["kl/initial_logp"] = w.compute_logprobs(batch)
     res["kl/metrics"] = w.train_step(batch)
     res["kl/trained"] = weights(w)
@@ -214,10 +215,11 @@ def _run_scenario_once(name: str, world: int, port: int, out: Path, ckpts: dict[
 def main() -> None:
     name, rank, world, port, out, ckpt_json = sys.argv[1:7]
     torch.manual_seed(0)
-    from tests.trainer import algo_scenarios, critic_scenarios, parallel_scenarios, vl_scenarios
+    from tests.trainer import algo_scenarios, critic_scenarios, parallel_scenarios, ref_load_scenarios, vl_scenarios
 
     func = SCENARIOS.get(name) or {**parallel_scenarios.SCENARIOS, **algo_scenarios.SCENARIOS,
-                                   **critic_scenarios.SCENARIOS, **vl_scenarios.SCENARIOS}[name]
+                                   **critic_scenarios.SCENARIOS, **vl_scenarios.SCENARIOS,
+                                   **ref_load_scenarios.SCENARIOS}[name]
     res = func(int(rank), int(world), int(port), json.loads(ckpt_json))
     res = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in res.items()}
     torch.save(_to_cpu(res), Path(out) / f"{name}_rank{rank}.pt")
