@@ -256,3 +256,20 @@ def test_ref_load(tmp_path):
     with pytest.warns(UserWarning, match="no KL term uses a reference model"):
         cfg = build_config(base + ["--ref-load", str(tmp_path)])
     assert cfg.model.ref_load == str(tmp_path) and not cfg.algo.use_reference
+
+
+def test_an_hf_reference_of_another_model_is_refused_before_the_ranks_start(tiny_qwen2, tmp_path):
+    from slime_rl.train import check_ref_load
+    from tests.conftest import _load_tool
+
+    wider = _load_tool("make_tiny_model").make_tiny_model(tmp_path / "wider", arch="qwen2", seed=3, hidden_size=32)
+    same = _load_tool("make_tiny_model").make_tiny_model(tmp_path / "same", arch="qwen2", seed=3)
+    (tmp_path / "d.jsonl").write_text('{"input": "1", "label": "1"}\n')
+    base = ["--hf-checkpoint", str(tiny_qwen2), "--prompt-data", str(tmp_path / "d.jsonl"), "--rollout-batch-size",
+            "4", "--num-rollout", "1", "--rm-type", "digit", "--use-kl-loss"]
+    check_ref_load(build_config(base + ["--ref-load", str(same)]))  # other weights, same model: accepted
+    with pytest.raises(ConfigError, match=r"--ref-load .*wider: another model than --hf-checkpoint .*hidden_size 32"):
+        check_ref_load(build_config(base + ["--ref-load", str(wider)]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="--ref-load .*empty: neither a Megatron checkpoint"):
+        check_ref_load(build_config(base + ["--ref-load", str(tmp_path / "empty")]))
