@@ -142,7 +142,8 @@ def main() -> None:
     ckpt = Path(a.model) if a.model else make_checkpoint(a.shape, Path(tempfile.mkdtemp(prefix="mfu_")) / "model", cuda)
     n_samples = a.mbs * a.tokens_per_mb // a.sample_len
     worker = TrainerWorker(0, 1, "127.0.0.1", free_port(), ParallelConfig(), BatchConfig(1, n_samples),
-                           OptimizerConfig(lr=1e-6), ModelConfig(str(ckpt), bf16=cuda, fp32_lm_head=a.fp32_lm_head), AlgoConfig(),
+                           OptimizerConfig(lr=1e-6),
+                           ModelConfig(str(ckpt), bf16=cuda, fp32_lm_head=a.fp32_lm_head), AlgoConfig(),
                            train_iters=a.steps + 3, use_dynamic_batch_size=True,
                            max_tokens_per_gpu=a.tokens_per_mb)
     n_matmul = matmul_params(unwrap(worker.gpt), cfg)

@@ -54,6 +54,8 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
         raise ConfigError("--use-sglang-router: the 'sglang_router' package is not installed on the head node "
                           "(pip install slime_rl[router])")
     check_model_features(cfg)
+    if cfg.plan.cluster is None or (cfg.model.ref_load and os.path.exists(cfg.model.ref_load)):
+        check_ref_load(cfg)  # with --cluster, a --ref-load that exists only there is not checked here
     labels = label_problem(cfg.reward.rm_type, cfg.reward.custom_rm_path)  # what the reward needs of a label
     not_here = missing_here(cfg)
     if not any(os.path.isfile(os.path.join(cfg.model.hf_checkpoint, f)) for f in TOKENIZER_FILES):
@@ -161,6 +163,32 @@ def check_model_features(cfg: Config) -> None:
     if vision and cfg.critic is not None:
         raise ConfigError(f"--advantage-estimator {cfg.algo.advantage_estimator}: a critic for vision-language "
                           f"models ({model_type}) is not supported yet; use grpo, dapo, gspo, rloo or reinforce++")
+
+
+def check_ref_load(cfg: Config) -> None:
+    """--ref-load, before any rank starts: a Megatron checkpoint (its tensors are checked against the
+    model when a rank loads it) or an HF folder whose config.json describes the --hf-checkpoint's
+    model (same tensors; a different rope base or norm eps would make it another model)."""
+    path = cfg.model.ref_load
+    if path is None or not cfg.algo.use_reference:
+        return
+    from slime_rl.trainer.checkpoint_layout import is_megatron_checkpoint
+    from slime_rl.trainer.convert import load_arch
+
+    if is_megatron_checkpoint(path):
+        return
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"--ref-load {path}: neither a Megatron checkpoint (latest_checkpointed_iteration.txt, "
+                          "iter_*/ or metadata.json) nor an HF folder (config.json + safetensors)")
+    try:
+        ref, policy = load_arch(path), load_arch(cfg.model.hf_checkpoint)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"--ref-load {path}: {exc}") from exc
+    differ = [f"{f.name} {getattr(ref, f.name)} vs {getattr(policy, f.name)}" for f in dataclasses.fields(ref)
+              if f.name != "max_position_embeddings" and getattr(ref, f.name) != getattr(policy, f.name)]
+    if differ:
+        raise ConfigError(f"--ref-load {path}: another model than --hf-checkpoint {cfg.model.hf_checkpoint} "
+                          f"({'; '.join(differ)}); the reference must have the policy's architecture")
 
 
 def reward_fn(reward: RewardConfig):

@@ -150,6 +150,58 @@ def section(title: str, *flags: Flag) -> tuple[Flag, ...]:
     return tuple(dataclasses.replace(f, section=title) for f in flags)
 
 
+# ---- flags of slime's scripts and Megatron-LM's that this trainer has no choice for (docs/flags.md,
+# "Coming from slime"): accepted with the one value it has, or refused with the reason and what to use
+FROM_SLIME_SECTION = "from slime and Megatron-LM: accepted with this trainer's one value, or refused"
+SLIME_DEFAULT_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
+_NO_DROPOUT = ("must be 0: dropout is off in the trainer, whose log-probs must equal the engine's (Megatron's default "
+               "is 0.1; slime's scripts set 0.0)")
+_ATTENTION = ("must be auto or flash: the trainer's core attention is torch SDPA (trainer/attention.py), which takes "
+              "the flash kernel where it applies; fused, unfused and local are TransformerEngine / Megatron kernels "
+              "it does not build")
+_LOCAL_SPEC = "must be local: the trainer builds megatron-core's local layer spec, without TransformerEngine"
+_POLICY_LOSS = ("must be policy_loss: this is an RL trainer; slime's sft_loss (supervised fine-tuning) and "
+                "custom_loss are not supported")
+_ROLLOUT_FN = (f"must be {SLIME_DEFAULT_ROLLOUT} (slime's default, the built-in rollout here): a whole-rollout "
+               "function is not supported; use --custom-generate-function-path (one sample at a time) and "
+               "--dynamic-sampling-filter-path")
+_REFUSED_SWITCHES = (
+    ('--debug-train-only', "is refused: slime trains without SGLang on replayed rollouts "
+     "(--load-debug-rollout-data) or on SFT data with it; this project has neither: every step generates its rollout"),
+    ('--disable-compute-advantages-and-returns', "is refused: it belongs to slime's SFT scripts (--loss-type "
+     "sft_loss); every --advantage-estimator here computes advantages"),
+    ('--no-check-for-nan-in-loss-and-grad', "is refused: the trainer always stops on a non-finite gradient (the "
+     "optimizer step reports it and the run fails naming the rank)"),
+    ('--use-precision-aware-optimizer', "is refused: megatron-core needs TransformerEngine's FusedAdam for it, which "
+     "this trainer does not use (local layer spec, torch Adam): main params and Adam states stay fp32, sharded over "
+     "the data-parallel ranks"),
+    ('--optimizer-cpu-offload', "is refused: megatron-core's HybridDeviceOptimizer (which also needs "
+     "--use-precision-aware-optimizer) does not take the trainer's distributed-optimizer shards (megatron-core "
+     "0.19.2 fails on them); the Adam state is already sharded over the data-parallel ranks: add ranks, or save "
+     "activation memory with --recompute-granularity full"),
+    ('--overlap-cpu-optimizer-d2h-h2d', "is refused: it is part of --optimizer-cpu-offload, which is refused"),
+)
+_REFUSED_VALUES = (
+    ('--decoder-first-pipeline-num-layers', "is refused: pipeline stages hold an even split, num_hidden_layers / "
+     "--pipeline-model-parallel-size layers each"),
+    ('--decoder-last-pipeline-num-layers', "is refused: pipeline stages hold an even split, num_hidden_layers / "
+     "--pipeline-model-parallel-size layers each"),
+)
+# Megatron's model-shape flags (slime's scripts/models/*.sh): the shape is read from config.json here
+_SHAPE = ("is refused: the model's shape comes from --hf-checkpoint's config.json (drop slime's MODEL_ARGS from "
+          "the command line)")
+_SHAPE_SWITCHES = ('--swiglu', '--group-query-attention', '--use-rotary-position-embeddings', '--disable-bias-linear',
+                   '--qk-layernorm', '--untie-embeddings-and-output-weights', '--add-qkv-bias')
+_SHAPE_VALUES = ('--num-layers', '--hidden-size', '--ffn-hidden-size', '--num-attention-heads', '--num-query-groups',
+                 '--normalization', '--norm-epsilon', '--rotary-base', '--vocab-size', '--kv-channels',
+                 '--max-position-embeddings', '--position-embedding-type')
+
+
+def _never(value: Any) -> bool:
+    """The check of a refused flag that takes a value: any value given is refused."""
+    return False
+
+
 FLAGS: tuple[Flag, ...] = (
     *section('options',
         Flag('--config', help="YAML file whose keys are these flags' names"),
@@ -188,15 +240,26 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--recompute-granularity', 'trainer.recompute_granularity', choices=('full', 'selective')),
         Flag('--recompute-method', 'trainer.recompute_method', choices=('uniform', 'block')),
         Flag('--recompute-num-layers', 'trainer.recompute_num_layers', type=_positive_int),
+        Flag('--num-steps-per-rollout', derived='batch.global_batch_size', type=_positive_int,
+             help="slime's: optimizer steps per rollout, i.e. --global-batch-size = --rollout-batch-size x "
+                  '--n-samples-per-prompt / N'),
+        Flag('--balance-data', 'batch.balance_data', action="store_true",
+             help="slime's: split each rollout over the data-parallel ranks with equal sample counts and balanced "
+                  'token counts (prompt + response) instead of contiguous slices; a group\'s samples may then land '
+                  'in different optimizer steps'),
     ),
     *section('optimizer (Megatron names)',
         Flag('--optimizer', 'optimizer.optimizer', default='adam', choices=('adam', 'sgd')),
         Flag('--lr', 'optimizer.lr', default=1e-06, type=float, check=(lambda v: v > 0, "must be > 0")),
         Flag('--min-lr', 'optimizer.min_lr', default=0.0, type=float),
-        Flag('--lr-decay-style', 'optimizer.lr_decay_style', default='constant', choices=LR_DECAY_STYLES),
+        Flag('--lr-decay-style', 'optimizer.lr_decay_style', default='linear', choices=LR_DECAY_STYLES),
         Flag('--lr-warmup-iters', 'optimizer.lr_warmup_iters', default=0, type=_nonneg_int),
+        Flag('--lr-warmup-fraction', 'optimizer.lr_warmup_fraction', type=float,
+             check=(lambda v: 0 <= v < 1, "must be in [0, 1)"),
+             help="Megatron's: warm up over this fraction of the decay steps (--lr-decay-iters, else all optimizer "
+                  'steps) instead of --lr-warmup-iters'),
         Flag('--lr-decay-iters', 'optimizer.lr_decay_iters', type=_positive_int),
-        Flag('--weight-decay', 'optimizer.weight_decay', default=0.0, type=_nonneg_float),
+        Flag('--weight-decay', 'optimizer.weight_decay', default=0.01, type=_nonneg_float),
         Flag('--clip-grad', 'optimizer.clip_grad', default=1.0, type=_nonneg_float),
         Flag('--adam-beta1', 'optimizer.adam_beta1', default=0.9, type=float,
              check=(lambda v: 0 <= v < 1, "must be in [0, 1)")),
@@ -212,6 +275,11 @@ FLAGS: tuple[Flag, ...] = (
     *section('checkpoints (Megatron names)',
         Flag('--save', 'checkpoint.save'),
         Flag('--load', 'checkpoint.load'),
+        Flag('--ref-load', 'model.ref_load',
+             help='the reference model of the KL terms (--use-kl-loss, --kl-loss-coef, --kl-coef): a Megatron '
+                  'checkpoint (torch_dist: tools/convert_hf_to_megatron.py, a --save, Megatron-LM\'s) or an HF '
+                  'folder of the same architecture; default: the initial policy (--hf-checkpoint). The policy '
+                  'still starts from --hf-checkpoint (or resumes from --load)'),
         Flag('--save-interval', 'checkpoint.save_interval', type=_positive_int,
              help='steps between saves (and at the end)'),
         Flag('--keep-last', 'checkpoint.keep_last', type=_positive_int, help='keep only the newest N checkpoints'),
@@ -282,7 +350,7 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--update-weights-interval', 'weight_sync.update_weights_interval', default=1, type=_positive_int,
              help='broadcast weights to the engines every N steps'),
         Flag('--rm-type', 'reward.rm_type',
-             help='built-in reward: digit, math, format, dapo, f1, math_format, reasoning_gym, remote_rm'),
+             help='built-in reward: digit, math, format, dapo, f1, math_format, reasoning_gym, deepscaler, remote_rm'),
         Flag('--rm-url', 'reward.rm_url', help='remote reward model (POST prompt/response/label/metadata)'),
         Flag('--reward-key', 'reward.reward_key', default='score', help="the score's key when a reward returns a dict"),
         Flag('--rm-timeout', 'reward.rm_timeout_s', default=30.0, type=float, help='seconds per remote reward call'),
@@ -347,6 +415,9 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--eps-clip-high', derived='algo.eps_clip_high', type=float, help='default: --eps-clip'),
         Flag('--loss-agg-mode', 'trainer.loss_agg_mode', default='token-mean', choices=LOSS_AGG_MODES,
              help='token-mean: over all tokens of the global batch (DAPO); seq-mean-*: per sample first'),
+        Flag('--calculate-per-token-loss', action="store_true",
+             help="slime's / Megatron's name of --loss-agg-mode token-mean (slime's default without it is "
+                  'seq-mean-token-mean)'),
         Flag('--eps-clip-c', 'algo.eps_clip_c', type=float, check=(lambda v: v > 1, "must be > 1"),
              help='dual-clip constant c > 1 (for A < 0)'),
         Flag('--use-kl-loss', 'algo.use_kl_loss', action="store_true", help='KL to the reference model in the loss'),
@@ -363,7 +434,7 @@ FLAGS: tuple[Flag, ...] = (
              help="truncated importance sampling against the engine's log-probs"),
         Flag('--tis-clip', 'algo.tis_clip', default=2.0, type=float),
         Flag('--tis-clip-low', 'algo.tis_clip_low', default=0.0, type=float),
-        Flag('--kl-loss-type', 'algo.kl_loss_type', default='low_var_kl', choices=KL_LOSS_TYPES),
+        Flag('--kl-loss-type', 'algo.kl_loss_type', default='k1', choices=KL_LOSS_TYPES),
         Flag('--separate-old-logprobs', 'algo.separate_old_logprobs', action="store_true",
              help='compute the old log-probs in their own forward pass even when a step is on-policy (one '
                   "optimizer step per rollout on each rank); default then: the training forward's own, "
@@ -400,6 +471,39 @@ FLAGS: tuple[Flag, ...] = (
              help='offline/local keep the run under <run-dir>/swanlog'),
         Flag('--dump-rollouts', 'logging.dump_rollouts', action="store_true",
              help="write each step's prompts, responses and rewards to <run-dir>/rollouts/step_NNNNNN.jsonl"),
+    ),
+    *section(FROM_SLIME_SECTION,
+        # accepted with the one value this trainer has; another value is refused (check), naming why
+        Flag('--attention-dropout', default=0.0, type=float, check=(lambda v: v == 0, _NO_DROPOUT),
+             help='0 only: ' + _NO_DROPOUT[len('must be 0: '):]),
+        Flag('--hidden-dropout', default=0.0, type=float, check=(lambda v: v == 0, _NO_DROPOUT),
+             help='0 only: ' + _NO_DROPOUT[len('must be 0: '):]),
+        Flag('--attention-softmax-in-fp32', action="store_true",
+             help='always on here (accepted): attention softmax in fp32'),
+        Flag('--accumulate-allreduce-grads-in-fp32', action="store_true",
+             help='always on here (accepted): gradients accumulate and reduce in fp32'),
+        Flag('--use-distributed-optimizer', action="store_true",
+             help='always on here (accepted): the optimizer state is sharded over the data-parallel ranks'),
+        Flag('--no-gradient-accumulation-fusion', action="store_true",
+             help="always so here (accepted): the fused weight-gradient kernel is apex / TransformerEngine's, "
+                  'not used'),
+        Flag('--attention-backend', default='auto', check=(lambda v: v in ('auto', 'flash'), _ATTENTION),
+             help='auto or flash: ' + _ATTENTION[len('must be auto or flash: '):]),
+        Flag('--transformer-impl', default='local', check=(lambda v: v == 'local', _LOCAL_SPEC),
+             help='local only: ' + _LOCAL_SPEC[len('must be local: '):]),
+        Flag('--loss-type', default='policy_loss', check=(lambda v: v == 'policy_loss', _POLICY_LOSS),
+             help='policy_loss only: ' + _POLICY_LOSS[len('must be policy_loss: '):]),
+        Flag('--rollout-function-path', check=(lambda v: v == SLIME_DEFAULT_ROLLOUT, _ROLLOUT_FN),
+             help=f'{SLIME_DEFAULT_ROLLOUT} only (slime\'s default, the built-in rollout here): a whole-rollout '
+                  'function is not supported; use --custom-generate-function-path (one sample at a time) and '
+                  '--dynamic-sampling-filter-path'),
+        # refused: given at all, the run stops with the reason (check) before anything starts
+        *(Flag(name, action="store_true", check=(operator.not_, why), help=why[len('is refused: '):])
+          for name, why in _REFUSED_SWITCHES),
+        *(Flag(name, check=(_never, why), help=why[len('is refused: '):]) for name, why in _REFUSED_VALUES),
+        *(Flag(name, action="store_true", check=(operator.not_, _SHAPE), help=_SHAPE[len('is refused: '):])
+          for name in _SHAPE_SWITCHES),
+        *(Flag(name, check=(_never, _SHAPE), help=_SHAPE[len('is refused: '):]) for name in _SHAPE_VALUES),
     ),
 )
 

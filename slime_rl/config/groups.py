@@ -37,6 +37,8 @@ class ParallelConfig:
 class BatchConfig:
     micro_batch_size: int = default_of("--micro-batch-size")
     global_batch_size: int = 1
+    # --balance-data: DP shards with balanced token counts (orchestration.placement.balanced_dp_shard)
+    balance_data: bool = default_of("--balance-data")
 
 
 @dataclass(frozen=True)
@@ -64,11 +66,19 @@ class OptimizerConfig:
     lr_decay_style: str = default_of("--lr-decay-style")
     lr_warmup_iters: int = default_of("--lr-warmup-iters")
     lr_decay_iters: int | None = default_of("--lr-decay-iters")
+    lr_warmup_fraction: float | None = default_of("--lr-warmup-fraction")  # excludes lr_warmup_iters > 0
     weight_decay: float = default_of("--weight-decay")
     clip_grad: float = default_of("--clip-grad")
     adam_beta1: float = default_of("--adam-beta1")
     adam_beta2: float = default_of("--adam-beta2")
     adam_eps: float = default_of("--adam-eps")
+
+    def warmup_steps(self, decay_steps: int) -> float:
+        """LR warm-up steps: --lr-warmup-iters, or Megatron's --lr-warmup-fraction x the decay steps
+        (a float, as Megatron-LM passes it to OptimizerParamScheduler)."""
+        if self.lr_warmup_fraction is not None:
+            return self.lr_warmup_fraction * decay_steps
+        return self.lr_warmup_iters
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,8 @@ class ModelConfig:
     seed: int = default_of("--seed")
     # vision-language models: the vision tower does not train
     freeze_vision_tower: bool = default_of("--freeze-vision-tower")
+    # --ref-load: the KL reference's weights (Megatron checkpoint or HF folder); None: the initial policy
+    ref_load: str | None = default_of("--ref-load")
     # --sglang-enable-fp32-lm-head: logits in fp32 on the engines (SGLang's flag, the built-in engine's
     # too) and in the trainer alike, so both sides round the logits the same way
     fp32_lm_head: bool = False
@@ -155,7 +167,8 @@ class CriticConfig:
         """The policy's optimizer settings with the critic's LR and warm-up; min_lr keeps its ratio
         to the LR (a decay to a tenth stays a decay to a tenth)."""
         return dataclasses.replace(policy, lr=self.lr, min_lr=policy.min_lr * self.lr / policy.lr,
-                                   lr_warmup_iters=self.lr_warmup_iters)
+                                   lr_warmup_iters=self.lr_warmup_iters,
+                                   lr_warmup_fraction=None if self.lr_warmup_iters else policy.lr_warmup_fraction)
 
 
 @dataclass(frozen=True)

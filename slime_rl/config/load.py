@@ -118,6 +118,10 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str) -> tuple[dict[str,
             value = list(value) if isinstance(value, list) else [value]
         elif isinstance(value, (list, dict)):
             raise ConfigError(f"--config {path}: key '{raw_key}': expected one value, got {type(value).__name__}")
+        if not many and action.type is None and action.nargs != 0:  # a string flag (a path, a name)
+            if isinstance(value, bool):
+                raise ConfigError(f"--config {path}: key '{raw_key}': expected a string, got {value!r}")
+            value = str(value)  # a number written without quotes (a folder named 2024)
         if value is not None and action.type is not None:  # a bool for a number is refused here too
             try:
                 value = [action.type(str(v)) for v in value] if many else action.type(str(value))
@@ -174,7 +178,8 @@ def _check_flags(a: argparse.Namespace) -> None:
         value = getattr(a, f.key)
         if f.check is not None and value is not None:
             holds, must = f.check
-            _check(holds(value), f"{f.name} {must}, got {value}")
+            # a switch is only given or not: its value says nothing the message does not
+            _check(holds(value), f"{f.name} {must}" + ("" if f.action else f", got {value}"))
 
 
 def _fields(a: argparse.Namespace, group: str) -> dict[str, Any]:
@@ -228,6 +233,15 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
                      sample_seed=a.rollout_seed if a.deterministic_rollout else None)
     samples = rollout.samples_per_rollout
     gbs = a.global_batch_size or samples
+    if a.num_steps_per_rollout is not None:  # slime's: gbs = samples per rollout / steps
+        _check(samples % a.num_steps_per_rollout == 0,
+               f"--num-steps-per-rollout ({a.num_steps_per_rollout}) must divide --rollout-batch-size x "
+               f"--n-samples-per-prompt ({samples})")
+        _check(a.global_batch_size is None or a.global_batch_size == samples // a.num_steps_per_rollout,
+               f"--global-batch-size ({a.global_batch_size}) and --num-steps-per-rollout ({a.num_steps_per_rollout}) "
+               f"disagree: {samples} samples per rollout / {a.num_steps_per_rollout} steps = "
+               f"{samples // a.num_steps_per_rollout} (give one of them)")
+        gbs = samples // a.num_steps_per_rollout
     dp = parallel.data_parallel_size
     _check(samples % gbs == 0,
            f"--global-batch-size ({gbs}) must divide --rollout-batch-size x --n-samples-per-prompt ({samples})")
@@ -247,6 +261,11 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            f"{' and '.join(s.name for s in ESTIMATOR_SPECS.values() if s.kl_in_rewards)}; "
            "use --use-kl-loss --kl-loss-coef for a KL loss")
     _check(0 <= a.min_lr <= a.lr, f"--min-lr must be in [0, --lr], got {a.min_lr}")
+    _check(a.lr_warmup_fraction is None or a.lr_warmup_iters == 0,
+           "--lr-warmup-fraction and --lr-warmup-iters exclude each other (Megatron's rule): give one")
+    _check(not a.calculate_per_token_loss or a.loss_agg_mode == "token-mean",
+           "--calculate-per-token-loss is --loss-agg-mode token-mean; it contradicts --loss-agg-mode "
+           f"{a.loss_agg_mode}")
     if spec.loss_agg_mode is not None and a.loss_agg_mode != spec.loss_agg_mode:
         # a warning, not a changed default: a recipe that relies on the default keeps its numbers
         warnings.warn(f"--advantage-estimator {spec.name} with --loss-agg-mode {a.loss_agg_mode}: the method's "
@@ -267,8 +286,9 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            "(the built-in engine is one process on one device)")
     if a.rollout_backend == "embedded":
         other = sorted(set(sglang) - set(EMBEDDED_SGLANG_ARGS))
-        _check(not other, f"--sglang-* flags given ({', '.join(other)}) but --rollout-backend is embedded (it "
-               f"takes only {', '.join('--sglang-' + n.replace('_', '-') for n in EMBEDDED_SGLANG_ARGS)})")
+        _check(not other, f"{', '.join('--sglang-' + n.replace('_', '-') for n in other)}: SGLang's server flags, "
+               "but --rollout-backend is embedded (give --rollout-backend sglang; the built-in engine takes only "
+               f"{', '.join('--sglang-' + n.replace('_', '-') for n in EMBEDDED_SGLANG_ARGS)})")
         bs = sglang.get("cuda_graph_max_bs_decode")
         _check(bs is None or str(bs).isdigit() and int(bs) >= 1,
                f"--sglang-cuda-graph-max-bs-decode must be an integer >= 1, got {bs!r}")
@@ -282,6 +302,13 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            "retries with --router-* flags)")
     _check(a.ref_update_interval is None or a.use_kl_loss or a.kl_loss_coef > 0 or a.kl_coef > 0,
            "--ref-update-interval needs a reference model: --use-kl-loss, --kl-loss-coef or --kl-coef")
+    if a.ref_load is not None:
+        _check(os.path.isdir(a.ref_load), f"--ref-load {a.ref_load}: no such folder")
+        if not (a.use_kl_loss or a.kl_loss_coef > 0 or a.kl_coef > 0):
+            # slime's scripts pass --ref-load always (there it is also the initial checkpoint); not an error
+            warnings.warn(f"--ref-load {a.ref_load}: no KL term uses a reference model (--use-kl-loss, "
+                          "--kl-loss-coef, --kl-coef), so it is not loaded; the policy starts from --hf-checkpoint",
+                          UserWarning, stacklevel=2)
     _check(a.save_interval is None or a.save is not None or a.save_hf is not None,
            "--save-interval needs --save or --save-hf")
     if a.save_hf is not None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, build_parser
+from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, FROM_SLIME_SECTION, build_parser
+from slime_rl.config.from_slime import DEFAULTS_NOW_SLIMES, DIFFERENCES
 
 
 def _default(action: argparse.Action) -> str:
@@ -32,4 +33,26 @@ def render_flag_reference() -> str:
             meaning = (a.help or "").replace("|", "\\|").replace("\n", " ")
             lines.append(f"| `{'`, `'.join(a.option_strings)}` | {_default(a)} | {choices} | {meaning} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + _coming_from_slime())
+
+
+def _cell(value: object) -> str:
+    return str(value).replace("|", "\\|")
+
+
+def _coming_from_slime() -> list[str]:
+    """The "Coming from slime" section: flags of the same name that differ (config/from_slime.py)."""
+    lines = ["## Coming from slime", "",
+             "slime's scripts carry over: Megatron's and slime's flag names are this trainer's, the model's shape "
+             "comes from `--hf-checkpoint`'s config.json (drop `MODEL_ARGS`), and an unknown flag is an error. "
+             f"Flags this trainer has one value for are in the table *{FROM_SLIME_SECTION}* above: accepted with "
+             "that value, refused with the reason otherwise. Where a flag of the same name has another default "
+             "or meaning here:", "",
+             "| flag | slime / Megatron-LM | here | why |", "|---|---|---|---|"]
+    for d in DIFFERENCES:
+        ours = f"`{d.ours}`" if d.kind == "default" else d.ours
+        lines.append(f"| `{d.flag}` | {_cell(d.theirs)} | {_cell(ours)} | {_cell(d.why)} |")
+    lines += ["", "Defaults that are now slime's / Megatron-LM's (the recipes in `configs/` give the old value "
+              "explicitly): " + ", ".join(f"`{name}` {new} (was {old})" for name, old, new in DEFAULTS_NOW_SLIMES)
+              + ".", ""]
+    return lines

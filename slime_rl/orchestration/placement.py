@@ -17,6 +17,7 @@ bundle holds one GPU there, so a colocated engine has one GPU (--rollout-num-gpu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from slime_rl.config import EngineConfig, ParallelConfig
@@ -169,6 +170,29 @@ def rank_coords(rank: int, parallel: ParallelConfig) -> dict[str, int]:
     for axis in RANK_ORDER:
         rank, out[axis] = divmod(rank, sizes[axis])
     return out
+
+
+def balanced_dp_shard(lengths: Sequence[int], global_batch_size: int, dp_rank: int, dp_size: int) -> list[int]:
+    """--balance-data (slime's): indices of the samples DP rank `dp_rank` trains on, in order, with
+    the rollout's samples split over the DP ranks in equal counts and balanced token counts
+    (`lengths`: prompt + response tokens of each sample) instead of contiguous slices.
+
+    Greedy with equal counts: the longest sample first, each to the rank with the fewest tokens that
+    still has room, ties to the lower rank (deterministic: every rank computes the same split; slime
+    uses Karmarkar-Karp for the same partition problem). The trainer cuts each rank's part into
+    its mini-batches in order, so optimizer step k gets the k-th gbs/dp samples of every rank; a
+    group's samples may land in different steps (as in slime)."""
+    n = len(lengths)
+    if n % global_batch_size or global_batch_size % dp_size:
+        raise ValueError(f"{n} samples, global batch {global_batch_size}, dp {dp_size}: not divisible")
+    room = n // dp_size
+    parts: list[list[int]] = [[] for _ in range(dp_size)]
+    loads = [0] * dp_size
+    for i in sorted(range(n), key=lambda i: (-lengths[i], i)):
+        r = min((r for r in range(dp_size) if len(parts[r]) < room), key=lambda r: (loads[r], r))
+        parts[r].append(i)
+        loads[r] += lengths[i]
+    return sorted(parts[dp_rank])
 
 
 def dp_shard(n_samples: int, global_batch_size: int, dp_rank: int, dp_size: int) -> list[int]:

@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime_rl.config import Config
 from slime_rl.orchestration.engines import free_port
-from slime_rl.orchestration.placement import dp_shard
+from slime_rl.orchestration.placement import balanced_dp_shard, dp_shard
 from slime_rl.weight_sync.broadcast import GROUP_NAME, EngineTarget, WeightBroadcaster, in_stage_order
 from slime_rl.weight_sync.colocated import ColocatedUpdater
 
@@ -114,16 +114,20 @@ class RankActor:
         if critic.load and self.worker.load_latest_checkpoint(critic.load) is None:
             raise ValueError(f"--critic-load {critic.load}: no complete checkpoint there")
 
-    def _shard(self, n: int) -> list[int]:
-        """This rank's DP shard of a batch of n samples (indices in batch order)."""
-        return dp_shard(n, self.cfg.batch.global_batch_size, self.worker.dp_rank, self.worker.dp_size)
+    def _shard(self, batch: dict[str, Any]) -> list[int]:
+        """This rank's DP shard of a batch (indices in batch order): contiguous slices, or with
+        --balance-data equal counts of balanced token counts."""
+        gbs, rank, size = self.cfg.batch.global_batch_size, self.worker.dp_rank, self.worker.dp_size
+        if self.cfg.batch.balance_data:
+            return balanced_dp_shard([len(t) for t in batch["tokens"]], gbs, rank, size)
+        return dp_shard(len(batch["tokens"]), gbs, rank, size)
 
     # ---- policy: training
     def train(self, step: int, buffer, readers: int | None = None) -> dict[str, float]:
         start = time.perf_counter()
         batch = ray.get(buffer.get.remote(step, readers=readers or self.world_size))
         fetched = time.perf_counter() - start
-        metrics = self.worker.train_step(_select(batch, self._shard(len(batch["tokens"]))))
+        metrics = self.worker.train_step(_select(batch, self._shard(batch)))
         return metrics | self.worker.last_timings | {"perf/train_fetch_s": fetched}
 
     def train_ppo(self, step: int, buffer, readers: int, update: bool) -> dict[str, float]:
@@ -133,7 +137,7 @@ class RankActor:
         batch = ray.get(buffer.get.remote(step, readers=readers))
         values = batch.pop("values")
         batch.pop("returns", None)  # the shards of the policy ranks that have already trained
-        idx = self._shard(len(batch["tokens"]))
+        idx = self._shard(batch)
         shard = _select(batch, idx)
         inputs = self.worker.step_inputs(shard, [values[i] for i in idx])
         metrics = self.worker.train_step(shard, inputs, update)
@@ -145,7 +149,7 @@ class RankActor:
         """The values of this DP shard's samples into the step's batch (the buffer's "values" rows);
         the shard and its values are kept for `train_critic`. Returns how many samples."""
         batch = ray.get(buffer.get.remote(step, readers=readers))
-        idx = self._shard(len(batch["tokens"]))
+        idx = self._shard(batch)
         shard = _select(batch, idx)
         values = self.worker.compute_values(shard)
         self._critic_step = (step, idx, shard, values)

@@ -10,6 +10,7 @@ dict whose "score" is the reward (its other numeric keys are logged as metrics).
 | `f1`     | token F1 of the answer against the label (best over a list of labels)        |
 | `math_format` | 0.9 x `math` + 0.1 x format with a `\boxed{}` answer (EasyR1's score) |
 | `reasoning_gym` | reasoning-gym's own `score_answer` for the row's task (see `rewards.reasoning_gym`); logs `acc` |
+| `deepscaler` | slime's `deepscaler` rule: 1 when the `\boxed{}` answer after `</think>` equals the label, else 0 |
 
 `remote_rm` (an HTTP reward model at `--rm-url`) is not here: it needs a URL, so
 `make_reward_fn` builds it (see `slime_rl.rewards.remote`).
@@ -54,6 +55,30 @@ def dapo_reward(sample: Sample) -> dict[str, float]:
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def deepscaler_reward(sample: Sample) -> float:
+    """slime's `--rm-type deepscaler` (its rm_hub/deepscaler.py), rule for rule: the solution is the
+    text after the last `</think>` (else after the first `###Response`; neither: 0); its last
+    `\\boxed{}` is the answer (none: 0); an empty label scores 0, a label holding `\\boxed{}` is
+    compared by its boxed content; 1 when equal as math, else 0. The equality test is this
+    project's (`math_grader.is_equivalent`; slime's is mathd's normaliser or sympy)."""
+    text, label = sample.response, sample.label
+    if THINK_CLOSE in text:
+        solution = text.rsplit(THINK_CLOSE, 1)[-1]
+    elif "###Response" in text:
+        solution = text.split("###Response")[1]
+    else:
+        return 0.0
+    answer = last_boxed(solution)
+    if answer is None or label is None or str(label) == "":
+        return 0.0
+    gold = str(label)
+    if "\\boxed" in gold:
+        gold = last_boxed(gold)
+        if gold is None:
+            return 0.0
+    return 1.0 if is_equivalent("\\boxed{" + answer + "}", gold) else 0.0
 
 
 def check_format(response: str, prompt: str = "") -> bool:
@@ -124,4 +149,5 @@ BUILTIN: dict[str, Callable[[Sample], float | dict[str, float]]] = {
     "f1": f1_reward,
     "math_format": math_format_reward,
     "reasoning_gym": reasoning_gym_reward,
+    "deepscaler": deepscaler_reward,
 }

@@ -48,7 +48,8 @@ def digit_label_problem(label: Any) -> str | None:
 
 def math_label_problem(label: Any) -> str | None:
     problem = _scalar_problem(label)
-    return None if problem is None else f"{problem} (the final answer --rm-type math/dapo/math_format compares with)"
+    return None if problem is None else (f"{problem} (the final answer --rm-type math/dapo/math_format/deepscaler "
+                                         "compares with)")
 
 
 def f1_label_problem(label: Any) -> str | None:
@@ -68,6 +69,7 @@ CHECKS: dict[str, LabelCheck] = {
     "digit": digit_label_problem,
     "math": math_label_problem,
     "dapo": math_label_problem,
+    "deepscaler": math_label_problem,
     "math_format": math_label_problem,
     "f1": f1_label_problem,
 }

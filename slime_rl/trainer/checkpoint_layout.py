@@ -97,10 +97,26 @@ def resolve_checkpoint(path: str | Path) -> Path:
                           and not _TMP_RE.match(p.name)):
         return p
     latest = latest_checkpoint(p)
+    if latest is None and (p / TRACKER_FILE).is_file():
+        latest = _megatron_lm_folder(p)
     if latest is None:
         raise FileNotFoundError(f"--load {p}: no complete Megatron checkpoint there (need iter_XXXXXXX/ "
                                 f"with {MARKER_FILE}; interrupted saves end in {TMP_SUFFIX} and are skipped)")
     return latest
+
+
+def _megatron_lm_folder(root: Path) -> Path | None:
+    """The folder a Megatron-LM root's tracker names (a step, or "release"), when it holds a
+    dist_checkpointing save: Megatron-LM writes the tracker after the save, and writes no marker of
+    ours (its checkpoints load as model weights only)."""
+    step = (root / TRACKER_FILE).read_text().strip()
+    if step == "release":
+        folder = root / "release"
+    elif step.isdigit():
+        folder = iter_dir(root, int(step))
+    else:
+        return None
+    return folder if (folder / DIST_CKPT_METADATA).is_file() and not (folder / MARKER_FILE).is_file() else None
 
 
 def read_checkpoint_info(path: str | Path) -> CheckpointInfo:

@@ -13,6 +13,7 @@ values. The same code runs on GPUs (nccl) and on CPU (gloo + cpu_compat).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -125,9 +126,10 @@ class MegatronRank:
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
         config.no_sync_func = self.model.no_sync
+        decay_steps = optim.lr_decay_iters or train_iters
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr,
-            lr_warmup_steps=optim.lr_warmup_iters, lr_decay_steps=optim.lr_decay_iters or train_iters,
+            lr_warmup_steps=optim.warmup_steps(decay_steps), lr_decay_steps=decay_steps,
             lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
             wd_incr_steps=train_iters, wd_incr_style="constant")
 
@@ -230,20 +232,49 @@ class TrainerWorker(MegatronRank):
         self._ref: dict[str, torch.Tensor] | None = None
         self._updates = 0  # rollouts trained (policy updates), for --ref-update-interval
         if self.algo.use_reference:
-            self._refresh_reference()
+            if self.model_cfg.ref_load:
+                self._load_reference(self.model_cfg.ref_load)
+            else:
+                self._refresh_reference()
 
     def _refresh_reference(self) -> None:
         """The reference (KL) weights := the current policy, as a CPU copy (swapped in only for the
         reference forward, so it costs host memory, not device memory)."""
         self._ref = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
 
+    def _load_reference(self, path: str) -> None:
+        """The reference (KL) weights := those of `path` (--ref-load): a Megatron checkpoint (a root
+        or one checkpoint folder; ours, the HF converter's, or Megatron-LM's torch_dist) or an HF
+        folder of the same architecture. Loaded through the policy's own model (so TP/PP sharding
+        and the name maps are the policy's), copied to the CPU, then the policy's weights are put
+        back exactly. Every rank calls it (the checkpoint load is collective)."""
+        params = dict(self.gpt.named_parameters())
+        backup = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+        try:
+            if checkpoint.is_megatron_checkpoint(path):
+                checkpoint.load_checkpoint(path, [self.model], load_optim=False, load_rng=False)
+            elif os.path.isfile(os.path.join(path, "config.json")):
+                hf_io.load_hf_weights(self.gpt, path, self.arch)
+            else:
+                raise ValueError("neither a Megatron checkpoint (latest_checkpointed_iteration.txt, iter_*/ or "
+                                 "metadata.json) nor an HF folder (config.json + safetensors)")
+            self._ref = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+        except (ValueError, FileNotFoundError, AssertionError, KeyError) as e:
+            raise ValueError(f"--ref-load {path}: {e}") from e
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(backup[n])
+
     def load_latest_checkpoint(self, root: str) -> dict | None:
         """As MegatronRank's; with --ref-update-interval the reference restarts from the loaded
-        weights, which is exact when the run resumes at a multiple of the interval."""
+        weights, which is exact when the run resumes at a multiple of the interval (with --ref-load,
+        a resume before the first refresh keeps the --ref-load weights)."""
         extra = super().load_latest_checkpoint(root)
         if extra is not None and self.algo.ref_update_interval and self._ref is not None:
             self._updates = int(extra.get("rollout_id", -1)) + 1
-            self._refresh_reference()
+            if not self.model_cfg.ref_load or self._updates >= self.algo.ref_update_interval:
+                self._refresh_reference()
         return extra
 
     # ---- forward-only passes

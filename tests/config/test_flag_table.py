@@ -59,7 +59,7 @@ def _value(f: Flag, tmp: Path) -> list[str]:
         return []
     if f.name in VALUES:
         return VALUES[f.name]
-    if f.name in ("--load", "--critic-load"):
+    if f.name in ("--load", "--critic-load", "--ref-load"):
         return [str(tmp)]
     if f.choices is not None:
         return [next(str(c) for c in f.choices if c != f.default)]
@@ -123,6 +123,7 @@ def _derived_cases(tmp: Path) -> dict[tuple[str, str, str], tuple[list[str], obj
     ppo = ["--advantage-estimator", "ppo"]
     return {
         ("--global-batch-size", "batch", "global_batch_size"): (["--global-batch-size", "4"], 4),
+        ("--num-steps-per-rollout", "batch", "global_batch_size"): (["--num-steps-per-rollout", "2"], 2),
         ("--rollout-max-response-len", "eval", "max_response_len"): (["--rollout-max-response-len", "9"], 9),
         ("--rollout-temperature", "eval", "temperature"): (["--rollout-temperature", "0.5"], 0.5),
         ("--rollout-top-p", "eval", "top_p"): (["--rollout-top-p", "0.5"], 0.5),

@@ -169,7 +169,8 @@ def _cfg_plan(args):
     ["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.01", "--gamma", "0.99"],
     ["--advantage-estimator", "reinforce_plus_plus_baseline"],
     ["--advantage-estimator", "gspo", "--loss-agg-mode", "seq-mean-token-mean"],
-    ["--eps-clip-c", "3", "--use-tis", "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.01"],
+    ["--eps-clip-c", "3", "--use-tis", "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.01",
+     "--kl-loss-type", "low_var_kl"],
 ], ids=["rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "grpo_dualclip_tis_entropy_kl"])
 def test_algorithm_families_train(ray_session, tiny_qwen2, digit_data, tmp_path, algo):
     """Two loop steps per family: finite, non-zero gradients and the family's metric keys."""

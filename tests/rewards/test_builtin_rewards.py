@@ -127,7 +127,28 @@ def test_f1_by_hand():
 
 def test_digit_unchanged_and_builtin_names():
     assert digit_reward(sample(" 7 3", label="7")) == 1.0 and digit_reward(sample("3 7", label="7")) == 0.0
-    assert set(BUILTIN) == {"digit", "math", "dapo", "format", "f1", "math_format", "reasoning_gym"}
+    assert set(BUILTIN) == {"digit", "math", "dapo", "format", "f1", "math_format", "reasoning_gym", "deepscaler"}
+
+
+# slime's rm_hub/deepscaler.py, rule by rule: the solution after the last </think> (else after the
+# first ###Response, else 0), its last \boxed{} (none: 0), an empty label 0, a boxed label by its content
+@pytest.mark.parametrize("response, label, score", [
+    ("<think>1+1</think> so \\boxed{2}", "2", 1.0),
+    ("<think>1+1</think> so \\boxed{3}", "2", 0.0),  # wrong
+    ("\\boxed{2}", "2", 0.0),  # right, but neither </think> nor ###Response
+    ("prompt ###Response: \\boxed{2}", "2", 1.0),
+    ("<think>\\boxed{2}</think> it is 2", "2", 0.0),  # the box is in the reasoning only
+    ("<think>a</think> The answer is 2.", "2", 0.0),  # no box (--rm-type math would say 1)
+    ("<think>a</think> \\boxed{0.5}", "\\boxed{\\frac{1}{2}}", 1.0),  # a boxed label by its content
+    ("<think>a</think> \\boxed{2}", "", 0.0),  # an empty label
+    ("<think>a</think> \\boxed{2}", 2, 1.0),  # a number label
+    ("<think>x</think> \\boxed{1}</think> \\boxed{2}", "2", 1.0),  # after the LAST </think>
+])
+def test_deepscaler_follows_slimes_rules(response, label, score):
+    from slime_rl.rewards.builtin import deepscaler_reward
+
+    assert deepscaler_reward(sample(response, label=label)) == score
+    assert BUILTIN["deepscaler"] is deepscaler_reward
 
 
 @pytest.mark.parametrize("response, acc, fmt", [

@@ -84,7 +84,7 @@ def reference_advantages(kw: dict, batch: dict, old: list[list[float]], ref: lis
     est = kw.get("advantage_estimator", "grpo")
     if est not in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
         return [[a * x for x in m] for a, m in zip(batch["advantages"], masks, strict=True)]
-    coef, kind = kw.get("kl_coef", 0.0), kw.get("kl_loss_type", "low_var_kl")
+    coef, kind = kw.get("kl_coef", 0.0), kw.get("kl_loss_type", "k1")
     kl = [kl_est(torch.tensor(o, dtype=torch.float64), torch.tensor(r, dtype=torch.float64), kind).tolist()
           for o, r in zip(old, ref, strict=True)]
     if est == "reinforce_plus_plus":
@@ -136,7 +136,7 @@ def reference_step(model, ref_model, batch: dict, kw: dict, mode: str, old: list
             tis_clip.append(((raw_w > hi) | (raw_w < lo)).double())
             loss = loss * tis_w[-1]
         pg.append(loss)
-    kl = [kl_est(lp, r, kw.get("kl_loss_type", "low_var_kl")) for lp, r in zip(logps, refs_lp, strict=True)]
+    kl = [kl_est(lp, r, kw.get("kl_loss_type", "k1")) for lp, r in zip(logps, refs_lp, strict=True)]
     total = _aggregate(pg, masks, mode)
     if kw.get("use_kl_loss") or kw.get("kl_loss_coef", 0.0) > 0:
         total = total + kw["kl_loss_coef"] * _aggregate(kl, masks, mode)

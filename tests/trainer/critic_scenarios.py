@@ -28,7 +28,8 @@ def make_critic(rank: int, world: int, port: int, ckpt: str, tp: int = 1, mbs: i
                         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                        actor_num_gpus_per_node=world),
                         BatchConfig(micro_batch_size=mbs, global_batch_size=gbs),
-                        OptimizerConfig(lr=1e-4, clip_grad=0.0), ModelConfig(hf_checkpoint=ckpt),
+                        OptimizerConfig(lr=1e-4, clip_grad=0.0, weight_decay=0.0, lr_decay_style="constant"),
+                        ModelConfig(hf_checkpoint=ckpt),
                         AlgoConfig(advantage_estimator="ppo", value_clip=VALUE_CLIP), train_iters=10, **kw)
 
 

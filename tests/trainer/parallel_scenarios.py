@@ -140,7 +140,8 @@ def _equiv_worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int,
                          ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                         actor_num_gpus_per_node=world, context_parallel_size=cp),
                          BatchConfig(micro_batch_size=2, global_batch_size=4),
-                         OptimizerConfig(lr=1e-3, clip_grad=1.0), ModelConfig(hf_checkpoint=ckpt, bf16=bf16),
+                         OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.0, lr_decay_style="constant"),
+                         ModelConfig(hf_checkpoint=ckpt, bf16=bf16),
                          AlgoConfig(), train_iters=10, **kw)
 
 

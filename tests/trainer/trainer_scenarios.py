@@ -35,7 +35,8 @@ def make_worker(rank: int, world: int, port: int, ckpt: str, tp: int = 1, mbs: i
                          ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                         actor_num_gpus_per_node=world),
                          BatchConfig(micro_batch_size=mbs, global_batch_size=gbs),
-                         OptimizerConfig(lr=1e-3, clip_grad=1.0), ModelConfig(hf_checkpoint=ckpt, bf16=bf16,
+                         OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.0, lr_decay_style="constant"),
+                         ModelConfig(hf_checkpoint=ckpt, bf16=bf16,
                                                                  freeze_vision_tower=freeze_vision_tower),
                          algo or AlgoConfig(), train_iters=10, **kw)
 
@@ -132,7 +133,8 @@ def scenario_tp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dic
     res["separate/after"] = weights(w)
     w.shutdown()
     # reference model: 2 mini-batches, so the second one has moved away from the reference
-    w = make_worker(rank, world, port, qwen2, mbs=1, gbs=2, algo=AlgoConfig(kl_loss_coef=0.1))
+    w = make_worker(rank, world, port, qwen2, mbs=1, gbs=2,
+                    algo=AlgoConfig(kl_loss_coef=0.1, kl_loss_type="low_var_kl"))
     res["kl/initial_logp"] = w.compute_logprobs(batch)
     res["kl/metrics"] = w.train_step(batch)
     res["kl/trained"] = weights(w)
@@ -219,10 +221,11 @@ def _run_scenario_once(name: str, world: int, port: int, out: Path, ckpts: dict[
 def main() -> None:
     name, rank, world, port, out, ckpt_json = sys.argv[1:7]
     torch.manual_seed(0)
-    from tests.trainer import algo_scenarios, critic_scenarios, parallel_scenarios, vl_scenarios
+    from tests.trainer import algo_scenarios, critic_scenarios, parallel_scenarios, ref_load_scenarios, vl_scenarios
 
     func = SCENARIOS.get(name) or {**parallel_scenarios.SCENARIOS, **algo_scenarios.SCENARIOS,
-                                   **critic_scenarios.SCENARIOS, **vl_scenarios.SCENARIOS}[name]
+                                   **critic_scenarios.SCENARIOS, **vl_scenarios.SCENARIOS,
+                                   **ref_load_scenarios.SCENARIOS}[name]
     res = func(int(rank), int(world), int(port), json.loads(ckpt_json))
     res = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in res.items()}
     torch.save(_to_cpu(res), Path(out) / f"{name}_rank{rank}.pt")
