@@ -22,6 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from slime_rl.config import Config, ConfigError, RewardConfig, build_config
+from slime_rl.config.slime_args import slime_args
 from slime_rl.data import DataError, PromptDataset, TokenLimit, num_rollout_for_epochs
 from slime_rl.engines.launch import check_engine_config
 from slime_rl.observability import MetricsLogger, Timer, summary_line
@@ -63,12 +64,13 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     if cfg.data.num_epoch is not None:
         steps = num_rollout_for_epochs(len(dataset), cfg.rollout.rollout_batch_size, cfg.data.num_epoch)
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_rollout=steps))
-    reward_fn(cfg.reward)
+    args = slime_args(cfg)  # what slime-style extension functions get first
+    reward_fn_from_config(cfg.reward, args=args)
     if cfg.reward.rm_type == "reasoning_gym" and cfg.reward.custom_rm_path is None:
         check_reasoning_gym_rows(cfg.data.prompt_data, dataset)
     # extension points load here, so a bad dotted path fails before any actor starts
-    load_generate_function(cfg.rollout.custom_generate_function_path)
-    load_filter(cfg.rollout.dynamic_sampling_filter_path)
+    load_generate_function(cfg.rollout.custom_generate_function_path, args)
+    load_filter(cfg.rollout.dynamic_sampling_filter_path, args)
     return cfg, plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
                                cluster_cpus=os.cpu_count(), critic_world=cfg.critic.world_size if cfg.critic else 0)
 

@@ -63,6 +63,7 @@ class OptimizerConfig:
     min_lr: float = default_of("--min-lr")
     lr_decay_style: str = default_of("--lr-decay-style")
     lr_warmup_iters: int = default_of("--lr-warmup-iters")
+    lr_warmup_fraction: float | None = default_of("--lr-warmup-fraction")
     lr_decay_iters: int | None = default_of("--lr-decay-iters")
     weight_decay: float = default_of("--weight-decay")
     clip_grad: float = default_of("--clip-grad")
@@ -153,7 +154,7 @@ class CriticConfig:
         """The policy's optimizer settings with the critic's LR and warm-up; min_lr keeps its ratio
         to the LR (a decay to a tenth stays a decay to a tenth)."""
         return dataclasses.replace(policy, lr=self.lr, min_lr=policy.min_lr * self.lr / policy.lr,
-                                   lr_warmup_iters=self.lr_warmup_iters)
+                                   lr_warmup_iters=self.lr_warmup_iters, lr_warmup_fraction=None)
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,7 @@ class RewardConfig:
 
     rm_type: str | None = default_of("--rm-type")
     custom_rm_path: str | None = default_of("--custom-rm-path")
+    custom_rm_kwargs: str | None = default_of("--custom-rm-kwargs")  # JSON object
     rm_url: str | None = default_of("--rm-url")
     reward_key: str = default_of("--reward-key")
     rm_timeout_s: float = default_of("--rm-timeout")

@@ -69,9 +69,12 @@ class MegatronRank:
         cp = parallel.context_parallel_size
         check_mode(loss_agg_mode, loss_agg_max_len)
         self.loss_agg_mode, self.loss_agg_max_len = loss_agg_mode, loss_agg_max_len
-        if train_iters < 1 or train_iters <= optim.lr_warmup_iters:
-            raise ValueError(f"train_iters={train_iters} must be >= 1 and > --lr-warmup-iters "
-                             f"{optim.lr_warmup_iters}")
+        # --lr-warmup-fraction: Megatron's, a fraction of the decay steps
+        warmup = optim.lr_warmup_iters if optim.lr_warmup_fraction is None else \
+            int(optim.lr_warmup_fraction * (optim.lr_decay_iters or train_iters))
+        if train_iters < 1 or train_iters <= warmup:
+            raise ValueError(f"train_iters={train_iters} must be >= 1 and > the warmup steps {warmup} "
+                             f"(--lr-warmup-iters / --lr-warmup-fraction)")
         self.batch, self.algo, self.model_cfg = batch, algo, model
         # megatron's distributed optimizer reads .grad of its (non-leaf) shard views in zero_grad,
         # which makes torch warn on every step, GPU or CPU: noise, not a problem of ours
@@ -119,7 +122,7 @@ class MegatronRank:
         config.no_sync_func = self.model.no_sync
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr,
-            lr_warmup_steps=optim.lr_warmup_iters, lr_decay_steps=optim.lr_decay_iters or train_iters,
+            lr_warmup_steps=warmup, lr_decay_steps=optim.lr_decay_iters or train_iters,
             lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
             wd_incr_steps=train_iters, wd_incr_style="constant")
 
