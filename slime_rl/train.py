@@ -70,7 +70,7 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
         check_reasoning_gym_rows(cfg.data.prompt_data, dataset)
     # extension points load here, so a bad dotted path fails before any actor starts
     load_generate_function(cfg.rollout.custom_generate_function_path, args)
-    load_filter(cfg.rollout.dynamic_sampling_filter_path, args)
+    load_filter(cfg.rollout.dynamic_sampling_filter_path, args, cfg.rollout.dynamic_sampling_filter_kwargs)
     return cfg, plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
                                cluster_cpus=os.cpu_count(), critic_world=cfg.critic.world_size if cfg.critic else 0)
 

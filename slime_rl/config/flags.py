@@ -258,6 +258,9 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--dynamic-sampling-filter-path', 'rollout.dynamic_sampling_filter_path',
              help="module:function, ours (group) -> bool or slime's (args, samples) -> bool | DynamicFilterOutput; "
                   'DAPO: slime_rl.rollout.filters.check_reward_nonzero_std'),
+        Flag('--dynamic-sampling-filter-kwargs', 'rollout.dynamic_sampling_filter_kwargs',
+             help='JSON object of keyword arguments for the --dynamic-sampling-filter-path function, e.g. '
+                  '\'{"low": 0.01, "high": 0.99}\' for slime_rl.rollout.filters.reward_mean_in_range'),
         Flag('--partial-rollout', 'rollout.partial_rollout', action="store_true",
              help='groups cut at the end of a rollout continue next step instead of being dropped'),
         Flag('--mask-offpolicy-in-partial-rollout', 'rollout.mask_offpolicy_in_partial_rollout', action="store_true"),

@@ -199,6 +199,7 @@ class RolloutConfig:
     mask_offpolicy_in_partial_rollout: bool = default_of("--mask-offpolicy-in-partial-rollout")
     rollout_deadline_s: float | None = default_of("--rollout-deadline-s")
     custom_generate_function_path: str | None = default_of("--custom-generate-function-path")
+    dynamic_sampling_filter_kwargs: str | None = default_of("--dynamic-sampling-filter-kwargs")  # JSON object
     sample_seed: int | None = None  # set from --rollout-seed by --deterministic-rollout
 
     @property

@@ -24,7 +24,9 @@ samples) unless it computes the reward itself. Examples: `generate_default` (one
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -98,13 +100,34 @@ def load_generate_function(path: str | None, args: Any = None) -> GenerateFn:
     return fn if form == "ours" else SlimeGenerate(fn, args if args is not None else default_args(), path)
 
 
-def load_filter(path: str | None, args: Any = None) -> FilterFn | None:
+def load_filter(path: str | None, args: Any = None, kwargs: str | dict[str, Any] | None = None) -> FilterFn | None:
     """The group filter `--dynamic-sampling-filter-path` names (ours or slime's), in our convention,
-    or None (keep every group)."""
+    or None (keep every group). `kwargs`: --dynamic-sampling-filter-kwargs (a JSON object), passed to
+    it as keyword arguments."""
     if not path:
+        if kwargs:
+            raise ValueError("--dynamic-sampling-filter-kwargs needs --dynamic-sampling-filter-path")
         return None
     install_slime_modules()
     fn = load_by_path(path, FILTER_FLAG)
+    if kwargs:
+        fn = _bind_kwargs(fn, kwargs, "--dynamic-sampling-filter-kwargs")
     form = choose_form(fn, FILTER_FLAG, path, {"ours": (1, "filter(group) -> bool"),
                                               "slime": (2, "filter(args, samples) -> bool | DynamicFilterOutput")})
     return fn if form == "ours" else SlimeFilter(fn, args if args is not None else default_args(), path)
+
+
+def _bind_kwargs(fn: Callable, kwargs: str | dict[str, Any], flag: str) -> Callable:
+    """`fn` with keyword arguments from a JSON object (or dict), checked against its signature."""
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} {kwargs!r}: not JSON: {exc}") from exc
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{flag} {kwargs!r}: expected a JSON object of keyword arguments")
+    try:
+        inspect.signature(fn).bind_partial(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{flag} {sorted(kwargs)}: {getattr(fn, '__name__', fn)} does not take them: {exc}") from exc
+    return functools.wraps(fn)(functools.partial(fn, **kwargs))

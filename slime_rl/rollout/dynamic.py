@@ -65,7 +65,7 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
     pool = ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len,
                       sample_seed=opts.sample_seed, health=health)
     gen = generate_fn or load_generate_function(opts.custom_generate_function_path, slime_args)
-    keep = filter_fn or load_filter(opts.dynamic_sampling_filter_path, slime_args)
+    keep = filter_fn or load_filter(opts.dynamic_sampling_filter_path, slime_args, opts.dynamic_sampling_filter_kwargs)
     try:
         return await _fill(pool, next_rows, opts, reward_fn, gen, keep, resume, first_index, first_group, progress)
     finally:
