@@ -25,6 +25,7 @@ import enum
 import importlib.util
 import sys
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,21 +175,24 @@ def status_value(slime_sample: Any) -> str:
 
 # ---- the slime modules a user function imports, where slime is not installed
 
-_http_client: Any = None
+_http_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its httpx client
 
 
 async def post(url: str, payload: dict, max_retries: int = 60, headers: dict | None = None) -> Any:
     """slime.utils.http_utils.post: POST JSON, return the JSON answer (raises on HTTP errors)."""
+    import asyncio
+
     import httpx
 
-    global _http_client
-    if _http_client is None:
-        _http_client = httpx.AsyncClient(timeout=None)
+    loop = asyncio.get_running_loop()
+    client = _http_clients.get(loop)
+    if client is None:  # one connection pool per event loop (a client is bound to the loop it ran on)
+        client = _http_clients[loop] = httpx.AsyncClient(timeout=None)
     headers = dict(headers or {})
     current = CURRENT_SAMPLE.get()
     if current is not None:
         headers.setdefault(SAMPLE_HEADER, f"{current[0]}/{current[1]}")
-    response = await _http_client.post(url, json=payload, headers=headers)
+    response = await client.post(url, json=payload, headers=headers)
     response.raise_for_status()
     return response.json()
 
