@@ -157,6 +157,11 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]
     sglang: dict[str, Any] = {}
     if known.config:
         defaults, sglang = _yaml_overlay(parser, known.config, known.rollout_backend)
+        given = {t.partition("=")[0] for t in rest if t.startswith("--")}
+        # the two ways to say how long to train exclude each other: the command line's wins over the file's
+        for flag, other in (("--num-rollout", "num_epoch"), ("--num-epoch", "num_rollout")):
+            if flag in given:
+                defaults.pop(other, None)
         parser.set_defaults(**defaults)
     args = parser.parse_args(rest)
     sglang.update(sglang_cli)

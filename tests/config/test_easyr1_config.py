@@ -131,7 +131,8 @@ def test_counterparts_of_the_other_keys(tmp_path):
             "worker.actor.optim.lr_scheduler_type": "cosine", "worker.actor.loss_avg_mode": "seq",
             "worker.actor.padding_free": False, "worker.rollout.max_model_len": 4096,
             "data.mini_rollout_batch_size": 64, "trainer.max_steps": 7, "trainer.val_before_train": False,
-            "trainer.logger": ["console", "tensorboard"], "worker.reward.reward_function_kwargs": {"format_weight": 0.5},
+            "trainer.logger": ["console", "tensorboard"],
+            "worker.reward.reward_function_kwargs": {"format_weight": 0.5},
             "algorithm.kl_penalty": "kl"}
     cfg = build_config(["--config", str(write_config(tmp_path, edit=edit))], check_paths=False)
     # 3 rollout steps x (512 prompts / 128 prompts per optimizer step) optimizer steps each
@@ -178,3 +179,13 @@ def test_dry_run_of_the_geo3k_example_with_a_tiny_vl_model(tmp_path, tiny_qwen2_
     # 8 trainer ranks and 8 devices for 4 engines of 2 (SGLang's command lines, TP 2, memory fraction 0.6)
     engines = [line for line in out.splitlines() if line.startswith("engine ")]
     assert len(engines) == 4 and all("--tp-size 2" in e and "--mem-fraction-static 0.6" in e for e in engines)
+
+
+def test_num_rollout_on_the_command_line_wins_over_the_files_epochs(tmp_path):
+    cfg = build_config(["--config", str(write_config(tmp_path)), "--num-rollout", "2"], check_paths=False)
+    assert cfg.rollout.num_rollout == 2 and cfg.data.num_epoch is None
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("num-rollout: 3\n")
+    cfg = build_config(["--config", str(flat), "--hf-checkpoint", "m", "--prompt-data", "d", "--rm-type", "digit",
+                        "--rollout-batch-size", "2", "--num-epoch", "1"], check_paths=False)
+    assert cfg.data.num_epoch == 1
