@@ -22,6 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from slime_rl.config import Config, ConfigError, RewardConfig, build_config
+from slime_rl.config.slime_args import slime_args
 from slime_rl.data import DataError, PromptDataset, TokenLimit, num_rollout_for_epochs
 from slime_rl.engines.launch import check_engine_config
 from slime_rl.observability import MetricsLogger, Timer, summary_line
@@ -80,12 +81,13 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     else:
         dataset = None
         token_limit(cfg, cfg.rollout.max_response_len)  # what config.json alone can tell
-    reward_fn(cfg.reward)
+    args = slime_args(cfg)  # what slime-style extension functions get first
+    reward_fn_from_config(cfg.reward, args=args)
     if dataset is not None and cfg.reward.rm_type == "reasoning_gym" and cfg.reward.custom_rm_path is None:
         check_reasoning_gym_rows(cfg.data.prompt_data, dataset)
     # extension points load here, so a bad dotted path fails before any actor starts
-    load_generate_function(cfg.rollout.custom_generate_function_path)
-    load_filter(cfg.rollout.dynamic_sampling_filter_path)
+    load_generate_function(cfg.rollout.custom_generate_function_path, args)
+    load_filter(cfg.rollout.dynamic_sampling_filter_path, args, cfg.rollout.dynamic_sampling_filter_kwargs)
     critic_world = cfg.critic.world_size if cfg.critic else 0
     if cfg.plan.cluster is not None:  # --dry-run for another cluster: its GPUs, not this machine's
         nodes, gpus = cfg.plan.cluster

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -55,3 +56,51 @@ def load_by_path(path: str, flag: str, error: type[Exception] = PluginLoadError)
     if not callable(fn):
         raise error(f"{flag} {path!r}: module {module_name!r} has no function {attr!r}")
     return fn
+
+
+def accepts_positional(fn: Callable, n: int) -> bool:
+    """Whether `fn` can be called with exactly `n` positional arguments (keyword-only parameters
+    with defaults and **kwargs are fine)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return True
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if any(p.kind == p.KEYWORD_ONLY and p.default is p.empty for p in params):
+        return False
+    star = any(p.kind == p.VAR_POSITIONAL for p in params)
+    return len(required) <= n and (star or n <= len(positional))
+
+
+def first_param_name(fn: Callable) -> str | None:
+    """The name of `fn`'s first positional parameter (None when it has none or no signature)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    return next((p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
+
+
+def choose_form(fn: Callable, flag: str, path: str, forms: dict[str, tuple[int, str]],
+                error: type[Exception] = PluginLoadError) -> str:
+    """Which calling convention a user function follows, decided once from its signature.
+
+    `forms`: {name: (positional arguments it is called with, the signature as documented)}, at most
+    two, one of them "slime" (slime's `args` first). When only one form's argument count fits, that
+    one; when both do, "slime" if the first parameter is named `args` (as slime's docs and examples
+    spell it), else the other. Neither: `error` naming the flag and both documented signatures."""
+    fits = [name for name, (n, _) in forms.items() if accepts_positional(fn, n)]
+    if len(fits) == 1:
+        return fits[0]
+    if len(fits) > 1:
+        if "slime" in fits:
+            return "slime" if first_param_name(fn) == "args" else next(f for f in fits if f != "slime")
+        return fits[0]
+    try:
+        got = f"{getattr(fn, '__name__', fn)}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        got = repr(fn)
+    wanted = " or ".join(f"`{sig}` ({name})" for name, (_, sig) in forms.items())
+    raise error(f"{flag} {path!r}: {got} fits no supported form; expected {wanted}")

@@ -257,7 +257,7 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--lr-warmup-fraction', 'optimizer.lr_warmup_fraction', type=float,
              check=(lambda v: 0 <= v < 1, "must be in [0, 1)"),
              help="Megatron's: warm up over this fraction of the decay steps (--lr-decay-iters, else all optimizer "
-                  'steps) instead of --lr-warmup-iters'),
+                  "steps) instead of --lr-warmup-iters (EasyR1's lr_warmup_ratio)"),
         Flag('--lr-decay-iters', 'optimizer.lr_decay_iters', type=_positive_int),
         Flag('--weight-decay', 'optimizer.weight_decay', default=0.01, type=_nonneg_float),
         Flag('--clip-grad', 'optimizer.clip_grad', default=1.0, type=_nonneg_float),
@@ -337,14 +337,19 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--over-sampling-batch-size', 'rollout.over_sampling_batch_size', type=_positive_int,
              help='prompts drawn at a time while filling --rollout-batch-size kept groups'),
         Flag('--dynamic-sampling-filter-path', 'rollout.dynamic_sampling_filter_path',
-             help='module:function(group) -> bool; DAPO: slime_rl.rollout.filters.check_reward_nonzero_std'),
+             help="module:function, ours (group) -> bool or slime's (args, samples) -> bool | DynamicFilterOutput; "
+                  'DAPO: slime_rl.rollout.filters.check_reward_nonzero_std'),
+        Flag('--dynamic-sampling-filter-kwargs', 'rollout.dynamic_sampling_filter_kwargs',
+             help='JSON object of keyword arguments for the --dynamic-sampling-filter-path function, e.g. '
+                  '\'{"low": 0.01, "high": 0.99}\' for slime_rl.rollout.filters.reward_mean_in_range'),
         Flag('--partial-rollout', 'rollout.partial_rollout', action="store_true",
              help='groups cut at the end of a rollout continue next step instead of being dropped'),
         Flag('--mask-offpolicy-in-partial-rollout', 'rollout.mask_offpolicy_in_partial_rollout', action="store_true"),
         Flag('--rollout-deadline-s', 'rollout.rollout_deadline_s', type=float,
              help='cut a rollout after this many seconds'),
         Flag('--custom-generate-function-path', 'rollout.custom_generate_function_path',
-             help='module:function, async (sample, sampling_params, client_pool) -> Sample'),
+             help="module:function, async; ours (sample, sampling_params, client_pool) -> Sample or slime's "
+                  '(args, sample, sampling_params) -> Sample'),
         Flag('--async', 'rollout.async_mode', action="store_true", dest='async_mode',
              help='one-step off-policy: generate step k+1 while training step k'),
         Flag('--update-weights-interval', 'weight_sync.update_weights_interval', default=1, type=_positive_int,
@@ -357,7 +362,12 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--rm-max-retries', 'reward.rm_max_retries', default=3, type=_nonneg_int),
         Flag('--rm-backoff', 'reward.rm_backoff_s', default=0.5, type=float,
              help='first retry delay, doubled each time'),
-        Flag('--custom-rm-path', 'reward.custom_rm_path', help='module:function or module.function'),
+        Flag('--custom-rm-path', 'reward.custom_rm_path',
+             help="module:function or file.py:function; ours (sample), slime's (args, sample) or an EasyR1 "
+                  'reward file (REWARD_TYPE, compute_score(reward_inputs))'),
+        Flag('--custom-rm-kwargs', 'reward.custom_rm_kwargs',
+             help='JSON object of keyword arguments for the --custom-rm-path function (EasyR1\'s '
+                  'reward_function_kwargs), e.g. \'{"format_weight": 0.1}\''),
         Flag('--group-rm', 'reward.group_rm', action="store_true",
              help='--custom-rm-path scores a whole group at once: list[Sample] -> list[float | dict]'),
         Flag('--reward-failure-value', 'reward.reward_failure_value', default=0.0, type=float,

@@ -65,6 +65,7 @@ class OptimizerConfig:
     min_lr: float = default_of("--min-lr")
     lr_decay_style: str = default_of("--lr-decay-style")
     lr_warmup_iters: int = default_of("--lr-warmup-iters")
+    lr_warmup_fraction: float | None = default_of("--lr-warmup-fraction")
     lr_decay_iters: int | None = default_of("--lr-decay-iters")
     lr_warmup_fraction: float | None = default_of("--lr-warmup-fraction")  # excludes lr_warmup_iters > 0
     weight_decay: float = default_of("--weight-decay")
@@ -213,6 +214,7 @@ class RolloutConfig:
     mask_offpolicy_in_partial_rollout: bool = default_of("--mask-offpolicy-in-partial-rollout")
     rollout_deadline_s: float | None = default_of("--rollout-deadline-s")
     custom_generate_function_path: str | None = default_of("--custom-generate-function-path")
+    dynamic_sampling_filter_kwargs: str | None = default_of("--dynamic-sampling-filter-kwargs")  # JSON object
     sample_seed: int | None = None  # set from --rollout-seed by --deterministic-rollout
 
     @property
@@ -233,6 +235,7 @@ class RewardConfig:
 
     rm_type: str | None = default_of("--rm-type")
     custom_rm_path: str | None = default_of("--custom-rm-path")
+    custom_rm_kwargs: str | None = default_of("--custom-rm-kwargs")  # JSON object
     rm_url: str | None = default_of("--rm-url")
     reward_key: str = default_of("--reward-key")
     rm_timeout_s: float = default_of("--rm-timeout")

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from slime_rl.config.easyr1 import describe, is_easyr1, map_easyr1
 from slime_rl.config.estimators import ESTIMATOR_SPECS, estimator_spec
 from slime_rl.config.flags import (
     EMBEDDED_SGLANG_ARGS,
@@ -27,6 +28,7 @@ from slime_rl.config.flags import (
     build_parser,
 )
 from slime_rl.config.groups import GROUPS, Config, CriticConfig, EvalConfig, ParallelConfig
+from slime_rl.config.slime_args import refuse_slime_only
 
 # how parse_flags keys a `--router-<name>` in its pass-through dict: `--sglang-router-ip` (slime's
 # external-router flag) stays the SGLang name `router_ip` and cannot be taken for a router flag
@@ -85,7 +87,11 @@ def split_router_args(passthrough: dict[str, Any]) -> tuple[dict[str, Any], dict
     return sglang, router
 
 
-def _yaml_overlay(parser: argparse.ArgumentParser, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _yaml_overlay(parser: argparse.ArgumentParser, path: str,
+                  backend: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The --config file as flag defaults and --sglang-* pass-through; EasyR1's nested layout is
+    mapped first (config/easyr1.py) and the mapping printed. `backend`: --rollout-backend from the
+    command line (the EasyR1 mapping depends on it)."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"--config: file not found: {path}")
@@ -95,11 +101,19 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str) -> tuple[dict[str,
         raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: top level must be a mapping of flag names to values")
+    if is_easyr1(data):
+        mapping = map_easyr1(data, f"--config {path}", ConfigError, backend)
+        print(describe(mapping, f"--config {path}"), flush=True)
+        # (how errors name the key, the flag key, the value)
+        items = [(f"{mapping.origin[k]} -> --{k.replace('_', '-')}", k, v) for k, v in mapping.flags.items()]
+    else:
+        refuse_slime_only([str(k) for k in data], f"--config {path}: ", ConfigError)
+        items = [(k, k, v) for k, v in data.items()]
     dests = {a.dest: a for a in parser._actions}
     defaults: dict[str, Any] = {}
     sglang: dict[str, Any] = {}
-    for raw_key, value in data.items():
-        key = str(raw_key).lstrip("-").replace("-", "_")
+    for raw_key, flag_key, value in items:
+        key = str(flag_key).lstrip("-").replace("-", "_")
         if key.startswith("sglang_") and "--" + key.replace("_", "-") not in OWN_SGLANG_FLAGS:
             sglang[key[len("sglang_"):]] = value
             continue
@@ -141,10 +155,17 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]
     parser = _make_parser()
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
+    pre.add_argument("--rollout-backend", default=None)
     known, _ = pre.parse_known_args(rest)
+    refuse_slime_only([t for t in rest if t.startswith("--")], "", ConfigError)
     sglang: dict[str, Any] = {}
     if known.config:
-        defaults, sglang = _yaml_overlay(parser, known.config)
+        defaults, sglang = _yaml_overlay(parser, known.config, known.rollout_backend)
+        given = {t.partition("=")[0] for t in rest if t.startswith("--")}
+        # the two ways to say how long to train exclude each other: the command line's wins over the file's
+        for flag, other in (("--num-rollout", "num_epoch"), ("--num-epoch", "num_rollout")):
+            if flag in given:
+                defaults.pop(other, None)
         parser.set_defaults(**defaults)
     args = parser.parse_args(rest)
     sglang.update(sglang_cli)

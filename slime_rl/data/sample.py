@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# keys of `Sample.metadata` that the rollout keeps per sample (slime_rl.rollout.partial): where the
+# sample stands, and the engine weight version of each response token
+ROLLOUT_STATUS_KEY = "rollout_status"
+TOKEN_VERSIONS_KEY = "token_weight_versions"
+
 
 @dataclass
 class Sample:

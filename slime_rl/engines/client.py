@@ -182,6 +182,10 @@ class _Endpoints:
         return self._call("POST", "/generate", generate_payload(input_ids, sampling_params or {}, return_logprob,
                                                                 rid, image_data, **kwargs))
 
+    def generate_body(self, body: dict[str, Any]) -> Any:
+        """POST /generate with a body built elsewhere (a user's function, SGLang's field names)."""
+        return self._call("POST", "/generate", dict(body))
+
     def get_model_info(self) -> Any:
         """GET /model_info (SGLang 0.5.23 logs /get_model_info as deprecated; both answer the same)."""
         return self._call("GET", "/model_info")

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from slime_rl.algo import estimator_for, overlong_penalty
 from slime_rl.config import AlgoConfig, Config
+from slime_rl.config.slime_args import slime_args
 from slime_rl.data import PromptDataset, Sample
 from slime_rl.engines.client import AsyncEngineClient, AsyncRouterClient, EngineError
 from slime_rl.orchestration.failures import EngineFailure, RolloutStarved
@@ -112,7 +113,9 @@ class RolloutManager:
         self.api_key = api_key
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
-        self.reward_fn = reward_fn_from_config(cfg.reward, failure_value=cfg.reward.reward_failure_value)
+        self.slime_args = slime_args(cfg)  # what slime-style extension functions get as `args`
+        self.reward_fn = reward_fn_from_config(cfg.reward, failure_value=cfg.reward.reward_failure_value,
+                                               args=self.slime_args)
         self.dead: dict[int, str] = {}  # engine -> why it was declared dead; until it is revived
         self.options = RolloutOptions.from_config(cfg.rollout)
         self.eval_sets = {name: PromptDataset(replace(cfg.data, prompt_data=path, rollout_shuffle=False),
@@ -145,7 +148,7 @@ class RolloutManager:
                 result = await generate_filtered_groups(
                     clients, self._draw_guard(step), self.options, self.reward_fn, self.tokenizer,
                     resume=self.leftover if self.options.partial_rollout else (), first_index=self.next_index,
-                    first_group=self.next_group, progress=True, health=health)
+                    first_group=self.next_group, progress=True, health=health, slime_args=self.slime_args)
         except EngineError as exc:  # as an error Ray can carry to the driver, which names the engine
             raise EngineFailure.of(exc) from None
         finally:

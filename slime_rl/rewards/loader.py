@@ -6,6 +6,19 @@ Protocol (the extension point, `--custom-rm-path`):
 |-----------------------------------------|-------------------------------------------------------------|
 | one sample (default)                    | `def rm(sample: Sample) -> float \\| dict` or `async def`     |
 | a whole group (`--group-rm`)            | `def rm(samples: list[Sample]) -> list[float \\| dict]`, or async |
+| slime's, one sample                     | `async def rm(args, sample) -> float \\| dict` (slime's Sample) |
+| slime's, a whole group (`--group-rm`)   | `async def rm(args, samples) -> list[float \\| dict]`           |
+| EasyR1's file, `REWARD_TYPE = "batch"`  | `def compute_score(reward_inputs: list[dict]) -> list[float \\| dict]` |
+| EasyR1's file, `REWARD_TYPE = "sequential"` | `def compute_score(reward_input: dict) -> float \\| dict`   |
+
+The form is decided once, when the function is loaded (`config.dotted_path.choose_form`): by the
+number of positional parameters (ours takes the sample, slime's `args` first), and for EasyR1 by
+the module's `REWARD_TYPE`. slime's functions get slime's `args` (`config.slime_args`) and slime's
+Sample (`data.slime_compat.SlimeSample`, a copy); EasyR1's get dicts with `response`,
+`response_length` and `ground_truth` (the label), and a dict result's score is `overall` (unless
+`--reward-key` names another key). A batch-type EasyR1 function scores one group per call.
+`--custom-rm-kwargs` (a JSON object) is passed to the function as keyword arguments (EasyR1's
+`reward_function_kwargs`).
 
 A dict result holds the reward under `--reward-key` (default "score"; EasyR1's files use
 "overall"); its other numeric keys (bools count as 0/1) are logged as metrics
@@ -37,7 +50,9 @@ step failed (`RewardFailures.since`), since then the reward is broken rather tha
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import json
 import math
 import sys
 import traceback
@@ -45,8 +60,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_rl.config.dotted_path import load_by_path
+from slime_rl.config.dotted_path import choose_form, load_by_path
 from slime_rl.data import Sample
+from slime_rl.data.slime_compat import install_slime_modules, slime_sample_class, to_slime
 from slime_rl.rewards.builtin import BUILTIN
 from slime_rl.rewards.remote import RemoteRewardModel
 
@@ -107,11 +123,11 @@ def _is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-async def _invoke(fn: Callable, arg: Any) -> Any:
+async def _invoke(fn: Callable, *args: Any) -> Any:
     """Await an async function on the loop; run a sync one in a worker thread (see module docstring)."""
     if _is_async(fn):
-        return await fn(arg)
-    value = await asyncio.to_thread(fn, arg)
+        return await fn(*args)
+    value = await asyncio.to_thread(fn, *args)
     if inspect.isawaitable(value):  # a sync wrapper that returns a coroutine
         value = await value
     return value
@@ -205,10 +221,89 @@ class GroupReward:
             return [(float(self.failure_value), {}) for _ in samples]
 
 
+EASYR1_REWARD_TYPES = ("batch", "sequential")
+
+
+def _easyr1_input(sample: Sample) -> dict[str, Any]:
+    """EasyR1's RewardInput of a sample (verl/workers/reward/function.py): the decoded response, its
+    length in tokens and the ground truth (our label; numbers as text, as EasyR1's datasets hold them)."""
+    label = sample.label
+    truth = label if label is None or isinstance(label, (str, list, dict)) else str(label)
+    return {"response": sample.response, "response_length": sample.response_length, "ground_truth": truth}
+
+
+def _named(wrapper: Callable, fn: Callable) -> Callable:
+    wrapper.__name__ = _name(fn)
+    return wrapper
+
+
+def _parse_kwargs(rm_kwargs: str | dict[str, Any] | None) -> dict[str, Any]:
+    if rm_kwargs is None or isinstance(rm_kwargs, dict):
+        return dict(rm_kwargs or {})
+    try:
+        value = json.loads(rm_kwargs)
+    except json.JSONDecodeError as exc:
+        raise RewardError(f"--custom-rm-kwargs {rm_kwargs!r}: not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise RewardError(f"--custom-rm-kwargs {rm_kwargs!r}: expected a JSON object of keyword arguments")
+    return value
+
+
+def load_custom_reward(path: str, *, group_rm: bool = False, args: Any = None,
+                       rm_kwargs: str | dict[str, Any] | None = None,
+                       reward_key: str = "score") -> tuple[Callable, bool, str]:
+    """The `--custom-rm-path` function in our calling convention, decided once from its signature
+    (see the module docstring): (function, scores whole groups, the key of a dict result's score).
+    Errors name the flag."""
+    install_slime_modules()  # a slime-style file imports slime.utils.types
+    fn = load_by_path(path, "--custom-rm-path", RewardError)
+    kwargs = _parse_kwargs(rm_kwargs)
+    if kwargs:
+        try:
+            inspect.signature(fn).bind_partial(**kwargs)
+        except TypeError as exc:
+            raise RewardError(f"--custom-rm-kwargs {sorted(kwargs)}: {_name(fn)} does not take them: {exc}") from exc
+        except ValueError:  # no signature to check against
+            pass
+        fn = functools.wraps(fn)(functools.partial(fn, **kwargs))
+    reward_type = getattr(inspect.getmodule(fn) or sys.modules.get(getattr(fn, "__module__", ""), None),
+                          "REWARD_TYPE", None)
+    if reward_type is not None:  # EasyR1's reward file
+        if reward_type not in EASYR1_REWARD_TYPES:
+            raise RewardError(f"--custom-rm-path {path!r}: REWARD_TYPE {reward_type!r}; EasyR1's reward types are "
+                              f"{' and '.join(EASYR1_REWARD_TYPES)}")
+        arg = "reward_inputs: list[dict]" if reward_type == "batch" else "reward_input: dict"
+        choose_form(fn, "--custom-rm-path", path, {"easyr1": (1, f"compute_score({arg})")}, RewardError)
+        key = "overall" if reward_key == "score" else reward_key
+        if reward_type == "sequential":
+            async def sequential(sample: Sample) -> Any:
+                return await _invoke(fn, _easyr1_input(sample))
+            return _named(sequential, fn), False, key
+
+        async def batch(samples: list[Sample]) -> Any:
+            return await _invoke(fn, [_easyr1_input(s) for s in samples])
+        return _named(batch, fn), True, key
+    what = "samples" if group_rm else "sample"
+    form = choose_form(fn, "--custom-rm-path", path,
+                       {"ours": (1, f"rm({what})"), "slime": (2, f"async rm(args, {what})")}, RewardError)
+    if form == "ours":
+        return fn, group_rm, reward_key
+    cls = slime_sample_class()
+    if group_rm:
+        async def slime_group(samples: list[Sample]) -> Any:
+            return await _invoke(fn, args, [to_slime(s, cls) for s in samples])
+        return _named(slime_group, fn), True, reward_key
+
+    async def slime_one(sample: Sample) -> Any:
+        return await _invoke(fn, args, to_slime(sample, cls))
+    return _named(slime_one, fn), False, reward_key
+
+
 def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str | None = None,
                    reward_key: str = "score", *, group_rm: bool = False, rm_timeout_s: float = 30.0,
                    rm_max_retries: int = 3, rm_backoff_s: float = 0.5,
-                   failure_value: float | None = None) -> RewardFn | GroupReward:
+                   failure_value: float | None = None, args: Any = None,
+                   rm_kwargs: str | dict[str, Any] | None = None) -> RewardFn | GroupReward:
     """The run's reward function, checked now (unknown names, a missing URL, a bad path raise
     `RewardError` naming the flag) rather than at the first sample.
 
@@ -220,11 +315,15 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
     - `group_rm`: the custom function scores whole groups; returns a `GroupReward`.
     - `failure_value`: None: an exception propagates; a number: the failure policy of the module
       docstring (`reward.failures` counts); with `group_rm` a raising call fails its whole group.
+    - `args`: what a slime-style function gets first (`config.slime_args.slime_args`);
+      `rm_kwargs`: `--custom-rm-kwargs`.
     """
-    if group_rm:
-        if not custom_rm_path:
-            raise RewardError("--group-rm needs --custom-rm-path (a function of a list of samples)")
-        return GroupReward(load_by_path(custom_rm_path, "--custom-rm-path", RewardError), reward_key, failure_value)
+    if group_rm and not custom_rm_path:
+        raise RewardError("--group-rm needs --custom-rm-path (a function of a list of samples)")
+    custom = (load_custom_reward(custom_rm_path, group_rm=group_rm, args=args, rm_kwargs=rm_kwargs,
+                                 reward_key=reward_key) if custom_rm_path else None)
+    if custom is not None and custom[1]:  # --group-rm, or an EasyR1 batch file: one call per group
+        return GroupReward(custom[0], custom[2], failure_value)
 
     remote = (RemoteRewardModel(rm_url, timeout_s=rm_timeout_s, max_retries=rm_max_retries, backoff_s=rm_backoff_s)
               if rm_url else None)
@@ -239,8 +338,8 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
         raise RewardError(f"{where} {name!r}: unknown reward type (built-in: {', '.join(sorted(BUILTIN))}, "
                           "remote_rm)")
 
-    if custom_rm_path:
-        default = (load_by_path(custom_rm_path, "--custom-rm-path", RewardError), reward_key)
+    if custom is not None:
+        default = (custom[0], custom[2])
     elif rm_type:
         default = resolve(rm_type, "--rm-type")
     else:

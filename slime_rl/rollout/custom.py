@@ -5,6 +5,11 @@
 | --custom-generate-function-path | `async def generate(sample, sampling_params: dict, client_pool) -> Sample` |
 | --dynamic-sampling-filter-path | `def filter(group: list[Sample]) -> bool` (True keeps the group) |
 
+slime's forms of both are accepted too, `async def generate(args, sample, sampling_params)` and
+`def filter(args, samples) -> bool | DynamicFilterOutput`: the form is decided once, when the
+function is loaded, from its signature (`config.dotted_path.choose_form`: a first parameter named
+`args` is slime's), and a slime function runs through `slime_rl.rollout.slime_compat`.
+
 A generate function fills `sample.response_ids` / `rollout_logprobs` / `loss_mask` (and the
 per-token versions) through `slime_rl.rollout.partial.append_model_turn` and `append_env_tokens`,
 asks the pool for requests (`await client_pool.generate(sample, input_ids, params)`, which routes,
@@ -19,14 +24,18 @@ samples) unless it computes the reward itself. Examples: `generate_default` (one
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from slime_rl.config.dotted_path import load_by_path
+from slime_rl.config.dotted_path import choose_form, load_by_path
 from slime_rl.data import Sample
+from slime_rl.data.slime_compat import install_slime_modules
 from slime_rl.rollout.partial import append_model_turn, mark_truncated
 from slime_rl.rollout.routing import ClientPool
+from slime_rl.rollout.slime_compat import FILTER_FLAG, GENERATE_FLAG, SlimeFilter, SlimeGenerate, default_args
 
 GenerateFn = Callable[[Sample, dict[str, Any], ClientPool], Awaitable[Sample]]
 FilterFn = Callable[[list[Sample]], bool]
@@ -73,17 +82,52 @@ async def generate_group_default(samples: Sequence[Sample], sampling_params: dic
     return list(samples)
 
 
-def load_generate_function(path: str | None) -> GenerateFn:
-    """The function `--custom-generate-function-path` names (an `async def`), or the built-in one."""
+def load_generate_function(path: str | None, args: Any = None) -> GenerateFn:
+    """The function `--custom-generate-function-path` names (an `async def`, ours or slime's), in our
+    convention, or the built-in one. `args`: what a slime-style function gets first
+    (`config.slime_args.slime_args(cfg)`; default: `slime_compat.default_args()`)."""
     if not path:
         return generate_default
-    fn = load_by_path(path, "--custom-generate-function-path")
+    install_slime_modules()
+    fn = load_by_path(path, GENERATE_FLAG)
     if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"--custom-generate-function-path {path!r}: {fn.__name__} must be an `async def` "
-                         "taking (sample, sampling_params, client_pool) and returning the Sample")
-    return fn
+        raise ValueError(f"{GENERATE_FLAG} {path!r}: {fn.__name__} must be an `async def` taking (sample, "
+                         "sampling_params, client_pool), or slime's (args, sample, sampling_params), and returning "
+                         "the Sample")
+    form = choose_form(fn, GENERATE_FLAG, path, {
+        "ours": (3, "async generate(sample, sampling_params, client_pool) -> Sample"),
+        "slime": (3, "async generate(args, sample, sampling_params) -> Sample")})
+    return fn if form == "ours" else SlimeGenerate(fn, args if args is not None else default_args(), path)
 
 
-def load_filter(path: str | None) -> FilterFn | None:
-    """The group filter `--dynamic-sampling-filter-path` names, or None (keep every group)."""
-    return load_by_path(path, "--dynamic-sampling-filter-path") if path else None
+def load_filter(path: str | None, args: Any = None, kwargs: str | dict[str, Any] | None = None) -> FilterFn | None:
+    """The group filter `--dynamic-sampling-filter-path` names (ours or slime's), in our convention,
+    or None (keep every group). `kwargs`: --dynamic-sampling-filter-kwargs (a JSON object), passed to
+    it as keyword arguments."""
+    if not path:
+        if kwargs:
+            raise ValueError("--dynamic-sampling-filter-kwargs needs --dynamic-sampling-filter-path")
+        return None
+    install_slime_modules()
+    fn = load_by_path(path, FILTER_FLAG)
+    if kwargs:
+        fn = _bind_kwargs(fn, kwargs, "--dynamic-sampling-filter-kwargs")
+    form = choose_form(fn, FILTER_FLAG, path, {"ours": (1, "filter(group) -> bool"),
+                                              "slime": (2, "filter(args, samples) -> bool | DynamicFilterOutput")})
+    return fn if form == "ours" else SlimeFilter(fn, args if args is not None else default_args(), path)
+
+
+def _bind_kwargs(fn: Callable, kwargs: str | dict[str, Any], flag: str) -> Callable:
+    """`fn` with keyword arguments from a JSON object (or dict), checked against its signature."""
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} {kwargs!r}: not JSON: {exc}") from exc
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{flag} {kwargs!r}: expected a JSON object of keyword arguments")
+    try:
+        inspect.signature(fn).bind_partial(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{flag} {sorted(kwargs)}: {getattr(fn, '__name__', fn)} does not take them: {exc}") from exc
+    return functools.wraps(fn)(functools.partial(fn, **kwargs))

@@ -56,14 +56,26 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
                                    resume: Sequence[list[Sample]] = (),
                                    first_index: int = 0, first_group: int = 0,
                                    generate_fn: GenerateFn | None = None, filter_fn: FilterFn | None = None,
-                                   progress: bool = False, health: EngineHealth | None = None) -> RolloutResult:
+                                   progress: bool = False, health: EngineHealth | None = None,
+                                   slime_args: Any = None) -> RolloutResult:
     """Exactly `opts.rollout_batch_size` kept groups (fewer only at the deadline or when `next_rows`
     returns nothing), plus leftover groups and metrics. `next_rows(k)` returns up to k rows.
-    `health` (--use-fault-tolerance): route around dead engines and resend their requests."""
+    `health` (--use-fault-tolerance): route around dead engines and resend their requests.
+    `slime_args`: what slime-style generate and filter functions get as `args`."""
     pool = ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len,
                       sample_seed=opts.sample_seed, health=health)
-    gen = generate_fn or load_generate_function(opts.custom_generate_function_path)
-    keep = filter_fn or load_filter(opts.dynamic_sampling_filter_path)
+    gen = generate_fn or load_generate_function(opts.custom_generate_function_path, slime_args)
+    keep = filter_fn or load_filter(opts.dynamic_sampling_filter_path, slime_args, opts.dynamic_sampling_filter_kwargs)
+    try:
+        return await _fill(pool, next_rows, opts, reward_fn, gen, keep, resume, first_index, first_group, progress)
+    finally:
+        await pool.aclose()
+
+
+async def _fill(pool: ClientPool, next_rows: Callable[[int], Sequence[PromptRow]], opts: RolloutOptions,
+                reward_fn: RewardFn | GroupReward, gen: GenerateFn, keep: FilterFn | None,
+                resume: Sequence[list[Sample]], first_index: int, first_group: int,
+                progress: bool) -> RolloutResult:
     params = sampling_params(opts)
     indices, group_ids = itertools.count(first_index), itertools.count(first_group)
     target = opts.rollout_batch_size

@@ -70,6 +70,9 @@ async def evaluate(clients: Sequence[AsyncEngineClient], rows: Sequence[PromptRo
     pool = ClientPool(clients, tokenizer, concurrency_per_engine, max_context_len)
     groups = make_groups(rows, n_samples, itertools.count(), itertools.count(EVAL_GROUP_BASE))
     # an eval sample cut by an engine pause is still scored: eval has no next step to continue it
-    await asyncio.gather(*(run_group(pool, g, dict(sampling_params), generate_fn, reward_fn, score_unfinished=True)
-                           for g in groups))
+    try:
+        await asyncio.gather(*(run_group(pool, g, dict(sampling_params), generate_fn, reward_fn,
+                                         score_unfinished=True) for g in groups))
+    finally:
+        await pool.aclose()
     return summarize([[float(s.reward) for s in g] for g in groups], ks, pass_threshold)

@@ -15,3 +15,24 @@ def check_reward_nonzero_std(group: list[Sample]) -> bool:
         raise ValueError(f"check_reward_nonzero_std: group {group[0].group_index} has unscored samples")
     # exact comparison on purpose: any spread at all gives non-zero advantages
     return len(group) > 1 and max(rewards) > min(rewards)
+
+
+def reward_mean_in_range(group: list[Sample], key: str | None = None, low: float = 0.01,
+                         high: float = 0.99) -> bool:
+    """EasyR1's online filtering (algorithm.online_filtering, filter_key / filter_low / filter_high):
+    keep a group whose mean score lies strictly between `low` and `high`. `key`: a number the reward
+    function returned besides the score (`sample.reward_metrics[key]`, e.g. "accuracy"); None: the
+    reward itself (EasyR1's "overall"). Arguments by --dynamic-sampling-filter-kwargs."""
+    if key is None:
+        scores = [s.reward for s in group]
+    else:
+        missing = [s.index for s in group if key not in s.reward_metrics]
+        if missing:
+            raise ValueError(f"reward_mean_in_range: samples {missing} have no reward metric {key!r} "
+                             f"(--dynamic-sampling-filter-kwargs key; the reward function returned "
+                             f"{sorted(group[0].reward_metrics)})")
+        scores = [s.reward_metrics[key] for s in group]
+    if any(x is None for x in scores):
+        raise ValueError(f"reward_mean_in_range: group {group[0].group_index} has unscored samples")
+    mean = sum(scores) / len(scores)
+    return low < mean < high

@@ -127,14 +127,15 @@ async def generate_groups(clients: Sequence[AsyncEngineClient], rows: Sequence[P
                           reward_fn: RewardFn | GroupReward, tokenizer, first_index: int = 0, first_group: int = 0,
                           stop_token_ids: Sequence[int] = (), progress: bool = True, *,
                           options: RolloutOptions | None = None, generate_fn: GenerateFn | None = None,
-                          pool: ClientPool | None = None) -> list[list[Sample]]:
+                          pool: ClientPool | None = None, slime_args: Any = None) -> list[list[Sample]]:
     """One group of `n_samples_per_prompt` scored samples per row, in row order.
 
     `options` (default: built from `cfg`) adds stop strings, the context cap and the generate function
     path; `pool` lets the caller read the per-engine counters afterwards."""
     opts = options or RolloutOptions.from_config(cfg, rollout_stop_token_ids=tuple(stop_token_ids) or None)
+    own_pool = pool is None
     pool = pool or ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len)
-    gen = generate_fn or load_generate_function(opts.custom_generate_function_path)
+    gen = generate_fn or load_generate_function(opts.custom_generate_function_path, slime_args)
     params = options_sampling_params(opts)
     groups = make_groups(rows, opts.n_samples_per_prompt, itertools.count(first_index), itertools.count(first_group))
     bar = tqdm(total=sum(len(g) for g in groups), desc="rollout", unit="sample", disable=not progress,
@@ -144,4 +145,6 @@ async def generate_groups(clients: Sequence[AsyncEngineClient], rows: Sequence[P
                                          score_unfinished=True) for g in groups))
     finally:
         bar.close()
+        if own_pool:
+            await pool.aclose()
     return groups

@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from slime_rl.data import Sample
+from slime_rl.data.sample import ROLLOUT_STATUS_KEY as STATUS
+from slime_rl.data.sample import TOKEN_VERSIONS_KEY as VERSIONS
 
-STATUS = "rollout_status"
-VERSIONS = "token_weight_versions"
 PENDING, ABORTED, COMPLETED, TRUNCATED = "pending", "aborted", "completed", "truncated"
 DONE = (COMPLETED, TRUNCATED)
 

@@ -33,6 +33,8 @@ from slime_rl.engines.client import AsyncEngineClient, EngineError, image_data_o
 from slime_rl.rollout.health import EngineHealth, NoLiveEngineError
 
 _WIDTH = 10  # digits in group and sample numbers: fixed width keeps prefixes prefix-free
+# `ClientPool.generate_body` files a request that names no sample here: aborted with any group
+UNATTRIBUTED = -1
 
 
 @dataclass
@@ -161,6 +163,8 @@ class ClientPool:
         self._n = itertools.count()
         # group -> {rid: engine index} of the requests sent and not yet answered: what an abort names
         self._live: dict[int, dict[str, int]] = {}
+        self._closers: list[Any] = []  # async callables `aclose` awaits (e.g. an HTTP endpoint's shutdown)
+        self.attachments: dict[str, Any] = {}  # what callers keep per pool (e.g. that endpoint)
 
     @property
     def clients(self) -> list[AsyncEngineClient]:
@@ -279,6 +283,55 @@ class ClientPool:
                     if not live:
                         del self._live[s.group_index]
 
+    async def generate_body(self, body: dict[str, Any], group_index: int | None = None,
+                            sample_index: int = 0) -> dict:
+        """A /generate body built by a user's function (slime's `generate` posts one), sent to the
+        least busy engine with a rid of this pool. `group_index`: the sample's group (aborted with
+        it); None: filed under UNATTRIBUTED, which any `abort_groups` call aborts too (a request of
+        some group still running: the rollout aborts only once it stops, and then every running
+        group). One prompt per body; routing, slots, `stop()`, failover and --deterministic-rollout
+        seeds as for `generate`."""
+        if isinstance(body.get("text"), list) or (isinstance(body.get("input_ids"), list) and body["input_ids"]
+                                                  and isinstance(body["input_ids"][0], list)):
+            raise ValueError("a /generate body of several prompts: send one prompt per request")
+        group = UNATTRIBUTED if group_index is None else group_index
+        while True:
+            if self.stopped:
+                return stopped_response("rollout stopped before the request was sent")
+            i = await self.balancer.acquire(1)
+            if self.stopped:
+                self.balancer.release(i, 1)
+                return stopped_response("rollout stopped before the request was sent")
+            n = next(self._n)
+            rid = (request_id(self.nonce, group, sample_index, n) if group >= 0
+                   else f"{self.nonce}-x-r{n:0{_WIDTH}d}")
+            self._live.setdefault(group, {})[rid] = i
+            payload = {**body, "rid": rid}
+            if self.sample_seed is not None and group >= 0 and isinstance(payload.get("sampling_params"), dict):
+                length = len(payload.get("input_ids") or [])
+                seed = (self.sample_seed * 1_000_003 + sample_index * 7919 + length) % (2**31 - 1)
+                payload["sampling_params"] = {**payload["sampling_params"], "sampling_seed": seed}
+            try:
+                return await self._unless_dead(i, self.balancer.clients[i].generate_body(payload))
+            except _EngineDied:
+                self.health.retried += 1
+            finally:
+                self.balancer.release(i, 1)
+                live = self._live.get(group)
+                if live is not None:
+                    live.pop(rid, None)
+                    if not live:
+                        del self._live[group]
+
+    def on_close(self, closer: Any) -> None:
+        """Have `aclose` await `closer()` (a coroutine function)."""
+        self._closers.append(closer)
+
+    async def aclose(self) -> None:
+        """Run the closers (`on_close`), newest first; the engine clients are the caller's to close."""
+        while self._closers:
+            await self._closers.pop()()
+
     def _vision_ids(self) -> tuple[int, int]:
         """(<|image_pad|>, <|vision_start|>) ids of the tokenizer."""
         return tuple(int(self.tokenizer.convert_tokens_to_ids(t)) for t in (IMAGE_PAD, VISION_START))
@@ -318,8 +371,9 @@ class ClientPool:
     async def abort_groups(self, group_indices: Sequence[int]) -> int:
         """Abort every in-flight request of these groups by its exact rid, on the engine that has
         it; returns the number of abort calls sent."""
+        groups = list(group_indices) + ([UNATTRIBUTED] if group_indices and UNATTRIBUTED in self._live else [])
         calls = [self.clients[e].abort_request(rid=rid)
-                 for g in group_indices for rid, e in sorted(self._live.get(g, {}).items())
+                 for g in groups for rid, e in sorted(self._live.get(g, {}).items())
                  if self.health is None or self.health.is_alive(e)]
         await asyncio.gather(*calls)
         return len(calls)

@@ -78,9 +78,12 @@ class MegatronRank:
         cp = parallel.context_parallel_size
         check_mode(loss_agg_mode, loss_agg_max_len)
         self.loss_agg_mode, self.loss_agg_max_len = loss_agg_mode, loss_agg_max_len
-        if train_iters < 1 or train_iters <= optim.lr_warmup_iters:
-            raise ValueError(f"train_iters={train_iters} must be >= 1 and > --lr-warmup-iters "
-                             f"{optim.lr_warmup_iters}")
+        # --lr-warmup-fraction: Megatron's, a fraction of the decay steps
+        warmup = optim.lr_warmup_iters if optim.lr_warmup_fraction is None else \
+            int(optim.lr_warmup_fraction * (optim.lr_decay_iters or train_iters))
+        if train_iters < 1 or train_iters <= warmup:
+            raise ValueError(f"train_iters={train_iters} must be >= 1 and > the warmup steps {warmup} "
+                             f"(--lr-warmup-iters / --lr-warmup-fraction)")
         self.batch, self.algo, self.model_cfg = batch, algo, model
         # megatron's distributed optimizer reads .grad of its (non-leaf) shard views in zero_grad,
         # which makes torch warn on every step, GPU or CPU: noise, not a problem of ours
