@@ -23,9 +23,7 @@ from slime_rl.config.flags import FLAGS
 
 # slime's flag -> why it has no counterpart here (and what does the job instead)
 SLIME_ONLY_FLAGS: dict[str, str] = {
-    "--rollout-function-path": "the rollout loop (over-sampling, filters, aborts, partial rollout) is this "
-    "project's; customise one sample with --custom-generate-function-path, its score with --custom-rm-path and "
-    "the kept groups with --dynamic-sampling-filter-path",
+    # --rollout-function-path is a flag of ours (flags.py): accepted with slime's default rollout only
     "--eval-function-path": "evaluation runs the built-in generate on --eval-prompt-data",
     "--buffer-filter-path": "there is no sample buffer between rollout and training: each step trains on the "
     "groups its rollout kept (--dynamic-sampling-filter-path chooses them)",

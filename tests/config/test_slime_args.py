@@ -41,7 +41,7 @@ def test_sglang_passthrough_and_deterministic_rollout():
     assert args.sglang_enable_deterministic_inference is True
 
 
-@pytest.mark.parametrize("flag", ["--rollout-function-path", "--buffer-filter-path", "--custom-loss-function-path",
+@pytest.mark.parametrize("flag", ["--eval-function-path", "--buffer-filter-path", "--custom-loss-function-path",
                                   "--rollout-sample-filter-path", "--data-source-path"])
 def test_slime_only_flags_are_refused_by_name(flag):
     with pytest.raises(ConfigError, match=f"^{flag} is slime's and has no counterpart here: "):
