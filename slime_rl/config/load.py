@@ -27,6 +27,7 @@ from slime_rl.config.flags import (
     build_parser,
 )
 from slime_rl.config.groups import GROUPS, Config, CriticConfig, EvalConfig, ParallelConfig
+from slime_rl.config.seeds import run_seed
 
 # how parse_flags keys a `--router-<name>` in its pass-through dict: `--sglang-router-ip` (slime's
 # external-router flag) stays the SGLang name `router_ip` and cannot be taken for a router flag
@@ -221,8 +222,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(not a.use_dynamic_batch_size or a.max_tokens_per_gpu is not None,
            "--use-dynamic-batch-size needs --max-tokens-per-gpu")
 
-    rollout = _group(a, "rollout", num_rollout=num_rollout,
-                     sample_seed=a.rollout_seed if a.deterministic_rollout else None)
+    seed = run_seed(a.seed, a.rollout_seed)  # config/seeds.py: both flags enter every rollout-side choice
+    rollout = _group(a, "rollout", num_rollout=num_rollout, sample_seed=seed if a.deterministic_rollout else None)
     samples = rollout.samples_per_rollout
     gbs = a.global_batch_size or samples
     dp = parallel.data_parallel_size
@@ -306,7 +307,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         optimizer=_group(a, "optimizer"),
         model=_group(a, "model", fp32_lm_head=_truthy(sglang.get("enable_fp32_lm_head"))),
         algo=_group(a, "algo", eps_clip_high=eps_high),
-        data=_group(a, "data"),
+        data=_group(a, "data", seed=seed),
         rollout=rollout,
         reward=_group(a, "reward"),
         engine=_group(a, "engine", num_gpus=a.rollout_num_gpus, sglang_args=sglang, router_args=router),
