@@ -294,6 +294,10 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--eval-max-response-len', derived='eval.max_response_len', type=_positive_int,
              help='default: --rollout-max-response-len'),
         Flag('--skip-eval-before-train', 'eval.skip_before_train', action="store_true"),
+        Flag('--log-eval-generations', 'eval.log_generations', default=0, type=_nonneg_int, metavar='N',
+             help="log N eval samples per eval (prompt, response, label, reward; the same prompts each time) to "
+                  "<run-dir>/eval_generations.jsonl and, with --use-wandb, a wandb table (EasyR1's "
+                  'val_generations_to_log)'),
     ),
     *section('rollout engines',
         Flag('--rollout-backend', 'engine.backend', default='embedded', choices=ROLLOUT_BACKENDS),

@@ -238,6 +238,7 @@ class EvalConfig:
     top_p: float = default_of("--rollout-top-p")
     max_response_len: int = default_of("--rollout-max-response-len")
     skip_before_train: bool = default_of("--skip-eval-before-train")
+    log_generations: int = default_of("--log-eval-generations")  # eval samples written per eval
 
     @property
     def enabled(self) -> bool:

@@ -380,6 +380,8 @@ def _eval_config(a: argparse.Namespace, check_paths: bool) -> EvalConfig:
     for name, path in datasets:
         _check(not check_paths or Path(path).is_file(), f"--eval-prompt-data {name}: file not found: {path}")
     _check(not datasets or a.eval_interval is not None, "--eval-prompt-data needs --eval-interval")
+    _check(not a.log_eval_generations or datasets, f"--log-eval-generations {a.log_eval_generations} needs "
+           "--eval-prompt-data and --eval-interval (it logs samples of the evals)")
     eval_cfg: EvalConfig = _group(
         a, "eval", datasets=datasets,
         temperature=a.rollout_temperature if a.eval_temperature is None else a.eval_temperature,

@@ -23,10 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tqdm import tqdm
-
 from slime_rl.data import PromptRow, Sample
 from slime_rl.engines.client import AsyncEngineClient
+from slime_rl.observability import Progress
 from slime_rl.rewards import GroupReward, RewardFn
 from slime_rl.rollout.custom import FilterFn, GenerateFn, load_filter, load_generate_function
 from slime_rl.rollout.generate import make_groups, run_group
@@ -56,10 +55,13 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
                                    resume: Sequence[list[Sample]] = (),
                                    first_index: int = 0, first_group: int = 0,
                                    generate_fn: GenerateFn | None = None, filter_fn: FilterFn | None = None,
-                                   progress: bool = False, health: EngineHealth | None = None) -> RolloutResult:
+                                   progress: bool = False, health: EngineHealth | None = None,
+                                   progress_desc: str = "rollout") -> RolloutResult:
     """Exactly `opts.rollout_batch_size` kept groups (fewer only at the deadline or when `next_rows`
     returns nothing), plus leftover groups and metrics. `next_rows(k)` returns up to k rows.
-    `health` (--use-fault-tolerance): route around dead engines and resend their requests."""
+    `health` (--use-fault-tolerance): route around dead engines and resend their requests.
+    `progress`: samples finished of those the batch needs (a filtered group's are added to it),
+    shown as `observability.Progress` under `progress_desc`."""
     pool = ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len,
                       sample_seed=opts.sample_seed, health=health)
     gen = generate_fn or load_generate_function(opts.custom_generate_function_path)
@@ -80,10 +82,11 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
     deadline_hit = exhausted = False
     loop = asyncio.get_running_loop()
     t_end = None if opts.rollout_deadline_s is None else loop.time() + opts.rollout_deadline_s
-    bar = tqdm(total=target, desc="rollout", unit="group", disable=not progress, leave=False, mininterval=1.0)
+    bar = Progress(target * opts.n_samples_per_prompt, progress_desc, enabled=progress)
 
     def launch(group: list[Sample]) -> None:
-        running[asyncio.create_task(run_group(pool, group, params, gen, reward_fn, **run_kw))] = group
+        running[asyncio.create_task(run_group(pool, group, params, gen, reward_fn, on_sample=lambda _: bar.update(1),
+                                              **run_kw))] = group
 
     for group in resume:  # carried-over groups first: their prompts were drawn steps ago
         launch(group)
@@ -114,9 +117,10 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
                     surplus.append(group)
                 elif keep is None or keep(group):
                     kept.append(group)
-                    bar.update(1)
                 else:
                     filtered += 1
+                    bar.add_total(len(group))
+                bar.note(f"{len(kept)}/{target} groups kept" + (f", {filtered} filtered" if filtered else ""))
     finally:
         bar.close()
         aborts = await _stop_and_drain(pool, running)
