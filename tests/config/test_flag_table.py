@@ -78,6 +78,8 @@ def test_every_flag_lands_in_its_field(f: Flag, tmp_path):
     base = _base(tmp_path)
     if f.name == "--num-epoch":  # instead of --num-rollout
         base = base[:base.index("--num-rollout")] + base[base.index("--num-rollout") + 2:]
+    if f.name == "--log-eval-generations":  # logs eval samples: needs an eval set (a file that exists)
+        base += ["--eval-interval", "1", "--eval-prompt-data", "d", base[base.index("--prompt-data") + 1]]
     given = [f.name, *_value(f, tmp_path)]
     cfg = build_config(base + COMPANIONS.get(f.name, []) + given)
     # the value as argparse reads it, then the table's conversion (e.g. a list -> a tuple)
