@@ -84,3 +84,21 @@ def test_profile_engine_smoke(tmp_path):
     for label in ("engine.prefill", "engine.decode", "engine.sample"):
         assert r[f"{label}_host_s"] > 0, label  # the profiler saw the scheduler thread's ranges
     assert result["http"]["tokens"] == result["http_grouped"]["tokens"] == 64
+
+
+def test_quickstart_seeds_summary_by_hand():
+    """bench/quickstart_seeds.py's figures: the first 0-based step at the threshold, the last 5 steps' mean
+    (the eval line of step -1 is not a step)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from quickstart_seeds import summarize
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    rewards = [0.1, 0.5, 0.95, 0.85, 0.9, 1.0, 0.9, 0.8]
+    rows = [{"step": -1, "eval/x/reward_mean": 1.0}] + [{"step": k, "rollout/reward_mean": r}
+                                                         for k, r in enumerate(rewards)]
+    rows[0]["rollout/reward_mean"] = 0.99  # step -1 would be "first" if it counted
+    out = summarize(rows, 0.9)
+    assert out["first_step_at_threshold"] == 2 and out["steps"] == 8
+    assert out["last5_mean"] == pytest.approx((0.85 + 0.9 + 1.0 + 0.9 + 0.8) / 5)
+    assert summarize(rows[:3], 0.9)["first_step_at_threshold"] is None
