@@ -25,7 +25,7 @@ from slime_rl.config import Config, ConfigError, RewardConfig, build_config
 from slime_rl.config.slime_args import slime_args
 from slime_rl.data import DataError, PromptDataset, TokenLimit, num_rollout_for_epochs
 from slime_rl.engines.launch import check_engine_config
-from slime_rl.observability import MetricsLogger, Timer, summary_line
+from slime_rl.observability import MetricsLogger, StepClock, Timer, summary_line
 from slime_rl.orchestration.placement import PlacementPlan, assign_devices, plan_placement
 from slime_rl.rewards import RewardError, reward_fn_from_config
 from slime_rl.rewards.labels import label_problem
@@ -246,10 +246,12 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     n_steps, interval = cfg.rollout.num_rollout, cfg.weight_sync.update_weights_interval
     logger = MetricsLogger(cfg.logging, cfg.to_dict())
     timer = Timer()
+    clock = StepClock(n_steps)  # elapsed time and ETA on each step's line
     rows = []
     cluster = Cluster(cfg, plan, api_key=secrets.token_hex(16))
     failed = False
     phase, step = "start", None  # where a failure happened, for the message
+    generations: list[dict] = []  # --log-eval-generations: the step's eval samples, logged with its row
     try:
         cluster.start(train_iters=n_steps * steps_per_rollout)
         phase = "resume from --load"
@@ -258,7 +260,9 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
         if cfg.eval.enabled and not cfg.eval.skip_before_train and first == 0:
             phase = "eval before training"
             with timer("eval"):
-                row = logger.log(-1, cluster.evaluate() | timer.pop())  # step -1: before any update
+                eval_metrics, generations = cluster.evaluate()
+            row = logger.log(-1, eval_metrics | timer.pop())  # step -1: before any update
+            logger.log_generations(-1, generations)
             print(f"eval before training: {row}", flush=True)
         pending = cluster.generate_async(first) if first < n_steps else None
         for step in range(first, n_steps):
@@ -291,7 +295,8 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
                     cluster.wait_done(pending)
                 phase = "eval"
                 with timer("eval"):
-                    metrics |= cluster.evaluate()
+                    eval_metrics, generations = cluster.evaluate()
+                metrics |= eval_metrics
             if cfg.checkpoint.saves_at(step, n_steps):  # --save and/or --save-hf
                 phase = "checkpoint save"
                 with timer("save"):
@@ -303,8 +308,11 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
             metrics.setdefault("perf/weight_sync_GBps", 0.0)
             metrics["perf/step_s"] = time.perf_counter() - start
             row = logger.log(step, metrics)
+            if generations:
+                logger.log_generations(step, generations)
+                generations = []
             rows.append(row)
-            print(summary_line(row), flush=True)
+            print(summary_line(row, n_steps, **clock.step_done(step, metrics["perf/step_s"])), flush=True)
     except Exception as exc:  # every failure reads as one sentence: what, where, what to run next
         failed = isinstance(exc, TrainerRankError)
         text, known = describe(exc, phase=phase, step=step, save=cfg.checkpoint.save,

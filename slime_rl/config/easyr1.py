@@ -507,8 +507,8 @@ def map_easyr1(data: dict[str, Any], where: str, error: type[Exception], backend
 
     def generations(v: Any) -> None:
         if int(v) > 0:
-            m.set("trainer.val_generations_to_log", "dump_rollouts", True,
-                  "every training generation to <run-dir>/rollouts/; eval generations are not logged")
+            m.set("trainer.val_generations_to_log", "log_eval_generations", int(v),
+                  "N eval samples per eval to <run-dir>/eval_generations.jsonl (and wandb's table)")
         else:
             m.na("trainer.val_generations_to_log", "0")
     rule("trainer.val_generations_to_log", generations)

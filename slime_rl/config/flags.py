@@ -266,7 +266,9 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--adam-beta2', 'optimizer.adam_beta2', default=0.999, type=float,
              check=(lambda v: 0 <= v < 1, "must be in [0, 1)")),
         Flag('--adam-eps', 'optimizer.adam_eps', default=1e-08, type=float),
-        Flag('--seed', 'model.seed', default=1234, type=int),
+        Flag('--seed', 'model.seed', derived=('data.seed', 'rollout.sample_seed'), default=1234, type=int,
+             help="Megatron's seed (the trainer's RNGs); with --rollout-seed it also seeds the prompt order, "
+                  "each request's sampling_seed and the engines' own seed (config/seeds.py)"),
         Flag('--bf16', 'model.bf16', action="store_true"),
         Flag('--freeze-vision-tower', 'model.freeze_vision_tower', action="store_true",
              help="vision-language checkpoints: the vision tower does not train (EasyR1's freeze_vision_tower); "
@@ -324,10 +326,12 @@ FLAGS: tuple[Flag, ...] = (
         # SGLang's SamplingParams.verify: -1 (whole vocabulary) or >= 1; it maps -1 to 1 << 30, the bound
         Flag('--rollout-top-k', 'rollout.top_k', default=-1, type=int,
              check=(lambda v: v == -1 or 1 <= v <= 1 << 30, "must be -1 (whole vocabulary) or in [1, 2^30]")),
-        Flag('--rollout-seed', ('rollout.seed', 'data.seed'), derived='rollout.sample_seed', default=42, type=int),
+        Flag('--rollout-seed', 'rollout.seed', derived=('data.seed', 'rollout.sample_seed'), default=42, type=int,
+             help="slime's seed of the prompt shuffle and the requests' sampling_seed; combined with --seed "
+                  '(config/seeds.py), so changing either changes every rollout-side random choice'),
         Flag('--deterministic-rollout', derived='rollout.sample_seed', action="store_true",
-             help='seed every request (SGLang sampling_seed) from --rollout-seed and the sample index, and start '
-                  'the engines with --enable-deterministic-inference (SGLang ignores sampling_seed without it): '
+             help='seed every request (SGLang sampling_seed) from --seed, --rollout-seed and the sample index, and '
+                  'start the engines with --enable-deterministic-inference (SGLang ignores sampling_seed without it): '
                   'rollouts then repeat across engine restarts and resumes'),
         Flag('--num-rollout', derived='rollout.num_rollout', type=_positive_int, help='training steps'),
         Flag('--rollout-stop', 'rollout.rollout_stop', nargs='+', convert=_tuple, help='stop strings'),
@@ -385,6 +389,10 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--eval-max-response-len', derived='eval.max_response_len', type=_positive_int,
              help='default: --rollout-max-response-len'),
         Flag('--skip-eval-before-train', 'eval.skip_before_train', action="store_true"),
+        Flag('--log-eval-generations', 'eval.log_generations', default=0, type=_nonneg_int, metavar='N',
+             help="log N eval samples per eval (prompt, response, label, reward; the same prompts each time) to "
+                  "<run-dir>/eval_generations.jsonl and, with --use-wandb, a wandb table (EasyR1's "
+                  'val_generations_to_log)'),
     ),
     *section('rollout engines',
         Flag('--rollout-backend', 'engine.backend', default='embedded', choices=ROLLOUT_BACKENDS),

@@ -13,6 +13,7 @@ from typing import Any
 
 from slime_rl.config.estimators import EstimatorSpec, estimator_spec
 from slime_rl.config.flags import FLAGS, default_of
+from slime_rl.config.seeds import run_seed
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ class DataConfig:
     apply_chat_template: bool = default_of("--apply-chat-template")
     rollout_shuffle: bool = default_of("--rollout-shuffle")
     rollout_max_prompt_len: int | None = default_of("--rollout-max-prompt-len")
-    seed: int = default_of("--rollout-seed")
+    seed: int = run_seed(default_of("--seed"), default_of("--rollout-seed"))  # the run seed: the prompt order's
     metadata_key: str | None = default_of("--metadata-key")
     tool_key: str | None = default_of("--tool-key")
     # JSON object, e.g. '{"enable_thinking": false}'
@@ -215,7 +216,7 @@ class RolloutConfig:
     rollout_deadline_s: float | None = default_of("--rollout-deadline-s")
     custom_generate_function_path: str | None = default_of("--custom-generate-function-path")
     dynamic_sampling_filter_kwargs: str | None = default_of("--dynamic-sampling-filter-kwargs")  # JSON object
-    sample_seed: int | None = None  # set from --rollout-seed by --deterministic-rollout
+    sample_seed: int | None = None  # --deterministic-rollout: the run seed of --seed and --rollout-seed
 
     @property
     def samples_per_rollout(self) -> int:
@@ -255,6 +256,7 @@ class EvalConfig:
     top_p: float = default_of("--rollout-top-p")
     max_response_len: int = default_of("--rollout-max-response-len")
     skip_before_train: bool = default_of("--skip-eval-before-train")
+    log_generations: int = default_of("--log-eval-generations")  # eval samples written per eval
 
     @property
     def enabled(self) -> bool:

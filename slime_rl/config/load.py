@@ -28,6 +28,7 @@ from slime_rl.config.flags import (
     build_parser,
 )
 from slime_rl.config.groups import GROUPS, Config, CriticConfig, EvalConfig, ParallelConfig
+from slime_rl.config.seeds import run_seed
 from slime_rl.config.slime_args import refuse_slime_only
 
 # how parse_flags keys a `--router-<name>` in its pass-through dict: `--sglang-router-ip` (slime's
@@ -250,8 +251,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(not a.use_dynamic_batch_size or a.max_tokens_per_gpu is not None,
            "--use-dynamic-batch-size needs --max-tokens-per-gpu")
 
-    rollout = _group(a, "rollout", num_rollout=num_rollout,
-                     sample_seed=a.rollout_seed if a.deterministic_rollout else None)
+    seed = run_seed(a.seed, a.rollout_seed)  # config/seeds.py: both flags enter every rollout-side choice
+    rollout = _group(a, "rollout", num_rollout=num_rollout, sample_seed=seed if a.deterministic_rollout else None)
     samples = rollout.samples_per_rollout
     gbs = a.global_batch_size or samples
     if a.num_steps_per_rollout is not None:  # slime's: gbs = samples per rollout / steps
@@ -357,7 +358,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         optimizer=_group(a, "optimizer"),
         model=_group(a, "model", fp32_lm_head=_truthy(sglang.get("enable_fp32_lm_head"))),
         algo=_group(a, "algo", eps_clip_high=eps_high),
-        data=_group(a, "data"),
+        data=_group(a, "data", seed=seed),
         rollout=rollout,
         reward=_group(a, "reward"),
         engine=_group(a, "engine", num_gpus=a.rollout_num_gpus, sglang_args=sglang, router_args=router),
@@ -431,6 +432,8 @@ def _eval_config(a: argparse.Namespace, check_paths: bool) -> EvalConfig:
     for name, path in datasets:
         _check(not check_paths or Path(path).is_file(), f"--eval-prompt-data {name}: file not found: {path}")
     _check(not datasets or a.eval_interval is not None, "--eval-prompt-data needs --eval-interval")
+    _check(not a.log_eval_generations or datasets, f"--log-eval-generations {a.log_eval_generations} needs "
+           "--eval-prompt-data and --eval-interval (it logs samples of the evals)")
     eval_cfg: EvalConfig = _group(
         a, "eval", datasets=datasets,
         temperature=a.rollout_temperature if a.eval_temperature is None else a.eval_temperature,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_rl.config import DataConfig
+from slime_rl.config.seeds import data_order_seed
 from slime_rl.data.readers import DataError, Record, bad_rows_error, located_records, parse_data_spec
 from slime_rl.data.vl import VisionRows
 
@@ -255,8 +256,8 @@ class PromptDataset:
     def _make_order(self) -> list[int]:
         order = list(range(len(self.rows)))
         if self.cfg.rollout_shuffle:
-            # a fresh permutation every epoch, reproducible from (seed, epoch) alone for resumes
-            random.Random(self.cfg.seed + self.epoch).shuffle(order)
+            # a fresh permutation every epoch, reproducible from (run seed, epoch) alone for resumes
+            random.Random(data_order_seed(self.cfg.seed, self.epoch)).shuffle(order)
         return order
 
     def __len__(self) -> int:

@@ -39,7 +39,7 @@ SGLANG_OWNED = {
     "nccl_port": "a free port on the engine's node",
     "dist_init_addr": "the engine's first node, from the placement",
     "base_gpu_id": "the engine's GPUs, from the placement",
-    "random_seed": "--rollout-seed, plus the engine's index",
+    "random_seed": "--seed and --rollout-seed, plus the engine's index",
     "api_key": "a secret drawn per run",
 }
 # RouterArgs dests the launcher computes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -179,7 +180,8 @@ class Cluster:
             raise ValueError(f"--load resumes the policy at step {step} but --critic-save {root} holds no critic "
                              f"checkpoint of that step (found: {None if extra is None else extra['rollout_id']})")
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """The eval metrics, and the --log-eval-generations samples (dataset, prompt, response, label, reward)."""
         return ray.get(self.rollout_manager.evaluate.remote())
 
     def train(self, step: int) -> dict[str, float]:

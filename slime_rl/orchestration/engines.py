@@ -16,6 +16,7 @@ import threading
 import ray
 
 from slime_rl.config import Config
+from slime_rl.config.seeds import engine_seed, run_seed
 from slime_rl.engines.embedded.cli import API_KEY_ENV
 from slime_rl.engines.launch import embedded_command, sglang_command, wait_healthy
 from slime_rl.orchestration.placement import EngineSlot
@@ -47,7 +48,7 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
     --api-key. `nccl_port` None: SGLang picks its own on its node, checked free and below the
     kernel's ephemeral range (so no outgoing connection takes it before it binds): port + 1 was
     neither checked nor safe from the ephemeral range."""
-    seed = cfg.rollout.seed + slot.engine_id
+    seed = engine_seed(run_seed(cfg.model.seed, cfg.rollout.seed), slot.engine_id)
     # --deterministic-rollout seeds every request; SGLang honours sampling_seed only with this switch
     deterministic = cfg.rollout.sample_seed is not None
     if cfg.engine.backend == "sglang":

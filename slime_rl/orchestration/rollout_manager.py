@@ -28,7 +28,7 @@ from slime_rl.engines.client import AsyncEngineClient, AsyncRouterClient, Engine
 from slime_rl.orchestration.failures import EngineFailure, RolloutStarved
 from slime_rl.rewards import reward_fn_from_config, reward_metric_means
 from slime_rl.rollout.dynamic import generate_filtered_groups
-from slime_rl.rollout.eval import evaluate
+from slime_rl.rollout.eval import generate_eval, pick_generations, rewards_of, summarize
 from slime_rl.rollout.health import EngineHealth
 from slime_rl.rollout.options import RolloutOptions
 
@@ -148,7 +148,8 @@ class RolloutManager:
                 result = await generate_filtered_groups(
                     clients, self._draw_guard(step), self.options, self.reward_fn, self.tokenizer,
                     resume=self.leftover if self.options.partial_rollout else (), first_index=self.next_index,
-                    first_group=self.next_group, progress=True, health=health, slime_args=self.slime_args)
+                    first_group=self.next_group, progress=True, health=health, slime_args=self.slime_args,
+                    progress_desc=f"rollout {step + 1}/{self.cfg.rollout.num_rollout}")  # as the step line counts
         except EngineError as exc:  # as an error Ray can carry to the driver, which names the engine
             raise EngineFailure.of(exc) from None
         finally:
@@ -211,21 +212,26 @@ class RolloutManager:
         self.engine_urls[engine_id] = url
         self.dead.pop(engine_id, None)
 
-    async def evaluate(self) -> dict[str, float]:
-        """eval/<name>/reward_mean and pass@k on every --eval-prompt-data set."""
+    async def evaluate(self) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """eval/<name>/reward_mean and pass@k on every --eval-prompt-data set, and the
+        --log-eval-generations samples to show (`rollout.eval.pick_generations`)."""
         ev = self.cfg.eval
         params = {"temperature": ev.temperature, "top_p": ev.top_p, "max_new_tokens": ev.max_response_len}
         out: dict[str, float] = {}
+        groups_by_set = {}
         clients = self._clients(live_only=True)  # eval has no failover: it just skips dead engines
         try:
             for name, rows in self.eval_sets.items():
-                summary = await evaluate(clients, rows, ev.n_samples_per_prompt, params, self.reward_fn,
-                                         self.tokenizer, concurrency_per_engine=self.options.concurrency_per_engine)
-                out |= {f"eval/{name}/{k}": v for k, v in summary.items()}
+                groups = await generate_eval(clients, rows, ev.n_samples_per_prompt, params, self.reward_fn,
+                                             self.tokenizer, concurrency_per_engine=self.options.concurrency_per_engine,
+                                             sample_seed=self.options.sample_seed, progress=True,
+                                             progress_desc=f"eval {name}")
+                groups_by_set[name] = groups
+                out |= {f"eval/{name}/{k}": v for k, v in summarize(rewards_of(groups)).items()}
         finally:
             for c in clients:
                 await c.aclose()
-        return out
+        return out, pick_generations(groups_by_set, ev.log_generations)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able: data position, sample/group counters, and the partial groups to continue."""

@@ -23,10 +23,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tqdm import tqdm
-
 from slime_rl.data import PromptRow, Sample
 from slime_rl.engines.client import AsyncEngineClient
+from slime_rl.observability import Progress
 from slime_rl.rewards import GroupReward, RewardFn
 from slime_rl.rollout.custom import FilterFn, GenerateFn, load_filter, load_generate_function
 from slime_rl.rollout.generate import make_groups, run_group
@@ -57,17 +56,20 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
                                    first_index: int = 0, first_group: int = 0,
                                    generate_fn: GenerateFn | None = None, filter_fn: FilterFn | None = None,
                                    progress: bool = False, health: EngineHealth | None = None,
-                                   slime_args: Any = None) -> RolloutResult:
+                                   slime_args: Any = None, progress_desc: str = "rollout") -> RolloutResult:
     """Exactly `opts.rollout_batch_size` kept groups (fewer only at the deadline or when `next_rows`
     returns nothing), plus leftover groups and metrics. `next_rows(k)` returns up to k rows.
     `health` (--use-fault-tolerance): route around dead engines and resend their requests.
-    `slime_args`: what slime-style generate and filter functions get as `args`."""
+    `slime_args`: what slime-style generate and filter functions get as `args`.
+    `progress`: samples finished of those the batch needs (a filtered group's are added to it),
+    shown as `observability.Progress` under `progress_desc`."""
     pool = ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len,
                       sample_seed=opts.sample_seed, health=health)
     gen = generate_fn or load_generate_function(opts.custom_generate_function_path, slime_args)
     keep = filter_fn or load_filter(opts.dynamic_sampling_filter_path, slime_args, opts.dynamic_sampling_filter_kwargs)
     try:
-        return await _fill(pool, next_rows, opts, reward_fn, gen, keep, resume, first_index, first_group, progress)
+        return await _fill(pool, next_rows, opts, reward_fn, gen, keep, resume, first_index, first_group, progress,
+                           progress_desc)
     finally:
         await pool.aclose()
 
@@ -75,7 +77,7 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
 async def _fill(pool: ClientPool, next_rows: Callable[[int], Sequence[PromptRow]], opts: RolloutOptions,
                 reward_fn: RewardFn | GroupReward, gen: GenerateFn, keep: FilterFn | None,
                 resume: Sequence[list[Sample]], first_index: int, first_group: int,
-                progress: bool) -> RolloutResult:
+                progress: bool, progress_desc: str = "rollout") -> RolloutResult:
     params = sampling_params(opts)
     indices, group_ids = itertools.count(first_index), itertools.count(first_group)
     target = opts.rollout_batch_size
@@ -92,10 +94,11 @@ async def _fill(pool: ClientPool, next_rows: Callable[[int], Sequence[PromptRow]
     deadline_hit = exhausted = False
     loop = asyncio.get_running_loop()
     t_end = None if opts.rollout_deadline_s is None else loop.time() + opts.rollout_deadline_s
-    bar = tqdm(total=target, desc="rollout", unit="group", disable=not progress, leave=False, mininterval=1.0)
+    bar = Progress(target * opts.n_samples_per_prompt, progress_desc, enabled=progress)
 
     def launch(group: list[Sample]) -> None:
-        running[asyncio.create_task(run_group(pool, group, params, gen, reward_fn, **run_kw))] = group
+        running[asyncio.create_task(run_group(pool, group, params, gen, reward_fn, on_sample=lambda _: bar.update(1),
+                                              **run_kw))] = group
 
     for group in resume:  # carried-over groups first: their prompts were drawn steps ago
         launch(group)
@@ -126,9 +129,10 @@ async def _fill(pool: ClientPool, next_rows: Callable[[int], Sequence[PromptRow]
                     surplus.append(group)
                 elif keep is None or keep(group):
                     kept.append(group)
-                    bar.update(1)
                 else:
                     filtered += 1
+                    bar.add_total(len(group))
+                bar.note(f"{len(kept)}/{target} groups kept" + (f", {filtered} filtered" if filtered else ""))
     finally:
         bar.close()
         aborts = await _stop_and_drain(pool, running)

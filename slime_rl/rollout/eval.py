@@ -13,14 +13,18 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from slime_rl.data import PromptRow
+from slime_rl.data import PromptRow, Sample
 from slime_rl.engines.client import AsyncEngineClient
+from slime_rl.observability import Progress
 from slime_rl.rewards import GroupReward, RewardFn
 from slime_rl.rollout.custom import GenerateFn, generate_default
 from slime_rl.rollout.generate import make_groups, run_group
 from slime_rl.rollout.routing import ClientPool
 
 EVAL_GROUP_BASE = 10**9  # eval group numbers sit apart from training's (both show up in engine logs)
+# eval sample numbers too: under --deterministic-rollout they draw sampling seeds apart from training's,
+# the same ones at every eval (config/seeds.py)
+EVAL_INDEX_BASE = 10**9
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -56,23 +60,57 @@ def summarize(rewards: Sequence[Sequence[float]], ks: Sequence[int] | None = Non
     return out
 
 
-async def evaluate(clients: Sequence[AsyncEngineClient], rows: Sequence[PromptRow], n_samples: int,
-                   sampling_params: dict[str, Any], reward_fn: RewardFn | GroupReward, tokenizer: Any, *,
-                   ks: Sequence[int] | None = None, pass_threshold: float = 0.0,
-                   generate_fn: GenerateFn = generate_default, concurrency_per_engine: int = 64,
-                   max_context_len: int | None = None) -> dict[str, float]:
-    """Generate `n_samples` per row with `sampling_params` (SGLang's; `max_new_tokens` is the response
-    budget) and summarise: {"reward_mean", "pass@1", "pass@2", ..., "n_samples"}."""
+async def generate_eval(clients: Sequence[AsyncEngineClient], rows: Sequence[PromptRow], n_samples: int,
+                        sampling_params: dict[str, Any], reward_fn: RewardFn | GroupReward, tokenizer: Any, *,
+                        generate_fn: GenerateFn = generate_default, concurrency_per_engine: int = 64,
+                        max_context_len: int | None = None, sample_seed: int | None = None,
+                        progress: bool = False, progress_desc: str = "eval") -> list[list[Sample]]:
+    """`n_samples` scored samples per row (one group per row, in row order) with `sampling_params`
+    (SGLang's; `max_new_tokens` is the response budget). `sample_seed` (--deterministic-rollout): each
+    request's sampling_seed, from sample numbers that start at EVAL_INDEX_BASE at every eval."""
     if n_samples < 1:
         raise ValueError(f"--n-samples-per-eval-prompt {n_samples}: must be >= 1")
     if "max_new_tokens" not in sampling_params:
         raise ValueError("evaluate: sampling_params needs max_new_tokens (--eval-max-response-len)")
-    pool = ClientPool(clients, tokenizer, concurrency_per_engine, max_context_len)
-    groups = make_groups(rows, n_samples, itertools.count(), itertools.count(EVAL_GROUP_BASE))
+    pool = ClientPool(clients, tokenizer, concurrency_per_engine, max_context_len, sample_seed=sample_seed)
+    groups = make_groups(rows, n_samples, itertools.count(EVAL_INDEX_BASE), itertools.count(EVAL_GROUP_BASE))
     # an eval sample cut by an engine pause is still scored: eval has no next step to continue it
     try:
-        await asyncio.gather(*(run_group(pool, g, dict(sampling_params), generate_fn, reward_fn,
-                                         score_unfinished=True) for g in groups))
+        with Progress(len(rows) * n_samples, progress_desc, enabled=progress) as bar:
+            await asyncio.gather(*(run_group(pool, g, dict(sampling_params), generate_fn, reward_fn,
+                                             on_sample=lambda _: bar.update(1), score_unfinished=True)
+                                   for g in groups))
     finally:
         await pool.aclose()
-    return summarize([[float(s.reward) for s in g] for g in groups], ks, pass_threshold)
+    return groups
+
+
+async def evaluate(clients: Sequence[AsyncEngineClient], rows: Sequence[PromptRow], n_samples: int,
+                   sampling_params: dict[str, Any], reward_fn: RewardFn | GroupReward, tokenizer: Any, *,
+                   ks: Sequence[int] | None = None, pass_threshold: float = 0.0, **kw: Any) -> dict[str, float]:
+    """`generate_eval` (its keywords pass through), summarised: {"reward_mean", "pass@1", "pass@2", ...,
+    "n_samples"}."""
+    groups = await generate_eval(clients, rows, n_samples, sampling_params, reward_fn, tokenizer, **kw)
+    return summarize(rewards_of(groups), ks, pass_threshold)
+
+
+def rewards_of(groups: Sequence[Sequence[Sample]]) -> list[list[float]]:
+    return [[float(s.reward) for s in g] for g in groups]
+
+
+def pick_generations(groups_by_set: dict[str, Sequence[Sequence[Sample]]], n: int) -> list[dict[str, Any]]:
+    """`n` eval samples to show (--log-eval-generations): the first sample of each prompt, in the eval
+    sets' and the prompts' order, then the second of each, ...: as many different prompts as there are,
+    the same ones at every eval. Each: dataset, prompt, response, label, reward."""
+    out: list[dict[str, Any]] = []
+    width = max((len(g) for groups in groups_by_set.values() for g in groups), default=0)
+    for j in range(width):
+        for name, groups in groups_by_set.items():
+            for g in groups:
+                if len(out) == n:
+                    return out
+                if j < len(g):
+                    s = g[j]
+                    out.append({"dataset": name, "prompt": s.prompt, "response": s.response, "label": s.label,
+                                "reward": None if s.reward is None else float(s.reward)})
+    return out

@@ -24,11 +24,10 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tqdm import tqdm
-
 from slime_rl.config import RolloutConfig
 from slime_rl.data import PromptRow, Sample
 from slime_rl.engines.client import AsyncEngineClient
+from slime_rl.observability import Progress
 from slime_rl.rewards import GroupReward, RewardFn, call_reward
 from slime_rl.rollout.custom import GenerateFn, generate_default, generate_group_default, load_generate_function
 from slime_rl.rollout.options import RolloutOptions
@@ -138,8 +137,7 @@ async def generate_groups(clients: Sequence[AsyncEngineClient], rows: Sequence[P
     gen = generate_fn or load_generate_function(opts.custom_generate_function_path, slime_args)
     params = options_sampling_params(opts)
     groups = make_groups(rows, opts.n_samples_per_prompt, itertools.count(first_index), itertools.count(first_group))
-    bar = tqdm(total=sum(len(g) for g in groups), desc="rollout", unit="sample", disable=not progress,
-               leave=False, mininterval=1.0)
+    bar = Progress(sum(len(g) for g in groups), "rollout", enabled=progress)
     try:
         await asyncio.gather(*(run_group(pool, g, params, gen, reward_fn, on_sample=lambda _: bar.update(1),
                                          score_unfinished=True) for g in groups))

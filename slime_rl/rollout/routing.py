@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from slime_rl.config.seeds import sampling_seed
 from slime_rl.data import Sample
 from slime_rl.data.images import IMAGE_PAD, VISION_START
 from slime_rl.engines.client import AsyncEngineClient, EngineError, image_data_of, one_pad_per_image
@@ -226,11 +227,10 @@ class ClientPool:
 
     def seeded(self, sample: Sample, input_ids: Sequence[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
         """`sampling_params` with the sample's sampling_seed (--deterministic-rollout), drawn from the
-        pool's seed, the sample's index and its length so far."""
+        pool's seed (the run seed), the sample's index and its length so far (`config.seeds.sampling_seed`)."""
         if self.sample_seed is None:
             return sampling_params
-        seed = (self.sample_seed * 1_000_003 + sample.index * 7919 + len(input_ids)) % (2**31 - 1)
-        return {**sampling_params, "sampling_seed": seed}
+        return {**sampling_params, "sampling_seed": sampling_seed(self.sample_seed, sample.index, len(input_ids))}
 
     async def _send(self, samples: list[Sample], inputs: list[Sequence[int]], params: list[dict[str, Any]],
                     batch: bool) -> list[dict]:

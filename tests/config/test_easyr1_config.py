@@ -87,7 +87,8 @@ def test_values_follow_easyr1_semantics(tmp_path):
     assert (cfg.checkpoint.save_interval, cfg.checkpoint.keep_last) == (5, 3)
     assert cfg.reward.custom_rm_path == REWARD and cfg.data.num_epoch == 15
     assert cfg.logging.use_wandb and cfg.logging.wandb_project == "easy_r1"
-    assert cfg.logging.wandb_group == "qwen2_5_vl_7b_geo_grpo" and cfg.logging.dump_rollouts
+    assert cfg.logging.wandb_group == "qwen2_5_vl_7b_geo_grpo"
+    assert cfg.eval.log_generations == 3 and not cfg.logging.dump_rollouts  # val_generations_to_log: 3
 
 
 def test_command_line_wins(tmp_path):

@@ -80,6 +80,8 @@ def test_every_flag_lands_in_its_field(f: Flag, tmp_path):
     base = _base(tmp_path)
     if f.name == "--num-epoch":  # instead of --num-rollout
         base = base[:base.index("--num-rollout")] + base[base.index("--num-rollout") + 2:]
+    if f.name == "--log-eval-generations":  # logs eval samples: needs an eval set (a file that exists)
+        base += ["--eval-interval", "1", "--eval-prompt-data", "d", base[base.index("--prompt-data") + 1]]
     given = [f.name, *_value(f, tmp_path)]
     cfg = build_config(base + COMPANIONS.get(f.name, []) + given)
     # the value as argparse reads it, then the table's conversion (e.g. a list -> a tuple)
@@ -127,8 +129,13 @@ def _derived_cases(tmp: Path) -> dict[tuple[str, str, str], tuple[list[str], obj
         ("--rollout-max-response-len", "eval", "max_response_len"): (["--rollout-max-response-len", "9"], 9),
         ("--rollout-temperature", "eval", "temperature"): (["--rollout-temperature", "0.5"], 0.5),
         ("--rollout-top-p", "eval", "top_p"): (["--rollout-top-p", "0.5"], 0.5),
-        ("--rollout-seed", "rollout", "sample_seed"): (["--rollout-seed", "7", "--deterministic-rollout"], 7),
-        ("--deterministic-rollout", "rollout", "sample_seed"): (["--deterministic-rollout"], 42),
+        # the run seed (config/seeds.py), by hand: 7 * 1_000_033 + 42, 1234 * 1_000_033 + 7, 1234 * 1_000_033 + 42
+        ("--seed", "data", "seed"): (["--seed", "7"], 7_000_273),
+        ("--seed", "rollout", "sample_seed"): (["--seed", "7", "--deterministic-rollout"], 7_000_273),
+        ("--rollout-seed", "data", "seed"): (["--rollout-seed", "7"], 1_234_040_729),
+        ("--rollout-seed", "rollout", "sample_seed"): (["--rollout-seed", "7", "--deterministic-rollout"],
+                                                       1_234_040_729),
+        ("--deterministic-rollout", "rollout", "sample_seed"): (["--deterministic-rollout"], 1_234_040_764),
         ("--num-rollout", "rollout", "num_rollout"): (["--num-rollout", "5"], 5),
         ("--eval-prompt-data", "eval", "datasets"): (["--eval-interval", "1", "--eval-prompt-data", "a", data],
                                                      (("a", data),)),

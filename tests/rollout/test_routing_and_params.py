@@ -141,3 +141,32 @@ def test_evaluate_on_real_engines(servers):
     for k in (1, 2, 4):  # brute force over every k-subset, not the estimator's formula
         want = sum(sum(any(sub) for sub in itertools.combinations(r, k)) / comb(4, k) for r in rewards) / 3
         assert out[f"pass@{k}"] == pytest.approx(want)
+
+
+def test_eval_samples_are_seeded_apart_from_training_and_show_progress(servers, capsys):
+    """--deterministic-rollout: eval requests carry sampling seeds from EVAL_INDEX_BASE on, so the same
+    seed repeats the eval's answers (on either engine) and another seed changes them; the progress
+    indicator (not a terminal here) prints its periodic line."""
+    from slime_rl.rollout.eval import EVAL_INDEX_BASE, generate_eval
+
+    rows = [row(k) for k in range(6)]
+    params = {"max_new_tokens": 6, "temperature": 1.0}
+
+    def answers(seed, **kw):
+        groups = with_clients([s.url for s in servers], lambda cl: generate_eval(
+            cl, rows, 4, params, lambda s: 0.0, servers[0].tokenizer, sample_seed=seed, **kw))
+        assert [s.index for g in groups for s in g] == list(range(EVAL_INDEX_BASE, EVAL_INDEX_BASE + 24))
+        return [s.response_ids for g in groups for s in g]
+
+    import slime_rl.observability.progress as progress
+
+    saved = progress.PROGRESS_INTERVAL_S
+    progress.PROGRESS_INTERVAL_S = 0.0  # a line at every finished sample
+    try:
+        first = answers(5, progress=True, progress_desc="eval digits")
+    finally:
+        progress.PROGRESS_INTERVAL_S = saved
+    err = capsys.readouterr().err
+    assert "eval digits: 24/24 samples (100%)" in err and "eval digits: 1/24 samples" in err
+    assert answers(5) == first
+    assert answers(6) != first

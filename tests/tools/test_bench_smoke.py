@@ -102,3 +102,21 @@ def test_train_memory_smoke(tmp_path):
     # the tiny shape in fp32 (bench/common.py): weights 4 + grads 4 + Adam 8 bytes per parameter
     params = 64 * 64 + 2 * (2 * 64 + (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128) + 64
     assert result["estimate_static_gib"] * 2**30 == pytest.approx(16 * params)
+
+
+def test_quickstart_seeds_summary_by_hand():
+    """bench/quickstart_seeds.py's figures: the first 0-based step at the threshold, the last 5 steps' mean
+    (the eval line of step -1 is not a step)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from quickstart_seeds import summarize
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    rewards = [0.1, 0.5, 0.95, 0.85, 0.9, 1.0, 0.9, 0.8]
+    rows = [{"step": -1, "eval/x/reward_mean": 1.0}] + [{"step": k, "rollout/reward_mean": r}
+                                                         for k, r in enumerate(rewards)]
+    rows[0]["rollout/reward_mean"] = 0.99  # step -1 would be "first" if it counted
+    out = summarize(rows, 0.9)
+    assert out["first_step_at_threshold"] == 2 and out["steps"] == 8
+    assert out["last5_mean"] == pytest.approx((0.85 + 0.9 + 1.0 + 0.9 + 0.8) / 5)
+    assert summarize(rows[:3], 0.9)["first_step_at_threshold"] is None
