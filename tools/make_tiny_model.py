@@ -180,7 +180,8 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     fast.save_pretrained(out)
     cfg_path = out / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text())
-    tok_cfg["tokenizer_class"] = "Qwen2Tokenizer" if arch in ("qwen2", "qwen3_moe", "qwen2_5_vl") else "PreTrainedTokenizerFast"
+    qwen = arch in ("qwen2", "qwen3_moe", "qwen2_5_vl")
+    tok_cfg["tokenizer_class"] = "Qwen2Tokenizer" if qwen else "PreTrainedTokenizerFast"
     tok_cfg["chat_template"] = template
     tok_cfg["model_max_length"] = 512
     cfg_path.write_text(json.dumps(tok_cfg, indent=2))

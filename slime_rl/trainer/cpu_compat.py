@@ -173,6 +173,25 @@ def patch_streams() -> None:
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
 
 
+def patch_moe_splits() -> None:
+    """MoE alltoall dispatcher: the split sizes as numpy arrays, as on GPU.
+
+    megatron's `maybe_move_tensor_to_cpu(t, as_numpy=True)` converts only CUDA tensors (to a CPU
+    numpy array); a CPU tensor stays a tensor, which torch.distributed.all_to_all_single refuses as
+    split sizes. The patched function gives the numpy array for CPU tensors too."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
 def stub_paged_stash_if_no_triton() -> bool:
     """Register a stub for megatron's paged_stash module when triton cannot be imported.
 
@@ -197,6 +216,7 @@ PATCHES = {
     "current_device": patch_current_device,
     "device_mode": patch_device_mode,
     "streams": patch_streams,
+    "moe_splits": patch_moe_splits,
 }
 
 
