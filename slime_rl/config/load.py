@@ -214,6 +214,11 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            f"({a.context_parallel_size}) x --pipeline-model-parallel-size "
            f"({a.pipeline_model_parallel_size}) must divide the trainer world size "
            f"--actor-num-nodes x --actor-num-gpus-per-node = {parallel.world_size}")
+    etp = a.expert_tensor_parallel_size or a.tensor_model_parallel_size
+    _check((parallel.world_size // parallel.pipeline_model_parallel_size) % (a.expert_model_parallel_size * etp) == 0,
+           f"--expert-model-parallel-size ({a.expert_model_parallel_size}) x --expert-tensor-parallel-size ({etp}) "
+           f"must divide the trainer world size {parallel.world_size} / --pipeline-model-parallel-size "
+           f"({a.pipeline_model_parallel_size})")
     _check(not a.sequence_parallel or a.tensor_model_parallel_size > 1,
            "--sequence-parallel needs --tensor-model-parallel-size > 1")
     _check(not a.sequence_parallel or a.pack_sequences, "--sequence-parallel needs packed sequences "

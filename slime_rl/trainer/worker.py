@@ -371,7 +371,11 @@ class TrainerWorker(MegatronRank):
         self._updates += 1
         if self.algo.ref_update_interval and self._updates % self.algo.ref_update_interval == 0:
             self._refresh_reference()
-        return train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
+        out = train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
+        # an MoE model's load-balancing losses (megatron's, unscaled by the coefficient), mean over mini-batches
+        for key in [k for k in stats[0] if k.startswith("moe/")]:
+            out[f"train/moe_{key[len('moe/'):]}"] = sum(st[key] for st in stats) / len(stats)
+        return out
 
     # ---- weights out
     @on_rank_thread

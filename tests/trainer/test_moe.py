@@ -153,7 +153,7 @@ def _diffs(base: dict, ranks: list[dict], name: str, layout: str) -> dict[str, f
             "loss": max(abs(r[f"{got}/stats"]["loss"] - base[f"{want}/stats"]["loss"]) for r in ranks)}
 
 
-EP_CASES = [("ep2", "moe_ep2", 2), ("ep2tp2", "moe_ep2x4", 4), ("ep2pp2", "moe_ep2x4", 4)]
+EP_CASES = [("ep2", "moe_ep2", 2), ("ep2tp2", "moe_ep2tp2", 4), ("ep2pp2", "moe_ep2pp2", 4)]
 
 
 @pytest.mark.slow
