@@ -152,6 +152,10 @@ def check_moe_features(cfg: Config, model_type: str) -> None:
     if experts % ep != 0:
         raise ConfigError(f"--expert-model-parallel-size {ep}: {cfg.model.hf_checkpoint} has {experts} experts "
                           "per layer, not a multiple of it")
+    if cfg.parallel.tensor_model_parallel_size > 1 and not cfg.trainer.sequence_parallel:
+        raise ConfigError(f"--tensor-model-parallel-size {cfg.parallel.tensor_model_parallel_size} with a "
+                          f"mixture-of-experts model ({model_type}) needs --sequence-parallel (megatron's MoE layer "
+                          "refuses to train with TP and without it)")
     if cfg.trainer.moe_token_dispatcher_type == "allgather" and cfg.parallel.pipeline_model_parallel_size > 1:
         raise ConfigError("--moe-token-dispatcher-type allgather: megatron's allgather dispatcher does not take "
                           "the variable sequence lengths pipeline stages exchange; use alltoall with "

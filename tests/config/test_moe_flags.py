@@ -44,6 +44,7 @@ def test_expert_parallel_must_divide_the_world(tiny_qwen3_moe):
     (("--actor-num-gpus-per-node", "3", "--expert-model-parallel-size", "3", "--rollout-batch-size", "3",
       "--global-batch-size", "3"), "3: .* has 8 experts"),
     (("--moe-grouped-gemm",), "--moe-grouped-gemm needs TransformerEngine"),
+    (("--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"), "needs --sequence-parallel"),
     (("--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2", "--moe-token-dispatcher-type",
       "allgather"), "--moe-token-dispatcher-type allgather"),
 ])

@@ -69,11 +69,17 @@ def scenario_moe1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> di
     return res
 
 
+# megatron's MoELayer refuses to train with TP > 1 without sequence parallelism (packed batches only)
+MOE_KW = {"ep2tp2": {"sequence_parallel": True}}
+MOE_RUN_LAYOUTS = {"ep2tp2": ("packed",)}
+
+
 def _layouts(*names: str):
     def scenario(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
         res: dict = {}
         for k, name in enumerate(names):
-            run_moe(rank, world, port + 10 * k, ckpts["qwen3_moe"], name, res)
+            run_moe(rank, world, port + 10 * k, ckpts["qwen3_moe"], name, res,
+                    layouts=MOE_RUN_LAYOUTS.get(name, ("padded", "packed")), **MOE_KW.get(name, {}))
         return res
 
     return scenario

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.moe_scenarios import AUX_COEFF, MOE_LAYOUTS
+from tests.trainer.moe_scenarios import AUX_COEFF, MOE_LAYOUTS, MOE_RUN_LAYOUTS
 from tests.trainer.test_trainer_megatron import LOGP_TOL, _assert_grads_close, _max_diff
 from tests.trainer.trainer_ref import hf_logprobs, hf_model, hf_policy_grad, make_batch
 
@@ -153,16 +153,17 @@ def _diffs(base: dict, ranks: list[dict], name: str, layout: str) -> dict[str, f
             "loss": max(abs(r[f"{got}/stats"]["loss"] - base[f"{want}/stats"]["loss"]) for r in ranks)}
 
 
-EP_CASES = [("ep2", "moe_ep2", 2), ("ep2tp2", "moe_ep2tp2", 4), ("ep2pp2", "moe_ep2pp2", 4)]
+EP_CASES = [(name, scen, world, layout)
+            for name, scen, world in [("ep2", "moe_ep2", 2), ("ep2tp2", "moe_ep2tp2", 4), ("ep2pp2", "moe_ep2pp2", 4)]
+            for layout in MOE_RUN_LAYOUTS.get(name, ("padded", "packed"))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("name,scen,world", EP_CASES, ids=[c[0] for c in EP_CASES])
+@pytest.mark.parametrize("name,scen,world,layout", EP_CASES, ids=[f"{c[0]}-{c[3]}" for c in EP_CASES])
 def test_expert_parallel_equals_one_rank(scenario, ckpts, name, scen, world, layout):
-    """Issue 22's acceptance (CPU, fp32, gloo): EP=2 (DP=2), EP=2 x TP=2 and EP=2 x PP=2 (world 4)
-    give one rank's log-probs, gradient, grad norm and aux loss; every rank's weights out are the
-    folder's tensors under HF names (experts gathered over EP)."""
+    """Issue 22's acceptance (CPU, fp32, gloo): EP=2 (DP=2), EP=2 x TP=2 (ETP=2, sequence parallel,
+    packed) and EP=2 x PP=2 (world 4) give one rank's log-probs, gradient, grad norm and aux loss;
+    every rank's weights out are the folder's tensors under HF names (experts gathered over EP)."""
     (one,) = scenario("moe1", 1)
     ranks = scenario(scen, world)
     tp, pp, ep = MOE_LAYOUTS[name]
