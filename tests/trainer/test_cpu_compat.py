@@ -72,7 +72,8 @@ def test_moe_split_sizes_become_numpy(report):
 
 
 def test_apply_is_idempotent_and_complete(report):
-    assert report["applied"] == ["current_device", "device_mode", "moe_splits", "paged_stash", "rng", "streams"]
+    assert report["applied"] == ["current_device", "device_mode", "moe_splits", "paged_stash", "rng", "streams",
+                                 "uneven_collectives"]
 
 
 def test_on_rank_thread_gives_another_thread_the_device_mode(report):
