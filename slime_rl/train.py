@@ -162,6 +162,7 @@ def check_model_features(cfg: Config) -> None:
     if vision and cfg.parallel.context_parallel_size > 1:
         raise ConfigError(f"--context-parallel-size {cfg.parallel.context_parallel_size}: context parallelism "
                           f"is not supported for vision-language models ({model_type})")
+    check_moe_features(cfg, model_type)
     if vision and cfg.critic is not None:
         raise ConfigError(f"--advantage-estimator {cfg.algo.advantage_estimator}: a critic for vision-language "
                           f"models ({model_type}) is not supported yet; use grpo, dapo, gspo, rloo or reinforce++")
@@ -191,6 +192,40 @@ def check_ref_load(cfg: Config) -> None:
     if differ:
         raise ConfigError(f"--ref-load {path}: another model than --hf-checkpoint {cfg.model.hf_checkpoint} "
                           f"({'; '.join(differ)}); the reference must have the policy's architecture")
+
+
+def check_moe_features(cfg: Config, model_type: str) -> None:
+    """The mixture-of-experts flags against the checkpoint: expert parallelism needs experts, and as
+    many of them per layer as a multiple of --expert-model-parallel-size."""
+    from slime_rl.trainer.convert import FAMILIES, load_arch
+
+    moe = model_type in FAMILIES and FAMILIES[model_type].moe
+    ep = cfg.parallel.expert_model_parallel_size
+    if not moe:
+        # --expert-tensor-parallel-size alone changes nothing without experts (Megatron ignores it too, and
+        # slime's dense scripts pass --expert-tensor-parallel-size 1 with any TP)
+        if ep > 1:
+            raise ConfigError(f"--expert-model-parallel-size {ep}: --hf-checkpoint {cfg.model.hf_checkpoint} is a "
+                              f"dense model ({model_type!r}), without experts")
+        return
+    if cfg.trainer.moe_grouped_gemm:
+        raise ConfigError("--moe-grouped-gemm needs TransformerEngine's grouped GEMM (TEGroupedMLP); the trainer "
+                          "builds megatron's local spec (SequentialMLP): drop the flag")
+    try:
+        experts = load_arch(cfg.model.hf_checkpoint).num_experts
+    except ValueError as exc:
+        raise ConfigError(f"--hf-checkpoint: {exc}") from exc
+    if experts % ep != 0:
+        raise ConfigError(f"--expert-model-parallel-size {ep}: {cfg.model.hf_checkpoint} has {experts} experts "
+                          "per layer, not a multiple of it")
+    if cfg.parallel.tensor_model_parallel_size > 1 and not cfg.trainer.sequence_parallel:
+        raise ConfigError(f"--tensor-model-parallel-size {cfg.parallel.tensor_model_parallel_size} with a "
+                          f"mixture-of-experts model ({model_type}) needs --sequence-parallel (megatron's MoE layer "
+                          "refuses to train with TP and without it)")
+    if cfg.trainer.moe_token_dispatcher_type == "allgather" and cfg.parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError("--moe-token-dispatcher-type allgather: megatron's allgather dispatcher does not take "
+                          "the variable sequence lengths pipeline stages exchange; use alltoall with "
+                          "--pipeline-model-parallel-size > 1")
 
 
 def reward_fn(reward: RewardConfig):

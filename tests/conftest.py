@@ -30,6 +30,13 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    """Tiny Qwen3-MoE: 8 experts of width 32, top-2 renormalised, vocab 64, hidden 64, 2 layers, GQA 4/2."""
+    out = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen3_moe", seed=3)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """Tiny Llama (untied embeddings, no bias), vocab 64, hidden 64, 2 layers, GQA 4/2."""
     out = tmp_path_factory.mktemp("tiny_llama")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from slime_rl.trainer.convert import load_arch
 from slime_rl.trainer.hf_files import check_hf_weights
-from slime_rl.trainer.launch_env import launcher_env
+from slime_rl.trainer.launch_env import check_expert_parallel, launcher_env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=None, help="default: the number of processes / PP")
     p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pipeline_model_parallel_size", type=int,
                    default=1, help="pipeline stages (must divide num_hidden_layers)")
+    p.add_argument("--expert-model-parallel-size", "--ep", dest="expert_model_parallel_size", type=int, default=1,
+                   help="mixture-of-experts checkpoints: expert-parallel ranks (must divide the experts)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=1,
                    help="pad the vocab to a multiple of this x TP (the trainer's pad_vocab_multiple; "
                         "the run that loads the checkpoint must pad to the same size)")
@@ -62,7 +64,9 @@ def main(argv: list[str] | None = None) -> Path:
     rank, world, addr, port = launcher_env()
     from slime_rl.trainer.launch_env import converter_layout
 
-    tp, pp = converter_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    ep = args.expert_model_parallel_size
+    check_expert_parallel(load_arch(hf), ep)
+    tp, pp = converter_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, ep)
     # fail on an unsupported model_type, a layout the config cannot split into, or weights of
     # another config, before paying for megatron and process groups
     arch = load_arch(hf, tp, args.make_vocab_size_divisible_by)
@@ -75,14 +79,15 @@ def main(argv: list[str] | None = None) -> Path:
     from tqdm import tqdm
 
     from slime_rl.trainer import checkpoint, hf_io
-    from slime_rl.trainer.model import build_from_checkpoint
+    from slime_rl.trainer.model import MoEOptions, build_from_checkpoint
     from slime_rl.trainer.parallel import init_parallel, teardown_parallel
 
     t0 = time.perf_counter()
-    init_parallel(rank, world, addr, port, tp_size=tp, pp_size=pp)
+    init_parallel(rank, world, addr, port, tp_size=tp, pp_size=pp, ep_size=ep)
     try:
         with tqdm(total=3, desc="hf->megatron", unit="stage", disable=rank != 0, file=sys.stderr) as bar:
             arch, gpt = build_from_checkpoint(hf, bf16=bf16, tp_size=tp, pp_size=pp,
+                                              moe=MoEOptions(expert_model_parallel_size=ep),
                                               pad_vocab_multiple=args.make_vocab_size_divisible_by)
             bar.update(1)
             # strict both ways: every parameter written, every registry tensor present, shapes checked
@@ -90,13 +95,14 @@ def main(argv: list[str] | None = None) -> Path:
             bar.update(1)
             extra = {"source_hf_checkpoint": str(hf.resolve()), "model_type": arch.model_type,
                      "padded_vocab_size": arch.padded_vocab_size, "vocab_size": arch.vocab_size,
-                     "dtype": "bf16" if bf16 else "fp32", "converted_at_tp": tp, "converted_at_pp": pp}
+                     "dtype": "bf16" if bf16 else "fp32", "converted_at_tp": tp, "converted_at_pp": pp,
+                     "converted_at_ep": ep}
             out = checkpoint.save_checkpoint(args.save, 0, [gpt], None, None, extra, save_rng=False, hf_dir=hf)
             bar.update(1)
     finally:
         teardown_parallel()
     if rank == 0:
-        print(f"wrote {out} ({arch.model_type}, TP={tp} PP={pp}, padded vocab {arch.padded_vocab_size}) "
+        print(f"wrote {out} ({arch.model_type}, TP={tp} PP={pp} EP={ep}, padded vocab {arch.padded_vocab_size}) "
               f"in {time.perf_counter() - t0:.1f} s")
     return out
 
@@ -105,5 +111,6 @@ if __name__ == "__main__":
     from slime_rl.trainer.launch_env import relaunch_per_shard
 
     _args = parse_args(sys.argv[1:])
-    relaunch_per_shard(__file__, sys.argv[1:], _args.tensor_model_parallel_size, _args.pipeline_model_parallel_size)
+    relaunch_per_shard(__file__, sys.argv[1:], _args.tensor_model_parallel_size, _args.pipeline_model_parallel_size,
+                       _args.expert_model_parallel_size)
     main()

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from slime_rl.trainer.convert import load_arch
-from slime_rl.trainer.launch_env import launcher_env
+from slime_rl.trainer.launch_env import check_expert_parallel, launcher_env
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=None, help="default: the number of processes / PP")
     p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pipeline_model_parallel_size", type=int,
                    default=1, help="pipeline stages (must divide num_hidden_layers)")
+    p.add_argument("--expert-model-parallel-size", "--ep", dest="expert_model_parallel_size", type=int, default=1,
+                   help="mixture-of-experts checkpoints: expert-parallel ranks (must divide the experts)")
     p.add_argument("--max-shard-size", default="5GB", help="split model.safetensors above this size (e.g. 2GB)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: the checkpoint's dtype")
@@ -75,7 +77,9 @@ def main(argv: list[str] | None = None) -> Path:
     ckpt = resolve_checkpoint(args.load)
     hf = _hf_dir(args, ckpt)
     rank, world, addr, port = launcher_env()
-    tp, pp = converter_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    ep = args.expert_model_parallel_size
+    check_expert_parallel(load_arch(hf), ep)
+    tp, pp = converter_layout(world, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, ep)
     arch = load_arch(hf, tp)  # unsupported model_type / config: fail before megatron is imported
     if arch.num_layers % pp != 0:
         raise SystemExit(f"--pipeline-model-parallel-size {pp}: num_hidden_layers={arch.num_layers} of "
@@ -84,11 +88,11 @@ def main(argv: list[str] | None = None) -> Path:
     import torch
 
     from slime_rl.trainer import checkpoint, hf_export
-    from slime_rl.trainer.model import build_gpt_model
+    from slime_rl.trainer.model import MoEOptions, build_gpt_model
     from slime_rl.trainer.parallel import init_parallel, teardown_parallel
 
     t0 = time.perf_counter()
-    init_parallel(rank, world, addr, port, tp_size=tp, pp_size=pp)
+    init_parallel(rank, world, addr, port, tp_size=tp, pp_size=pp, ep_size=ep)
     try:
         shapes = checkpoint.checkpoint_model_shapes(ckpt)
         emb = shapes.get("embedding.word_embeddings.weight")
@@ -101,7 +105,8 @@ def main(argv: list[str] | None = None) -> Path:
                              f"that divides {emb[0]}")
         arch = dataclasses.replace(arch, padded_vocab_size=emb[0])
         ckpt_bf16 = checkpoint.checkpoint_model_dtype(ckpt) == torch.bfloat16
-        gpt = build_gpt_model(arch, bf16=ckpt_bf16, tp_size=tp, pp_size=pp)
+        gpt = build_gpt_model(arch, bf16=ckpt_bf16, tp_size=tp, pp_size=pp,
+                              moe=MoEOptions(expert_model_parallel_size=ep))
         # names the mismatched tensors (and both shapes) when the config does not match the weights
         checkpoint.load_checkpoint(ckpt, [gpt], load_rng=False)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> Path:
                                        max_shard_bytes=parse_size(args.max_shard_size), progress=True)
         if rank == 0:
             print(f"wrote {out}: {hf_export.hf_tensor_count(arch)} tensors, {arch.model_type}, from {ckpt} "
-                  f"at TP={tp} PP={pp} in {time.perf_counter() - t0:.1f} s")
+                  f"at TP={tp} PP={pp} EP={ep} in {time.perf_counter() - t0:.1f} s")
     finally:
         teardown_parallel()
     return out
@@ -119,5 +124,6 @@ if __name__ == "__main__":
     from slime_rl.trainer.launch_env import relaunch_per_shard
 
     _args = parse_args(sys.argv[1:])
-    relaunch_per_shard(__file__, sys.argv[1:], _args.tensor_model_parallel_size, _args.pipeline_model_parallel_size)
+    relaunch_per_shard(__file__, sys.argv[1:], _args.tensor_model_parallel_size, _args.pipeline_model_parallel_size,
+                       _args.expert_model_parallel_size)
     main()

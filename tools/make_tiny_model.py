@@ -1,6 +1,6 @@
 """Write a complete tiny HF checkpoint folder, with a tokenizer trained here (no model hub).
 
-    python tools/make_tiny_model.py --out DIR [--arch qwen2|llama|qwen2_5_vl] [--seed N] [--vocab-size V]
+    python tools/make_tiny_model.py --out DIR [--arch qwen2|llama|qwen3_moe|qwen2_5_vl] [--seed N] [--vocab-size V]
 
 The folder has config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a
 ChatML chat template), generation_config.json. Same seed -> same bytes of weights and the same
@@ -10,6 +10,14 @@ rebuilds the pre-tokenizer, gives the same ids as the trained `tokenizers` objec
 
 Norm weights and q/k/v biases are drawn at random rather than left at 1 and 0: a loader that maps
 them wrongly must change the log-probs, or the layout tests would not see it.
+
+`--arch qwen3_moe` writes a Qwen3MoeForCausalLM: every layer a sparse MoE block of
+`--num-experts` (8) SwiGLU experts of width `--moe-intermediate-size` (32), top-`--moe-topk` (2)
+routing with the top-k probabilities renormalised (norm_topk_prob, as Qwen3-30B-A3B), q/k RMSNorm,
+head_dim 16, untied embeddings. The router weights are drawn with std 0.1 (HF's init is 0.02) so
+that routing is far from ties: a tie broken differently by two correct implementations would move
+a whole expert's output. transformers 5 writes the experts under the hub's per-expert names
+(`mlp.experts.{e}.gate_proj.weight` ...) and the expert count as `num_local_experts`.
 
 `--arch qwen2_5_vl` writes a Qwen2_5_VLForConditionalGeneration (a 2-block vision tower, hidden 32,
 patch 14, merge 2, one window block and one full-attention block, over the same tiny decoder), the
@@ -41,6 +49,7 @@ CHAT_TEMPLATE = (
     "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% endif %}"
 )
+ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_5_vl")
 VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2.5-VL's template renders an image part as <|vision_start|><|image_pad|><|vision_end|>; the
 # processor then repeats <|image_pad|> once per merged patch. Same rendering here, without tools.
@@ -89,9 +98,19 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
     if arch == "llama":
         from transformers import LlamaConfig
         return LlamaConfig(tie_word_embeddings=False, attention_bias=False, mlp_bias=False, **common)
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+        common = {k: v for k, v in common.items() if k != "rope_theta"}
+        return Qwen3MoeConfig(tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
+                              head_dim=args.hidden_size // args.num_heads,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                              num_experts=args.num_experts, num_experts_per_tok=args.moe_topk,
+                              moe_intermediate_size=args.moe_intermediate_size, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                              output_router_logits=False, **common)
     if arch == "qwen2_5_vl":
         return build_vl_config(common, args)
-    raise SystemExit(f"--arch {arch}: unsupported (qwen2, llama, qwen2_5_vl)")
+    raise SystemExit(f"--arch {arch}: unsupported ({', '.join(ARCHS)})")
 
 
 def build_vl_config(common: dict, args: argparse.Namespace):
@@ -119,11 +138,13 @@ def build_vl_config(common: dict, args: argparse.Namespace):
 
 def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_size: int = 64,
                     hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                    num_kv_heads: int = 2) -> Path:
+                    num_kv_heads: int = 2, num_experts: int = 8, moe_topk: int = 2,
+                    moe_intermediate_size: int = 32) -> Path:
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     args = argparse.Namespace(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                              num_kv_heads=num_kv_heads)
+                              num_kv_heads=num_kv_heads, num_experts=num_experts, moe_topk=moe_topk,
+                              moe_intermediate_size=moe_intermediate_size)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vl = arch == "qwen2_5_vl"
@@ -148,6 +169,8 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):  # an MoE router: decisive routing (module docstring)
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(out, safe_serialization=True)
 
     template = VL_CHAT_TEMPLATE if vl else CHAT_TEMPLATE
@@ -157,7 +180,8 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     fast.save_pretrained(out)
     cfg_path = out / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text())
-    tok_cfg["tokenizer_class"] = "Qwen2Tokenizer" if arch in ("qwen2", "qwen2_5_vl") else "PreTrainedTokenizerFast"
+    qwen = arch in ("qwen2", "qwen3_moe", "qwen2_5_vl")
+    tok_cfg["tokenizer_class"] = "Qwen2Tokenizer" if qwen else "PreTrainedTokenizerFast"
     tok_cfg["chat_template"] = template
     tok_cfg["model_max_length"] = 512
     cfg_path.write_text(json.dumps(tok_cfg, indent=2))
@@ -190,17 +214,20 @@ def save_image_processor(out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--arch", choices=("qwen2", "llama", "qwen2_5_vl"), default="qwen2")
+    p.add_argument("--arch", choices=ARCHS, default="qwen2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=None, help="default 64 (128 for qwen2_5_vl)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: routed experts per layer")
+    p.add_argument("--moe-topk", type=int, default=2, help="qwen3_moe: experts per token")
+    p.add_argument("--moe-intermediate-size", type=int, default=32, help="qwen3_moe: each expert's width")
     a = p.parse_args(argv)
     vocab = a.vocab_size or (128 if a.arch == "qwen2_5_vl" else 64)
     out = make_tiny_model(a.out, a.arch, a.seed, vocab, a.hidden_size, a.num_layers, a.num_heads,
-                          a.num_kv_heads)
+                          a.num_kv_heads, a.num_experts, a.moe_topk, a.moe_intermediate_size)
     print(f"wrote {out}")
 
 

@@ -23,6 +23,8 @@ class ParallelConfig:
     actor_num_nodes: int = default_of("--actor-num-nodes")
     actor_num_gpus_per_node: int = default_of("--actor-num-gpus-per-node")
     context_parallel_size: int = default_of("--context-parallel-size")
+    expert_model_parallel_size: int = default_of("--expert-model-parallel-size")
+    expert_tensor_parallel_size: int | None = default_of("--expert-tensor-parallel-size")
 
     @property
     def world_size(self) -> int:
@@ -57,6 +59,10 @@ class TrainerConfig:
     loss_agg_mode: str = default_of("--loss-agg-mode")
     # seq-mean-token-sum-norm (Dr.GRPO) divides by a constant horizon: the response budget
     loss_agg_max_len: int | None = default_of("--rollout-max-response-len")
+    moe_aux_loss_coeff: float = default_of("--moe-aux-loss-coeff")
+    moe_router_load_balancing_type: str = default_of("--moe-router-load-balancing-type")
+    moe_token_dispatcher_type: str = default_of("--moe-token-dispatcher-type")
+    moe_grouped_gemm: bool = default_of("--moe-grouped-gemm")
 
 
 @dataclass(frozen=True)

@@ -244,6 +244,11 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            f"({a.context_parallel_size}) x --pipeline-model-parallel-size "
            f"({a.pipeline_model_parallel_size}) must divide the trainer world size "
            f"--actor-num-nodes x --actor-num-gpus-per-node = {parallel.world_size}")
+    etp = a.expert_tensor_parallel_size or a.tensor_model_parallel_size
+    _check((parallel.world_size // parallel.pipeline_model_parallel_size) % (a.expert_model_parallel_size * etp) == 0,
+           f"--expert-model-parallel-size ({a.expert_model_parallel_size}) x --expert-tensor-parallel-size ({etp}) "
+           f"must divide the trainer world size {parallel.world_size} / --pipeline-model-parallel-size "
+           f"({a.pipeline_model_parallel_size})")
     _check(not a.sequence_parallel or a.tensor_model_parallel_size > 1,
            "--sequence-parallel needs --tensor-model-parallel-size > 1")
     _check(not a.sequence_parallel or a.pack_sequences, "--sequence-parallel needs packed sequences "
@@ -325,7 +330,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.ref_update_interval is None or a.use_kl_loss or a.kl_loss_coef > 0 or a.kl_coef > 0,
            "--ref-update-interval needs a reference model: --use-kl-loss, --kl-loss-coef or --kl-coef")
     if a.ref_load is not None:
-        _check(os.path.isdir(a.ref_load), f"--ref-load {a.ref_load}: no such folder")
+        # with --cluster the folder may exist on that cluster only (the plan lists it as not checked here)
+        _check(os.path.isdir(a.ref_load) or a.cluster is not None, f"--ref-load {a.ref_load}: no such folder")
         if not (a.use_kl_loss or a.kl_loss_coef > 0 or a.kl_coef > 0):
             # slime's scripts pass --ref-load always (there it is also the initial checkpoint); not an error
             warnings.warn(f"--ref-load {a.ref_load}: no KL term uses a reference model (--use-kl-loss, "

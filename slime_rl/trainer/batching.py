@@ -38,6 +38,9 @@ class MicroBatch:
     cp_own: Tensor | None = None
     # vision-language samples (vision.py): image inputs; position_ids are then [3, b, s] (mRoPE)
     vision: Any = None
+    # [b, s] (packed: [1, t]) bool, True on positions that hold no sample's token (right padding,
+    # the pad of a packed row): megatron's MoE routers leave them out of the load-balancing loss
+    padding: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +114,7 @@ def build_micro_batch(batch: dict, sample_ids: list[int], device: torch.device,
         valid=valid.to(device),
         loss_mask=loss_mask.to(device),
         per_token={k: v.to(device) for k, v in extra.items()},
+        padding=(torch.arange(s).unsqueeze(0) >= torch.tensor([len(x) for x in toks]).unsqueeze(1)).to(device),
     )
 
 

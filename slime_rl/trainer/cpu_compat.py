@@ -26,6 +26,7 @@ import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 _PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
@@ -173,6 +174,59 @@ def patch_streams() -> None:
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
 
 
+def patch_moe_splits() -> None:
+    """MoE alltoall dispatcher: the split sizes as numpy arrays, as on GPU.
+
+    megatron's `maybe_move_tensor_to_cpu(t, as_numpy=True)` converts only CUDA tensors (to a CPU
+    numpy array); a CPU tensor stays a tensor, which torch.distributed.all_to_all_single refuses as
+    split sizes. The patched function gives the numpy array for CPU tensors too."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
+def patch_uneven_collectives() -> None:
+    """all_gather / reduce_scatter with tensors of different sizes, which gloo refuses (NCCL runs
+    them): megatron's MoE alltoall dispatcher under TP gathers (and, in the backward,
+    reduce-scatters) each rank's share of the tokens routed here, and the shares differ. Equal
+    sizes gather on torch's own path, uneven ones are padded to the largest and sliced back; a list
+    reduce-scatter (gloo has none) is summed whole and sliced. Same values as NCCL's; the tensors are tiny on CPU."""
+    all_gather, reduce_scatter = dist.all_gather, dist.reduce_scatter
+
+    def uneven_all_gather(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
+        if len({tuple(t.shape) for t in tensor_list}) <= 1 or async_op:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        got = [torch.empty_like(padded) for _ in tensor_list]
+        all_gather(got, padded, group=group)
+        for dst, src in zip(tensor_list, got, strict=True):
+            dst.copy_(src[: dst.shape[0]])
+        return None
+
+    def uneven_reduce_scatter(output: torch.Tensor, input_list: list, op: Any = dist.ReduceOp.SUM, group: Any = None,
+                              async_op: bool = False):
+        if async_op:
+            return reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        flat = torch.cat([t.reshape(-1) for t in input_list])
+        dist.all_reduce(flat, op=op, group=group)
+        rank = dist.get_rank(group)
+        start = sum(t.numel() for t in input_list[:rank])
+        output.copy_(flat[start:start + input_list[rank].numel()].view_as(output))
+        return None
+
+    dist.all_gather, dist.reduce_scatter = uneven_all_gather, uneven_reduce_scatter
+
+
 def stub_paged_stash_if_no_triton() -> bool:
     """Register a stub for megatron's paged_stash module when triton cannot be imported.
 
@@ -197,6 +251,8 @@ PATCHES = {
     "current_device": patch_current_device,
     "device_mode": patch_device_mode,
     "streams": patch_streams,
+    "moe_splits": patch_moe_splits,
+    "uneven_collectives": patch_uneven_collectives,
 }
 
 

@@ -37,14 +37,21 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 def hf_tensor_count(arch: ModelArch) -> int:
     """How many tensors the HF state dict of the model has (a tied model has no lm_head)."""
-    return sum(len(pm.hf) for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings))
+    return sum(len(pm.hf) for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings,
+                                                           arch.num_experts))
 
 
 def gather_hf_weights(model: torch.nn.Module, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
     """On global rank 0: every HF tensor of the model, stage by stage (HF order). On every other
-    rank: nothing, but every rank must run the generator to its end (it runs the TP all-gathers and
-    the sends to rank 0). A tensor may share storage with a parameter: copy it to keep it."""
-    if mpu.get_data_parallel_rank() != 0:  # every DP replica holds the same weights
+    rank: nothing, but every rank must run the generator to its end (it runs the TP / EP all-gathers
+    and the sends to rank 0). A tensor may share storage with a parameter: copy it to keep it."""
+    if mpu.get_data_parallel_rank() != 0:
+        # every DP replica holds the same weights, but an MoE model's experts are spread over EP
+        # ranks that sit in different DP replicas: take part in the gathers, send nothing
+        if arch.num_experts and (mpu.get_expert_model_parallel_world_size() > 1
+                                 or mpu.get_expert_tensor_parallel_world_size() > 1):
+            for _ in iter_hf_weights(model, arch):
+                pass
         return
     pp_rank, pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
     first_tp = mpu.get_tensor_model_parallel_rank() == 0

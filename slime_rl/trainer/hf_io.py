@@ -12,12 +12,20 @@ Stage 0 holds the embedding, the last stage the final norm and the output layer.
 with P > 1 keeps a second copy of the word embeddings on the last stage as `output_layer.weight`
 (megatron all-reduces the two copies' grads, so they stay equal): it is loaded from
 model.embed_tokens.weight but never emitted, so the HF name is yielded once, by stage 0.
+
+Mixture of experts: expert-parallel rank r of E holds experts [r * n / E, (r + 1) * n / E), named
+from 0 locally (registry.py), each split over the expert-tensor-parallel group (ETP, not TP).
+`iter_hf_weights` gathers each local expert over ETP, then over EP, and yields every expert of the
+layer under its global HF name, in expert order, on every rank (so weight sync, which runs on one
+rank per stage, and the HF export see the whole model).
 """
 
 from __future__ import annotations
 
+import itertools
+import re
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,12 +52,37 @@ def _pp() -> tuple[int, int]:
     return mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
 
 
-def stage_param_maps(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1) -> list[tuple[str, ParamMap, bool]]:
+def _ep() -> tuple[int, int, dist.ProcessGroup | None]:
+    if not mpu.model_parallel_is_initialized():
+        return 0, 1, None
+    return (mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size(),
+            mpu.get_expert_model_parallel_group())
+
+
+def _etp() -> tuple[int, int, dist.ProcessGroup | None]:
+    if not mpu.model_parallel_is_initialized():
+        return 0, 1, None
+    return (mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size(),
+            mpu.get_expert_tensor_parallel_group())
+
+
+def _split(pm: ParamMap) -> tuple[int, int, dist.ProcessGroup | None]:
+    """(rank, size, group) of the group a parameter is split over: ETP for experts, else TP."""
+    return _etp() if pm.expert else _tp()
+
+
+def stage_param_maps(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0,
+                     ep_size: int = 1) -> list[tuple[str, ParamMap, bool]]:
     """(local Megatron name, map with global HF names, emitted by iter_hf_weights) for every
-    parameter of stage `pp_rank`, in the order of `Family.param_maps` (see the module docstring)."""
+    parameter of stage `pp_rank` on expert-parallel rank `ep_rank`, in the order of
+    `Family.param_maps` (see the module docstring)."""
     if arch.num_layers % pp_size != 0:
         raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by "
                          f"--pipeline-model-parallel-size {pp_size}")
+    if arch.num_experts % ep_size != 0:
+        raise ValueError(f"num_experts={arch.num_experts} is not divisible by --expert-model-parallel-size "
+                         f"{ep_size}")
+    local_experts = arch.num_experts // ep_size
     family, tied = arch.family, arch.tie_word_embeddings
     per_stage = arch.num_layers // pp_size
     first, last = pp_rank == 0, pp_rank == pp_size - 1
@@ -59,7 +92,10 @@ def stage_param_maps(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1) -> lis
     # a vision-language model's HF vision tower lives on the first stage (convert/vision.py)
     out = [(p.mcore, p, True) for p in (*arch.vision_params, *embedding)] if first else []
     for i in range(per_stage):
-        out += [(p.mcore.format(i=i), p.at_layer(pp_rank * per_stage + i), True) for p in family.layer_params]
+        for p in family.layer_params:  # megatron names a stage's layers from 0; HF globally
+            local = p.at_layer(i).expand_experts(local_experts, ep_rank * local_experts)
+            glob = p.at_layer(pp_rank * per_stage + i).expand_experts(local_experts, ep_rank * local_experts)
+            out += [(lo.mcore, gl, True) for lo, gl in zip(local, glob, strict=True)]
     if last:
         out += [(p.mcore, p, True) for p in tail]
         if tied and pp_size > 1:
@@ -74,15 +110,15 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, arch: Mo
     Strict both ways: every Megatron parameter must be written and every registry tensor must
     exist in the checkpoint (a tied model's lm_head.weight, if saved, is ignored)."""
     check_hf_weights(checkpoint_dir, arch)
-    tp_rank, tp_size, _ = _tp()
     params = dict(unwrap(model).named_parameters())
-    maps = stage_param_maps(arch, *_pp())
+    maps = stage_param_maps(arch, *_pp(), *_ep()[:2])
     extra = set(params) - {local for local, _, _ in maps}
     if extra:
         raise AssertionError(f"Megatron parameters without a registry entry: {sorted(extra)}")
     hf = read_hf_tensors(checkpoint_dir, sorted({n for _, pm, _ in maps for n in pm.hf}))
     for local, pm, _ in maps:
-        shard = hf_to_mcore_shard(pm, [hf[n] for n in pm.hf], arch, tp_rank, tp_size)
+        split_rank, split_size, _ = _split(pm)
+        shard = hf_to_mcore_shard(pm, [hf[n] for n in pm.hf], arch, split_rank, split_size)
         target = params[local]
         if tuple(shard.shape) != tuple(target.shape):
             raise ValueError(f"{checkpoint_dir}: {pm.hf} -> {local} gives shape {tuple(shard.shape)}, "
@@ -102,8 +138,49 @@ def _gather_tp(t: torch.Tensor, tp_size: int, group: dist.ProcessGroup | None,
 
 def _emitted(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool) -> list[tuple[str, ParamMap]]:
     params = dict(unwrap(model).named_parameters())
-    return [(local, pm) for local, pm, emit in stage_param_maps(arch, *_pp())
+    return [(local, pm) for local, pm, emit in stage_param_maps(arch, *_pp(), *_ep()[:2])
             if emit and not (skip_frozen and not params[local].requires_grad)]
+
+
+_EXPERT_INDEX = re.compile(r"(\.local_experts\.)\d+(\.)")  # Megatron's local expert index
+_HF_EXPERT_INDEX = re.compile(r"(\.mlp\.experts\.)\d+(\.)")  # HF's global expert index
+
+
+def _runs(emitted: list[tuple[str, ParamMap]]) -> Iterator[list[tuple[str, ParamMap]]]:
+    """The emitted parameters in runs: a dense parameter alone, the local experts of one kind of
+    one layer (fc1 or fc2) together, in order."""
+    def kind(item: tuple[str, ParamMap]) -> str:
+        return _EXPERT_INDEX.sub(r"\1{e}\2", item[0]) if item[1].expert else item[0]
+
+    for _, run in itertools.groupby(emitted, key=kind):
+        yield list(run)
+
+
+def _as_expert(name: str, global_index: int) -> str:
+    return _HF_EXPERT_INDEX.sub(rf"\g<1>{global_index}\g<2>", name)
+
+
+def _ep_order(run_hf: list[list[tuple[str, torch.Tensor]]], ep_size: int, group: dist.ProcessGroup | None,
+              n_local: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """One run of this rank's experts, each as its HF (name, tensor) pairs -> every EP rank's, in
+    global expert order (EP rank r's local expert j is expert r * n_local + j). With a group,
+    all-gathers each tensor over it (collective); with `group=None` (metadata) the tensors stand in
+    for every rank's (same shape and dtype)."""
+    gathered = []
+    for pairs in run_hf:
+        per_src = []
+        for _, t in pairs:
+            if group is None or ep_size == 1:
+                per_src.append([t] * ep_size)
+                continue
+            got = [torch.empty_like(t) for _ in range(ep_size)]
+            dist.all_gather(got, t.contiguous(), group=group)
+            per_src.append(got)
+        gathered.append(per_src)
+    for src in range(ep_size):
+        for j, pairs in enumerate(run_hf):
+            for k, (name, _) in enumerate(pairs):
+                yield _as_expert(name, src * n_local + j), gathered[j][k][src]
 
 
 @torch.no_grad()
@@ -112,15 +189,29 @@ def iter_hf_weights(model: torch.nn.Module, arch: ModelArch,
     """Yield (hf_name, full tensor) for every HF tensor of this pipeline stage, identical on every
     rank of the stage (all of them with PP=1).
 
-    Every rank of the TP group must consume the generator to the end (it runs all-gathers). The
-    tensors are in the model's dtype and on its device. Tied models yield only
-    `model.embed_tokens.weight` (from stage 0), as HF's own state dict does. `skip_frozen` leaves
-    out parameters that do not train (a --freeze-vision-tower tower: the engine keeps its copy)."""
-    _, tp_size, group = _tp()
+    Every rank of the TP group (and of the EP / ETP groups) must consume the generator to the end
+    (it runs all-gathers). The tensors are in the model's dtype and on its device. Tied models yield
+    only `model.embed_tokens.weight` (from stage 0), as HF's own state dict does. `skip_frozen`
+    leaves out parameters that do not train (a --freeze-vision-tower tower: the engine keeps its copy)."""
+    yield from iter_hf_tensors(model, arch, lambda p: p.detach(), skip_frozen)
+
+
+def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch, get: Callable[[torch.nn.Parameter], torch.Tensor],
+                    skip_frozen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_hf_weights` of `get(parameter)` for each parameter (e.g. its main_grad): gathered over
+    TP (ETP and EP for experts), renamed and reshaped as the parameter itself would be."""
+    _, ep_size, ep_group = _ep()
     params = dict(unwrap(model).named_parameters())
-    for local, pm in _emitted(model, arch, skip_frozen):
-        shards = _gather_tp(params[local].detach(), tp_size, group, pm.layout is Layout.REPLICATED)
-        yield from mcore_shards_to_hf(pm, shards, arch)
+    for run in _runs(_emitted(model, arch, skip_frozen)):
+        run_hf = []
+        for local, pm in run:
+            _, split_size, group = _split(pm)
+            shards = _gather_tp(get(params[local]), split_size, group, pm.layout is Layout.REPLICATED)
+            run_hf.append(mcore_shards_to_hf(pm, shards, arch))
+        if run[0][1].expert:
+            yield from _ep_order(run_hf, ep_size, ep_group, len(run))
+        else:
+            yield from run_hf[0]
 
 
 HFSource = tuple[str, torch.Tensor, tuple[int, ...]]
@@ -176,10 +267,10 @@ def iter_hf_sources(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool =
     The cache is checked on every call (each parameter still registered under its name, with the same
     data_ptr, shape, dtype and requires_grad) and rebuilt if anything moved. With TP > 1 the
     parameters are all-gathered into fresh tensors (`iter_hf_weights`); every TP rank must consume."""
-    _, tp_size, _ = _tp()
     # not decorated with torch.no_grad: on a generator that switches grad mode around every item
     # (~3 us each, most of this function's cost); the views are detached when the plan is built
-    if tp_size > 1:
+    # experts spread over EP (or split over ETP) are gathered too: no views of this rank's parameters
+    if _tp()[1] > 1 or _ep()[1] > 1 or _etp()[1] > 1:
         for name, t in iter_hf_weights(model, arch, skip_frozen):
             yield name, t, tuple(t.shape)
         return
@@ -195,11 +286,15 @@ def hf_weight_metadata(model: torch.nn.Module, arch: ModelArch,
     """(hf_name, dtype, shape) of what `iter_hf_weights` yields, in the same order, with no
     communication (weight sync announces the tensors before sending them). Shapes come from the
     same conversion code run on meta tensors, so they cannot drift from `iter_hf_weights`."""
-    _, tp_size, _ = _tp()
+    _, ep_size, _ = _ep()
     params = dict(unwrap(model).named_parameters())
     out = []
-    for name, pm in _emitted(model, arch, skip_frozen):
-        local = params[name]
-        shards = [torch.empty(local.shape, dtype=local.dtype, device="meta")] * tp_size
-        out += [(name, t.dtype, tuple(t.shape)) for name, t in mcore_shards_to_hf(pm, shards, arch)]
+    for run in _runs(_emitted(model, arch, skip_frozen)):
+        run_hf = []
+        for name, pm in run:
+            local = params[name]
+            shards = [torch.empty(local.shape, dtype=local.dtype, device="meta")] * _split(pm)[1]
+            run_hf.append(mcore_shards_to_hf(pm, shards, arch))
+        pairs = _ep_order(run_hf, ep_size, None, len(run)) if run[0][1].expert else run_hf[0]
+        out += [(name, t.dtype, tuple(t.shape)) for name, t in pairs]
     return out

@@ -7,6 +7,7 @@ chooses the dtype and the parallel layout.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,21 +21,95 @@ from slime_rl.trainer.mcore import (
     TransformerBlockSubmodules,
     TransformerConfig,
     get_gpt_layer_local_spec,
+    get_moe_metrics_tracker,
     mpu,
 )
 from slime_rl.trainer.vision import attach_vision_tower
 
 
+@dataclass(frozen=True)
+class MoEOptions:
+    """The mixture-of-experts knobs the user chooses (Megatron's flag names); the experts, top-k
+    and the router's normalisation come from config.json (ModelArch)."""
+
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: the TP size (Megatron's default)
+    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_grouped_gemm: bool = False
+
+
+def moe_config_kwargs(arch: ModelArch, moe: MoEOptions, tp_size: int) -> dict:
+    """TransformerConfig fields of an MoE model, equal in function to HF's Qwen-MoE block:
+    HF takes softmax over all experts (fp32), the top-k, and with norm_topk_prob divides them by
+    their sum. Megatron's softmax router with moe_router_pre_softmax=False takes the top-k logits
+    and a softmax over those k, which is the same renormalised distribution; with
+    pre_softmax=True it takes the top-k of the full softmax, i.e. HF's norm_topk_prob=False.
+    The router runs in fp32 (moe_router_dtype) whatever the model's dtype."""
+    if arch.num_experts == 0:
+        return {}
+    if arch.moe_topk == 1 and arch.moe_norm_topk_prob:
+        raise ValueError("num_experts_per_tok=1 with norm_topk_prob=true: every token's weight is 1 and the "
+                         "router gets no gradient (megatron refuses it: --moe-router-pre-softmax)")
+    if moe.moe_grouped_gemm:
+        raise ValueError("--moe-grouped-gemm needs TransformerEngine's grouped GEMM (TEGroupedMLP), which the "
+                         "local layer spec this trainer builds does not use; run without it (SequentialMLP)")
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
+        moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=moe.expert_model_parallel_size,
+        expert_tensor_parallel_size=moe.expert_tensor_parallel_size or tp_size,
+    )
+
+
+def moe_aux_losses(config, num_microbatches: int) -> dict[str, float]:
+    """The load-balancing losses megatron's routers recorded since the last call, as Megatron-LM
+    logs them: per layer summed over micro-batches and divided by their number, reduced over the
+    router's group (TP x CP) and PP, averaged over DP, then averaged over the MoE layers; the
+    tracker is cleared. Every rank of the model must call it (collectives). {} for a dense model
+    or when no aux loss is on (--moe-aux-loss-coeff 0)."""
+    if not getattr(config, "num_moe_experts", None):
+        return {}
+    coeff = config.moe_aux_loss_coeff
+    if not (sum(coeff) if isinstance(coeff, list) else coeff):
+        return {}
+    tracker = get_moe_metrics_tracker()
+    names = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+             "global_aux_loss": "global_load_balancing_loss"}
+    types = config.moe_router_load_balancing_type
+    track = [names[t] for t in (types if isinstance(types, list) else [types]) if t in names]
+    totals: dict = {}
+    tracker.report(loss_scale=1.0 / num_microbatches, iteration=0, force_initialize=True, track_names=track,
+                   num_layers=config.num_layers, total_loss_dict=totals)
+    return {f"moe/{k}": float(v) for k, v in totals.items()}
+
+
 def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: int,
                        use_cpu_initialization: bool, sequence_parallel: bool = False,
                        recompute_granularity: str | None = None, recompute_method: str | None = None,
-                       recompute_num_layers: int | None = None, context_parallel_size: int = 1):
+                       recompute_num_layers: int | None = None, context_parallel_size: int = 1,
+                       moe: MoEOptions | None = None):
     """megatron TransformerConfig equal in function to the HF model (dropout off: RL log-probs
     of the trainer must equal the engine's). `sequence_parallel` needs tp_size > 1 (megatron
-    asserts it); recompute_* are megatron's activation-recomputation knobs, passed through."""
+    asserts it); recompute_* are megatron's activation-recomputation knobs, passed through;
+    `moe`: the MoE options of a mixture-of-experts arch (moe_config_kwargs)."""
     if sequence_parallel and tp_size == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     dtype = torch.bfloat16 if bf16 else torch.float32
+    moe_kwargs = moe_config_kwargs(arch, moe or MoEOptions(), tp_size)
+    if moe_kwargs.get("moe_token_dispatcher_type") == "allgather" and pp_size > 1:
+        raise ValueError("--moe-token-dispatcher-type allgather: megatron's allgather dispatcher does not take "
+                         "variable sequence lengths, which pipeline stages exchange here (packed micro-batches "
+                         "differ in length); use alltoall with --pipeline-model-parallel-size > 1")
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -72,12 +147,12 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
         pipeline_dtype=dtype,
         # packed (THD) micro-batches differ in length: stages exchange shapes before tensors
         variable_seq_lengths=pp_size > 1,
-        # no MoE here: megatron rejects variable_seq_lengths with the default ("allgather")
-        # MoE token dispatcher even for dense models
-        moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=use_cpu_initialization,
         # weights come from the HF checkpoint right after; skip the random init work
         perform_initialization=False,
+        # dense models too: megatron rejects variable_seq_lengths with its default ("allgather")
+        # MoE token dispatcher even without experts
+        **{"moe_token_dispatcher_type": "alltoall", **moe_kwargs},
     )
 
 
@@ -85,7 +160,7 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
                     pre_process: bool | None = None, post_process: bool | None = None,
                     sequence_parallel: bool = False, recompute_granularity: str | None = None,
                     recompute_method: str | None = None, recompute_num_layers: int | None = None,
-                    context_parallel_size: int = 1, fp32_lm_head: bool = False):
+                    context_parallel_size: int = 1, fp32_lm_head: bool = False, moe: MoEOptions | None = None):
     """A GPTModel for this rank (parallel state must be initialized). Its logits are vocab-parallel
     ([b, s, padded_vocab / tp]); its parameters are uninitialized until `hf_io.load_hf_weights`.
     pre_process / post_process default to whether this rank is the first / last pipeline stage;
@@ -104,8 +179,9 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
                                 sequence_parallel=sequence_parallel,
                                 recompute_granularity=recompute_granularity,
                                 recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
-                                context_parallel_size=context_parallel_size)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
+                                context_parallel_size=context_parallel_size, moe=moe)
+    spec = get_gpt_layer_local_spec(num_experts=arch.num_experts or None, moe_grouped_gemm=False,
+                                    normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
     # megatron's local DotProductAttention rejects packed (THD) batches; ours handles both layouts
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if sequence_parallel:

@@ -33,9 +33,11 @@ def build_packed_micro_batch(batch: dict, sample_ids: list[int], device: torch.d
     total = sum(lengths)
     padded_total = -(-total // pad_multiple) * pad_multiple
     tokens = torch.zeros(1, padded_total, dtype=torch.long)
+    padding = torch.ones(1, padded_total, dtype=torch.bool)
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     for k, i in enumerate(sample_ids):
         tokens[0, starts[k] : starts[k] + len(batch["tokens"][i])] = torch.tensor(batch["tokens"][i])
+        padding[0, starts[k] : starts[k] + len(batch["tokens"][i])] = False
     seg = [*lengths, padded_total - total] if padded_total > total else lengths
     cu = torch.tensor([0, *torch.tensor(seg).cumsum(0).tolist()], dtype=torch.int32)
     position_ids = torch.cat([torch.arange(n) for n in seg]).unsqueeze(0)
@@ -48,7 +50,8 @@ def build_packed_micro_batch(batch: dict, sample_ids: list[int], device: torch.d
         sample_ids=padded.sample_ids, tokens=tokens.to(device), position_ids=position_ids.to(device),
         logit_index=logit_index.to(device), targets=padded.targets.to(device),
         valid=padded.valid.to(device), loss_mask=padded.loss_mask.to(device),
-        per_token={k: v.to(device) for k, v in padded.per_token.items()}, packed_seq_params=psp)
+        per_token={k: v.to(device) for k, v in padded.per_token.items()}, packed_seq_params=psp,
+        padding=padding.to(device))
 
 
 def token_budget_bins(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -33,6 +33,11 @@ class ParallelInfo:
     dp_size: int  # data shards (CP ranks of one shard hold the same samples)
     cp_rank: int = 0
     cp_size: int = 1
+    # mixture of experts: the experts are spread over EP ranks and each split over ETP ranks; the
+    # EP x ETP x expert-DP grid covers the same ranks as TP x CP x DP (megatron's expert grid)
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_size: int = 1
 
 
 def _pick_device(rank: int) -> tuple[torch.device, str]:
@@ -57,16 +62,28 @@ def rendezvous_store(rank: int, world_size: int, master_addr: str, master_port: 
     return tcp_store(master_addr, master_port, world_size, is_master, timeout)
 
 
-def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp_size: int = 1,
-                  pp_size: int = 1, seed: int = 1234, timeout_minutes: int = 30, cp_size: int = 1) -> ParallelInfo:
-    """Create the default process group and Megatron's TP/CP/PP/DP groups; seed the RNG tracker.
-
-    Raises ValueError when world_size is not a multiple of tp_size * cp_size * pp_size.
-    """
+def check_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, cp_size: int = 1, ep_size: int = 1,
+                 etp_size: int | None = None) -> None:
+    """Raise ValueError, naming the flags, when megatron cannot lay the ranks out this way."""
     if world_size % (tp_size * cp_size * pp_size) != 0:
         raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
                          f"{tp_size} x --context-parallel-size {cp_size} x --pipeline-model-parallel-size "
                          f"{pp_size}")
+    etp = tp_size if etp_size is None else etp_size
+    if (world_size // pp_size) % (ep_size * etp) != 0:
+        raise ValueError(f"world size {world_size} / --pipeline-model-parallel-size {pp_size} is not divisible by "
+                         f"--expert-model-parallel-size {ep_size} x --expert-tensor-parallel-size {etp}")
+
+
+def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp_size: int = 1,
+                  pp_size: int = 1, seed: int = 1234, timeout_minutes: int = 30, cp_size: int = 1,
+                  ep_size: int = 1, etp_size: int | None = None) -> ParallelInfo:
+    """Create the default process group and Megatron's TP/CP/PP/DP (and expert EP/ETP) groups;
+    seed the RNG tracker. `etp_size` None: the TP size, as Megatron's default.
+
+    Raises ValueError when the world cannot be laid out so (check_layout).
+    """
+    check_layout(world_size, tp_size, pp_size, cp_size, ep_size, etp_size)
     device, backend = _pick_device(rank)
     if not dist.is_initialized():
         timeout = timedelta(minutes=timeout_minutes)
@@ -76,6 +93,8 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                   pipeline_model_parallel_size=pp_size,
                                   context_parallel_size=cp_size,
+                                  expert_model_parallel_size=ep_size,
+                                  expert_tensor_parallel_size=etp_size,
                                   distributed_timeout_minutes=timeout_minutes)
     # Megatron offsets the seed per TP rank for dropout inside TP regions and per PP stage for
     # the default generator; with the CPU layer both live in the CPU generator.
@@ -86,6 +105,8 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
         pp_rank=mpu.get_pipeline_model_parallel_rank(), pp_size=pp_size,
         dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
         cp_rank=mpu.get_context_parallel_rank(), cp_size=cp_size,
+        ep_rank=mpu.get_expert_model_parallel_rank(), ep_size=ep_size,
+        etp_size=mpu.get_expert_tensor_parallel_world_size(),
     )
 
 

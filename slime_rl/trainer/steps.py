@@ -45,6 +45,11 @@ def model_forward(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
         gpt = unwrap(model)
         if gpt.pre_process:
             extra["decoder_input"] = decoder_input(gpt, mb)
+    gpt = unwrap(model)
+    if mb.padding is not None and mb.cp_own is None and getattr(gpt.config, "num_moe_experts", None):
+        # MoE: padding out of the routers' load-balancing loss (as a longer row must not change it).
+        # Not under context parallelism yet: the mask would need the CP split of the tokens.
+        extra["padding_mask"] = mb.padding
     return model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
                  packed_seq_params=mb.packed_seq_params, **extra)
 

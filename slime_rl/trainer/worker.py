@@ -37,7 +37,7 @@ from slime_rl.trainer.mcore import (
     on_rank_thread,
 )
 from slime_rl.trainer.micro import MicroBatching, collect_per_sample
-from slime_rl.trainer.model import build_from_checkpoint
+from slime_rl.trainer.model import MoEOptions, build_from_checkpoint, moe_aux_losses
 from slime_rl.trainer.objective import (
     StepInputs,
     fused_step_sums,
@@ -63,7 +63,10 @@ class MegatronRank:
         (prompt + response tokens) instead of micro_batch_size samples;
       loss_agg_mode (loss_agg.LOSS_AGG_MODES) / loss_agg_max_len (seq-mean-token-sum-norm's H);
       sequence_parallel, recompute_granularity / recompute_method / recompute_num_layers: passed
-        to megatron's TransformerConfig.
+        to megatron's TransformerConfig;
+      moe_aux_loss_coeff / moe_router_load_balancing_type / moe_token_dispatcher_type /
+        moe_grouped_gemm: a mixture-of-experts model's options (model.MoEOptions; the expert
+        parallel sizes come with `parallel`).
     """
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
@@ -73,9 +76,16 @@ class MegatronRank:
                  max_tokens_per_gpu: int | None = None, loss_agg_mode: str = "token-mean",
                  loss_agg_max_len: int | None = None, sequence_parallel: bool = False,
                  recompute_granularity: str | None = None, recompute_method: str | None = None,
-                 recompute_num_layers: int | None = None) -> None:
+                 recompute_num_layers: int | None = None, moe_aux_loss_coeff: float = 0.0,
+                 moe_router_load_balancing_type: str = "aux_loss", moe_token_dispatcher_type: str = "alltoall",
+                 moe_grouped_gemm: bool = False) -> None:
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
         cp = parallel.context_parallel_size
+        ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
+        moe = MoEOptions(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                         moe_aux_loss_coeff=moe_aux_loss_coeff,
+                         moe_router_load_balancing_type=moe_router_load_balancing_type,
+                         moe_token_dispatcher_type=moe_token_dispatcher_type, moe_grouped_gemm=moe_grouped_gemm)
         check_mode(loss_agg_mode, loss_agg_max_len)
         self.loss_agg_mode, self.loss_agg_max_len = loss_agg_mode, loss_agg_max_len
         # --lr-warmup-fraction: Megatron's, a fraction of the decay steps
@@ -88,7 +98,8 @@ class MegatronRank:
         # megatron's distributed optimizer reads .grad of its (non-leaf) shard views in zero_grad,
         # which makes torch warn on every step, GPU or CPU: noise, not a problem of ours
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-        self.info = init_parallel(rank, world_size, master_addr, master_port, tp, pp, model.seed, cp_size=cp)
+        self.info = init_parallel(rank, world_size, master_addr, master_port, tp, pp, model.seed, cp_size=cp,
+                                  ep_size=ep, etp_size=etp)
         if batch.global_batch_size % self.info.dp_size != 0:
             raise ValueError(f"--global-batch-size {batch.global_batch_size} is not divisible by the "
                              f"data-parallel size {self.info.dp_size}")
@@ -96,7 +107,8 @@ class MegatronRank:
             model.hf_checkpoint, bf16=model.bf16, tp_size=tp, pp_size=pp,
             pad_vocab_multiple=pad_vocab_multiple, sequence_parallel=sequence_parallel,
             recompute_granularity=recompute_granularity, recompute_method=recompute_method,
-            recompute_num_layers=recompute_num_layers, context_parallel_size=cp, fp32_lm_head=model.fp32_lm_head)
+            recompute_num_layers=recompute_num_layers, context_parallel_size=cp, fp32_lm_head=model.fp32_lm_head,
+            moe=moe)
         hf_io.load_hf_weights(self.gpt, model.hf_checkpoint, self.arch)
         vision = None
         if self.arch.vision is not None:
@@ -227,6 +239,12 @@ class MegatronRank:
         teardown_parallel()
 
 
+def moe_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
+    """An MoE model's load-balancing losses (megatron's, unscaled by the coefficient), mean over mini-batches."""
+    return {f"train/moe_{key[len('moe/'):]}": sum(st[key] for st in stats) / len(stats)
+            for key in stats[0] if key.startswith("moe/")}
+
+
 class TrainerWorker(MegatronRank):
     """The policy's rank: log-probs, the reference copy, the RL train step, weights out."""
 
@@ -350,7 +368,11 @@ class TrainerWorker(MegatronRank):
         if store:  # the last pipeline stage
             sums.copy_(torch.stack([out["sums"] for out in store]).sum(dim=0))
         broadcast_from_last_stage(sums)
-        return dict(zip(STAT_KEYS, self._dp_sum(sums.tolist()), strict=True))
+        out = dict(zip(STAT_KEYS, self._dp_sum(sums.tolist()), strict=True))
+        # an MoE model's load-balancing losses (megatron's tracker: mean over layers and
+        # micro-batches, averaged over DP; identical on every rank)
+        out.update(moe_aux_losses(self.gpt.config, len(mbs)))
+        return out
 
     @on_rank_thread
     def step_inputs(self, batch: dict, values: list | None = None) -> StepInputs:
@@ -410,7 +432,8 @@ class TrainerWorker(MegatronRank):
             self._refresh_reference()
         self.last_timings = {"perf/train_inputs_s": t1 - t0, "perf/train_fwd_bwd_s": t2 - t1 - opt_s,
                              "perf/train_optimizer_s": opt_s}
-        return train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
+        return (train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
+                | moe_metrics(stats))
 
     # wall seconds of the last train_step's phases on this rank (the RankActor adds them to the step's
     # metrics; the phases end in host syncs: DP-summed stats, the grad norm): old/ref log-probs and
@@ -451,7 +474,7 @@ class TrainerWorker(MegatronRank):
         self.last_timings = {"perf/train_inputs_s": t1 - t0, "perf/train_fwd_bwd_s": t2 - t1,
                              "perf/train_optimizer_s": t3 - t2}
         return train_metrics(self.algo, fused_step_sums(batch_sums, stats), [stats], [grad_norm], lr,
-                             have_ref=ref is not None)
+                             have_ref=ref is not None) | moe_metrics([stats])
 
     # ---- weights out
     @on_rank_thread

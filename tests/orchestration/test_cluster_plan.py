@@ -156,9 +156,7 @@ def _refusal_or_plan(argv: list[str], capsys) -> tuple[int, str, str]:
     code = train_main(argv)
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()[-1] if captured.err.strip() else ""
-    if code != 0 and "unrecognized arguments" in err:
-        unknown = err.split("unrecognized arguments:", 1)[1].split()
-        pytest.xfail(f"slime flags not accepted yet (issue #23's flag part): {[u for u in unknown if u[:2] == '--']}")
+    assert "unrecognized arguments" not in err, err  # every flag of slime's list is known here
     return code, captured.out, err
 
 

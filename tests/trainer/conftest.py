@@ -18,9 +18,9 @@ from tests.trainer.trainer_scenarios import scenario_runner
 
 
 @pytest.fixture(scope="session")
-def ckpts(tiny_qwen2, tiny_llama, tmp_path_factory) -> dict:
+def ckpts(tiny_qwen2, tiny_llama, tiny_qwen3_moe, tmp_path_factory) -> dict:
     return {"qwen2": tiny_qwen2, "llama": tiny_llama,
-            "qwen3": make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))}
+            "qwen3": make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3")), "qwen3_moe": tiny_qwen3_moe}
 
 
 @pytest.fixture(scope="session")

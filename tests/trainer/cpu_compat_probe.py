@@ -101,6 +101,19 @@ def main() -> None:
     ok, err = attempt(use_streams)
     res["streams"] = {"before": before, "after_error": err, "ok": ok}
 
+    # moe_splits: the alltoall dispatcher's split sizes must reach all_to_all_single as numpy
+    from megatron.core.transformer.moe import moe_utils
+
+    splits = torch.tensor([3, 1])
+    before_type = type(moe_utils.maybe_move_tensor_to_cpu(splits, as_numpy=True)).__name__
+    cpu_compat.apply(only=("moe_splits",))
+    from megatron.core.transformer.moe import token_dispatcher
+
+    moved = token_dispatcher.maybe_move_tensor_to_cpu(splits, as_numpy=True)
+    kept = moe_utils.maybe_move_tensor_to_cpu(splits)
+    res["moe_splits"] = {"before": before_type, "after": type(moved).__name__, "values": moved.tolist(),
+                         "tensor_kept": torch.is_tensor(kept)}
+
     cpu_compat.apply()  # the full set on top: still idempotent
     res["applied"] = sorted(cpu_compat.applied())
 

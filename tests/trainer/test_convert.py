@@ -7,6 +7,8 @@ group's q heads, then its k head, then its v head), not by the code under test.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -24,7 +26,9 @@ from slime_rl.trainer.hf_io import iter_hf_sources, iter_hf_weights, stage_param
 CFG = dict(model_type="qwen2", hidden_size=8, intermediate_size=6, num_hidden_layers=1,
            num_attention_heads=4, num_key_value_heads=2, vocab_size=10, rms_norm_eps=1e-6,
            rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, tie_word_embeddings=True,
-           hidden_act="silu")
+           hidden_act="silu",
+           # read by the MoE families only (qwen3_moe): 4 experts of width 6, top-2
+           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6)
 
 
 TEXT_FAMILIES = sorted(k for k, f in FAMILIES.items() if not f.vision)
@@ -82,7 +86,7 @@ def test_round_trip_every_param_bit_exact(model_type, tp):
     shapes = {"q_proj": (4 * 3, 8), "k_proj": (2 * 3, 8), "v_proj": (2 * 3, 8), "o_proj": (8, 4 * 3),
               "q_norm": (3,), "k_norm": (3,), "gate_proj": (6, 8), "up_proj": (6, 8), "down_proj": (8, 6),
               "embed_tokens": (10, 8), "lm_head": (10, 8)}
-    for pm in arch.family.param_maps(arch.num_layers, tied=False):
+    for pm in arch.family.param_maps(arch.num_layers, tied=False, num_experts=arch.num_experts):
         hf = [torch.randn(shapes.get(n.split(".")[-2], (8,))[: (1 if n.endswith("bias") else 2)],
                           generator=g) for n in pm.hf]
         shards = [hf_to_mcore_shard(pm, hf, arch, r, tp) for r in range(tp)]
@@ -107,15 +111,24 @@ def test_tied_models_have_no_output_layer_and_families_are_explicit():
 
 @pytest.mark.parametrize("model_type", TEXT_FAMILIES)
 @pytest.mark.parametrize("tied", [True, False])
-def test_hf_shapes_are_those_of_the_transformers_model(model_type, tied):
+def test_hf_shapes_are_those_of_the_transformers_model(model_type, tied, tmp_path):
     """The registry's named dimensions against the state dict transformers builds from the same
-    config (the independent reference): same names, same shapes."""
+    config (the independent reference): same names, same shapes. MoE families: as transformers
+    saves it (its module fuses the experts; its checkpoint names them one by one)."""
+    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = CFG | {"model_type": model_type, "tie_word_embeddings": tied, "head_dim": 3, "num_hidden_layers": 2,
                  "attention_bias": False, "mlp_bias": False, "use_sliding_window": False}
     hf_cfg = AutoConfig.for_model(**cfg)
-    state = AutoModelForCausalLM.from_config(hf_cfg).state_dict()
+    model = AutoModelForCausalLM.from_config(hf_cfg)
+    if FAMILIES[model_type].moe:
+        model.save_pretrained(tmp_path)
+        with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+            state = {n: f.get_slice(n) for n in f.keys()}
+        state = {n: types.SimpleNamespace(shape=tuple(t.get_shape())) for n, t in state.items()}
+    else:
+        state = model.state_dict()
     want = {n: tuple(t.shape) for n, t in state.items() if not (tied and n == "lm_head.weight")}
     want = {n: s for n, s in want.items() if not n.endswith("rotary_emb.inv_freq")}
     assert hf_shapes(arch_from_hf_config(cfg)) == want

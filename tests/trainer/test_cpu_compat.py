@@ -65,8 +65,15 @@ def test_streams_and_events_are_noops(report):
     assert r["after_error"] is None and r["ok"] is True
 
 
+def test_moe_split_sizes_become_numpy(report):
+    r = report["moe_splits"]
+    assert r["before"] == "Tensor"  # megatron converts only CUDA tensors
+    assert r["after"] == "ndarray" and r["values"] == [3, 1] and r["tensor_kept"]
+
+
 def test_apply_is_idempotent_and_complete(report):
-    assert report["applied"] == ["current_device", "device_mode", "paged_stash", "rng", "streams"]
+    assert report["applied"] == ["current_device", "device_mode", "moe_splits", "paged_stash", "rng", "streams",
+                                 "uneven_collectives"]
 
 
 def test_on_rank_thread_gives_another_thread_the_device_mode(report):

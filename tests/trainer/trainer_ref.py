@@ -37,9 +37,11 @@ def select(batch: dict, ids: list[int]) -> dict:
 
 
 def hf_model(ckpt: str | Path):
+    """The HF model in float64. MoE models run their experts one by one ("eager"): transformers'
+    default grouped_mm kernel takes no float64."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).double()
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, experts_implementation="eager").double()
 
 
 def _response_logits(model, batch: dict, i: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,10 +52,13 @@ def _gather_dp_grad_shards(w) -> None:
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-    # megatron's DDP and distributed optimizer work over the DP x CP group (CP ranks hold shards too)
-    group = mpu.get_data_parallel_group(with_context_parallel=True)
-    dp, r = dist.get_world_size(group), dist.get_rank(group)
-    for buffer in w.model.buffers:
+    # megatron's DDP and distributed optimizer work over the DP x CP group (CP ranks hold shards too);
+    # an MoE model's expert parameters over the expert-DP group
+    dense = mpu.get_data_parallel_group(with_context_parallel=True)
+    expert = mpu.get_expert_data_parallel_group() if getattr(w.model, "expert_parallel_buffers", None) else None
+    for buffer, group in [*((b, dense) for b in w.model.buffers),
+                          *((b, expert) for b in getattr(w.model, "expert_parallel_buffers", []))]:
+        dp, r = dist.get_world_size(group), dist.get_rank(group)
         for bucket in buffer.buckets:
             shards = shard_buffer(bucket.grad_data, dp)
             gathered = [torch.empty_like(shards[r]) for _ in range(dp)]
@@ -66,25 +69,12 @@ def _gather_dp_grad_shards(w) -> None:
 
 def hf_grads(w) -> dict[str, torch.Tensor]:
     """main_grad of every parameter of this pipeline stage after forward_backward, gathered over
-    TP into (global) HF names."""
-    from megatron.core import parallel_state as mpu
-
-    from slime_rl.trainer.convert import mcore_shards_to_hf
-    from slime_rl.trainer.hf_io import stage_param_maps
+    TP (ETP and EP for an MoE model's experts) into (global) HF names."""
+    from slime_rl.trainer.hf_io import iter_hf_tensors
 
     if w.dp_size * w.info.cp_size > 1:
         _gather_dp_grad_shards(w)
-    params = dict(w.gpt.named_parameters())
-    tp = mpu.get_tensor_model_parallel_world_size()
-    out = {}
-    for local, pm, emit in stage_param_maps(w.arch, w.pp_rank, w.pp_size):
-        if not emit:
-            continue
-        g = params[local].main_grad.detach().clone()
-        shards = [torch.empty_like(g) for _ in range(tp)]
-        dist.all_gather(shards, g, group=mpu.get_tensor_model_parallel_group())
-        out.update(dict(mcore_shards_to_hf(pm, shards, w.arch)))
-    return out
+    return {n: t.clone() for n, t in iter_hf_tensors(w.gpt, w.arch, lambda p: p.main_grad.detach())}
 
 
 def scenario_tp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
@@ -221,11 +211,18 @@ def _run_scenario_once(name: str, world: int, port: int, out: Path, ckpts: dict[
 def main() -> None:
     name, rank, world, port, out, ckpt_json = sys.argv[1:7]
     torch.manual_seed(0)
-    from tests.trainer import algo_scenarios, critic_scenarios, parallel_scenarios, ref_load_scenarios, vl_scenarios
+    from tests.trainer import (
+        algo_scenarios,
+        critic_scenarios,
+        moe_scenarios,
+        parallel_scenarios,
+        ref_load_scenarios,
+        vl_scenarios,
+    )
 
     func = SCENARIOS.get(name) or {**parallel_scenarios.SCENARIOS, **algo_scenarios.SCENARIOS,
                                    **critic_scenarios.SCENARIOS, **vl_scenarios.SCENARIOS,
-                                   **ref_load_scenarios.SCENARIOS}[name]
+                                   **ref_load_scenarios.SCENARIOS, **moe_scenarios.SCENARIOS}[name]
     res = func(int(rank), int(world), int(port), json.loads(ckpt_json))
     res = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in res.items()}
     torch.save(_to_cpu(res), Path(out) / f"{name}_rank{rank}.pt")

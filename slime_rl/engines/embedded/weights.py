@@ -30,6 +30,7 @@ import torch
 
 from slime_rl.engines import dist_group
 from slime_rl.engines.embedded.engine import Engine
+from slime_rl.engines.embedded.experts import expert_aliases
 from slime_rl.engines.embedded.sampling import RequestError
 from slime_rl.engines.embedded.vision import checkpoint_aliases
 from slime_rl.engines.tensor_ipc import UnsafePayloadError, deserialize_named_tensors
@@ -43,6 +44,7 @@ class WeightSync:
         # model.embed_tokens.weight): updating either one updates the shared storage.
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.params.update(checkpoint_aliases(self.params, model.config))  # Qwen2.5-VL: HF checkpoint names
+        self.params.update(expert_aliases(self.params, model.config))  # Qwen-MoE: one name per expert
         # (aliases and tied names count twice: a generous bound on what one update can announce)
         self._held_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.groups: dict[str, object] = {}

@@ -35,6 +35,13 @@ class ModelArch:
     # vision-language models: the (t, h, w) split of the rotary channels, and the vision tower
     mrope_section: tuple[int, ...] | None = None
     vision: VisionArch | None = None
+    # mixture of experts (Family.moe): routed experts per layer (0: dense), experts per token, one
+    # expert's width, and whether the top-k probabilities are renormalised to sum to 1 (HF's
+    # norm_topk_prob: softmax over all experts, top-k, divide by their sum)
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = False
 
     @property
     def family(self) -> Family:
@@ -84,6 +91,8 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         if not mrope:
             raise ValueError(f"{where}: a {family.model_type} config needs rope_parameters.mrope_section "
                              "(or rope_scaling.mrope_section)")
+    if family.moe:  # hub configs write mlp_only_layers: null as often as []
+        cfg = {**cfg, "mlp_only_layers": cfg.get("mlp_only_layers") or []}
     for key, allowed in family.required_config.items():
         if cfg.get(key, allowed) != allowed:
             raise ValueError(f"{where}: {key}={cfg[key]!r} is not supported for model_type "
@@ -97,6 +106,7 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
                          "query groups")
     vocab = int(cfg["vocab_size"])
     multiple = pad_vocab_multiple * tp_size
+    moe = _moe_fields(cfg, where) if family.moe else {}
     return ModelArch(
         model_type=family.model_type,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -115,7 +125,23 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         qk_layernorm=family.qk_layernorm,
         mrope_section=tuple(int(x) for x in mrope) if mrope else None,
         vision=vision,
+        **moe,
     )
+
+
+def _moe_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """ModelArch's MoE fields from a Qwen-MoE config.json. The hub's configs name the expert count
+    num_experts; transformers 5 writes it back as num_local_experts (its attribute map)."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+                              ("moe_intermediate_size", cfg.get("moe_intermediate_size"))) if v is None]
+    if missing:
+        raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} needs {missing} (mixture of experts)")
+    experts, topk = int(experts), int(cfg["num_experts_per_tok"])
+    if not 1 <= topk <= experts:
+        raise ValueError(f"{where}: num_experts_per_tok={topk} must be in [1, num_experts={experts}]")
+    return {"num_experts": experts, "moe_topk": topk, "moe_ffn_hidden_size": int(cfg["moe_intermediate_size"]),
+            "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", False))}
 
 
 def load_arch(checkpoint_dir: str | Path, tp_size: int = 1, pad_vocab_multiple: int = 1) -> ModelArch:
@@ -128,9 +154,9 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     registry's order; a checkpoint whose tensors differ belongs to another config."""
     size = {"vocab": arch.vocab_size, "hidden": arch.hidden_size, "ffn": arch.ffn_hidden_size,
             "q": arch.num_attention_heads * arch.kv_channels, "kv": arch.num_query_groups * arch.kv_channels,
-            "head": arch.kv_channels}
+            "head": arch.kv_channels, "experts": arch.num_experts, "moe_ffn": arch.moe_ffn_hidden_size}
     out: dict[str, tuple[int, ...]] = {pm.hf[0]: pm.shapes[0] for pm in arch.vision_params}  # concrete sizes
-    for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings):
+    for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings, arch.num_experts):
         assert len(pm.shapes) == len(pm.hf), f"registry entry {pm.mcore}: one shape per HF name"
         for name, dims in zip(pm.hf, pm.shapes, strict=True):
             out[name] = tuple(size[d] for d in dims)

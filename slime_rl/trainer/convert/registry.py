@@ -5,16 +5,26 @@ TransformerEngine): norms are separate modules (`input_layernorm.weight`,
 `pre_mlp_layernorm.weight`), not fused into the linear (`linear_qkv.layer_norm_weight` is the TE
 spec's name). Each entry says how the tensor is laid out over tensor-parallel ranks (`Layout`);
 the tensor math lives in `shards.py`. No dispatch by substring: a family lists every parameter.
+
+Mixture-of-experts families (`Family.moe`) use megatron-core 0.19's MoELayer under the local spec:
+the router is `mlp.router.weight` ([experts, hidden], whole on every rank) and the routed experts
+are SequentialMLP's `mlp.experts.local_experts.{e}.linear_fc1/fc2.weight`, one MLP per expert
+(TEGroupedMLP's `weight1` / `weight2` need TransformerEngine). An expert entry (`ParamMap.expert`)
+carries "{e}": in the Megatron name the expert's index on its expert-parallel rank, in the HF
+names the global index (EP rank x local experts + local index), and it is split over the
+expert-tensor-parallel group (ETP) rather than TP.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 # the named dimensions of `ParamMap.shapes`, defined from config.json in arch.py (`hf_shapes`)
-DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head")  # q = heads x head_dim, kv = kv heads x head_dim
+# q = heads x head_dim, kv = kv heads x head_dim; experts = routed experts, moe_ffn = one expert's width
+DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "moe_ffn")
 
 
 class Layout(Enum):
@@ -33,10 +43,23 @@ class ParamMap:
     # the HF shape of each name in `hf`, in named dimensions (DIMS): what config.json implies
     shapes: tuple[tuple[str, ...], ...] = ()
     untied_only: bool = False  # present only when input and output embeddings are separate
+    expert: bool = False  # one routed expert's ("{e}" in both names): split over ETP, spread over EP
 
     def at_layer(self, i: int) -> ParamMap:
-        return ParamMap(self.mcore.format(i=i), tuple(h.format(i=i) for h in self.hf), self.layout,
-                        self.shapes, self.untied_only)
+        return dataclasses.replace(self, mcore=self.mcore.replace("{i}", str(i)),
+                                   hf=tuple(h.replace("{i}", str(i)) for h in self.hf))
+
+    def at_expert(self, local: int, global_: int) -> ParamMap:
+        """The entry of one expert: Megatron's local index, HF's global one."""
+        return dataclasses.replace(self, mcore=self.mcore.replace("{e}", str(local)),
+                                   hf=tuple(h.replace("{e}", str(global_)) for h in self.hf))
+
+    def expand_experts(self, num_local: int, first_global: int = 0) -> list[ParamMap]:
+        """[self] for a dense entry; for an expert entry, one per local expert j (HF index
+        first_global + j)."""
+        if not self.expert:
+            return [self]
+        return [self.at_expert(j, first_global + j) for j in range(num_local)]
 
 
 @dataclass(frozen=True)
@@ -52,14 +75,17 @@ class Family:
     # vision-language: the language fields may sit in config.json's text_config, positions are
     # 3-D mRoPE and an HF vision tower feeds the first stage (convert/vision.py)
     vision: bool = False
+    # mixture of experts: every layer's MLP is megatron's MoELayer (router + routed experts)
+    moe: bool = False
 
-    def param_maps(self, num_layers: int, tied: bool) -> list[ParamMap]:
-        """Every parameter of the model, embedding first, in layer order, output layer last."""
+    def param_maps(self, num_layers: int, tied: bool, num_experts: int = 0) -> list[ParamMap]:
+        """Every parameter of the model, embedding first, in layer order, output layer last (an
+        MoE family's experts in expert order, as if one rank held them all)."""
         first = [p for p in self.global_params if p.mcore.startswith("embedding.")]
         last = [p for p in self.global_params if not p.mcore.startswith("embedding.")]
         maps = list(first)
         for i in range(num_layers):
-            maps += [p.at_layer(i) for p in self.layer_params]
+            maps += [e for p in self.layer_params for e in p.at_layer(i).expand_experts(num_experts)]
         maps += last
         return [p for p in maps if not (p.untied_only and tied)]
 
@@ -99,6 +125,14 @@ _QK_NORM = (
              Layout.REPLICATED, (("head",),)),
 )
 _SWIGLU = {"hidden_act": "silu"}
+_E = _H + "mlp.experts.{e}."
+_MOE = (
+    ParamMap(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), Layout.REPLICATED, (("experts", "hidden"),)),
+    ParamMap(_L + "mlp.experts.local_experts.{e}.linear_fc1.weight", (_E + "gate_proj.weight", _E + "up_proj.weight"),
+             Layout.FC1, (("moe_ffn", "hidden"), ("moe_ffn", "hidden")), expert=True),
+    ParamMap(_L + "mlp.experts.local_experts.{e}.linear_fc2.weight", (_E + "down_proj.weight",), Layout.ROW,
+             (("hidden", "moe_ffn"),), expert=True),
+)
 
 FAMILIES: dict[str, Family] = {
     "qwen2": Family(
@@ -125,6 +159,17 @@ FAMILIES: dict[str, Family] = {
         layer_params=(_NORMS[0], _QKV_W, *_QK_NORM, _PROJ, _NORMS[1], *_MLP),
         qkv_bias=False, qk_layernorm=True, default_tied=False,
         required_config={**_SWIGLU, "attention_bias": False, "use_sliding_window": False},
+    ),
+    # Qwen3-30B-A3B / 235B-A22B: every layer sparse (no shared expert), q/k-norm as qwen3
+    "qwen3_moe": Family(
+        model_type="qwen3_moe", global_params=_GLOBAL,
+        layer_params=(_NORMS[0], _QKV_W, *_QK_NORM, _PROJ, _NORMS[1], *_MOE),
+        qkv_bias=False, qk_layernorm=True, default_tied=False,
+        # a dense MLP in some layers (mlp_only_layers, decoder_sparse_step > 1) needs megatron's
+        # per-layer MoE pattern (moe_layer_freq), not built here yet
+        required_config={**_SWIGLU, "attention_bias": False, "use_sliding_window": False,
+                         "decoder_sparse_step": 1, "mlp_only_layers": []},
+        moe=True,
     ),
 }
 

@@ -1,0 +1,36 @@
+"""The built-in engine serves a Qwen-MoE model under the checkpoint's per-expert names
+(engines/embedded/experts.py): each name reads the expert's tensor as saved, and a write through it
+changes what the model computes."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from slime_rl.engines.embedded.experts import expert_aliases
+
+
+def test_expert_aliases_are_the_checkpoint_tensors_and_write_through(tiny_qwen3_moe, tiny_qwen2):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe, dtype=torch.float32).eval()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    aliases = expert_aliases(params, model.config)
+    saved = load_file(tiny_qwen3_moe / "model.safetensors")
+    assert set(aliases) == {n for n in saved if ".mlp.experts." in n}  # 2 layers x 8 experts x 3
+    assert len(aliases) == 48
+    for name, view in aliases.items():
+        assert torch.equal(view, saved[name]), name  # same values, same [out, in] layout
+        assert not view.requires_grad
+    # every other checkpoint name is a parameter of the model itself
+    assert {n for n in saved if ".mlp.experts." not in n} <= set(params)
+    tokens = torch.tensor([[3, 8, 13, 21, 34]])
+    with torch.no_grad():
+        before = model(tokens).logits
+        for e in range(8):  # zero every expert's down projection of layer 1: its MoE output is 0
+            aliases[f"model.layers.1.mlp.experts.{e}.down_proj.weight"].zero_()
+        after = model(tokens).logits
+    assert not torch.equal(before, after)
+    assert float(params["model.layers.1.mlp.experts.down_proj"].abs().max()) == 0.0
+    dense = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    assert expert_aliases(dict(dense.named_parameters()), dense.config) == {}

@@ -1,0 +1,90 @@
+"""Mixture-of-experts scenarios (issue 22), run like trainer_scenarios.py
+(`python -m tests.trainer.trainer_scenarios NAME ...` finds them here).
+
+Each layout records, on the fixed batch at temperature 1 with a load-balancing loss on, the
+log-probs of its DP shard, the mini-batch stats (with megatron's aux loss), the full gradient in HF
+names (experts gathered over EP / ETP), the grad norm megatron's optimizer computes (before
+clipping; no step is taken) and the HF tensors weight sync would send. "moe1" also runs without
+the aux loss, so its gradient can be compared with HF's own (float64, no aux loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from tests.trainer.trainer_ref import make_batch, select
+from tests.trainer.trainer_scenarios import hf_grads, weights
+
+AUX_COEFF = 0.01
+MOE_LAYOUTS = {  # name: (tp, pp, ep); DP is what is left of the world, ETP = TP (megatron's default)
+    "base": (1, 1, 1), "ep2": (1, 1, 2), "ep2tp2": (2, 1, 2), "ep2pp2": (1, 2, 2),
+}
+
+
+def _worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int, ep: int, aux: float, **kw):
+    from slime_rl.trainer.worker import TrainerWorker
+
+    return TrainerWorker(rank, world, "127.0.0.1", port,
+                         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                        actor_num_gpus_per_node=world, expert_model_parallel_size=ep),
+                         BatchConfig(micro_batch_size=2, global_batch_size=4),
+                         OptimizerConfig(lr=1e-3, clip_grad=1.0), ModelConfig(hf_checkpoint=ckpt),
+                         AlgoConfig(), train_iters=10, moe_aux_loss_coeff=aux, **kw)
+
+
+def run_moe(rank: int, world: int, port: int, ckpt: str, name: str, res: dict, aux: float = AUX_COEFF,
+            layouts: tuple[str, ...] = ("padded", "packed"), **kw) -> None:
+    tp, pp, ep = MOE_LAYOUTS[name]
+    batch = make_batch()
+    w = _worker(rank, world, port, ckpt, tp, pp, ep, aux, **kw)
+    n = len(batch["tokens"]) // w.dp_size
+    ids = list(range(w.dp_rank * n, (w.dp_rank + 1) * n))
+    shard = select(batch, ids)
+    res[f"{name}/ids"] = ids
+    res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.ep_rank, w.dp_rank)
+    res[f"{name}/weights"] = weights(w)
+    res[f"{name}/metadata"] = w.hf_weight_metadata()
+    res[f"{name}/sources"] = {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()}
+    for layout in layouts:
+        w.micro = dataclasses.replace(w.micro, pack_sequences=layout == "packed")
+        key = f"{name}/{layout}"
+        t = time.perf_counter()
+        res[f"{key}/logp"] = logp = w.compute_logprobs(shard)
+        res[f"{key}/stats"] = w.forward_backward(shard, logp)
+        res[f"{key}/grad"] = hf_grads(w)
+        w.optimizer.prepare_grads()  # model grads -> main grads, as step() does before the norm
+        res[f"{key}/grad_norm"] = float(w.optimizer.get_grad_norm())
+        res[f"{key}/s"] = time.perf_counter() - t
+    w.shutdown()
+
+
+def scenario_moe1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    res: dict = {}
+    run_moe(rank, world, port, ckpts["qwen3_moe"], "base", res)
+    noaux: dict = {}
+    run_moe(rank, world, port + 1, ckpts["qwen3_moe"], "base", noaux, aux=0.0, layouts=("packed",))
+    res.update({f"noaux/{k}": v for k, v in noaux.items()})
+    return res
+
+
+# megatron's MoELayer refuses to train with TP > 1 without sequence parallelism (packed batches only)
+MOE_KW = {"ep2tp2": {"sequence_parallel": True}}
+MOE_RUN_LAYOUTS = {"ep2tp2": ("packed",)}
+
+
+def _layouts(*names: str):
+    def scenario(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+        res: dict = {}
+        for k, name in enumerate(names):
+            run_moe(rank, world, port + 10 * k, ckpts["qwen3_moe"], name, res,
+                    layouts=MOE_RUN_LAYOUTS.get(name, ("padded", "packed")), **MOE_KW.get(name, {}))
+        return res
+
+    return scenario
+
+
+# world 4: one layout per run, so that each stays inside run_scenario's timeout on a loaded machine
+SCENARIOS = {"moe1": scenario_moe1, "moe_ep2": _layouts("ep2"), "moe_ep2tp2": _layouts("ep2tp2"),
+             "moe_ep2pp2": _layouts("ep2pp2")}
