@@ -374,6 +374,17 @@ class TrainerWorker(MegatronRank):
         out.update(moe_aux_losses(self.gpt.config, len(mbs)))
         return out
 
+    def _reference_logprobs(self, batch: dict) -> list | None:
+        """The reference model's log-probs of the batch (a forward under the reference weights) when
+        the algorithm uses one (algo.use_reference), else None."""
+        if not self.algo.use_reference:
+            return None
+        if self._ref is None:
+            raise ValueError("the algorithm needs a reference model but the worker was built without "
+                             "one (construct it with an AlgoConfig whose use_reference is true)")
+        with self.reference_weights():
+            return self._forward_logprobs(batch, with_entropy=False)[0]
+
     @on_rank_thread
     def step_inputs(self, batch: dict, values: list | None = None) -> StepInputs:
         """Everything a train step computes once before its mini-batches: old log-probs and
@@ -381,13 +392,7 @@ class TrainerWorker(MegatronRank):
         (algo.token_level_advantages; whitened over the DP group; ppo: GAE on the critic's
         `values`, which also gives the returns) and the DP-summed step sums."""
         old, entropy = self._forward_logprobs(batch, with_entropy=True)
-        ref = None
-        if self.algo.use_reference:
-            if self._ref is None:
-                raise ValueError("the algorithm needs a reference model but the worker was built without "
-                                 "one (construct it with an AlgoConfig whose use_reference is true)")
-            with self.reference_weights():
-                ref = self._forward_logprobs(batch, with_entropy=False)[0]
+        ref = self._reference_logprobs(batch)
         adv = returns = None
         if self.algo.token_level_advantages:
             adv, returns = token_advantages(self.algo, batch, old, ref, self.info.device, dp_group(), values)
@@ -455,13 +460,7 @@ class TrainerWorker(MegatronRank):
         (objective.policy_objective, fused path); the reference log-probs (KL) still take their own
         forward under the reference weights. Same metrics as the two-pass step."""
         t0 = time.perf_counter()
-        ref = None
-        if self.algo.use_reference:
-            if self._ref is None:
-                raise ValueError("the algorithm needs a reference model but the worker was built without "
-                                 "one (construct it with an AlgoConfig whose use_reference is true)")
-            with self.reference_weights():
-                ref = self._forward_logprobs(batch, with_entropy=False)[0]
+        ref = self._reference_logprobs(batch)
         batch_sums = step_sums(batch, None, self.info.device, dp_group())
         t1 = time.perf_counter()
         stats = self.forward_backward(batch, None, ref, None)  # returns DP-summed floats: synchronized
