@@ -49,6 +49,8 @@ COMPANIONS = {
     "--num-critic-only-steps": ["--advantage-estimator", "ppo"],
     "--critic-load": ["--advantage-estimator", "ppo"],
     "--cluster": ["--dry-run"],
+    "--expert-model-parallel-size": ["--actor-num-gpus-per-node", "2"],
+    "--expert-tensor-parallel-size": ["--actor-num-gpus-per-node", "2"],
 }
 OPTIONAL_PACKAGES = {"--use-wandb": "wandb", "--use-tensorboard": "tensorboard", "--use-swanlab": "swanlab"}
 
