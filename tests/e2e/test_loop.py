@@ -142,7 +142,10 @@ def test_resume_continues_exactly(ray_session, tiny_qwen2, digit_data, tmp_path)
     state (weights, Adam, scheduler, RNG) and the data position come from the checkpoint."""
     from slime_rl.trainer.checkpoint import latest_checkpoint
 
-    det = ["--deterministic-rollout", "--custom-rm-path", "tests.plugins.example_reward:index_reward"]
+    # --lr-decay-iters 4: the 2-step run stands in for the first half of the 4-step one, so its (linear,
+    # the default) LR schedule must span the same 4 steps; the resume must restore where it stands
+    det = ["--deterministic-rollout", "--custom-rm-path", "tests.plugins.example_reward:index_reward",
+           "--lr-decay-iters", "4"]
     straight = train(*_cfg_plan(argv(tiny_qwen2, digit_data, tmp_path / "a", steps=4) + det))
     ckpt = tmp_path / "ckpt"
     first = train(*_cfg_plan(argv(tiny_qwen2, digit_data, tmp_path / "b", steps=2) + det
