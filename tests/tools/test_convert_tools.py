@@ -145,7 +145,7 @@ def test_unsupported_model_type_and_layout(tiny_qwen2, tmp_path):
     with pytest.raises(ValueError, match=rf"model_type 'gpt2' is not supported; supported model types: {supported}"):
         to_mcore(["--hf-checkpoint", str(bad), "--save", str(tmp_path / "out")])
     # one process cannot hold TP=2 x PP=1 shards, nor 3 stages
-    with pytest.raises(SystemExit, match="run exactly TP x PP processes"):
+    with pytest.raises(SystemExit, match="run exactly TP x PP x EP processes"):
         to_mcore(["--hf-checkpoint", str(tiny_qwen2), "--save", str(tmp_path / "out"), "--tp", "2"])
     with pytest.raises(SystemExit, match="pipeline-model-parallel-size 3 does not divide the 1 processes"):
         to_mcore(["--hf-checkpoint", str(tiny_qwen2), "--save", str(tmp_path / "out"), "--pp", "3"])
@@ -202,7 +202,7 @@ def test_readme_example_alone_starts_its_shards(tiny_qwen2, tmp_path):
                            str(tiny_qwen2), "--save", str(alone), "--tp", "2"], env=env, timeout=300,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "2 shards (TP 2 x PP 1): running 2 processes under torchrun" in done.stdout
+    assert "2 shards (TP 2 x PP 1 x EP 1): running 2 processes under torchrun" in done.stdout
     info = read_checkpoint_info(alone)
     assert info.contents == ("model",) and (info.topology["tp"], info.topology["pp"]) == (2, 1)
 
