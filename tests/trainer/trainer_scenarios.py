@@ -194,7 +194,8 @@ def run_scenario(name: str, world: int, port: int, out: Path, ckpts: dict[str, P
         try:
             return _run_scenario_once(name, world, port, out, ckpts, timeout)
         except RuntimeError as exc:
-            if "EADDRINUSE" not in str(exc) or attempt == tries - 1:
+            # torch's store says EADDRINUSE; engines/dist_group.tcp_store's own bind "Address already in use"
+            if not any(m in str(exc) for m in ("EADDRINUSE", "Address already in use")) or attempt == tries - 1:
                 raise
             port = free_port()
     raise AssertionError("unreachable")
