@@ -409,14 +409,14 @@ class TrainerWorker(MegatronRank):
         n = validate_batch(batch)
         if n == 0:
             raise ValueError("train_step got an empty batch on this DP rank")
-        if inputs is None and update and self._on_policy(n):
+        minis = self._minibatches(n) if update else []
+        if inputs is None and self._on_policy(minis):
             return self._fused_train_step(batch)
         t0 = time.perf_counter()
         if inputs is None:
             inputs = self.step_inputs(batch)
         if not update:
             return step_metrics(inputs.sums)
-        minis = self._minibatches(n)
 
         def pick(rows: list | None, ids: list[int]) -> list | None:
             return None if rows is None else [rows[i] for i in ids]
@@ -445,15 +445,15 @@ class TrainerWorker(MegatronRank):
     # advantages, forward+backward of the mini-batches, optimizer steps
     last_timings: dict[str, float] = {}
 
-    def _on_policy(self, n: int) -> bool:
+    def _on_policy(self, minis: list[list[int]]) -> bool:
         """Whether this step may take its old log-probs from the training forward: one mini-batch
         (one optimizer step) per rank, so nothing has changed the weights since the rollout's
         sync; estimators whose advantages need the old log-probs first (token-level) and
-        --separate-old-logprobs keep the separate pass. Every DP rank decides alike (n is checked
-        over the DP group by _minibatches)."""
+        --separate-old-logprobs keep the separate pass. Every DP rank decides alike (`minis`, from
+        _minibatches, has the same length on every DP rank)."""
         if self.algo.separate_old_logprobs or self.algo.token_level_advantages:
             return False
-        return len(self._minibatches(n)) == 1
+        return len(minis) == 1
 
     def _fused_train_step(self, batch: dict) -> dict[str, float]:
         """train_step with old log-probs and the old policy's entropy from the one training forward
