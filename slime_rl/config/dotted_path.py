@@ -9,6 +9,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,23 @@ def load_by_path(path: str, flag: str, error: type[Exception] = PluginLoadError)
     if not callable(fn):
         raise error(f"{flag} {path!r}: module {module_name!r} has no function {attr!r}")
     return fn
+
+
+def json_kwargs(value: str | dict[str, Any] | None, flag: str,
+                error: type[Exception] = ValueError) -> dict[str, Any]:
+    """Keyword arguments for a user function, given to `flag` as a JSON object (or a dict from a YAML
+    config); None gives none. Errors (of type `error`) name the flag."""
+    if value is None:
+        return {}
+    parsed = value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise error(f"{flag} {value!r}: not JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise error(f"{flag} {value!r}: expected a JSON object of keyword arguments")
+    return dict(parsed)
 
 
 def accepts_positional(fn: Callable, n: int) -> bool:

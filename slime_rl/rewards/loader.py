@@ -52,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import json
 import math
 import sys
 import traceback
@@ -60,7 +59,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_rl.config.dotted_path import choose_form, load_by_path
+from slime_rl.config.dotted_path import choose_form, json_kwargs, load_by_path
 from slime_rl.data import Sample
 from slime_rl.data.slime_compat import install_slime_modules, slime_sample_class, to_slime
 from slime_rl.rewards.builtin import BUILTIN
@@ -237,18 +236,6 @@ def _named(wrapper: Callable, fn: Callable) -> Callable:
     return wrapper
 
 
-def _parse_kwargs(rm_kwargs: str | dict[str, Any] | None) -> dict[str, Any]:
-    if rm_kwargs is None or isinstance(rm_kwargs, dict):
-        return dict(rm_kwargs or {})
-    try:
-        value = json.loads(rm_kwargs)
-    except json.JSONDecodeError as exc:
-        raise RewardError(f"--custom-rm-kwargs {rm_kwargs!r}: not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise RewardError(f"--custom-rm-kwargs {rm_kwargs!r}: expected a JSON object of keyword arguments")
-    return value
-
-
 def load_custom_reward(path: str, *, group_rm: bool = False, args: Any = None,
                        rm_kwargs: str | dict[str, Any] | None = None,
                        reward_key: str = "score") -> tuple[Callable, bool, str]:
@@ -257,7 +244,7 @@ def load_custom_reward(path: str, *, group_rm: bool = False, args: Any = None,
     Errors name the flag."""
     install_slime_modules()  # a slime-style file imports slime.utils.types
     fn = load_by_path(path, "--custom-rm-path", RewardError)
-    kwargs = _parse_kwargs(rm_kwargs)
+    kwargs = json_kwargs(rm_kwargs, "--custom-rm-kwargs", RewardError)
     if kwargs:
         try:
             inspect.signature(fn).bind_partial(**kwargs)

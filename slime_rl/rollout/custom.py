@@ -26,11 +26,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from slime_rl.config.dotted_path import choose_form, load_by_path
+from slime_rl.config.dotted_path import choose_form, json_kwargs, load_by_path
 from slime_rl.data import Sample
 from slime_rl.data.slime_compat import install_slime_modules
 from slime_rl.rollout.partial import append_model_turn, mark_truncated
@@ -119,13 +118,7 @@ def load_filter(path: str | None, args: Any = None, kwargs: str | dict[str, Any]
 
 def _bind_kwargs(fn: Callable, kwargs: str | dict[str, Any], flag: str) -> Callable:
     """`fn` with keyword arguments from a JSON object (or dict), checked against its signature."""
-    if isinstance(kwargs, str):
-        try:
-            kwargs = json.loads(kwargs)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{flag} {kwargs!r}: not JSON: {exc}") from exc
-    if not isinstance(kwargs, dict):
-        raise ValueError(f"{flag} {kwargs!r}: expected a JSON object of keyword arguments")
+    kwargs = json_kwargs(kwargs, flag)
     try:
         inspect.signature(fn).bind_partial(**kwargs)
     except TypeError as exc:
