@@ -10,12 +10,10 @@ the aux loss, so its gradient can be compared with HF's own (float64, no aux los
 
 from __future__ import annotations
 
-import dataclasses
-import time
-
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from tests.trainer.parallel_scenarios import record_layouts
 from tests.trainer.trainer_ref import make_batch, select
-from tests.trainer.trainer_scenarios import hf_grads, weights
+from tests.trainer.trainer_scenarios import weights
 
 AUX_COEFF = 0.01
 MOE_LAYOUTS = {  # name: (tp, pp, ep); DP is what is left of the world, ETP = TP (megatron's default)
@@ -47,16 +45,7 @@ def run_moe(rank: int, world: int, port: int, ckpt: str, name: str, res: dict, a
     res[f"{name}/weights"] = weights(w)
     res[f"{name}/metadata"] = w.hf_weight_metadata()
     res[f"{name}/sources"] = {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()}
-    for layout in layouts:
-        w.micro = dataclasses.replace(w.micro, pack_sequences=layout == "packed")
-        key = f"{name}/{layout}"
-        t = time.perf_counter()
-        res[f"{key}/logp"] = logp = w.compute_logprobs(shard)
-        res[f"{key}/stats"] = w.forward_backward(shard, logp)
-        res[f"{key}/grad"] = hf_grads(w)
-        w.optimizer.prepare_grads()  # model grads -> main grads, as step() does before the norm
-        res[f"{key}/grad_norm"] = float(w.optimizer.get_grad_norm())
-        res[f"{key}/s"] = time.perf_counter() - t
+    record_layouts(w, shard, layouts, name, res)
     w.shutdown()
 
 

@@ -145,6 +145,21 @@ def _equiv_worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int,
                          AlgoConfig(), train_iters=10, **kw)
 
 
+def record_layouts(w, shard: dict, layouts: tuple[str, ...], name: str, res: dict) -> None:
+    """`{name}/{layout}/...` of one shard in each micro-batch layout: log-probs, a forward-backward's
+    stats, the HF-named grads, the grad norm and the seconds it took."""
+    for layout in layouts:
+        w.micro = dataclasses.replace(w.micro, pack_sequences=layout == "packed")
+        key = f"{name}/{layout}"
+        t = time.perf_counter()
+        res[f"{key}/logp"] = logp = w.compute_logprobs(shard)
+        res[f"{key}/stats"] = w.forward_backward(shard, logp)
+        res[f"{key}/grad"] = hf_grads(w)
+        w.optimizer.prepare_grads()  # model grads -> main grads, as step() does before the norm
+        res[f"{key}/grad_norm"] = float(w.optimizer.get_grad_norm())
+        res[f"{key}/s"] = time.perf_counter() - t
+
+
 def run_equiv(rank: int, world: int, port: int, ckpt: str, name: str, res: dict, bf16: bool = False) -> None:
     """Records `{name}/{layout}/...` of config `name` (EQUIV). DP ranks take consecutive shards."""
     tp, pp, cp = EQUIV[name]
@@ -157,16 +172,7 @@ def run_equiv(rank: int, world: int, port: int, ckpt: str, name: str, res: dict,
     res[f"{name}/ids"] = ids
     res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.cp_rank, w.dp_rank)
     res["device"], res["params_dtype"] = w.info.device.type, str(w.gpt.config.params_dtype)
-    for layout in layouts:
-        w.micro = dataclasses.replace(w.micro, pack_sequences=layout == "packed")
-        key = f"{name}/{layout}"
-        t = time.perf_counter()
-        res[f"{key}/logp"] = logp = w.compute_logprobs(shard)
-        res[f"{key}/stats"] = w.forward_backward(shard, logp)
-        res[f"{key}/grad"] = hf_grads(w)
-        w.optimizer.prepare_grads()  # model grads -> main grads, as step() does before the norm
-        res[f"{key}/grad_norm"] = float(w.optimizer.get_grad_norm())
-        res[f"{key}/s"] = time.perf_counter() - t
+    record_layouts(w, shard, layouts, name, res)
     w.shutdown()
 
 
