@@ -115,9 +115,10 @@ def uniform_prompts(ckpt: Path, n: int) -> tuple[list[dict], int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step (x --samples)")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
-    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step (x --samples); --tiny: 4")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt; --tiny: 4")
+    p.add_argument("--response-len", type=int, default=128, help="--tiny: 8")
+    p.add_argument("--micro-batch-size", type=int, default=32, help="samples per micro-batch; --tiny: 8")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny model: checks that it runs")
     p.add_argument("--out", default=None, help="raw JSON here")
     a = p.parse_args()
@@ -133,19 +134,21 @@ def main() -> None:
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available() and not a.tiny
     shape = "tiny" if a.tiny else "2b"
-    response_len = 8 if a.tiny else a.response_len
+    if a.tiny:
+        a.prompts, a.samples, a.response_len, a.micro_batch_size = 4, 4, 8, 8
+    response_len = a.response_len
     work = Path(tempfile.mkdtemp(prefix="moe_gpu_"))
     ckpt, counts = make_checkpoint(shape, work / "model", cuda)
     rows, prompt_len = uniform_prompts(ckpt, 256)
     data = write_jsonl(rows, work / "digits.jsonl")
     t_ckpt = time.perf_counter() - t_start
-    print(f"[moe_gpu] {shape}: {counts['total'] / 1e9:.3f}B parameters, {counts['active_matmul'] / 1e9:.3f}B active "
-          f"matmul per token ({counts['active_with_embeddings'] / 1e9:.3f}B with embeddings and norms); checkpoint "
+    print(f"[moe_gpu] {shape}: {counts['total'] / 1e6:.2f}M parameters, {counts['active_matmul'] / 1e6:.2f}M active "
+          f"matmul per token ({counts['active_with_embeddings'] / 1e6:.2f}M with embeddings and norms); checkpoint "
           f"in {t_ckpt:.0f}s; prompts of {prompt_len} tokens", flush=True)
     n = a.prompts * a.samples
     argv = ["--hf-checkpoint", str(ckpt), "--prompt-data", str(data), "--run-dir", str(work / "run"),
             "--rollout-batch-size", str(a.prompts), "--n-samples-per-prompt", str(a.samples),
-            "--global-batch-size", str(n), "--micro-batch-size", str(min(n, 16)),
+            "--global-batch-size", str(n), "--micro-batch-size", str(min(n, a.micro_batch_size)),
             "--rollout-max-response-len", str(response_len), "--num-rollout", str(a.steps),
             "--custom-rm-path", "tests.plugins.example_reward:index_reward", "--lr", "1e-6",
             "--rollout-num-gpus", "1", "--colocate", "--moe-aux-loss-coeff", "0.001"]

@@ -58,3 +58,49 @@ def test_qwen2_moe_every_checkpoint_name_is_served(tiny_qwen2_moe):
         served["model.layers.3.mlp.shared_expert_gate.weight"].zero_()  # the gate at sigmoid(0) = 1/2
         after = model(tokens).logits
     assert not torch.equal(before, after)
+
+
+class _StubEngine:
+    """What MemoryOccupation calls on the engine; records whether /generate would be served."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.device, self.model_lock, self.unavailable = torch.device("cpu"), threading.Lock(), None
+
+    def set_unavailable(self, message):
+        self.unavailable = message
+
+    def wait_weights(self):
+        pass
+
+    def drop_static_state(self):
+        pass
+
+
+def test_colocated_refill_by_expert_names(tiny_qwen3_moe):
+    """Colocated mode: after a release and a resume, the names weight sync sends (the checkpoint's,
+    one per expert) refill every parameter, the fused expert tensors included, and the engine
+    serves again; one expert's tensor missing keeps it refusing, naming one tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from slime_rl.engines.embedded.memory import MemoryOccupation
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe, dtype=torch.float32).eval()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(expert_aliases(params, model.config))
+    engine = _StubEngine()
+    memory = MemoryOccupation(engine, params)
+    sent = list(load_file(tiny_qwen3_moe / "model.safetensors"))  # what weight sync sends, by name
+    memory.release({"tags": ["weights"]})
+    memory.resume({"tags": ["weights"]})
+    assert "are not refilled yet" in engine.unavailable
+    memory.note_loaded([n for n in sent if n != "model.layers.1.mlp.experts.5.up_proj.weight"])
+    assert engine.unavailable is not None and "but 1 of " in engine.unavailable, engine.unavailable
+    memory.note_loaded(["model.layers.1.mlp.experts.5.up_proj.weight"])
+    assert engine.unavailable is None
+    # a sender of the fused names (one per layer and kind) refills them too
+    memory.release({"tags": ["weights"]})
+    memory.resume({"tags": ["weights"]})
+    memory.note_loaded([n for n in dict(model.named_parameters())])
+    assert engine.unavailable is None

@@ -30,8 +30,19 @@ BASE = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "
 
 
 @pytest.fixture(scope="session")
-def qwen2_moe_scenario(tiny_qwen2_moe, tmp_path_factory):
-    return scenario_runner(tmp_path_factory.mktemp("qwen2_moe_scenarios"), {"qwen2_moe": tiny_qwen2_moe})
+def tiny_qwen3_moe_mixed(tmp_path_factory):
+    """A tiny Qwen3-MoE whose first layer is dense (mlp_only_layers=[0]), 3 layers."""
+    from tests.conftest import _load_tool
+
+    out = tmp_path_factory.mktemp("tiny_qwen3_moe_mixed")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen3_moe", seed=7, num_layers=3,
+                                                         mlp_only_layers=[0])
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_scenario(tiny_qwen2_moe, tiny_qwen3_moe_mixed, tmp_path_factory):
+    return scenario_runner(tmp_path_factory.mktemp("qwen2_moe_scenarios"),
+                           {"qwen2_moe": tiny_qwen2_moe, "qwen3_moe_mixed": tiny_qwen3_moe_mixed})
 
 
 @pytest.fixture(scope="session")
@@ -200,3 +211,22 @@ def test_qwen2_moe_expert_parallel_equals_one_rank(qwen2_moe_scenario, tiny_qwen
     assert set(got) == set(want)
     for n, t in want.items():
         assert torch.equal(got[n], t), n
+
+
+@pytest.mark.slow
+def test_one_rank_qwen3_moe_with_a_dense_layer_equals_hf(qwen2_moe_scenario, tiny_qwen3_moe_mixed):
+    """Qwen3-MoE with mlp_only_layers=[0] (megatron: moe_layer_freq [0, 1, 1]): HF's float64
+    log-probs and gradient, the dense layer's MLP included."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
+
+    model, batch = hf_model(tiny_qwen3_moe_mixed), make_batch()
+    assert isinstance(model.model.layers[0].mlp, Qwen3MoeMLP)
+    want_logp = hf_logprobs(model, batch)
+    loss, grad = hf_policy_grad(model, batch)
+    (one,) = qwen2_moe_scenario("qwen3_moe_mixed1", 1)
+    for layout in ("padded", "packed"):
+        assert _max_diff(one[f"base/{layout}/logp"], want_logp) < LOGP_TOL
+    got = one["noaux/base/packed/grad"]
+    assert "model.layers.0.mlp.gate_proj.weight" in got and "model.layers.1.mlp.experts.0.up_proj.weight" in got
+    _assert_grads_close(got, _per_expert(grad))
+    assert abs(one["noaux/base/packed/stats"]["loss"] - loss) < 1e-6
