@@ -119,6 +119,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=8, help="samples per prompt; --tiny: 4")
     p.add_argument("--response-len", type=int, default=128, help="--tiny: 8")
     p.add_argument("--micro-batch-size", type=int, default=32, help="samples per micro-batch; --tiny: 8")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="the built-in engine decodes eagerly (if capturing transformers' MoE block fails)")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny model: checks that it runs")
     p.add_argument("--out", default=None, help="raw JSON here")
     a = p.parse_args()
@@ -154,6 +156,8 @@ def main() -> None:
             "--rollout-num-gpus", "1", "--colocate", "--moe-aux-loss-coeff", "0.001"]
     if cuda:
         argv += ["--bf16"]
+    if a.disable_cuda_graph:
+        argv += ["--sglang-disable-cuda-graph"]
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         rows_out = train(*preflight(build_config(argv)))
