@@ -91,7 +91,8 @@ def make_checkpoint(shape: str, out: Path, cuda: bool) -> tuple[Path, dict]:
     built = sum(p.numel() for p in model.parameters())
     if built != counts["total"]:
         raise AssertionError(f"parameter count {built} != {counts['total']} from the shape (param_counts is wrong)")
-    model.save_pretrained(out, safe_serialization=True)
+    (out / "model.safetensors").unlink()  # the tiny model's: one weights file below, not a second one beside it
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="100GB")
     del model
     if cuda:
         torch.cuda.empty_cache()
