@@ -88,7 +88,8 @@ case "$1" in
   learn)
     # TASK (chain_sum) for STEPS (150): ours and TRL at once (on GPU 0 and 1, or both on one GPU: the
     # curves are what counts here); the held-out file shares no question with the training file
-    # (reasoning-gym's row i of seed s is Random(s + i): another seed alone repeats the training rows)
+    # (reasoning-gym's row i of seed s is Random(s + i): another seed alone repeats the training rows;
+    # the held-out rows are drawn first and the training rows leave their questions out)
     need_model
     set -f  # TASK_CONFIG may hold JSON lists ("operators=[...]"): no globbing of its words
     task=${TASK:-chain_sum}; steps=${STEPS:-150}; tag="peer_trl_learn_${task}_${steps}_$day"
@@ -96,17 +97,22 @@ case "$1" in
     # tokens (64; it was 24, which cut off the longer answers a trained model writes)
     lr=${LR:-5e-6}; eval_tokens=${EVAL_TOKENS:-64}
     # TASK_CONFIG: the task's config (e.g. "--config max_terms=3"), for training and held-out rows alike
-    python3 tools/make_reasoning_gym_data.py --task "$task" --n 5000 --seed 0 $TASK_CONFIG --out "/tmp/train_$task.jsonl"
+    # the held-out rows are drawn first, as the task draws them, and the training file leaves their
+    # questions out: excluding the training questions from the held-out file instead would drop the
+    # frequent (easy) ones and leave a harder held-out set (basic_arithmetic: 2 of 200 rows with two
+    # 1-digit terms instead of about 50)
     python3 tools/make_reasoning_gym_data.py --task "$task" --n 200 --seed 100000 $TASK_CONFIG \
-      --exclude "/tmp/train_$task.jsonl" --out "/tmp/heldout_$task.jsonl"
+      --out "/tmp/heldout_$task.jsonl"
+    python3 tools/make_reasoning_gym_data.py --task "$task" --n 5000 --seed 0 $TASK_CONFIG \
+      --exclude "/tmp/heldout_$task.jsonl" --out "/tmp/train_$task.jsonl"
     python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$task.jsonl" --n 200 --max-new-tokens "$eval_tokens" \
       2>&1 | tail -1 | tee "$OUT/${tag}_eval_start.txt"
     trl_gpu=0; [ "$gpus" -ge 2 ] && trl_gpu=1
     if [ -n "$EXTRA_TASK" ]; then  # a second task, ours only, at the same time (its own held-out check)
       et=$EXTRA_TASK; etag="peer_trl_learn_${et}_${steps}_$day"
-      ( python3 tools/make_reasoning_gym_data.py --task "$et" --n 5000 --seed 0 --out "/tmp/train_$et.jsonl" &&
-        python3 tools/make_reasoning_gym_data.py --task "$et" --n 200 --seed 100000 --exclude "/tmp/train_$et.jsonl" \
-          --out "/tmp/heldout_$et.jsonl" &&
+      ( python3 tools/make_reasoning_gym_data.py --task "$et" --n 200 --seed 100000 --out "/tmp/heldout_$et.jsonl" &&
+        python3 tools/make_reasoning_gym_data.py --task "$et" --n 5000 --seed 0 --exclude "/tmp/heldout_$et.jsonl" \
+          --out "/tmp/train_$et.jsonl" &&
         python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$et.jsonl" --n 200 --max-new-tokens "$eval_tokens" \
           2>&1 | tail -1 > "$OUT/${etag}_eval_start.txt" &&
         CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model /tmp/smol-bf16 --task "$et" \
