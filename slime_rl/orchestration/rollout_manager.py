@@ -67,6 +67,12 @@ def samples_to_batch(groups: list[list[Sample]], algo: AlgoConfig | None = None,
         "rollout_logprobs": [s.rollout_logprobs for s in flat],
         "rewards": rewards.flatten().tolist(),
     }
+    if any(s.rollout_routed_experts is not None for s in flat):  # MoE: the engines' routing (routing replay)
+        missing = [s.index for s in flat if s.rollout_routed_experts is None and s.response_ids]
+        if missing:
+            raise RuntimeError(f"samples {missing[:5]} came back without the engines' routed_experts: were the "
+                               "engines started with --enable-return-routed-experts?")
+        batch["rollout_routed_experts"] = [s.rollout_routed_experts for s in flat]
     if any(s.images for s in flat):  # vision-language: the trainer rebuilds pixels and mRoPE positions
         batch["images"] = [list(s.images) for s in flat]
         batch["image_grid_thw"] = [[list(g) for g in s.image_grid_thw] for s in flat]
@@ -117,7 +123,8 @@ class RolloutManager:
         self.reward_fn = reward_fn_from_config(cfg.reward, failure_value=cfg.reward.reward_failure_value,
                                                args=self.slime_args)
         self.dead: dict[int, str] = {}  # engine -> why it was declared dead; until it is revived
-        self.options = RolloutOptions.from_config(cfg.rollout)
+        self.options = RolloutOptions.from_config(
+            cfg.rollout, return_routed_experts=cfg.trainer.use_rollout_routing_replay or None)
         self.eval_sets = {name: PromptDataset(replace(cfg.data, prompt_data=path, rollout_shuffle=False),
                                               self.tokenizer).rows for name, path in cfg.eval.datasets}
         self._state_before: dict[int, dict[str, Any]] = {}

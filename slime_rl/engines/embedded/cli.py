@@ -21,6 +21,8 @@ from slime_rl.engines.embedded.server import EmbeddedServer, ServerConfig
 # The key may come from the environment instead of --api-key: a process's argv is readable by every
 # user of the node (ps, /proc/<pid>/cmdline), its environment only by its owner.
 API_KEY_ENV = "SLIME_RL_ENGINE_API_KEY"
+# default of --debug-routing-select-round (tests and measurements only); the driver passes it on
+ROUTING_SELECT_ROUND_ENV = "SLIME_RL_DEBUG_ROUTING_SELECT_ROUND"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="answer a request's return_routed_experts with each MoE layer's top-k expert ids "
                         "(SGLang's flag; meta_info['routed_experts'], base64 int32 [tokens, layers, top_k])")
-    p.add_argument("--debug-routing-select-round", default=None,
+    p.add_argument("--debug-routing-select-round", default=os.environ.get(ROUTING_SELECT_ROUND_ENV) or None,
                    choices=["bf16", "fp16", "fp8_e4m3", "fp8_e5m2"],
                    help="test/measurement only: choose experts from router logits rounded to this dtype "
                         "(a bf16 engine's routing flips), the weights from the fp32 probabilities")

@@ -23,11 +23,12 @@ from __future__ import annotations
 import base64
 import re
 import types
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from slime_rl.engines.client import decode_routed_experts  # noqa: F401 (the engine's half lives here too)
 
 _GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 ROUND_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn,
@@ -93,16 +94,3 @@ class RoutingCapture:
 def encode_routed_experts(rows: torch.Tensor) -> str:
     """SGLang's wire form: base64 of the int32 array's bytes (C order, native byte order)."""
     return base64.b64encode(np.ascontiguousarray(rows.numpy().astype(np.int32)).tobytes()).decode("ascii")
-
-
-def decode_routed_experts(value: Any, where: str = "routed_experts") -> np.ndarray:
-    """meta_info["routed_experts"] -> a flat int32 array (the caller knows its shape)."""
-    if not isinstance(value, str):
-        raise ValueError(f"{where}: expected SGLang's base64 string, got {type(value).__name__}")
-    try:
-        raw = base64.b64decode(value, validate=True)
-    except ValueError as e:
-        raise ValueError(f"{where}: not base64 ({e})") from None
-    if len(raw) % 4:
-        raise ValueError(f"{where}: {len(raw)} bytes is not a whole number of int32")
-    return np.frombuffer(raw, dtype=np.int32).copy()
