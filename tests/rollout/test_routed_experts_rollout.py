@@ -55,3 +55,24 @@ def test_a_wrong_row_count_and_a_missing_routing_are_errors():
 def test_the_request_asks_for_them():
     assert generate_payload([1, 2], {}, return_routed_experts=True)["return_routed_experts"] is True
     assert "return_routed_experts" not in generate_payload([1, 2], {})
+
+
+def test_a_slime_generate_function_keeps_slimes_routed_experts():
+    """slime's Sample.rollout_routed_experts is [rows, layers, top_k] (a tensor or lists); ours is
+    [rows, layers * top_k]; to_slime hands ours over and from_slime takes slime's back."""
+    import torch
+
+    from slime_rl.data.slime_compat import to_slime
+    from slime_rl.rollout.slime_compat import from_slime
+
+    s = Sample(index=0, group_index=0, prompt="p", prompt_ids=[1, 2, 3])
+    append_model_turn(s, _answer([7], np.zeros((3, 4))))
+    out = to_slime(s)
+    np.testing.assert_array_equal(out.rollout_routed_experts, np.zeros((3, 4)))
+    out.append_response_tokens(None, tokens=[8], log_probs=[-0.1], meta_info={"finish_reason": {"type": "stop"}})
+    out.rollout_routed_experts = torch.arange(4 * 2 * 2).reshape(4, 2, 2)  # 5 tokens: 4 positions fed
+    back = from_slime(out, s, "gen.py:generate")
+    np.testing.assert_array_equal(back.rollout_routed_experts, np.arange(16).reshape(4, 4))
+    out.rollout_routed_experts = np.zeros((5, 2, 2))
+    with pytest.raises(ValueError, match="rollout_routed_experts has 5 rows for 5 tokens"):
+        from_slime(out, s, "gen.py:generate")
