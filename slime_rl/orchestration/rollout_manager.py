@@ -79,6 +79,15 @@ def samples_to_batch(groups: list[list[Sample]], algo: AlgoConfig | None = None,
     return batch
 
 
+def _jsonable(sample: dict[str, Any]) -> dict[str, Any]:
+    """A Sample's fields for the checkpoint's JSON: the engines' routing (a numpy array) as lists
+    (the trainer and the rollout take either)."""
+    routed = sample.get("rollout_routed_experts")
+    if routed is not None and hasattr(routed, "tolist"):
+        sample["rollout_routed_experts"] = routed.tolist()
+    return sample
+
+
 def dump_rollouts(path: Path, groups: list[list[Sample]]) -> None:
     """One JSON object per sample: what was asked, what came back, how it scored."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,7 +252,7 @@ class RolloutManager:
     def state_dict(self) -> dict[str, Any]:
         """JSON-able: data position, sample/group counters, and the partial groups to continue."""
         return {"data": self.dataset.state_dict(), "next_index": self.next_index, "next_group": self.next_group,
-                "leftover": [[dataclasses.asdict(s) for s in g] for g in self.leftover]}
+                "leftover": [[_jsonable(dataclasses.asdict(s)) for s in g] for g in self.leftover]}
 
     def state_before(self, step: int) -> dict[str, Any]:
         """The state as it was before rollout `step` started (now, if it has not started)."""

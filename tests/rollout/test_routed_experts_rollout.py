@@ -5,6 +5,7 @@ as Sample.rollout_routed_experts [rows, layers * top_k] and becomes the batch ke
 from __future__ import annotations
 
 import base64
+import dataclasses
 
 import numpy as np
 import pytest
@@ -76,3 +77,16 @@ def test_a_slime_generate_function_keeps_slimes_routed_experts():
     out.rollout_routed_experts = np.zeros((5, 2, 2))
     with pytest.raises(ValueError, match="rollout_routed_experts has 5 rows for 5 tokens"):
         from_slime(out, s, "gen.py:generate")
+
+
+def test_a_leftover_sample_with_routing_survives_the_checkpoint_json():
+    import json
+
+    from slime_rl.orchestration.rollout_manager import _jsonable
+
+    s = Sample(index=0, group_index=0, prompt="p", prompt_ids=[1, 2, 3])
+    append_model_turn(s, _answer([7], np.arange(12).reshape(3, 4)))
+    back = Sample(**json.loads(json.dumps(_jsonable(dataclasses.asdict(s)))))
+    s.reward = back.reward = 1.0
+    np.testing.assert_array_equal(samples_to_batch([[back]])["rollout_routed_experts"][0],
+                                  s.rollout_routed_experts)
