@@ -47,6 +47,7 @@ import torch
 
 from slime_rl.engines.embedded.batch import Row, RunningBatch, can_merge, left_pad
 from slime_rl.engines.embedded.graphs import StaticDecoder
+from slime_rl.engines.embedded.routing import RoutingCapture
 from slime_rl.engines.embedded.sampling import SamplingParams, device_tensor, sample, token_logprobs
 from slime_rl.engines.embedded.slots import unsupported
 from slime_rl.engines.embedded.vision import is_vision_config, prefill_vision_kwargs
@@ -65,6 +66,9 @@ class GenRequest:
     # images (vision-language models): processor outputs for the image pads in input_ids
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    # SGLang's return_routed_experts / routed_experts_start_len (routing.py)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     # results, written by the scheduler thread
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -75,6 +79,9 @@ class GenRequest:
     created: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
+    # with a RoutingCapture: [n, layers, top_k] int32 chunks, one per forward, of every position fed
+    # to the model (a re-prefill after a retraction replaces them)
+    routed: list[torch.Tensor] = field(default_factory=list)
     # called (from whichever thread finishes the request) right after `done` is set: the HTTP layer's
     # event loop wakes on it instead of holding a thread per waiting request
     on_done: Callable[[], None] | None = None
@@ -89,8 +96,10 @@ def abort_reason(message: str = "Aborted", status_code: int | None = None, err_t
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, eos_ids: set[int], pad_id: int,
                  max_running_requests: int = 64, seed: int = 0, static_cache: bool = False,
-                 cuda_graph: bool = False, cuda_graph_max_bs: int | None = None, **static_kw) -> None:
+                 cuda_graph: bool = False, cuda_graph_max_bs: int | None = None,
+                 routing: RoutingCapture | None = None, **static_kw) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.routing = routing
         self.device = next(model.parameters()).device
         self.eos_ids, self.pad_id = eos_ids, pad_id
         self.max_running = max_running_requests
@@ -106,6 +115,10 @@ class Engine:
         self._waiting: deque[GenRequest] = deque()
         self._static: StaticDecoder | None = None
         why_not = unsupported(model) if static_cache else None
+        if static_cache and routing is not None and not why_not:
+            # the recording router forward runs per eager forward; a captured graph would skip it
+            why_not = "--enable-return-routed-experts records routing in eager forwards"
+
         if static_cache and why_not:
             logger.info("embedded engine: dynamic KV cache, no CUDA graphs: %s", why_not)
         elif static_cache:
@@ -380,6 +393,10 @@ class Engine:
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_shared_rows"] += len(ready) - len(distinct)
         self.stats["prefill_tokens"] += sum(len(s) for s in distinct)
+        if self.routing is not None:
+            routed = self.routing.take(ids.shape[0], ids.shape[1])
+            for r, s, i in zip(ready, seqs, src, strict=True):
+                r.routed = [routed[i, ids.shape[1] - len(s):]] if self.routing.keep else []
         if want_input_lp:
             self._input_logprobs(ready, src, out.logits, ids.shape[1])
         rows = [Row(req=r, next_pos=len(s) + d) for r, s, d in zip(ready, seqs, deltas, strict=True)]
@@ -405,6 +422,11 @@ class Engine:
             self.wait_weights()
             out = self.model(input_ids=ids, attention_mask=b.mask, position_ids=pos, use_cache=True,
                              **{self._cache_kw: b.cache})
+        if self.routing is not None:
+            routed = self.routing.take(len(b.rows), 1)
+            for i, r in enumerate(b.rows):
+                if self.routing.keep:
+                    r.req.routed.append(routed[i])
         self._after_decode(out.logits[:, -1, :])
 
     def _after_decode(self, logits: torch.Tensor) -> None:
