@@ -17,6 +17,8 @@ import types
 import pytest
 import torch
 
+from tests.contract.sglang_probe import recording_probe
+
 qwen3_moe = pytest.importorskip("sglang.srt.models.qwen3_moe",
                                 reason="sglang 0.5.23 is not importable here (pip install --no-deps sglang)")
 
@@ -33,31 +35,6 @@ def _sglang_param_names(layers: int, tied: bool) -> list[str]:
     return names
 
 
-class _Probe(qwen3_moe.Qwen3MoeForCausalLM):
-    """SGLang's class with its own load_weights; only the parameters are stand-ins that record."""
-
-    def __init__(self, config, layers: int, tied: bool) -> None:
-        torch.nn.Module.__init__(self)
-        self.config = config
-        self.model = types.SimpleNamespace(start_layer=0, end_layer=layers)
-        self.calls: list[tuple] = []
-        self._names = {}
-        for k, name in enumerate(_sglang_param_names(layers, tied)):
-            p = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
-            p.weight_loader = self._recorder(name)
-            self.register_parameter(f"p{k}", p)
-            self._names[f"p{k}"] = name
-
-    def named_parameters(self, *args, **kwargs):
-        for key, p in super().named_parameters(*args, **kwargs):
-            yield self._names[key], p
-
-    def _recorder(self, param_name: str):
-        def load(param, loaded_weight, *args, **kwargs):
-            self.calls.append((param_name, tuple(loaded_weight.shape), args, kwargs))
-        return load
-
-
 def test_sglang_maps_every_name_we_send(tiny_qwen3_moe):
     from slime_rl.trainer.convert import hf_shapes, load_arch
 
@@ -65,7 +42,8 @@ def test_sglang_maps_every_name_we_send(tiny_qwen3_moe):
     sent = hf_shapes(arch)  # every name weight sync sends, with its shape, in its order
     assert sum(".mlp.experts." in n for n in sent) == arch.num_layers * arch.num_experts * 3
     config = types.SimpleNamespace(num_experts=arch.num_experts)
-    probe = _Probe(config, arch.num_layers, arch.tie_word_embeddings)
+    probe = recording_probe(qwen3_moe.Qwen3MoeForCausalLM, config,
+                            _sglang_param_names(arch.num_layers, arch.tie_word_embeddings), arch.num_layers)
     probe.load_weights([(name, torch.zeros(shape)) for name, shape in sent.items()])
     assert len(probe.calls) == len(sent)  # one load per tensor sent: none skipped
     by_target: dict = {}
@@ -96,7 +74,8 @@ def test_expert_id_comes_from_the_name(tiny_qwen3_moe):
     from slime_rl.trainer.convert import load_arch
 
     arch = load_arch(tiny_qwen3_moe)
-    probe = _Probe(types.SimpleNamespace(num_experts=arch.num_experts), arch.num_layers, False)
+    probe = recording_probe(qwen3_moe.Qwen3MoeForCausalLM, types.SimpleNamespace(num_experts=arch.num_experts),
+                            _sglang_param_names(arch.num_layers, False), arch.num_layers)
     probe.load_weights([("model.layers.1.mlp.experts.5.up_proj.weight", torch.zeros(32, 64))])
     ((param, _, args, kwargs),) = probe.calls
     assert param == "model.layers.1.mlp.experts.w13_weight"

@@ -18,6 +18,8 @@ import types
 import pytest
 import torch
 
+from tests.contract.sglang_probe import recording_probe
+
 qwen2_moe = pytest.importorskip("sglang.srt.models.qwen2_moe",
                                 reason="sglang 0.5.23 is not importable here (pip install --no-deps sglang)")
 
@@ -40,38 +42,14 @@ def _sglang_param_names(sparse: tuple[bool, ...], tied: bool) -> list[str]:
     return names
 
 
-class _Probe(qwen2_moe.Qwen2MoeForCausalLM):
-    """SGLang's class with its own load_weights; only the parameters are stand-ins that record."""
-
-    def __init__(self, config, sparse: tuple[bool, ...], tied: bool) -> None:
-        torch.nn.Module.__init__(self)
-        self.config = config
-        self.model = types.SimpleNamespace(start_layer=0, end_layer=len(sparse))
-        self.calls: list[tuple] = []
-        self._names = {}
-        for k, name in enumerate(_sglang_param_names(sparse, tied)):
-            p = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
-            p.weight_loader = self._recorder(name)
-            self.register_parameter(f"p{k}", p)
-            self._names[f"p{k}"] = name
-
-    def named_parameters(self, *args, **kwargs):
-        for key, p in super().named_parameters(*args, **kwargs):
-            yield self._names[key], p
-
-    def _recorder(self, param_name: str):
-        def load(param, loaded_weight, *args, **kwargs):
-            self.calls.append((param_name, tuple(loaded_weight.shape), args, kwargs))
-        return load
-
-
 def test_sglang_maps_every_qwen2_moe_name_we_send(tiny_qwen2_moe):
     from slime_rl.trainer.convert import hf_shapes, load_arch
 
     arch = load_arch(tiny_qwen2_moe)
     assert arch.moe_layers == (True, True, False, True)  # a dense layer among them
     sent = hf_shapes(arch)  # every name weight sync sends, with its shape, in its order
-    probe = _Probe(types.SimpleNamespace(num_experts=arch.num_experts), arch.moe_layers, arch.tie_word_embeddings)
+    probe = recording_probe(qwen2_moe.Qwen2MoeForCausalLM, types.SimpleNamespace(num_experts=arch.num_experts),
+                            _sglang_param_names(arch.moe_layers, arch.tie_word_embeddings), len(arch.moe_layers))
     probe.load_weights([(name, torch.zeros(shape)) for name, shape in sent.items()])
     assert len(probe.calls) == len(sent)  # one load per tensor sent: none skipped
     by_target: dict = {}

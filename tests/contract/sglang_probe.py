@@ -1,0 +1,38 @@
+"""An SGLang model class with its own `load_weights` whose parameters are stand-ins that record each
+`weight_loader` call (target parameter, loaded shape, shard arguments): what SGLang would load, and
+where, for the names weight sync sends, without SGLang's kernels."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+def recording_probe(model_cls: type, config, param_names: list[str], num_layers: int) -> torch.nn.Module:
+    """An instance of a subclass of `model_cls` (e.g. SGLang's Qwen3MoeForCausalLM) holding one
+    recording parameter per SGLang parameter name; `probe.calls` lists (name, shape, args, kwargs)."""
+
+    class Probe(model_cls):
+        def __init__(self) -> None:
+            torch.nn.Module.__init__(self)
+            self.config = config
+            self.model = types.SimpleNamespace(start_layer=0, end_layer=num_layers)
+            self.calls: list[tuple] = []
+            self._names = {}
+            for k, name in enumerate(param_names):
+                p = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+                p.weight_loader = self._recorder(name)
+                self.register_parameter(f"p{k}", p)
+                self._names[f"p{k}"] = name
+
+        def named_parameters(self, *args, **kwargs):
+            for key, p in super().named_parameters(*args, **kwargs):
+                yield self._names[key], p
+
+        def _recorder(self, param_name: str):
+            def load(param, loaded_weight, *args, **kwargs):
+                self.calls.append((param_name, tuple(loaded_weight.shape), args, kwargs))
+            return load
+
+    return Probe()
