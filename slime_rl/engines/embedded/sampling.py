@@ -122,6 +122,31 @@ def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> tor
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+class HostCopy:
+    """A step's sampled tokens [B] (long) and their log-probs [B] on their way to the host.
+
+    On CUDA: one non-blocking copy into pinned memory and an event recorded after it on the tensors'
+    stream; `get` waits for that event only, so a step launched after this one keeps the device busy
+    while the host reads this one (the overlap scheduler, engine.py). On CPU the values are already
+    there: no copy, no event (the same calls, so the same scheduler logic runs)."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        both = torch.stack([tokens.double(), logprobs.double()])  # token ids < 2**53 are exact in float64
+        self._event: torch.cuda.Event | None = None
+        if both.device.type == "cuda":
+            self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self._host.copy_(both, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(both.device))
+        else:
+            self._host = both
+
+    def get(self) -> tuple[list[int], list[float]]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host[0].long().tolist(), self._host[1].tolist()
+
+
 def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits / T) over the full vocabulary in float32; logits [B, V], temperature [B]."""
     return torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
