@@ -108,6 +108,7 @@ class Engine:
         self.max_running = max_running_requests
         self.overlap = overlap  # launch step n+1 before reading step n's tokens (off: --disable-overlap-schedule)
         self._inflight: _Sampled | None = None  # the launched decode step whose tokens the host has not read
+        self._busy = False  # the scheduler runs a prefill or a decode step (outside self._cond)
         # transformers renamed the forward's `past_key_values` to `cache` (5.2x); take either.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -135,7 +136,8 @@ class Engine:
         self._unavailable: str | None = None  # memory released (colocated mode): why requests are refused
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "max_running_rows": 0,
                       "requests_finished": 0, "requests_aborted": 0, "prefill_shared_rows": 0,
-                      "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
+                      "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                      "overlapped_steps": 0}  # decode steps launched before the previous one's tokens were read
         self._thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
         self._thread.start()
 
@@ -174,6 +176,11 @@ class Engine:
             self._cond.notify_all()
             if mode != "in_place":  # abort: wait until drained; retract: until rows are requeued
                 self._cond.wait_for(self._drained)
+            else:  # until the scheduler stands still: no step running or in flight, every token read
+                self._cond.wait_for(self._still)
+
+    def _still(self) -> bool:
+        return (not self._busy and self._inflight is None) or self._stopping
 
     def _drained(self) -> bool:
         # an in-flight step still reads the weights and the KV cache on the device
@@ -214,6 +221,8 @@ class Engine:
             self._updating += 1
             if self._paused is None:
                 self._cond.wait_for(self._drained)
+            else:  # paused in place: rows stay, but no step may still run or be in flight on the device
+                self._cond.wait_for(self._still)
         try:
             with self.model_lock:
                 yield
@@ -307,7 +316,12 @@ class Engine:
                         admit.append(self._waiting.popleft())
                 self._admitting = admit
                 run_decode = self._paused is None and bool(self._batch.rows)
+                self._busy = bool(admit) or run_decode
             self._guarded(self._turn, admit, run_decode)
+            if self._busy:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
 
     def _turn(self, admit: list[GenRequest], run_decode: bool) -> None:
         # wall time per phase (each ends with a device->host copy of sampled tokens, so it includes
@@ -481,14 +495,15 @@ class Engine:
             b.next_ids = step.tokens
         previous, self._inflight = self._inflight, step
         if previous is not None:
+            self.stats["overlapped_steps"] += 1
             self._finish_step(previous)
 
     def _drain(self) -> None:
         """Read the in-flight step's tokens: afterwards every row's `pending` and output are exact."""
-        step, self._inflight = self._inflight, None
-        if step is not None:
-            self._finish_step(step)
-        with self._cond:
+        if self._inflight is not None:
+            self._finish_step(self._inflight)
+        with self._cond:  # only now: pause and weight updates wait for the tokens to be read
+            self._inflight = None
             self._cond.notify_all()
 
     def _finish_step(self, step: _Sampled) -> None:
