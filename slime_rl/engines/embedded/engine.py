@@ -5,6 +5,17 @@ whose abort was requested, (2) admits waiting requests up to `max_running_reques
 together, sample their first token, merge them into the running batch), (3) runs one decode step
 for every running row. HTTP threads only enqueue requests, set flags and wait on events.
 
+Overlap (SGLang's overlap scheduler, on unless --disable-overlap-schedule): a decode step's sampler
+writes its tokens into the next step's input ids on the device and copies them to the host without
+waiting (pinned memory, an event; sampling.HostCopy), and the scheduler launches step n+1 before it
+reads step n's tokens (appending them, stop checks, answering finished requests), so on CUDA that
+host work runs while the device computes. A row that stopped at step n has run step n+1 too: its
+token there is never reported, and the row leaves the batch when step n is read. Anything else that
+changes the batch or needs the device idle (admitting requests, an abort, a pause, a weight update,
+growing the static cache, shutdown) first drains the pipeline: the in-flight step's tokens are read,
+and the host state is then exactly that of the non-overlapped scheduler. With per-request seeds (or
+greedy) both give the same tokens and log-probs.
+
 Pause and weight updates follow SGLang's semantics (tokenizer_manager.py / io_struct.py,
 SGLang 0.5.23):
 - pause mode "abort" (default): abort every request, wait until none is running; new requests wait
@@ -47,7 +58,7 @@ import torch
 
 from slime_rl.engines.embedded.batch import Row, RunningBatch, can_merge, left_pad
 from slime_rl.engines.embedded.graphs import StaticDecoder
-from slime_rl.engines.embedded.sampling import HostCopy, SamplingParams, device_tensor, sample, token_logprobs
+from slime_rl.engines.embedded.sampling import HostCopy, SamplerPlan, SamplingParams, device_tensor, token_logprobs
 from slime_rl.engines.embedded.slots import unsupported
 from slime_rl.engines.embedded.vision import is_vision_config, prefill_vision_kwargs
 
@@ -109,6 +120,7 @@ class Engine:
         self.overlap = overlap  # launch step n+1 before reading step n's tokens (off: --disable-overlap-schedule)
         self._inflight: _Sampled | None = None  # the launched decode step whose tokens the host has not read
         self._busy = False  # the scheduler runs a prefill or a decode step (outside self._cond)
+        self._plan: tuple | None = None  # (key, rows, SamplerPlan) of the last sampling (_plan_of)
         # transformers renamed the forward's `past_key_values` to `cache` (5.2x); take either.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -501,7 +513,9 @@ class Engine:
     def _drain(self) -> None:
         """Read the in-flight step's tokens: afterwards every row's `pending` and output are exact."""
         if self._inflight is not None:
+            t0 = time.perf_counter()
             self._finish_step(self._inflight)
+            self.stats["decode_s"] += time.perf_counter() - t0
         with self._cond:  # only now: pause and weight updates wait for the tokens to be read
             self._inflight = None
             self._cond.notify_all()
@@ -553,11 +567,21 @@ class Engine:
 
     def _draw(self, rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' sampled tokens [B] and their log-probs [B], on the device."""
-        params = [r.req.params for r in rows]
-        temp = device_tensor([p.temperature for p in params], torch.float32, self.device)
-        logprobs = token_logprobs(logits, temp)
-        tokens = sample(logprobs, params, [r.req.generator for r in rows], self.default_gen)
+        plan = self._plan_of(rows, logits.shape[1])
+        logprobs = token_logprobs(logits, plan.temperature)
+        tokens = plan.sample(logprobs, self.default_gen)
         return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+    def _plan_of(self, rows: list[Row], vocab_size: int) -> SamplerPlan:
+        """The sampler's plan of `rows`, rebuilt only when the rows changed (a request's parameters and
+        generator do not change while it runs): most decode steps reuse the last one."""
+        key = (tuple(map(id, rows)), vocab_size)
+        if self._plan is None or self._plan[0] != key:
+            plan = SamplerPlan([r.req.params for r in rows], [r.req.generator for r in rows], vocab_size,
+                               self.device)
+            # the rows are held with the key: ids of live objects are not reused
+            self._plan = (key, list(rows), plan)
+        return self._plan[2]
 
     def _record(self, step: _Sampled) -> None:
         """On the host: append each row's token and log-prob, finish the rows that stop. A row whose

@@ -10,7 +10,8 @@ lazily the first time a (bs, kv_len) pair runs and replayed afterwards:
 
 - inputs live in one static buffer [3, max_rows] (ids, positions, write columns); a step copies its
   values in with one host-to-device copy and replays; the graph's logits buffer is read before the
-  next replay (the sampler stays outside the graph);
+  next replay (the sampler stays outside the graph). With the overlap scheduler the sampler writes
+  the next ids into the buffer itself (`set_next_ids`) and a step copies positions and columns only;
 - capture: one warm-up forward on a side stream (lazy inits, library handles), then the capture
   itself, in a memory pool shared by all graphs (they never run concurrently). Both run with the
   step's real inputs, so the KV writes they make are the ones the step makes anyway;
