@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from engine_testlib import prompt_of
+from engine_testlib import prompt_of, start_server
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 from transformers.cache_utils import DynamicCache
 
@@ -239,3 +239,19 @@ def test_pause_abort_mid_way_then_continue(model_tok, path):
     for r, (toks, lps) in zip(second, want, strict=True):
         assert r.output_ids == toks and r.finish_reason["type"] == "length"
         torch.testing.assert_close(torch.tensor(r.output_logprobs), torch.tensor(lps), atol=1e-5, rtol=0)
+
+
+def test_the_switch_reaches_the_engine(tiny_qwen2):
+    from slime_rl.engines.embedded.cli import build_parser
+
+    assert build_parser().parse_args(["--model-path", "m", "--disable-overlap-schedule"]).disable_overlap_schedule
+    assert not build_parser().parse_args(["--model-path", "m"]).disable_overlap_schedule
+    for off in (False, True):
+        s = start_server(tiny_qwen2, disable_overlap_schedule=off)
+        try:
+            out = s.generate({"input_ids": prompt_of(6), "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})
+            assert len(out[1]["output_ids"]) == 8
+            state = s.engine.load()
+            assert state["overlap"] is not off and (state["overlapped_steps"] > 0) is not off
+        finally:
+            s.shutdown()

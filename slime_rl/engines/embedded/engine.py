@@ -250,7 +250,9 @@ class Engine:
 
     def load(self) -> dict:
         with self._cond:
-            return {"num_running_reqs": len(self._batch), "num_waiting_reqs": len(self._waiting),
+            # a row whose request is answered may sit in the batch until its step is read: not running
+            running = sum(not r.req.done.is_set() for r in self._batch.rows)
+            return {"num_running_reqs": running, "num_waiting_reqs": len(self._waiting),
                     "paused": self._paused, "overlap": self.overlap, **self.stats,
                     **(self._static.stats if self._static else {})}
 

@@ -35,7 +35,7 @@ import torch
 from slime_rl.engines.embedded.attention import slot_decode_attention
 from slime_rl.engines.embedded.batch import Row
 from slime_rl.engines.embedded.sampling import device_tensor
-from slime_rl.engines.embedded.slots import SlotBatch, SlotCache, batch_buckets, slot_inputs
+from slime_rl.engines.embedded.slots import SlotBatch, SlotCache, batch_buckets, slot_inputs, slot_positions
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,8 @@ class StaticDecoder:
         kv_len = max(self.min_kv_len, next_pow2(need))
         # pinned, asynchronous: the step's only host synchronization is the sampler's token copy
         if ids_on_device:  # positions and write columns only; the ids are where the sampler put them
-            self.inputs[1:, :bs].copy_(device_tensor(slot_inputs(rows, bs, self.pad_id)[1:], torch.long, self.device))
+            pos = slot_positions(rows, bs)
+            self.inputs[1:, :bs].copy_(device_tensor([pos, pos], torch.long, self.device))
         else:
             self.inputs[:, :bs].copy_(device_tensor(slot_inputs(rows, bs, self.pad_id), torch.long, self.device))
         if self.cache.generation != self._generation:

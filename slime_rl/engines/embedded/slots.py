@@ -270,6 +270,15 @@ class SlotBatch:
         self.rows.extend(rows)
 
 
+def slot_positions(rows: list[Row], bs: int) -> list[int]:
+    """Positions of the first bs slots (= their write columns); free slots 0. What a step needs from
+    the host when its input ids are already on the device (the overlap scheduler)."""
+    pos = [0] * bs
+    for r in rows:
+        pos[r.slot] = r.next_pos
+    return pos
+
+
 def slot_inputs(rows: list[Row], bs: int, pad_id: int) -> list[list[int]]:
     """[ids, positions, write columns] of the first bs slots; free slots feed `pad_id` at position 0
     and write column 0 (a free slot's contents are never read before a prefill overwrites them)."""
