@@ -137,7 +137,8 @@ class StaticDecoder:
         need = max(r.next_pos for r in rows) + 1
         self.cache.ensure_capacity(need)
         kv_len = max(self.min_kv_len, next_pow2(need))
-        # pinned, asynchronous: the step's only host synchronization is the sampler's token copy
+        # pinned, asynchronous: no host synchronization here (the host waits only for a step's sampled
+        # tokens: sampling.HostCopy, one step later with the overlap scheduler)
         if ids_on_device:  # positions and write columns only; the ids are where the sampler put them
             pos = slot_positions(rows, bs)
             self.inputs[1:, :bs].copy_(device_tensor([pos, pos], torch.long, self.device))
