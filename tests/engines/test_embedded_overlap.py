@@ -255,3 +255,33 @@ def test_the_switch_reaches_the_engine(tiny_qwen2):
             assert state["overlap"] is not off and (state["overlapped_steps"] > 0) is not off
         finally:
             s.shutdown()
+
+
+def test_the_sampler_plan_is_built_once_per_batch(model_tok, monkeypatch):
+    """Item of the per-step host cost: the rows' temperatures, masks and index tensors are built when
+    the batch changes, not every step (engine._plan_of)."""
+    from slime_rl.engines.embedded import engine as engine_mod
+
+    built = []
+
+    class Counting(engine_mod.SamplerPlan):
+        def __init__(self, params, *a, **kw) -> None:
+            built.append(len(params))
+            super().__init__(params, *a, **kw)
+
+    monkeypatch.setattr(engine_mod, "SamplerPlan", Counting)
+    model, tok = model_tok
+    eng = Engine(model, tok, {tok.eos_token_id}, tok.pad_token_id, max_running_requests=4, **PATHS["static"])
+    reqs = [GenRequest(rid=f"p{i}", input_ids=prompt_of(4 + i, salt=i), params=SamplingParams.from_json(
+        {"max_new_tokens": n, "temperature": 0.8, "top_p": 0.9, "ignore_eos": True}, 64)) for i, n in
+        enumerate((6, 6, 12, 12))]
+    try:
+        eng.submit(reqs)
+        for r in reqs:
+            assert r.done.wait(120)
+        steps = eng.load()["decode_forwards"]
+    finally:
+        eng.shutdown()
+    # one plan for the 4 rows (their prefill and their decode steps: the same rows in the same order),
+    # one for the 2 left once the 6-token rows finished; built every step, it would be steps + 1
+    assert steps == 11 and built == [4, 2], (built, steps)
