@@ -8,7 +8,8 @@
 #   bash bench/gpu_session.sh part2         # carry .rm2: second half + gguf + reasoning-gym; import SmolLM2
 #   bash bench/gpu_session.sh speed         # GPU engine tests, peer_trl 64x8x128, engine profile on SmolLM2
 #   bash bench/gpu_session.sh real          # peer_trl 16x8x64, precision gap (batched decode, split-K fp32)
-#   TASK=chain_sum [EXTRA_TASK=basic_arithmetic] [TASK_CONFIG="--config k=v ..."] bash bench/gpu_session.sh learn
+#   TASK=chain_sum [EXTRA_TASK=basic_arithmetic] [TASK_CONFIG="--config k=v ..."] [LR=5e-6] [EVAL_TOKENS=64] \
+#     bash bench/gpu_session.sh learn
 #                                           # 150 steps, ours and TRL at once; held-out greedy accuracy
 #   ... bash bench/gpu_session.sh learn-detached   # the same under setsid (outlives the call, may
 #                                           # pass one call's time limit); then, in the next call:
@@ -87,34 +88,43 @@ case "$1" in
   learn)
     # TASK (chain_sum) for STEPS (150): ours and TRL at once (on GPU 0 and 1, or both on one GPU: the
     # curves are what counts here); the held-out file shares no question with the training file
-    # (reasoning-gym's row i of seed s is Random(s + i): another seed alone repeats the training rows)
+    # (reasoning-gym's row i of seed s is Random(s + i): another seed alone repeats the training rows;
+    # the held-out rows are drawn first and the training rows leave their questions out)
     need_model
     set -f  # TASK_CONFIG may hold JSON lists ("operators=[...]"): no globbing of its words
     task=${TASK:-chain_sum}; steps=${STEPS:-150}; tag="peer_trl_learn_${task}_${steps}_$day"
+    # LR (5e-6, the recipe's) for both sides; the held-out check gets the training budget of new
+    # tokens (64; it was 24, which cut off the longer answers a trained model writes)
+    lr=${LR:-5e-6}; eval_tokens=${EVAL_TOKENS:-64}
     # TASK_CONFIG: the task's config (e.g. "--config max_terms=3"), for training and held-out rows alike
-    python3 tools/make_reasoning_gym_data.py --task "$task" --n 5000 --seed 0 $TASK_CONFIG --out "/tmp/train_$task.jsonl"
+    # the held-out rows are drawn first, as the task draws them, and the training file leaves their
+    # questions out: excluding the training questions from the held-out file instead would drop the
+    # frequent (easy) ones and leave a harder held-out set (basic_arithmetic: 2 of 200 rows with two
+    # 1-digit terms instead of about 50)
     python3 tools/make_reasoning_gym_data.py --task "$task" --n 200 --seed 100000 $TASK_CONFIG \
-      --exclude "/tmp/train_$task.jsonl" --out "/tmp/heldout_$task.jsonl"
-    python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$task.jsonl" --n 200 --max-new-tokens 24 \
+      --out "/tmp/heldout_$task.jsonl"
+    python3 tools/make_reasoning_gym_data.py --task "$task" --n 5000 --seed 0 $TASK_CONFIG \
+      --exclude "/tmp/heldout_$task.jsonl" --out "/tmp/train_$task.jsonl"
+    python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$task.jsonl" --n 200 --max-new-tokens "$eval_tokens" \
       2>&1 | tail -1 | tee "$OUT/${tag}_eval_start.txt"
     trl_gpu=0; [ "$gpus" -ge 2 ] && trl_gpu=1
     if [ -n "$EXTRA_TASK" ]; then  # a second task, ours only, at the same time (its own held-out check)
       et=$EXTRA_TASK; etag="peer_trl_learn_${et}_${steps}_$day"
-      ( python3 tools/make_reasoning_gym_data.py --task "$et" --n 5000 --seed 0 --out "/tmp/train_$et.jsonl" &&
-        python3 tools/make_reasoning_gym_data.py --task "$et" --n 200 --seed 100000 --exclude "/tmp/train_$et.jsonl" \
-          --out "/tmp/heldout_$et.jsonl" &&
-        python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$et.jsonl" --n 200 --max-new-tokens 24 \
+      ( python3 tools/make_reasoning_gym_data.py --task "$et" --n 200 --seed 100000 --out "/tmp/heldout_$et.jsonl" &&
+        python3 tools/make_reasoning_gym_data.py --task "$et" --n 5000 --seed 0 --exclude "/tmp/heldout_$et.jsonl" \
+          --out "/tmp/train_$et.jsonl" &&
+        python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$et.jsonl" --n 200 --max-new-tokens "$eval_tokens" \
           2>&1 | tail -1 > "$OUT/${etag}_eval_start.txt" &&
         CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model /tmp/smol-bf16 --task "$et" \
-          --data "/tmp/train_$et.jsonl" --prompts 16 --group 8 --max-new-tokens 64 --steps "$steps" --warmup 5 \
+          --data "/tmp/train_$et.jsonl" --prompts 16 --group 8 --max-new-tokens 64 --steps "$steps" --warmup 5 --lr "$lr" \
           --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_$et" --save-interval "$steps" \
           > "$OUT/${etag}_ours.log" 2>&1 &&
         python3 tools/eval_greedy.py --model "/tmp/learned_$et" --data "/tmp/heldout_$et.jsonl" --n 200 \
-          --max-new-tokens 24 2>&1 | tail -1 > "$OUT/${etag}_eval_end.txt" ) &
+          --max-new-tokens "$eval_tokens" 2>&1 | tail -1 > "$OUT/${etag}_eval_end.txt" ) &
       extra=$!
     fi
     common=(--model /tmp/smol-bf16 --task "$task" --data "/tmp/train_$task.jsonl" --prompts 16 --group 8
-            --max-new-tokens 64 --steps "$steps" --warmup 5)
+            --max-new-tokens 64 --steps "$steps" --warmup 5 --lr "$lr")
     CUDA_VISIBLE_DEVICES=$trl_gpu python3 bench/peer_trl.py --skip-ours "${common[@]}" --out "$OUT/${tag}_trl.json" \
       > "$OUT/${tag}_trl.log" 2>&1 &
     trl=$!
@@ -122,7 +132,7 @@ case "$1" in
       --ours-extra --save-hf "/tmp/learned_$task" --save-interval "$steps" > "$OUT/${tag}_ours.log" 2>&1
     tail -3 "$OUT/${tag}_ours.log"
     python3 tools/eval_greedy.py --model "/tmp/learned_$task" --data "/tmp/heldout_$task.jsonl" --n 200 \
-      --max-new-tokens 24 2>&1 | tail -1 | tee "$OUT/${tag}_eval_end.txt"
+      --max-new-tokens "$eval_tokens" 2>&1 | tail -1 | tee "$OUT/${tag}_eval_end.txt"
     wait $trl; tail -3 "$OUT/${tag}_trl.log"
     [ -z "$EXTRA_TASK" ] || { wait "$extra"; tail -1 "$OUT/${etag}_eval_end.txt"; } ;;
   *) sed -n 2,12p "$0"; exit 2 ;;

@@ -37,6 +37,16 @@ def tiny_qwen3_moe(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_moe(tmp_path_factory) -> Path:
+    """Tiny Qwen2-MoE: 4 layers, layer 2 dense (mlp_only_layers: on the second stage under PP=2),
+    the others 8 experts of width 32, top-2 not renormalised, a shared expert of width 48 with its
+    sigmoid gate; qkv bias, GQA 4/2."""
+    out = tmp_path_factory.mktemp("tiny_qwen2_moe")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen2_moe", seed=5, num_layers=4,
+                                                         mlp_only_layers=[2])
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """Tiny Llama (untied embeddings, no bias), vocab 64, hidden 64, 2 layers, GQA 4/2."""
     out = tmp_path_factory.mktemp("tiny_llama")

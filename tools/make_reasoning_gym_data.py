@@ -15,9 +15,13 @@ difficulty set by the task's config. Each row is what the default flags read:
   label is metadata); its `source_dataset` names the task whose `score_answer` the reward calls, and
   the rest is what that verifier reads (some tasks check against metadata, not only the answer).
 
-`--exclude FILE` drops every row whose question also appears in FILE (a training file), so a
-held-out evaluation set shares no question with the data the model was trained on; the tool draws
-more rows until `--n` remain and says how many it dropped. Another `--seed` alone does NOT make a
+`--exclude FILE` drops every row whose question also appears in FILE, so a held-out evaluation set
+and the training file share no question; the tool draws more rows until `--n` remain and says how
+many it dropped. Draw the held-out file FIRST and write the training file with `--exclude HELDOUT`:
+the held-out rows are then a plain sample of the task. The other way round (held-out `--exclude
+TRAIN`) drops the questions the task draws most often, which are its easiest (basic_arithmetic
+with 2-3 terms of 1-2 digits: 2 of 200 held-out rows with two 1-digit terms instead of about 50),
+and measures the model on a harder set than it trains on. Another `--seed` alone does NOT make a
 held-out set: reasoning-gym draws row i of seed s from `Random(s + i)`, so seed 777's rows are seed
 0's rows 777, 778, ... (a 5,000-row training file of seed 0 contains the first 4,223 of them).
 
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--suffix", default=DEFAULT_SUFFIX, help="appended to every question")
     ap.add_argument("--exclude", type=Path, default=None,
-                    help="a prompt file (e.g. the training data): drop rows whose question appears in it")
+                    help="a prompt file (e.g. the held-out set, drawn first): drop rows whose question appears in it")
     args = ap.parse_args(argv)
     if args.n <= 0:
         raise SystemExit(f"--n {args.n}: must be positive")

@@ -1,6 +1,7 @@
 """Write a complete tiny HF checkpoint folder, with a tokenizer trained here (no model hub).
 
-    python tools/make_tiny_model.py --out DIR [--arch qwen2|llama|qwen3_moe|qwen2_5_vl] [--seed N] [--vocab-size V]
+    python tools/make_tiny_model.py --out DIR [--arch qwen2|llama|qwen3_moe|qwen2_moe|qwen2_5_vl] [--seed N]
+        [--vocab-size V]
 
 The folder has config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a
 ChatML chat template), generation_config.json. Same seed -> same bytes of weights and the same
@@ -18,6 +19,13 @@ head_dim 16, untied embeddings. The router weights are drawn with std 0.1 (HF's 
 that routing is far from ties: a tie broken differently by two correct implementations would move
 a whole expert's output. transformers 5 writes the experts under the hub's per-expert names
 (`mlp.experts.{e}.gate_proj.weight` ...) and the expert count as `num_local_experts`.
+
+`--arch qwen2_moe` writes a Qwen2MoeForCausalLM (as Qwen1.5-MoE-A2.7B): q/k/v biases, 3 layers by
+default of which `--mlp-only-layers` (1) are dense MLPs, the others sparse MoE blocks of 8 routed
+experts, top-2 of the softmax without renormalising (norm_topk_prob false), plus a shared expert of
+width `--shared-expert-intermediate-size` (48, unlike the routed experts' 32) scaled by
+sigmoid(shared_expert_gate(x)); the gate is drawn with std 0.3 so that its value varies by token.
+`--mlp-only-layers` applies to qwen3_moe too (default: none).
 
 `--arch qwen2_5_vl` writes a Qwen2_5_VLForConditionalGeneration (a 2-block vision tower, hidden 32,
 patch 14, merge 2, one window block and one full-attention block, over the same tiny decoder), the
@@ -49,7 +57,7 @@ CHAT_TEMPLATE = (
     "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% endif %}"
 )
-ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_5_vl")
+ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe", "qwen2_5_vl")
 VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2.5-VL's template renders an image part as <|vision_start|><|image_pad|><|vision_end|>; the
 # processor then repeats <|image_pad|> once per merged patch. Same rendering here, without tools.
@@ -106,8 +114,18 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                               num_experts=args.num_experts, num_experts_per_tok=args.moe_topk,
                               moe_intermediate_size=args.moe_intermediate_size, norm_topk_prob=True,
-                              decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
-                              output_router_logits=False, **common)
+                              decoder_sparse_step=1, mlp_only_layers=list(args.mlp_only_layers or []),
+                              router_aux_loss_coef=0.001, output_router_logits=False, **common)
+    if arch == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+        common = {k: v for k, v in common.items() if k != "rope_theta"}
+        return Qwen2MoeConfig(tie_word_embeddings=False, qkv_bias=True, use_sliding_window=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                              num_experts=args.num_experts, num_experts_per_tok=args.moe_topk,
+                              moe_intermediate_size=args.moe_intermediate_size, norm_topk_prob=False,
+                              shared_expert_intermediate_size=args.shared_expert_intermediate_size,
+                              decoder_sparse_step=1, mlp_only_layers=list(args.mlp_only_layers or []),
+                              router_aux_loss_coef=0.001, output_router_logits=False, **common)
     if arch == "qwen2_5_vl":
         return build_vl_config(common, args)
     raise SystemExit(f"--arch {arch}: unsupported ({', '.join(ARCHS)})")
@@ -137,14 +155,25 @@ def build_vl_config(common: dict, args: argparse.Namespace):
 
 
 def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_size: int = 64,
-                    hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                    hidden_size: int = 64, num_layers: int | None = None, num_heads: int = 4,
                     num_kv_heads: int = 2, num_experts: int = 8, moe_topk: int = 2,
-                    moe_intermediate_size: int = 32) -> Path:
+                    moe_intermediate_size: int = 32, shared_expert_intermediate_size: int = 48,
+                    mlp_only_layers: list[int] | None = None) -> Path:
+    """num_layers: 3 for qwen2_moe, 2 otherwise; mlp_only_layers (MoE archs): [1] for qwen2_moe, none
+    for qwen3_moe."""
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
+    if num_layers is None:
+        num_layers = 3 if arch == "qwen2_moe" else 2
+    if mlp_only_layers is None:
+        mlp_only_layers = [1] if arch == "qwen2_moe" else []
+    if any(not 0 <= i < num_layers for i in mlp_only_layers):
+        raise SystemExit(f"--mlp-only-layers {mlp_only_layers}: layer indices must be in [0, {num_layers})")
     args = argparse.Namespace(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, num_experts=num_experts, moe_topk=moe_topk,
-                              moe_intermediate_size=moe_intermediate_size)
+                              moe_intermediate_size=moe_intermediate_size,
+                              shared_expert_intermediate_size=shared_expert_intermediate_size,
+                              mlp_only_layers=mlp_only_layers)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vl = arch == "qwen2_5_vl"
@@ -171,6 +200,8 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
             elif name.endswith("mlp.gate.weight"):  # an MoE router: decisive routing (module docstring)
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.shared_expert_gate.weight"):  # Qwen2-MoE: a gate that varies by token
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(out, safe_serialization=True)
 
     template = VL_CHAT_TEMPLATE if vl else CHAT_TEMPLATE
@@ -180,7 +211,7 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     fast.save_pretrained(out)
     cfg_path = out / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text())
-    qwen = arch in ("qwen2", "qwen3_moe", "qwen2_5_vl")
+    qwen = arch in ("qwen2", "qwen3_moe", "qwen2_moe", "qwen2_5_vl")
     tok_cfg["tokenizer_class"] = "Qwen2Tokenizer" if qwen else "PreTrainedTokenizerFast"
     tok_cfg["chat_template"] = template
     tok_cfg["model_max_length"] = 512
@@ -218,16 +249,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=None, help="default 64 (128 for qwen2_5_vl)")
     p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-layers", type=int, default=None, help="default 3 for qwen2_moe, 2 otherwise")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
-    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: routed experts per layer")
-    p.add_argument("--moe-topk", type=int, default=2, help="qwen3_moe: experts per token")
-    p.add_argument("--moe-intermediate-size", type=int, default=32, help="qwen3_moe: each expert's width")
+    p.add_argument("--num-experts", type=int, default=8, help="MoE archs: routed experts per layer")
+    p.add_argument("--moe-topk", type=int, default=2, help="MoE archs: experts per token")
+    p.add_argument("--moe-intermediate-size", type=int, default=32, help="MoE archs: each expert's width")
+    p.add_argument("--shared-expert-intermediate-size", type=int, default=48,
+                   help="qwen2_moe: the shared expert's width")
+    p.add_argument("--mlp-only-layers", default=None,
+                   help="MoE archs: comma-separated dense layers (default 1 for qwen2_moe, none for qwen3_moe)")
     a = p.parse_args(argv)
     vocab = a.vocab_size or (128 if a.arch == "qwen2_5_vl" else 64)
+    dense = None if a.mlp_only_layers is None else [int(x) for x in a.mlp_only_layers.split(",") if x.strip()]
     out = make_tiny_model(a.out, a.arch, a.seed, vocab, a.hidden_size, a.num_layers, a.num_heads,
-                          a.num_kv_heads, a.num_experts, a.moe_topk, a.moe_intermediate_size)
+                          a.num_kv_heads, a.num_experts, a.moe_topk, a.moe_intermediate_size,
+                          a.shared_expert_intermediate_size, dense)
     print(f"wrote {out}")
 
 

@@ -242,6 +242,13 @@ FLAGS: tuple[Flag, ...] = (
              help='how tokens reach the experts of other EP ranks (allgather: not with pipeline parallelism)'),
         Flag('--moe-grouped-gemm', 'trainer.moe_grouped_gemm', action="store_true",
              help="TransformerEngine's grouped GEMM for the experts (refused: the trainer builds the local spec)"),
+        Flag('--use-rollout-routing-replay', 'trainer.use_rollout_routing_replay', action="store_true",
+             help="slime's R3 (arXiv 2510.11370): the engines return the experts each MoE layer chose per token "
+                  "(SGLang's --enable-return-routed-experts) and the trainer's routers use them in every forward "
+                  "(gates from its own logits); train/routing_agreement reports how often it would choose alike"),
+        Flag('--use-routing-replay', 'trainer.use_routing_replay', action="store_true",
+             help="slime's R2 (replay the old-log-prob forward's routing in training): accepted only with "
+                  "--use-rollout-routing-replay, which implies it in slime"),
     ),
     *section('batches (Megatron names)',
         Flag('--micro-batch-size', 'batch.micro_batch_size', default=1, type=_positive_int),

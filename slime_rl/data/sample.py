@@ -38,6 +38,10 @@ class Sample:
     # (the engine gets them as image_data, the trainer turns them into pixel_values)
     images: list[str] = field(default_factory=list)
     image_grid_thw: list[list[int]] = field(default_factory=list)
+    # MoE engines asked for their routing (--use-rollout-routing-replay): SGLang's routed_experts of
+    # the last request, int32 [rows, layers * top_k], one row per position of `tokens` fed to the
+    # engine's model (rows <= len(tokens) - 1); None when not asked
+    rollout_routed_experts: Any = None
 
     @property
     def response_length(self) -> int:

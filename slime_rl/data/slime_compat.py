@@ -75,6 +75,8 @@ class SlimeSample:
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
+    # SGLang's routed_experts per position fed to the engine: slime keeps [rows, layers, top_k]
+    rollout_routed_experts: Any = None
     remove_sample: bool = False
     status: Status = Status.PENDING
     metadata: dict = field(default_factory=dict)
@@ -156,6 +158,8 @@ def to_slime(sample: Sample, cls: type = SlimeSample) -> Any:
         "response_length": n, "label": sample.label, "reward": sample.reward,
         "loss_mask": list(sample.loss_mask) if n else None,
         "rollout_log_probs": list(sample.rollout_logprobs) if n else None,
+        "rollout_routed_experts": None if sample.rollout_routed_experts is None
+        else sample.rollout_routed_experts.copy(),
         "weight_versions": [sample.weight_version] if sample.weight_version is not None else [],
         "metadata": {k: v for k, v in sample.metadata.items() if k not in INTERNAL_METADATA},
         "multimodal_inputs": {"images": list(sample.images)} if sample.images else None,

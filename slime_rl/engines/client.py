@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import numpy as np
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
@@ -55,7 +56,8 @@ def generate_payload(input_ids: Sequence[int] | Sequence[Sequence[int]] | None,
                      sampling_params: dict[str, Any] | Sequence[dict[str, Any]],
                      return_logprob: bool = True, rid: str | list[str] | None = None, image_data: Any = None,
                      logprob_start_len: int | None = None, text: str | list[str] | None = None,
-                     return_text_in_logprobs: bool | None = None) -> dict[str, Any]:
+                     return_text_in_logprobs: bool | None = None,
+                     return_routed_experts: bool | None = None) -> dict[str, Any]:
     """GenerateReqInput body: exactly one of `input_ids` / `text`; a list of lists is a batch, whose
     `sampling_params` (and `rid`, `image_data`) may be one per prompt (a list) or shared."""
     if (input_ids is None) == (text is None):
@@ -67,7 +69,8 @@ def generate_payload(input_ids: Sequence[int] | Sequence[Sequence[int]] | None,
         else [dict(p) for p in sampling_params]
     return _drop_none({"input_ids": input_ids, "text": text, "sampling_params": sampling_params,
                        "return_logprob": return_logprob, "logprob_start_len": logprob_start_len, "rid": rid,
-                       "image_data": image_data, "return_text_in_logprobs": return_text_in_logprobs})
+                       "image_data": image_data, "return_text_in_logprobs": return_text_in_logprobs,
+                       "return_routed_experts": return_routed_experts})
 
 
 def one_pad_per_image(input_ids: Sequence[int], prompt_len: int, n_images: int, pad_id: int,
@@ -462,3 +465,16 @@ class AsyncRouterClient(AsyncEngineClient):
 
     async def aclose(self) -> None:
         await asyncio.gather(super().aclose(), *(e.aclose() for e in self.engines))
+
+
+def decode_routed_experts(value: Any, where: str = "routed_experts") -> np.ndarray:
+    """meta_info["routed_experts"] -> a flat int32 array (the caller knows its shape)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: expected SGLang's base64 string, got {type(value).__name__}")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError as e:
+        raise ValueError(f"{where}: not base64 ({e})") from None
+    if len(raw) % 4:
+        raise ValueError(f"{where}: {len(raw)} bytes is not a whole number of int32")
+    return np.frombuffer(raw, dtype=np.int32).copy()

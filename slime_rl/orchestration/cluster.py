@@ -236,11 +236,17 @@ class Cluster:
         # colocated: only what was released is resumed (SGLang refuses to resume a tag it holds);
         # the weights first, then the sync refills them, then the KV cache and CUDA graphs
         released, self._released = self._released, False
+        resumed: dict[str, float] = {}
         if released:
+            t = time.perf_counter()
             self._on_engines("resume_memory_occupation", RESUME_BEFORE_SYNC)
+            resumed["perf/resume_weights_s"] = time.perf_counter() - t
         metrics = self.trainers.sync_weights(version, weights_dropped=released)
         if released:
+            t = time.perf_counter()
             self._on_engines("resume_memory_occupation", RESUME_AFTER_SYNC)
+            resumed["perf/resume_kv_cache_s"] = time.perf_counter() - t
+        metrics |= resumed
         # restarted engines hold the current weights now: only now may they get requests
         ray.get([self.rollout_manager.revive_engine.remote(k, url) for k, url in self._revived.items()])
         self._revived.clear()

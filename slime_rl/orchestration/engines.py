@@ -17,7 +17,7 @@ import ray
 
 from slime_rl.config import Config
 from slime_rl.config.seeds import engine_seed, run_seed
-from slime_rl.engines.embedded.cli import API_KEY_ENV
+from slime_rl.engines.embedded.cli import API_KEY_ENV, ROUTING_SELECT_ROUND_ENV
 from slime_rl.engines.launch import embedded_command, sglang_command, wait_healthy
 from slime_rl.orchestration.placement import EngineSlot
 
@@ -55,6 +55,8 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
         extra = _colocated_sglang_args(cfg)
         if deterministic:
             extra.setdefault("enable_deterministic_inference", True)
+        if cfg.trainer.use_rollout_routing_replay:  # SGLang returns routed_experts only with this switch
+            extra["enable_return_routed_experts"] = True
         # base GPU 0: the actor holds exactly the engine's devices (Ray sets CUDA_VISIBLE_DEVICES to them)
         return sglang_command(model_path=cfg.model.hf_checkpoint, host=host, port=port,
                               tp_size=slot.num_gpus, nccl_port=nccl_port,
@@ -75,6 +77,7 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                             disable_overlap_schedule=cfg.engine.sglang_args.get("disable_overlap_schedule")
                             in (True, "true"),
                             enable_fp32_lm_head=cfg.model.fp32_lm_head,
+                            enable_return_routed_experts=cfg.trainer.use_rollout_routing_replay,
                             cuda_graph_max_bs=None if graph_bs is None else int(graph_bs),
                             enable_deterministic_inference=deterministic)
 
@@ -100,8 +103,12 @@ def _colocated_sglang_args(cfg: Config) -> dict:
 
 
 def engine_env(cfg: Config, api_key: str | None) -> dict[str, str]:
-    """Environment for the engine process: the built-in engine's API key."""
-    return {API_KEY_ENV: api_key} if api_key and cfg.engine.backend == "embedded" else {}
+    """Environment for the engine process: the built-in engine's API key, and the driver's
+    ROUTING_SELECT_ROUND_ENV (tests and measurements only: the built-in engine's routing flips)."""
+    env = {API_KEY_ENV: api_key} if api_key and cfg.engine.backend == "embedded" else {}
+    if cfg.engine.backend == "embedded" and os.environ.get(ROUTING_SELECT_ROUND_ENV):
+        env[ROUTING_SELECT_ROUND_ENV] = os.environ[ROUTING_SELECT_ROUND_ENV]
+    return env
 
 
 @ray.remote

@@ -62,7 +62,7 @@ COLOCATED_GBPS = 16.0
 LOGITS_BYTES = 12
 
 # what each supported model_type implies beyond config.json's sizes (the HF modules' biases and norms)
-_TYPES = ("llama", "qwen2", "qwen2_5_vl", "qwen3", "qwen3_moe")
+_TYPES = ("llama", "qwen2", "qwen2_5_vl", "qwen3", "qwen3_moe", "qwen2_moe")
 
 # transformers' Qwen2_5_VLVisionConfig defaults, for keys a config.json leaves out
 _VISION_DEFAULTS = {"depth": 32, "hidden_size": 3584, "intermediate_size": 3420, "in_channels": 3, "patch_size": 14,
@@ -115,6 +115,7 @@ class ModelShape:
     top_k: int = 0
     moe_layers: tuple[int, ...] = ()
     vision: VisionShape | None = None
+    shared_ffn: int = 0  # Qwen2-MoE: the shared expert's width in every MoE layer (0: none), with its [1, h] gate
 
     @property
     def q(self) -> int:
@@ -139,6 +140,10 @@ class ModelShape:
         """(experts, router) parameters of one MoE layer."""
         return self.experts * 3 * self.hidden * self.expert_ffn, self.hidden * self.experts
 
+    def shared_expert_params(self) -> tuple[int, int]:
+        """(TP-split, replicated) parameters of one MoE layer's shared expert: its SwiGLU, its gate."""
+        return (3 * self.hidden * self.shared_ffn, self.hidden) if self.shared_ffn else (0, 0)
+
     @property
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
@@ -150,6 +155,7 @@ class ModelShape:
         total = self.layers * (split + rep) + self.hidden  # + final norm
         n_moe = len(self.moe_layers)
         total += (self.layers - n_moe) * self.dense_mlp_params() + n_moe * sum(self.moe_params())
+        total += n_moe * sum(self.shared_expert_params())
         total += self.embedding_params * (1 if self.tied else 2)
         return total + (self.vision.params if self.vision else 0)
 
@@ -170,7 +176,8 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
     layers = _need(cfg, "num_hidden_layers", where)
     attention_bias = bool(cfg.get("attention_bias", False))
     # hub configs say num_experts; transformers 5 writes num_local_experts
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if model_type == "qwen3_moe" else 0
+    moe_type = model_type in ("qwen3_moe", "qwen2_moe")
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if moe_type else 0
     moe_layers: tuple[int, ...] = ()
     if experts:
         step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
@@ -187,12 +194,14 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=_need(cfg, "vocab_size", where),
         tied=bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
-        qkv_bias=model_type in ("qwen2", "qwen2_5_vl") or attention_bias,
+        qkv_bias=model_type in ("qwen2", "qwen2_5_vl") or attention_bias
+        or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
         o_bias=model_type in ("llama", "qwen3", "qwen3_moe") and attention_bias,
         mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         experts=experts, expert_ffn=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
-        top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0, moe_layers=moe_layers, vision=vision)
+        top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0, moe_layers=moe_layers, vision=vision,
+        shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0) if experts and model_type == "qwen2_moe" else 0)
 
 
 # ---------------------------------------------------------------------------------------- memory
@@ -246,6 +255,7 @@ def activation_bytes_per_token(shape: ModelShape, lay: TrainerLayout, layer: int
         out += 2 * (shape.q + shape.kv) / t
     if layer in shape.moe_layers:
         out += 8 * shape.top_k * shape.expert_ffn / t + 4 * shape.experts
+        out += 8 * shape.shared_ffn / t  # the shared expert's SwiGLU (0 without one)
     else:
         out += 8 * shape.ffn / t
     return out
@@ -288,6 +298,8 @@ def _stage_params(shape: ModelShape, lay: TrainerLayout, stage: int) -> tuple[in
             experts, router = shape.moe_params()
             expert += experts // (lay.ep * (lay.etp or t))
             dense += router
+            shared_split, shared_rep = shape.shared_expert_params()
+            dense += shared_split // t + shared_rep
         else:
             dense += shape.dense_mlp_params() // t
     if stage == 0:

@@ -67,10 +67,25 @@ def samples_to_batch(groups: list[list[Sample]], algo: AlgoConfig | None = None,
         "rollout_logprobs": [s.rollout_logprobs for s in flat],
         "rewards": rewards.flatten().tolist(),
     }
+    if any(s.rollout_routed_experts is not None for s in flat):  # MoE: the engines' routing (routing replay)
+        missing = [s.index for s in flat if s.rollout_routed_experts is None and s.response_ids]
+        if missing:
+            raise RuntimeError(f"samples {missing[:5]} came back without the engines' routed_experts: were the "
+                               "engines started with --enable-return-routed-experts?")
+        batch["rollout_routed_experts"] = [s.rollout_routed_experts for s in flat]
     if any(s.images for s in flat):  # vision-language: the trainer rebuilds pixels and mRoPE positions
         batch["images"] = [list(s.images) for s in flat]
         batch["image_grid_thw"] = [[list(g) for g in s.image_grid_thw] for s in flat]
     return batch
+
+
+def _jsonable(sample: dict[str, Any]) -> dict[str, Any]:
+    """A Sample's fields for the checkpoint's JSON: the engines' routing (a numpy array) as lists
+    (the trainer and the rollout take either)."""
+    routed = sample.get("rollout_routed_experts")
+    if routed is not None and hasattr(routed, "tolist"):
+        sample["rollout_routed_experts"] = routed.tolist()
+    return sample
 
 
 def dump_rollouts(path: Path, groups: list[list[Sample]]) -> None:
@@ -117,7 +132,8 @@ class RolloutManager:
         self.reward_fn = reward_fn_from_config(cfg.reward, failure_value=cfg.reward.reward_failure_value,
                                                args=self.slime_args)
         self.dead: dict[int, str] = {}  # engine -> why it was declared dead; until it is revived
-        self.options = RolloutOptions.from_config(cfg.rollout)
+        self.options = RolloutOptions.from_config(
+            cfg.rollout, return_routed_experts=cfg.trainer.use_rollout_routing_replay or None)
         self.eval_sets = {name: PromptDataset(replace(cfg.data, prompt_data=path, rollout_shuffle=False),
                                               self.tokenizer).rows for name, path in cfg.eval.datasets}
         self._state_before: dict[int, dict[str, Any]] = {}
@@ -236,7 +252,7 @@ class RolloutManager:
     def state_dict(self) -> dict[str, Any]:
         """JSON-able: data position, sample/group counters, and the partial groups to continue."""
         return {"data": self.dataset.state_dict(), "next_index": self.next_index, "next_group": self.next_group,
-                "leftover": [[dataclasses.asdict(s) for s in g] for g in self.leftover]}
+                "leftover": [[_jsonable(dataclasses.asdict(s)) for s in g] for g in self.leftover]}
 
     def state_before(self, step: int) -> dict[str, Any]:
         """The state as it was before rollout `step` started (now, if it has not started)."""

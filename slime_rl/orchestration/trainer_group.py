@@ -299,7 +299,14 @@ class RankGroup:
                                         f"weight sync {version}") if r]
         total = sum(r["weight_sync/bytes"] for r in results)
         seconds = sum(r["weight_sync/seconds"] for r in results)
-        return {"weight_sync/bytes": total, "perf/weight_sync_GBps": total / seconds / 1e9}
+        # where the send's time goes, from the slowest sending rank (colocated ranks send at once):
+        # building buckets (gathers, renames), filling the buffers, waiting for the engines' answers
+        slowest = max(results, key=lambda r: r["weight_sync/seconds"])
+        phases = {f"perf/weight_sync_{k[len('weight_sync/'):-len('_seconds')]}_s": slowest[k]
+                  for k in ("weight_sync/build_seconds", "weight_sync/fill_seconds", "weight_sync/http_wait_seconds",
+                            "weight_sync/device_wait_seconds") if k in slowest}
+        return {"weight_sync/bytes": total, "perf/weight_sync_GBps": total / seconds / 1e9,
+                "perf/weight_sync_send_s": slowest["weight_sync/seconds"], **phases}
 
     def save_hf(self, path: str) -> str:
         """--save-hf: every rank takes part (gathers), rank 0 writes the folder."""

@@ -64,7 +64,7 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
     `progress`: samples finished of those the batch needs (a filtered group's are added to it),
     shown as `observability.Progress` under `progress_desc`."""
     pool = ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len,
-                      sample_seed=opts.sample_seed, health=health)
+                      sample_seed=opts.sample_seed, health=health, return_routed_experts=opts.return_routed_experts)
     gen = generate_fn or load_generate_function(opts.custom_generate_function_path, slime_args)
     keep = filter_fn or load_filter(opts.dynamic_sampling_filter_path, slime_args, opts.dynamic_sampling_filter_kwargs)
     try:

@@ -133,7 +133,8 @@ async def generate_groups(clients: Sequence[AsyncEngineClient], rows: Sequence[P
     path; `pool` lets the caller read the per-engine counters afterwards."""
     opts = options or RolloutOptions.from_config(cfg, rollout_stop_token_ids=tuple(stop_token_ids) or None)
     own_pool = pool is None
-    pool = pool or ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len)
+    pool = pool or ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len,
+                              return_routed_experts=opts.return_routed_experts)
     gen = generate_fn or load_generate_function(opts.custom_generate_function_path, slime_args)
     params = options_sampling_params(opts)
     groups = make_groups(rows, opts.n_samples_per_prompt, itertools.count(first_index), itertools.count(first_group))

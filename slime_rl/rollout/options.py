@@ -17,6 +17,8 @@ from slime_rl.config import RolloutConfig
 @dataclass(frozen=True)
 class RolloutOptions(RolloutConfig):
     extra_sampling_params: dict[str, Any] = field(default_factory=dict)  # passed through as given
+    # ask the engines for SGLang's routed_experts (--use-rollout-routing-replay)
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.rollout_batch_size < 1:
@@ -40,6 +42,7 @@ class RolloutOptions(RolloutConfig):
         values = {f.name: getattr(cfg, f.name) for f in fields(RolloutConfig)}
         if isinstance(cfg, RolloutOptions):
             values["extra_sampling_params"] = cfg.extra_sampling_params
+            values["return_routed_experts"] = cfg.return_routed_experts
         values.update({k: v for k, v in overrides.items() if v is not None})
         for key in ("rollout_stop", "rollout_stop_token_ids"):
             values[key] = _as_tuple(values[key])

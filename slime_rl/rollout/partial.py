@@ -21,6 +21,7 @@ from typing import Any
 from slime_rl.data import Sample
 from slime_rl.data.sample import ROLLOUT_STATUS_KEY as STATUS
 from slime_rl.data.sample import TOKEN_VERSIONS_KEY as VERSIONS
+from slime_rl.engines.client import decode_routed_experts
 
 PENDING, ABORTED, COMPLETED, TRUNCATED = "pending", "aborted", "completed", "truncated"
 DONE = (COMPLETED, TRUNCATED)
@@ -55,7 +56,17 @@ def append_model_turn(sample: Sample, out: dict[str, Any], tokenizer: Any = None
         raise RuntimeError(f"engine answer {meta.get('id')!r}: {len(lps)} log-probs for {len(ids)} tokens "
                            "(was return_logprob sent?)")
     version = meta.get("weight_version")
+    routed = meta.get("routed_experts")
     sample.response_ids.extend(ids)
+    if routed is not None:
+        # SGLang's rows cover [0, seqlen - 1) of this request's prompt + output, which is the
+        # sample's tokens so far (the request sent them all)
+        rows = len(sample.tokens) - 1
+        flat = decode_routed_experts(routed, f"engine answer {meta.get('id')!r}: routed_experts")
+        if rows < 1 or flat.size % rows:
+            raise RuntimeError(f"engine answer {meta.get('id')!r}: routed_experts holds {flat.size} ids, not a "
+                               f"whole number per position for the {rows} positions before the last token")
+        sample.rollout_routed_experts = flat.reshape(rows, -1)
     sample.rollout_logprobs.extend(lps)
     sample.loss_mask.extend([1] * len(ids))
     token_versions(sample).extend([version] * len(ids))

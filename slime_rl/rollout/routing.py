@@ -150,10 +150,12 @@ class ClientPool:
 
     def __init__(self, clients: Sequence[AsyncEngineClient], tokenizer: Any, per_engine: int = 64,
                  max_context_len: int | None = None, sample_seed: int | None = None,
-                 health: EngineHealth | None = None) -> None:
+                 health: EngineHealth | None = None, return_routed_experts: bool = False) -> None:
         # sample_seed: every request carries SGLang's sampling_seed, drawn from this seed, the sample's
         # index and its length so far, so tokens depend on neither batching, engine nor restarts
         self.sample_seed = sample_seed
+        # every /generate asks for SGLang's routed_experts (partial.append_model_turn keeps them)
+        self.return_routed_experts = return_routed_experts
         self.balancer = LoadBalancer(clients, per_engine)
         self.balancer.health = self.health = health
         self.tokenizer = tokenizer
@@ -254,12 +256,13 @@ class ClientPool:
                 images.append(image_data_of(s.images))
             sps = [self.seeded(s, x, p) for s, x, p in zip(samples, inputs, params, strict=True)]
             client = self.balancer.clients[i]
+            routed = {"return_routed_experts": True} if self.return_routed_experts else {}
             if batch:
                 call = client.generate(input_ids=ids, sampling_params=sps, return_logprob=True, rid=rids,
-                                       image_data=images if any(images) else None)
+                                       image_data=images if any(images) else None, **routed)
             else:
                 call = client.generate(input_ids=ids[0], sampling_params=sps[0], return_logprob=True, rid=rids[0],
-                                       image_data=images[0])
+                                       image_data=images[0], **routed)
             out = await self._unless_dead(i, call)
             outs = out if batch else [out]
             if not isinstance(outs, list) or len(outs) != k:

@@ -30,6 +30,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from slime_rl.data import Sample
 from slime_rl.data.slime_compat import (
     CURRENT_SAMPLE,
@@ -161,6 +163,13 @@ def from_slime(out: Any, sample: Sample, path: str, reward_key: str | None = Non
         versions = versions[:before] + [latest if m else None for m in mask[before:]]
     else:  # rewritten from the start
         versions = [latest if m else None for m in mask]
+    routed = getattr(out, "rollout_routed_experts", None)
+    if routed is not None:  # slime's [rows, layers, top_k] (tensor or lists) -> ours [rows, layers * top_k]
+        routed = np.asarray(routed.cpu() if hasattr(routed, "cpu") else routed, dtype=np.int32)
+        if routed.ndim < 1 or not 0 < routed.shape[0] <= len(tokens) - 1:
+            raise ValueError(f"{where}: rollout_routed_experts has {routed.shape[0] if routed.ndim else 0} rows for "
+                             f"{len(tokens)} tokens (one per position fed to the engine: at most {len(tokens) - 1})")
+        sample.rollout_routed_experts = routed.reshape(routed.shape[0], -1)
     sample.response_ids, sample.rollout_logprobs, sample.loss_mask = response, logprobs, mask
     sample.response = str(out.response or "")
     metadata = out.metadata if isinstance(out.metadata, dict) else {}

@@ -41,6 +41,9 @@ class MicroBatch:
     # [b, s] (packed: [1, t]) bool, True on positions that hold no sample's token (right padding,
     # the pad of a packed row): megatron's MoE routers leave them out of the load-balancing loss
     padding: Tensor | None = None
+    # MoE with the engines' routing (routing_replay.py): ([tokens, layers, k] expert ids, [tokens] bool
+    # engine-routed) in the order this rank's routers see the tokens; None without
+    routing: tuple[Tensor, Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

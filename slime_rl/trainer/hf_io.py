@@ -92,7 +92,8 @@ def stage_param_maps(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_ran
     # a vision-language model's HF vision tower lives on the first stage (convert/vision.py)
     out = [(p.mcore, p, True) for p in (*arch.vision_params, *embedding)] if first else []
     for i in range(per_stage):
-        for p in family.layer_params:  # megatron names a stage's layers from 0; HF globally
+        # megatron names a stage's layers from 0; HF globally. A dense layer of an MoE model has a dense MLP
+        for p in family.layer_maps(arch.is_moe_layer(pp_rank * per_stage + i)):
             local = p.at_layer(i).expand_experts(local_experts, ep_rank * local_experts)
             glob = p.at_layer(pp_rank * per_stage + i).expand_experts(local_experts, ep_rank * local_experts)
             out += [(lo.mcore, gl, True) for lo, gl in zip(local, glob, strict=True)]

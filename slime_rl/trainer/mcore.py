@@ -43,6 +43,8 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -53,7 +55,7 @@ __all__ = [
     "TransformerBlockSubmodules", "TransformerConfig", "dist_checkpointing", "finalize_model_grads",
     "gather_from_sequence_parallel_region", "get_forward_backward_func", "get_gpt_layer_local_spec",
     "get_megatron_optimizer", "get_moe_metrics_tracker", "mpu", "on_rank_thread", "rope_utils", "tensor_parallel",
-    "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy", "RouterReplay", "RouterReplayAction", "TopKRouter",
 ]
 
 def on_rank_thread[F: Callable[..., Any]](method: F) -> F:

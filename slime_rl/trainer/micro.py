@@ -23,6 +23,7 @@ from slime_rl.trainer.batching import MicroBatch, build_micro_batch, chunks, unp
 from slime_rl.trainer.context_parallel import split_micro_batch
 from slime_rl.trainer.packing import build_packed_micro_batch, split_to_count, token_budget_bins
 from slime_rl.trainer.parallel import broadcast_from_last_stage
+from slime_rl.trainer.routing_replay import BATCH_KEY, micro_batch_routing
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class MicroBatching:
     cp_size: int = 1  # context parallel: every micro-batch is split over the CP group
     cp_rank: int = 0
     vision: Any = None  # vision.VisionBatching of a vision-language model (mRoPE, image inputs)
+    # MoE: (num_layers, top_k, num_experts, sp_size, sp_rank) to carry the engines' routing of a batch
+    # that has it (routing_replay.py); None for dense models
+    routing: tuple[int, int, int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:
@@ -79,6 +83,14 @@ class MicroBatching:
             mb = build_micro_batch(batch, use, self.device, per_token)
         if self.vision is not None:
             self.vision.attach(mb, batch, use)
+        if self.routing is not None and BATCH_KEY in batch:
+            if self.cp_size > 1:
+                raise ValueError("routing replay under context parallelism is not supported")
+            layers, topk, experts, sp, sp_rank = self.routing
+            starts = mb.packed_seq_params.cu_seqlens_q[:len(use)].tolist() if mb.packed_seq_params is not None \
+                else None
+            ids, mask = micro_batch_routing(batch, use, layers, topk, experts, mb.num_tokens, starts, sp, sp_rank)
+            mb.routing = (ids.to(self.device), (mask & (not dummy)).to(self.device))
         if self.cp_size > 1:
             mb = split_micro_batch(mb, self.cp_size, self.cp_rank)
         if dummy:  # runs forward/backward like the others but adds exactly 0 to loss and grads

@@ -71,6 +71,24 @@ def moe_config_kwargs(arch: ModelArch, moe: MoEOptions, tp_size: int) -> dict:
     )
 
 
+def moe_block_kwargs(arch: ModelArch) -> dict:
+    """TransformerConfig fields of the MoE block's layout: the shared expert of Qwen2-MoE
+    (megatron's SharedExpertMLP of moe_shared_expert_intermediate_size; with moe_shared_expert_gate
+    it multiplies its output by sigmoid(x . gate_weight), gate_weight [1, hidden]: HF's
+    `sigmoid(shared_expert_gate(x)) * shared_expert(x)`, added to the routed experts' output as HF
+    does), and the dense layers of a mixed model as megatron's per-layer pattern (moe_layer_freq as
+    a list: 1 = MoE block, 0 = dense MLP of ffn_hidden_size)."""
+    out: dict = {}
+    if not arch.num_experts:
+        return out
+    if arch.moe_shared_expert_ffn_hidden_size:
+        out.update(moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size,
+                   moe_shared_expert_gate=True, moe_shared_expert_overlap=False)
+    if arch.moe_layers and not all(arch.moe_layers):
+        out["moe_layer_freq"] = [int(m) for m in arch.moe_layers]
+    return out
+
+
 def moe_aux_losses(config, num_microbatches: int) -> dict[str, float]:
     """The load-balancing losses megatron's routers recorded since the last call, as Megatron-LM
     logs them: per layer summed over micro-batches and divided by their number, reduced over the
@@ -89,7 +107,8 @@ def moe_aux_losses(config, num_microbatches: int) -> dict[str, float]:
     track = [names[t] for t in (types if isinstance(types, list) else [types]) if t in names]
     totals: dict = {}
     tracker.report(loss_scale=1.0 / num_microbatches, iteration=0, force_initialize=True, track_names=track,
-                   num_layers=config.num_layers, total_loss_dict=totals)
+                   num_layers=config.num_layers, total_loss_dict=totals,
+                   moe_layer_freq=config.moe_layer_freq)  # averaged over the MoE layers only
     return {f"moe/{k}": float(v) for k, v in totals.items()}
 
 
@@ -106,6 +125,7 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     dtype = torch.bfloat16 if bf16 else torch.float32
     moe_kwargs = moe_config_kwargs(arch, moe or MoEOptions(), tp_size)
+    moe_kwargs.update(moe_block_kwargs(arch))  # shared expert, dense layers
     if moe_kwargs.get("moe_token_dispatcher_type") == "allgather" and pp_size > 1:
         raise ValueError("--moe-token-dispatcher-type allgather: megatron's allgather dispatcher does not take "
                          "variable sequence lengths, which pipeline stages exchange here (packed micro-batches "
@@ -186,6 +206,8 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if sequence_parallel:
         spec = _sequence_parallel_block_spec(spec, arch, arch.num_layers // pp_size)
+    if not all(arch.is_moe_layer(i) for i in range(arch.num_layers)) and arch.num_experts:
+        spec = _mixed_block_spec(spec, arch, arch.num_layers // pp_size, sequence_parallel)
     if arch.mrope_section is not None:  # vision-language: 3-D positions (trainer/vision.py)
         config.mrope_section = list(arch.mrope_section)
     model = GPTModel(
@@ -251,6 +273,23 @@ def _sequence_parallel_block_spec(spec, arch: ModelArch, layers_here: int):
         spec.submodules.self_attention.submodules.q_layernorm = LocalRMSNorm
         spec.submodules.self_attention.submodules.k_layernorm = LocalRMSNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=LocalRMSNorm)
+
+
+def _mixed_block_spec(moe_spec, arch: ModelArch, layers_here: int, sequence_parallel: bool):
+    """A block spec of an MoE model with dense layers (mlp_only_layers / decoder_sparse_step): this
+    stage's layers, each the MoE layer spec or the dense one (megatron's own
+    get_gpt_decoder_block_spec does the same from moe_layer_freq, with its own norms and attention)."""
+    dense = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, normalization="RMSNorm",
+                                     qk_layernorm=arch.qk_layernorm)
+    dense.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if sequence_parallel:  # moe_spec is already the SP block spec
+        moe_layer, norm = moe_spec.layer_specs[0], moe_spec.layer_norm
+        dense = _sequence_parallel_block_spec(dense, arch, 1).layer_specs[0]
+    else:
+        moe_layer, norm = moe_spec, moe_spec.submodules.input_layernorm
+    first = mpu.get_pipeline_model_parallel_rank() * layers_here
+    specs = [moe_layer if arch.is_moe_layer(first + i) else dense for i in range(layers_here)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)
 
 
 def build_from_checkpoint(hf_checkpoint: str | Path, *, bf16: bool = False, tp_size: int = 1,

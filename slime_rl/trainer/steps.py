@@ -29,6 +29,7 @@ from slime_rl.trainer.context_parallel import gather_replicated
 from slime_rl.trainer.logprobs import gather_response_logits, vocab_parallel_entropy, vocab_parallel_logprobs
 from slime_rl.trainer.model import unwrap
 from slime_rl.trainer.objective import STAT_KEYS, policy_objective
+from slime_rl.trainer.routing_replay import set_targets
 from slime_rl.trainer.vision import decoder_input
 
 __all__ = ["STAT_KEYS", "LossScale", "forward_only_step", "model_forward", "policy_loss_step"]
@@ -50,6 +51,9 @@ def model_forward(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
         # MoE: padding out of the routers' load-balancing loss (as a longer row must not change it).
         # Not under context parallelism yet: the mask would need the CP split of the tokens.
         extra["padding_mask"] = mb.padding
+    routers = getattr(gpt, "engine_routing", None)
+    if routers:  # MoE: the engines' routing of this micro-batch, or none (routing_replay.py)
+        set_targets(routers, mb.routing)
     return model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
                  packed_seq_params=mb.packed_seq_params, **extra)
 

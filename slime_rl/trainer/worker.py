@@ -47,6 +47,7 @@ from slime_rl.trainer.objective import (
     train_metrics,
 )
 from slime_rl.trainer.parallel import broadcast_from_last_stage, dp_group, init_parallel, teardown_parallel
+from slime_rl.trainer.routing_replay import attach as attach_engine_routing
 from slime_rl.trainer.steps import STAT_KEYS, LossScale, forward_only_step, policy_loss_step
 from slime_rl.trainer.vision import VisionBatching, float_buffers, freeze_vision_tower, restore_buffers
 
@@ -78,7 +79,8 @@ class MegatronRank:
                  recompute_granularity: str | None = None, recompute_method: str | None = None,
                  recompute_num_layers: int | None = None, moe_aux_loss_coeff: float = 0.0,
                  moe_router_load_balancing_type: str = "aux_loss", moe_token_dispatcher_type: str = "alltoall",
-                 moe_grouped_gemm: bool = False) -> None:
+                 moe_grouped_gemm: bool = False, use_rollout_routing_replay: bool = False,
+                 use_routing_replay: bool = False) -> None:
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
         cp = parallel.context_parallel_size
         ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
@@ -115,10 +117,21 @@ class MegatronRank:
             if model.freeze_vision_tower:
                 freeze_vision_tower(self.gpt)
             vision = VisionBatching(self.arch, model.hf_checkpoint, with_pixels=self.gpt.pre_process)
+        if use_routing_replay and not use_rollout_routing_replay:
+            raise ValueError("--use-routing-replay (slime's R2) is accepted only with --use-rollout-routing-replay")
+        # MoE: every router takes the engines' routing when a batch carries it: replayed under
+        # --use-rollout-routing-replay, else only compared (train/routing_agreement)
+        self.engine_routing = attach_engine_routing(self.gpt, replay=use_rollout_routing_replay) \
+            if self.arch.num_experts else []
+        self.gpt.engine_routing = self.engine_routing
+        routing = None
+        if self.arch.num_experts:
+            routing = (self.arch.num_layers, self.arch.moe_topk, self.arch.num_experts,
+                       tp if sequence_parallel else 1, self.info.tp_rank if sequence_parallel else 0)
         self.micro = MicroBatching(self.info.device, batch.micro_batch_size, pack_sequences,
                                    use_dynamic_batch_size, max_tokens_per_gpu,
                                    pad_multiple=tp if sequence_parallel else 1,
-                                   cp_size=cp, cp_rank=self.info.cp_rank, vision=vision)
+                                   cp_size=cp, cp_rank=self.info.cp_rank, vision=vision, routing=routing)
         self._prepare_model()
         config = self.gpt.config
         if pp > 1 and self.info.device.type == "cpu":
@@ -202,6 +215,34 @@ class MegatronRank:
             grad_norm = self.optimizer.get_grad_norm()
         self.scheduler.step(increment=1)
         return float(grad_norm), lr
+
+    @contextlib.contextmanager
+    def _counting_routing(self) -> Iterator[None]:
+        """Count train/routing_agreement in the forwards of the block (those under the rollout's weights)."""
+        for r in self.engine_routing:
+            r.count = True
+        try:
+            yield
+        finally:
+            for r in self.engine_routing:
+                r.count = False
+
+    def _routing_agreement(self) -> dict[str, float]:
+        """train/routing_agreement: the share of engine-routed (token, MoE layer) pairs whose own top-k
+        set is the engine's, over every rank (TP chunks, PP stages' layers and DP shards are disjoint:
+        a sum over the world); absent when no batch carried the engines' routing. Every rank calls it."""
+        if not self.engine_routing:
+            return {}
+        agree, total = self._world_sum([sum(r.agree for r in self.engine_routing),
+                                         sum(r.total for r in self.engine_routing)])
+        for r in self.engine_routing:
+            r.agree = r.total = 0
+        return {"train/routing_agreement": agree / total} if total else {}
+
+    def _world_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(t)
+        return t.tolist()
 
     def _sub(self, batch: dict, ids: list[int]) -> dict:
         return {k: [v[i] for i in ids] for k, v in batch.items()}
@@ -391,7 +432,8 @@ class TrainerWorker(MegatronRank):
         entropy (forward only), reference log-probs (algo.use_reference), per-token advantages
         (algo.token_level_advantages; whitened over the DP group; ppo: GAE on the critic's
         `values`, which also gives the returns) and the DP-summed step sums."""
-        old, entropy = self._forward_logprobs(batch, with_entropy=True)
+        with self._counting_routing():
+            old, entropy = self._forward_logprobs(batch, with_entropy=True)
         ref = self._reference_logprobs(batch)
         adv = returns = None
         if self.algo.token_level_advantages:
@@ -438,7 +480,7 @@ class TrainerWorker(MegatronRank):
         self.last_timings = {"perf/train_inputs_s": t1 - t0, "perf/train_fwd_bwd_s": t2 - t1 - opt_s,
                              "perf/train_optimizer_s": opt_s}
         return (train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
-                | moe_metrics(stats))
+                | moe_metrics(stats) | self._routing_agreement())
 
     # wall seconds of the last train_step's phases on this rank (the RankActor adds them to the step's
     # metrics; the phases end in host syncs: DP-summed stats, the grad norm): old/ref log-probs and
@@ -463,7 +505,8 @@ class TrainerWorker(MegatronRank):
         ref = self._reference_logprobs(batch)
         batch_sums = step_sums(batch, None, self.info.device, dp_group())
         t1 = time.perf_counter()
-        stats = self.forward_backward(batch, None, ref, None)  # returns DP-summed floats: synchronized
+        with self._counting_routing():
+            stats = self.forward_backward(batch, None, ref, None)  # returns DP-summed floats: synchronized
         t2 = time.perf_counter()
         grad_norm, lr = self.optimizer_step()
         t3 = time.perf_counter()
@@ -472,8 +515,8 @@ class TrainerWorker(MegatronRank):
             self._refresh_reference()
         self.last_timings = {"perf/train_inputs_s": t1 - t0, "perf/train_fwd_bwd_s": t2 - t1,
                              "perf/train_optimizer_s": t3 - t2}
-        return train_metrics(self.algo, fused_step_sums(batch_sums, stats), [stats], [grad_norm], lr,
-                             have_ref=ref is not None) | moe_metrics([stats])
+        return (train_metrics(self.algo, fused_step_sums(batch_sums, stats), [stats], [grad_norm], lr,
+                              have_ref=ref is not None) | moe_metrics([stats]) | self._routing_agreement())
 
     # ---- weights out
     @on_rank_thread

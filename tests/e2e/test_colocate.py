@@ -27,6 +27,11 @@ def test_colocated_loop_two_steps(ray_session, tiny_qwen2, digit_data, tmp_path)
     for row in rows:
         assert not set(REQUIRED_KEYS) - set(row)
         assert row["perf/weight_sync_GBps"] > 0 and row["perf/release_s"] > 0
+        # the sync's parts (resume the weights, send, resume the KV cache) are inside its wall time,
+        # and the send's own phases inside the send
+        parts = [row["perf/resume_weights_s"], row["perf/weight_sync_send_s"], row["perf/resume_kv_cache_s"]]
+        assert all(p > 0 for p in parts) and sum(parts) <= row["perf/weight_sync_s"]
+        assert sum(row[f"perf/weight_sync_{k}_s"] for k in ("build", "fill", "http_wait")) <= row["perf/weight_sync_send_s"]
         print({k: row[k] for k in ("step", "train/rollout_logprob_abs_diff", "perf/weight_sync_GBps", "train/grad_norm",
                                    "rollout/reward_mean", "rollout/response_len_mean", "train/loss",
                                    "perf/weight_sync_s", "perf/release_s")})

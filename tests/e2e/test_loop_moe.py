@@ -1,6 +1,6 @@
 """The loop on CPU with a mixture-of-experts policy (issue 22): Ray actors, Megatron ranks with the
 experts spread over two expert-parallel ranks (EP=2, DP=2) on gloo, the built-in engine serving the
-HF Qwen3-MoE model, weight sync sending every expert under its HF name."""
+HF Qwen3-MoE or Qwen2-MoE model, weight sync sending every expert under its HF name."""
 
 from __future__ import annotations
 
@@ -18,14 +18,18 @@ digit_data = digit_data_fixture(64, seed=1)
 
 
 @pytest.mark.slow
-def test_expert_parallel_step_then_engine_holds_every_expert(ray_session, tiny_qwen3_moe, digit_data, tmp_path):
+@pytest.mark.parametrize("folder", ["tiny_qwen3_moe", "tiny_qwen2_moe"])
+def test_expert_parallel_step_then_engine_holds_every_expert(ray_session, folder, digit_data, tmp_path, request):
     """Step 0: the engine (HF transformers, experts fused) and the trainer (Megatron, EP=2) see the
     same weights, so their log-probs agree; after the update and the sync every engine tensor,
-    each expert under its HF name, equals the trainer's bit for bit, and the update moved them."""
+    each expert under its HF name, equals the trainer's bit for bit, and the update moved them.
+    Qwen2-MoE: its shared expert, the shared expert's gate and the dense layer too."""
     from slime_rl.orchestration.cluster import Cluster
 
+    ckpt = request.getfixturevalue(folder)
+
     cfg = build_config([
-        "--hf-checkpoint", str(tiny_qwen3_moe), "--prompt-data", str(digit_data), "--run-dir", str(tmp_path / "run"),
+        "--hf-checkpoint", str(ckpt), "--prompt-data", str(digit_data), "--run-dir", str(tmp_path / "run"),
         "--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1",
         "--moe-aux-loss-coeff", "0.01", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
         "--global-batch-size", "8", "--micro-batch-size", "4", "--rollout-max-response-len", "6",
@@ -41,7 +45,7 @@ def test_expert_parallel_step_then_engine_holds_every_expert(ray_session, tiny_q
         assert 0.5 < metrics["train/moe_load_balancing_loss"] < 8
         cluster.sync_weights(version="1")
         trainer = cluster.trainers.hf_weights()
-        initial = load_file(str(tiny_qwen3_moe / "model.safetensors"))
+        initial = load_file(str(ckpt / "model.safetensors"))
         assert set(trainer) == set(initial)  # every expert, under its HF name
         for url in cluster.engine_urls:
             with EngineClient(url, api_key="test-secret") as client:
@@ -52,5 +56,9 @@ def test_expert_parallel_step_then_engine_holds_every_expert(ray_session, tiny_q
                     assert np.array_equal(got.reshape(-1), expected.reshape(-1)), name
         moved = [n for n, t in trainer.items() if not np.array_equal(initial[n].numpy(), t)]
         assert any(".mlp.experts." in n for n in moved) and any(".mlp.gate." in n for n in moved)
+        if folder == "tiny_qwen2_moe":
+            assert any(".mlp.shared_expert_gate." in n for n in moved)
+            assert any(".mlp.shared_expert." in n for n in moved)
+            assert "model.layers.2.mlp.down_proj.weight" in moved  # the dense layer
     finally:
         cluster.shutdown()

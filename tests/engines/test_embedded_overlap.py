@@ -285,3 +285,32 @@ def test_the_sampler_plan_is_built_once_per_batch(model_tok, monkeypatch):
     # one plan for the 4 rows (their prefill and their decode steps: the same rows in the same order),
     # one for the 2 left once the 6-token rows finished; built every step, it would be steps + 1
     assert steps == 11 and built == [4, 2], (built, steps)
+
+
+def test_routed_experts_count_the_reported_tokens_only(tiny_qwen3_moe):
+    """A row that stops before the others ran one more step under overlap: its experts there (for a
+    token it never reported) are not returned; the answer equals the non-overlapped engine's."""
+    import httpx
+    import numpy as np
+
+    from slime_rl.engines.client import decode_routed_experts
+
+    body = {"input_ids": [prompt_of(7), prompt_of(5, salt=2)], "return_routed_experts": True,
+            "sampling_params": [{"max_new_tokens": n, "temperature": 1.0, "sampling_seed": 5 + n, "ignore_eos": True}
+                                for n in (3, 9)]}
+    answers = {}
+    for off in (False, True):
+        s = start_server(tiny_qwen3_moe, enable_return_routed_experts=True, disable_overlap_schedule=off)
+        try:
+            r = httpx.post(f"{s.url}/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            answers[off] = r.json()
+            assert (s.engine.load()["overlapped_steps"] > 0) is not off
+        finally:
+            s.shutdown()
+    for on, off, prompt in zip(answers[False], answers[True], body["input_ids"], strict=True):
+        assert on["output_ids"] == off["output_ids"]
+        got, want = (decode_routed_experts(o["meta_info"]["routed_experts"]) for o in (on, off))
+        # [prompt + output - 1, layers 2, top-k 2] (the tiny Qwen3-MoE)
+        assert got.size == (len(prompt) + len(on["output_ids"]) - 1) * 2 * 2
+        np.testing.assert_array_equal(got, want)

@@ -209,28 +209,32 @@ def test_readme_example_alone_starts_its_shards(tiny_qwen2, tmp_path):
 
 # ---- mixture of experts (issue 22): experts spread over EP ranks, resharded on load
 @pytest.mark.slow
-def test_round_trip_qwen3_moe_tp2ep2_to_pp2ep2(tiny_qwen3_moe, tmp_path):
+@pytest.mark.parametrize("folder", ["tiny_qwen3_moe", "tiny_qwen2_moe"])
+def test_round_trip_moe_tp2ep2_to_pp2ep2(folder, tmp_path, request):
     """HF -> Megatron at TP=2 x EP=2 (4 processes: the experts split over ETP=2 and spread over
     EP=2) -> HF at PP=2 x EP=2 (4 processes) and at one process: every tensor, experts included,
-    bit-exact under its HF name; the folder loads in transformers with the source's logits."""
+    bit-exact under its HF name; the folder loads in transformers with the source's logits.
+    Qwen2-MoE: the shared expert split over TP, its gate, the dense layer 2 on the second stage."""
     from transformers import AutoModelForCausalLM
 
     from slime_rl.trainer.checkpoint import read_checkpoint_info
 
+    src = request.getfixturevalue(folder)
+
     mcore = tmp_path / "mcore"
-    run_tool("convert_hf_to_megatron", ["--hf-checkpoint", str(tiny_qwen3_moe), "--save", str(mcore), "--tp", "2",
+    run_tool("convert_hf_to_megatron", ["--hf-checkpoint", str(src), "--save", str(mcore), "--tp", "2",
                                         "--ep", "2"], world=4)
     info = read_checkpoint_info(mcore)
     assert (info.topology["tp"], info.topology["pp"], info.extra["converted_at_ep"]) == (2, 1, 2)
     out = tmp_path / "hf_pp2ep2"
     run_tool("convert_megatron_to_hf", ["--load", str(mcore), "--save", str(out), "--pp", "2", "--ep", "2"], world=4)
-    _assert_same_hf(tiny_qwen3_moe, out)
+    _assert_same_hf(src, out)
     one = tmp_path / "hf_one"
     run_tool("convert_megatron_to_hf", ["--load", str(mcore), "--save", str(one)])
-    _assert_same_hf(tiny_qwen3_moe, one)
+    _assert_same_hf(src, one)
     tokens = torch.tensor([[1, 5, 9, 33, 2, 17, 40]])
     with torch.no_grad():
-        want = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe, dtype=torch.float32)(tokens).logits
+        want = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(tokens).logits
         got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(tokens).logits
     assert torch.equal(got, want)
 

@@ -77,3 +77,28 @@ def _layouts(*names: str):
 # world 4: one layout per run, so that each stays inside run_scenario's timeout on a loaded machine
 SCENARIOS = {"moe1": scenario_moe1, "moe_ep2": _layouts("ep2"), "moe_ep2tp2": _layouts("ep2tp2"),
              "moe_ep2pp2": _layouts("ep2pp2")}
+
+
+def _qwen2_moe(*names: str, noaux: bool = False, key: str = "qwen2_moe"):
+    """The same layouts on the tiny Qwen2-MoE (ckpts["qwen2_moe"]: shared expert, a dense layer) or
+    another folder (`key`); with `noaux`, one rank also without the aux loss (compared with HF's own
+    gradient)."""
+    def scenario(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+        res: dict = {}
+        for k, name in enumerate(names):
+            run_moe(rank, world, port + 10 * k, ckpts[key], name, res,
+                    layouts=MOE_RUN_LAYOUTS.get(name, ("padded", "packed")), **MOE_KW.get(name, {}))
+        if noaux:
+            extra: dict = {}
+            run_moe(rank, world, port + 10 * len(names), ckpts[key], "base", extra, aux=0.0,
+                    layouts=("packed",))
+            res.update({f"noaux/{k}": v for k, v in extra.items()})
+        return res
+
+    return scenario
+
+
+SCENARIOS.update({"qwen2_moe1": _qwen2_moe("base", noaux=True), "qwen2_moe_ep2": _qwen2_moe("ep2"),
+                  "qwen2_moe_ep2tp2": _qwen2_moe("ep2tp2"), "qwen2_moe_ep2pp2": _qwen2_moe("ep2pp2"),
+                  # Qwen3-MoE with a dense first layer (mlp_only_layers=[0]), one rank vs HF
+                  "qwen3_moe_mixed1": _qwen2_moe("base", noaux=True, key="qwen3_moe_mixed")})

@@ -27,8 +27,9 @@ CFG = dict(model_type="qwen2", hidden_size=8, intermediate_size=6, num_hidden_la
            num_attention_heads=4, num_key_value_heads=2, vocab_size=10, rms_norm_eps=1e-6,
            rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, tie_word_embeddings=True,
            hidden_act="silu",
-           # read by the MoE families only (qwen3_moe): 4 experts of width 6, top-2
-           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6)
+           # read by the MoE families only (qwen3_moe, qwen2_moe): 4 experts of width 6, top-2
+           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6,
+           shared_expert_intermediate_size=6)  # qwen2_moe's shared expert
 
 
 TEXT_FAMILIES = sorted(k for k, f in FAMILIES.items() if not f.vision)

@@ -98,17 +98,17 @@ def test_registry_qwen3_moe_names_and_shapes(ckpts):
         stage_param_maps(arch, 0, 1, 0, 3)
 
 
-def test_registry_qwen3_moe_refuses_dense_layers():
+def test_registry_qwen3_moe_dense_layers_and_missing_fields():
+    """Dense layers (mlp_only_layers, decoder_sparse_step) are megatron's moe_layer_freq pattern now
+    (test_qwen2_moe.py compares it with transformers'); a missing MoE field is named."""
     from slime_rl.trainer.convert import arch_from_hf_config
 
     cfg = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
            "num_hidden_layers": 2, "vocab_size": 64, "intermediate_size": 128, "rope_theta": 1e4,
            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "hidden_act": "silu"}
     assert arch_from_hf_config({**cfg, "mlp_only_layers": None}).num_experts == 8  # hub configs: null
-    with pytest.raises(ValueError, match="mlp_only_layers=\\[1\\] is not supported"):
-        arch_from_hf_config({**cfg, "mlp_only_layers": [1]})
-    with pytest.raises(ValueError, match="decoder_sparse_step=2"):
-        arch_from_hf_config({**cfg, "decoder_sparse_step": 2})
+    assert arch_from_hf_config({**cfg, "mlp_only_layers": [1]}).moe_layers == (True, False)
+    assert arch_from_hf_config({**cfg, "decoder_sparse_step": 2}).moe_layers == (False, True)
     with pytest.raises(ValueError, match="needs \\['moe_intermediate_size'\\]"):
         arch_from_hf_config({k: v for k, v in cfg.items() if k != "moe_intermediate_size"})
 

@@ -218,12 +218,14 @@ def main() -> None:
         moe_scenarios,
         parallel_scenarios,
         ref_load_scenarios,
+        routing_replay_scenarios,
         vl_scenarios,
     )
 
     func = SCENARIOS.get(name) or {**parallel_scenarios.SCENARIOS, **algo_scenarios.SCENARIOS,
                                    **critic_scenarios.SCENARIOS, **vl_scenarios.SCENARIOS,
-                                   **ref_load_scenarios.SCENARIOS, **moe_scenarios.SCENARIOS}[name]
+                                   **ref_load_scenarios.SCENARIOS, **moe_scenarios.SCENARIOS,
+                                   **routing_replay_scenarios.SCENARIOS}[name]
     res = func(int(rank), int(world), int(port), json.loads(ckpt_json))
     res = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in res.items()}
     torch.save(_to_cpu(res), Path(out) / f"{name}_rank{rank}.pt")

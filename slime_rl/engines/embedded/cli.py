@@ -22,6 +22,8 @@ from slime_rl.engines.embedded.server import EmbeddedServer, ServerConfig
 # The key may come from the environment instead of --api-key: a process's argv is readable by every
 # user of the node (ps, /proc/<pid>/cmdline), its environment only by its owner.
 API_KEY_ENV = "SLIME_RL_ENGINE_API_KEY"
+# default of --debug-routing-select-round (tests and measurements only); the driver passes it on
+ROUTING_SELECT_ROUND_ENV = "SLIME_RL_DEBUG_ROUTING_SELECT_ROUND"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-weights-cpu-backup", action="store_true",
                    help="keep a host copy of released weights and restore it on resume (SGLang's flag); "
                         "without it a release drops the weights and they must all be sent again")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="answer a request's return_routed_experts with each MoE layer's top-k expert ids "
+                        "(SGLang's flag; meta_info['routed_experts'], base64 int32 [tokens, layers, top_k])")
+    p.add_argument("--debug-routing-select-round", default=os.environ.get(ROUTING_SELECT_ROUND_ENV) or None,
+                   choices=["bf16", "fp16", "fp8_e4m3", "fp8_e5m2"],
+                   help="test/measurement only: choose experts from router logits rounded to this dtype "
+                        "(a bf16 engine's routing flips), the weights from the fp32 probabilities")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -96,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         disable_overlap_schedule=args.disable_overlap_schedule,
         enable_deterministic_inference=args.enable_deterministic_inference,
         enable_weights_cpu_backup=args.enable_weights_cpu_backup, enable_fp32_lm_head=args.enable_fp32_lm_head,
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        routing_select_round=args.debug_routing_select_round,
         max_request_bytes=args.max_request_bytes, read_timeout_s=args.http_read_timeout,
         idle_timeout_s=args.http_idle_timeout, max_connections=args.http_max_connections))
 

@@ -58,6 +58,7 @@ import torch
 
 from slime_rl.engines.embedded.batch import Row, RunningBatch, can_merge, left_pad
 from slime_rl.engines.embedded.graphs import StaticDecoder
+from slime_rl.engines.embedded.routing import RoutingCapture
 from slime_rl.engines.embedded.sampling import HostCopy, SamplerPlan, SamplingParams, device_tensor, token_logprobs
 from slime_rl.engines.embedded.slots import unsupported
 from slime_rl.engines.embedded.vision import is_vision_config, prefill_vision_kwargs
@@ -76,6 +77,9 @@ class GenRequest:
     # images (vision-language models): processor outputs for the image pads in input_ids
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    # SGLang's return_routed_experts / routed_experts_start_len (routing.py)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     # results, written by the scheduler thread
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -86,6 +90,9 @@ class GenRequest:
     created: float = field(default_factory=time.monotonic)
     finished_at: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
+    # with a RoutingCapture: [n, layers, top_k] int32 chunks, one per forward, of every position fed
+    # to the model (a re-prefill after a retraction replaces them)
+    routed: list[torch.Tensor] = field(default_factory=list)
     # called (from whichever thread finishes the request) right after `done` is set: the HTTP layer's
     # event loop wakes on it instead of holding a thread per waiting request
     on_done: Callable[[], None] | None = None
@@ -100,6 +107,7 @@ class _Sampled:
     tokens: torch.Tensor
     host: HostCopy
     failed: dict[int, Exception]
+    routed: torch.Tensor | None = None  # a decode step's routed experts per row (routing.py), or None
 
 
 def abort_reason(message: str = "Aborted", status_code: int | None = None, err_type: str | None = None) -> dict:
@@ -112,8 +120,9 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, eos_ids: set[int], pad_id: int,
                  max_running_requests: int = 64, seed: int = 0, static_cache: bool = False,
                  cuda_graph: bool = False, cuda_graph_max_bs: int | None = None, overlap: bool = True,
-                 **static_kw) -> None:
+                 routing: RoutingCapture | None = None, **static_kw) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.routing = routing
         self.device = next(model.parameters()).device
         self.eos_ids, self.pad_id = eos_ids, pad_id
         self.max_running = max_running_requests
@@ -133,6 +142,10 @@ class Engine:
         self._waiting: deque[GenRequest] = deque()
         self._static: StaticDecoder | None = None
         why_not = unsupported(model) if static_cache else None
+        if static_cache and routing is not None and not why_not:
+            # the recording router forward runs per eager forward; a captured graph would skip it
+            why_not = "--enable-return-routed-experts records routing in eager forwards"
+
         if static_cache and why_not:
             logger.info("embedded engine: dynamic KV cache, no CUDA graphs: %s", why_not)
         elif static_cache:
@@ -458,6 +471,10 @@ class Engine:
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_shared_rows"] += len(ready) - len(distinct)
         self.stats["prefill_tokens"] += sum(len(s) for s in distinct)
+        if self.routing is not None:
+            routed = self.routing.take(ids.shape[0], ids.shape[1])
+            for r, s, i in zip(ready, seqs, src, strict=True):
+                r.routed = [routed[i, ids.shape[1] - len(s):]] if self.routing.keep else []
         if want_input_lp:
             self._input_logprobs(ready, src, out.logits, ids.shape[1])
         rows = [Row(req=r, next_pos=len(s) + d) for r, s, d in zip(ready, seqs, deltas, strict=True)]
@@ -480,6 +497,7 @@ class Engine:
         batch when step n is read."""
         b = self._batch
         on_device = self._inflight is not None  # the in-flight step's tokens are this step's inputs
+        routed = None
         if self._static is not None:
             with self.model_lock, torch.no_grad():
                 self.wait_weights()
@@ -496,10 +514,16 @@ class Engine:
                 out = self.model(input_ids=ids, attention_mask=b.mask, position_ids=pos, use_cache=True,
                                  **{self._cache_kw: b.cache})
             logits = out.logits[:, -1, :]
+            if self.routing is not None:
+                # this step's experts per row; recorded with its tokens (_record), so a row that
+                # stopped at the step before (overlap) gets none, as without overlap
+                taken = self.routing.take(len(b.rows), 1)
+                routed = taken if self.routing.keep else None
         self.stats["decode_forwards"] += 1
         for r in b.rows:
             r.next_pos += 1
         step = self._launch_sample(b.rows, logits)
+        step.routed = routed
         if not self.overlap:
             self._finish_step(step)
             return
@@ -594,6 +618,8 @@ class Engine:
             req = row.req
             if req.done.is_set():
                 continue
+            if step.routed is not None:
+                req.routed.append(step.routed[i])
             if i in step.failed:
                 self._fail_one(req, "sampling", step.failed[i])
                 continue

@@ -35,6 +35,7 @@ step's activations and its logits, batch x vocabulary floats) stays allocated th
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -45,9 +46,25 @@ from slime_rl.engines.embedded.sampling import RequestError
 TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
-def _view_key(p: torch.Tensor) -> tuple:
-    """Tied parameters are the same view of one storage: one key (a refill of either fills both)."""
-    return p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), tuple(p.stride())
+def _region(p: torch.Tensor) -> tuple[int, int, int]:
+    """The bytes of its storage a parameter (or a view of one) covers: (storage, first byte, end).
+    Tied parameters and another name or shape for the same bytes are one region; a checkpoint name
+    for one part of a fused parameter (an MoE expert's gate rows of `mlp.experts.gate_up_proj`,
+    engines/embedded/experts.py) is a region inside the parameter's, which the parts fill."""
+    start = p.storage_offset() * p.element_size()
+    return p.untyped_storage().data_ptr(), start, start + p.numel() * p.element_size()
+
+
+def _parts(regions: set[tuple[int, int, int]]) -> dict[tuple[int, int, int], list[tuple[int, int, int]]]:
+    """{region: the regions inside it} for the regions that contain others (views of parameters
+    are nested or disjoint: in (storage, start, -end) order a region's parts follow it directly)."""
+    order = sorted(regions, key=lambda r: (r[0], r[1], -r[2]))
+    out = {}
+    for i, r in enumerate(order):
+        inner = list(itertools.takewhile(lambda q, r=r: q[0] == r[0] and q[1] < r[2], order[i + 1:]))
+        if inner:
+            out[r] = inner
+    return out
 
 
 ALIGN = 256  # bytes: every parameter's storage starts at a multiple of this in the arena
@@ -88,7 +105,11 @@ class MemoryOccupation:
             groups.setdefault(p.untyped_storage().data_ptr(), []).append(p)
         # a checkpoint alias names the same Parameter twice: pack each Parameter once
         self._arena = pack_parameters([list({id(p): p for p in g}.values()) for g in groups.values()], self.device)
-        self._key_of = {name: _view_key(p) for name, p in params.items()}
+        # what a refill must cover: every region of a name that no other name's region lies inside (a fused
+        # MoE parameter is refilled by the per-expert names inside it, which are what weight sync sends)
+        self._key_of = {name: _region(p) for name, p in params.items()}
+        self._inside = _parts(set(self._key_of.values()))
+        self._leaves = {r for r in self._key_of.values() if r not in self._inside}
         self.weights_total_bytes = self._arena.nbytes()
         self.released: set[str] = set()
         self._missing: set[tuple] = set()  # views re-allocated by a resume and not refilled since
@@ -130,7 +151,7 @@ class MemoryOccupation:
                     if self._backup:  # --enable-weights-cpu-backup: the old contents come back
                         self._arena.copy_(self._backup.pop())
                     else:
-                        self._missing = set(self._key_of.values())
+                        self._missing = set(self._leaves)
                 self.released -= set(tags)
             self.engine.set_unavailable(self._message(self.released))
 
@@ -140,7 +161,11 @@ class MemoryOccupation:
         with self._lock:
             if not self._missing:
                 return
-            self._missing -= {self._key_of[n] for n in names if n in self._key_of}
+            for n in names:
+                region = self._key_of.get(n)
+                if region is not None:
+                    self._missing.discard(region)
+                    self._missing.difference_update(self._inside.get(region, ()))
             self.engine.set_unavailable(self._message(self.released))
 
     def info(self) -> dict:
@@ -158,7 +183,7 @@ class MemoryOccupation:
                     "refill the weights with /update_weights_from_tensor before generating")
         if self._missing:
             return (f"weights were re-allocated by /resume_memory_occupation but {len(self._missing)} of "
-                    f"{len(set(self._key_of.values()))} tensors are not refilled yet: send them with "
+                    f"{len(self._leaves)} tensors are not refilled yet: send them with "
                     "/update_weights_from_tensor or /update_weights_from_distributed")
         return None
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from slime_rl.engines.embedded.engine import GenRequest
+from slime_rl.engines.embedded.routing import encode_routed_experts
 from slime_rl.engines.embedded.sampling import RequestError, SamplingParams
 from slime_rl.engines.embedded.vision import VisionInputs, per_request_images
 
@@ -25,7 +26,8 @@ from slime_rl.engines.embedded.vision import VisionInputs, per_request_images
 # at its neutral value (None/False/0/empty) and refused otherwise, naming it.
 HANDLED = frozenset({
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "return_text_in_logprobs",
-    "stream", "rid", "log_metrics", "top_logprobs_num", "image_data",
+    "stream", "rid", "log_metrics", "top_logprobs_num", "image_data", "return_routed_experts",
+    "routed_experts_start_len",
 })
 
 
@@ -66,6 +68,13 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
     lps = _per_item(body.get("return_logprob"), n, is_batch, "return_logprob", (bool,))
     starts = _per_item(body.get("logprob_start_len"), n, is_batch, "logprob_start_len", (int,))
     rids = _rids(body.get("rid"), n, is_batch, next_rid)
+    # SGLang takes one value of each for the whole batch (GenerateReqInput.__getitem__ copies them)
+    want_routed = body.get("return_routed_experts") or False
+    routed_start = body.get("routed_experts_start_len") or 0
+    if not isinstance(want_routed, bool):
+        raise RequestError("return_routed_experts: expected a bool")
+    if not isinstance(routed_start, int) or isinstance(routed_start, bool):
+        raise RequestError("routed_experts_start_len: expected an int")
     images = per_request_images(body.get("image_data"), n, is_batch)
     if vision is None and any(images):
         raise RequestError("image_data: this model has no vision tower")
@@ -80,12 +89,17 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
         params = SamplingParams.from_json(sps[i], vocab_size)
         # As SGLang, cap the output so prompt + output fits the context.
         params.max_new_tokens = min(params.max_new_tokens, context_len - len(prompt))
+        if want_routed and not 0 <= routed_start <= len(prompt):
+            # SGLang's scheduler aborts such a request with this message (400)
+            raise RequestError(f"routed_experts_start_len={routed_start} must be in [0, {len(prompt)}] "
+                               "(the number of input tokens)")
         start = -1 if starts[i] is None else starts[i]
         if start >= len(prompt):
             raise RequestError(f"logprob_start_len: {start} is not below the prompt length {len(prompt)}")
         reqs.append(GenRequest(rid=rids[i], input_ids=list(prompt), params=params,
                                return_logprob=bool(lps[i]), logprob_start_len=start, pixel_values=pixels,
-                               image_grid_thw=grids))
+                               image_grid_thw=grids, return_routed_experts=want_routed,
+                               routed_experts_start_len=routed_start))
     return reqs, is_batch
 
 
@@ -152,4 +166,8 @@ def build_response(req: GenRequest, tokenizer, weight_version: str, text_in_logp
             if req.logprob_start_len >= 0 else []
         meta["output_token_logprobs"] = entries(req.output_logprobs, req.output_ids)
         meta["output_token_logprobs_length"] = len(req.output_ids)
+    if req.return_routed_experts and req.routed:
+        # positions [start, seqlen - 1) of prompt + output; absent without the server flag (no capture)
+        rows = torch.cat(req.routed)[: len(req.input_ids) + len(req.output_ids) - 1]
+        meta["routed_experts"] = encode_routed_experts(rows[req.routed_experts_start_len:])
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}

@@ -37,6 +37,7 @@ from slime_rl.engines.embedded.http import HttpLimits, HttpServer
 from slime_rl.engines.embedded.memory import MemoryOccupation
 from slime_rl.engines.embedded.precision import apply_precision_policy
 from slime_rl.engines.embedded.protocol import build_response, parse_generate, seed_generator
+from slime_rl.engines.embedded.routing import RoutingCapture
 from slime_rl.engines.embedded.sampling import RequestError
 from slime_rl.engines.embedded.session import WeightUpdateSession
 from slime_rl.engines.embedded.vision import VisionInputs, is_vision_config
@@ -74,6 +75,10 @@ class ServerConfig:
     enable_weights_cpu_backup: bool = False
     # SGLang's --enable-fp32-lm-head: fp32 logits (precision.py); RMSNorm rounds as SGLang's always
     enable_fp32_lm_head: bool = False
+    # SGLang's --enable-return-routed-experts: a request's return_routed_experts answers each MoE
+    # layer's top-k expert ids (routing.py); routing_select_round: test/measurement only (routing.py)
+    enable_return_routed_experts: bool = False
+    routing_select_round: str | None = None
     # a body larger than this is refused (413) before it is read: weight updates travel over NCCL/IPC,
     # so the largest bodies are VL requests with images as data URLs
     max_request_bytes: int = 256 << 20
@@ -124,9 +129,15 @@ class EmbeddedServer:
         self.vocab_size = hf.get_text_config().vocab_size
         self.context_len = getattr(hf.get_text_config(), "max_position_embeddings", 4096)
         cuda_graph = torch.device(cfg.device).type == "cuda" and not cfg.disable_cuda_graph
+        routing = None
+        if cfg.enable_return_routed_experts or cfg.routing_select_round:
+            routing = RoutingCapture(self.model, cfg.routing_select_round)
+            if not cfg.enable_return_routed_experts:
+                routing.keep = False
         self.engine = Engine(self.model, self.tokenizer, eos, pad, cfg.max_running_requests, cfg.random_seed,
                              static_cache=cuda_graph or cfg.static_kv_cache, cuda_graph=cuda_graph,
-                             cuda_graph_max_bs=cfg.cuda_graph_max_bs, overlap=not cfg.disable_overlap_schedule)
+                             cuda_graph_max_bs=cfg.cuda_graph_max_bs, overlap=not cfg.disable_overlap_schedule,
+                             routing=routing)
         self.weights = WeightSync(self.model, self.engine, cfg.weight_version)
         self.memory = self.weights.memory = MemoryOccupation(self.engine, self.weights.params,
                                                              cpu_backup=cfg.enable_weights_cpu_backup)

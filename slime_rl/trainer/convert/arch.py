@@ -42,6 +42,13 @@ class ModelArch:
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
     moe_norm_topk_prob: bool = False
+    # per layer, whether its MLP is the MoE block (HF: not in mlp_only_layers and (i + 1) divisible by
+    # decoder_sparse_step); () for a dense model. The shared expert's width (Qwen2-MoE; 0: none).
+    moe_layers: tuple[bool, ...] = ()
+    moe_shared_expert_ffn_hidden_size: int = 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.num_experts) and (not self.moe_layers or self.moe_layers[i])
 
     @property
     def family(self) -> Family:
@@ -106,7 +113,7 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
                          "query groups")
     vocab = int(cfg["vocab_size"])
     multiple = pad_vocab_multiple * tp_size
-    moe = _moe_fields(cfg, where) if family.moe else {}
+    moe = _moe_fields(cfg, where, int(cfg["num_hidden_layers"]), family.shared_expert) if family.moe else {}
     return ModelArch(
         model_type=family.model_type,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -129,7 +136,7 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     )
 
 
-def _moe_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+def _moe_fields(cfg: dict[str, Any], where: str, num_layers: int = 0, shared_expert: bool = False) -> dict[str, Any]:
     """ModelArch's MoE fields from a Qwen-MoE config.json. The hub's configs name the expert count
     num_experts; transformers 5 writes it back as num_local_experts (its attribute map)."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
@@ -140,8 +147,34 @@ def _moe_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     experts, topk = int(experts), int(cfg["num_experts_per_tok"])
     if not 1 <= topk <= experts:
         raise ValueError(f"{where}: num_experts_per_tok={topk} must be in [1, num_experts={experts}]")
-    return {"num_experts": experts, "moe_topk": topk, "moe_ffn_hidden_size": int(cfg["moe_intermediate_size"]),
-            "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", False))}
+    out = {"num_experts": experts, "moe_topk": topk, "moe_ffn_hidden_size": int(cfg["moe_intermediate_size"]),
+           "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+           "moe_layers": _moe_layer_pattern(cfg, where, num_layers)}
+    if shared_expert:
+        shared = cfg.get("shared_expert_intermediate_size")
+        if not isinstance(shared, int) or shared <= 0:
+            raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} needs shared_expert_intermediate_size > 0 "
+                             f"(the shared expert's width), got {shared!r}")
+        out["moe_shared_expert_ffn_hidden_size"] = shared
+    return out
+
+
+def _moe_layer_pattern(cfg: dict[str, Any], where: str, num_layers: int) -> tuple[bool, ...]:
+    """Per layer, whether transformers builds the sparse MoE block there (Qwen2MoeDecoderLayer /
+    Qwen3MoeDecoderLayer: `i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0`)."""
+    step = cfg.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"{where}: decoder_sparse_step={step!r} must be an integer >= 1")
+    dense = cfg.get("mlp_only_layers") or []
+    bad = [i for i in dense if not isinstance(i, int) or not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"{where}: mlp_only_layers={dense!r}: {bad} are not layer indices in "
+                         f"[0, num_hidden_layers={num_layers})")
+    pattern = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    if num_layers and not any(pattern):
+        raise ValueError(f"{where}: mlp_only_layers={dense!r} with decoder_sparse_step={step} leave no MoE layer; "
+                         "a model without experts is a dense family (qwen2 / qwen3)")
+    return pattern
 
 
 def load_arch(checkpoint_dir: str | Path, tp_size: int = 1, pad_vocab_multiple: int = 1) -> ModelArch:
@@ -154,9 +187,11 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     registry's order; a checkpoint whose tensors differ belongs to another config."""
     size = {"vocab": arch.vocab_size, "hidden": arch.hidden_size, "ffn": arch.ffn_hidden_size,
             "q": arch.num_attention_heads * arch.kv_channels, "kv": arch.num_query_groups * arch.kv_channels,
-            "head": arch.kv_channels, "experts": arch.num_experts, "moe_ffn": arch.moe_ffn_hidden_size}
+            "head": arch.kv_channels, "experts": arch.num_experts, "moe_ffn": arch.moe_ffn_hidden_size,
+            "shared_ffn": arch.moe_shared_expert_ffn_hidden_size, "one": 1}
     out: dict[str, tuple[int, ...]] = {pm.hf[0]: pm.shapes[0] for pm in arch.vision_params}  # concrete sizes
-    for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings, arch.num_experts):
+    for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings, arch.num_experts,
+                                     arch.moe_layers):
         assert len(pm.shapes) == len(pm.hf), f"registry entry {pm.mcore}: one shape per HF name"
         for name, dims in zip(pm.hf, pm.shapes, strict=True):
             out[name] = tuple(size[d] for d in dims)

@@ -12,7 +12,12 @@ are SequentialMLP's `mlp.experts.local_experts.{e}.linear_fc1/fc2.weight`, one M
 (TEGroupedMLP's `weight1` / `weight2` need TransformerEngine). An expert entry (`ParamMap.expert`)
 carries "{e}": in the Megatron name the expert's index on its expert-parallel rank, in the HF
 names the global index (EP rank x local experts + local index), and it is split over the
-expert-tensor-parallel group (ETP) rather than TP.
+expert-tensor-parallel group (ETP) rather than TP. Qwen2-MoE's shared expert is megatron's
+SharedExpertMLP (`mlp.shared_experts.linear_fc1/fc2.weight`, split over TP like a dense MLP) with its
+sigmoid gate `mlp.shared_experts.gate_weight` [1, hidden] (sigmoid(x . w) times the shared expert's
+output, added to the routed experts': HF's `shared_expert_gate` exactly). A family whose config
+makes some layers dense (mlp_only_layers, decoder_sparse_step) lists those layers' entries in
+`Family.dense_layer_params` (megatron builds a dense MLP there: moe_layer_freq as a list).
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from enum import Enum
 from typing import Any
 
 # the named dimensions of `ParamMap.shapes`, defined from config.json in arch.py (`hf_shapes`)
-# q = heads x head_dim, kv = kv heads x head_dim; experts = routed experts, moe_ffn = one expert's width
-DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "moe_ffn")
+# q = heads x head_dim, kv = kv heads x head_dim; experts = routed experts, moe_ffn = one expert's width,
+# shared_ffn = the shared expert's width, one = 1 (the shared expert gate's single output)
+DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "moe_ffn", "shared_ffn", "one")
 
 
 class Layout(Enum):
@@ -75,17 +81,32 @@ class Family:
     # vision-language: the language fields may sit in config.json's text_config, positions are
     # 3-D mRoPE and an HF vision tower feeds the first stage (convert/vision.py)
     vision: bool = False
-    # mixture of experts: every layer's MLP is megatron's MoELayer (router + routed experts)
+    # mixture of experts: a layer's MLP is megatron's MoELayer (router + routed experts)
     moe: bool = False
+    # an MoE family's layers whose MLP is dense (mlp_only_layers / decoder_sparse_step in config.json)
+    dense_layer_params: tuple[ParamMap, ...] = ()
+    # the MoE block has a shared expert with a sigmoid gate (Qwen2-MoE), megatron's SharedExpertMLP
+    shared_expert: bool = False
 
-    def param_maps(self, num_layers: int, tied: bool, num_experts: int = 0) -> list[ParamMap]:
+    def layer_maps(self, moe_layer: bool = True) -> tuple[ParamMap, ...]:
+        """The entries of one layer: an MoE family's dense layers (moe_layer=False) have a dense MLP."""
+        if self.moe and not moe_layer:
+            if not self.dense_layer_params:
+                raise ValueError(f"model_type {self.model_type!r}: no dense layers in this family")
+            return self.dense_layer_params
+        return self.layer_params
+
+    def param_maps(self, num_layers: int, tied: bool, num_experts: int = 0,
+                   moe_layers: tuple[bool, ...] = ()) -> list[ParamMap]:
         """Every parameter of the model, embedding first, in layer order, output layer last (an
-        MoE family's experts in expert order, as if one rank held them all)."""
+        MoE family's experts in expert order, as if one rank held them all). `moe_layers`: per
+        layer whether its MLP is an MoE block (empty: every layer's is, for an MoE family)."""
         first = [p for p in self.global_params if p.mcore.startswith("embedding.")]
         last = [p for p in self.global_params if not p.mcore.startswith("embedding.")]
         maps = list(first)
         for i in range(num_layers):
-            maps += [e for p in self.layer_params for e in p.at_layer(i).expand_experts(num_experts)]
+            layer = self.layer_maps(moe_layers[i] if moe_layers else True)
+            maps += [e for p in layer for e in p.at_layer(i).expand_experts(num_experts)]
         maps += last
         return [p for p in maps if not (p.untied_only and tied)]
 
@@ -134,6 +155,16 @@ _MOE = (
              (("hidden", "moe_ffn"),), expert=True),
 )
 
+_S = _H + "mlp.shared_expert."
+_SHARED_EXPERT = (
+    ParamMap(_L + "mlp.shared_experts.linear_fc1.weight", (_S + "gate_proj.weight", _S + "up_proj.weight"),
+             Layout.FC1, (("shared_ffn", "hidden"), ("shared_ffn", "hidden"))),
+    ParamMap(_L + "mlp.shared_experts.linear_fc2.weight", (_S + "down_proj.weight",), Layout.ROW,
+             (("hidden", "shared_ffn"),)),
+    ParamMap(_L + "mlp.shared_experts.gate_weight", (_H + "mlp.shared_expert_gate.weight",), Layout.REPLICATED,
+             (("one", "hidden"),)),
+)
+
 FAMILIES: dict[str, Family] = {
     "qwen2": Family(
         model_type="qwen2", global_params=_GLOBAL,
@@ -165,11 +196,22 @@ FAMILIES: dict[str, Family] = {
         model_type="qwen3_moe", global_params=_GLOBAL,
         layer_params=(_NORMS[0], _QKV_W, *_QK_NORM, _PROJ, _NORMS[1], *_MOE),
         qkv_bias=False, qk_layernorm=True, default_tied=False,
-        # a dense MLP in some layers (mlp_only_layers, decoder_sparse_step > 1) needs megatron's
-        # per-layer MoE pattern (moe_layer_freq), not built here yet
-        required_config={**_SWIGLU, "attention_bias": False, "use_sliding_window": False,
-                         "decoder_sparse_step": 1, "mlp_only_layers": []},
+        # a dense MLP in some layers (mlp_only_layers, decoder_sparse_step > 1): megatron's
+        # per-layer MoE pattern (moe_layer_freq as a list)
+        required_config={**_SWIGLU, "attention_bias": False, "use_sliding_window": False},
         moe=True,
+        dense_layer_params=(_NORMS[0], _QKV_W, *_QK_NORM, _PROJ, _NORMS[1], *_MLP),
+    ),
+    # Qwen1.5-MoE-A2.7B / Qwen2-57B-A14B: q/k/v biases as qwen2, routed experts plus one shared
+    # expert whose output is scaled by sigmoid(shared_expert_gate(x)); dense layers as qwen2's
+    "qwen2_moe": Family(
+        model_type="qwen2_moe", global_params=_GLOBAL,
+        layer_params=(_NORMS[0], _QKV_W, _QKV_B, _PROJ, _NORMS[1], *_MOE, *_SHARED_EXPERT),
+        qkv_bias=True, qk_layernorm=False, default_tied=False,
+        required_config={**_SWIGLU, "use_sliding_window": False, "qkv_bias": True},
+        moe=True,
+        dense_layer_params=(_NORMS[0], _QKV_W, _QKV_B, _PROJ, _NORMS[1], *_MLP),
+        shared_expert=True,
     ),
 }
 

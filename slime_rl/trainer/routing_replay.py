@@ -1,0 +1,136 @@
+"""Rollout routing replay (slime's R3, `--use-rollout-routing-replay`) and `train/routing_agreement`.
+
+The engines return, per sample, the top-k experts each MoE layer chose for every position fed to
+the model (SGLang's `routed_experts`: rows for positions [0, len(tokens) - 1), layer, k; the batch
+key `rollout_routed_experts`, one [rows, layers * k] int32 array per sample). Here they follow the
+tokens into each micro-batch in the order megatron's router sees them ([s, b] flattened, the
+packed row when THD, this TP rank's chunk of the sequence under sequence parallelism; each pipeline
+stage picks its own layers by the router's global `layer_number`).
+
+Megatron-core 0.19's own hook does the replay: `TopKRouter.router_replay` (a `RouterReplay`, made
+when `moe_enable_routing_replay`) is asked for the top-k inside `topk_routing_with_score_function`;
+in REPLAY_FORWARD it returns the recorded indices and the router's own scores gathered at them, so
+the gates are still softmax(own logits at the recorded experts) and gradients reach the router as
+in slime. Each router gets an `EngineRouting` of its own (not megatron's class-wide list, which the
+ranks of one process would share); it also counts, on the positions the engine routed, how often
+the router's own top-k set equals the engine's (whether or not it replays).
+
+Positions without a recorded row (a sample's last token, micro-batch padding, environment tokens
+after the last model turn) take experts 0..k-1: no loss reads their outputs (a causal model's
+trained log-probs depend only on earlier positions; padding is never read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from slime_rl.trainer.mcore import RouterReplay, RouterReplayAction, TopKRouter
+
+BATCH_KEY = "rollout_routed_experts"
+
+
+class EngineRouting(RouterReplay):
+    """One router's replay target for the next forward, and its agreement counts."""
+
+    def __init__(self, layer: int, replay: bool) -> None:
+        super().__init__()
+        # megatron's class-wide registry is for its global set_replay_data; not used here
+        RouterReplay.global_router_replay_instances.remove(self)
+        self.layer, self.replay = layer, replay
+        self.mask: Tensor | None = None
+        self.count = False  # count agreement in the next forwards (the rollout weights' forward)
+        self.agree, self.total = 0, 0
+
+    def set_target(self, topk: Tensor | None, mask: Tensor | None) -> None:
+        self.clear_indices()
+        self.mask = mask
+        if topk is None:
+            self.clear_router_replay_action()
+        else:
+            self.target_topk_idx = topk
+            self.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        if self.target_topk_idx is None:
+            return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        target = self.target_topk_idx.to(scores.device)
+        if target.shape != (scores.shape[0], topk):
+            raise ValueError(f"routing replay, layer {self.layer}: {tuple(target.shape)} recorded experts for "
+                             f"{scores.shape[0]} tokens x top-{topk}")
+        if self.count and self.mask is not None:
+            with torch.no_grad():
+                _, own = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)
+                same = (own.sort(dim=-1).values == target.sort(dim=-1).values).all(dim=-1)
+                m = self.mask.to(scores.device)
+                self.agree += int((same & m).sum())
+                self.total += int(m.sum())
+        if not self.replay:
+            return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        return scores.gather(1, target), target
+
+
+def attach(gpt: torch.nn.Module, replay: bool) -> list[EngineRouting]:
+    """An EngineRouting on every TopKRouter of this rank's model chunk."""
+    out = []
+    for mod in gpt.modules():
+        if isinstance(mod, TopKRouter):
+            if getattr(mod.config, "moe_router_fusion", False):
+                raise ValueError("routing replay: --moe-router-fusion bypasses megatron's replay hook")
+            if mod.layer_number is None:
+                raise ValueError("routing replay: a router without its layer number")
+            mod.router_replay = EngineRouting(int(mod.layer_number) - 1, replay)
+            out.append(mod.router_replay)
+    return out
+
+
+def sample_rows(value, n_tokens: int, num_layers: int, topk: int, sample: int) -> np.ndarray:
+    """One sample's engine routing as [rows, num_layers, topk] int64 (rows <= n_tokens - 1)."""
+    arr = np.asarray(value, dtype=np.int64)
+    if arr.size % (num_layers * topk):
+        raise ValueError(f"trainer batch sample {sample}: {BATCH_KEY} has {arr.size} ids, not a multiple of "
+                         f"{num_layers} layers x top-{topk}")
+    arr = arr.reshape(-1, num_layers, topk)
+    if arr.shape[0] > n_tokens - 1:
+        raise ValueError(f"trainer batch sample {sample}: {BATCH_KEY} has {arr.shape[0]} rows for {n_tokens} tokens "
+                         f"(at most {n_tokens - 1}: the last token is never fed to the engine's model)")
+    return arr
+
+
+def micro_batch_routing(batch: dict, sample_ids: Sequence[int], num_layers: int, topk: int, num_experts: int,
+                        seq_len: int, packed_starts: Sequence[int] | None, sp_size: int = 1,
+                        sp_rank: int = 0) -> tuple[Tensor, Tensor]:
+    """([tokens, num_layers, topk] long, [tokens] bool) in the router's token order for one
+    micro-batch: `seq_len` positions per row; `packed_starts`: each sample's offset in the one packed
+    row (THD), None for right-padded rows (one per sample). The bool marks engine-routed positions."""
+    rows = 1 if packed_starts is not None else len(sample_ids)
+    fill = torch.arange(topk, dtype=torch.long) % num_experts
+    ids = fill.expand(rows, seq_len, num_layers, topk).clone()
+    mask = torch.zeros(rows, seq_len, dtype=torch.bool)
+    for k, i in enumerate(sample_ids):
+        rec = torch.from_numpy(sample_rows(batch[BATCH_KEY][i], len(batch["tokens"][i]), num_layers, topk, i))
+        if rec.numel() and (int(rec.min()) < 0 or int(rec.max()) >= num_experts):
+            raise ValueError(f"trainer batch sample {i}: {BATCH_KEY} holds expert ids outside [0, {num_experts})")
+        r, off = (0, packed_starts[k]) if packed_starts is not None else (k, 0)
+        ids[r, off:off + rec.shape[0]] = rec
+        mask[r, off:off + rec.shape[0]] = True
+    if sp_size > 1:  # sequence parallel: this TP rank's contiguous chunk of the sequence
+        if seq_len % sp_size:
+            raise ValueError(f"routing replay: {seq_len} positions do not split over {sp_size} SP ranks")
+        chunk = seq_len // sp_size
+        ids, mask = ids[:, sp_rank * chunk:(sp_rank + 1) * chunk], mask[:, sp_rank * chunk:(sp_rank + 1) * chunk]
+    # the router flattens hidden states [s, b, h]: sequence-major
+    return ids.transpose(0, 1).reshape(-1, num_layers, topk), mask.transpose(0, 1).reshape(-1)
+
+
+def set_targets(routers: Sequence[EngineRouting], routing: tuple[Tensor, Tensor] | None) -> None:
+    """Before a forward: each router's layer of the micro-batch's routing (None: route freely)."""
+    for r in routers:
+        if routing is None:
+            r.set_target(None, None)
+        else:
+            ids, mask = routing
+            r.set_target(ids[:, r.layer].contiguous(), mask)
