@@ -288,8 +288,10 @@ def test_the_sampler_plan_is_built_once_per_batch(model_tok, monkeypatch):
 
 
 def test_routed_experts_count_the_reported_tokens_only(tiny_qwen3_moe):
-    """A row that stops before the others ran one more step under overlap: its experts there (for a
-    token it never reported) are not returned; the answer equals the non-overlapped engine's."""
+    """A row that stops before the others runs one more step under overlap (for a token it never
+    reports): its routed experts still cover prompt + output - 1 positions and equal the
+    non-overlapped engine's (the engine records a step's experts with its tokens, and the answer is
+    cut at seqlen - 1 in protocol.py as well)."""
     import httpx
     import numpy as np
 
