@@ -18,7 +18,9 @@ so all produce exactly prompts x new-tokens tokens.
 
 Decode step vs the memory roofline (`--decode-batches 64,256`): for each batch size b the engine
 (default path) decodes b prompts together; its scheduler's own timers (decode_s / decode_forwards in
-/get_server_info, each step ending with the device->host copy of its tokens) give the step time. The
+/get_server_info; each step ends with the device->host copy of a step's tokens: its own, or with the
+overlap scheduler, on by default, the previous step's, read while this one runs) give the step time;
+the output says whether overlap was on (`--disable-overlap-schedule` turns it off). The
 roofline step reads every weight once plus each row's KV cache (the mean context over the run) at
 the device bandwidth measured in this run (a large device-to-device copy: read + write bytes / s).
 `--out` then holds decode_step_s_b{b}, roofline_step_s_b{b}, step_over_roofline_b{b} and
@@ -44,18 +46,20 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from common import SHAPES, free_port, make_checkpoint  # noqa: E402
 
-STAT_KEYS = ("decode_forwards", "graph_captures", "graph_replays", "static_eager_steps")
+STAT_KEYS = ("overlap", "overlapped_steps", "decode_forwards", "graph_captures", "graph_replays",
+             "static_eager_steps")
 TIMER_KEYS = ("decode_s", "decode_forwards", "prefill_s", "prefill_tokens")
 
 
 def engine_run(ckpt: Path, prompts: list[list[int]], new_tokens: int, cuda: bool, log: Path,
-               graphs: bool) -> dict:
+               graphs: bool, overlap: bool = True) -> dict:
     from slime_rl.engines.client import EngineClient
     from slime_rl.engines.launch import embedded_command, wait_healthy
 
     port = free_port()
     argv = embedded_command(ckpt, "127.0.0.1", port, device="cuda" if cuda else "cpu",
-                            dtype="bfloat16" if cuda else "float32", disable_cuda_graph=not graphs)
+                            dtype="bfloat16" if cuda else "float32", disable_cuda_graph=not graphs,
+                            disable_overlap_schedule=not overlap)
     argv += ["--max-running-requests", str(len(prompts))]
     if graphs and not cuda:
         argv += ["--static-kv-cache"]  # CPU smoke: the same static path, without graph capture
@@ -151,6 +155,9 @@ def main() -> None:
     p.add_argument("--decode-batches", default="64,256",
                    help="batch sizes whose decode step is compared with the memory roofline ('' = none)")
     p.add_argument("--skip-hf", action="store_true", help="do not measure HF generate")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="run the engines with SGLang's --disable-overlap-schedule (each step's tokens read "
+                        "before the next step is launched)")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few tokens")
     a = p.parse_args()
@@ -169,12 +176,14 @@ def main() -> None:
 
     runs = {}
     for name, graphs in [("engine", True)] + ([] if a.skip_eager else [("engine_eager", False)]):
-        r = runs[name] = engine_run(ckpt, main_prompts, a.new_tokens, cuda, work / f"{name}.log", graphs)
+        r = runs[name] = engine_run(ckpt, main_prompts, a.new_tokens, cuda, work / f"{name}.log", graphs,
+                                    overlap=not a.disable_overlap_schedule)
         stats = ", ".join(f"{k} {r[k]}" for k in STAT_KEYS if k in r)
         print(f"{name}: {r['tokens']} tokens in {r['s']:.2f} s = {r['tokens'] / r['s']:,.0f} tokens/s "
               f"(first run {r['first_run_s']:.2f} s; counters over both runs: {stats})", flush=True)
     result = {"shape": a.shape, "prompts": a.prompts, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
-              "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+              "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+              "overlap": runs["engine"].get("overlap")}  # the engine's overlap scheduler (its /get_server_info)
     result.update(roofline(ckpt, prompts, batches, runs["engine"], a, cuda, work))
     expected = a.prompts * a.new_tokens
     counts = {name: r["tokens"] for name, r in runs.items()}
@@ -212,7 +221,8 @@ def roofline(ckpt: Path, prompts: list[list[int]], batches: list[int], main_run:
     prefill_s = prefill_tok = 0.0
     for b in batches:
         r = main_run if b == a.prompts else engine_run(ckpt, prompts[:b], a.new_tokens, cuda,
-                                                       work / f"engine_b{b}.log", True)
+                                                       work / f"engine_b{b}.log", True,
+                                                       overlap=not a.disable_overlap_schedule)
         step = r["run_decode_s"] / max(r["run_decode_forwards"], 1)
         weights, kv = step_bytes(ckpt, b, context, elem)
         ideal = (weights + kv) / bw
@@ -222,7 +232,7 @@ def roofline(ckpt: Path, prompts: list[list[int]], batches: list[int], main_run:
         prefill_tok += r["run_prefill_tokens"]
         print(f"decode batch {b}: {1e3 * step:.3f} ms per step, roofline {1e3 * ideal:.3f} ms "
               f"({(weights + kv) / 1e9:.2f} GB: weights {weights / 1e9:.2f}, KV {kv / 1e9:.2f}) -> "
-              f"{step / ideal:.1f}x the roofline", flush=True)
+              f"{step / ideal:.1f}x the roofline (overlap {'on' if r.get('overlap') else 'off'})", flush=True)
     out["prefill_tokens_per_s"] = prefill_tok / prefill_s if prefill_s else None
     print(f"prefill: {prefill_tok:.0f} prompt tokens in {prefill_s:.3f} s = {out['prefill_tokens_per_s']:,.0f} "
           f"tokens/s", flush=True)

@@ -3,7 +3,9 @@
 Runs one GRPO-shaped rollout (P prompts x S samples, N new tokens, temperature 1, ignore EOS) twice
 through the embedded engine:
 1. in process (Engine.submit of all requests): the scheduler's phases are wrapped in timers and
-   torch.profiler ranges ("engine.prefill", "engine.decode", "engine.sample"); on CUDA the profiler
+   torch.profiler ranges ("engine.prefill", "engine.decode", "engine.sample": the sampler's launch,
+   "engine.record": reading a step's tokens and the stop checks, which the overlap scheduler runs
+   while the next step computes; `--disable-overlap-schedule` turns it off); on CUDA the profiler
    gives the device (kernel) time inside each range, so host overhead = wall - device;
 2. over HTTP (the engine in its own process, as deployed; one /generate per sample from
    `--concurrency` client threads, then one per prompt with its samples in SGLang's batch form, as
@@ -97,7 +99,7 @@ class SchedulerProfiler:
         self.state = "idle"  # idle -> armed -> running -> done
 
     def install(self, eng) -> None:
-        prefill, sample = eng._prefill, eng._sample_and_check
+        prefill, record = eng._prefill, eng._record
 
         def prefill_hook(*a, **kw):
             if self.state == "armed":
@@ -105,8 +107,8 @@ class SchedulerProfiler:
                 self.state = "running"
             return prefill(*a, **kw)
 
-        def sample_hook(*a, **kw):
-            out = sample(*a, **kw)
+        def record_hook(*a, **kw):
+            out = record(*a, **kw)
             if self.state == "running" and all(r.done.is_set() for r in self.reqs):
                 if eng.device.type == "cuda":
                     torch.cuda.synchronize(eng.device)
@@ -114,7 +116,7 @@ class SchedulerProfiler:
                 self.state = "done"
             return out
 
-        eng._prefill, eng._sample_and_check = prefill_hook, sample_hook
+        eng._prefill, eng._record = prefill_hook, record_hook
 
 
 def run_in_process(server, prompts, a, vocab: int, profile: bool) -> dict:
@@ -122,7 +124,8 @@ def run_in_process(server, prompts, a, vocab: int, profile: bool) -> dict:
     timer = PhaseTimer()
     timer.wrap(eng, "_prefill", "engine.prefill")
     timer.wrap(eng, "_decode", "engine.decode")
-    timer.wrap(eng, "_sample_and_check", "engine.sample")
+    timer.wrap(eng, "_launch_sample", "engine.sample")
+    timer.wrap(eng, "_record", "engine.record")
     if eng._static is not None:
         timer.wrap(eng._static, "step", "engine.decode_forward")
     prof = SchedulerProfiler(eng.device.type == "cuda") if profile else None
@@ -134,7 +137,8 @@ def run_in_process(server, prompts, a, vocab: int, profile: bool) -> dict:
         for r in reqs:
             r.done.wait()
     deadline = time.monotonic() + 60  # the warm-up's last step returns before the timers reset
-    while time.monotonic() < deadline and timer.n["engine.decode"] != eng.load()["decode_forwards"]:
+    while time.monotonic() < deadline and (timer.n["engine.decode"] != eng.load()["decode_forwards"]
+                                           or not eng._still()):  # its last tokens read (overlap)
         time.sleep(0.01)
     timer.s.clear()
     timer.n.clear()
@@ -151,7 +155,7 @@ def run_in_process(server, prompts, a, vocab: int, profile: bool) -> dict:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (
             timer.n["engine.decode"] != eng.load()["decode_forwards"] - before["decode_forwards"]
-            or (prof is not None and prof.state != "done")):
+            or not eng._still() or (prof is not None and prof.state != "done")):
         time.sleep(0.01)
     after = eng.load()
     steps = after["decode_forwards"] - before["decode_forwards"]
@@ -190,7 +194,8 @@ def run_http(ckpt: Path, prompts, a, cuda: bool, work: Path, grouped: bool = Fal
     port, log = free_port(), work / "engine_http.log"
     argv = embedded_command(ckpt, "127.0.0.1", port, device="cuda" if cuda else "cpu",
                             dtype="bfloat16" if cuda else "float32", max_running_requests=a.max_running,
-                            num_threads=a.threads, disable_cuda_graph=a.dynamic)
+                            num_threads=a.threads, disable_cuda_graph=a.dynamic,
+                            disable_overlap_schedule=a.disable_overlap_schedule)
     if a.static and not cuda:
         argv += ["--static-kv-cache"]
     proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -237,6 +242,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64, help="HTTP client threads (the rollout's per-engine cap)")
     p.add_argument("--static", action="store_true", help="CPU: the static KV cache path")
     p.add_argument("--dynamic", action="store_true", help="CUDA: the eager dynamic-cache path")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each decode step's tokens before launching the next (SGLang's flag)")
     p.add_argument("--no-profile", action="store_true", help="timers only, no torch.profiler")
     p.add_argument("--skip-http", action="store_true")
     p.add_argument("--no-warmup", action="store_true", help="measure the first run (CPU: nothing to capture)")
@@ -252,13 +259,14 @@ def main() -> None:
     server = EmbeddedServer(ServerConfig(
         model_path=str(ckpt), port=0, device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
         max_running_requests=a.max_running, disable_cuda_graph=a.dynamic, static_kv_cache=a.static,
-        num_threads=a.threads)).start()
+        num_threads=a.threads, disable_overlap_schedule=a.disable_overlap_schedule)).start()
     try:
         vocab = server.model.config.get_text_config().vocab_size
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, min(vocab, 32000), (a.prompts, a.prompt_len), generator=g).tolist()
         res = {"model": a.model, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
                "path": "dynamic" if server.engine._static is None else "static",
+               "overlap": server.engine.overlap,
                "prompts": a.prompts, "samples": a.samples, "new_tokens": a.new_tokens,
                "in_process": run_in_process(server, prompts, a, vocab, not a.no_profile)}
     finally:
@@ -274,12 +282,13 @@ def main() -> None:
 def report(res: dict) -> None:
     r = res["in_process"]
     steps = max(r["decode_steps"], 1)
-    print(f"{res['model']} on {res['device']} ({res['path']} path): {res['prompts']} prompts x {res['samples']} "
+    print(f"{res['model']} on {res['device']} ({res['path']} path, overlap {'on' if res.get('overlap') else 'off'}): "
+          f"{res['prompts']} prompts x {res['samples']} "
           f"samples x {res['new_tokens']} tokens")
     print(f"in process: {r['tokens']} tokens in {r['wall_s']:.3f} s = {r['tokens_per_s']:,.0f} tokens/s; "
           f"{r['decode_steps']} decode steps, {r['prefill_forwards']} prefill forwards")
     print(f"{'phase':<24}{'calls':>7}{'wall s':>10}{'host s':>10}{'device s':>10}{'ms/step':>10}")
-    for label in ("engine.prefill", "engine.decode", "engine.decode_forward", "engine.sample"):
+    for label in ("engine.prefill", "engine.decode", "engine.decode_forward", "engine.sample", "engine.record"):
         if f"{label}_s" not in r:
             continue
         host, dev = r.get(f"{label}_host_s"), r.get(f"{label}_device_s")

@@ -35,7 +35,7 @@ OWN_SGLANG_FLAGS = ("--sglang-server-concurrency", "--sglang-router-port")
 # SGLang ServerArgs the built-in engine reads too (its CLI takes the same names), so --sglang-<name>
 # also works with --rollout-backend embedded
 EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "cuda_graph_max_bs_decode", "enable_fp32_lm_head",
-                        "max_running_requests")
+                        "max_running_requests", "disable_overlap_schedule")
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")

@@ -92,6 +92,7 @@ def embedded_command(model_path: str | Path, host: str, port: int, api_key: str 
                      weight_version: str | None = None, disable_cuda_graph: bool = False,
                      cuda_graph_max_bs: int | None = None, enable_deterministic_inference: bool = False,
                      enable_fp32_lm_head: bool = False, enable_return_routed_experts: bool = False,
+                     disable_overlap_schedule: bool = False,
                      python: str = sys.executable) -> list[str]:
     """argv of the built-in engine (`python -m slime_rl.engines.embedded ...`)."""
     argv = [python, "-m", "slime_rl.engines.embedded", "--model-path", str(model_path), "--host", host,
@@ -114,6 +115,8 @@ def embedded_command(model_path: str | Path, host: str, port: int, api_key: str 
         argv += ["--enable-fp32-lm-head"]
     if enable_return_routed_experts:
         argv += ["--enable-return-routed-experts"]
+    if disable_overlap_schedule:
+        argv += ["--disable-overlap-schedule"]
     return argv
 
 

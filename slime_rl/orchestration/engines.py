@@ -74,6 +74,8 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                             device="cuda" if use_gpu else "cpu", dtype="bfloat16" if cfg.model.bf16 else "float32",
                             num_threads=None if use_gpu else (os.cpu_count() or 1),
                             disable_cuda_graph=cfg.engine.sglang_args.get("disable_cuda_graph") in (True, "true"),
+                            disable_overlap_schedule=cfg.engine.sglang_args.get("disable_overlap_schedule")
+                            in (True, "true"),
                             enable_fp32_lm_head=cfg.model.fp32_lm_head,
                             enable_return_routed_experts=cfg.trainer.use_rollout_routing_replay,
                             cuda_graph_max_bs=None if graph_bs is None else int(graph_bs),

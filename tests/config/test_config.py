@@ -155,13 +155,14 @@ def test_dry_run_embedded_backend_takes_its_cuda_graph_flags(tiny_qwen2, tmp_pat
     data = write_jsonl(make_rows(8, seed=0), tmp_path / "d.jsonl")
     code = train_main(["--hf-checkpoint", str(tiny_qwen2), "--prompt-data", str(data), "--rollout-batch-size", "2",
                        "--num-rollout", "1", "--rm-type", "digit", "--sglang-disable-cuda-graph",
-                       "--sglang-cuda-graph-max-bs-decode", "16", "--dry-run"])
+                       "--sglang-cuda-graph-max-bs-decode", "16", "--sglang-disable-overlap-schedule", "--dry-run"])
     out = capsys.readouterr().out
     assert code == 0
     (line,) = [ln for ln in out.splitlines() if ln.startswith("engine 0:")]
     argv_ = line.split()[2:]
     assert argv_[argv_.index("-m") + 1] == "slime_rl.engines.embedded"
     assert "--disable-cuda-graph" in argv_ and argv_[argv_.index("--cuda-graph-max-bs-decode") + 1] == "16"
+    assert "--disable-overlap-schedule" in argv_
 
 
 @pytest.mark.parametrize("extra, flag", [

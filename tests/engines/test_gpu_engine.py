@@ -75,7 +75,9 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_qwen2):
                                    "ignore_eos": True}}
               for i in range(10)]
     runs, stats = {}, {}
-    for name, kw in [("eager", {"disable_cuda_graph": True}), ("graph", {}), ("graph_bs2", {"cuda_graph_max_bs": 2})]:
+    # graph_serial: the overlap scheduler off (each step's tokens read before the next is launched)
+    for name, kw in [("eager", {"disable_cuda_graph": True}), ("graph", {}), ("graph_bs2", {"cuda_graph_max_bs": 2}),
+                     ("graph_serial", {"disable_overlap_schedule": True})]:
         s = start_server(tiny_qwen2, device="cuda", dtype="float32", max_running_requests=8, **kw)
         try:
             runs[name] = _staggered(s.url, bodies)
@@ -84,7 +86,7 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_qwen2):
             stats[name] = s.engine.load()
         finally:
             s.shutdown()
-    for name in ("graph", "graph_bs2"):
+    for name in ("graph", "graph_bs2", "graph_serial"):
         for phase in ("", "_updated"):
             for want, got in zip(runs["eager" + phase], runs[name + phase], strict=True):
                 assert got["output_ids"] == want["output_ids"], (name + phase, want["output_ids"], got["output_ids"])
@@ -94,6 +96,7 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_qwen2):
     assert "graph_replays" not in stats["eager"]  # --disable-cuda-graph: the dynamic path
     g = stats["graph"]
     assert g["graph_captures"] >= 2 and g["graph_replays"] > 0 and g["static_eager_steps"] == 0, g
+    assert g["overlapped_steps"] > 0 and stats["graph_serial"]["overlapped_steps"] == 0
     b2 = stats["graph_bs2"]  # batches above --cuda-graph-max-bs-decode 2 run the static step eagerly
     assert b2["graph_replays"] > 0 and b2["static_eager_steps"] > 0, b2
 

@@ -73,7 +73,9 @@ def test_embedded_command_cuda_graph_flags():
     args = build_parser().parse_args(argv[3:])
     assert args.disable_cuda_graph and args.cuda_graph_max_bs == 16
     args = build_parser().parse_args(embedded_command("/m", "127.0.0.1", 9000)[3:])
-    assert not args.disable_cuda_graph and args.cuda_graph_max_bs is None
+    assert not args.disable_cuda_graph and args.cuda_graph_max_bs is None and not args.disable_overlap_schedule
+    argv = embedded_command("/m", "127.0.0.1", 9000, disable_overlap_schedule=True)
+    assert "--disable-overlap-schedule" in argv and build_parser().parse_args(argv[3:]).disable_overlap_schedule
 
 def test_wait_healthy_times_out_with_the_url():
     with socket.socket() as s:  # a port with nobody listening

@@ -47,6 +47,8 @@ def test_engine_throughput_smoke(tmp_path, script):
     last, result = run_smoke(script, tmp_path)
     assert re.fullmatch(r"ratio \(engine / HF generate tokens/s\) \d+\.\d\d", last), last
     assert result["engine_tokens_per_s"] > 0 and result["hf_tokens_per_s"] > 0
+    # the overlap scheduler is on by default, and its steps were overlapped
+    assert result["overlap"] is True and result["engine_overlapped_steps"] > 0
     for b in (2, 4):  # the smoke mode's decode batches
         assert result[f"decode_step_s_b{b}"] > 0 and result[f"roofline_step_s_b{b}"] > 0
         assert result[f"step_over_roofline_b{b}"] == result[f"decode_step_s_b{b}"] / result[f"roofline_step_s_b{b}"]
@@ -104,8 +106,10 @@ def test_profile_engine_smoke(tmp_path):
     r = result["in_process"]
     assert r["tokens"] == 4 * 2 * 8 and r["decode_steps"] == 7  # the first token of each comes from prefill
     assert r["engine.decode_calls"] == 7 and r["prefill_forwards"] >= 1
-    for label in ("engine.prefill", "engine.decode", "engine.sample"):
+    for label in ("engine.prefill", "engine.decode", "engine.sample", "engine.record"):
         assert r[f"{label}_host_s"] > 0, label  # the profiler saw the scheduler thread's ranges
+    # one read of tokens per prefill forward and per decode step
+    assert result["overlap"] is True and r["engine.record_calls"] == r["prefill_forwards"] + r["decode_steps"]
     assert result["http"]["tokens"] == result["http_grouped"]["tokens"] == 64
 
 

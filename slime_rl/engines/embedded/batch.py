@@ -37,12 +37,15 @@ class RunningBatch:
     rows: list[Row] = field(default_factory=list)
     mask: torch.Tensor | None = None  # [B, L] long, 1 = real token in the cache
     cache: DynamicCache | None = None
+    # the overlap scheduler's next inputs: the last step's sampled tokens [B] on the device, in row
+    # order, before the host has read them (engine.py); None when the rows' `pending` are the inputs
+    next_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def clear(self) -> None:
-        self.rows, self.mask, self.cache = [], None, None
+        self.rows, self.mask, self.cache, self.next_ids = [], None, None, None
 
     def keep(self, keep_idx: list[int]) -> None:
         """Keep only rows `keep_idx` (in order), then trim left columns that no row uses."""
@@ -55,6 +58,8 @@ class RunningBatch:
         self.rows = [self.rows[i] for i in keep_idx]
         self.cache.batch_select_indices(idx)
         self.mask = self.mask[idx]
+        if self.next_ids is not None:
+            self.next_ids = self.next_ids[idx]
         used = self.mask.any(dim=0).nonzero()
         start = int(used[0]) if len(used) else self.mask.shape[1]
         if start > 0:
@@ -65,6 +70,7 @@ class RunningBatch:
 
     def merge(self, rows: list[Row], mask: torch.Tensor, cache: DynamicCache) -> None:
         """Append freshly prefilled rows (their own mask [b, l] and cache) to the running batch."""
+        self.next_ids = None  # the new rows' first tokens are host-side: the next step builds its ids
         if not self.rows:
             self.rows, self.mask, self.cache = list(rows), mask, cache
             return

@@ -3,7 +3,8 @@
 Flag names are SGLang's ServerArgs names where SGLang has the option (sglang/srt/arg_groups/fields/*.py,
 SGLang 0.5.23: --model-path, --host, --port, --api-key, --random-seed, --dtype, --device,
 --max-running-requests, --weight-version, --tp-size, --log-level, --disable-cuda-graph,
---cuda-graph-max-bs-decode, --enable-deterministic-inference, --enable-weights-cpu-backup, --enable-fp32-lm-head;
+--cuda-graph-max-bs-decode, --enable-deterministic-inference, --enable-weights-cpu-backup, --enable-fp32-lm-head,
+--disable-overlap-schedule;
 --cuda-graph-max-bs is its older name), so a launcher builds the same argv for either engine.
 """
 
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "step eagerly (default: --max-running-requests)")
     p.add_argument("--static-kv-cache", action="store_true",
                    help="use the static KV cache even without CUDA graphs (CPU, or with --disable-cuda-graph)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each decode step's tokens before launching the next (SGLang's flag); by default "
+                        "step n+1 is launched first and the host's work for step n overlaps it")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="honour each request's sampling_seed (SGLang 0.5.23 ignores it without this switch)")
     p.add_argument("--max-request-bytes", type=int, default=256 << 20,
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         max_running_requests=args.max_running_requests, weight_version=args.weight_version,
         num_threads=args.num_threads, disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs, static_kv_cache=args.static_kv_cache,
+        disable_overlap_schedule=args.disable_overlap_schedule,
         enable_deterministic_inference=args.enable_deterministic_inference,
         enable_weights_cpu_backup=args.enable_weights_cpu_backup, enable_fp32_lm_head=args.enable_fp32_lm_head,
         enable_return_routed_experts=args.enable_return_routed_experts,

@@ -5,6 +5,17 @@ whose abort was requested, (2) admits waiting requests up to `max_running_reques
 together, sample their first token, merge them into the running batch), (3) runs one decode step
 for every running row. HTTP threads only enqueue requests, set flags and wait on events.
 
+Overlap (SGLang's overlap scheduler, on unless --disable-overlap-schedule): a decode step's sampler
+writes its tokens into the next step's input ids on the device and copies them to the host without
+waiting (pinned memory, an event; sampling.HostCopy), and the scheduler launches step n+1 before it
+reads step n's tokens (appending them, stop checks, answering finished requests), so on CUDA that
+host work runs while the device computes. A row that stopped at step n has run step n+1 too: its
+token there is never reported, and the row leaves the batch when step n is read. Anything else that
+changes the batch or needs the device idle (admitting requests, an abort, a pause, a weight update,
+growing the static cache, shutdown) first drains the pipeline: the in-flight step's tokens are read,
+and the host state is then exactly that of the non-overlapped scheduler. With per-request seeds (or
+greedy) both give the same tokens and log-probs.
+
 Pause and weight updates follow SGLang's semantics (tokenizer_manager.py / io_struct.py,
 SGLang 0.5.23):
 - pause mode "abort" (default): abort every request, wait until none is running; new requests wait
@@ -48,7 +59,7 @@ import torch
 from slime_rl.engines.embedded.batch import Row, RunningBatch, can_merge, left_pad
 from slime_rl.engines.embedded.graphs import StaticDecoder
 from slime_rl.engines.embedded.routing import RoutingCapture
-from slime_rl.engines.embedded.sampling import SamplingParams, device_tensor, sample, token_logprobs
+from slime_rl.engines.embedded.sampling import HostCopy, SamplerPlan, SamplingParams, device_tensor, token_logprobs
 from slime_rl.engines.embedded.slots import unsupported
 from slime_rl.engines.embedded.vision import is_vision_config, prefill_vision_kwargs
 
@@ -87,6 +98,18 @@ class GenRequest:
     on_done: Callable[[], None] | None = None
 
 
+@dataclass
+class _Sampled:
+    """One sampling of `rows` (a snapshot of them): tokens [len(rows)] on the device, tokens and
+    log-probs on their way to the host, and the rows whose sampling raised (index -> error)."""
+
+    rows: list[Row]
+    tokens: torch.Tensor
+    host: HostCopy
+    failed: dict[int, Exception]
+    routed: torch.Tensor | None = None  # a decode step's routed experts per row (routing.py), or None
+
+
 def abort_reason(message: str = "Aborted", status_code: int | None = None, err_type: str | None = None) -> dict:
     # SGLang's FINISH_ABORT.to_json(). status_code None: an ordinary finish (200, partial output);
     # 400..599: the HTTP layer answers that status with the message, as SGLang does for non-streams.
@@ -96,13 +119,17 @@ def abort_reason(message: str = "Aborted", status_code: int | None = None, err_t
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, eos_ids: set[int], pad_id: int,
                  max_running_requests: int = 64, seed: int = 0, static_cache: bool = False,
-                 cuda_graph: bool = False, cuda_graph_max_bs: int | None = None,
+                 cuda_graph: bool = False, cuda_graph_max_bs: int | None = None, overlap: bool = True,
                  routing: RoutingCapture | None = None, **static_kw) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.routing = routing
         self.device = next(model.parameters()).device
         self.eos_ids, self.pad_id = eos_ids, pad_id
         self.max_running = max_running_requests
+        self.overlap = overlap  # launch step n+1 before reading step n's tokens (off: --disable-overlap-schedule)
+        self._inflight: _Sampled | None = None  # the launched decode step whose tokens the host has not read
+        self._busy = False  # the scheduler runs a prefill or a decode step (outside self._cond)
+        self._plan: tuple | None = None  # (key, rows, SamplerPlan) of the last sampling (_plan_of)
         # transformers renamed the forward's `past_key_values` to `cache` (5.2x); take either.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -134,7 +161,8 @@ class Engine:
         self._unavailable: str | None = None  # memory released (colocated mode): why requests are refused
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "max_running_rows": 0,
                       "requests_finished": 0, "requests_aborted": 0, "prefill_shared_rows": 0,
-                      "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
+                      "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                      "overlapped_steps": 0}  # decode steps launched before the previous one's tokens were read
         self._thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
         self._thread.start()
 
@@ -173,9 +201,15 @@ class Engine:
             self._cond.notify_all()
             if mode != "in_place":  # abort: wait until drained; retract: until rows are requeued
                 self._cond.wait_for(self._drained)
+            else:  # until the scheduler stands still: no step running or in flight, every token read
+                self._cond.wait_for(self._still)
+
+    def _still(self) -> bool:
+        return (not self._busy and self._inflight is None) or self._stopping
 
     def _drained(self) -> bool:
-        return (not self._batch.rows and not self._admitting) or self._stopping
+        # an in-flight step still reads the weights and the KV cache on the device
+        return (not self._batch.rows and not self._admitting and self._inflight is None) or self._stopping
 
     def set_unavailable(self, message: str | None) -> None:
         """With a message: refuse every new and queued request with 503 and that message, abort the
@@ -212,6 +246,8 @@ class Engine:
             self._updating += 1
             if self._paused is None:
                 self._cond.wait_for(self._drained)
+            else:  # paused in place: rows stay, but no step may still run or be in flight on the device
+                self._cond.wait_for(self._still)
         try:
             with self.model_lock:
                 yield
@@ -227,8 +263,11 @@ class Engine:
 
     def load(self) -> dict:
         with self._cond:
-            return {"num_running_reqs": len(self._batch), "num_waiting_reqs": len(self._waiting),
-                    "paused": self._paused, **self.stats, **(self._static.stats if self._static else {})}
+            # a row whose request is answered may sit in the batch until its step is read: not running
+            running = sum(not r.req.done.is_set() for r in self._batch.rows)
+            return {"num_running_reqs": running, "num_waiting_reqs": len(self._waiting),
+                    "paused": self._paused, "overlap": self.overlap, **self.stats,
+                    **(self._static.stats if self._static else {})}
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -247,16 +286,41 @@ class Engine:
 
     # ---- scheduler thread ----
     def _can_step(self) -> bool:
-        if self._stopping or self._abort_pending:
+        if self._stopping or self._abort_pending or self._inflight is not None:
             return True
         if self._paused is not None:
             return self._paused == "retract" and bool(self._batch.rows)
         return bool(self._batch.rows) or (bool(self._waiting) and not self._updating)
 
+    def _merge_ok(self) -> bool:
+        return self._static is not None or self._batch.cache is None or can_merge(self._batch.cache)
+
+    def _can_overlap(self) -> bool:
+        """Caller holds self._cond. Whether the next decode step may be launched while the in-flight
+        one's tokens are unread: nothing but decoding is due. Everything else (an abort, a pause, a
+        weight update, admitting waiting requests, growing the static cache, stopping) first drains
+        the pipeline: the in-flight step's tokens are processed and the host state is exact again."""
+        b = self._batch
+        if self._stopping or self._abort_pending or self._paused is not None or self._updating or not b.rows:
+            return False
+        if self._waiting and len(b) < self.max_running and self._merge_ok():
+            return False
+        # every row reaches max_new_tokens with the in-flight step: a step launched now would be wasted
+        if all(len(r.req.output_ids) + 1 >= r.req.params.max_new_tokens for r in b.rows):
+            return False
+        return self._static is None or not self._static.must_grow(b.rows)
+
     def _loop(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(self._can_step)
+                drain = self._inflight is not None and not self._can_overlap()
+            if drain:
+                self._guarded(self._drain)
+                continue
+            with self._cond:
+                if self._inflight is not None and not self._can_overlap():
+                    continue  # something came in since: drain first
                 if self._stopping:
                     for req in [r.req for r in self._batch.rows] + list(self._waiting):
                         self._finish(req, abort_reason("Server shutting down"))
@@ -264,7 +328,8 @@ class Engine:
                     self._waiting.clear()
                     self._cond.notify_all()
                     return
-                self._reap_aborted()
+                if self._abort_pending:
+                    self._reap_aborted()
                 if self._paused == "retract" and self._batch.rows:
                     for row in self._batch.rows:
                         row.req.retractions += 1
@@ -273,31 +338,42 @@ class Engine:
                     self._cond.notify_all()
                     continue
                 admit: list[GenRequest] = []
-                merge_ok = self._static is not None or self._batch.cache is None or can_merge(self._batch.cache)
-                if self._paused is None and not self._updating and merge_ok:
+                if self._paused is None and not self._updating and self._merge_ok():
                     while self._waiting and len(self._batch) + len(admit) < self.max_running:
                         admit.append(self._waiting.popleft())
                 self._admitting = admit
                 run_decode = self._paused is None and bool(self._batch.rows)
-            try:
-                # wall time per phase (each ends with a device->host copy of the sampled tokens, so it
-                # includes the device work): bench/engine_throughput.py reads them from /get_server_info
-                t0 = time.perf_counter()
-                if admit:
-                    self._prefill(admit)
-                t1 = time.perf_counter()
-                if run_decode:
-                    self._decode()
-                    self.stats["decode_s"] += time.perf_counter() - t1
-                if admit:
-                    self.stats["prefill_s"] += t1 - t0
-            except Exception as e:  # the scheduler must outlive a failed forward, or every caller hangs
-                # what reaches here is not one request's fault (those fail alone in _prefill and
-                # _sample_and_check): a failed decode step or a device-wide error
-                kind = "device-wide error" if _device_wide(e) else "failed step"
-                logger.exception("embedded engine: %s; failing every running request", kind)
-                self._fail_all(f"engine error ({kind}; every running request of the batch fails): "
-                               f"{type(e).__name__}: {e}")
+                self._busy = bool(admit) or run_decode
+            self._guarded(self._turn, admit, run_decode)
+            if self._busy:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _turn(self, admit: list[GenRequest], run_decode: bool) -> None:
+        # wall time per phase (each ends with a device->host copy of sampled tokens, so it includes
+        # device work; with overlap a decode phase reads the previous step's tokens):
+        # bench/engine_throughput.py reads them from /get_server_info
+        t0 = time.perf_counter()
+        if admit:
+            self._prefill(admit)
+        t1 = time.perf_counter()
+        if run_decode:
+            self._decode()
+            self.stats["decode_s"] += time.perf_counter() - t1
+        if admit:
+            self.stats["prefill_s"] += t1 - t0
+
+    def _guarded(self, fn: Callable[..., None], *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # the scheduler must outlive a failed forward, or every caller hangs
+            # what reaches here is not one request's fault (those fail alone in _prefill and
+            # _record): a failed decode step or a device-wide error
+            kind = "device-wide error" if _device_wide(e) else "failed step"
+            logger.exception("embedded engine: %s; failing every running request", kind)
+            self._fail_all(f"engine error ({kind}; every running request of the batch fails): "
+                           f"{type(e).__name__}: {e}")
 
     def _fail_one(self, req: GenRequest, where: str, e: Exception) -> None:
         """Answer one request with its error (500); the rest of its batch goes on."""
@@ -313,6 +389,7 @@ class Engine:
                 if not req.done.is_set():
                     self._finish(req, abort_reason(message, 500, "InternalServerError"))
             self._admitting = []
+            self._inflight = None
             self._batch.clear()
             self._cond.notify_all()
 
@@ -355,7 +432,8 @@ class Engine:
                             raise
                         self._fail_one(req, "prefill", e1)
         for rows, mask, cache, last in groups:
-            keep = self._sample_and_check(rows, last)
+            self._record(self._launch_sample(rows, last))
+            keep = [i for i, r in enumerate(rows) if not r.req.done.is_set()]
             with self._cond:
                 n_old = len(self._batch)
                 self._batch.merge(rows, mask, cache)
@@ -408,35 +486,72 @@ class Engine:
         return rows, mask, cache, last
 
     def _decode(self) -> None:
+        """Launch one decode step of every running row (forward and sampling); then read the tokens of
+        the step before it (overlap) or of this one.
+
+        Overlap (SGLang's overlap scheduler): the sampler writes each row's token into the next step's
+        input ids on the device, so step n+1 is launched before the host reads step n's tokens, and
+        on CUDA the host's work for step n (appending tokens, stop checks, answering finished
+        requests) runs while the device computes step n+1. A row that stops at step n has then run
+        step n+1 too: that token is never reported (the row's request is done) and the row leaves the
+        batch when step n is read."""
         b = self._batch
+        on_device = self._inflight is not None  # the in-flight step's tokens are this step's inputs
+        routed = None
         if self._static is not None:
             with self.model_lock, torch.no_grad():
                 self.wait_weights()
-                logits = self._static.step(b.rows)
-            self._after_decode(logits)
-            return
-        ids = device_tensor([[r.pending] for r in b.rows], torch.long, self.device)
-        pos = device_tensor([[r.next_pos] for r in b.rows], torch.long, self.device)
-        b.mask = torch.cat([b.mask, b.mask.new_ones((len(b), 1))], dim=1)
-        with self.model_lock, torch.no_grad():
-            self.wait_weights()
-            out = self.model(input_ids=ids, attention_mask=b.mask, position_ids=pos, use_cache=True,
-                             **{self._cache_kw: b.cache})
-        if self.routing is not None:
-            routed = self.routing.take(len(b.rows), 1)
-            for i, r in enumerate(b.rows):
-                if self.routing.keep:
-                    r.req.routed.append(routed[i])
-        self._after_decode(out.logits[:, -1, :])
-
-    def _after_decode(self, logits: torch.Tensor) -> None:
-        b = self._batch
+                logits = self._static.step(b.rows, ids_on_device=on_device)
+        else:
+            if on_device:
+                ids = b.next_ids[:, None]
+            else:
+                ids = device_tensor([[r.pending] for r in b.rows], torch.long, self.device)
+            pos = device_tensor([[r.next_pos] for r in b.rows], torch.long, self.device)
+            b.mask = torch.cat([b.mask, b.mask.new_ones((len(b), 1))], dim=1)
+            with self.model_lock, torch.no_grad():
+                self.wait_weights()
+                out = self.model(input_ids=ids, attention_mask=b.mask, position_ids=pos, use_cache=True,
+                                 **{self._cache_kw: b.cache})
+            logits = out.logits[:, -1, :]
+            if self.routing is not None:
+                # this step's experts per row; recorded with its tokens (_record), so a row that
+                # stopped at the step before (overlap) gets none, as without overlap
+                taken = self.routing.take(len(b.rows), 1)
+                routed = taken if self.routing.keep else None
         self.stats["decode_forwards"] += 1
         for r in b.rows:
             r.next_pos += 1
-        keep = self._sample_and_check(b.rows, logits)
+        step = self._launch_sample(b.rows, logits)
+        step.routed = routed
+        if not self.overlap:
+            self._finish_step(step)
+            return
+        if self._static is not None:
+            self._static.set_next_ids(step.tokens)
+        else:
+            b.next_ids = step.tokens
+        previous, self._inflight = self._inflight, step
+        if previous is not None:
+            self.stats["overlapped_steps"] += 1
+            self._finish_step(previous)
+
+    def _drain(self) -> None:
+        """Read the in-flight step's tokens: afterwards every row's `pending` and output are exact."""
+        if self._inflight is not None:
+            t0 = time.perf_counter()
+            self._finish_step(self._inflight)
+            self.stats["decode_s"] += time.perf_counter() - t0
+        with self._cond:  # only now: pause and weight updates wait for the tokens to be read
+            self._inflight = None
+            self._cond.notify_all()
+
+    def _finish_step(self, step: _Sampled) -> None:
+        """Record a decode step's tokens and drop the rows whose request is done from the batch."""
+        self._record(step)
         with self._cond:
-            b.keep(keep)
+            b = self._batch
+            b.keep([i for i, r in enumerate(b.rows) if not r.req.done.is_set()])
             self._cond.notify_all()
 
     def _input_logprobs(self, reqs: list[GenRequest], src: list[int], logits: torch.Tensor, width: int) -> None:
@@ -452,31 +567,61 @@ class Engine:
             vals = lp.gather(1, torch.tensor(req.input_ids[1:], device=self.device)[:, None]).squeeze(1)
             req.input_logprobs = ([None] + vals.tolist())[req.logprob_start_len:]
 
-    def _sample_and_check(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
-        """Sample one token per row, record it, finish rows that stop; returns the indices to keep.
-        A row whose sampling or stop check raises is answered with its error and dropped alone."""
+    def _launch_sample(self, rows: list[Row], logits: torch.Tensor) -> _Sampled:
+        """Sample one token per row on the device and start their copy to the host. A failing batched
+        sampling is redone row by row: the sampler draws every row's noise only after the per-row
+        tensors are built, so a failure there has not advanced any row's generator and the others
+        draw what they would have drawn; the failing rows get token 0 (never reported)."""
         failed: dict[int, Exception] = {}
         try:
-            tok_list, lp_list = self._sample(rows, logits)
+            tokens, chosen = self._draw(rows, logits)
         except Exception as e:
             if _device_wide(e):
                 raise
-            # one row's parameters broke the batched sampler: sample row by row to find it. The
-            # sampler draws every row's noise only after the per-row tensors are built, so a failure
-            # there has not advanced any row's generator and the others draw what they would have.
-            tok_list, lp_list = [0] * len(rows), [0.0] * len(rows)
+            parts = []
             for i in range(len(rows)):
                 try:
-                    (tok_list[i],), (lp_list[i],) = self._sample(rows[i:i + 1], logits[i:i + 1])
+                    parts.append(self._draw(rows[i:i + 1], logits[i:i + 1]))
                 except Exception as e1:
                     if _device_wide(e1):
                         raise
                     failed[i] = e1
-        keep = []
-        for i, (row, tok, lp) in enumerate(zip(rows, tok_list, lp_list, strict=True)):
+                    parts.append((torch.zeros(1, dtype=torch.long, device=logits.device),
+                                  torch.zeros(1, device=logits.device)))
+            tokens, chosen = torch.cat([t for t, _ in parts]), torch.cat([c for _, c in parts])
+        return _Sampled(list(rows), tokens, HostCopy(tokens, chosen), failed)
+
+    def _draw(self, rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' sampled tokens [B] and their log-probs [B], on the device."""
+        plan = self._plan_of(rows, logits.shape[1])
+        logprobs = token_logprobs(logits, plan.temperature)
+        tokens = plan.sample(logprobs, self.default_gen)
+        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+    def _plan_of(self, rows: list[Row], vocab_size: int) -> SamplerPlan:
+        """The sampler's plan of `rows`, rebuilt only when the rows changed (a request's parameters and
+        generator do not change while it runs): most decode steps reuse the last one."""
+        key = (tuple(map(id, rows)), vocab_size)
+        if self._plan is None or self._plan[0] != key:
+            plan = SamplerPlan([r.req.params for r in rows], [r.req.generator for r in rows], vocab_size,
+                               self.device)
+            # the rows are held with the key: ids of live objects are not reused
+            self._plan = (key, list(rows), plan)
+        return self._plan[2]
+
+    def _record(self, step: _Sampled) -> None:
+        """On the host: append each row's token and log-prob, finish the rows that stop. A row whose
+        request is already done (it stopped at the step before: overlap) gets nothing; a row whose
+        sampling or stop check raised is answered with its error alone."""
+        tok_list, lp_list = step.host.get()
+        for i, (row, tok, lp) in enumerate(zip(step.rows, tok_list, lp_list, strict=True)):
             req = row.req
-            if i in failed:
-                self._fail_one(req, "sampling", failed[i])
+            if req.done.is_set():
+                continue
+            if step.routed is not None:
+                req.routed.append(step.routed[i])
+            if i in step.failed:
+                self._fail_one(req, "sampling", step.failed[i])
                 continue
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
@@ -486,23 +631,9 @@ class Engine:
             except Exception as e:  # e.g. the stop-string check (the tokenizer's decode) of this request
                 self._fail_one(req, "stop check", e)
                 continue
-            if reason is None:
-                keep.append(i)
-            else:
+            if reason is not None:
                 with self._cond:
                     self._finish(req, reason)
-        return keep
-
-    def _sample(self, rows: list[Row], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """The rows' sampled tokens and their log-probs, on the host."""
-        params = [r.req.params for r in rows]
-        temp = device_tensor([p.temperature for p in params], torch.float32, self.device)
-        logprobs = token_logprobs(logits, temp)
-        tokens = sample(logprobs, params, [r.req.generator for r in rows], self.default_gen)
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        # one device->host copy per step (token ids < 2**53 are exact in float64)
-        host = torch.stack([tokens.double(), chosen.double()]).cpu()
-        return host[0].long().tolist(), host[1].tolist()
 
     def _finish_reason(self, req: GenRequest, tok: int) -> dict | None:
         # SGLang's order (schedule_batch.update_finish_state): stop string, then stop token / EOS

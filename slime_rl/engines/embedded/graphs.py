@@ -10,7 +10,8 @@ lazily the first time a (bs, kv_len) pair runs and replayed afterwards:
 
 - inputs live in one static buffer [3, max_rows] (ids, positions, write columns); a step copies its
   values in with one host-to-device copy and replays; the graph's logits buffer is read before the
-  next replay (the sampler stays outside the graph);
+  next replay (the sampler stays outside the graph). With the overlap scheduler the sampler writes
+  the next ids into the buffer itself (`set_next_ids`) and a step copies positions and columns only;
 - capture: one warm-up forward on a side stream (lazy inits, library handles), then the capture
   itself, in a memory pool shared by all graphs (they never run concurrently). Both run with the
   step's real inputs, so the KV writes they make are the ones the step makes anyway;
@@ -34,7 +35,7 @@ import torch
 from slime_rl.engines.embedded.attention import slot_decode_attention
 from slime_rl.engines.embedded.batch import Row
 from slime_rl.engines.embedded.sampling import device_tensor
-from slime_rl.engines.embedded.slots import SlotBatch, SlotCache, batch_buckets, slot_inputs
+from slime_rl.engines.embedded.slots import SlotBatch, SlotCache, batch_buckets, slot_inputs, slot_positions
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class StaticDecoder:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.graph_max_bs = graph_max_bs or max_rows
         self.inputs = torch.zeros((3, max_rows), dtype=torch.long, device=self.device)
+        self.batch.ids = self.inputs[0]
+        self._order: torch.Tensor | None = None  # the last step's slots in row order; None: slots 0..n-1
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._generation = self.cache.generation
         self._pool = None
@@ -107,21 +110,40 @@ class StaticDecoder:
         self.graphs.clear()
         self._pool = None
 
-    def step(self, rows: list[Row]) -> torch.Tensor:
+    def step(self, rows: list[Row], ids_on_device: bool = False) -> torch.Tensor:
         """Next-token logits [len(rows), V] (in the order of `rows`) after feeding every row's pending
-        token. Call with the model lock held, under no_grad."""
+        token: from the rows (`row.pending`), or, `ids_on_device`, the ids `set_next_ids` left in the
+        input buffer (the overlap scheduler: the host has not read them yet). Call with the model lock
+        held, under no_grad."""
         # the scheduler thread's current device is cuda:0 whatever the model's (--device cuda:1):
         # capture and replay use the current device's streams, so make it the model's
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            return self._step(rows)
+            return self._step(rows, ids_on_device)
 
-    def _step(self, rows: list[Row]) -> torch.Tensor:
+    def set_next_ids(self, tokens: torch.Tensor) -> None:
+        """Write the tokens just sampled for the last step's rows (row order) into their slots' input
+        ids, device to device: the next step reads them there (`step(..., ids_on_device=True)`)."""
+        if self._order is None:
+            self.inputs[0, :len(tokens)].copy_(tokens)
+        else:
+            self.inputs[0].index_copy_(0, self._order, tokens)
+
+    def must_grow(self, rows: list[Row]) -> bool:
+        """Whether the next step of `rows` reallocates the cache (and drops the graphs)."""
+        return max(r.next_pos for r in rows) + 1 > self.cache.capacity
+
+    def _step(self, rows: list[Row], ids_on_device: bool) -> torch.Tensor:
         bs = self.batch.padded_size()
         need = max(r.next_pos for r in rows) + 1
         self.cache.ensure_capacity(need)
         kv_len = max(self.min_kv_len, next_pow2(need))
-        # pinned, asynchronous: the step's only host synchronization is the sampler's token copy
-        self.inputs[:, :bs].copy_(device_tensor(slot_inputs(rows, bs, self.pad_id), torch.long, self.device))
+        # pinned, asynchronous: no host synchronization here (the host waits only for a step's sampled
+        # tokens: sampling.HostCopy, one step later with the overlap scheduler)
+        if ids_on_device:  # positions and write columns only; the ids are where the sampler put them
+            pos = slot_positions(rows, bs)
+            self.inputs[1:, :bs].copy_(device_tensor([pos, pos], torch.long, self.device))
+        else:
+            self.inputs[:, :bs].copy_(device_tensor(slot_inputs(rows, bs, self.pad_id), torch.long, self.device))
         if self.cache.generation != self._generation:
             self._drop_graphs()
             self._generation = self.cache.generation
@@ -140,8 +162,10 @@ class StaticDecoder:
         self.stats["slot_moves"] = self.batch.moves
         slots = [r.slot for r in rows]
         if slots == list(range(len(rows))):  # rows in slot order (no compaction moved one): no gather
+            self._order = None
             return logits[:len(rows)]  # a view of the graph's output; the sampler reads it before the next step
-        return logits.index_select(0, device_tensor(slots, torch.long, self.device))
+        self._order = device_tensor(slots, torch.long, self.device)
+        return logits.index_select(0, self._order)
 
     def _forward(self, bs: int, kv_len: int) -> torch.Tensor:
         """The step on the first bs slots, reading the static input buffer (what a graph captures)."""

@@ -122,6 +122,31 @@ def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> tor
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+class HostCopy:
+    """A step's sampled tokens [B] (long) and their log-probs [B] on their way to the host.
+
+    On CUDA: one non-blocking copy into pinned memory and an event recorded after it on the tensors'
+    stream; `get` waits for that event only, so a step launched after this one keeps the device busy
+    while the host reads this one (the overlap scheduler, engine.py). On CPU the values are already
+    there: no copy, no event (the same calls, so the same scheduler logic runs)."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        both = torch.stack([tokens.double(), logprobs.double()])  # token ids < 2**53 are exact in float64
+        self._event: torch.cuda.Event | None = None
+        if both.device.type == "cuda":
+            self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self._host.copy_(both, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(both.device))
+        else:
+            self._host = both
+
+    def get(self) -> tuple[list[int], list[float]]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host[0].long().tolist(), self._host[1].tolist()
+
+
 def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits / T) over the full vocabulary in float32; logits [B, V], temperature [B]."""
     return torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
@@ -134,58 +159,80 @@ def needs_truncation(p: SamplingParams, vocab_size: int) -> bool:
 
 def sample(logprobs: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator) -> torch.Tensor:
-    """Draw one token per row from the temperature-scaled distribution truncated by top-k/top-p/min-p.
+    """Draw one token per row from the temperature-scaled distribution truncated by top-k/top-p/min-p:
+    `SamplerPlan(params, generators, V, device).sample(logprobs, default_generator)`."""
+    return SamplerPlan(params, generators, logprobs.shape[1], logprobs.device).sample(logprobs, default_generator)
 
-    logprobs [B, V] (from `token_logprobs`); params: each row's request parameters; generators: a
-    row's own generator (a request with `sampling_seed`: the same tokens whatever batch it lands in)
-    or None (the engine's `default_generator`). Returns token ids [B] (long).
 
-    Cost per step is what the requests ask for, decided on the host from `params` (no device sync):
+class SamplerPlan:
+    """What the sampler decides on the host from the rows' parameters, and the per-row tensors it
+    needs, built once for a batch of rows (the engine keeps it while its rows stay the same, so a
+    decode step does not rebuild and upload them).
+
+    params: each row's request parameters; generators: a row's own generator (a request with
+    `sampling_seed`: the same tokens whatever batch it lands in) or None (the `default_generator` of
+    `sample`). Cost per step is what the requests ask for:
     - greedy rows (top_k 1): argmax, no noise drawn;
     - the others: Gumbel-max in vocabulary order, argmax(log p + G) with G = -log(-log U), which is
       a draw from p; rows without their own generator share one [n, V] draw;
     - only rows that truncate are sorted (the top-k/top-p/min-p mask is built in sorted order and
       scattered back to vocabulary order), so plain temperature sampling never sorts the vocabulary.
     Because the noise is indexed by token id in every case, a row draws the same token whether or
-    not its neighbours needed the sort.
+    not its neighbours needed the sort. Every tensor is built here, before any noise is drawn: a
+    row whose parameters break it fails before any generator advanced.
     """
-    B, V = logprobs.shape
-    dev = logprobs.device
-    greedy = [p.top_k == 1 for p in params]
-    if all(greedy):
-        return logprobs.argmax(dim=-1)
-    scores = logprobs
-    trunc = [i for i, p in enumerate(params) if not greedy[i] and needs_truncation(p, V)]
-    if trunc:
-        idx = device_tensor(trunc, torch.long, dev)
-        sub = logprobs.index_select(0, idx)
-        sorted_lp, order = sub.sort(dim=-1, descending=True)
-        sorted_p = sorted_lp.exp()
-        top_k = device_tensor([params[i].top_k for i in trunc], torch.long, dev)
-        top_p = device_tensor([params[i].top_p for i in trunc], torch.float32, dev)
-        min_p = device_tensor([params[i].min_p for i in trunc], torch.float32, dev)
-        rank = torch.arange(V, device=dev).expand(len(trunc), V)
-        k = torch.where(top_k < 1, torch.full_like(top_k, V), top_k.clamp(max=V))
-        drop = rank >= k[:, None]
-        # top-p: keep the smallest prefix whose mass reaches top_p (the first token is always kept)
-        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-        drop |= mass_before > top_p[:, None]
-        drop |= sorted_p < (min_p[:, None] * sorted_p[:, :1])
-        drop[:, 0] = False
-        drop_vocab = torch.zeros_like(drop).scatter_(1, order, drop)  # back to token-id order
-        scores = logprobs.index_copy(0, idx, sub.masked_fill(drop_vocab, float("-inf")))
-    noise = torch.empty((B, V), device=dev, dtype=torch.float32)
-    shared = [i for i in range(B) if not greedy[i] and generators[i] is None]
-    if len(shared) == B:
-        torch.rand((B, V), generator=default_generator, device=dev, out=noise)
-    elif shared:
-        noise[device_tensor(shared, torch.long, dev)] = torch.rand((len(shared), V), generator=default_generator,
-                                                             device=dev)
-    for i in range(B):
-        if not greedy[i] and generators[i] is not None:
-            noise[i] = torch.rand(V, generator=generators[i], device=dev)
-    gumbel = noise.clamp_(min=1e-20).log_().neg_().log_().neg_()  # -log(-log U), in place
-    pick = torch.argmax(scores + gumbel, dim=-1)
-    if any(greedy):
-        pick = torch.where(device_tensor(greedy, torch.bool, dev), logprobs.argmax(dim=-1), pick)
-    return pick
+
+    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int,
+                 device: torch.device) -> None:
+        self.rows, self.vocab_size = len(params), vocab_size
+        self.temperature = device_tensor([p.temperature for p in params], torch.float32, device)
+        greedy = [p.top_k == 1 for p in params]
+        self.all_greedy = all(greedy)
+        self.greedy = device_tensor(greedy, torch.bool, device) if any(greedy) and not self.all_greedy else None
+        trunc = [i for i, p in enumerate(params) if not greedy[i] and needs_truncation(p, vocab_size)]
+        self.trunc: tuple[torch.Tensor, ...] | None = None
+        if trunc:
+            self.trunc = (device_tensor(trunc, torch.long, device),
+                          device_tensor([params[i].top_k for i in trunc], torch.long, device),
+                          device_tensor([params[i].top_p for i in trunc], torch.float32, device),
+                          device_tensor([params[i].min_p for i in trunc], torch.float32, device))
+        shared = [i for i in range(len(params)) if not greedy[i] and generators[i] is None]
+        self.all_shared = len(shared) == len(params)
+        self.shared = device_tensor(shared, torch.long, device) if shared and not self.all_shared else None
+        self.own = [(i, g) for i, g in enumerate(generators) if not greedy[i] and g is not None]
+
+    def sample(self, logprobs: torch.Tensor, default_generator: torch.Generator) -> torch.Tensor:
+        """Token ids [B] (long) from logprobs [B, V] (`token_logprobs` with `self.temperature`)."""
+        B, V = logprobs.shape
+        assert (B, V) == (self.rows, self.vocab_size), "a plan samples the batch it was built for"
+        dev = logprobs.device
+        if self.all_greedy:
+            return logprobs.argmax(dim=-1)
+        scores = logprobs
+        if self.trunc is not None:
+            idx, top_k, top_p, min_p = self.trunc
+            sub = logprobs.index_select(0, idx)
+            sorted_lp, order = sub.sort(dim=-1, descending=True)
+            sorted_p = sorted_lp.exp()
+            rank = torch.arange(V, device=dev).expand(len(idx), V)
+            k = torch.where(top_k < 1, torch.full_like(top_k, V), top_k.clamp(max=V))
+            drop = rank >= k[:, None]
+            # top-p: keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+            mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+            drop |= mass_before > top_p[:, None]
+            drop |= sorted_p < (min_p[:, None] * sorted_p[:, :1])
+            drop[:, 0] = False
+            drop_vocab = torch.zeros_like(drop).scatter_(1, order, drop)  # back to token-id order
+            scores = logprobs.index_copy(0, idx, sub.masked_fill(drop_vocab, float("-inf")))
+        noise = torch.empty((B, V), device=dev, dtype=torch.float32)
+        if self.all_shared:
+            torch.rand((B, V), generator=default_generator, device=dev, out=noise)
+        elif self.shared is not None:
+            noise[self.shared] = torch.rand((len(self.shared), V), generator=default_generator, device=dev)
+        for i, g in self.own:
+            noise[i] = torch.rand(V, generator=g, device=dev)
+        gumbel = noise.clamp_(min=1e-20).log_().neg_().log_().neg_()  # -log(-log U), in place
+        pick = torch.argmax(scores + gumbel, dim=-1)
+        if self.greedy is not None:
+            pick = torch.where(self.greedy, logprobs.argmax(dim=-1), pick)
+        return pick

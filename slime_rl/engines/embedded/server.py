@@ -65,6 +65,8 @@ class ServerConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # larger batches run the static step eagerly
     static_kv_cache: bool = False
+    # SGLang's --disable-overlap-schedule: read each step's tokens before launching the next (engine.py)
+    disable_overlap_schedule: bool = False
     # SGLang 0.5.23 honours a request's sampling_seed only under --enable-deterministic-inference
     # (sampling_batch_info builds the seeds only then); without it the seed is ignored
     enable_deterministic_inference: bool = False
@@ -134,7 +136,8 @@ class EmbeddedServer:
                 routing.keep = False
         self.engine = Engine(self.model, self.tokenizer, eos, pad, cfg.max_running_requests, cfg.random_seed,
                              static_cache=cuda_graph or cfg.static_kv_cache, cuda_graph=cuda_graph,
-                             cuda_graph_max_bs=cfg.cuda_graph_max_bs, routing=routing)
+                             cuda_graph_max_bs=cfg.cuda_graph_max_bs, overlap=not cfg.disable_overlap_schedule,
+                             routing=routing)
         self.weights = WeightSync(self.model, self.engine, cfg.weight_version)
         self.memory = self.weights.memory = MemoryOccupation(self.engine, self.weights.params,
                                                              cpu_backup=cfg.enable_weights_cpu_backup)

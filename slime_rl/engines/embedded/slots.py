@@ -26,6 +26,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from slime_rl.engines.embedded.batch import Row
+from slime_rl.engines.embedded.sampling import device_tensor
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -205,6 +206,9 @@ class SlotBatch:
     buckets: list[int]
     rows: list[Row] = field(default_factory=list)
     moves: int = 0  # rows moved to a lower slot by compaction (for tests and stats)
+    # the decoder's input-id row [slots] (graphs.StaticDecoder.inputs[0]): a row that moves takes its
+    # next input id along (the overlap scheduler's sampler writes it there before the host reads it)
+    ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -231,6 +235,9 @@ class SlotBatch:
         movers = sorted((r for r in self.rows if r.slot >= n), key=lambda r: r.slot)
         dst = [next(free) for _ in movers]
         self.cache.copy_rows(None, [r.slot for r in movers], [0] * len(movers), dst, [r.next_pos for r in movers])
+        if self.ids is not None:
+            src_t, dst_t = (device_tensor(x, torch.long, self.ids.device) for x in ([r.slot for r in movers], dst))
+            self.ids[dst_t] = self.ids[src_t]
         for r, d in zip(movers, dst, strict=True):
             r.slot = d
         self.moves += len(movers)
@@ -261,6 +268,15 @@ class SlotBatch:
         for r, s in zip(rows, free, strict=True):
             r.slot = s
         self.rows.extend(rows)
+
+
+def slot_positions(rows: list[Row], bs: int) -> list[int]:
+    """Positions of the first bs slots (= their write columns); free slots 0. What a step needs from
+    the host when its input ids are already on the device (the overlap scheduler)."""
+    pos = [0] * bs
+    for r in rows:
+        pos[r.slot] = r.next_pos
+    return pos
 
 
 def slot_inputs(rows: list[Row], bs: int, pad_id: int) -> list[list[int]]:
