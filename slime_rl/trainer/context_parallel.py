@@ -11,6 +11,8 @@ order, so every rank gets the same share of causal work.
   * packed micro-batches (THD): each sample is padded to a multiple of 2 * cp and split the same
     way, as TE does; cu_seqlens stay global (the padded sample bounds), megatron's THD RoPE reads
     them and divides by cp itself.
+The padding mask is split with the tokens (the CP pad is padding): an MoE model's routers leave
+padding out of the load-balancing loss, whose token counts megatron reduces over TP x CP itself.
 In attention every rank all-gathers K and V over the CP group (backward: the gradients of the
 gathered K/V are summed back onto the rank that owns them) and masks by global positions: a local
 query at position p sees the keys at positions <= p of its own sequence.
