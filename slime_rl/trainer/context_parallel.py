@@ -11,6 +11,8 @@ order, so every rank gets the same share of causal work.
   * packed micro-batches (THD): each sample is padded to a multiple of 2 * cp and split the same
     way, as TE does; cu_seqlens stay global (the padded sample bounds), megatron's THD RoPE reads
     them and divides by cp itself.
+The padding mask is split with the tokens (the CP pad is padding): an MoE model's routers leave
+padding out of the load-balancing loss, whose token counts megatron reduces over TP x CP itself.
 In attention every rank all-gathers K and V over the CP group (backward: the gradients of the
 gathered K/V are summed back onto the rank that owns them) and masks by global positions: a local
 query at position p sees the keys at positions <= p of its own sequence.
@@ -77,18 +79,23 @@ def split_micro_batch(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
             pos = torch.arange(padded).unsqueeze(0).expand(tokens.shape[0], padded).contiguous()
         keep = local_positions(padded, cp_size, cp_rank)
         local_index, own = _locate(mb.logit_index, keep, padded)
+        padding = None
+        if mb.padding is not None:  # the CP pad is padding too (out of the MoE load-balancing loss)
+            padding = torch.nn.functional.pad(mb.padding.cpu(), (0, padded - s), value=True)[:, keep].to(device)
         return dataclasses.replace(
             mb, tokens=tokens[:, keep].to(device), position_ids=pos[:, keep].to(device),
-            logit_index=local_index.to(device), cp_own=own.to(device))
+            logit_index=local_index.to(device), cp_own=own.to(device), padding=padding)
     cu = psp.cu_seqlens_q.cpu().long()
     lengths = (cu[1:] - cu[:-1]).tolist()
     if any(n % mult for n in lengths):
         raise AssertionError(f"packed segments {lengths} must be multiples of 2 * cp = {mult} (packing.py pads)")
     keep = segment_positions(lengths, cp_size, cp_rank)
     local_index, own = _locate(mb.logit_index, keep, int(cu[-1]))
+    # packing.py marks each sample's pad to a multiple of 2 * cp (and the row's tail) as padding
+    padding = None if mb.padding is None else mb.padding.cpu()[:, keep].to(device)
     return dataclasses.replace(
         mb, tokens=tokens[:, keep].to(device), position_ids=pos[:, keep].to(device),
-        logit_index=local_index.to(device), cp_own=own.to(device))
+        logit_index=local_index.to(device), cp_own=own.to(device), padding=padding)
 
 
 class _AllGatherSeq(torch.autograd.Function):

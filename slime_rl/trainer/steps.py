@@ -47,9 +47,9 @@ def model_forward(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
         if gpt.pre_process:
             extra["decoder_input"] = decoder_input(gpt, mb)
     gpt = unwrap(model)
-    if mb.padding is not None and mb.cp_own is None and getattr(gpt.config, "num_moe_experts", None):
-        # MoE: padding out of the routers' load-balancing loss (as a longer row must not change it).
-        # Not under context parallelism yet: the mask would need the CP split of the tokens.
+    if mb.padding is not None and getattr(gpt.config, "num_moe_experts", None):
+        # MoE: padding out of the routers' load-balancing loss (as a longer row must not change it);
+        # under context parallelism the CP rank's part (context_parallel.split_micro_batch)
         extra["padding_mask"] = mb.padding
     routers = getattr(gpt, "engine_routing", None)
     if routers:  # MoE: the engines' routing of this micro-batch, or none (routing_replay.py)

@@ -10,6 +10,12 @@ the aux loss, so its gradient can be compared with HF's own (float64, no aux los
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import load_file
+
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from tests.trainer.parallel_scenarios import record_layouts
 from tests.trainer.trainer_ref import make_batch, select
@@ -18,15 +24,20 @@ from tests.trainer.trainer_scenarios import weights
 AUX_COEFF = 0.01
 MOE_LAYOUTS = {  # name: (tp, pp, ep); DP is what is left of the world, ETP = TP (megatron's default)
     "base": (1, 1, 1), "ep2": (1, 1, 2), "ep2tp2": (2, 1, 2), "ep2pp2": (1, 2, 2),
+    "cp2ep2": (1, 1, 2), "ep2tp2etp1": (2, 1, 2),
 }
+MOE_CP = {"cp2ep2": 2}  # --context-parallel-size where not 1
+MOE_ETP = {"ep2tp2etp1": 1}  # --expert-tensor-parallel-size where not the TP size
 
 
-def _worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int, ep: int, aux: float, **kw):
+def _worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int, ep: int, aux: float,
+            cp: int = 1, etp: int | None = None, **kw):
     from slime_rl.trainer.worker import TrainerWorker
 
     return TrainerWorker(rank, world, "127.0.0.1", port,
                          ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                        actor_num_gpus_per_node=world, expert_model_parallel_size=ep),
+                                        actor_num_gpus_per_node=world, expert_model_parallel_size=ep,
+                                        context_parallel_size=cp, expert_tensor_parallel_size=etp),
                          BatchConfig(micro_batch_size=2, global_batch_size=4),
                          OptimizerConfig(lr=1e-3, clip_grad=1.0), ModelConfig(hf_checkpoint=ckpt),
                          AlgoConfig(), train_iters=10, moe_aux_loss_coeff=aux, **kw)
@@ -36,15 +47,23 @@ def run_moe(rank: int, world: int, port: int, ckpt: str, name: str, res: dict, a
             layouts: tuple[str, ...] = ("padded", "packed"), **kw) -> None:
     tp, pp, ep = MOE_LAYOUTS[name]
     batch = make_batch()
-    w = _worker(rank, world, port, ckpt, tp, pp, ep, aux, **kw)
+    w = _worker(rank, world, port, ckpt, tp, pp, ep, aux, MOE_CP.get(name, 1), MOE_ETP.get(name), **kw)
     n = len(batch["tokens"]) // w.dp_size
     ids = list(range(w.dp_rank * n, (w.dp_rank + 1) * n))
     shard = select(batch, ids)
     res[f"{name}/ids"] = ids
     res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.ep_rank, w.dp_rank)
+    res[f"{name}/cp_etp"] = (w.info.cp_rank, w.info.etp_size)
     res[f"{name}/weights"] = weights(w)
     res[f"{name}/metadata"] = w.hf_weight_metadata()
     res[f"{name}/sources"] = {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()}
+    if world > 1:  # --save-hf's gather (hf_export.py): global rank 0 writes the folder, reads it back
+        out = Path(tempfile.gettempdir(), f"slime_rl_moe_export_{port}_{name}")
+        w.save_hf(str(out))
+        if rank == 0:
+            res[f"{name}/exported"] = {k: v.clone() for f in sorted(out.glob("*.safetensors"))
+                                       for k, v in load_file(f).items()}
+            shutil.rmtree(out)
     record_layouts(w, shard, layouts, name, res)
     w.shutdown()
 
@@ -59,8 +78,8 @@ def scenario_moe1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> di
 
 
 # megatron's MoELayer refuses to train with TP > 1 without sequence parallelism (packed batches only)
-MOE_KW = {"ep2tp2": {"sequence_parallel": True}}
-MOE_RUN_LAYOUTS = {"ep2tp2": ("packed",)}
+MOE_KW = {"ep2tp2": {"sequence_parallel": True}, "ep2tp2etp1": {"sequence_parallel": True}}
+MOE_RUN_LAYOUTS = {"ep2tp2": ("packed",), "ep2tp2etp1": ("packed",)}
 
 
 def _layouts(*names: str):
@@ -76,7 +95,9 @@ def _layouts(*names: str):
 
 # world 4: one layout per run, so that each stays inside run_scenario's timeout on a loaded machine
 SCENARIOS = {"moe1": scenario_moe1, "moe_ep2": _layouts("ep2"), "moe_ep2tp2": _layouts("ep2tp2"),
-             "moe_ep2pp2": _layouts("ep2pp2")}
+             "moe_ep2pp2": _layouts("ep2pp2"),
+             # context parallel (CP2 x EP2, DP2) and ETP1 under TP2 x EP2 (world 4)
+             "moe_cp2ep2": _layouts("cp2ep2"), "moe_ep2tp2etp1": _layouts("ep2tp2etp1")}
 
 
 def _qwen2_moe(*names: str, noaux: bool = False, key: str = "qwen2_moe"):
@@ -100,5 +121,7 @@ def _qwen2_moe(*names: str, noaux: bool = False, key: str = "qwen2_moe"):
 
 SCENARIOS.update({"qwen2_moe1": _qwen2_moe("base", noaux=True), "qwen2_moe_ep2": _qwen2_moe("ep2"),
                   "qwen2_moe_ep2tp2": _qwen2_moe("ep2tp2"), "qwen2_moe_ep2pp2": _qwen2_moe("ep2pp2"),
+                  # the shared expert split over TP, the routed experts whole (ETP1)
+                  "qwen2_moe_ep2tp2etp1": _qwen2_moe("ep2tp2etp1"),
                   # Qwen3-MoE with a dense first layer (mlp_only_layers=[0]), one rank vs HF
                   "qwen3_moe_mixed1": _qwen2_moe("base", noaux=True, key="qwen3_moe_mixed")})

@@ -62,6 +62,16 @@ def test_split_micro_batch_every_position_owned_once(packed, cp):
     row = whole.tokens if not packed else whole.tokens[0].expand(len(ids), -1)
     want = torch.gather(row, 1, whole.logit_index)
     assert torch.equal(got, want)
+    # the padding mask (MoE routers leave it out of the load-balancing loss) follows the split: the
+    # ranks' real positions are each sample's tokens once, the CP pad is padding
+    lengths = [len(batch["tokens"][i]) for i in ids]
+    assert sum(int((~mb.padding).sum()) for mb in parts) == sum(lengths)
+    for mb in parts:
+        assert mb.padding.shape == mb.tokens.shape
+        if not packed:  # local position p of row i is real iff p < its sample's length
+            assert torch.equal(mb.padding, mb.position_ids >= torch.tensor(lengths).unsqueeze(1))
+    split_real = sorted(t for mb in parts for t in mb.tokens[~mb.padding].tolist())
+    assert split_real == sorted(t for i in ids for t in batch["tokens"][i])
 
 
 def test_packed_cp_positions_restart_per_sample():

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.moe_scenarios import AUX_COEFF, MOE_LAYOUTS, MOE_RUN_LAYOUTS
+from tests.trainer.moe_scenarios import AUX_COEFF, MOE_CP, MOE_ETP, MOE_LAYOUTS, MOE_RUN_LAYOUTS
 from tests.trainer.test_trainer_megatron import LOGP_TOL, _assert_grads_close, _max_diff
 from tests.trainer.trainer_ref import hf_logprobs, hf_model, hf_policy_grad, make_batch
 
@@ -154,7 +154,9 @@ def _diffs(base: dict, ranks: list[dict], name: str, layout: str) -> dict[str, f
 
 
 EP_CASES = [(name, scen, world, layout)
-            for name, scen, world in [("ep2", "moe_ep2", 2), ("ep2tp2", "moe_ep2tp2", 4), ("ep2pp2", "moe_ep2pp2", 4)]
+            for name, scen, world in [("ep2", "moe_ep2", 2), ("ep2tp2", "moe_ep2tp2", 4), ("ep2pp2", "moe_ep2pp2", 4),
+                                      ("cp2ep2", "moe_cp2ep2", 4),
+                                      ("ep2tp2etp1", "moe_ep2tp2etp1", 4)]
             for layout in MOE_RUN_LAYOUTS.get(name, ("padded", "packed"))]
 
 
@@ -162,15 +164,19 @@ EP_CASES = [(name, scen, world, layout)
 @pytest.mark.parametrize("name,scen,world,layout", EP_CASES, ids=[f"{c[0]}-{c[3]}" for c in EP_CASES])
 def test_expert_parallel_equals_one_rank(scenario, ckpts, name, scen, world, layout):
     """Issue 22's acceptance (CPU, fp32, gloo): EP=2 (DP=2), EP=2 x TP=2 (ETP=2, sequence parallel,
-    packed) and EP=2 x PP=2 (world 4) give one rank's log-probs, gradient, grad norm and aux loss;
-    every rank's weights out are the folder's tensors under HF names (experts gathered over EP)."""
+    packed), EP=2 x PP=2 (world 4), CP=2 x EP=2 (DP=2) and TP=2 x ETP=1 x EP=2 (experts whole
+    on each TP rank, sequence parallel) give one rank's log-probs, gradient, grad norm and aux loss;
+    every rank's weights out, and the folder --save-hf writes, are the checkpoint's tensors under HF
+    names (experts gathered over EP / ETP)."""
     (one,) = scenario("moe1", 1)
     ranks = scenario(scen, world)
     tp, pp, ep = MOE_LAYOUTS[name]
-    dp = world // (tp * pp)
-    assert sorted({r[f"{name}/ranks"][:2] + (r[f"{name}/ranks"][3],) for r in ranks}) == sorted(
-        itertools.product(range(tp), range(pp), range(dp)))
+    cp, etp = MOE_CP.get(name, 1), MOE_ETP.get(name, tp)
+    dp = world // (tp * pp * cp)
+    assert sorted({r[f"{name}/ranks"][:2] + (r[f"{name}/ranks"][3], r[f"{name}/cp_etp"][0]) for r in ranks}) == sorted(
+        itertools.product(range(tp), range(pp), range(dp), range(cp)))
     assert sorted({r[f"{name}/ranks"][2] for r in ranks}) == list(range(ep))
+    assert {r[f"{name}/cp_etp"][1] for r in ranks} == {etp}
     diffs = _diffs(one, ranks, name, layout)
     print(f"{name} {layout} fp32 max diffs: {diffs}")
     for key, tol in TOL.items():
@@ -187,3 +193,8 @@ def test_expert_parallel_equals_one_rank(scenario, ckpts, name, scen, world, lay
     assert set(got) == set(want)
     for n, t in want.items():
         assert torch.equal(got[n], t), n
+    # --save-hf's folder (global rank 0 writes it) holds the same tensors
+    (exported,) = [r[f"{name}/exported"] for r in ranks if f"{name}/exported" in r]
+    assert set(exported) == set(want)
+    for n, t in want.items():
+        assert torch.equal(exported[n], t), n

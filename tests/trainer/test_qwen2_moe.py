@@ -182,7 +182,7 @@ def test_one_rank_qwen2_moe_equals_hf(qwen2_moe_scenario, qwen2_moe_ref):
     assert float((g - grad["model.layers.0.mlp.gate.weight"]).abs().max()) > 1e-3 * AUX_COEFF
 
 
-EP_CASES = [(name, world, layout) for name, world in [("ep2", 2), ("ep2tp2", 4), ("ep2pp2", 4)]
+EP_CASES = [(name, world, layout) for name, world in [("ep2", 2), ("ep2tp2", 4), ("ep2pp2", 4), ("ep2tp2etp1", 4)]
             for layout in MOE_RUN_LAYOUTS.get(name, ("padded", "packed"))]
 
 
@@ -190,8 +190,9 @@ EP_CASES = [(name, world, layout) for name, world in [("ep2", 2), ("ep2tp2", 4),
 @pytest.mark.parametrize("name,world,layout", EP_CASES, ids=[f"{c[0]}-{c[2]}" for c in EP_CASES])
 def test_qwen2_moe_expert_parallel_equals_one_rank(qwen2_moe_scenario, tiny_qwen2_moe, name, world, layout):
     """EP=2, EP=2 x TP=2 (the shared expert split over TP, its gate's grad summed over the sequence
-    parallel ranks) and EP=2 x PP=2 (the dense layer on the second stage) give one rank's log-probs,
-    gradient, grad norm and aux loss; the weights out are the folder's tensors under HF names."""
+    parallel ranks), EP=2 x PP=2 (the dense layer on the second stage) and EP=2 x TP=2 x ETP=1 (the
+    shared expert split over TP, the routed experts whole) give one rank's log-probs, gradient, grad
+    norm and aux loss; the weights out and --save-hf's folder are the checkpoint's tensors."""
     (one,) = qwen2_moe_scenario("qwen2_moe1", 1)
     ranks = qwen2_moe_scenario(f"qwen2_moe_{name}", world)
     tp, pp, ep = MOE_LAYOUTS[name]
@@ -211,6 +212,10 @@ def test_qwen2_moe_expert_parallel_equals_one_rank(qwen2_moe_scenario, tiny_qwen
     assert set(got) == set(want)
     for n, t in want.items():
         assert torch.equal(got[n], t), n
+    (exported,) = [r[f"{name}/exported"] for r in ranks if f"{name}/exported" in r]
+    assert set(exported) == set(want)
+    for n, t in want.items():
+        assert torch.equal(exported[n], t), n
 
 
 @pytest.mark.slow
