@@ -241,6 +241,16 @@ def check_moe_features(cfg: Config, model_type: str) -> None:
         raise ConfigError("--moe-token-dispatcher-type allgather: megatron's allgather dispatcher does not take "
                           "the variable sequence lengths pipeline stages exchange; use alltoall with "
                           "--pipeline-model-parallel-size > 1")
+    etp = cfg.parallel.expert_tensor_parallel_size or cfg.parallel.tensor_model_parallel_size
+    if cfg.trainer.moe_token_dispatcher_type == "allgather" and ep * etp > 1:
+        # its all-gather needs equal token counts over the EP x expert-TP ranks (trainer/equal_tokens.py)
+        if cfg.parallel.context_parallel_size > 1:
+            raise ConfigError(f"--moe-token-dispatcher-type allgather with --context-parallel-size "
+                              f"{cfg.parallel.context_parallel_size}: not supported; use alltoall")
+        if not cfg.trainer.pack_sequences:
+            raise ConfigError("--moe-token-dispatcher-type allgather with --no-pack-sequences and expert (or tensor) "
+                              "parallelism: right-padded micro-batches may hold different sample counts on the "
+                              "ranks the dispatcher gathers over; pack the sequences or use alltoall")
 
 
 def reward_fn(reward: RewardConfig):

@@ -145,3 +145,11 @@ def broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(t, src=pp_last_rank(), group=pp_group())
     return t
+
+
+def expert_tp_ep_group() -> dist.ProcessGroup | None:
+    """The expert-TP x EP group (megatron's tp_ep: the group megatron's allgather token dispatcher
+    gathers every MoE layer's tokens over); None when it is one rank."""
+    if mpu.get_expert_tensor_and_model_parallel_world_size() == 1:
+        return None
+    return mpu.get_expert_tensor_and_model_parallel_group()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from slime_rl.trainer import checkpoint, hf_export, hf_io
 from slime_rl.trainer.batching import MicroBatch, chunks, validate_batch
+from slime_rl.trainer.equal_tokens import equalize_tokens
 from slime_rl.trainer.loss_agg import GlobalCounts, check_mode, local_counts, token_weights
 from slime_rl.trainer.mcore import (
     DistributedDataParallel,
@@ -46,7 +47,13 @@ from slime_rl.trainer.objective import (
     token_advantages,
     train_metrics,
 )
-from slime_rl.trainer.parallel import broadcast_from_last_stage, dp_group, init_parallel, teardown_parallel
+from slime_rl.trainer.parallel import (
+    broadcast_from_last_stage,
+    dp_group,
+    expert_tp_ep_group,
+    init_parallel,
+    teardown_parallel,
+)
 from slime_rl.trainer.routing_replay import attach as attach_engine_routing
 from slime_rl.trainer.steps import STAT_KEYS, LossScale, forward_only_step, policy_loss_step
 from slime_rl.trainer.vision import VisionBatching, float_buffers, freeze_vision_tower, restore_buffers
@@ -194,6 +201,10 @@ class MegatronRank:
     def _run(self, step_func, mbs: list[MicroBatch], forward_only: bool) -> list:
         # seq_length / micro_batch_size only size PP buffers when shapes are fixed; with PP the
         # config sets variable_seq_lengths, so stages exchange each micro-batch's shape
+        if self.gpt.config.moe_token_dispatcher_type == "allgather" and self.arch.num_experts:
+            group = expert_tp_ep_group()
+            if group is not None:  # equal token counts over the group the dispatcher gathers over
+                mbs = equalize_tokens(mbs, group, self.info.device)
         return get_forward_backward_func()(
             forward_step_func=step_func, data_iterator=iter(mbs), model=[self.model],
             num_microbatches=len(mbs), seq_length=max(mb.num_tokens for mb in mbs),

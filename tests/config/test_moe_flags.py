@@ -47,6 +47,10 @@ def test_expert_parallel_must_divide_the_world(tiny_qwen3_moe):
     (("--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"), "needs --sequence-parallel"),
     (("--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2", "--moe-token-dispatcher-type",
       "allgather"), "--moe-token-dispatcher-type allgather"),
+    (("--actor-num-gpus-per-node", "4", "--expert-model-parallel-size", "2", "--context-parallel-size", "2",
+      "--moe-token-dispatcher-type", "allgather"), "allgather with --context-parallel-size 2"),
+    (("--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2", "--no-pack-sequences",
+      "--moe-token-dispatcher-type", "allgather"), "allgather with --no-pack-sequences"),
 ])
 def test_moe_flags_checked_against_the_checkpoint(tiny_qwen3_moe, extra, match):
     with pytest.raises(ConfigError, match=match):
