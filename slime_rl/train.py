@@ -201,21 +201,26 @@ def check_moe_features(cfg: Config, model_type: str) -> None:
 
     moe = model_type in FAMILIES and FAMILIES[model_type].moe
     ep = cfg.parallel.expert_model_parallel_size
-    replay = cfg.trainer.use_rollout_routing_replay
-    if cfg.trainer.use_routing_replay and not replay:
-        raise ConfigError("--use-routing-replay: slime's R2 (the old-log-prob forward's routing replayed in "
-                          "training) is not implemented; --use-rollout-routing-replay (R3) replays the engines' "
-                          "routing (slime sets --use-routing-replay with it, so both together are accepted)")
+    # R3 (the engines' routing) or R2 alone (the old-log-prob forward's routing; R3 implies R2)
+    replay = cfg.trainer.use_rollout_routing_replay or cfg.trainer.use_routing_replay
+    flag = "--use-rollout-routing-replay" if cfg.trainer.use_rollout_routing_replay else "--use-routing-replay"
+    what = "the engines'" if cfg.trainer.use_rollout_routing_replay else "the recorded"
     if replay and not moe:
-        raise ConfigError(f"--use-rollout-routing-replay: --hf-checkpoint {cfg.model.hf_checkpoint} is a dense "
+        raise ConfigError(f"{flag}: --hf-checkpoint {cfg.model.hf_checkpoint} is a dense "
                           f"model ({model_type!r}), without experts to route")
     if replay and cfg.parallel.context_parallel_size > 1:
-        raise ConfigError(f"--use-rollout-routing-replay with --context-parallel-size "
-                          f"{cfg.parallel.context_parallel_size}: the engines' routing does not follow the CP split "
+        raise ConfigError(f"{flag} with --context-parallel-size "
+                          f"{cfg.parallel.context_parallel_size}: {what} routing does not follow the CP split "
                           "of the sequence yet")
     if replay and cfg.trainer.recompute_granularity:
-        raise ConfigError(f"--use-rollout-routing-replay with --recompute-granularity "
+        raise ConfigError(f"{flag} with --recompute-granularity "
                           f"{cfg.trainer.recompute_granularity}: the recomputed forward would route on its own")
+    if (cfg.trainer.use_routing_replay and not cfg.trainer.use_rollout_routing_replay
+            and cfg.parallel.tensor_model_parallel_size > 1):
+        raise ConfigError(f"--use-routing-replay with --tensor-model-parallel-size "
+                          f"{cfg.parallel.tensor_model_parallel_size}: the routing recorded under sequence parallelism "
+                          "is a TP rank's chunk of each sequence (not gathered yet); use TP 1 or add "
+                          "--use-rollout-routing-replay")
     if not moe:
         # --expert-tensor-parallel-size alone changes nothing without experts (Megatron ignores it too, and
         # slime's dense scripts pass --expert-tensor-parallel-size 1 with any TP)

@@ -239,7 +239,9 @@ FLAGS: tuple[Flag, ...] = (
              choices=('aux_loss', 'seq_aux_loss', 'global_aux_loss', 'none')),
         Flag('--moe-token-dispatcher-type', 'trainer.moe_token_dispatcher_type', default='alltoall',
              choices=('alltoall', 'allgather'),
-             help='how tokens reach the experts of other EP ranks (allgather: not with pipeline parallelism)'),
+             help='how tokens reach the experts of other EP ranks (allgather: every micro-batch is padded to '
+                  'the longest over the EP x expert-TP ranks; not with pipeline or context parallelism, and with '
+                  'EP or TP only on packed sequences)'),
         Flag('--moe-grouped-gemm', 'trainer.moe_grouped_gemm', action="store_true",
              help="TransformerEngine's grouped GEMM for the experts (refused: the trainer builds the local spec)"),
         Flag('--use-rollout-routing-replay', 'trainer.use_rollout_routing_replay', action="store_true",
@@ -247,8 +249,13 @@ FLAGS: tuple[Flag, ...] = (
                   "(SGLang's --enable-return-routed-experts) and the trainer's routers use them in every forward "
                   "(gates from its own logits); train/routing_agreement reports how often it would choose alike"),
         Flag('--use-routing-replay', 'trainer.use_routing_replay', action="store_true",
-             help="slime's R2 (replay the old-log-prob forward's routing in training): accepted only with "
-                  "--use-rollout-routing-replay, which implies it in slime"),
+             help="slime's R2 (arXiv 2507.18071): the experts the trainer's routers choose in the forward that "
+                  "computes the old log-probs (the rollout's weights) are recorded and replayed in the training "
+                  "forwards of the same step, so later mini-batches (--global-batch-size below the rollout, "
+                  "--num-steps-per-rollout > 1) and a separate old-log-prob pass (--separate-old-logprobs) route "
+                  "as the old-log-prob pass did. On the fused on-policy path (one optimizer step per rollout, old "
+                  "log-probs from the training forward itself) it changes nothing. Implied by "
+                  "--use-rollout-routing-replay, as in slime (the engines' routing is then replayed throughout)"),
     ),
     *section('batches (Megatron names)',
         Flag('--micro-batch-size', 'batch.micro_batch_size', default=1, type=_positive_int),

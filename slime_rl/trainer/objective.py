@@ -109,6 +109,8 @@ class StepInputs:
     advantages: list | None  # per-token advantages when algo.token_level_advantages
     sums: dict[str, float]  # DP-summed sums for the step-level metrics (step_sums)
     returns: list | None = None  # ppo: GAE returns, the critic's targets
+    # R2 (--use-routing-replay): the old-log-prob forward's routing, per sample (routing_replay.BATCH_KEY's form)
+    routing: list | None = None
 
 
 def step_sums(batch: dict, inputs: StepInputs | None, device: torch.device,

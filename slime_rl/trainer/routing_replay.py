@@ -1,4 +1,5 @@
-"""Rollout routing replay (slime's R3, `--use-rollout-routing-replay`) and `train/routing_agreement`.
+"""Routing replay: slime's R3 (`--use-rollout-routing-replay`), R2 (`--use-routing-replay`) and
+`train/routing_agreement`.
 
 The engines return, per sample, the top-k experts each MoE layer chose for every position fed to
 the model (SGLang's `routed_experts`: rows for positions [0, len(tokens) - 1), layer, k; the batch
@@ -14,6 +15,14 @@ the gates are still softmax(own logits at the recorded experts) and gradients re
 in slime. Each router gets an `EngineRouting` of its own (not megatron's class-wide list, which the
 ranks of one process would share); it also counts, on the positions the engine routed, how often
 the router's own top-k set equals the engine's (whether or not it replays).
+
+R2 (`--use-routing-replay` without R3): the routers' own top-k in the forward that computes the old
+log-probs (the rollout's weights) is recorded (`EngineRouting.recording`), turned back into per-sample
+rows of the same shape as the engines' (`sample_routing`, the inverse of `micro_batch_routing`), and
+carried under BATCH_KEY into the training micro-batches of the same step, where it is replayed like
+R3's: the later mini-batches route as the old-log-prob pass did, whatever the earlier optimizer steps
+did to the routers. With R3, the old-log-prob pass already replays the engines' routing and so does
+training: R3 implies R2 (as in slime), nothing is recorded.
 
 Positions without a recorded row (a sample's last token, micro-batch padding, environment tokens
 after the last model turn) take experts 0..k-1: no loss reads their outputs (a causal model's
@@ -44,6 +53,9 @@ class EngineRouting(RouterReplay):
         self.mask: Tensor | None = None
         self.count = False  # count agreement in the next forwards (the rollout weights' forward)
         self.agree, self.total = 0, 0
+        # R2: a list while the old-log-prob forward runs; each call appends the top-k it used
+        # ([tokens, k] long, CPU), one entry per micro-batch
+        self.recording: list[Tensor] | None = None
 
     def set_target(self, topk: Tensor | None, mask: Tensor | None) -> None:
         self.clear_indices()
@@ -55,6 +67,12 @@ class EngineRouting(RouterReplay):
             self.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        out = self._topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        if self.recording is not None:
+            self.recording.append(out[1].detach().to("cpu", torch.long))
+        return out
+
+    def _topk(self, scores, topk, num_groups, group_topk, default_compute_topk):
         if self.target_topk_idx is None:
             return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         target = self.target_topk_idx.to(scores.device)
@@ -124,6 +142,28 @@ def micro_batch_routing(batch: dict, sample_ids: Sequence[int], num_layers: int,
         ids, mask = ids[:, sp_rank * chunk:(sp_rank + 1) * chunk], mask[:, sp_rank * chunk:(sp_rank + 1) * chunk]
     # the router flattens hidden states [s, b, h]: sequence-major
     return ids.transpose(0, 1).reshape(-1, num_layers, topk), mask.transpose(0, 1).reshape(-1)
+
+
+def sample_routing(recorded: dict[int, Tensor], sample_lengths: Sequence[int], num_layers: int, topk: int,
+                   num_experts: int, seq_len: int, packed_starts: Sequence[int] | None) -> list[np.ndarray]:
+    """The inverse of `micro_batch_routing` (without sequence parallelism): one micro-batch's
+    recorded top-k, {layer: [tokens, topk] in the router's order} (the layers of this pipeline stage),
+    as per-sample int32 [len - 1, num_layers * topk] rows (BATCH_KEY's form); `sample_lengths`: the
+    micro-batch's samples' token counts in order. Layers of other stages get 0..k-1 (never read here)."""
+    rows = 1 if packed_starts is not None else len(sample_lengths)
+    fill = torch.arange(topk, dtype=torch.long) % num_experts
+    ids = fill.expand(seq_len * rows, num_layers, topk).clone()
+    for layer, rec in recorded.items():
+        if rec.shape != (seq_len * rows, topk):
+            raise ValueError(f"routing replay, layer {layer}: recorded {tuple(rec.shape)} for {seq_len * rows} "
+                             f"tokens x top-{topk}")
+        ids[:, layer] = rec
+    ids = ids.reshape(seq_len, rows, num_layers, topk).transpose(0, 1)  # [rows, s, L, k]
+    out = []
+    for k, n in enumerate(sample_lengths):
+        r, off = (0, packed_starts[k]) if packed_starts is not None else (k, 0)
+        out.append(ids[r, off:off + n - 1].reshape(n - 1, num_layers * topk).numpy().astype(np.int32))
+    return out
 
 
 def set_targets(routers: Sequence[EngineRouting], routing: tuple[Tensor, Tensor] | None) -> None:

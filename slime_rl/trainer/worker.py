@@ -54,7 +54,9 @@ from slime_rl.trainer.parallel import (
     init_parallel,
     teardown_parallel,
 )
+from slime_rl.trainer.routing_replay import BATCH_KEY as ROUTING_KEY
 from slime_rl.trainer.routing_replay import attach as attach_engine_routing
+from slime_rl.trainer.routing_replay import sample_routing
 from slime_rl.trainer.steps import STAT_KEYS, LossScale, forward_only_step, policy_loss_step
 from slime_rl.trainer.vision import VisionBatching, float_buffers, freeze_vision_tower, restore_buffers
 
@@ -124,8 +126,13 @@ class MegatronRank:
             if model.freeze_vision_tower:
                 freeze_vision_tower(self.gpt)
             vision = VisionBatching(self.arch, model.hf_checkpoint, with_pixels=self.gpt.pre_process)
-        if use_routing_replay and not use_rollout_routing_replay:
-            raise ValueError("--use-routing-replay (slime's R2) is accepted only with --use-rollout-routing-replay")
+        # R2 alone (R3 implies it: the engines' routing is replayed in every forward already): the old-log-prob
+        # forward's routing is recorded and replayed in the same step's training forwards (routing_replay.py)
+        self.record_routing = bool(use_routing_replay and not use_rollout_routing_replay and self.arch.num_experts)
+        if self.record_routing and sequence_parallel and tp > 1:
+            raise ValueError(f"--use-routing-replay with --tensor-model-parallel-size {tp} --sequence-parallel: "
+                             "the recorded routing is a TP rank's chunk of the sequence (not gathered yet); "
+                             "use it with --use-rollout-routing-replay or without TP")
         # MoE: every router takes the engines' routing when a batch carries it: replayed under
         # --use-rollout-routing-replay, else only compared (train/routing_agreement)
         self.engine_routing = attach_engine_routing(self.gpt, replay=use_rollout_routing_replay) \
@@ -237,6 +244,12 @@ class MegatronRank:
         finally:
             for r in self.engine_routing:
                 r.count = False
+
+    def _replaying(self, on: bool) -> None:
+        """R2: the routers replay the batch's routing (on) or, unless R3 replays always, only compare it."""
+        if self.record_routing:
+            for r in self.engine_routing:
+                r.replay = on
 
     def _routing_agreement(self) -> dict[str, float]:
         """train/routing_agreement: the share of engine-routed (token, MoE layer) pairs whose own top-k
@@ -352,15 +365,46 @@ class TrainerWorker(MegatronRank):
 
     # ---- forward-only passes
     @torch.no_grad()
-    def _forward_logprobs(self, batch: dict, with_entropy: bool) -> tuple[list, list | None]:
+    def _forward_logprobs(self, batch: dict, with_entropy: bool,
+                          groups: list[list[int]] | None = None) -> tuple[list, list | None]:
         n = len(batch["tokens"])
         step = forward_only_step(self.algo.temperature, self.arch.vocab_size, with_entropy)
-        mbs = self.micro.micro_batches(batch, self.micro.groups(batch, list(range(n))))
+        mbs = self.micro.micro_batches(batch, groups or self.micro.groups(batch, list(range(n))))
         store = self._run(step, mbs, forward_only=True)
         lens = [int(r) for r in batch["response_lengths"]]
         logp = collect_per_sample(store, "logp", n, lens, self.info.device)
         ent = collect_per_sample(store, "entropy", n, lens, self.info.device) if with_entropy else None
         return logp, ent
+
+    def _recorded_routing(self, batch: dict) -> tuple[list, list | None, list]:
+        """R2: the old-log-prob forward (_forward_logprobs with entropy) with every router recording the
+        top-k it chooses on its own (engine routing in the batch is compared, not replayed); returns
+        (log-probs, entropy, per-sample routing in routing_replay.BATCH_KEY's form)."""
+        layers, topk, experts, _, _ = self.micro.routing
+        for r in self.engine_routing:
+            r.recording, r.replay = [], False
+        try:
+            n = len(batch["tokens"])
+            groups = self.micro.groups(batch, list(range(n)))
+            logp, ent = self._forward_logprobs(batch, with_entropy=True, groups=groups)
+            recorded = {r.layer: r.recording for r in self.engine_routing}
+        finally:
+            for r in self.engine_routing:
+                r.recording, r.replay = None, False
+        routing: list = [None] * n
+        for layer, calls in recorded.items():
+            if len(calls) != len(groups):
+                raise RuntimeError(f"routing replay, layer {layer}: {len(calls)} router calls recorded for "
+                                   f"{len(groups)} micro-batches")
+        for k, ids in enumerate(groups):
+            mb = self.micro.build(batch, ids)  # the geometry the forward ran
+            starts = mb.packed_seq_params.cu_seqlens_q[:len(ids)].tolist() if mb.packed_seq_params is not None \
+                else None
+            rows = sample_routing({layer: calls[k] for layer, calls in recorded.items()},
+                                  [len(batch["tokens"][i]) for i in ids], layers, topk, experts, mb.num_tokens, starts)
+            for i, row in zip(ids, rows, strict=True):
+                routing[i] = row
+        return logp, ent, routing
 
     @on_rank_thread
     def compute_logprobs(self, batch: dict) -> list[list[float]]:
@@ -443,13 +487,18 @@ class TrainerWorker(MegatronRank):
         entropy (forward only), reference log-probs (algo.use_reference), per-token advantages
         (algo.token_level_advantages; whitened over the DP group; ppo: GAE on the critic's
         `values`, which also gives the returns) and the DP-summed step sums."""
+        routing = None
         with self._counting_routing():
-            old, entropy = self._forward_logprobs(batch, with_entropy=True)
+            if self.record_routing:
+                old, entropy, routing = self._recorded_routing(batch)
+            else:
+                old, entropy = self._forward_logprobs(batch, with_entropy=True)
         ref = self._reference_logprobs(batch)
         adv = returns = None
         if self.algo.token_level_advantages:
             adv, returns = token_advantages(self.algo, batch, old, ref, self.info.device, dp_group(), values)
-        inputs = StepInputs(old=old, entropy=entropy, ref=ref, advantages=adv, sums={}, returns=returns)
+        inputs = StepInputs(old=old, entropy=entropy, ref=ref, advantages=adv, sums={}, returns=returns,
+                            routing=routing)
         inputs.sums = step_sums(batch, inputs, self.info.device, dp_group())
         return inputs
 
@@ -477,8 +526,15 @@ class TrainerWorker(MegatronRank):
         t1 = time.perf_counter()
         stats, norms, lr, opt_s = [], [], 0.0, 0.0
         for ids in minis:
-            s = self.forward_backward(self._sub(batch, ids), pick(inputs.old, ids), pick(inputs.ref, ids),
-                                      pick(inputs.advantages, ids))
+            sub = self._sub(batch, ids)
+            if inputs.routing is not None:  # R2: the old-log-prob forward's routing, replayed
+                sub[ROUTING_KEY] = pick(inputs.routing, ids)
+            self._replaying(inputs.routing is not None)
+            try:
+                s = self.forward_backward(sub, pick(inputs.old, ids), pick(inputs.ref, ids),
+                                          pick(inputs.advantages, ids))
+            finally:
+                self._replaying(False)
             t = time.perf_counter()
             grad_norm, lr = self.optimizer_step()
             opt_s += time.perf_counter() - t
