@@ -215,12 +215,6 @@ def check_moe_features(cfg: Config, model_type: str) -> None:
     if replay and cfg.trainer.recompute_granularity:
         raise ConfigError(f"{flag} with --recompute-granularity "
                           f"{cfg.trainer.recompute_granularity}: the recomputed forward would route on its own")
-    if (cfg.trainer.use_routing_replay and not cfg.trainer.use_rollout_routing_replay
-            and cfg.parallel.tensor_model_parallel_size > 1):
-        raise ConfigError(f"--use-routing-replay with --tensor-model-parallel-size "
-                          f"{cfg.parallel.tensor_model_parallel_size}: the routing recorded under sequence parallelism "
-                          "is a TP rank's chunk of each sequence (not gathered yet); use TP 1 or add "
-                          "--use-rollout-routing-replay")
     if not moe:
         # --expert-tensor-parallel-size alone changes nothing without experts (Megatron ignores it too, and
         # slime's dense scripts pass --expert-tensor-parallel-size 1 with any TP)

@@ -53,6 +53,7 @@ from slime_rl.trainer.parallel import (
     expert_tp_ep_group,
     init_parallel,
     teardown_parallel,
+    tp_group,
 )
 from slime_rl.trainer.routing_replay import BATCH_KEY as ROUTING_KEY
 from slime_rl.trainer.routing_replay import attach as attach_engine_routing
@@ -129,10 +130,6 @@ class MegatronRank:
         # R2 alone (R3 implies it: the engines' routing is replayed in every forward already): the old-log-prob
         # forward's routing is recorded and replayed in the same step's training forwards (routing_replay.py)
         self.record_routing = bool(use_routing_replay and not use_rollout_routing_replay and self.arch.num_experts)
-        if self.record_routing and sequence_parallel and tp > 1:
-            raise ValueError(f"--use-routing-replay with --tensor-model-parallel-size {tp} --sequence-parallel: "
-                             "the recorded routing is a TP rank's chunk of the sequence (not gathered yet); "
-                             "use it with --use-rollout-routing-replay or without TP")
         # MoE: every router takes the engines' routing when a batch carries it: replayed under
         # --use-rollout-routing-replay, else only compared (train/routing_agreement)
         self.engine_routing = attach_engine_routing(self.gpt, replay=use_rollout_routing_replay) \
@@ -380,7 +377,7 @@ class TrainerWorker(MegatronRank):
         """R2: the old-log-prob forward (_forward_logprobs with entropy) with every router recording the
         top-k it chooses on its own (engine routing in the batch is compared, not replayed); returns
         (log-probs, entropy, per-sample routing in routing_replay.BATCH_KEY's form)."""
-        layers, topk, experts, _, _ = self.micro.routing
+        layers, topk, experts, sp, _ = self.micro.routing
         for r in self.engine_routing:
             r.recording, r.replay = [], False
         try:
@@ -391,6 +388,8 @@ class TrainerWorker(MegatronRank):
         finally:
             for r in self.engine_routing:
                 r.recording, r.replay = None, False
+        if sp > 1:  # sequence parallel: each TP rank's router saw its contiguous chunk of the row
+            recorded = {layer: [self._tp_gather(c) for c in calls] for layer, calls in recorded.items()}
         routing: list = [None] * n
         for layer, calls in recorded.items():
             if len(calls) != len(groups):
@@ -405,6 +404,13 @@ class TrainerWorker(MegatronRank):
             for i, row in zip(ids, rows, strict=True):
                 routing[i] = row
         return logp, ent, routing
+
+    def _tp_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """The TP ranks' chunks of a [tokens, k] tensor concatenated in TP rank order (on the CPU)."""
+        t = t.to(self.info.device)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group()))]
+        dist.all_gather(parts, t, group=tp_group())
+        return torch.cat(parts).cpu()
 
     @on_rank_thread
     def compute_logprobs(self, batch: dict) -> list[list[float]]:

@@ -21,8 +21,9 @@ def test_flags_reach_the_trainer_group_and_are_accepted_on_moe(tiny_qwen3_moe):
     r2 = _cfg(tiny_qwen3_moe, "--use-routing-replay")  # R2 alone: the old-log-prob pass's routing
     assert r2.trainer.use_routing_replay and not r2.trainer.use_rollout_routing_replay
     check_model_features(r2)
-    check_model_features(_cfg(tiny_qwen3_moe, "--use-routing-replay", "--actor-num-gpus-per-node", "2",
-                              "--expert-model-parallel-size", "2"))
+    check_model_features(_cfg(tiny_qwen3_moe, "--use-routing-replay", "--actor-num-gpus-per-node", "4",
+                              "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                              "--sequence-parallel"))
     default = _cfg(tiny_qwen3_moe).trainer
     assert not default.use_rollout_routing_replay and not default.use_routing_replay
 
@@ -32,8 +33,6 @@ def test_flags_reach_the_trainer_group_and_are_accepted_on_moe(tiny_qwen3_moe):
      "--use-routing-replay with --context-parallel-size 2"),
     (("--use-routing-replay", "--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "1"), "--use-routing-replay with --recompute-granularity full"),
-    (("--use-routing-replay", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
-      "--sequence-parallel"), "--use-routing-replay with --tensor-model-parallel-size 2"),
     (("--use-rollout-routing-replay", "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"),
      "--use-rollout-routing-replay with --context-parallel-size 2"),
     (("--use-rollout-routing-replay", "--recompute-granularity", "full", "--recompute-method", "uniform",

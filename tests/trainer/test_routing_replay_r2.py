@@ -137,3 +137,16 @@ def test_r2_expert_parallel_equals_one_rank(r2, scenario):
     for rec in ranks:
         for k in ("train/loss", "train/grad_norm"):
             assert rec["r2/metrics"][k] == pytest.approx(r2["r2/metrics"][k], rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.slow
+def test_r2_tensor_and_expert_parallel_equals_one_rank(r2, scenario):
+    """TP=2 (sequence parallel, packed rows: each TP rank's routers see half of every row, the recorded
+    halves are gathered) x EP=2 (DP=2): one rank's training log-probs of both mini-batches."""
+    ranks = scenario("r2_ep2tp2", 4)
+    for rec in ranks:
+        assert sorted(rec["r2/logp"]) == sorted(rec["r2/old"])
+        for i, row in rec["r2/logp"].items():
+            assert float((row - r2["r2/logp"][i]).abs().max()) < TOL, i
+        for k in ("train/loss", "train/grad_norm"):
+            assert rec["r2/metrics"][k] == pytest.approx(r2["r2/metrics"][k], rel=1e-5, abs=1e-7), k
