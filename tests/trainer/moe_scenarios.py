@@ -25,6 +25,7 @@ AUX_COEFF = 0.01
 MOE_LAYOUTS = {  # name: (tp, pp, ep); DP is what is left of the world, ETP = TP (megatron's default)
     "base": (1, 1, 1), "ep2": (1, 1, 2), "ep2tp2": (2, 1, 2), "ep2pp2": (1, 2, 2),
     "cp2ep2": (1, 1, 2), "ep2tp2etp1": (2, 1, 2), "ep2ag": (1, 1, 2),
+    "ep2tp2ag": (2, 1, 2),
 }
 MOE_CP = {"cp2ep2": 2}  # --context-parallel-size where not 1
 MOE_ETP = {"ep2tp2etp1": 1}  # --expert-tensor-parallel-size where not the TP size
@@ -80,8 +81,9 @@ def scenario_moe1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> di
 # megatron's MoELayer refuses to train with TP > 1 without sequence parallelism (packed batches only)
 MOE_KW = {"ep2tp2": {"sequence_parallel": True}, "ep2tp2etp1": {"sequence_parallel": True},
           # megatron's allgather dispatcher: every EP rank gathers all tokens and keeps its experts' share
-          "ep2ag": {"moe_token_dispatcher_type": "allgather"}}
-MOE_RUN_LAYOUTS = {"ep2tp2": ("packed",), "ep2tp2etp1": ("packed",)}
+          "ep2ag": {"moe_token_dispatcher_type": "allgather"},
+          "ep2tp2ag": {"moe_token_dispatcher_type": "allgather", "sequence_parallel": True}}
+MOE_RUN_LAYOUTS = {"ep2tp2": ("packed",), "ep2tp2etp1": ("packed",), "ep2tp2ag": ("packed",)}
 
 
 def _layouts(*names: str):
@@ -100,7 +102,7 @@ SCENARIOS = {"moe1": scenario_moe1, "moe_ep2": _layouts("ep2"), "moe_ep2tp2": _l
              "moe_ep2pp2": _layouts("ep2pp2"),
              # context parallel (CP2 x EP2, DP2) and ETP1 under TP2 x EP2 (world 4)
              "moe_cp2ep2": _layouts("cp2ep2"), "moe_ep2tp2etp1": _layouts("ep2tp2etp1"),
-             "moe_ep2ag": _layouts("ep2ag")}
+             "moe_ep2ag": _layouts("ep2ag"), "moe_ep2tp2ag": _layouts("ep2tp2ag")}
 
 
 def _qwen2_moe(*names: str, noaux: bool = False, key: str = "qwen2_moe"):

@@ -156,7 +156,8 @@ def _diffs(base: dict, ranks: list[dict], name: str, layout: str) -> dict[str, f
 EP_CASES = [(name, scen, world, layout)
             for name, scen, world in [("ep2", "moe_ep2", 2), ("ep2tp2", "moe_ep2tp2", 4), ("ep2pp2", "moe_ep2pp2", 4),
                                       ("cp2ep2", "moe_cp2ep2", 4),
-                                      ("ep2tp2etp1", "moe_ep2tp2etp1", 4), ("ep2ag", "moe_ep2ag", 2)]
+                                      ("ep2tp2etp1", "moe_ep2tp2etp1", 4), ("ep2ag", "moe_ep2ag", 2),
+                                      ("ep2tp2ag", "moe_ep2tp2ag", 4)]
             for layout in MOE_RUN_LAYOUTS.get(name, ("padded", "packed"))]
 
 
@@ -165,8 +166,10 @@ EP_CASES = [(name, scen, world, layout)
 def test_expert_parallel_equals_one_rank(scenario, ckpts, name, scen, world, layout):
     """Issue 22's acceptance (CPU, fp32, gloo): EP=2 (DP=2), EP=2 x TP=2 (ETP=2, sequence parallel,
     packed), EP=2 x PP=2 (world 4), CP=2 x EP=2 (DP=2) and TP=2 x ETP=1 x EP=2 (experts whole
-    on each TP rank, sequence parallel) and EP=2 with megatron's allgather token dispatcher
-    (--moe-token-dispatcher-type allgather, DP=2) give one rank's log-probs, gradient, grad norm and aux loss;
+    on each TP rank, sequence parallel) and megatron's allgather token dispatcher
+    (--moe-token-dispatcher-type allgather: EP=2 with DP=2, and TP=2 x EP=2 gathering over 4 ranks;
+    trainer/equal_tokens.py pads the ranks' micro-batches to equal lengths) give one rank's
+    log-probs, gradient, grad norm and aux loss;
     every rank's weights out, and the folder --save-hf writes, are the checkpoint's tensors under HF
     names (experts gathered over EP / ETP)."""
     (one,) = scenario("moe1", 1)
