@@ -62,3 +62,16 @@ def test_without_flips_the_trainer_agrees_with_every_choice(ray_session, tiny_qw
     m = _step0(tiny_qwen3_moe, digit_data, tmp_path / "same", "--use-rollout-routing-replay")
     assert m["train/routing_agreement"] == 1.0
     assert m["train/rollout_logprob_abs_diff"] <= 1e-6
+
+
+@pytest.mark.slow
+def test_r2_alone_trains_two_mini_batches_in_the_loop(ray_session, tiny_qwen3_moe, digit_data, tmp_path,
+                                                      monkeypatch):
+    """--use-routing-replay alone (slime's R2) through the loop: two mini-batches per rollout, so the
+    old-log-prob pass runs separately and its routing is replayed (tests/trainer/test_routing_replay_r2.py
+    checks the replay itself); the engines are not asked for their routing."""
+    monkeypatch.delenv(ROUTING_SELECT_ROUND_ENV, raising=False)
+    m = _step0(tiny_qwen3_moe, digit_data, tmp_path / "r2", "--use-routing-replay", "--global-batch-size", "8")
+    assert "train/routing_agreement" not in m
+    assert m["train/rollout_logprob_abs_diff"] <= 1e-6  # the old pass routes as the engine, on its own
+    assert m["train/grad_norm"] > 0
