@@ -75,14 +75,15 @@ R2_LR = 5.0
 R2_ORDER = [0, 2, 1, 3]  # one rank: global mini-batches {0, 2} and {1, 3}, as EP=2 (DP=2) forms them
 
 
-def _r2_worker(rank: int, world: int, port: int, ckpt: str, ep: int, r2: bool, gbs: int = 2, tp: int = 1):
+def _r2_worker(rank: int, world: int, port: int, ckpt: str, ep: int, r2: bool, gbs: int = 2, tp: int = 1,
+               pp: int = 1):
     """Adam with eps 1 (about SGD for these gradients: layouts' rounding differences stay small after
     the step) and a large lr; TP > 1: sequence parallel, packed rows (megatron's MoE needs both)."""
     from slime_rl.trainer.worker import TrainerWorker
 
     return TrainerWorker(rank, world, "127.0.0.1", port,
-                         ParallelConfig(tensor_model_parallel_size=tp, actor_num_gpus_per_node=world,
-                                        expert_model_parallel_size=ep),
+                         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                        actor_num_gpus_per_node=world, expert_model_parallel_size=ep),
                          BatchConfig(micro_batch_size=1, global_batch_size=gbs),
                          OptimizerConfig(lr=R2_LR, adam_eps=1.0, clip_grad=0.0), ModelConfig(hf_checkpoint=ckpt),
                          AlgoConfig(), train_iters=10, pack_sequences=tp > 1, sequence_parallel=tp > 1,
@@ -132,8 +133,8 @@ def _spy(w, res: dict, key: str) -> dict:
 
 
 def _r2_record(rank: int, world: int, port: int, ckpt: str, ep: int, r2: bool, key: str, res: dict,
-               tp: int = 1) -> None:
-    w = _r2_worker(rank, world, port, ckpt, ep, r2, tp=tp)
+               tp: int = 1, pp: int = 1) -> None:
+    w = _r2_worker(rank, world, port, ckpt, ep, r2, tp=tp, pp=pp)
     ids = R2_ORDER if w.dp_size == 1 else [2 * w.dp_rank, 2 * w.dp_rank + 1]
     shard = select(make_batch(), ids)
     state = _spy(w, res, key)
@@ -194,4 +195,11 @@ def scenario_r2_ep2tp2(rank: int, world: int, port: int, ckpts: dict[str, str]) 
     return res
 
 
-SCENARIOS.update({"r2_1": scenario_r2_1, "r2_ep2": scenario_r2_ep2, "r2_ep2tp2": scenario_r2_ep2tp2})
+def scenario_r2_ep2pp2(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    res: dict = {}
+    _r2_record(rank, world, port, ckpts["qwen3_moe"], 2, True, "r2", res, pp=2)
+    return res
+
+
+SCENARIOS.update({"r2_1": scenario_r2_1, "r2_ep2": scenario_r2_ep2, "r2_ep2tp2": scenario_r2_ep2tp2,
+                  "r2_ep2pp2": scenario_r2_ep2pp2})

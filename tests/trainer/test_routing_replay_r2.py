@@ -139,13 +139,20 @@ def test_r2_expert_parallel_equals_one_rank(r2, scenario):
             assert rec["r2/metrics"][k] == pytest.approx(r2["r2/metrics"][k], rel=1e-5, abs=1e-7), k
 
 
+R2_LAYOUTS = [("r2_ep2tp2", True), ("r2_ep2pp2", False)]
+
+
 @pytest.mark.slow
-def test_r2_tensor_and_expert_parallel_equals_one_rank(r2, scenario):
+@pytest.mark.parametrize("name,every_rank", R2_LAYOUTS, ids=[c[0] for c in R2_LAYOUTS])
+def test_r2_tensor_or_pipeline_and_expert_parallel_equal_one_rank(r2, scenario, name, every_rank):
     """TP=2 (sequence parallel, packed rows: each TP rank's routers see half of every row, the recorded
-    halves are gathered) x EP=2 (DP=2): one rank's training log-probs of both mini-batches."""
-    ranks = scenario("r2_ep2tp2", 4)
+    halves are gathered) x EP=2, or PP=2 (each stage records and replays its own layer) x EP=2, DP=2:
+    one rank's training log-probs of both mini-batches (on the last stage) and metrics."""
+    ranks = scenario(name, 4)
+    assert sum(1 for rec in ranks if rec["r2/logp"]) == (4 if every_rank else 2)
     for rec in ranks:
-        assert sorted(rec["r2/logp"]) == sorted(rec["r2/old"])
+        if every_rank or rec["r2/logp"]:
+            assert sorted(rec["r2/logp"]) == sorted(rec["r2/old"])
         for i, row in rec["r2/logp"].items():
             assert float((row - r2["r2/logp"][i]).abs().max()) < TOL, i
         for k in ("train/loss", "train/grad_norm"):
