@@ -185,7 +185,13 @@ def test_expert_parallel_equals_one_rank(scenario, ckpts, name, scen, world, lay
     print(f"{name} {layout} fp32 max diffs: {diffs}")
     for key, tol in TOL.items():
         assert diffs[key] <= tol, f"{name} {layout}: max {key} diff {diffs[key]:.3g} > {tol}"
-    want = load_file(ckpts["qwen3_moe"] / "model.safetensors")
+    _assert_weights_out(ranks, name, load_file(ckpts["qwen3_moe"] / "model.safetensors"))
+
+
+def _assert_weights_out(ranks: list[dict], name: str, want: dict) -> None:
+    """Every rank's weights out (the same names on every rank of a pipeline stage; the stages
+    together: the checkpoint's tensors, bit for bit) and --save-hf's folder (global rank 0 writes
+    it) are the checkpoint `want`."""
     by_stage: dict[int, dict] = {}
     for rec in ranks:
         stage = rec[f"{name}/ranks"][1]
@@ -197,7 +203,6 @@ def test_expert_parallel_equals_one_rank(scenario, ckpts, name, scen, world, lay
     assert set(got) == set(want)
     for n, t in want.items():
         assert torch.equal(got[n], t), n
-    # --save-hf's folder (global rank 0 writes it) holds the same tensors
     (exported,) = [r[f"{name}/exported"] for r in ranks if f"{name}/exported" in r]
     assert set(exported) == set(want)
     for n, t in want.items():

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.trainer.moe_scenarios import AUX_COEFF, MOE_LAYOUTS, MOE_RUN_LAYOUTS
-from tests.trainer.test_moe import TOL, _diffs, _per_expert
+from tests.trainer.test_moe import TOL, _assert_weights_out, _diffs, _per_expert
 from tests.trainer.test_trainer_megatron import LOGP_TOL, _assert_grads_close, _max_diff
 from tests.trainer.trainer_ref import hf_logprobs, hf_model, hf_policy_grad, make_batch
 from tests.trainer.trainer_scenarios import scenario_runner
@@ -203,19 +203,7 @@ def test_qwen2_moe_expert_parallel_equals_one_rank(qwen2_moe_scenario, tiny_qwen
     print(f"qwen2_moe {name} {layout} fp32 max diffs: {diffs}")
     for key, tol in TOL.items():
         assert diffs[key] <= tol, f"{name} {layout}: max {key} diff {diffs[key]:.3g} > {tol}"
-    want = load_file(tiny_qwen2_moe / "model.safetensors")
-    got: dict = {}
-    for rec in ranks:
-        assert [n for n, _, _ in rec[f"{name}/metadata"]] == list(rec[f"{name}/weights"])
-        assert list(rec[f"{name}/sources"]) == list(rec[f"{name}/weights"])
-        got.update(rec[f"{name}/weights"])
-    assert set(got) == set(want)
-    for n, t in want.items():
-        assert torch.equal(got[n], t), n
-    (exported,) = [r[f"{name}/exported"] for r in ranks if f"{name}/exported" in r]
-    assert set(exported) == set(want)
-    for n, t in want.items():
-        assert torch.equal(exported[n], t), n
+    _assert_weights_out(ranks, name, load_file(tiny_qwen2_moe / "model.safetensors"))
 
 
 @pytest.mark.slow
