@@ -29,3 +29,27 @@ def test_decode_attention_equals_expanded_heads_float64(heads, kv_heads, bool_ma
             kk, vv = k[b, h // g, :n].double(), v[b, h // g, :n].double()
             w = torch.softmax(0.3 * (kk @ q[b, h, 0].double()), dim=0)
             torch.testing.assert_close(got[b, 0, h].double(), w @ vv, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+def test_fp32_scores_on_cuda_read_the_slot_cache_in_place_and_equal_float64():
+    """CUDA takes fp32 scores from the bf16 operands in one GEMM (bmm with out_dtype), reading the
+    keys where the slot cache keeps them (a column view of a wider buffer). The bf16 products are
+    exact in fp32, so the result equals the float64 product of the same bf16 values up to fp32
+    summation; and it equals the portable path (operands converted first)."""
+    from slime_rl.engines.embedded.attention import fp32_scores
+
+    torch.manual_seed(0)
+    B, hkv, G, D, capacity, T = 5, 2, 6, 64, 96, 40
+    cache = (torch.randn(B, hkv, capacity, D, device="cuda") * 3).bfloat16()
+    key = cache[:, :, :T]  # what SlotCache.update hands attention: not contiguous
+    qg = (torch.randn(B, hkv, G, D, device="cuda") * 3).bfloat16()
+    got = fp32_scores(qg, key)
+    assert got.dtype == torch.float32 and got.shape == (B, hkv, G, T)
+    ref = qg.double() @ key.double().transpose(-1, -2)
+    torch.testing.assert_close(got.double(), ref, atol=1e-3, rtol=1e-5)
+    converted = torch.matmul(qg.float(), key.transpose(-1, -2).float())
+    torch.testing.assert_close(got, converted, atol=1e-3, rtol=1e-5)
+    # and the bf16-rounded product is measurably worse: the test can tell the two apart
+    bf16 = (qg @ key.transpose(-1, -2)).double()
+    assert (bf16 - ref).abs().max() > 10 * (got.double() - ref).abs().max()

@@ -40,7 +40,7 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if getattr(module, FP32_SCORES, False) and query.dtype != torch.float32:
         # fp32 scores from bf16 operands, as flash attention (the trainer's) keeps them: a bf16 score
         # of ~10 rounds in steps of 0.06, which moves the softmax by a few percent
-        scores = torch.matmul(qg.float(), key.transpose(-1, -2).float()) * scale
+        scores = fp32_scores(qg, key) * scale
     else:
         scores = torch.matmul(qg, key.transpose(-1, -2)).float() * scale  # [B, Hkv, G, T]
     if attention_mask is not None:
@@ -51,6 +51,26 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     out = torch.matmul(probs, value)  # [B, Hkv, G, D]
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+def fp32_scores(qg: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """qg @ key^T in fp32 from bf16/fp16 operands: qg [B, Hkv, G, D], key [B, Hkv, T, D] (a view
+    of the slot cache: its column stride is the cache's capacity) -> [B, Hkv, G, T] fp32.
+
+    On CUDA one batched GEMM writes fp32 directly (`torch.bmm(..., out_dtype=float32)`: bf16
+    products are exact in fp32 and cuBLAS accumulates in fp32), so the cached keys are read once,
+    as bf16. Converting them first (`key.float()`) read every layer's keys, wrote them back twice
+    as wide and read that again, each step. Elsewhere (CPU, or a torch without `out_dtype`) the
+    operands are converted; the results are equal up to the order of the fp32 sums."""
+    B, hkv, G, D = qg.shape
+    T = key.shape[2]
+    if qg.is_cuda:
+        try:  # [B, Hkv] merge into one batch dim without a copy (the slot cache's layout allows it)
+            return torch.bmm(qg.reshape(B * hkv, G, D), key.transpose(-1, -2).reshape(B * hkv, D, T),
+                             out_dtype=torch.float32).view(B, hkv, G, T)
+        except (TypeError, RuntimeError):  # torch without bmm's out_dtype
+            pass
+    return torch.matmul(qg.float(), key.transpose(-1, -2).float())
 
 
 AttentionInterface.register(SLOT_DECODE, decode_attention)
