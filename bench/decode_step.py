@@ -15,7 +15,8 @@ graph. For each attention variant (registered in place of the engine's decode at
 
 Variants: `fp32_copy` (session 6's attention: q and the cached keys converted to fp32 each step),
 `bf16` (bf16 scores: the island off), `engine` (the engine's attention as it is now), `sdpa_gqa`
-(torch's scaled_dot_product_attention with enable_gqa and the boolean mask).
+(torch's scaled_dot_product_attention with enable_gqa and the boolean mask), `compiled` (the
+engine's attention, the step compiled: --enable-torch-compile).
 
     python bench/decode_step.py [--shape 1.5b] [--batches 64,256] [--context 256] [--out F.json]
 """
@@ -65,7 +66,9 @@ def attention_variants() -> dict:
                                              enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
 
-    return {"fp32_copy": fp32_copy, "bf16": bf16, "engine": A.decode_attention, "sdpa_gqa": sdpa_gqa}
+    # "compiled": the engine's attention, the step under --enable-torch-compile (graphs.StaticDecoder._run)
+    return {"fp32_copy": fp32_copy, "bf16": bf16, "engine": A.decode_attention, "sdpa_gqa": sdpa_gqa,
+            "compiled": A.decode_attention}
 
 
 def fill(decoder, bs: int, context: int, vocab: int) -> None:
@@ -130,7 +133,7 @@ def main() -> None:
     p.add_argument("--batches", default="64,256")
     p.add_argument("--context", type=int, default=256, help="cached columns per row (the mean context of "
                    "engine_throughput's 128 + 256 tokens is 256)")
-    p.add_argument("--variants", default="fp32_copy,bf16,engine,sdpa_gqa")
+    p.add_argument("--variants", default="fp32_copy,bf16,engine,sdpa_gqa,compiled")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--out", default=None)
@@ -163,6 +166,7 @@ def main() -> None:
                    "sampler_ms": sampler_ms(bs, vocab, a.iters), "variants": {}}
             for name in names:
                 AttentionInterface.register(A.SLOT_DECODE, variants[name])
+                dec.compile_max_bs, dec._compiled = (max(batches), None) if name == "compiled" else (0, None)
                 out = {}
                 for ctx, key in ((a.context, "step_ms"), (15, "step_ms_ctx16")):
                     fill(dec, bs, ctx, vocab)
@@ -173,7 +177,7 @@ def main() -> None:
                         if entry is None:
                             raise RuntimeError("capture failed")
                         out[key] = time_replays(entry[0].replay, a.iters)
-                        if key == "step_ms" and name == names[0]:
+                        if key == "step_ms" and name in (names[0], names[-1]):
                             row["kernels_" + name] = kernel_table(entry[0].replay, a.top)
                     except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported
                         out[key] = None

@@ -47,12 +47,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import SHAPES, free_port, make_checkpoint  # noqa: E402
 
 STAT_KEYS = ("overlap", "overlapped_steps", "decode_forwards", "graph_captures", "graph_replays",
-             "static_eager_steps")
+             "static_eager_steps", "compiled_forwards")
 TIMER_KEYS = ("decode_s", "decode_forwards", "prefill_s", "prefill_tokens")
 
 
 def engine_run(ckpt: Path, prompts: list[list[int]], new_tokens: int, cuda: bool, log: Path,
-               graphs: bool, overlap: bool = True) -> dict:
+               graphs: bool, overlap: bool = True, compile_max_bs: int = 0) -> dict:
     from slime_rl.engines.client import EngineClient
     from slime_rl.engines.launch import embedded_command, wait_healthy
 
@@ -61,6 +61,8 @@ def engine_run(ckpt: Path, prompts: list[list[int]], new_tokens: int, cuda: bool
                             dtype="bfloat16" if cuda else "float32", disable_cuda_graph=not graphs,
                             disable_overlap_schedule=not overlap)
     argv += ["--max-running-requests", str(len(prompts))]
+    if compile_max_bs:
+        argv += ["--enable-torch-compile", "--torch-compile-max-bs", str(compile_max_bs)]
     if graphs and not cuda:
         argv += ["--static-kv-cache"]  # CPU smoke: the same static path, without graph capture
     proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -158,6 +160,9 @@ def main() -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="run the engines with SGLang's --disable-overlap-schedule (each step's tokens read "
                         "before the next step is launched)")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="run the engines with SGLang's --enable-torch-compile (the static decode step compiled; "
+                        "the first run pays the compile) and --torch-compile-max-bs covering every batch")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few tokens")
     a = p.parse_args()
@@ -173,17 +178,19 @@ def main() -> None:
     n_prompts = max([a.prompts] + batches)
     prompts = torch.randint(0, SHAPES[a.shape]["vocab_size"], (n_prompts, a.prompt_len), generator=g).tolist()
     main_prompts = prompts[:a.prompts]
+    compile_bs = n_prompts if a.enable_torch_compile else 0
 
     runs = {}
     for name, graphs in [("engine", True)] + ([] if a.skip_eager else [("engine_eager", False)]):
         r = runs[name] = engine_run(ckpt, main_prompts, a.new_tokens, cuda, work / f"{name}.log", graphs,
-                                    overlap=not a.disable_overlap_schedule)
+                                    overlap=not a.disable_overlap_schedule, compile_max_bs=compile_bs)
         stats = ", ".join(f"{k} {r[k]}" for k in STAT_KEYS if k in r)
         print(f"{name}: {r['tokens']} tokens in {r['s']:.2f} s = {r['tokens'] / r['s']:,.0f} tokens/s "
               f"(first run {r['first_run_s']:.2f} s; counters over both runs: {stats})", flush=True)
     result = {"shape": a.shape, "prompts": a.prompts, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-              "overlap": runs["engine"].get("overlap")}  # the engine's overlap scheduler (its /get_server_info)
+              # the engine's overlap scheduler (its /get_server_info)
+              "overlap": runs["engine"].get("overlap"), "torch_compile": a.enable_torch_compile}
     result.update(roofline(ckpt, prompts, batches, runs["engine"], a, cuda, work))
     expected = a.prompts * a.new_tokens
     counts = {name: r["tokens"] for name, r in runs.items()}
@@ -211,6 +218,7 @@ def roofline(ckpt: Path, prompts: list[list[int]], batches: list[int], main_run:
     """decode_step_s_b{b} (the default engine path, b rows decoding together), roofline_step_s_b{b},
     their ratio, and prefill_tokens_per_s; prints one line per batch size."""
     out: dict = {}
+    n_prompts = len(prompts)
     if not batches:
         return out
     bw = device_bandwidth(cuda)
@@ -222,7 +230,8 @@ def roofline(ckpt: Path, prompts: list[list[int]], batches: list[int], main_run:
     for b in batches:
         r = main_run if b == a.prompts else engine_run(ckpt, prompts[:b], a.new_tokens, cuda,
                                                        work / f"engine_b{b}.log", True,
-                                                       overlap=not a.disable_overlap_schedule)
+                                                       overlap=not a.disable_overlap_schedule,
+                                                       compile_max_bs=n_prompts if a.enable_torch_compile else 0)
         step = r["run_decode_s"] / max(r["run_decode_forwards"], 1)
         weights, kv = step_bytes(ckpt, b, context, elem)
         ideal = (weights + kv) / bw

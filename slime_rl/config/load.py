@@ -316,9 +316,10 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         _check(not other, f"{', '.join('--sglang-' + n.replace('_', '-') for n in other)}: SGLang's server flags, "
                "but --rollout-backend is embedded (give --rollout-backend sglang; the built-in engine takes only "
                f"{', '.join('--sglang-' + n.replace('_', '-') for n in EMBEDDED_SGLANG_ARGS)})")
-        bs = sglang.get("cuda_graph_max_bs_decode")
-        _check(bs is None or str(bs).isdigit() and int(bs) >= 1,
-               f"--sglang-cuda-graph-max-bs-decode must be an integer >= 1, got {bs!r}")
+        for name in ("cuda_graph_max_bs_decode", "torch_compile_max_bs"):
+            bs = sglang.get(name)
+            _check(bs is None or str(bs).isdigit() and int(bs) >= 1,
+                   f"--sglang-{name.replace('_', '-')} must be an integer >= 1, got {bs!r}")
     _check(a.use_sglang_router or not router, f"--router-* flags given ({', '.join(sorted(router))}) "
            "but not --use-sglang-router")
     _check(a.use_sglang_router or a.sglang_router_port is None, "--sglang-router-port needs --use-sglang-router")

@@ -92,7 +92,8 @@ def embedded_command(model_path: str | Path, host: str, port: int, api_key: str 
                      weight_version: str | None = None, disable_cuda_graph: bool = False,
                      cuda_graph_max_bs: int | None = None, enable_deterministic_inference: bool = False,
                      enable_fp32_lm_head: bool = False, enable_return_routed_experts: bool = False,
-                     disable_overlap_schedule: bool = False,
+                     disable_overlap_schedule: bool = False, enable_torch_compile: bool = False,
+                     torch_compile_max_bs: int | None = None,
                      python: str = sys.executable) -> list[str]:
     """argv of the built-in engine (`python -m slime_rl.engines.embedded ...`)."""
     argv = [python, "-m", "slime_rl.engines.embedded", "--model-path", str(model_path), "--host", host,
@@ -117,6 +118,10 @@ def embedded_command(model_path: str | Path, host: str, port: int, api_key: str 
         argv += ["--enable-return-routed-experts"]
     if disable_overlap_schedule:
         argv += ["--disable-overlap-schedule"]
+    if enable_torch_compile:
+        argv += ["--enable-torch-compile"]
+    if torch_compile_max_bs is not None:
+        argv += ["--torch-compile-max-bs", str(torch_compile_max_bs)]
     return argv
 
 

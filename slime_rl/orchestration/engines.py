@@ -64,6 +64,7 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                               extra=extra)
     # on CPU the engine runs while the trainer ranks wait (sync loop), so it may use every core
     graph_bs = cfg.engine.sglang_args.get("cuda_graph_max_bs_decode")  # the SGLang flags it shares
+    compile_bs = cfg.engine.sglang_args.get("torch_compile_max_bs")
     # rows decoding together: --sglang-max-running-requests, else as many as the rollout client keeps
     # in flight (--sglang-server-concurrency), so no request waits in the engine while slots are free
     # and none waits in the client while the engine could batch it
@@ -77,6 +78,8 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                             disable_overlap_schedule=cfg.engine.sglang_args.get("disable_overlap_schedule")
                             in (True, "true"),
                             enable_fp32_lm_head=cfg.model.fp32_lm_head,
+                            enable_torch_compile=cfg.engine.sglang_args.get("enable_torch_compile") in (True, "true"),
+                            torch_compile_max_bs=None if compile_bs is None else int(compile_bs),
                             enable_return_routed_experts=cfg.trainer.use_rollout_routing_replay,
                             cuda_graph_max_bs=None if graph_bs is None else int(graph_bs),
                             enable_deterministic_inference=deterministic)

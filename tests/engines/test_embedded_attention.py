@@ -53,3 +53,34 @@ def test_fp32_scores_on_cuda_read_the_slot_cache_in_place_and_equal_float64():
     # and the bf16-rounded product is measurably worse: the test can tell the two apart
     bf16 = (qg @ key.transpose(-1, -2)).double()
     assert (bf16 - ref).abs().max() > 10 * (got.double() - ref).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv_heads", [(12, 2), (9, 3)])
+def test_cuda_decode_attention_with_fp32_scores_equals_float64(heads, kv_heads):
+    """On CUDA with the fp32-scores island the decode step's attention is torch's fused attention
+    (enable_gqa, boolean mask): against float64 attention over the same bf16 values, with rows of
+    different lengths read from a column view of a wider cache, it is as close as fp32 scores
+    allow and closer than bf16 scores are."""
+    from slime_rl.engines.embedded.attention import FP32_SCORES
+
+    torch.manual_seed(heads)
+    B, T, D, capacity = 4, 48, 64, 80
+    q = (torch.randn(B, heads, 1, D, device="cuda") * 2).bfloat16()
+    cache_k = (torch.randn(B, kv_heads, capacity, D, device="cuda") * 2).bfloat16()
+    cache_v = torch.randn(B, kv_heads, capacity, D, device="cuda").bfloat16()
+    k, v = cache_k[:, :, :T], cache_v[:, :, :T]
+    lengths = torch.tensor([48, 5, 30, 17], device="cuda")
+    mask = (torch.arange(T, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+    island, plain = torch.nn.Module(), torch.nn.Module()
+    setattr(island, FP32_SCORES, True)
+    got = decode_attention(island, q, k, v, mask, scaling=D ** -0.5)[0]
+    assert got.shape == (B, 1, heads, D)
+    g = heads // kv_heads
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = (q.double() @ kk.transpose(-1, -2)) * D ** -0.5
+    ref = (torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ vv).transpose(1, 2)
+    err = (got.double() - ref).abs().max().item()
+    assert err < 2e-2, err  # bf16 output rounding of values of order 1
+    err_bf16 = (decode_attention(plain, q, k, v, mask, scaling=D ** -0.5)[0].double() - ref).abs().mean().item()
+    assert (got.double() - ref).abs().mean().item() < err_bf16

@@ -4,7 +4,7 @@ Flag names are SGLang's ServerArgs names where SGLang has the option (sglang/srt
 SGLang 0.5.23: --model-path, --host, --port, --api-key, --random-seed, --dtype, --device,
 --max-running-requests, --weight-version, --tp-size, --log-level, --disable-cuda-graph,
 --cuda-graph-max-bs-decode, --enable-deterministic-inference, --enable-weights-cpu-backup, --enable-fp32-lm-head,
---disable-overlap-schedule;
+--disable-overlap-schedule, --enable-torch-compile, --torch-compile-max-bs;
 --cuda-graph-max-bs is its older name), so a launcher builds the same argv for either engine.
 """
 
@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens before launching the next (SGLang's flag); by default "
                         "step n+1 is launched first and the host's work for step n overlaps it")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="run the static decode step compiled by torch.compile (SGLang's flag): inductor fuses "
+                        "each layer's small elementwise kernels; compiles on the first step (tens of seconds)")
+    p.add_argument("--torch-compile-max-bs", type=int, default=32,
+                   help="largest padded batch whose decode step is compiled (SGLang's flag and default)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="honour each request's sampling_seed (SGLang 0.5.23 ignores it without this switch)")
     p.add_argument("--max-request-bytes", type=int, default=256 << 20,
@@ -89,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--max-running-requests: must be >= 1")
     if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < 1:
         raise SystemExit("--cuda-graph-max-bs-decode: must be >= 1")
+    if args.torch_compile_max_bs < 1:
+        raise SystemExit("--torch-compile-max-bs: must be >= 1")
     for flag, value in (("--http-read-timeout", args.http_read_timeout), ("--http-idle-timeout",
                         args.http_idle_timeout), ("--http-max-connections", args.http_max_connections),
                         ("--max-request-bytes", args.max_request_bytes)):
@@ -103,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         num_threads=args.num_threads, disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs, static_kv_cache=args.static_kv_cache,
         disable_overlap_schedule=args.disable_overlap_schedule,
+        enable_torch_compile=args.enable_torch_compile, torch_compile_max_bs=args.torch_compile_max_bs,
         enable_deterministic_inference=args.enable_deterministic_inference,
         enable_weights_cpu_backup=args.enable_weights_cpu_backup, enable_fp32_lm_head=args.enable_fp32_lm_head,
         enable_return_routed_experts=args.enable_return_routed_experts,

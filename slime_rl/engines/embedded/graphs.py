@@ -48,7 +48,8 @@ class StaticDecoder:
     """Owns the static cache, its running batch (`batch`) and the captured graphs."""
 
     def __init__(self, model: torch.nn.Module, cache_kw: str, pad_id: int, max_rows: int, use_graphs: bool,
-                 graph_max_bs: int | None = None, capacity: int = 1024, min_kv_len: int = 256) -> None:
+                 graph_max_bs: int | None = None, capacity: int = 1024, min_kv_len: int = 256,
+                 compile_max_bs: int = 0) -> None:
         self.model, self.cache_kw, self.pad_id = model, cache_kw, pad_id
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -60,6 +61,10 @@ class StaticDecoder:
         self.float_mask = (model.config.get_text_config()._attn_implementation or "eager") == "eager"
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.graph_max_bs = graph_max_bs or max_rows
+        # SGLang's --enable-torch-compile / --torch-compile-max-bs: steps of at most this padded batch
+        # run the forward compiled by torch.compile (0: never); see `_run`
+        self.compile_max_bs = compile_max_bs
+        self._compiled = None
         self.inputs = torch.zeros((3, max_rows), dtype=torch.long, device=self.device)
         self.batch.ids = self.inputs[0]
         self._order: torch.Tensor | None = None  # the last step's slots in row order; None: slots 0..n-1
@@ -70,7 +75,7 @@ class StaticDecoder:
         self._check_addresses = False  # set by a release: verify the graphs before the next replay
         self._graph_addresses: tuple = ()  # `addresses()` when the current graphs were captured
         self.stats = {"graph_captures": 0, "graph_replays": 0, "static_eager_steps": 0, "slot_moves": 0,
-                      "graphs_kept_after_release": 0, "graphs_dropped_moved": 0}
+                      "graphs_kept_after_release": 0, "graphs_dropped_moved": 0, "compiled_forwards": 0}
 
     def release(self) -> None:
         """Free the KV buffers (colocated mode's /release_memory_occupation; the engine is idle then)
@@ -157,7 +162,7 @@ class StaticDecoder:
                 self.stats["graph_replays"] += 1
                 logits = entry[1]
         if logits is None:
-            logits = self._forward(bs, kv_len)
+            logits = self._run(bs, kv_len)
             self.stats["static_eager_steps"] += 1
         self.stats["slot_moves"] = self.batch.moves
         slots = [r.slot for r in rows]
@@ -166,6 +171,32 @@ class StaticDecoder:
             return logits[:len(rows)]  # a view of the graph's output; the sampler reads it before the next step
         self._order = device_tensor(slots, torch.long, self.device)
         return logits.index_select(0, self._order)
+
+    def _run(self, bs: int, kv_len: int) -> torch.Tensor:
+        """`_forward`, compiled when --enable-torch-compile covers `bs`.
+
+        Why: a decode step of an HF model is ~40 kernels per layer, most of them small elementwise
+        ones (RMSNorm with its fp32 island, RoPE, residual adds, SiLU * up, casts), each a few
+        microseconds even inside a CUDA graph; on the 1.5B shape at batch 64 that was 4.6 ms of a
+        step whose weights read in 0.7 ms (bench/decode_step.py). torch.compile (inductor) fuses
+        them into a few Triton kernels per layer; the GEMMs stay cuBLAS's. One compile serves every
+        batch and kv_len (dynamic shapes); it happens on the first step of a batch size it covers
+        (before that step's CUDA graph is captured: `_capture` runs the step once first). If
+        compiling fails, the engine warns and runs the step uncompiled from then on."""
+        if self.compile_max_bs and bs <= self.compile_max_bs:
+            if self._compiled is None:
+                self._compiled = torch.compile(self._forward, dynamic=True)
+            try:
+                out = self._compiled(bs, kv_len)
+                self.stats["compiled_forwards"] += 1
+                return out
+            except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, say why
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                logger.warning("embedded engine: torch.compile of the decode step failed (bs %d, kv_len %d); "
+                               "decoding without it from now on: %s", bs, kv_len, e)
+                self.compile_max_bs = 0
+        return self._forward(bs, kv_len)
 
     def _forward(self, bs: int, kv_len: int) -> torch.Tensor:
         """The step on the first bs slots, reading the static input buffer (what a graph captures)."""
@@ -197,13 +228,13 @@ class StaticDecoder:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                self._forward(bs, kv_len)
+                self._run(bs, kv_len)  # compiles here first under --enable-torch-compile
             main.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: HTTP threads may touch CUDA (e.g. reading a weight) while we capture
             with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream,
                                   capture_error_mode="thread_local"):
-                logits = self._forward(bs, kv_len)
+                logits = self._run(bs, kv_len)
         except RuntimeError as e:
             logger.warning("embedded engine: capturing the decode step (bs %d, kv_len %d) failed, decoding "
                            "without CUDA graphs from now on: %s", bs, kv_len, e)
@@ -219,6 +250,7 @@ class StaticDecoder:
 
     def describe(self) -> str:
         graphs = f"CUDA graphs up to bs {self.graph_max_bs}" if self.use_graphs else "no CUDA graphs"
+        compiled = f", torch.compile up to bs {self.compile_max_bs}" if self.compile_max_bs else ""
         return (f"static KV cache: {self.cache.slots} slots x {self.cache.capacity} columns (grows), "
-                f"batch buckets {self.buckets}, {graphs}")
+                f"batch buckets {self.buckets}, {graphs}{compiled}")
 

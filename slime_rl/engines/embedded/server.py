@@ -67,6 +67,10 @@ class ServerConfig:
     static_kv_cache: bool = False
     # SGLang's --disable-overlap-schedule: read each step's tokens before launching the next (engine.py)
     disable_overlap_schedule: bool = False
+    # SGLang's --enable-torch-compile / --torch-compile-max-bs: the static decode step of padded
+    # batches up to the bound runs compiled by torch.compile (graphs.StaticDecoder._run)
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     # SGLang 0.5.23 honours a request's sampling_seed only under --enable-deterministic-inference
     # (sampling_batch_info builds the seeds only then); without it the seed is ignored
     enable_deterministic_inference: bool = False
@@ -137,6 +141,7 @@ class EmbeddedServer:
         self.engine = Engine(self.model, self.tokenizer, eos, pad, cfg.max_running_requests, cfg.random_seed,
                              static_cache=cuda_graph or cfg.static_kv_cache, cuda_graph=cuda_graph,
                              cuda_graph_max_bs=cfg.cuda_graph_max_bs, overlap=not cfg.disable_overlap_schedule,
+                             compile_max_bs=cfg.torch_compile_max_bs if cfg.enable_torch_compile else 0,
                              routing=routing)
         self.weights = WeightSync(self.model, self.engine, cfg.weight_version)
         self.memory = self.weights.memory = MemoryOccupation(self.engine, self.weights.params,
