@@ -16,7 +16,7 @@ graph. For each attention variant (registered in place of the engine's decode at
 Variants: `fp32_copy` (session 6's attention: q and the cached keys converted to fp32 each step),
 `bf16` (bf16 scores: the island off), `engine` (the engine's attention as it is now), `sdpa_gqa`
 (torch's scaled_dot_product_attention with enable_gqa and the boolean mask), `compiled` (the
-engine's attention, the step compiled: --enable-torch-compile).
+engine's attention, the step with --enable-torch-compile: compiled.py's RMSNorm, MLP and RoPE).
 
     python bench/decode_step.py [--shape 1.5b] [--batches 64,256] [--context 256] [--out F.json]
 """
@@ -166,7 +166,7 @@ def main() -> None:
                    "sampler_ms": sampler_ms(bs, vocab, a.iters), "variants": {}}
             for name in names:
                 AttentionInterface.register(A.SLOT_DECODE, variants[name])
-                dec.compile_max_bs, dec._compiled = (max(batches), None) if name == "compiled" else (0, None)
+                dec.compile_max_bs = max(batches) if name == "compiled" else 0
                 out = {}
                 for ctx, key in ((a.context, "step_ms"), (15, "step_ms_ctx16")):
                     fill(dec, bs, ctx, vocab)

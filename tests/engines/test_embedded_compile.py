@@ -1,6 +1,7 @@
-"""--enable-torch-compile (SGLang's flag): the static decode step compiled by torch.compile
-(inductor, here on CPU) gives the tokens and log-probs of the dynamic path, with the uncompiled
-static step serving the batches above --torch-compile-max-bs in the same run."""
+"""--enable-torch-compile (SGLang's flag): the static decode step with its RMSNorms, MLPs and RoPE
+compiled by torch.compile (compiled.py; inductor, here on CPU) gives the tokens and log-probs of the
+dynamic path, with the uncompiled static step serving the batches above --torch-compile-max-bs in
+the same run."""
 
 from __future__ import annotations
 
@@ -40,6 +41,15 @@ def test_compiled_static_step_equals_the_dynamic_path(tiny_llama):
                                    atol=1e-5, rtol=0)
     assert 0 < stats["compiled_forwards"] < stats["decode_forwards"], stats
     assert eng._static.compile_max_bs == 2  # no compiler failure switched it off
+    pieces = eng._static._compiled
+    # 2 layers: 2 norms each and the final one; 2 MLPs; the modeling module's RoPE
+    assert pieces.installed == ["rmsnorm x5", "silu_mlp x2", "rope"] and pieces.calls > 0
+    # prefill and the batches above the bound ran the modules' own forwards: now inactive, a norm
+    # gives its own forward's result
+    norm = model.model.norm
+    x = torch.randn(3, 64)
+    assert not pieces.active and torch.equal(norm(x), norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                                                                  + norm.variance_epsilon)))
 
 
 def test_cli_passes_the_compile_flags():
@@ -50,3 +60,35 @@ def test_cli_passes_the_compile_flags():
     args = build_parser().parse_args(argv[3:])
     assert args.enable_torch_compile and args.torch_compile_max_bs == 64
     assert build_parser().parse_args(["--model-path", "/m"]).torch_compile_max_bs == 32  # SGLang's default
+
+
+@pytest.mark.slow
+def test_pieces_equal_the_modules_forwards_bit_for_bit_in_bf16(tiny_llama):
+    """Each compiled piece (inductor, emulating eager's bf16 roundings) against the forward it stands
+    in for, on a bf16 model with SGLang's RMSNorm island (precision.py) and without it."""
+    from slime_rl.engines.embedded.compiled import CompiledPieces, _silu_mlp
+    from slime_rl.engines.embedded.precision import apply_precision_policy
+
+    for island in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
+        if island:
+            assert "rmsnorm x5" in apply_precision_policy(model)
+        layer = model.model.layers[0]
+        torch.manual_seed(0)
+        x = (torch.randn(3, 5, 64) * 4).bfloat16()
+        q, k = torch.randn(3, 4, 5, 16).bfloat16(), torch.randn(3, 2, 5, 16).bfloat16()
+        cos, sin = torch.randn(3, 5, 16).bfloat16(), torch.randn(3, 5, 16).bfloat16()
+        import transformers.models.llama.modeling_llama as ml
+
+        want = (layer.input_layernorm(x), layer.mlp(x), ml.apply_rotary_pos_emb(q, k, cos, sin))
+        pieces = CompiledPieces(model)
+        pieces.active = True
+        got = (layer.input_layernorm(x), layer.mlp(x), ml.apply_rotary_pos_emb(q, k, cos, sin))
+        pieces.active = False
+        assert pieces.calls == 2
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), island
+        assert torch.equal(got[2][0], want[2][0]) and torch.equal(got[2][1], want[2][1]), island
+        # the test can tell: without the emulated roundings the MLP differs
+        loose = torch.compile(_silu_mlp, dynamic=True)
+        mlp = layer.mlp
+        assert not torch.equal(loose(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight), want[1])

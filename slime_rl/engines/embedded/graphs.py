@@ -22,7 +22,9 @@ lazily the first time a (bs, kv_len) pair runs and replayed afterwards:
   compares every address the graphs baked in (`addresses()`) with those at capture, dropping the
   graphs only if one moved (stats graphs_kept_after_release / graphs_dropped_moved);
 - a batch above `graph_max_bs` (SGLang's --cuda-graph-max-bs-decode) runs the same static forward
-  eagerly, as does every step on CPU; if a capture fails, graphs are switched off with a warning.
+  eagerly, as does every step on CPU; if a capture fails, graphs are switched off with a warning;
+- --enable-torch-compile: steps of padded batches up to --torch-compile-max-bs run (and are
+  captured) with the layers' RMSNorm, MLP and RoPE compiled by torch.compile (compiled.py).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class StaticDecoder:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.graph_max_bs = graph_max_bs or max_rows
         # SGLang's --enable-torch-compile / --torch-compile-max-bs: steps of at most this padded batch
-        # run the forward compiled by torch.compile (0: never); see `_run`
+        # run with compiled.py's pieces (0: never); see `_run`
         self.compile_max_bs = compile_max_bs
         self._compiled = None
         self.inputs = torch.zeros((3, max_rows), dtype=torch.long, device=self.device)
@@ -173,29 +175,30 @@ class StaticDecoder:
         return logits.index_select(0, self._order)
 
     def _run(self, bs: int, kv_len: int) -> torch.Tensor:
-        """`_forward`, compiled when --enable-torch-compile covers `bs`.
+        """`_forward`, with the compiled pieces (compiled.py) when --enable-torch-compile covers `bs`.
+        The first step of a batch size compiles (once for all sizes but 1: dynamic shapes); under
+        CUDA graphs that is `_capture`'s warm-up run, before the capture. If compiling fails, the
+        engine warns and runs uncompiled from then on."""
+        if not (self.compile_max_bs and bs <= self.compile_max_bs):
+            return self._forward(bs, kv_len)
+        if self._compiled is None:
+            from slime_rl.engines.embedded.compiled import CompiledPieces
 
-        Why: a decode step of an HF model is ~40 kernels per layer, most of them small elementwise
-        ones (RMSNorm with its fp32 island, RoPE, residual adds, SiLU * up, casts), each a few
-        microseconds even inside a CUDA graph; on the 1.5B shape at batch 64 that was 4.6 ms of a
-        step whose weights read in 0.7 ms (bench/decode_step.py). torch.compile (inductor) fuses
-        them into a few Triton kernels per layer; the GEMMs stay cuBLAS's. One compile serves every
-        batch and kv_len (dynamic shapes); it happens on the first step of a batch size it covers
-        (before that step's CUDA graph is captured: `_capture` runs the step once first). If
-        compiling fails, the engine warns and runs the step uncompiled from then on."""
-        if self.compile_max_bs and bs <= self.compile_max_bs:
-            if self._compiled is None:
-                self._compiled = torch.compile(self._forward, dynamic=True)
-            try:
-                out = self._compiled(bs, kv_len)
-                self.stats["compiled_forwards"] += 1
-                return out
-            except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, say why
-                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                    raise
-                logger.warning("embedded engine: torch.compile of the decode step failed (bs %d, kv_len %d); "
-                               "decoding without it from now on: %s", bs, kv_len, e)
-                self.compile_max_bs = 0
+            self._compiled = CompiledPieces(self.model)
+            logger.info("embedded engine: torch.compile pieces: %s", ", ".join(self._compiled.installed))
+        self._compiled.active = True
+        try:
+            out = self._forward(bs, kv_len)
+            self.stats["compiled_forwards"] += 1
+            return out
+        except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, say why
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise
+            logger.warning("embedded engine: torch.compile of the decode step failed (bs %d, kv_len %d); "
+                           "decoding without it from now on: %s", bs, kv_len, e)
+            self.compile_max_bs = 0
+        finally:
+            self._compiled.active = False
         return self._forward(bs, kv_len)
 
     def _forward(self, bs: int, kv_len: int) -> torch.Tensor:

@@ -148,8 +148,9 @@ class HostCopy:
 
 
 def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits / T) over the full vocabulary in float32; logits [B, V], temperature [B]."""
-    return torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
+    """log_softmax(logits / T) over the full vocabulary in float32; logits [B, V], temperature [B]
+    (float32: a bf16 logit is promoted inside the division, one pass instead of a copy and a pass)."""
+    return torch.log_softmax(torch.div(logits, temperature[:, None].float()), dim=-1)
 
 
 def needs_truncation(p: SamplingParams, vocab_size: int) -> bool:
@@ -231,8 +232,10 @@ class SamplerPlan:
             noise[self.shared] = torch.rand((len(self.shared), V), generator=default_generator, device=dev)
         for i, g in self.own:
             noise[i] = torch.rand(V, generator=g, device=dev)
-        gumbel = noise.clamp_(min=1e-20).log_().neg_().log_().neg_()  # -log(-log U), in place
-        pick = torch.argmax(scores + gumbel, dim=-1)
+        # Gumbel noise is -log(-log U); scores + gumbel is computed as scores - log(-log U), equal to
+        # it bit for bit (IEEE a + (-b) == a - b) and one pass over [B, V] less
+        neg_gumbel = noise.clamp_(min=1e-20).log_().neg_().log_()  # log(-log U), in place
+        pick = torch.argmax(scores - neg_gumbel, dim=-1)
         if self.greedy is not None:
             pick = torch.where(self.greedy, logprobs.argmax(dim=-1), pick)
         return pick
