@@ -15,6 +15,9 @@
 #                                           # pass one call's time limit); then, in the next call:
 #   WAIT=560 bash bench/gpu_session.sh collect     # waits for it (<= WAIT s), copies its results to $OUT
 #   bash bench/gpu_session.sh numerics      # engine-vs-trainer log-prob gap on the engine's own decode path
+#   bash bench/gpu_session.sh decode        # #19: a decode step's kernels (bench/decode_step.py), the engine
+#                                           # with and without --enable-torch-compile, the GPU engine tests
+#                                           # (no wheels, no model; each part under `timeout`: < 9 min)
 # Results go to $OUT (default bench/results/raw). NVLink multicast stays off (shared hosts).
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -40,6 +43,19 @@ case "$1" in
     python3 bench/profile_engine.py --model 1.5b --prompts 8 --samples 8 --prompt-len 128 --new-tokens 256 \
       --max-running 64 --concurrency 64 --out "$OUT/profile_engine_1.5b_1xH200_$day.json" 2>&1 \
       | grep -v Warning | tail -30 | tee "$OUT/profile_engine_1.5b_1xH200_$day.txt" ;;
+  decode)
+    # every part under its own time limit: a compile that runs long must not eat the call (a whole-step
+    # torch.compile once took a 600 s call and most of a session's device time)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engines/test_embedded_attention.py \
+      tests/engines/test_gpu_engine.py -k "attention or scores or matches_eager" 2>&1 | tail -3 \
+      | tee "$OUT/gpu_decode_tests_$day.txt"
+    timeout 150 python3 bench/decode_step.py --variants engine,compiled --out "$OUT/decode_step_1.5b_$day.json" 2>&1 \
+      | grep -e "^bs" -e "^  " -e "^{" | tail -40
+    for c in "" --enable-torch-compile; do
+      timeout "$([ -n "$c" ] && echo 170 || echo 110)" python3 bench/engine_throughput.py --shape 1.5b --prompts 64 --prompt-len 128 --new-tokens 256 \
+        --decode-batches 64,256 --skip-eager --skip-hf $c --out "$OUT/engine_throughput_1.5b${c:+_compiled}_$day.json" 2>&1 \
+        | grep -e "^engine" -e "^decode" -e "^prefill" -e "^device"
+    done ;;
   part1)
     mkdir -p /tmp/rm && cp .rm1/* /tmp/rm/ && ls -la /tmp/rm ;;
   part2)

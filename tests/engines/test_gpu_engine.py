@@ -77,7 +77,9 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_qwen2):
     runs, stats = {}, {}
     # graph_serial: the overlap scheduler off (each step's tokens read before the next is launched)
     for name, kw in [("eager", {"disable_cuda_graph": True}), ("graph", {}), ("graph_bs2", {"cuda_graph_max_bs": 2}),
-                     ("graph_serial", {"disable_overlap_schedule": True})]:
+                     ("graph_serial", {"disable_overlap_schedule": True}),
+                     # --enable-torch-compile: batches up to 4 captured with compiled.py's pieces
+                     ("graph_compiled", {"enable_torch_compile": True, "torch_compile_max_bs": 4})]:
         s = start_server(tiny_qwen2, device="cuda", dtype="float32", max_running_requests=8, **kw)
         try:
             runs[name] = _staggered(s.url, bodies)
@@ -86,7 +88,7 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_qwen2):
             stats[name] = s.engine.load()
         finally:
             s.shutdown()
-    for name in ("graph", "graph_bs2", "graph_serial"):
+    for name in ("graph", "graph_bs2", "graph_serial", "graph_compiled"):
         for phase in ("", "_updated"):
             for want, got in zip(runs["eager" + phase], runs[name + phase], strict=True):
                 assert got["output_ids"] == want["output_ids"], (name + phase, want["output_ids"], got["output_ids"])
@@ -99,6 +101,8 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_qwen2):
     assert g["overlapped_steps"] > 0 and stats["graph_serial"]["overlapped_steps"] == 0
     b2 = stats["graph_bs2"]  # batches above --cuda-graph-max-bs-decode 2 run the static step eagerly
     assert b2["graph_replays"] > 0 and b2["static_eager_steps"] > 0, b2
+    c = stats["graph_compiled"]
+    assert c["compiled_forwards"] > 0 and c["graph_replays"] > 0, c  # compiled forwards are captured ones
 
 
 def _one_batch(http: httpx.Client, n_new: int = 20) -> list[tuple[list[int], list[float]]]:
