@@ -155,7 +155,8 @@ def test_dry_run_embedded_backend_takes_its_cuda_graph_flags(tiny_qwen2, tmp_pat
     data = write_jsonl(make_rows(8, seed=0), tmp_path / "d.jsonl")
     code = train_main(["--hf-checkpoint", str(tiny_qwen2), "--prompt-data", str(data), "--rollout-batch-size", "2",
                        "--num-rollout", "1", "--rm-type", "digit", "--sglang-disable-cuda-graph",
-                       "--sglang-cuda-graph-max-bs-decode", "16", "--sglang-disable-overlap-schedule", "--dry-run"])
+                       "--sglang-cuda-graph-max-bs-decode", "16", "--sglang-disable-overlap-schedule",
+                       "--sglang-enable-torch-compile", "--sglang-torch-compile-max-bs", "8", "--dry-run"])
     out = capsys.readouterr().out
     assert code == 0
     (line,) = [ln for ln in out.splitlines() if ln.startswith("engine 0:")]
@@ -163,6 +164,13 @@ def test_dry_run_embedded_backend_takes_its_cuda_graph_flags(tiny_qwen2, tmp_pat
     assert argv_[argv_.index("-m") + 1] == "slime_rl.engines.embedded"
     assert "--disable-cuda-graph" in argv_ and argv_[argv_.index("--cuda-graph-max-bs-decode") + 1] == "16"
     assert "--disable-overlap-schedule" in argv_
+    assert "--enable-torch-compile" in argv_ and argv_[argv_.index("--torch-compile-max-bs") + 1] == "8"
+
+
+@pytest.mark.parametrize("value", ["0", "x"])
+def test_embedded_torch_compile_max_bs_must_be_a_positive_integer(tmp_path, value):
+    with pytest.raises(ConfigError, match="--sglang-torch-compile-max-bs must be an integer >= 1"):
+        build_config(base_argv(tmp_path) + ["--rollout-backend", "embedded", "--sglang-torch-compile-max-bs", value])
 
 
 @pytest.mark.parametrize("extra, flag", [
