@@ -86,6 +86,10 @@ def test_pieces_equal_the_modules_forwards_bit_for_bit_in_bf16(tiny_llama):
         got = (layer.input_layernorm(x), layer.mlp(x), ml.apply_rotary_pos_emb(q, k, cos, sin))
         pieces.active = False
         assert pieces.calls == 2
+        again = CompiledPieces(model)  # a second decoder on the same model (bench/decode_step.py makes one
+        again.active = True            # per batch size) wraps the wrappers: the same results
+        assert torch.equal(layer.input_layernorm(x), want[0]) and torch.equal(layer.mlp(x), want[1]), island
+        again.active = False
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), island
         assert torch.equal(got[2][0], want[2][0]) and torch.equal(got[2][1], want[2][1]), island
         # the test can tell: without the emulated roundings the MLP differs

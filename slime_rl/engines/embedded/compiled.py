@@ -86,7 +86,9 @@ class CompiledPieces:
         eager = module.forward
         # precision.py's island replaces the instance's forward; otherwise it is the class's, whose
         # formula is known for the registry's families only
-        fp32_weight = getattr(eager, "__func__", None) is not type(module).forward
+        fp32_weight = getattr(eager, "_slime_fp32_weight", None)  # wrapped before (another decoder)
+        if fp32_weight is None:
+            fp32_weight = getattr(eager, "__func__", None) is not type(module).forward
         if not fp32_weight and type(module).__name__ not in STOCK_RMSNORMS:
             return False
 
@@ -96,6 +98,7 @@ class CompiledPieces:
             self.calls += 1
             return self._rms(hidden_states, module.weight, module.variance_epsilon, fp32_weight)
 
+        forward._slime_fp32_weight = fp32_weight
         module.forward = forward
         return True
 
