@@ -34,6 +34,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from slime_rl.engines.embedded.precision import is_attention, is_rmsnorm, rmsnorm_fp32_weight, text_decoder
+
 logger = logging.getLogger(__name__)
 # inductor keeps a fused chain's bf16 intermediates in fp32 unless told to round them where eager
 # code does: with this the pieces equal the modules' own forwards bit for bit (bf16 on CPU, tests)
@@ -45,12 +47,11 @@ STOCK_RMSNORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwe
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool) -> torch.Tensor:
     # the two RMSNorm forwards the engine runs: SGLang's fp32-weight island (precision.py) and stock
     # HF's (normalize in fp32, round, then multiply by the weight in its dtype)
-    dtype = x.dtype
+    if fp32_weight:
+        return rmsnorm_fp32_weight(x, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if fp32_weight:
-        return (h * weight.float()).to(dtype)
-    return weight * h.to(dtype)
+    return weight * h.to(x.dtype)
 
 
 def _silu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -67,11 +68,11 @@ class CompiledPieces:
         self.installed: list[str] = []
         self._rms = torch.compile(_rms_norm, dynamic=True, options=OPTIONS)
         self._mlp = torch.compile(_silu_mlp, dynamic=True, options=OPTIONS)
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        decoder = text_decoder(model)
         n_norm = n_mlp = 0
         for module in decoder.modules():
             name = type(module).__name__
-            if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and hasattr(module, "weight"):
+            if is_rmsnorm(module):
                 n_norm += self._wrap_norm(module)
             elif (name.endswith("MLP") and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
                   # transformers' "silu": torch.nn.SiLU, or its own SiLUActivation (F.silu) in 5.2x
@@ -117,7 +118,7 @@ class CompiledPieces:
         """Swap the modeling module's `apply_rotary_pos_emb` (the attention forwards look it up there
         at call time) for one that runs compiled while active; other models in the process see the
         original whenever no step is active."""
-        attn = next((m for m in decoder.modules() if hasattr(m, "q_proj") and hasattr(m, "o_proj")), None)
+        attn = next((m for m in decoder.modules() if is_attention(m)), None)
         mod = sys.modules.get(type(attn).__module__) if attn is not None else None
         eager = getattr(mod, "apply_rotary_pos_emb", None)
         if not isinstance(eager, types.FunctionType):

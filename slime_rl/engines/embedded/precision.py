@@ -62,13 +62,32 @@ def islands_from_env(default: frozenset[str] = frozenset(ISLANDS)) -> frozenset[
     return names
 
 
+def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The language model's decoder (a VL model's vision tower left out), or the model itself."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model
+
+
+def is_rmsnorm(module: torch.nn.Module) -> bool:
+    # HF's RMSNorms (LlamaRMSNorm, Qwen2RMSNorm, ...) all hold `weight` and `variance_epsilon`
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+
+
+def is_attention(module: torch.nn.Module) -> bool:
+    # HF attention modules (LlamaAttention, Qwen2Attention, ...) hold their projections
+    return hasattr(module, "q_proj") and hasattr(module, "o_proj")
+
+
+def rmsnorm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """SGLang's RMSNorm.forward_native (cast_x_before_out_mul=False): the weight multiplies the fp32
+    normalized value, one rounding at the end."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight.float()).to(dtype)
+
+
 def _rmsnorm_fp32_weight(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    # SGLang's RMSNorm.forward_native (cast_x_before_out_mul=False): the weight multiplies the
-    # fp32 normalized value, one rounding at the end
-    dtype = hidden_states.dtype
-    x = hidden_states.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-    return (x * self.weight.float()).to(dtype)
+    return rmsnorm_fp32_weight(hidden_states, self.weight, self.variance_epsilon)
 
 
 def fp32_linear(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -101,19 +120,15 @@ def apply_precision_policy(model: torch.nn.Module, fp32_lm_head: bool = False,
         n = 0
         # the language model only: a VL vision tower runs as stock HF code in the trainer too
         # (trainer/vision.py), so its norms must round as HF's do on both sides
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-        for module in decoder.modules():
-            # HF's RMSNorms (LlamaRMSNorm, Qwen2RMSNorm, ...) all hold `weight` and `variance_epsilon`
-            if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+        for module in text_decoder(model).modules():
+            if is_rmsnorm(module):
                 module.forward = types.MethodType(_rmsnorm_fp32_weight, module)
                 n += 1
         done.append(f"rmsnorm x{n}")
     if "attn_scores" in islands:
         n = 0
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-        for module in decoder.modules():
-            # HF attention modules (LlamaAttention, Qwen2Attention, ...) hold their projections
-            if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+        for module in text_decoder(model).modules():
+            if is_attention(module):
                 setattr(module, FP32_SCORES, True)
                 n += 1
         done.append(f"attn_scores x{n}")
