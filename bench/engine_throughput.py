@@ -161,8 +161,9 @@ def main() -> None:
                    help="run the engines with SGLang's --disable-overlap-schedule (each step's tokens read "
                         "before the next step is launched)")
     p.add_argument("--enable-torch-compile", action="store_true",
-                   help="run the engines with SGLang's --enable-torch-compile (the static decode step compiled; "
-                        "the first run pays the compile) and --torch-compile-max-bs covering every batch")
+                   help="run the engines with SGLang's --enable-torch-compile (the decode step's RMSNorms, MLPs "
+                        "and RoPE compiled; the first run pays the compile) and --torch-compile-max-bs covering "
+                        "every batch")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few tokens")
     a = p.parse_args()
@@ -191,7 +192,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name(0) if cuda else "cpu",
               # the engine's overlap scheduler (its /get_server_info)
               "overlap": runs["engine"].get("overlap"), "torch_compile": a.enable_torch_compile}
-    result.update(roofline(ckpt, prompts, batches, runs["engine"], a, cuda, work))
+    result.update(roofline(ckpt, prompts, batches, runs["engine"], a, cuda, work, compile_bs))
     expected = a.prompts * a.new_tokens
     counts = {name: r["tokens"] for name, r in runs.items()}
     if not a.skip_hf:
@@ -214,11 +215,10 @@ def main() -> None:
 
 
 def roofline(ckpt: Path, prompts: list[list[int]], batches: list[int], main_run: dict, a: argparse.Namespace,
-             cuda: bool, work: Path) -> dict:
+             cuda: bool, work: Path, compile_bs: int) -> dict:
     """decode_step_s_b{b} (the default engine path, b rows decoding together), roofline_step_s_b{b},
     their ratio, and prefill_tokens_per_s; prints one line per batch size."""
     out: dict = {}
-    n_prompts = len(prompts)
     if not batches:
         return out
     bw = device_bandwidth(cuda)
@@ -231,7 +231,7 @@ def roofline(ckpt: Path, prompts: list[list[int]], batches: list[int], main_run:
         r = main_run if b == a.prompts else engine_run(ckpt, prompts[:b], a.new_tokens, cuda,
                                                        work / f"engine_b{b}.log", True,
                                                        overlap=not a.disable_overlap_schedule,
-                                                       compile_max_bs=n_prompts if a.enable_torch_compile else 0)
+                                                       compile_max_bs=compile_bs)
         step = r["run_decode_s"] / max(r["run_decode_forwards"], 1)
         weights, kv = step_bytes(ckpt, b, context, elem)
         ideal = (weights + kv) / bw

@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read each decode step's tokens before launching the next (SGLang's flag); by default "
                         "step n+1 is launched first and the host's work for step n overlaps it")
     p.add_argument("--enable-torch-compile", action="store_true",
-                   help="run the static decode step compiled by torch.compile (SGLang's flag): inductor fuses "
-                        "each layer's small elementwise kernels; compiles on the first step (tens of seconds)")
+                   help="run the static decode step with its RMSNorms, MLPs and RoPE compiled by torch.compile "
+                        "(SGLang's flag): inductor fuses their small elementwise kernels; compiles on the first step")
     p.add_argument("--torch-compile-max-bs", type=int, default=32,
                    help="largest padded batch whose decode step is compiled (SGLang's flag and default)")
     p.add_argument("--enable-deterministic-inference", action="store_true",

@@ -68,7 +68,7 @@ class ServerConfig:
     # SGLang's --disable-overlap-schedule: read each step's tokens before launching the next (engine.py)
     disable_overlap_schedule: bool = False
     # SGLang's --enable-torch-compile / --torch-compile-max-bs: the static decode step of padded
-    # batches up to the bound runs compiled by torch.compile (graphs.StaticDecoder._run)
+    # batches up to the bound runs with its RMSNorms, MLPs and RoPE compiled (compiled.py)
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     # SGLang 0.5.23 honours a request's sampling_seed only under --enable-deterministic-inference
