@@ -10,12 +10,14 @@ graph. For each attention variant (registered in place of the engine's decode at
   difference);
 - kernels: torch.profiler's device time per kernel name over 10 replays of the first variant (CUPTI
   sees the kernels inside a graph replay), top `--top`;
-- sampler_ms: the engine's sampler (fp32 log-softmax over the vocabulary + Gumbel-max) on [B, V];
+- sampler_ms, sampler_compiled_ms: the engine's sampler (uniforms, the row's fp32 log-normalizer and
+  the Gumbel-max argmax) on [B, V], eager and as --enable-torch-compile runs it (compiled.py);
 - roofline_ms: bytes of weights + KV over `--context` columns / a device-to-device copy's bandwidth.
 
 Variants: `fp32_copy` (session 6's attention: q and the cached keys converted to fp32 each step),
-`bf16` (bf16 scores: the island off), `engine` (the engine's attention as it is now), `sdpa_gqa`
-(torch's scaled_dot_product_attention with enable_gqa and the boolean mask), `compiled` (the
+`bf16` (bf16 scores: the island off), `engine` (the engine's attention as it is now: torch's
+scaled_dot_product_attention with each KV head's query heads as its query positions), `sdpa_gqa`
+(the same with enable_gqa on [B, H, 1, D], the engine's until 2026-12-02), `compiled` (the
 engine's attention, the step with --enable-torch-compile: compiled.py's RMSNorm, MLP and RoPE).
 
     python bench/decode_step.py [--shape 1.5b] [--batches 64,256] [--context 256] [--out F.json]
@@ -112,19 +114,21 @@ def kernel_table(fn, top: int) -> list[tuple[str, float, int]]:
     return ordered[:top]
 
 
-def sampler_ms(bs: int, vocab: int, iters: int) -> float:
-    from slime_rl.engines.embedded.sampling import SamplerPlan, SamplingParams, token_logprobs
+def sampler_ms(bs: int, vocab: int, iters: int, compiled: bool = False) -> float:
+    """The engine's sampler on bf16 logits [bs, vocab], every row sampling at temperature 1:
+    `SamplerPlan.draw` (uniforms, the row's log-normalizer and the Gumbel-max argmax, the token's
+    log-prob), eager or with --enable-torch-compile's compiled `gumbel_pick`."""
+    from slime_rl.engines.embedded.sampling import SamplerPlan, SamplingParams
 
     logits = torch.randn(bs, vocab, device="cuda", dtype=torch.bfloat16) * 3
     plan = SamplerPlan([SamplingParams() for _ in range(bs)], [None] * bs, vocab, logits.device)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    pick = None
+    if compiled:
+        from slime_rl.engines.embedded.compiled import CompiledSampler
 
-    def run():
-        lp = token_logprobs(logits, plan.temperature)
-        tok = plan.sample(lp, gen)
-        lp.gather(1, tok[:, None])
-
-    return time_replays(run, iters)
+        pick = CompiledSampler()
+    return time_replays(lambda: plan.draw(logits, gen, pick), iters)
 
 
 def main() -> None:
@@ -163,7 +167,8 @@ def main() -> None:
             dec.cache.allocate(like)
             w_bytes, kv_bytes = step_bytes(ckpt, bs, a.context, 2)
             row = {"roofline_ms": (w_bytes + kv_bytes) / bw * 1e3, "weight_bytes": w_bytes, "kv_bytes": kv_bytes,
-                   "sampler_ms": sampler_ms(bs, vocab, a.iters), "variants": {}}
+                   "sampler_ms": sampler_ms(bs, vocab, a.iters),
+                   "sampler_compiled_ms": sampler_ms(bs, vocab, a.iters, compiled=True), "variants": {}}
             for name in names:
                 AttentionInterface.register(A.SLOT_DECODE, variants[name])
                 dec.compile_max_bs = max(batches) if name == "compiled" else 0
@@ -185,7 +190,8 @@ def main() -> None:
                         dec.use_graphs = True
                 row["variants"][name] = out
                 print(f"bs {bs} {name:10s} step {out.get('step_ms')} ms  ctx16 {out.get('step_ms_ctx16')} ms "
-                      f"(roofline {row['roofline_ms']:.3f} ms, sampler {row['sampler_ms']:.3f} ms)"
+                      f"(roofline {row['roofline_ms']:.3f} ms, sampler {row['sampler_ms']:.3f} ms, "
+                      f"compiled {row['sampler_compiled_ms']:.3f} ms)"
                       + (f"  {out['error']}" if "error" in out else ""), flush=True)
             AttentionInterface.register(A.SLOT_DECODE, A.decode_attention)
             result["batches"][bs] = row

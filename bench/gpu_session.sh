@@ -50,11 +50,14 @@ case "$1" in
     timeout -s INT -k 10 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engines/test_embedded_attention.py \
       tests/engines/test_gpu_engine.py -k "attention or scores or matches_eager" 2>&1 | tail -3 \
       | tee "$OUT/gpu_decode_tests_$day.txt"
-    timeout -s INT -k 10 150 python3 bench/decode_step.py --variants engine,compiled --out "$OUT/decode_step_1.5b_$day.json" 2>&1 \
-      | grep -e "^bs" -e "^  " -e "^{" | tail -40
-    for c in "" --enable-torch-compile; do
-      timeout -s INT -k 10 "$([ -n "$c" ] && echo 170 || echo 110)" python3 bench/engine_throughput.py --shape 1.5b --prompts 64 --prompt-len 128 --new-tokens 256 \
-        --decode-batches 64,256 --skip-eager --skip-hf $c --out "$OUT/engine_throughput_1.5b${c:+_compiled}_$day.json" 2>&1 \
+    timeout -s INT -k 10 150 python3 bench/decode_step.py --variants "${VARIANTS:-sdpa_gqa,engine,compiled}" \
+      --iters 30 --out "$OUT/decode_step_1.5b_$day.json" 2>&1 | grep -e "^bs" -e "^  " -e "^{" | tail -40
+    # THROUGHPUT (default "compiled eager"): which engine_throughput runs, in that order
+    for c in ${THROUGHPUT:-compiled eager}; do
+      flag=$([ "$c" = compiled ] && echo --enable-torch-compile)
+      timeout -s INT -k 10 "$([ -n "$flag" ] && echo 170 || echo 110)" python3 bench/engine_throughput.py --shape 1.5b \
+        --prompts 64 --prompt-len 128 --new-tokens 256 --decode-batches 64,256 --skip-eager --skip-hf $flag \
+        --out "$OUT/engine_throughput_1.5b${flag:+_compiled}_$day.json" 2>&1 \
         | grep -e "^engine" -e "^decode" -e "^prefill" -e "^device"
     done ;;
   part1)

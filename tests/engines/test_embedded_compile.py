@@ -41,6 +41,8 @@ def test_compiled_static_step_equals_the_dynamic_path(tiny_llama):
                                    atol=1e-5, rtol=0)
     assert 0 < stats["compiled_forwards"] < stats["decode_forwards"], stats
     assert eng._static.compile_max_bs == 2  # no compiler failure switched it off
+    sampler = eng._static._sampler  # the compiled sampler drew the compiled steps' tokens
+    assert sampler is not None and sampler.calls > 0 and sampler.failed is None
     pieces = eng._static._compiled
     # 2 layers: 2 norms each and the final one; 2 MLPs; the modeling module's RoPE
     assert pieces.installed == ["rmsnorm x5", "silu_mlp x2", "rope"] and pieces.calls > 0
@@ -50,6 +52,27 @@ def test_compiled_static_step_equals_the_dynamic_path(tiny_llama):
     x = torch.randn(3, 64)
     assert not pieces.active and torch.equal(norm(x), norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
                                                                                   + norm.variance_epsilon)))
+
+
+def test_compiled_sampler_draws_the_eager_samplers_tokens():
+    """The compiled sampler (inductor on CPU) against sampling.gumbel_pick run eagerly on the same
+    uniforms: the same tokens, the same log-probs up to fp32 rounding, for every row sampling, for
+    greedy rows beside sampling ones, and for an all-greedy batch (no uniforms); two batch sizes
+    through one compile (dynamic shapes)."""
+    from slime_rl.engines.embedded.compiled import CompiledSampler
+    from slime_rl.engines.embedded.sampling import gumbel_pick
+
+    torch.manual_seed(0)
+    sampler = CompiledSampler()
+    for B in (5, 9):
+        logits, temp = (torch.randn(B, 3001) * 4).bfloat16(), torch.rand(B) + 0.5
+        u = torch.rand(B, 3001)
+        sampled = torch.arange(B) % 3 != 0
+        for args in ((u, None), (u, sampled), (None, None)):
+            got, want = sampler(logits, temp, *args), gumbel_pick(logits, temp, *args)
+            assert torch.equal(got[0], want[0]), (B, args[1] is None)
+            torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    assert sampler.failed is None and sampler.calls == 6
 
 
 def test_cli_passes_the_compile_flags():

@@ -1,12 +1,14 @@
-"""The embedded engine's sampler (sampling.sample): the distributions it draws from, computed by hand
-here, and that a seeded row's draw does not depend on the rows beside it (which decide whether the
-batch takes the sort path for truncation, the shared-noise path, or neither)."""
+"""The embedded engine's sampler (sampling.sample, and SamplerPlan.draw, the engine's entry, which
+skips the [B, V] log-softmax when no row truncates): the distributions it draws from and the
+log-probs it reports, computed by hand or in float64 here, and that a seeded row's draw does not
+depend on the rows beside it (which decide whether the batch takes the sort path for truncation,
+the shared-noise path, or neither)."""
 
 from __future__ import annotations
 
 import torch
 
-from slime_rl.engines.embedded.sampling import SamplingParams, sample, token_logprobs
+from slime_rl.engines.embedded.sampling import SamplerPlan, SamplingParams, gumbel_pick, sample, token_logprobs
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])  # already sorted: truncation sets are easy to read
 N = 20000
@@ -70,3 +72,65 @@ def test_a_seeded_row_draws_the_same_whatever_its_neighbours():
     # a truncation that keeps every token (min_p 1e-30: the sort path) draws what no truncation draws
     wide = sample(lp[:1], [_params(min_p=1e-30)], [seeded()], torch.Generator())
     assert wide.item() == alone[0]
+
+
+def _plan_draw(logits: torch.Tensor, params: list[SamplingParams], gens: list, seed: int):
+    plan = SamplerPlan(params, gens, logits.shape[1], logits.device)
+    return plan.draw(logits, torch.Generator().manual_seed(seed))
+
+
+def test_draw_samples_the_tempered_softmax_and_reports_its_float64_logprob():
+    """The engine's path without truncation: frequencies of softmax(logits / T) worked out by hand
+    (T = 2: p_i^(1/2) renormalised), and each token's log-prob equal to log_softmax(logits / T) at
+    that token computed in float64 (the convention of the module: full vocabulary, at T)."""
+    logits = (PROBS.log() + 3.0).expand(N, -1).contiguous()  # a shift changes nothing, by hand
+    tokens, lp = _plan_draw(logits, [_params(temperature=2.0)] * N, [None] * N, seed=3)
+    root = PROBS.double().sqrt()
+    _close(torch.bincount(tokens, minlength=4).double() / N, (root / root.sum()).tolist())
+    want = torch.log_softmax(logits.double() / 2.0, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp.double(), want, atol=1e-6, rtol=0)
+    _close(torch.bincount(_plan_draw(logits, [_params()] * N, [None] * N, seed=4)[0], minlength=4).double() / N,
+           PROBS.tolist())
+
+
+def test_draw_greedy_rows_and_seeded_rows_beside_sampled_ones():
+    torch.manual_seed(1)
+    V = 1000
+    logits = torch.randn(5, V) * 3
+    mine = _params(temperature=0.8)
+
+    def seeded() -> torch.Generator:
+        return torch.Generator().manual_seed(99)
+
+    alone_tok, alone_lp = _plan_draw(logits[:1], [mine], [seeded()], seed=0)
+    ref = torch.log_softmax(logits[0].double() / 0.8, dim=-1)[alone_tok]
+    torch.testing.assert_close(alone_lp.double(), ref, atol=1e-6, rtol=0)
+    # greedy rows (all greedy: no noise drawn; and mixed with sampling rows), the seeded row unchanged
+    # by its neighbours, and by a truncating neighbour (which sends the batch to the sort path)
+    for neighbours in ([_params(temperature=0.0)] * 4, [_params(temperature=0.0), mine, mine, _params(top_k=1)],
+                       [_params(top_p=0.9), _params(temperature=0.0), mine, mine]):
+        params = [mine] + neighbours
+        tok, lp = _plan_draw(logits, params, [seeded()] + [None] * 4, seed=5)
+        assert tok[0] == alone_tok[0]
+        for i, p in enumerate(params):
+            if p.top_k == 1:
+                assert tok[i] == logits[i].argmax()
+            # every row's log-prob at its own temperature (greedy rows: temperature 1, as SGLang)
+            want = torch.log_softmax(logits[i].double() / p.temperature, dim=-1)[tok[i]]
+            torch.testing.assert_close(lp[i].double(), want, atol=1e-6, rtol=0)
+    all_greedy = _plan_draw(logits, [_params(temperature=0.0)] * 5, [None] * 5, seed=0)[0]
+    assert torch.equal(all_greedy, logits.argmax(dim=-1))
+
+
+def test_gumbel_pick_is_the_gumbel_max_draw_of_the_log_softmax():
+    """Against the textbook form written out in float64 with the same uniforms: argmax over
+    log_softmax(x) - log(-log U) (x = logits / T), whose normalizer gumbel_pick leaves out."""
+    torch.manual_seed(2)
+    logits, temp = torch.randn(64, 500).bfloat16() * 4, torch.rand(64) + 0.5
+    u = torch.rand(64, 500)
+    tok, lp = gumbel_pick(logits, temp, u, None)
+    x = logits.double() / temp.double()[:, None]
+    ref_lp = torch.log_softmax(x, dim=-1)
+    assert torch.equal(tok, (ref_lp - (-u.double().log()).log()).argmax(dim=-1))
+    torch.testing.assert_close(lp.double(), ref_lp.gather(1, tok[:, None]).squeeze(1), atol=1e-5, rtol=0)

@@ -594,9 +594,8 @@ class Engine:
     def _draw(self, rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' sampled tokens [B] and their log-probs [B], on the device."""
         plan = self._plan_of(rows, logits.shape[1])
-        logprobs = token_logprobs(logits, plan.temperature)
-        tokens = plan.sample(logprobs, self.default_gen)
-        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+        pick = self._static.compiled_sampler(len(rows)) if self._static is not None else None
+        return plan.draw(logits, self.default_gen, pick)
 
     def _plan_of(self, rows: list[Row], vocab_size: int) -> SamplerPlan:
         """The sampler's plan of `rows`, rebuilt only when the rows changed (a request's parameters and

@@ -67,6 +67,7 @@ class StaticDecoder:
         # run with compiled.py's pieces (0: never); see `_run`
         self.compile_max_bs = compile_max_bs
         self._compiled = None
+        self._sampler = None  # compiled_sampler's, made on first use
         self.inputs = torch.zeros((3, max_rows), dtype=torch.long, device=self.device)
         self.batch.ids = self.inputs[0]
         self._order: torch.Tensor | None = None  # the last step's slots in row order; None: slots 0..n-1
@@ -173,6 +174,17 @@ class StaticDecoder:
             return logits[:len(rows)]  # a view of the graph's output; the sampler reads it before the next step
         self._order = device_tensor(slots, torch.long, self.device)
         return logits.index_select(0, self._order)
+
+    def compiled_sampler(self, bs: int):
+        """sampling.gumbel_pick compiled (compiled.CompiledSampler) when --enable-torch-compile covers
+        a decode batch of `bs` rows, else None (the engine samples eagerly)."""
+        if not (self.compile_max_bs and bs <= self.compile_max_bs):
+            return None
+        if self._sampler is None:
+            from slime_rl.engines.embedded.compiled import CompiledSampler
+
+            self._sampler = CompiledSampler()
+        return self._sampler
 
     def _run(self, bs: int, kv_len: int) -> torch.Tensor:
         """`_forward`, with the compiled pieces (compiled.py) when --enable-torch-compile covers `bs`.

@@ -14,6 +14,7 @@ before any top-p / top-k / min-p truncation. Truncation only decides which token
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +154,29 @@ def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Ten
     return torch.log_softmax(torch.div(logits, temperature[:, None].float()), dim=-1)
 
 
+def gumbel_pick(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor | None,
+                sampled: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its log-prob, without top-k/top-p/min-p: logits [B, V], temperature [B]
+    (fp32), u [B, V] U(0, 1) draws (None: every row greedy), sampled [B] bool (None: every row
+    samples; False: that row is greedy and its u is not read). Returns (tokens [B] long, logprobs [B]
+    fp32).
+
+    With x = logits / T, the Gumbel-max draw argmax(log_softmax(x) + G) is argmax(x + G) (the
+    log-normalizer is the same for every token of a row), G = -log(-log U), and the token's log-prob
+    is x[token] - logsumexp(x): so the [B, V] log-softmax is never written, only its row constant is
+    reduced. A free function of tensors: --enable-torch-compile fuses it (compiled.py)."""
+    x = torch.div(logits, temperature[:, None])  # a bf16 logit is promoted inside the division
+    lse = torch.logsumexp(x, dim=-1)
+    scores = x
+    if u is not None:
+        log_neg_log_u = u.clamp(min=1e-20).log().neg().log()  # -G; x + G as x - (-G), bit for bit
+        if sampled is not None:
+            log_neg_log_u = torch.where(sampled[:, None], log_neg_log_u, 0.0)
+        scores = x - log_neg_log_u
+    tokens = scores.argmax(dim=-1)
+    return tokens, x.gather(1, tokens[:, None]).squeeze(1) - lse
+
+
 def needs_truncation(p: SamplingParams, vocab_size: int) -> bool:
     """Whether top-k / top-p / min-p can remove a token (greedy, top_k=1, is handled apart)."""
     return (1 < p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0
@@ -190,6 +214,7 @@ class SamplerPlan:
         greedy = [p.top_k == 1 for p in params]
         self.all_greedy = all(greedy)
         self.greedy = device_tensor(greedy, torch.bool, device) if any(greedy) and not self.all_greedy else None
+        self.sampled = ~self.greedy if self.greedy is not None else None  # gumbel_pick's mask
         trunc = [i for i, p in enumerate(params) if not greedy[i] and needs_truncation(p, vocab_size)]
         self.trunc: tuple[torch.Tensor, ...] | None = None
         if trunc:
@@ -201,6 +226,33 @@ class SamplerPlan:
         self.all_shared = len(shared) == len(params)
         self.shared = device_tensor(shared, torch.long, device) if shared and not self.all_shared else None
         self.own = [(i, g) for i, g in enumerate(generators) if not greedy[i] and g is not None]
+
+    def draw(self, logits: torch.Tensor, default_generator: torch.Generator,
+             pick: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [B] (long) and their log-probs [B] (fp32, at the rows' temperatures) from the
+        logits [B, V]. Rows that truncate go through `token_logprobs` and `sample`; otherwise
+        `gumbel_pick` (or `pick`, a compiled `gumbel_pick`: --enable-torch-compile) does it without
+        the [B, V] log-softmax, from the uniform draws `uniform` makes."""
+        if self.trunc is not None:
+            logprobs = token_logprobs(logits, self.temperature)
+            tokens = self.sample(logprobs, default_generator)
+            return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+        assert logits.shape == (self.rows, self.vocab_size), "a plan samples the batch it was built for"
+        u = None if self.all_greedy else self.uniform(logits.device, default_generator)
+        return (pick or gumbel_pick)(logits, self.temperature, u, self.sampled)
+
+    def uniform(self, dev: torch.device, default_generator: torch.Generator) -> torch.Tensor:
+        """U(0, 1) draws [B, V] in fp32 for the rows that sample: the shared ones from one draw of the
+        default generator, a row with its own generator from it (greedy rows: left unset)."""
+        B, V = self.rows, self.vocab_size
+        noise = torch.empty((B, V), device=dev, dtype=torch.float32)
+        if self.all_shared:
+            torch.rand((B, V), generator=default_generator, device=dev, out=noise)
+        elif self.shared is not None:
+            noise[self.shared] = torch.rand((len(self.shared), V), generator=default_generator, device=dev)
+        for i, g in self.own:
+            noise[i] = torch.rand(V, generator=g, device=dev)
+        return noise
 
     def sample(self, logprobs: torch.Tensor, default_generator: torch.Generator) -> torch.Tensor:
         """Token ids [B] (long) from logprobs [B, V] (`token_logprobs` with `self.temperature`)."""
@@ -225,13 +277,7 @@ class SamplerPlan:
             drop[:, 0] = False
             drop_vocab = torch.zeros_like(drop).scatter_(1, order, drop)  # back to token-id order
             scores = logprobs.index_copy(0, idx, sub.masked_fill(drop_vocab, float("-inf")))
-        noise = torch.empty((B, V), device=dev, dtype=torch.float32)
-        if self.all_shared:
-            torch.rand((B, V), generator=default_generator, device=dev, out=noise)
-        elif self.shared is not None:
-            noise[self.shared] = torch.rand((len(self.shared), V), generator=default_generator, device=dev)
-        for i, g in self.own:
-            noise[i] = torch.rand(V, generator=g, device=dev)
+        noise = self.uniform(dev, default_generator)
         # Gumbel noise is -log(-log U); scores + gumbel is computed as scores - log(-log U), equal to
         # it bit for bit (IEEE a + (-b) == a - b) and one pass over [B, V] less
         neg_gumbel = noise.clamp_(min=1e-20).log_().neg_().log_()  # log(-log U), in place
