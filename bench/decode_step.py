@@ -15,9 +15,9 @@ graph. For each attention variant (registered in place of the engine's decode at
 - roofline_ms: bytes of weights + KV over `--context` columns / a device-to-device copy's bandwidth.
 
 Variants: `fp32_copy` (session 6's attention: q and the cached keys converted to fp32 each step),
-`bf16` (bf16 scores: the island off), `engine` (the engine's attention as it is now: torch's
-scaled_dot_product_attention with each KV head's query heads as its query positions), `sdpa_gqa`
-(the same with enable_gqa on [B, H, 1, D], the engine's until 2026-12-02), `compiled` (the
+`bf16` (bf16 scores: the island off), `engine` (the engine's attention as it is now), `sdpa_gqa`
+(torch's scaled_dot_product_attention with enable_gqa and the boolean mask), `sdpa_grouped` (the
+same without enable_gqa, each KV head's G query heads as G query positions), `compiled` (the
 engine's attention, the step with --enable-torch-compile: compiled.py's RMSNorm, MLP and RoPE).
 
     python bench/decode_step.py [--shape 1.5b] [--batches 64,256] [--context 256] [--out F.json]
@@ -68,9 +68,16 @@ def attention_variants() -> dict:
                                              enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
 
+    def sdpa_grouped(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        B, H, _, D = query.shape
+        hkv = key.shape[1]
+        out = F.scaled_dot_product_attention(query.reshape(B, hkv, H // hkv, D), key, value,
+                                             attn_mask=attention_mask, scale=scaling)
+        return out.reshape(B, 1, H, D), None
+
     # "compiled": the engine's attention, the step under --enable-torch-compile (graphs.StaticDecoder._run)
     return {"fp32_copy": fp32_copy, "bf16": bf16, "engine": A.decode_attention, "sdpa_gqa": sdpa_gqa,
-            "compiled": A.decode_attention}
+            "sdpa_grouped": sdpa_grouped, "compiled": A.decode_attention}
 
 
 def fill(decoder, bs: int, context: int, vocab: int) -> None:

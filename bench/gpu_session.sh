@@ -50,7 +50,7 @@ case "$1" in
     timeout -s INT -k 10 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engines/test_embedded_attention.py \
       tests/engines/test_gpu_engine.py -k "attention or scores or matches_eager" 2>&1 | tail -3 \
       | tee "$OUT/gpu_decode_tests_$day.txt"
-    timeout -s INT -k 10 150 python3 bench/decode_step.py --variants "${VARIANTS:-sdpa_gqa,engine,compiled}" \
+    timeout -s INT -k 10 150 python3 bench/decode_step.py --variants "${VARIANTS:-engine,compiled}" \
       --iters 30 --out "$OUT/decode_step_1.5b_$day.json" 2>&1 | grep -e "^bs" -e "^  " -e "^{" | tail -40
     # THROUGHPUT (default "compiled eager"): which engine_throughput runs, in that order
     for c in ${THROUGHPUT:-compiled eager}; do

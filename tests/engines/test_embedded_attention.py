@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime_rl.engines.embedded.attention import decode_attention, grouped_sdpa
+from slime_rl.engines.embedded.attention import decode_attention
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
@@ -29,27 +29,6 @@ def test_decode_attention_equals_expanded_heads_float64(heads, kv_heads, bool_ma
             kk, vv = k[b, h // g, :n].double(), v[b, h // g, :n].double()
             w = torch.softmax(0.3 * (kk @ q[b, h, 0].double()), dim=0)
             torch.testing.assert_close(got[b, 0, h].double(), w @ vv, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
-def test_grouped_sdpa_pairs_query_heads_with_their_kv_head_float64(heads, kv_heads):
-    """The CUDA path's fused attention with each KV head's query heads passed as query positions
-    (run here on CPU, where torch's SDPA takes the same arguments): query head h must read KV head
-    h // G only and each row only its own columns; float64 throughout, so only the pairing is tested."""
-    torch.manual_seed(heads + kv_heads)
-    B, T, D = 3, 9, 8
-    q = torch.randn(B, heads, 1, D, dtype=torch.float64)
-    k, v = torch.randn(B, kv_heads, T, D, dtype=torch.float64), torch.randn(B, kv_heads, T, D, dtype=torch.float64)
-    lengths = [9, 2, 6]
-    mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
-    got = grouped_sdpa(q, k, v, mask, 0.4)
-    assert got.shape == (B, 1, heads, D)
-    g = heads // kv_heads
-    for b in range(B):
-        n = lengths[b]
-        for h in range(heads):
-            w = torch.softmax(0.4 * (k[b, h // g, :n] @ q[b, h, 0]), dim=0)
-            torch.testing.assert_close(got[b, 0, h], w @ v[b, h // g, :n], atol=1e-12, rtol=0)
 
 
 @pytest.mark.gpu
@@ -80,9 +59,9 @@ def test_fp32_scores_on_cuda_read_the_slot_cache_in_place_and_equal_float64():
 @pytest.mark.parametrize("heads,kv_heads", [(12, 2), (9, 3)])
 def test_cuda_decode_attention_with_fp32_scores_equals_float64(heads, kv_heads):
     """On CUDA with the fp32-scores island the decode step's attention is torch's fused attention
-    (each KV head's query heads as query positions, boolean mask): against float64 attention over
-    the same bf16 values, with rows of different lengths read from a column view of a wider cache,
-    it is as close as fp32 scores allow and closer than bf16 scores are."""
+    (enable_gqa, boolean mask): against float64 attention over the same bf16 values, with rows of
+    different lengths read from a column view of a wider cache, it is as close as fp32 scores
+    allow and closer than bf16 scores are."""
     from slime_rl.engines.embedded.attention import FP32_SCORES
 
     torch.manual_seed(heads)

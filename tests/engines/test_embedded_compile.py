@@ -55,8 +55,9 @@ def test_compiled_static_step_equals_the_dynamic_path(tiny_llama):
 
 
 def test_compiled_sampler_draws_the_eager_samplers_tokens():
-    """The compiled sampler (inductor on CPU) against sampling.gumbel_pick run eagerly on the same
-    uniforms: the same tokens, the same log-probs up to fp32 rounding, for every row sampling, for
+    """The compiled sampler (inductor on CPU; x - logsumexp(x) in place of the log-softmax) against
+    sampling.gumbel_pick run eagerly on the same uniforms: the same tokens, the same log-probs up to
+    fp32 rounding, for every row sampling, for
     greedy rows beside sampling ones, and for an all-greedy batch (no uniforms); two batch sizes
     through one compile (dynamic shapes)."""
     from slime_rl.engines.embedded.compiled import CompiledSampler
@@ -69,7 +70,8 @@ def test_compiled_sampler_draws_the_eager_samplers_tokens():
         u = torch.rand(B, 3001)
         sampled = torch.arange(B) % 3 != 0
         for args in ((u, None), (u, sampled), (None, None)):
-            got, want = sampler(logits, temp, *args), gumbel_pick(logits, temp, *args)
+            u_eager = None if args[0] is None else args[0].clone()  # eagerly the uniforms are overwritten
+            got, want = sampler(logits, temp, *args), gumbel_pick(logits, temp, u_eager, args[1])
             assert torch.equal(got[0], want[0]), (B, args[1] is None)
             torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
     assert sampler.failed is None and sampler.calls == 6

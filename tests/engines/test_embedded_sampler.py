@@ -129,7 +129,7 @@ def test_gumbel_pick_is_the_gumbel_max_draw_of_the_log_softmax():
     torch.manual_seed(2)
     logits, temp = torch.randn(64, 500).bfloat16() * 4, torch.rand(64) + 0.5
     u = torch.rand(64, 500)
-    tok, lp = gumbel_pick(logits, temp, u, None)
+    tok, lp = gumbel_pick(logits, temp, u.clone(), None)  # eagerly it overwrites its uniforms
     x = logits.double() / temp.double()[:, None]
     ref_lp = torch.log_softmax(x, dim=-1)
     assert torch.equal(tok, (ref_lp - (-u.double().log()).log()).argmax(dim=-1))

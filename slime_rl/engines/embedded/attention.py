@@ -39,10 +39,15 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     scale = scaling if scaling is not None else D ** -0.5
     if query.is_cuda and getattr(module, FP32_SCORES, False) and attention_mask is not None \
             and attention_mask.dtype == torch.bool:
-        # CUDA: torch's fused attention keeps the scores and the softmax in fp32 inside the kernel, as
-        # the trainer's flash attention does (measured faster than the two GEMMs below), on the
-        # query groups (`grouped_sdpa`)
-        return grouped_sdpa(query, key, value, attention_mask, scale), None
+        # CUDA: torch's fused attention reads each KV head once for its G query heads (enable_gqa)
+        # and keeps the scores and the softmax in fp32 inside the kernel, as the trainer's flash
+        # attention does; measured faster than the two GEMMs below (bench/decode_step.py, 1xH200:
+        # 4.73 vs 4.99 ms at batch 64, 6.19 vs 6.95 ms at batch 256, 1.5B shape). Tried and slower:
+        # the G query heads of a KV head as G query positions, without enable_gqa (cuDNN then picks a
+        # 64-row tile: 4.90 ms at 64, 6.69 ms at 256; bench/decode_step.py's `sdpa_grouped`)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scale,
+                                             enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     qg = query.reshape(B, hkv, H // hkv, D)  # [B, Hkv, G, D]: the group's heads are adjacent
     if getattr(module, FP32_SCORES, False) and query.dtype != torch.float32:
         # fp32 scores from bf16 operands, as flash attention (the trainer's) keeps them: a bf16 score
@@ -58,25 +63,6 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     out = torch.matmul(probs, value)  # [B, Hkv, G, D]
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
-
-
-def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """Decode attention through torch's `scaled_dot_product_attention`, the G query heads of each KV
-    head passed as G query positions of that head: query [B, H, 1, D] -> [B, Hkv, G, D] (a view),
-    against key, value [B, Hkv, T, D] and the row's mask [B, 1, 1, T] (it broadcasts over the G
-    positions: each of them sees the row's columns). Returns [B, 1, H, D].
-
-    Why not `enable_gqa=True` on [B, H, 1, D]: the fused kernels tile the query length (16 or more
-    rows a tile), so with one query row per head a tile is mostly empty and each query head reads its
-    KV head's keys and values again, G times per layer per step. Grouped, one tile holds the G heads
-    and the cache is read once (flash-decoding's and SGLang's decode kernels group the same way):
-    bench/decode_step.py compares the two (`sdpa_gqa`, `engine`)."""
-    B, H, _, D = query.shape
-    hkv = key.shape[1]
-    out = F.scaled_dot_product_attention(query.reshape(B, hkv, H // hkv, D), key, value, attn_mask=attention_mask,
-                                         scale=scale)  # [B, Hkv, G, D]
-    return out.reshape(B, 1, H, D)
 
 
 def fp32_scores(qg: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
