@@ -134,3 +134,23 @@ def test_gumbel_pick_is_the_gumbel_max_draw_of_the_log_softmax():
     ref_lp = torch.log_softmax(x, dim=-1)
     assert torch.equal(tok, (ref_lp - (-u.double().log()).log()).argmax(dim=-1))
     torch.testing.assert_close(lp.double(), ref_lp.gather(1, tok[:, None]).squeeze(1), atol=1e-5, rtol=0)
+
+
+def test_draw_equals_the_log_softmax_path_bit_for_bit():
+    """Without truncation the engine's `draw` (gumbel_pick, eagerly) and the sort path's formula
+    (token_logprobs, then `sample`) take the same uniforms from the same generators and must give
+    the same tokens and the same log-probs exactly: greedy, shared-noise and own-generator rows."""
+    torch.manual_seed(3)
+    logits = (torch.randn(7, 2000) * 3).bfloat16()
+    params = [_params(temperature=t) for t in (1.0, 0.0, 0.7, 1.3, 0.0, 1.0, 2.0)]
+
+    def gens() -> list:
+        return [None, None, torch.Generator().manual_seed(5), None, None, torch.Generator().manual_seed(6), None]
+
+    plan = SamplerPlan(params, gens(), 2000, logits.device)
+    tok, lp = plan.draw(logits, torch.Generator().manual_seed(11))
+    plan = SamplerPlan(params, gens(), 2000, logits.device)
+    ref_lp = token_logprobs(logits, plan.temperature)
+    ref_tok = plan.sample(ref_lp, torch.Generator().manual_seed(11))
+    assert torch.equal(tok, ref_tok)
+    assert torch.equal(lp, ref_lp.gather(1, ref_tok[:, None]).squeeze(1))
