@@ -116,6 +116,49 @@ def test_max_new_tokens_and_stop_token_ids(http):
                ignore_eos=True)["output_ids"] == ids
 
 
+def test_stop_string_check_decodes_sglangs_tail_only(http, server):
+    """SGLang's scheduler checks stop strings on the decode of the last stop_str_max_len + 1 output
+    tokens (Req.tail_str), stop_str_max_len from SamplingParams.normalize: the engine must take the
+    same length (SGLang's own normalize computes it here), stop at the first token whose output
+    text holds the stop string (found below by decoding every prefix in full), and never decode more
+    than that tail in its stop check (decoding the whole output each step cost O(length) a row)."""
+    from slime_rl.engines.embedded.sampling import SamplingParams
+
+    tokenizer = server.tokenizer
+    stops = ["ab", " the end", "\n\n", "</answer>"]
+    ours = SamplingParams(stop=stops)
+    ours.normalize(tokenizer)
+    sgl = pytest.importorskip("sglang.srt.sampling.sampling_params", reason="sglang is not importable here")
+    theirs = sgl.SamplingParams(stop=stops)
+    theirs.normalize(tokenizer)
+    assert ours.stop_str_max_len == theirs.stop_str_max_len > 1
+
+    prompt = prompt_of(6, salt=8)
+    ids = gen(http, prompt, max_new_tokens=24, temperature=0, ignore_eos=True)["output_ids"]
+    stop = tokenizer.decode(ids[15:17])
+    want = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
+    lengths = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def decode(self, token_ids, *args, **kwargs):
+            lengths.append(len(token_ids))
+            return tokenizer.decode(token_ids, *args, **kwargs)
+
+    engine = server.engine
+    engine.tokenizer = Recording()
+    try:
+        out = gen(http, prompt, max_new_tokens=24, temperature=0, stop=[stop])
+    finally:
+        engine.tokenizer = tokenizer
+    tail = len(tokenizer.encode(stop, add_special_tokens=False)) + 1
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == ids[:want]
+    assert len(lengths) == want and max(lengths) == min(tail, want), (lengths, tail)
+
+
 def test_stop_string_trims_text_not_ids(http, server):
     prompt = prompt_of(5, salt=5)
     full = gen(http, prompt, max_new_tokens=12, temperature=0, ignore_eos=True)

@@ -639,7 +639,12 @@ class Engine:
         # (both skipped under ignore_eos), then length.
         p = req.params
         if p.stop:
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
+            # as SGLang's Req.tail_str: only the last stop_str_max_len + 1 tokens, decoded as they are
+            # (special tokens kept), so a step's check costs the same at any output length; decoding
+            # the whole output each step cost O(length) per row per step
+            if not p.stop_str_max_len:  # once per request (here, so a failure fails this request alone)
+                p.normalize(self.tokenizer)
+            text = self.tokenizer.decode(req.output_ids[-(p.stop_str_max_len + 1):])
             for s in p.stop:
                 if s in text:
                     return {"type": "stop", "matched": s}

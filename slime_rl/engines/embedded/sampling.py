@@ -52,6 +52,14 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    # SGLang's: the longest stop string in tokens (`normalize`); the stop check decodes only the last
+    # stop_str_max_len + 1 output tokens
+    stop_str_max_len: int = 0
+
+    def normalize(self, tokenizer: Any) -> None:
+        """SGLang's `SamplingParams.normalize` for stop strings: `stop_str_max_len`, the most tokens
+        a stop string encodes to (no special tokens)."""
+        self.stop_str_max_len = max((len(tokenizer.encode(s, add_special_tokens=False)) for s in self.stop), default=0)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any] | None, vocab_size: int) -> SamplingParams:
