@@ -69,12 +69,15 @@ case "$1" in
     python3 tools/import_gguf.py --out /tmp/smol-bf16 --dtype bf16 2>&1 | tail -2
     python3 tools/import_gguf.py --out /tmp/smol-fp32 --dtype fp32 2>&1 | tail -2 ;;
   speed)
-    # #19 on the real model: the engine's graph/sync GPU tests, TRL vs ours at 64 x 8 x 128, the profile
+    # #19 on the real model: the engine's graph/sync GPU tests, TRL vs ours at 64 x 8 x 128, the profile;
+    # OURS_EXTRA: more of our flags (e.g. "--sglang-enable-torch-compile --sglang-torch-compile-max-bs
+    # 512"), TAG: a suffix for the result's name
     need_model
     python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/engines/test_gpu_engine.py -k "survive or synchronization" \
       2>&1 | grep -e "graphs over" -e passed -e failed -e Error | tail -8 | tee "$OUT/gpu_engine_tests_$day.txt"
     python3 bench/peer_trl.py --model /tmp/smol-bf16 --prompts 64 --group 8 --max-new-tokens 128 --steps 12 \
-      --warmup 3 --out "$OUT/peer_trl_64x8x128_$day.json" --ours-extra --sglang-server-concurrency 512 2>&1 \
+      --warmup 3 --out "$OUT/peer_trl_64x8x128${TAG:+_$TAG}_$day.json" --ours-extra --sglang-server-concurrency 512 \
+      $OURS_EXTRA 2>&1 \
       | grep -v Warning | grep -e "^step" -e "^{" -e "captured" -e "Error" | tail -16
     python3 bench/profile_engine.py --model /tmp/smol-bf16 --prompts 64 --samples 8 --prompt-len 64 --new-tokens 128 \
       --max-running 512 --concurrency 512 --no-profile --out "$OUT/profile_engine_smollm2_1xH200_$day.json" 2>&1 \
