@@ -245,8 +245,8 @@ class SamplerPlan:
              pick: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B] (long) and their log-probs [B] (fp32, at the rows' temperatures) from the
         logits [B, V]. Rows that truncate go through `token_logprobs` and `sample`; otherwise
-        `gumbel_pick` (or `pick`, a compiled `gumbel_pick`: --enable-torch-compile) does it without
-        the [B, V] log-softmax, from the uniform draws `uniform` makes."""
+        `gumbel_pick` does it (the same formula; `pick`: a compiled `gumbel_pick`, which does not write
+        the [B, V] log-softmax: --enable-torch-compile), from the uniform draws `uniform` makes."""
         if self.trunc is not None:
             logprobs = token_logprobs(logits, self.temperature)
             tokens = self.sample(logprobs, default_generator)
