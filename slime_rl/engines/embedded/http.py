@@ -103,7 +103,13 @@ class HttpServer:
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        server = await asyncio.start_server(self._connection, sock=self.sock, limit=_READ_CHUNK)
+        try:
+            server = await asyncio.start_server(self._connection, sock=self.sock, limit=_READ_CHUNK)
+        except OSError:
+            # `shutdown` came before this loop existed and closed the socket: nothing to serve
+            if self._stop_requested.is_set():
+                return
+            raise
         if self._stop_requested.is_set():
             self._stop.set()
         await self._stop.wait()

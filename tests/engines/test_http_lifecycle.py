@@ -1,0 +1,35 @@
+"""The built-in engine's HTTP transport shut down before its loop started: `shutdown` closes the
+socket at once (no loop to stop yet), and a `serve_forever` that starts afterwards must return
+quietly instead of dying in its thread on the closed socket (EBADF, seen as a stray thread
+exception in the test suite when a server was stopped right after it was made)."""
+
+from __future__ import annotations
+
+import threading
+
+from slime_rl.engines.embedded.http import HttpLimits, HttpServer
+
+
+class _NoApp:
+    def check_head(self, method, path, headers):
+        return None
+
+    async def handle(self, method, path, body):
+        return 200, {}
+
+
+def test_shutdown_before_the_loop_started_ends_serve_forever_quietly():
+    server = HttpServer("127.0.0.1", 0, _NoApp(), HttpLimits())
+    server.shutdown()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.serve_forever()
+        except BaseException as e:  # noqa: BLE001 - recorded for the assertion
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive() and errors == []
