@@ -162,6 +162,15 @@ def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Ten
     return torch.log_softmax(torch.div(logits, temperature[:, None].float()), dim=-1)
 
 
+def log_neg_log(u: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """log(-log U) = -G, G the Gumbel noise of U(0, 1) draws u; U is clamped at 1e-20 first (torch's
+    rand can draw 0). In place: u itself becomes the result (no [B, V] buffer more); out of place
+    for torch.compile, which would otherwise write the mutation back to its input."""
+    if in_place:
+        return u.clamp_(min=1e-20).log_().neg_().log_()
+    return u.clamp(min=1e-20).log().neg().log()
+
+
 def gumbel_pick(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor | None,
                 sampled: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its log-prob, without top-k/top-p/min-p: logits [B, V], temperature [B]
@@ -182,7 +191,7 @@ def gumbel_pick(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor
     scores = base
     if u is not None:
         # -G = log(-log U); base + G as base - (-G), bit for bit. Eagerly in place: `u` is consumed
-        neg_g = u.clamp(min=1e-20).log().neg().log() if compiling else u.clamp_(min=1e-20).log_().neg_().log_()
+        neg_g = log_neg_log(u, in_place=not compiling)
         if sampled is not None:
             neg_g = torch.where(sampled[:, None], neg_g, 0.0)
         scores = base - neg_g
@@ -294,7 +303,7 @@ class SamplerPlan:
         noise = self.uniform(dev, default_generator)
         # Gumbel noise is -log(-log U); scores + gumbel is computed as scores - log(-log U), equal to
         # it bit for bit (IEEE a + (-b) == a - b) and one pass over [B, V] less
-        neg_gumbel = noise.clamp_(min=1e-20).log_().neg_().log_()  # log(-log U), in place
+        neg_gumbel = log_neg_log(noise, in_place=True)
         pick = torch.argmax(scores - neg_gumbel, dim=-1)
         if self.greedy is not None:
             pick = torch.where(self.greedy, logprobs.argmax(dim=-1), pick)
