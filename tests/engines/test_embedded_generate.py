@@ -125,14 +125,6 @@ def test_stop_string_check_decodes_sglangs_tail_only(http, server):
     from slime_rl.engines.embedded.sampling import SamplingParams
 
     tokenizer = server.tokenizer
-    stops = ["ab", " the end", "\n\n", "</answer>"]
-    ours = SamplingParams(stop=stops)
-    ours.normalize(tokenizer)
-    sgl = pytest.importorskip("sglang.srt.sampling.sampling_params", reason="sglang is not importable here")
-    theirs = sgl.SamplingParams(stop=stops)
-    theirs.normalize(tokenizer)
-    assert ours.stop_str_max_len == theirs.stop_str_max_len > 1
-
     prompt = prompt_of(6, salt=8)
     ids = gen(http, prompt, max_new_tokens=24, temperature=0, ignore_eos=True)["output_ids"]
     stop = tokenizer.decode(ids[15:17])
@@ -157,6 +149,14 @@ def test_stop_string_check_decodes_sglangs_tail_only(http, server):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert out["output_ids"] == ids[:want]
     assert len(lengths) == want and max(lengths) == min(tail, want), (lengths, tail)
+
+    stops = ["ab", " the end", "\n\n", "</answer>"]
+    ours = SamplingParams(stop=stops)
+    ours.normalize(tokenizer)
+    sgl = pytest.importorskip("sglang.srt.sampling.sampling_params", reason="sglang is not importable here")
+    theirs = sgl.SamplingParams(stop=stops)
+    theirs.normalize(tokenizer)
+    assert ours.stop_str_max_len == theirs.stop_str_max_len > 1
 
 
 def test_stop_string_trims_text_not_ids(http, server):
