@@ -118,7 +118,9 @@ case "$1" in
     task=${TASK:-chain_sum}; steps=${STEPS:-150}; tag="peer_trl_learn_${task}_${steps}_$day"
     # LR (5e-6, the recipe's) for both sides; the held-out check gets the training budget of new
     # tokens (64; it was 24, which cut off the longer answers a trained model writes)
-    lr=${LR:-5e-6}; eval_tokens=${EVAL_TOKENS:-64}
+    # NEW_TOKENS (64): the training budget of new tokens on both sides (tasks whose answers grow
+    # past it, as letter_counting and gcd did, need more)
+    lr=${LR:-5e-6}; eval_tokens=${EVAL_TOKENS:-64}; new_tokens=${NEW_TOKENS:-64}
     # TASK_CONFIG: the task's config (e.g. "--config max_terms=3"), for training and held-out rows alike
     # the held-out rows are drawn first, as the task draws them, and the training file leaves their
     # questions out: excluding the training questions from the held-out file instead would drop the
@@ -139,7 +141,7 @@ case "$1" in
         python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$et.jsonl" --n 200 --max-new-tokens "$eval_tokens" \
           2>&1 | tail -1 > "$OUT/${etag}_eval_start.txt" &&
         CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model /tmp/smol-bf16 --task "$et" \
-          --data "/tmp/train_$et.jsonl" --prompts 16 --group 8 --max-new-tokens 64 --steps "$steps" --warmup 5 --lr "$lr" \
+          --data "/tmp/train_$et.jsonl" --prompts 16 --group 8 --max-new-tokens "$new_tokens" --steps "$steps" --warmup 5 --lr "$lr" \
           --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_$et" --save-interval "$steps" \
           > "$OUT/${etag}_ours.log" 2>&1 &&
         python3 tools/eval_greedy.py --model "/tmp/learned_$et" --data "/tmp/heldout_$et.jsonl" --n 200 \
@@ -147,7 +149,7 @@ case "$1" in
       extra=$!
     fi
     common=(--model /tmp/smol-bf16 --task "$task" --data "/tmp/train_$task.jsonl" --prompts 16 --group 8
-            --max-new-tokens 64 --steps "$steps" --warmup 5 --lr "$lr")
+            --max-new-tokens "$new_tokens" --steps "$steps" --warmup 5 --lr "$lr")
     CUDA_VISIBLE_DEVICES=$trl_gpu python3 bench/peer_trl.py --skip-ours "${common[@]}" --out "$OUT/${tag}_trl.json" \
       > "$OUT/${tag}_trl.log" 2>&1 &
     trl=$!
