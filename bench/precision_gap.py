@@ -45,8 +45,10 @@ ROWS = [("fp32", "float32", "none"), ("bf16 stock", "bfloat16", "none"), ("bf16 
         ("bf16 +lm_head", "bfloat16", "lm_head"), ("bf16 +rmsnorm+lm_head", "bfloat16", "rmsnorm,lm_head"),
         ("bf16 +rmsnorm+lm_head+attn_scores (default)", "bfloat16", "rmsnorm,lm_head,attn_scores")]
 # --engine: the engine's own decode path, bf16, fp32 logits on both sides; rows differ in the islands
-ENGINE_ROWS = [("engine bf16 rmsnorm+lm_head (bf16 scores)", "rmsnorm,lm_head"),
-               ("engine bf16 rmsnorm+lm_head+attn_scores (default)", "rmsnorm,lm_head,attn_scores")]
+# (name, islands, --enable-deterministic-inference: flash decode over a time-major slot cache)
+ENGINE_ROWS = [("engine bf16 rmsnorm+lm_head (bf16 scores)", "rmsnorm,lm_head", False),
+               ("engine bf16 rmsnorm+lm_head+attn_scores (default)", "rmsnorm,lm_head,attn_scores", False),
+               ("engine bf16 default + deterministic inference", "rmsnorm,lm_head,attn_scores", True)]
 
 
 def sample_sequences(model_dir: Path, n: int, new_tokens: int, device: str) -> list[tuple[list[int], list[int]]]:
@@ -118,7 +120,7 @@ def engine_logprobs(model_dir: Path, dtype: torch.dtype, seqs, device: str,
     return decode, full
 
 
-def engine_sampled(model_dir: Path, n: int, new_tokens: int, device: str
+def engine_sampled(model_dir: Path, n: int, new_tokens: int, device: str, deterministic: bool = False
                    ) -> tuple[list[tuple[list[int], list[int]]], list[torch.Tensor], dict]:
     """--engine: the built-in engine itself (in process, bf16, the run's decode path: static KV cache,
     CUDA graphs on a GPU, its own decode attention, fp32 logits as --sglang-enable-fp32-lm-head)
@@ -136,7 +138,8 @@ def engine_sampled(model_dir: Path, n: int, new_tokens: int, device: str
                for i in range(n)]
     server = EmbeddedServer(ServerConfig(model_path=str(model_dir), port=0, device=device, dtype="bfloat16",
                                          max_running_requests=max(n, 1), enable_fp32_lm_head=True,
-                                         static_kv_cache=True)).start()
+                                         static_kv_cache=True,
+                                         enable_deterministic_inference=deterministic)).start()
     try:
         vocab = server.model.config.get_text_config().vocab_size
         params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
@@ -152,8 +155,12 @@ def engine_sampled(model_dir: Path, n: int, new_tokens: int, device: str
     return seqs, [torch.tensor(r.output_logprobs, dtype=torch.float32) for r in reqs], stats
 
 
-def trainer_logprobs(model_dir: Path, bf16: bool, seqs, device: str, fp32_lm_head: bool) -> list[torch.Tensor]:
-    """Log-probs of each response token from megatron's GPTModel, one full forward per sequence."""
+def trainer_logprobs(model_dir: Path, bf16: bool, seqs, device: str, fp32_lm_head: bool,
+                     thd: bool = False) -> list[torch.Tensor]:
+    """Log-probs of each response token from megatron's GPTModel, one full forward per sequence;
+    `thd`: as the loop's trainer packs it (THD, cu_seqlens: varlen flash attention on a GPU)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     from slime_rl.trainer.hf_io import load_hf_weights
     from slime_rl.trainer.model import build_from_checkpoint
 
@@ -165,7 +172,13 @@ def trainer_logprobs(model_dir: Path, bf16: bool, seqs, device: str, fp32_lm_hea
         for prompt, response in seqs:
             ids = torch.tensor([prompt + response], device=device)
             pos = torch.arange(ids.shape[1], device=device)[None]
-            logits = model(input_ids=ids, position_ids=pos, attention_mask=None)[0, :, :arch.vocab_size]
+            extra = {}
+            if thd:
+                n = ids.shape[1]
+                cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+                extra["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                             max_seqlen_q=n, max_seqlen_kv=n)
+            logits = model(input_ids=ids, position_ids=pos, attention_mask=None, **extra)[0, :, :arch.vocab_size]
             lp = torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1:-1]
             out.append(lp.gather(1, torch.tensor(response, device=device)[:, None]).squeeze(1).cpu())
     return out
@@ -193,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--splitk-fp32", action="store_true",
                     help="torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False in this process "
                          "(split-K partial sums of bf16 GEMMs reduced in fp32), for both sides")
+    ap.add_argument("--thd", action="store_true",
+                    help="the trainer side packed as the loop packs it (THD: varlen flash on a GPU); --engine rows")
     ap.add_argument("--engine", action="store_true",
                     help="sample with the built-in engine itself (its static decode path, graphs on a GPU) and "
                          "compare the log-probs it reports with the trainer's on those tokens; rows: ENGINE_ROWS")
@@ -239,20 +254,21 @@ def main(argv: list[str] | None = None) -> None:
 def engine_rows(args: argparse.Namespace, model_dir: Path) -> None:
     results = []
     for i in (int(x) for x in args.rows.split(",")):
-        name, islands = ENGINE_ROWS[i]
+        name, islands, deterministic = ENGINE_ROWS[i]
         os.environ[ENV] = islands
         islands_from_env()
         start = time.perf_counter()
-        seqs, reported, stats = engine_sampled(model_dir, args.n, args.new_tokens, args.device)
+        seqs, reported, stats = engine_sampled(model_dir, args.n, args.new_tokens, args.device, deterministic)
         eng = torch.cat(reported)
-        trn = torch.cat(trainer_logprobs(model_dir, True, seqs, args.device, fp32_lm_head=True))
+        trn = torch.cat(trainer_logprobs(model_dir, True, seqs, args.device, fp32_lm_head=True, thd=args.thd))
         diff = (eng - trn).abs()
-        row = {"row": name, "islands": islands, "mean_abs_diff": diff.mean().item(),
+        row = {"row": name, "islands": islands, "deterministic": deterministic, "thd": args.thd,
+               "exact_tokens": int((diff == 0).sum()), "mean_abs_diff": diff.mean().item(),
                "max_abs_diff": diff.max().item(), "tokens": diff.numel(),
                "graph_replays": stats.get("graph_replays"), "seconds": round(time.perf_counter() - start, 1)}
         results.append(row)
         print(f"{name:52s} mean |dlogp| {row['mean_abs_diff']:.3e}  max {row['max_abs_diff']:.3e}  "
-              f"({row['tokens']} tokens, {row['seconds']} s)", flush=True)
+              f"equal {row['exact_tokens']}/{row['tokens']} tokens ({row['seconds']} s)", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"model": str(model_dir), "device": args.device, "n": args.n, "engine": True,

@@ -3,6 +3,8 @@ the KV heads expanded per query head (h reads KV head h // G), for bool and addi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -84,3 +86,133 @@ def test_cuda_decode_attention_with_fp32_scores_equals_float64(heads, kv_heads):
     assert err < 2e-2, err  # bf16 output rounding of values of order 1
     err_bf16 = (decode_attention(plain, q, k, v, mask, scaling=D ** -0.5)[0].double() - ref).abs().mean().item()
     assert (got.double() - ref).abs().mean().item() < err_bf16
+
+
+def _time_major_cache(B: int, capacity: int, kv_heads: int, D: int, device: str = "cpu",
+                      dtype: torch.dtype = torch.float32):
+    """A time-major slot cache layer as slots.SlotCache(time_major=True) allocates it: [slots,
+    capacity, heads, dim] memory seen as [slots, heads, capacity, dim]."""
+    from transformers.cache_utils import DynamicCache
+
+    from slime_rl.engines.embedded.slots import SlotCache
+
+    like = DynamicCache()
+    like.update(torch.zeros(1, kv_heads, 1, D, dtype=dtype, device=device),
+                torch.zeros(1, kv_heads, 1, D, dtype=dtype, device=device), 0)
+    cache = SlotCache(slots=B, capacity=capacity, time_major=True)
+    cache.allocate(like)
+    return cache
+
+
+def test_slot_rows_view_of_a_time_major_cache():
+    """slot_rows gives the packed-rows view flash reads: row slot * capacity + column is that slot's
+    key at that column, for a column slice (kv_len) of the first bs slots, without a copy; a
+    head-major (default) cache is refused."""
+    from slime_rl.engines.embedded.attention import slot_rows
+    from slime_rl.engines.embedded.slots import SlotCache
+
+    B, capacity, hkv, D = 5, 16, 3, 8
+    cache = _time_major_cache(B, capacity, hkv, D)
+    keys = cache.layers[0].keys
+    assert keys.shape == (B, hkv, capacity, D) and keys.transpose(1, 2).is_contiguous()
+    keys.copy_(torch.arange(keys.numel(), dtype=torch.float32).view(B, capacity, hkv, D).transpose(1, 2))
+    bs, kv_len = 3, 10
+    view = keys[:bs, :, :kv_len]
+    rows = slot_rows(view)
+    assert rows is not None and rows.shape == (bs * capacity, hkv, D)
+    assert rows.data_ptr() == keys.data_ptr()  # in place
+    for s in range(bs):
+        for col in range(capacity):
+            assert torch.equal(rows[s * capacity + col], keys[s, :, col])
+    head_major = SlotCache(slots=B, capacity=capacity)
+    head_major.allocate(cache)  # same shapes, default layout
+    assert slot_rows(head_major.layers[0].keys[:bs, :, :kv_len]) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv_heads,capacity", [(9, 3, 320), (12, 2, 64), (8, 8, 128)])
+def test_flash_decode_equals_the_trainers_attention_bit_for_bit(heads, kv_heads, capacity):
+    """Under --enable-deterministic-inference a decode step's attention (flash over the time-major
+    slot cache) gives, for each row's new token, exactly the bits the trainer's packed attention
+    (trainer/attention.py SDPACoreAttention, THD) gives at that position over the whole sequence;
+    the default decode attention does not (so the test can tell the two apart)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from slime_rl.engines.embedded.attention import FLASH_DECODE, FP32_SCORES
+    from slime_rl.trainer.attention import SDPACoreAttention
+
+    torch.manual_seed(heads + capacity)
+    D, B = 64, 6
+    lengths = torch.randint(1, capacity - 8, (B,)).tolist()
+    lengths[0] = capacity - 8
+    total = sum(lengths)
+    q = torch.randn(total, heads, D, device="cuda").bfloat16()
+    k = torch.randn(total, kv_heads, D, device="cuda").bfloat16()
+    v = torch.randn(total, kv_heads, D, device="cuda").bfloat16()
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    # the trainer's call: its THD core attention over the pack (the config fields it reads; TP 1)
+    cfg = SimpleNamespace(context_parallel_size=1, num_attention_heads=heads, num_query_groups=kv_heads,
+                          kv_channels=D, attention_dropout=0.0)
+    core = SDPACoreAttention(cfg, layer_number=1, attn_mask_type=None, attention_type="self",
+                             pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)))
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                             max_seqlen_kv=max(lengths))
+    ref = core._thd(q, k, v, packed).view(total, heads, D)[cu[1:].long() - 1]  # each row's last position
+    # the engine's decode step: the cache holds each row's keys, the query is the row's last token
+    cache = _time_major_cache(B, capacity, kv_heads, D, device="cuda", dtype=torch.bfloat16)
+    layer = cache.layers[0]
+    for i, n in enumerate(lengths):
+        layer.keys[i, :, :n] = k[cu[i]:cu[i + 1]].transpose(0, 1)
+        layer.values[i, :, :n] = v[cu[i]:cu[i + 1]].transpose(0, 1)
+    kv_len = capacity - 8  # the graph's column bucket (< capacity): at least every row's length
+    mask = (torch.arange(kv_len, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None])
+    mask = mask[:, None, None, :]
+    query = q[cu[1:].long() - 1][:, :, None, :]  # [B, H, 1, D]
+    flash, default = torch.nn.Module(), torch.nn.Module()
+    setattr(flash, FLASH_DECODE, True)
+    setattr(flash, FP32_SCORES, True)
+    setattr(default, FP32_SCORES, True)
+    got = decode_attention(flash, query, layer.keys[:, :, :kv_len], layer.values[:, :, :kv_len], mask,
+                           scaling=D ** -0.5)[0][:, 0]
+    assert torch.equal(got, ref)
+    other = decode_attention(default, query, layer.keys[:, :, :kv_len], layer.values[:, :, :kv_len], mask,
+                             scaling=D ** -0.5)[0][:, 0]
+    assert not torch.equal(other, ref)
+
+
+@pytest.mark.gpu
+def test_varlen_prefill_equals_the_trainers_attention_bit_for_bit():
+    """Under --enable-deterministic-inference a left-padded prefill of rows of different lengths gives
+    every real position the bits of the trainer's THD attention over the same rows packed."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from slime_rl.engines.embedded.attention import varlen_prefill_attention
+    from slime_rl.trainer.attention import SDPACoreAttention
+
+    torch.manual_seed(1)
+    heads, kv_heads, D = 9, 3, 64
+    lengths = [70, 5, 33, 129]
+    B, L = len(lengths), max(lengths)
+    q = torch.randn(B, heads, L, D, device="cuda").bfloat16()
+    k = torch.randn(B, kv_heads, L, D, device="cuda").bfloat16()
+    v = torch.randn(B, kv_heads, L, D, device="cuda").bfloat16()
+    pad = torch.tensor([[t >= L - n for t in range(L)] for n in lengths], device="cuda")  # left padding
+    causal = torch.ones(L, L, dtype=torch.bool, device="cuda").tril()
+    mask = (causal[None] & pad[:, None, :])[:, None]  # [B, 1, L, L], as sdpa_mask builds it
+    module = torch.nn.Module()  # what HF's sdpa attention reads of an attention layer
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    got = varlen_prefill_attention(module, q, k, v, mask, scaling=D ** -0.5)[0]  # [B, L, H, D]
+    cfg = SimpleNamespace(context_parallel_size=1, num_attention_heads=heads, num_query_groups=kv_heads,
+                          kv_channels=D, attention_dropout=0.0)
+    core = SDPACoreAttention(cfg, layer_number=1, attn_mask_type=None, attention_type="self",
+                             pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)))
+    pq, pk, pv = (t.transpose(1, 2)[pad] for t in (q, k, v))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=L, max_seqlen_kv=L)
+    ref = core._thd(pq, pk, pv, packed).view(-1, heads, D)
+    assert torch.equal(got[pad], ref)
+    # HF's sdpa over the padded batch (the default prefill) is another kernel: not the same bits
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    other = sdpa_attention_forward(module, q, k, v, mask, scaling=D ** -0.5)[0]
+    assert not torch.equal(other[pad], ref)

@@ -20,8 +20,10 @@ from engine_testlib import prompt_of, reference_logprobs, start_server
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 from transformers.cache_utils import DynamicCache
 
+from slime_rl.engines.embedded.attention import FLASH_DECODE
 from slime_rl.engines.embedded.batch import Row
 from slime_rl.engines.embedded.engine import Engine, GenRequest
+from slime_rl.engines.embedded.precision import apply_deterministic_attention
 from slime_rl.engines.embedded.protocol import seed_generator
 from slime_rl.engines.embedded.sampling import SamplingParams
 from slime_rl.engines.embedded.slots import SlotBatch, SlotCache, batch_buckets, unsupported
@@ -55,8 +57,23 @@ def model_tok(tiny_qwen2):
             AutoTokenizer.from_pretrained(tiny_qwen2))
 
 
-def test_static_path_equals_dynamic_path(model_tok, model64):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["head_major", "time_major"])
+def test_static_path_equals_dynamic_path(model_tok, model64, deterministic):
+    """`deterministic`: the attention layers marked as --enable-deterministic-inference marks them, so
+    the slot cache is time-major (the layout the CUDA flash decode reads); on CPU the same decode
+    attention then reads it through the transposed views, and everything must stay equal."""
     model, tok = model_tok
+    if deterministic:
+        apply_deterministic_attention(model)
+    try:
+        _static_vs_dynamic(model, tok, model64, deterministic)
+    finally:
+        for m in model.modules():
+            if hasattr(m, FLASH_DECODE):
+                delattr(m, FLASH_DECODE)
+
+
+def _static_vs_dynamic(model, tok, model64, time_major: bool) -> None:
     eos = {tok.eos_token_id}
     # reference: the dynamic path, every request submitted at once, none aborted
     ref_engine = Engine(model, tok, eos, 0, max_running_requests=N)
@@ -70,6 +87,7 @@ def test_static_path_equals_dynamic_path(model_tok, model64):
     # buckets from 8, so rows move between buckets, the cache grows and slots are reused
     eng = Engine(model, tok, eos, 0, max_running_requests=4, static_cache=True, capacity=16, min_kv_len=8)
     assert eng._static is not None and eng._static.buckets == [1, 2, 4]
+    assert eng._static.cache.time_major == time_major
     reqs = make_requests(64, abort_rid="r7")
     eng.submit(reqs[:5])
     wait_for(lambda: eng.load()["decode_forwards"] >= 3)
@@ -102,6 +120,8 @@ def test_static_path_equals_dynamic_path(model_tok, model64):
     assert stats["static_eager_steps"] == stats["decode_forwards"] > 0 and stats["graph_replays"] == 0
     assert stats["max_running_rows"] == 4
     assert eng._static.cache.capacity >= 64  # grew from 16 (38-token prompts + up to 22 new tokens)
+    keys = eng._static.cache.layers[0].keys  # the layout survived the growth
+    assert keys.transpose(1, 2).is_contiguous() == time_major and keys.is_contiguous() != time_major
 
 
 class _Req(SimpleNamespace):
@@ -122,8 +142,9 @@ def _prefill_cache(lengths: list[int], heads: int = 2, dim: int = 3, layers: int
     return cache, mask
 
 
-def test_slot_batch_merge_keep_compacts_and_grows():
-    cache = SlotCache(slots=8, capacity=4)
+@pytest.mark.parametrize("time_major", [False, True])
+def test_slot_batch_merge_keep_compacts_and_grows(time_major):
+    cache = SlotCache(slots=8, capacity=4, time_major=time_major)
     batch = SlotBatch(cache, batch_buckets(8))
     assert batch.buckets == [1, 2, 4, 8]
     lengths = [3, 6, 2, 5, 4]

@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-compile-max-bs", type=int, default=32,
                    help="largest padded batch whose decode step is compiled (SGLang's flag and default)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
-                   help="honour each request's sampling_seed (SGLang 0.5.23 ignores it without this switch)")
+                   help="honour each request's sampling_seed (SGLang 0.5.23 ignores it without this switch); "
+                        "on CUDA also batch-invariant decode attention, as SGLang's switch: the static path's "
+                        "decode steps run the trainer's flash kernel over the slot cache")
     p.add_argument("--max-request-bytes", type=int, default=256 << 20,
                    help="a request body larger than this is refused with 413 before it is read")
     p.add_argument("--http-read-timeout", type=float, default=30.0,

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slime_rl.engines.embedded.attention import VARLEN_PREFILL, slot_decode_attention, uses_flash_decode
 from slime_rl.engines.embedded.batch import Row, RunningBatch, can_merge, left_pad
 from slime_rl.engines.embedded.graphs import StaticDecoder
 from slime_rl.engines.embedded.routing import RoutingCapture
@@ -134,6 +135,9 @@ class Engine:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.is_vision = is_vision_config(model.config)
+        # --enable-deterministic-inference (precision.apply_deterministic_attention): prefills by the
+        # trainer's varlen flash attention too, so the prompt's keys and values are the trainer's bits
+        self._prefill_attention = VARLEN_PREFILL if uses_flash_decode(model) and not self.is_vision else None
         self.default_gen = torch.Generator(device=self.device).manual_seed(seed)
         self.model_lock = threading.Lock()  # held for every forward and every weight copy
         # CUDA: the last weight copy's event (it runs on a side stream); forwards wait for it
@@ -466,8 +470,11 @@ class Engine:
                 else ({}, [0] * len(ready))
             pos = vision.pop("position_ids", pos)
             inputs = vision if vision else {"input_ids": ids}
-            out = self.model(**inputs, attention_mask=mask, position_ids=pos, use_cache=True,
-                             logits_to_keep=0 if want_input_lp else 1)
+            switch = slot_decode_attention(self.model, self._prefill_attention) if self._prefill_attention \
+                else contextlib.nullcontext()
+            with switch:
+                out = self.model(**inputs, attention_mask=mask, position_ids=pos, use_cache=True,
+                                 logits_to_keep=0 if want_input_lp else 1)
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_shared_rows"] += len(ready) - len(distinct)
         self.stats["prefill_tokens"] += sum(len(s) for s in distinct)

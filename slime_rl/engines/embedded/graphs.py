@@ -34,7 +34,7 @@ import logging
 
 import torch
 
-from slime_rl.engines.embedded.attention import slot_decode_attention
+from slime_rl.engines.embedded.attention import slot_decode_attention, uses_flash_decode
 from slime_rl.engines.embedded.batch import Row
 from slime_rl.engines.embedded.sampling import device_tensor
 from slime_rl.engines.embedded.slots import SlotBatch, SlotCache, batch_buckets, slot_inputs, slot_positions
@@ -57,7 +57,8 @@ class StaticDecoder:
         self.device, self.dtype = param.device, param.dtype
         self.buckets = batch_buckets(max_rows)
         self.min_kv_len = next_pow2(min_kv_len)
-        self.cache = SlotCache(max_rows, next_pow2(max(capacity, self.min_kv_len)))
+        # time-major when the decode attention reads the slots as flash's packed rows (attention.py)
+        self.cache = SlotCache(max_rows, next_pow2(max(capacity, self.min_kv_len)), time_major=uses_flash_decode(model))
         self.batch = SlotBatch(self.cache, self.buckets)
         # eager attention adds a float mask; sdpa takes a boolean one (True = attend)
         self.float_mask = (model.config.get_text_config()._attn_implementation or "eager") == "eager"

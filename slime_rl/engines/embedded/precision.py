@@ -44,7 +44,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from slime_rl.engines.embedded.attention import FP32_SCORES
+from slime_rl.engines.embedded.attention import FLASH_DECODE, FP32_SCORES
 
 ISLANDS = ("rmsnorm", "lm_head", "attn_scores")
 ENV = "SLIME_RL_FP32_ISLANDS"
@@ -138,3 +138,18 @@ def apply_precision_policy(model: torch.nn.Module, fp32_lm_head: bool = False,
             head.forward = types.MethodType(_lm_head_fp32, head)
             done.append("lm_head")
     return done
+
+
+def apply_deterministic_attention(model: torch.nn.Module) -> int:
+    """--enable-deterministic-inference (SGLang's batch-invariant mode): mark the language model's
+    attention layers so that the static path's decode steps run `attention.flash_slot_decode` over a
+    time-major slot cache, on CUDA in bf16/fp16; elsewhere the marks change nothing. With the GEMMs,
+    which are already invariant to the row count at these shapes (bench/gemm_invariance.py), a decode
+    step then computes what the trainer's packed forward computes at that position. Returns the
+    number of layers marked."""
+    n = 0
+    for module in text_decoder(model).modules():
+        if is_attention(module):
+            setattr(module, FLASH_DECODE, True)
+            n += 1
+    return n

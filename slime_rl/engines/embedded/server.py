@@ -35,7 +35,7 @@ from slime_rl.data.images import load_image_processor
 from slime_rl.engines.embedded.engine import Engine, GenRequest
 from slime_rl.engines.embedded.http import HttpLimits, HttpServer
 from slime_rl.engines.embedded.memory import MemoryOccupation
-from slime_rl.engines.embedded.precision import apply_precision_policy
+from slime_rl.engines.embedded.precision import apply_deterministic_attention, apply_precision_policy
 from slime_rl.engines.embedded.protocol import build_response, parse_generate, seed_generator
 from slime_rl.engines.embedded.routing import RoutingCapture
 from slime_rl.engines.embedded.sampling import RequestError
@@ -121,6 +121,10 @@ class EmbeddedServer:
             self.model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype).to(cfg.device).eval()
         # bf16/fp16: the fp32 islands SGLang and the trainer keep (RMSNorm weight, lm head)
         apply_precision_policy(self.model, fp32_lm_head=cfg.enable_fp32_lm_head)
+        if cfg.enable_deterministic_inference and torch.device(cfg.device).type == "cuda":
+            # decode attention by the trainer's flash kernel over a time-major slot cache (attention.py)
+            n = apply_deterministic_attention(self.model)
+            logger.info("embedded engine: deterministic inference: flash decode attention in %d layers", n)
         hf = self.model.config
         eos = set()
         try:

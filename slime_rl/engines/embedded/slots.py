@@ -1,6 +1,9 @@
 """The static KV cache of the embedded engine: one preallocated row ("slot") per running request.
 
-Every layer keeps keys and values of shape [slots, kv_heads, capacity, head_dim]. A request owns one
+Every layer keeps keys and values of shape [slots, kv_heads, capacity, head_dim] (as views; with
+`time_major` the memory under them is laid out [slots, capacity, kv_heads, head_dim], the layout of a
+varlen flash attention's packed keys, which the deterministic decode attention reads: attention.py's
+`flash_slot_decode`). A request owns one
 slot from its admission to its end; its cached tokens sit at columns 0..n-1 of that slot and the token
 it feeds next is written at column n. So a decode step has fixed shapes whatever the requests'
 lengths: ids/positions/write columns [bs] for the first `bs` slots, keys/values read over the first
@@ -78,9 +81,10 @@ class SlotCache(Cache):
     """transformers' Cache interface over per-slot rows. Before a forward the caller sets `cols`
     (long [bs]: the column each of the first bs slots writes) and `kv_len` (columns attention reads)."""
 
-    def __init__(self, slots: int, capacity: int) -> None:
+    def __init__(self, slots: int, capacity: int, time_major: bool = False) -> None:
         super().__init__(layers=[])
         self.slots, self.capacity = slots, capacity
+        self.time_major = time_major
         self.cols: torch.Tensor | None = None
         self.kv_len = 0
         self.arena: torch.UntypedStorage | None = None  # the storage every layer's keys/values view
@@ -98,17 +102,21 @@ class SlotCache(Cache):
     def _buffers(self, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's keys and values [slots, heads, capacity, head_dim] as views of ONE zeroed
         storage (`self.arena`): a release frees it and a resume re-allocates it in one piece, so its
-        address, which the CUDA graphs bake in, usually comes back the same (memory.py)."""
+        address, which the CUDA graphs bake in, usually comes back the same (memory.py). Time-major:
+        each view is the [slots, capacity, heads, head_dim] memory seen with dims 1 and 2 swapped."""
         views, total = [], 0
         for (kh, kd), (vh, vd), dtype, _ in self._shapes:
             for heads, dim in ((kh, kd), (vh, vd)):
-                views.append((total, (self.slots, heads, capacity, dim), dtype))
+                shape = (self.slots, capacity, heads, dim) if self.time_major else (self.slots, heads, capacity, dim)
+                views.append((total, shape, dtype))
                 total += self.slots * heads * capacity * dim * dtype.itemsize
                 total = -(-total // 256) * 256
         device = self._shapes[0][3]
         self.arena, self._arena_bytes = torch.UntypedStorage(total, device=device), total
         out = [torch.empty(0, dtype=dtype, device=device).set_(self.arena, off // dtype.itemsize, shape)
                for off, shape, dtype in views]
+        if self.time_major:
+            out = [t.transpose(1, 2) for t in out]
         for t in out:
             t.zero_()
         return list(zip(out[0::2], out[1::2], strict=True))
