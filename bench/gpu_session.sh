@@ -88,16 +88,16 @@ case "$1" in
     python3 bench/peer_trl.py --model /tmp/smol-bf16 --prompts 16 --group 8 --max-new-tokens 64 --steps 20 \
       --warmup 5 --out "$OUT/peer_trl_16x8x64_$day.json" 2>&1 | grep -v Warning | grep -e "^step" -e "^{" | tail -4 ;;
   numerics)
-    # the gap on the engine's own decode path (static cache, graphs, its attention; 64 rows per step),
-    # bf16 vs fp32 attention scores, then with split-K partial sums reduced in fp32 on both sides; and
-    # HF's batched decode path (the bench's older rows) for comparison
+    # the gap on the engine's own decode path (static cache, graphs, its attention; 64 rows per step)
     need_model
-    python3 bench/precision_gap.py --model /tmp/smol-fp32 --engine --n 64 --new-tokens 64 --rows 0,1 \
-      --out "$OUT/precision_gap_engine_1xH200_$day.json" 2>&1 | grep "mean |dlogp|"
-    python3 bench/precision_gap.py --model /tmp/smol-fp32 --engine --n 64 --new-tokens 64 --rows 1 --splitk-fp32 \
-      --out "$OUT/precision_gap_engine_splitk_1xH200_$day.json" 2>&1 | grep "mean |dlogp|"
-    python3 bench/precision_gap.py --model /tmp/smol-fp32 --n 32 --new-tokens 64 --rows 4,5 --batched-decode \
-      --out "$OUT/precision_gap_batched_1xH200_$day.json" 2>&1 | grep "mean |dlogp|" ;;
+    timeout -s INT -k 10 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engines/test_embedded_attention.py \
+      2>&1 | tail -3 | tee "$OUT/gpu_attention_tests_$day.txt"
+    # against the trainer packed as the loop packs it (THD): the default engine, then
+    # --enable-deterministic-inference (flash decode and varlen prefill: bench/attention_invariance.py)
+    python3 bench/precision_gap.py --model /tmp/smol-fp32 --engine --thd --n 64 --new-tokens 64 --rows 1,2 \
+      --out "$OUT/precision_gap_engine_thd_1xH200_$day.json" 2>&1 | grep "mean |dlogp|"
+    python3 bench/precision_gap.py --model /tmp/smol-fp32 --engine --n 64 --new-tokens 64 --rows 1,2 \
+      --out "$OUT/precision_gap_engine_1xH200_$day.json" 2>&1 | grep "mean |dlogp|" ;;
   learn-detached)
     need_model
     rm -rf /tmp/learn_out && mkdir -p /tmp/learn_out
@@ -154,7 +154,7 @@ case "$1" in
       > "$OUT/${tag}_trl.log" 2>&1 &
     trl=$!
     CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl "${common[@]}" --out "$OUT/${tag}_ours.json" \
-      --ours-extra --save-hf "/tmp/learned_$task" --save-interval "$steps" > "$OUT/${tag}_ours.log" 2>&1
+      --ours-extra --save-hf "/tmp/learned_$task" --save-interval "$steps" $OURS_EXTRA > "$OUT/${tag}_ours.log" 2>&1
     tail -3 "$OUT/${tag}_ours.log"
     python3 tools/eval_greedy.py --model "/tmp/learned_$task" --data "/tmp/heldout_$task.jsonl" --n 200 \
       --max-new-tokens "$eval_tokens" 2>&1 | tail -1 | tee "$OUT/${tag}_eval_end.txt"

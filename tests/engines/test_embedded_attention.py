@@ -136,6 +136,7 @@ def test_flash_decode_equals_the_trainers_attention_bit_for_bit(heads, kv_heads,
     slot cache) gives, for each row's new token, exactly the bits the trainer's packed attention
     (trainer/attention.py SDPACoreAttention, THD) gives at that position over the whole sequence;
     the default decode attention does not (so the test can tell the two apart)."""
+    pytest.importorskip("megatron.core")  # the trainer's side (on the GPU machine: after the wheels)
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from slime_rl.engines.embedded.attention import FLASH_DECODE, FP32_SCORES
@@ -184,6 +185,7 @@ def test_flash_decode_equals_the_trainers_attention_bit_for_bit(heads, kv_heads,
 def test_varlen_prefill_equals_the_trainers_attention_bit_for_bit():
     """Under --enable-deterministic-inference a left-padded prefill of rows of different lengths gives
     every real position the bits of the trainer's THD attention over the same rows packed."""
+    pytest.importorskip("megatron.core")
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from slime_rl.engines.embedded.attention import varlen_prefill_attention
