@@ -218,3 +218,39 @@ def test_varlen_prefill_equals_the_trainers_attention_bit_for_bit():
 
     other = sdpa_attention_forward(module, q, k, v, mask, scaling=D ** -0.5)[0]
     assert not torch.equal(other[pad], ref)
+
+
+def test_packed_prefill_unpads_left_padded_rows_and_puts_them_back():
+    """The packing around the varlen kernel (CPU, the kernel replaced by a float64 causal attention
+    per packed row, a stand-in for this one unit): every real position of every left-padded row gets
+    causal attention over its own row only, against float64 attention on each row alone; the
+    kernel sees the trainer's arguments (cu_seqlens from the row lengths, max length, KV heads
+    expanded to the query heads when it has no enable_gqa)."""
+    from slime_rl.engines.embedded.attention import packed_prefill
+
+    torch.manual_seed(3)
+    heads, kv_heads, D = 6, 2, 8
+    lengths = [4, 1, 7]
+    B, L = len(lengths), max(lengths)
+    q, k, v = (torch.randn(B, h, L, D) for h in (heads, kv_heads, kv_heads))
+    valid = torch.tensor([[t >= L - n for t in range(L)] for n in lengths])
+    seen = {}
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+        seen.update(cu=cu_q.tolist(), max=(max_q, max_k), heads=k.shape[1], window=window_size)
+        out = torch.empty_like(q)
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+            s = torch.einsum("thd,shd->hts", q[a:b].double(), k[a:b].double()) * scale
+            s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+            out[a:b] = torch.einsum("hts,shd->thd", s.softmax(-1), v[a:b].double()).to(q.dtype)
+        return out
+
+    got = packed_prefill(q, k, v, valid, 0.5, kernel)
+    assert seen == {"cu": [0, 4, 5, 12], "max": (7, 7), "heads": heads, "window": (-1, 0)}
+    assert got.shape == (B, L, heads, D)
+    for b, n in enumerate(lengths):
+        assert torch.equal(got[b, :L - n], torch.zeros(L - n, heads, D))  # padding: nothing written
+        for h in range(heads):
+            qq, kk, vv = q[b, h, L - n:].double(), k[b, h // 3, L - n:].double(), v[b, h // 3, L - n:].double()
+            s = (qq @ kk.T * 0.5).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            torch.testing.assert_close(got[b, L - n:, h].double(), s.softmax(-1) @ vv, atol=1e-6, rtol=0)

@@ -164,7 +164,6 @@ def varlen_prefill_attention(module: torch.nn.Module, query: torch.Tensor, key: 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     B, H, L, D = query.shape
-    hkv = key.shape[1]
     varlen = _varlen_attn()
     if (varlen is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16) or dropout
             or key.shape[2] != L or (attention_mask is not None and attention_mask.dtype != torch.bool)):
@@ -174,6 +173,17 @@ def varlen_prefill_attention(module: torch.nn.Module, query: torch.Tensor, key: 
     # left padding: row b's real tokens are its last n_b positions; the last query sees all of them
     valid = attention_mask[:, 0, -1, :] if attention_mask is not None else \
         torch.ones(B, L, dtype=torch.bool, device=query.device)
+    return packed_prefill(query, key, value, valid, scale, varlen), None
+
+
+def packed_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scale: float,
+                   varlen) -> torch.Tensor:
+    """`varlen_prefill_attention`'s work: the positions where `valid` [B, L] is True unpadded into one
+    pack (cu_seqlens from the rows' counts), causal attention over each row by `varlen` (torch's
+    varlen_attn signature), called as the trainer calls it, and the outputs put back -> [B, L, H, D]
+    (zeros at padding)."""
+    B, H, L, D = query.shape
+    hkv = key.shape[1]
     n = valid.sum(-1)
     cu = torch.cat([n.new_zeros(1), n.cumsum(0)]).to(torch.int32)
     top = int(n.max())
@@ -182,12 +192,12 @@ def varlen_prefill_attention(module: torch.nn.Module, query: torch.Tensor, key: 
     extra = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     if H != hkv and "enable_gqa" in params:
         extra["enable_gqa"] = True
-    elif H != hkv:
+    elif H != hkv:  # as trainer/attention.py: query head i reads KV head i // (H / Hkv)
         k, v = k.repeat_interleave(H // hkv, dim=1), v.repeat_interleave(H // hkv, dim=1)
     packed = varlen(q, k, v, cu, cu, top, top, scale=scale, **extra)
     out = query.new_zeros(B, L, H, D)
     out[valid] = packed.view(-1, H, D)
-    return out, None
+    return out
 
 
 def uses_flash_decode(model: torch.nn.Module) -> bool:
