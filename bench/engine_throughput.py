@@ -52,7 +52,7 @@ TIMER_KEYS = ("decode_s", "decode_forwards", "prefill_s", "prefill_tokens")
 
 
 def engine_run(ckpt: Path, prompts: list[list[int]], new_tokens: int, cuda: bool, log: Path,
-               graphs: bool, overlap: bool = True, compile_max_bs: int = 0) -> dict:
+               graphs: bool, overlap: bool = True, compile_max_bs: int = 0, extra: tuple[str, ...] = ()) -> dict:
     from slime_rl.engines.client import EngineClient
     from slime_rl.engines.launch import embedded_command, wait_healthy
 
@@ -63,6 +63,7 @@ def engine_run(ckpt: Path, prompts: list[list[int]], new_tokens: int, cuda: bool
     argv += ["--max-running-requests", str(len(prompts))]
     if compile_max_bs:
         argv += ["--enable-torch-compile", "--torch-compile-max-bs", str(compile_max_bs)]
+    argv += list(extra)
     if graphs and not cuda:
         argv += ["--static-kv-cache"]  # CPU smoke: the same static path, without graph capture
     proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -164,6 +165,9 @@ def main() -> None:
                    help="run the engines with SGLang's --enable-torch-compile (the decode step's RMSNorms, MLPs "
                         "and RoPE compiled; the first run pays the compile) and --torch-compile-max-bs covering "
                         "every batch")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="run the engines with --enable-deterministic-inference (on CUDA: flash decode attention "
+                        "over a time-major slot cache and varlen prefill, the trainer's kernels)")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few tokens")
     a = p.parse_args()
@@ -184,14 +188,16 @@ def main() -> None:
     runs = {}
     for name, graphs in [("engine", True)] + ([] if a.skip_eager else [("engine_eager", False)]):
         r = runs[name] = engine_run(ckpt, main_prompts, a.new_tokens, cuda, work / f"{name}.log", graphs,
-                                    overlap=not a.disable_overlap_schedule, compile_max_bs=compile_bs)
+                                    overlap=not a.disable_overlap_schedule, compile_max_bs=compile_bs,
+                                    extra=extra_flags(a))
         stats = ", ".join(f"{k} {r[k]}" for k in STAT_KEYS if k in r)
         print(f"{name}: {r['tokens']} tokens in {r['s']:.2f} s = {r['tokens'] / r['s']:,.0f} tokens/s "
               f"(first run {r['first_run_s']:.2f} s; counters over both runs: {stats})", flush=True)
     result = {"shape": a.shape, "prompts": a.prompts, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu",
               # the engine's overlap scheduler (its /get_server_info)
-              "overlap": runs["engine"].get("overlap"), "torch_compile": a.enable_torch_compile}
+              "overlap": runs["engine"].get("overlap"), "torch_compile": a.enable_torch_compile,
+              "deterministic_inference": a.enable_deterministic_inference}
     result.update(roofline(ckpt, prompts, batches, runs["engine"], a, cuda, work, compile_bs))
     expected = a.prompts * a.new_tokens
     counts = {name: r["tokens"] for name, r in runs.items()}
@@ -214,6 +220,10 @@ def main() -> None:
         print(f"ratio (engine / HF generate tokens/s) {result['ratio']:.2f}")
 
 
+def extra_flags(a: argparse.Namespace) -> tuple[str, ...]:
+    return ("--enable-deterministic-inference",) if a.enable_deterministic_inference else ()
+
+
 def roofline(ckpt: Path, prompts: list[list[int]], batches: list[int], main_run: dict, a: argparse.Namespace,
              cuda: bool, work: Path, compile_bs: int) -> dict:
     """decode_step_s_b{b} (the default engine path, b rows decoding together), roofline_step_s_b{b},
@@ -231,7 +241,7 @@ def roofline(ckpt: Path, prompts: list[list[int]], batches: list[int], main_run:
         r = main_run if b == a.prompts else engine_run(ckpt, prompts[:b], a.new_tokens, cuda,
                                                        work / f"engine_b{b}.log", True,
                                                        overlap=not a.disable_overlap_schedule,
-                                                       compile_max_bs=compile_bs)
+                                                       compile_max_bs=compile_bs, extra=extra_flags(a))
         step = r["run_decode_s"] / max(r["run_decode_forwards"], 1)
         weights, kv = step_bytes(ckpt, b, context, elem)
         ideal = (weights + kv) / bw

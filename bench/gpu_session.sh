@@ -52,12 +52,14 @@ case "$1" in
       | tee "$OUT/gpu_decode_tests_$day.txt"
     timeout -s INT -k 10 150 python3 bench/decode_step.py --variants "${VARIANTS:-engine,compiled}" \
       --iters 30 --out "$OUT/decode_step_1.5b_$day.json" 2>&1 | grep -e "^bs" -e "^  " -e "^{" | tail -40
-    # THROUGHPUT (default "compiled eager"): which engine_throughput runs, in that order
+    # THROUGHPUT (default "compiled eager"): which engine_throughput runs, in that order; "deterministic":
+    # --enable-deterministic-inference (flash decode over a time-major slot cache), no compile
     for c in ${THROUGHPUT:-compiled eager}; do
-      flag=$([ "$c" = compiled ] && echo --enable-torch-compile)
-      timeout -s INT -k 10 "$([ -n "$flag" ] && echo 170 || echo 110)" python3 bench/engine_throughput.py --shape 1.5b \
+      case "$c" in compiled) flag=--enable-torch-compile ;; deterministic) flag=--enable-deterministic-inference ;;
+        *) flag= ;; esac
+      timeout -s INT -k 10 "$([ "$c" = compiled ] && echo 170 || echo 110)" python3 bench/engine_throughput.py --shape 1.5b \
         --prompts 64 --prompt-len 128 --new-tokens 256 --decode-batches 64,256 --skip-eager --skip-hf $flag \
-        --out "$OUT/engine_throughput_1.5b${flag:+_compiled}_$day.json" 2>&1 \
+        --out "$OUT/engine_throughput_1.5b_${c}_$day.json" 2>&1 \
         | grep -e "^engine" -e "^decode" -e "^prefill" -e "^device"
     done ;;
   part1)
