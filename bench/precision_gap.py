@@ -23,12 +23,14 @@ Small mode on CPU (bf16 is slow there): --n 2 --new-tokens 16; on a GPU: --n 32 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -90,6 +92,21 @@ def batched_decode_logprobs(model, seqs, device: str) -> list[torch.Tensor]:
     lp = torch.log_softmax(torch.stack(logits, dim=1).float(), dim=-1)  # [B, steps, V]
     target = torch.tensor([r for _, r in seqs], device=device)[..., None]
     return list(lp.gather(2, target).squeeze(2).cpu())
+
+
+@contextlib.contextmanager
+def engine_process_matmul() -> Iterator[None]:
+    """The engine's fp32 matmul precision inside the block: the trainer's model build sets TF32
+    ("high", trainer/model.py, for its fp32 output layer) process-wide, and this bench runs both
+    sides in one process; the engine runs in a process of its own where fp32 matmuls stay fp32.
+    Under TF32 HF's RoPE (positions times inverse frequencies as an fp32 matmul) would round its
+    angles, which the engine never does."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def engine_logprobs(model_dir: Path, dtype: torch.dtype, seqs, device: str,
@@ -230,8 +247,9 @@ def main(argv: list[str] | None = None) -> None:
         islands_from_env()  # a typo in the table fails here
         start = time.perf_counter()
         dtype = getattr(torch, dtype_name)
-        decode, full = (torch.cat(x) for x in engine_logprobs(model_dir, dtype, seqs, args.device,
-                                                              args.batched_decode))
+        with engine_process_matmul():
+            decode, full = (torch.cat(x) for x in engine_logprobs(model_dir, dtype, seqs, args.device,
+                                                                  args.batched_decode))
         trn = torch.cat(trainer_logprobs(model_dir, dtype == torch.bfloat16, seqs, args.device,
                                          "lm_head" in islands_from_env()))
         diff = (decode - trn).abs()
@@ -258,7 +276,8 @@ def engine_rows(args: argparse.Namespace, model_dir: Path) -> None:
         os.environ[ENV] = islands
         islands_from_env()
         start = time.perf_counter()
-        seqs, reported, stats = engine_sampled(model_dir, args.n, args.new_tokens, args.device, deterministic)
+        with engine_process_matmul():
+            seqs, reported, stats = engine_sampled(model_dir, args.n, args.new_tokens, args.device, deterministic)
         eng = torch.cat(reported)
         trn = torch.cat(trainer_logprobs(model_dir, True, seqs, args.device, fp32_lm_head=True, thd=args.thd))
         diff = (eng - trn).abs()
