@@ -96,3 +96,35 @@ def test_fp32_models_and_none_are_untouched(tiny_llama, llama_bf16, monkeypatch)
     monkeypatch.setenv(ENV, "rmsnorm,softmax")
     with pytest.raises(ValueError, match=r"SLIME_RL_FP32_ISLANDS='rmsnorm,softmax': unknown island\(s\) \['softmax'\]"):
         islands_from_env()
+
+
+def test_rope_gives_the_trainers_bits_in_bf16():
+    """The deterministic decode path (--enable-deterministic-inference) relies on every op outside
+    the GEMMs and attention rounding as the trainer's: HF's Llama RoPE (frequencies as a matmul,
+    cos/sin cast to bf16, q*cos + rotate_half(q)*sin) against megatron's (an outer product,
+    `_apply_rotary_pos_emb_bshd`, which trainer/packed_rope.py's THD path calls), on SmolLM2's head
+    dim and base, positions 0..399, in bf16: bit for bit."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    cfg.rope_parameters = {"rope_theta": 1e5, "rope_type": "default"}
+    T = 400
+    torch.manual_seed(0)
+    q = (torch.randn(1, 9, T, 64) * 3).bfloat16()
+    cos, sin = LlamaRotaryEmbedding(cfg)(q, torch.arange(T)[None])
+    hf = apply_rotary_pos_emb(q, q, cos, sin)[0]
+    rope = RotaryEmbedding(kv_channels=64, rotary_percent=1.0, rotary_base=1e5, use_cpu_initialization=True)
+    f = rope.get_freqs_non_repeated(T)  # get_emb without its move to the GPU
+    freqs = torch.cat((f, f), dim=-1)[:, None, None, :]
+    mg = rope_utils._apply_rotary_pos_emb_bshd(q[0].permute(1, 0, 2)[:, None], freqs)[:, 0].permute(1, 0, 2)[None]
+    assert torch.equal(hf, mg)
+    # and a rounding difference would show: the same rotation in fp32, rounded once at the end
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    cos32, sin32 = torch.cos(freqs[:, 0, 0]), torch.sin(freqs[:, 0, 0])
+    other = (q.float() * cos32 + rotate_half(q).float() * sin32).bfloat16()
+    assert not torch.equal(other, hf)
