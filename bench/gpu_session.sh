@@ -136,18 +136,20 @@ case "$1" in
       2>&1 | tail -1 | tee "$OUT/${tag}_eval_start.txt"
     trl_gpu=0; [ "$gpus" -ge 2 ] && trl_gpu=1
     if [ -n "$EXTRA_TASK" ]; then  # a second task, ours only, at the same time (its own held-out check)
-      et=$EXTRA_TASK; etag="peer_trl_learn_${et}_${steps}_$day"
-      ( python3 tools/make_reasoning_gym_data.py --task "$et" --n 200 --seed 100000 --out "/tmp/heldout_$et.jsonl" &&
-        python3 tools/make_reasoning_gym_data.py --task "$et" --n 5000 --seed 0 --exclude "/tmp/heldout_$et.jsonl" \
-          --out "/tmp/train_$et.jsonl" &&
-        python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$et.jsonl" --n 200 --max-new-tokens "$eval_tokens" \
+      # EXTRA_TASK_CONFIG, EXTRA_NEW_TOKENS (default: NEW_TOKENS; the held-out check gets the same budget)
+      et=$EXTRA_TASK; etag="peer_trl_learn_${et}_${steps}_$day"; ent=${EXTRA_NEW_TOKENS:-$new_tokens}
+      ( python3 tools/make_reasoning_gym_data.py --task "$et" --n 200 --seed 100000 $EXTRA_TASK_CONFIG \
+          --out "/tmp/heldout_$et.jsonl" &&
+        python3 tools/make_reasoning_gym_data.py --task "$et" --n 5000 --seed 0 $EXTRA_TASK_CONFIG \
+          --exclude "/tmp/heldout_$et.jsonl" --out "/tmp/train_$et.jsonl" &&
+        python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$et.jsonl" --n 200 --max-new-tokens "$ent" \
           2>&1 | tail -1 > "$OUT/${etag}_eval_start.txt" &&
         CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model /tmp/smol-bf16 --task "$et" \
-          --data "/tmp/train_$et.jsonl" --prompts 16 --group 8 --max-new-tokens "$new_tokens" --steps "$steps" --warmup 5 --lr "$lr" \
-          --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_$et" --save-interval "$steps" \
+          --data "/tmp/train_$et.jsonl" --prompts 16 --group 8 --max-new-tokens "$ent" --steps "$steps" --warmup 5 --lr "$lr" \
+          --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_$et" --save-interval "$steps" $OURS_EXTRA \
           > "$OUT/${etag}_ours.log" 2>&1 &&
         python3 tools/eval_greedy.py --model "/tmp/learned_$et" --data "/tmp/heldout_$et.jsonl" --n 200 \
-          --max-new-tokens "$eval_tokens" 2>&1 | tail -1 > "$OUT/${etag}_eval_end.txt" ) &
+          --max-new-tokens "$ent" 2>&1 | tail -1 > "$OUT/${etag}_eval_end.txt" ) &
       extra=$!
     fi
     common=(--model /tmp/smol-bf16 --task "$task" --data "/tmp/train_$task.jsonl" --prompts 16 --group 8
