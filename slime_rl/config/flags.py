@@ -362,7 +362,8 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--deterministic-rollout', derived='rollout.sample_seed', action="store_true",
              help='seed every request (SGLang sampling_seed) from --seed, --rollout-seed and the sample index, and '
                   'start the engines with --enable-deterministic-inference (SGLang ignores sampling_seed without it): '
-                  'rollouts then repeat across engine restarts and resumes'),
+                  'rollouts then repeat across engine restarts and resumes; the built-in engine on CUDA also runs '
+                  "prefill and decode attention by the trainer's flash kernel then (the same attention bits: README)"),
         Flag('--num-rollout', derived='rollout.num_rollout', type=_positive_int, help='training steps'),
         Flag('--rollout-stop', 'rollout.rollout_stop', nargs='+', convert=_tuple, help='stop strings'),
         Flag('--rollout-stop-token-ids', 'rollout.rollout_stop_token_ids', type=int, nargs='+', convert=_tuple),
