@@ -136,10 +136,15 @@ def flash_slot_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     capacity = key.stride(0) // (key.shape[1] * D)
     used = attention_mask.view(B, -1).sum(-1, dtype=torch.int32)
     cu_q = torch.arange(B + 1, dtype=torch.int32, device=query.device)
-    out = torch.ops.aten._flash_attention_forward(
-        query.reshape(B, H, D), k, v, cu_q, cu_q * capacity, 1, key.shape[2], 0.0, True, False,
-        scale=scale, window_size_left=max(_COVERING_WINDOW, key.shape[2]), window_size_right=0, seqused_k=used)[0]
+    out = _flash_forward(query.reshape(B, H, D), k, v, cu_q, cu_q * capacity, 1, key.shape[2], 0.0, True, False,
+                         scale=scale, window_size_left=max(_COVERING_WINDOW, key.shape[2]), window_size_right=0,
+                         seqused_k=used)[0]
     return out.view(B, 1, H, D)
+
+
+def _flash_forward(*args, **kwargs):
+    """torch's flash attention forward (aten._flash_attention_forward: varlen, seqused_k, windows)."""
+    return torch.ops.aten._flash_attention_forward(*args, **kwargs)
 
 
 def _varlen_attn():
