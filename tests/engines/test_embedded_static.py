@@ -245,11 +245,12 @@ def _reference_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, is_caus
 
 
 def test_flash_decode_plumbing_through_the_engine(model_tok, model64, monkeypatch):
-    """The deterministic decode path end to end on CPU: the time-major slot cache, its packed-rows
-    view, cu_seqlens_k from the capacity, seqused_k from the mask, through the engine's schedule
-    (rows joining mid-decode, an abort, slots reused and compacted, the cache growing, kv_len buckets
-    changing); the CUDA flash kernel replaced by its float64 semantics (the GPU tests check the
-    kernel itself). Tokens and log-probs equal the dynamic path's."""
+    """The deterministic path end to end on CPU: prefills through the varlen packing (the padding
+    read from the mask HF builds for it), decode steps through the time-major slot cache, its
+    packed-rows view, cu_seqlens_k from the capacity, seqused_k from the mask, along the engine's
+    schedule (rows joining mid-decode, an abort, slots reused and compacted, the cache growing,
+    kv_len buckets changing); the CUDA kernels replaced by their float64 semantics (the GPU tests
+    check the kernels themselves). Tokens and log-probs equal the dynamic path's."""
     from slime_rl.engines.embedded import attention as A
 
     calls = []
@@ -259,8 +260,23 @@ def test_flash_decode_plumbing_through_the_engine(model_tok, model64, monkeypatc
         calls.append(ok)
         return ok
 
+    prefills = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+        """torch's varlen_attn semantics (causal window), float64 per packed row."""
+        assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and k.shape[1] == q.shape[1]
+        prefills.append(cu_q.tolist())
+        out = torch.empty_like(q)
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+            sc = torch.einsum("thd,shd->hts", q[a:b].double(), k[a:b].double()) * scale
+            sc = sc.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+            out[a:b] = torch.einsum("hts,shd->thd", sc.softmax(-1), v[a:b].double()).to(q.dtype)
+        return out
+
     monkeypatch.setattr(A, "flash_decode_applies", on_cpu)
     monkeypatch.setattr(A, "_flash_forward", _reference_flash_forward)
+    monkeypatch.setattr(A, "varlen_prefill_applies", lambda q, k, m: k.shape[2] == q.shape[2])
+    monkeypatch.setattr(A, "_varlen_attn", lambda: varlen)
     model, tok = model_tok
     apply_deterministic_attention(model)
     try:
@@ -270,3 +286,6 @@ def test_flash_decode_plumbing_through_the_engine(model_tok, model64, monkeypatc
             if hasattr(m, FLASH_DECODE):
                 delattr(m, FLASH_DECODE)
     assert calls and all(calls)  # every decode step's attention took the flash path
+    # and the prefills the varlen one, rows of different lengths packed (left padding removed)
+    sizes = [{b - a for a, b in zip(cu[:-1], cu[1:], strict=True)} for cu in prefills]
+    assert prefills and any(len(s) > 1 for s in sizes)

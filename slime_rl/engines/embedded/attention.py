@@ -170,8 +170,7 @@ def varlen_prefill_attention(module: torch.nn.Module, query: torch.Tensor, key: 
 
     B, H, L, D = query.shape
     varlen = _varlen_attn()
-    if (varlen is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16) or dropout
-            or key.shape[2] != L or (attention_mask is not None and attention_mask.dtype != torch.bool)):
+    if varlen is None or dropout or not varlen_prefill_applies(query, key, attention_mask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     scale = scaling if scaling is not None else D ** -0.5
@@ -179,6 +178,12 @@ def varlen_prefill_attention(module: torch.nn.Module, query: torch.Tensor, key: 
     valid = attention_mask[:, 0, -1, :] if attention_mask is not None else \
         torch.ones(B, L, dtype=torch.bool, device=query.device)
     return packed_prefill(query, key, value, valid, scale, varlen), None
+
+
+def varlen_prefill_applies(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """CUDA, bf16/fp16, a fresh prefill (keys only of these positions), a boolean mask or none."""
+    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and key.shape[2] == query.shape[2]
+            and (attention_mask is None or attention_mask.dtype == torch.bool))
 
 
 def packed_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scale: float,
