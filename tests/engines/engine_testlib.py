@@ -18,3 +18,16 @@ def start_server(model_path: Path, **kw) -> EmbeddedServer:
 def prompt_of(n: int, salt: int = 0) -> list[int]:
     """A deterministic prompt of n ordinary ids in [0, 61) (61-63 are the tiny tokenizer's specials)."""
     return [(7 * i + 11 * salt + 5) % 61 for i in range(n)]
+
+
+def causal_packed_attention(q, k, v, cu, scale: float):
+    """Float64 causal attention over each packed row [cu[i], cu[i+1]) of q/k/v [T, heads, D] (the
+    same heads on all three), cast back to q's dtype: what torch's varlen flash computes."""
+    import torch
+
+    out = torch.empty_like(q)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        s = torch.einsum("thd,shd->hts", q[a:b].double(), k[a:b].double()) * scale
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        out[a:b] = torch.einsum("hts,shd->thd", s.softmax(-1), v[a:b].double()).to(q.dtype)
+    return out

@@ -226,6 +226,8 @@ def test_packed_prefill_unpads_left_padded_rows_and_puts_them_back():
     causal attention over its own row only, against float64 attention on each row alone; the
     kernel sees the trainer's arguments (cu_seqlens from the row lengths, max length, KV heads
     expanded to the query heads when it has no enable_gqa)."""
+    from engine_testlib import causal_packed_attention
+
     from slime_rl.engines.embedded.attention import packed_prefill
 
     torch.manual_seed(3)
@@ -238,12 +240,7 @@ def test_packed_prefill_unpads_left_padded_rows_and_puts_them_back():
 
     def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
         seen.update(cu=cu_q.tolist(), max=(max_q, max_k), heads=k.shape[1], window=window_size)
-        out = torch.empty_like(q)
-        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
-            s = torch.einsum("thd,shd->hts", q[a:b].double(), k[a:b].double()) * scale
-            s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
-            out[a:b] = torch.einsum("hts,shd->thd", s.softmax(-1), v[a:b].double()).to(q.dtype)
-        return out
+        return causal_packed_attention(q, k, v, cu_q, scale)
 
     got = packed_prefill(q, k, v, valid, 0.5, kernel)
     assert seen == {"cu": [0, 4, 5, 12], "max": (7, 7), "heads": heads, "window": (-1, 0)}

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from engine_testlib import prompt_of, reference_logprobs, start_server
+from engine_testlib import causal_packed_attention, prompt_of, reference_logprobs, start_server
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 from transformers.cache_utils import DynamicCache
 
@@ -266,12 +266,7 @@ def test_flash_decode_plumbing_through_the_engine(model_tok, model64, monkeypatc
         """torch's varlen_attn semantics (causal window), float64 per packed row."""
         assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and k.shape[1] == q.shape[1]
         prefills.append(cu_q.tolist())
-        out = torch.empty_like(q)
-        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
-            sc = torch.einsum("thd,shd->hts", q[a:b].double(), k[a:b].double()) * scale
-            sc = sc.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
-            out[a:b] = torch.einsum("hts,shd->thd", sc.softmax(-1), v[a:b].double()).to(q.dtype)
-        return out
+        return causal_packed_attention(q, k, v, cu_q, scale)
 
     monkeypatch.setattr(A, "flash_decode_applies", on_cpu)
     monkeypatch.setattr(A, "_flash_forward", _reference_flash_forward)
