@@ -46,12 +46,12 @@ H, HKV, D = 9, 3, 64
 
 
 def _causal() -> dict:
-    """varlen_attn's causality keyword: `is_causal` in some torch versions, a (left, right) window in others."""
-    import inspect
-
+    """varlen_attn's causality keyword, as the engine's varlen prefill spells it for this torch."""
     from torch.nn.attention.varlen import varlen_attn
 
-    return {"is_causal": True} if "is_causal" in inspect.signature(varlen_attn).parameters else {"window_size": (-1, 0)}
+    from slime_rl.engines.embedded.attention import varlen_call
+
+    return varlen_call(varlen_attn)[0]
 
 
 def reference(q, k, v, lens, scale):

@@ -16,6 +16,7 @@ so prefill and the dynamic path keep the model's own implementation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 
@@ -155,6 +156,15 @@ def _varlen_attn():
     return varlen_attn
 
 
+@functools.cache
+def varlen_call(varlen) -> tuple[dict, bool]:
+    """How this torch's `varlen` (varlen_attn's signature) is called causally: the keyword (`is_causal`
+    in some versions, a (left, right) window in others) and whether it takes `enable_gqa`; read once
+    per function, not per layer and prefill."""
+    params = set(inspect.signature(varlen).parameters)
+    return ({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}), "enable_gqa" in params
+
+
 def varlen_prefill_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                              **kwargs) -> tuple[torch.Tensor, None]:
@@ -198,10 +208,9 @@ def packed_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     cu = torch.cat([n.new_zeros(1), n.cumsum(0)]).to(torch.int32)
     top = int(n.max())
     q, k, v = (t.transpose(1, 2)[valid] for t in (query, key, value))  # [total, heads, D]
-    params = set(inspect.signature(varlen).parameters)
-    extra = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    if H != hkv and "enable_gqa" in params:
-        extra["enable_gqa"] = True
+    extra, native_gqa = varlen_call(varlen)
+    if H != hkv and native_gqa:
+        extra = {**extra, "enable_gqa": True}
     elif H != hkv:  # as trainer/attention.py: query head i reads KV head i // (H / Hkv)
         k, v = k.repeat_interleave(H // hkv, dim=1), v.repeat_interleave(H // hkv, dim=1)
     packed = varlen(q, k, v, cu, cu, top, top, scale=scale, **extra)
