@@ -36,7 +36,7 @@ OWN_SGLANG_FLAGS = ("--sglang-server-concurrency", "--sglang-router-port")
 # also works with --rollout-backend embedded
 EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "cuda_graph_max_bs_decode", "enable_fp32_lm_head",
                         "max_running_requests", "disable_overlap_schedule", "enable_torch_compile",
-                        "torch_compile_max_bs")
+                        "torch_compile_max_bs", "enable_deterministic_inference")
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")

@@ -82,7 +82,10 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                             torch_compile_max_bs=None if compile_bs is None else int(compile_bs),
                             enable_return_routed_experts=cfg.trainer.use_rollout_routing_replay,
                             cuda_graph_max_bs=None if graph_bs is None else int(graph_bs),
-                            enable_deterministic_inference=deterministic)
+                            # SGLang's own switch passed through (--sglang-enable-deterministic-inference)
+                            # gives the batch-invariant kernels without per-request seeds, as in SGLang
+                            enable_deterministic_inference=deterministic or cfg.engine.sglang_args.get(
+                                "enable_deterministic_inference") in (True, "true"))
 
 
 # --mem-fraction-static for a colocated SGLang engine: the share of the GPU its weights + KV pool take.

@@ -83,3 +83,22 @@ def test_engine_seed_follows_both_flags(tmp_path):
     assert random_seeds() == [1_234_040_764, 1_234_040_765]
     assert random_seeds("--seed", "7") == [7_000_273, 7_000_274]
     assert random_seeds("--rollout-seed", "43") == [1_234_040_765, 1_234_040_766]
+
+
+def test_embedded_engine_deterministic_inference_from_either_flag(tmp_path):
+    """--deterministic-rollout starts the built-in engine with --enable-deterministic-inference (its
+    per-request seeds need it); SGLang's own switch passed through does too, without seeding requests."""
+    from slime_rl.engines.embedded.cli import build_parser
+    from slime_rl.orchestration.engines import engine_command
+    from slime_rl.orchestration.placement import plan_placement
+
+    def started(*extra):
+        cfg = build_config(base_argv(tmp_path) + list(extra))
+        plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=0, cluster_cpus=4)
+        argv = engine_command(cfg, plan.engines[0], host="h", port=1, api_key=None, use_gpu=False)
+        return build_parser().parse_args(argv[3:]).enable_deterministic_inference, cfg.rollout.sample_seed
+
+    assert started() == (False, None)
+    assert started("--deterministic-rollout")[0] is True
+    assert started("--deterministic-rollout")[1] is not None
+    assert started("--sglang-enable-deterministic-inference") == (True, None)
