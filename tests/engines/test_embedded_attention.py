@@ -130,12 +130,13 @@ def test_slot_rows_view_of_a_time_major_cache():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,kv_heads,capacity", [(9, 3, 320), (12, 2, 64), (8, 8, 128)])
+@pytest.mark.parametrize("heads,kv_heads,capacity", [(9, 3, 320), (12, 2, 64), (8, 8, 128), (12, 2, 200)])
 def test_flash_decode_equals_the_trainers_attention_bit_for_bit(heads, kv_heads, capacity):
     """Under --enable-deterministic-inference a decode step's attention (flash over the time-major
     slot cache) gives, for each row's new token, exactly the bits the trainer's packed attention
     (trainer/attention.py SDPACoreAttention, THD) gives at that position over the whole sequence;
-    the default decode attention does not (so the test can tell the two apart)."""
+    the default decode attention does not once a row spans more than one of flash's key blocks (so
+    the test can tell the two apart; with <= 56 keys the default gave the same bits on an H200)."""
     pytest.importorskip("megatron.core")  # the trainer's side (on the GPU machine: after the wheels)
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -176,9 +177,10 @@ def test_flash_decode_equals_the_trainers_attention_bit_for_bit(heads, kv_heads,
     got = decode_attention(flash, query, layer.keys[:, :, :kv_len], layer.values[:, :, :kv_len], mask,
                            scaling=D ** -0.5)[0][:, 0]
     assert torch.equal(got, ref)
-    other = decode_attention(default, query, layer.keys[:, :, :kv_len], layer.values[:, :, :kv_len], mask,
-                             scaling=D ** -0.5)[0][:, 0]
-    assert not torch.equal(other, ref)
+    if kv_len > 128:  # more than one key block of the flash kernel (head dim 64: 128 keys)
+        other = decode_attention(default, query, layer.keys[:, :, :kv_len], layer.values[:, :, :kv_len], mask,
+                                 scaling=D ** -0.5)[0][:, 0]
+        assert not torch.equal(other, ref)
 
 
 @pytest.mark.gpu
