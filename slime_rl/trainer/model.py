@@ -24,6 +24,7 @@ from slime_rl.trainer.mcore import (
     get_moe_metrics_tracker,
     mpu,
 )
+from slime_rl.trainer.norm import TrainerRMSNorm
 from slime_rl.trainer.vision import attach_vision_tower
 
 
@@ -204,10 +205,10 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
                                     normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
     # megatron's local DotProductAttention rejects packed (THD) batches; ours handles both layouts
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    if sequence_parallel:
-        spec = _sequence_parallel_block_spec(spec, arch, arch.num_layers // pp_size)
+    # every norm ours (engine rounding; SP-capable): trainer/norm.py
+    spec = _norm_block_spec(spec, arch, arch.num_layers // pp_size)
     if not all(arch.is_moe_layer(i) for i in range(arch.num_layers)) and arch.num_experts:
-        spec = _mixed_block_spec(spec, arch, arch.num_layers // pp_size, sequence_parallel)
+        spec = _mixed_block_spec(spec, arch, arch.num_layers // pp_size)
     if arch.mrope_section is not None:  # vision-language: 3-D positions (trainer/vision.py)
         config.mrope_section = list(arch.mrope_section)
     model = GPTModel(
@@ -253,40 +254,27 @@ def fp32_output_layer(layer: torch.nn.Module) -> None:
     layer._forward_impl = forward_impl
 
 
-class LocalRMSNorm(torch.nn.RMSNorm):
-    """torch RMSNorm built like megatron's WrappedTorchNorm, usable with sequence parallelism
-    (WrappedTorchNorm asserts it off): under SP each TP rank normalizes its own slice of the
-    sequence, so the weight's grad is partial; `sequence_parallel = True` makes
-    finalize_model_grads sum it over the TP group."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
-        super().__init__(normalized_shape=hidden_size, eps=eps)
-        if config.sequence_parallel:
-            self.weight.sequence_parallel = True
-
-
-def _sequence_parallel_block_spec(spec, arch: ModelArch, layers_here: int):
-    """The local layer spec with SP-capable norms, as a block spec so the final norm is ours too."""
-    spec.submodules.input_layernorm = LocalRMSNorm
-    spec.submodules.pre_mlp_layernorm = LocalRMSNorm
+def _norm_block_spec(spec, arch: ModelArch, layers_here: int):
+    """The local layer spec with our norms (trainer/norm.py: the engine's rounding, SP-capable), as a
+    block spec so the final norm is ours too."""
+    spec.submodules.input_layernorm = TrainerRMSNorm
+    spec.submodules.pre_mlp_layernorm = TrainerRMSNorm
     if arch.qk_layernorm:  # q/k norms see the gathered sequence; megatron sums their grads anyway
-        spec.submodules.self_attention.submodules.q_layernorm = LocalRMSNorm
-        spec.submodules.self_attention.submodules.k_layernorm = LocalRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=LocalRMSNorm)
+        spec.submodules.self_attention.submodules.q_layernorm = TrainerRMSNorm
+        spec.submodules.self_attention.submodules.k_layernorm = TrainerRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=TrainerRMSNorm)
 
 
-def _mixed_block_spec(moe_spec, arch: ModelArch, layers_here: int, sequence_parallel: bool):
+def _mixed_block_spec(moe_spec, arch: ModelArch, layers_here: int):
     """A block spec of an MoE model with dense layers (mlp_only_layers / decoder_sparse_step): this
     stage's layers, each the MoE layer spec or the dense one (megatron's own
     get_gpt_decoder_block_spec does the same from moe_layer_freq, with its own norms and attention)."""
     dense = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, normalization="RMSNorm",
                                      qk_layernorm=arch.qk_layernorm)
     dense.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    if sequence_parallel:  # moe_spec is already the SP block spec
-        moe_layer, norm = moe_spec.layer_specs[0], moe_spec.layer_norm
-        dense = _sequence_parallel_block_spec(dense, arch, 1).layer_specs[0]
-    else:
-        moe_layer, norm = moe_spec, moe_spec.submodules.input_layernorm
+    # moe_spec is already the block spec of _norm_block_spec
+    moe_layer, norm = moe_spec.layer_specs[0], moe_spec.layer_norm
+    dense = _norm_block_spec(dense, arch, 1).layer_specs[0]
     first = mpu.get_pipeline_model_parallel_rank() * layers_here
     specs = [moe_layer if arch.is_moe_layer(first + i) else dense for i in range(layers_here)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)

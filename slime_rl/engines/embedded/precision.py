@@ -2,10 +2,10 @@
 
 Why: RL needs the engine's log-probs of a token to equal the trainer's. In fp32 the HF model and
 Megatron's GPTModel agree to ~1e-6 (FACTS.md); in bf16 they differed by 4e-2 on SmolLM2-135M,
-because they round at different places. The trainer (Megatron, torch.nn.RMSNorm) and SGLang agree
-on where; stock HF modeling code does not. So the engine is brought to SGLang's rules:
+because they round at different places. The trainer (Megatron, trainer/norm.py's RMSNorm) and
+SGLang agree on where; stock HF modeling code does not. So the engine is brought to SGLang's rules:
 
-| island    | SGLang 0.5.23 (and Megatron's torch.nn.RMSNorm)           | stock HF                      |
+| island    | SGLang 0.5.23 (and the trainer's RMSNorm, trainer/norm.py) | stock HF                     |
 |-----------|-----------------------------------------------------------|-------------------------------|
 | `rmsnorm` | `layernorm.py` forward_native: fp32 `(x * weight).to(dtype)` | bf16 `weight * x.to(dtype)` |
 | `lm_head` | `logits_processor.py`, `--enable-fp32-lm-head`: fp32 logits | bf16 matmul, bf16 logits     |
