@@ -14,6 +14,8 @@
 #   ... bash bench/gpu_session.sh learn-detached   # the same under setsid (outlives the call, may
 #                                           # pass one call's time limit); then, in the next call:
 #   WAIT=560 bash bench/gpu_session.sh collect     # waits for it (<= WAIT s), copies its results to $OUT
+#                                           # (at once: a machine idle for 30 s is given back, and the
+#                                           # detached run with it; session 11 lost one so)
 #   bash bench/gpu_session.sh numerics      # engine-vs-trainer log-prob gap on the engine's own decode path
 #   bash bench/gpu_session.sh decode        # #19: a decode step's kernels (bench/decode_step.py), the engine
 #                                           # with and without --enable-torch-compile, the GPU engine tests
@@ -96,7 +98,8 @@ case "$1" in
       2>&1 | tail -3 | tee "$OUT/gpu_attention_tests_$day.txt"
     # against the trainer packed as the loop packs it (THD): the default engine, then
     # --enable-deterministic-inference (flash decode and varlen prefill: bench/attention_invariance.py)
-    python3 bench/precision_gap.py --model /tmp/smol-fp32 --engine --thd --n 64 --new-tokens 64 --rows 1,2 \
+    # --loop-pack: also the trainer as the loop's step runs it (Float16Module, one THD micro-batch)
+    python3 bench/precision_gap.py --model /tmp/smol-fp32 --engine --thd --loop-pack --n 64 --new-tokens 64 --rows 1,2 \
       --out "$OUT/precision_gap_engine_thd_1xH200_$day.json" 2>&1 | grep "mean |dlogp|"
     python3 bench/precision_gap.py --model /tmp/smol-fp32 --engine --n 64 --new-tokens 64 --rows 1,2 \
       --out "$OUT/precision_gap_engine_1xH200_$day.json" 2>&1 | grep "mean |dlogp|" ;;
@@ -154,15 +157,16 @@ case "$1" in
     fi
     common=(--model /tmp/smol-bf16 --task "$task" --data "/tmp/train_$task.jsonl" --prompts 16 --group 8
             --max-new-tokens "$new_tokens" --steps "$steps" --warmup 5 --lr "$lr")
-    CUDA_VISIBLE_DEVICES=$trl_gpu python3 bench/peer_trl.py --skip-ours "${common[@]}" --out "$OUT/${tag}_trl.json" \
-      > "$OUT/${tag}_trl.log" 2>&1 &
-    trl=$!
+    # SKIP_TRL=1: ours alone (a held-out check when TRL's curve on the task is already on record)
+    trl=
+    [ -n "$SKIP_TRL" ] || { CUDA_VISIBLE_DEVICES=$trl_gpu python3 bench/peer_trl.py --skip-ours "${common[@]}" \
+      --out "$OUT/${tag}_trl.json" > "$OUT/${tag}_trl.log" 2>&1 & trl=$!; }
     CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl "${common[@]}" --out "$OUT/${tag}_ours.json" \
       --ours-extra --save-hf "/tmp/learned_$task" --save-interval "$steps" $OURS_EXTRA > "$OUT/${tag}_ours.log" 2>&1
     tail -3 "$OUT/${tag}_ours.log"
     python3 tools/eval_greedy.py --model "/tmp/learned_$task" --data "/tmp/heldout_$task.jsonl" --n 200 \
       --max-new-tokens "$eval_tokens" 2>&1 | tail -1 | tee "$OUT/${tag}_eval_end.txt"
-    wait $trl; tail -3 "$OUT/${tag}_trl.log"
+    [ -z "$trl" ] || { wait $trl; tail -3 "$OUT/${tag}_trl.log"; }
     [ -z "$EXTRA_TASK" ] || { wait "$extra"; tail -1 "$OUT/${etag}_eval_end.txt"; } ;;
   *) sed -n 2,12p "$0"; exit 2 ;;
 esac

@@ -201,6 +201,32 @@ def trainer_logprobs(model_dir: Path, bf16: bool, seqs, device: str, fp32_lm_hea
     return out
 
 
+def trainer_logprobs_packed(model_dir: Path, seqs, device: str, train: bool) -> list[torch.Tensor]:
+    """Log-probs of each response token as the loop's training step gets them: the model under
+    megatron's Float16Module as the worker wraps it (every parameter bf16, the norm weights too),
+    every sequence in one THD micro-batch (trainer/packing.py build_packed_micro_batch), the loop's
+    forward and log-prob functions (trainer/steps.py), in train mode with autograd on (`train`: the
+    fused step takes the old log-probs from its training forward) or in eval mode without.
+    (Session 11 ran this without the wrapper and so missed what set the loop's gap: torch's fused
+    RMSNorm kernel, which a bf16 norm weight selects; trainer/norm.py.)"""
+    from megatron.core.transformer.module import Float16Module
+
+    from slime_rl.trainer.hf_io import load_hf_weights
+    from slime_rl.trainer.model import build_from_checkpoint
+    from slime_rl.trainer.packing import build_packed_micro_batch
+    from slime_rl.trainer.steps import model_forward, response_logprobs
+
+    arch, model = build_from_checkpoint(model_dir, bf16=True, fp32_lm_head=True)
+    load_hf_weights(model, model_dir, arch)
+    model = Float16Module(model.config, model)
+    model.train(train)
+    batch = {"tokens": [p + r for p, r in seqs], "response_lengths": [len(r) for _, r in seqs]}
+    mb = build_packed_micro_batch(batch, list(range(len(seqs))), torch.device(device))
+    with torch.set_grad_enabled(train):
+        lp = response_logprobs(model_forward(model, mb), mb, 1.0, arch.vocab_size).detach().float().cpu()
+    return [lp[i, :len(r)] for i, (_, r) in enumerate(seqs)]
+
+
 def init_single_rank() -> None:
     from slime_rl.trainer.parallel import init_parallel
 
@@ -225,6 +251,9 @@ def main(argv: list[str] | None = None) -> None:
                          "(split-K partial sums of bf16 GEMMs reduced in fp32), for both sides")
     ap.add_argument("--thd", action="store_true",
                     help="the trainer side packed as the loop packs it (THD: varlen flash on a GPU); --engine rows")
+    ap.add_argument("--loop-pack", action="store_true",
+                    help="--engine rows: also the trainer side as the loop's step runs it (all sequences in one THD "
+                         "micro-batch, the loop's forward and log-prob functions), in eval mode and in train mode")
     ap.add_argument("--engine", action="store_true",
                     help="sample with the built-in engine itself (its static decode path, graphs on a GPU) and "
                          "compare the log-probs it reports with the trainer's on those tokens; rows: ENGINE_ROWS")
@@ -288,6 +317,16 @@ def engine_rows(args: argparse.Namespace, model_dir: Path) -> None:
         results.append(row)
         print(f"{name:52s} mean |dlogp| {row['mean_abs_diff']:.3e}  max {row['max_abs_diff']:.3e}  "
               f"equal {row['exact_tokens']}/{row['tokens']} tokens ({row['seconds']} s)", flush=True)
+        if args.loop_pack:
+            for train in (False, True):
+                packed = torch.cat(trainer_logprobs_packed(model_dir, seqs, args.device, train))
+                d = (eng - packed).abs()
+                key = "loop_pack_train" if train else "loop_pack_eval"
+                row[key] = {"mean_abs_diff": d.mean().item(), "exact_tokens": int((d == 0).sum()),
+                            "vs_per_sequence_thd": (packed - trn).abs().mean().item()}
+                print(f"  trainer as the loop packs it ({'train' if train else 'eval'} mode): mean |dlogp| "
+                      f"{row[key]['mean_abs_diff']:.3e}, equal {row[key]['exact_tokens']}/{d.numel()}; vs one "
+                      f"sequence per forward {row[key]['vs_per_sequence_thd']:.3e}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"model": str(model_dir), "device": args.device, "n": args.n, "engine": True,
