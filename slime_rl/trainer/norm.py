@@ -4,11 +4,11 @@ In bf16 the loop's trainer runs under megatron's Float16Module, which casts ever
 the norm weights included. torch's RMSNorm then takes its fused kernel (`_fused_rms_norm`: a bf16
 input and a bf16 weight), whose sum of squares adds in another order than the engine's norm
 (engines/embedded/precision.py `rmsnorm_fp32_weight`, SGLang's `RMSNorm.forward_native`:
-`x.float()`, `rsqrt(mean(x^2) + eps)`, times the fp32 weight, one rounding). One unit of the last
-place in the norm's output, 61 norms deep, is enough to put the trainer's log-probs 2e-2 away from
-the engine's (`train/rollout_logprob_abs_diff` on SmolLM2-135M, 1xH200, BENCHMARKS.md session 11),
-while the same model unwrapped (fp32 norm weights: torch's composite path, the engine's formula)
-agrees with the engine's deterministic path to 2e-6.
+`x.float()`, `rsqrt(mean(x^2) + eps)`, times the fp32 weight, one rounding). On SmolLM2-135M
+(1xH200, BENCHMARKS.md session 11) the same model unwrapped (fp32 norm weights: torch's composite
+path, the engine's formula) agreed with the engine's deterministic path to 2e-6, while the loop
+(wrapped) stayed at 2.8e-2 whatever the engine's scheduling; the wrapper's cast is the
+difference found between the two (to be confirmed on the GPU: `precision_gap.py --loop-pack`).
 
 So the forward here is that formula, written out, and the backward is the analytic one (what the
 fused kernel's backward computes), saving the input and the per-row 1/rms only, as the fused kernel
