@@ -8,7 +8,7 @@
 #   bash bench/gpu_session.sh part2         # carry .rm2: second half + gguf + reasoning-gym; import SmolLM2
 #   bash bench/gpu_session.sh speed         # GPU engine tests, peer_trl 64x8x128, engine profile on SmolLM2
 #   bash bench/gpu_session.sh real          # peer_trl 16x8x64, precision gap (batched decode, split-K fp32)
-#   TASK=chain_sum [EXTRA_TASK=basic_arithmetic] [TASK_CONFIG="--config k=v ..."] [LR=5e-6] [EVAL_TOKENS=64] \
+#   TASK=chain_sum [EXTRA_TASK=basic_arithmetic [EXTRA_LR=..]] [TASK_CONFIG="--config k=v ..."] [LR=5e-6] [EVAL_TOKENS=64] \
 #     bash bench/gpu_session.sh learn
 #                                           # 150 steps, ours and TRL at once; held-out greedy accuracy
 #   ... bash bench/gpu_session.sh learn-detached   # the same under setsid (outlives the call, may
@@ -101,8 +101,17 @@ case "$1" in
     # --loop-pack: also the trainer as the loop's step runs it (Float16Module, one THD micro-batch)
     python3 bench/precision_gap.py --model /tmp/smol-fp32 --engine --thd --loop-pack --n 64 --new-tokens 64 --rows 1,2 \
       --out "$OUT/precision_gap_engine_thd_1xH200_$day.json" 2>&1 | grep "mean |dlogp|"
-    python3 bench/precision_gap.py --model /tmp/smol-fp32 --engine --n 64 --new-tokens 64 --rows 1,2 \
-      --out "$OUT/precision_gap_engine_1xH200_$day.json" 2>&1 | grep "mean |dlogp|" ;;
+    # the loop itself (3 steps of 16 x 8 x 64 on chain_sum): train/rollout_logprob_abs_diff with the
+    # deterministic engine and with the default one (LOOP_ENGINES, default "deterministic default")
+    python3 tools/make_reasoning_gym_data.py --task chain_sum --n 400 --seed 0 --out /tmp/loop_chain_sum.jsonl
+    for e in ${LOOP_ENGINES:-deterministic default}; do
+      flag=; [ "$e" = deterministic ] && flag=--sglang-enable-deterministic-inference
+      timeout -s INT -k 10 200 python3 bench/peer_trl.py --skip-trl --model /tmp/smol-bf16 --task chain_sum \
+        --data /tmp/loop_chain_sum.jsonl --prompts 16 --group 8 --max-new-tokens 64 --steps 3 --warmup 0 \
+        --out "$OUT/loop_gap_${e}_3steps_1xH200_$day.json" --ours-extra $flag > "$OUT/loop_gap_${e}_$day.log" 2>&1
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'lp_diff per step', d['ours_logprob_abs_diff'])" \
+        "$OUT/loop_gap_${e}_3steps_1xH200_$day.json" "$e" || tail -5 "$OUT/loop_gap_${e}_$day.log"
+    done ;;
   learn-detached)
     need_model
     rm -rf /tmp/learn_out && mkdir -p /tmp/learn_out
@@ -140,18 +149,22 @@ case "$1" in
     trl_gpu=0; [ "$gpus" -ge 2 ] && trl_gpu=1
     if [ -n "$EXTRA_TASK" ]; then  # a second task, ours only, at the same time (its own held-out check)
       # EXTRA_TASK_CONFIG, EXTRA_NEW_TOKENS (default: NEW_TOKENS; the held-out check gets the same budget)
-      et=$EXTRA_TASK; etag="peer_trl_learn_${et}_${steps}_$day"; ent=${EXTRA_NEW_TOKENS:-$new_tokens}
-      ( python3 tools/make_reasoning_gym_data.py --task "$et" --n 200 --seed 100000 $EXTRA_TASK_CONFIG \
-          --out "/tmp/heldout_$et.jsonl" &&
+      # EXTRA_LR (default: LR): its learning rate; with EXTRA_TASK=TASK, another lr on the same task
+      et=$EXTRA_TASK; elr=${EXTRA_LR:-$lr}; ent=${EXTRA_NEW_TOKENS:-$new_tokens}
+      etag="peer_trl_learn_${et}_${steps}$([ "$elr" = "$lr" ] || echo "_lr$elr")_$day"
+      # (the same task: its files and starting accuracy are the ones just made, not rewritten under the
+      # main run)
+      ( { [ "$et" = "$task" ] || { python3 tools/make_reasoning_gym_data.py --task "$et" --n 200 --seed 100000 \
+          $EXTRA_TASK_CONFIG --out "/tmp/heldout_$et.jsonl" &&
         python3 tools/make_reasoning_gym_data.py --task "$et" --n 5000 --seed 0 $EXTRA_TASK_CONFIG \
-          --exclude "/tmp/heldout_$et.jsonl" --out "/tmp/train_$et.jsonl" &&
+          --exclude "/tmp/heldout_$et.jsonl" --out "/tmp/train_$et.jsonl"; }; } &&
         python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$et.jsonl" --n 200 --max-new-tokens "$ent" \
           2>&1 | tail -1 > "$OUT/${etag}_eval_start.txt" &&
         CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model /tmp/smol-bf16 --task "$et" \
-          --data "/tmp/train_$et.jsonl" --prompts 16 --group 8 --max-new-tokens "$ent" --steps "$steps" --warmup 5 --lr "$lr" \
-          --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_$et" --save-interval "$steps" $OURS_EXTRA \
+          --data "/tmp/train_$et.jsonl" --prompts 16 --group 8 --max-new-tokens "$ent" --steps "$steps" --warmup 5 --lr "$elr" \
+          --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_extra_$et" --save-interval "$steps" $OURS_EXTRA \
           > "$OUT/${etag}_ours.log" 2>&1 &&
-        python3 tools/eval_greedy.py --model "/tmp/learned_$et" --data "/tmp/heldout_$et.jsonl" --n 200 \
+        python3 tools/eval_greedy.py --model "/tmp/learned_extra_$et" --data "/tmp/heldout_$et.jsonl" --n 200 \
           --max-new-tokens "$ent" 2>&1 | tail -1 > "$OUT/${etag}_eval_end.txt" ) &
       extra=$!
     fi
