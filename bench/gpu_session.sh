@@ -135,6 +135,11 @@ case "$1" in
     # NEW_TOKENS (64): the training budget of new tokens on both sides (tasks whose answers grow
     # past it, as letter_counting and gcd did, need more)
     lr=${LR:-5e-6}; eval_tokens=${EVAL_TOKENS:-64}; new_tokens=${NEW_TOKENS:-64}
+    # PROMPTS (16) per step, EPS_HIGH (0.2: DAPO's clip-higher is 0.28), both sides; the result names
+    # carry them when not the defaults. EXTRA_PROMPTS, EXTRA_EPS_HIGH: the second run's (default: the same)
+    prompts=${PROMPTS:-16}; eps_high=${EPS_HIGH:-0.2}
+    knobs() { [ "$1" = 16 ] || printf _p%s "$1"; [ "$2" = 0.2 ] || printf _eh%s "$2"; }
+    tag="${tag%_$day}$(knobs "$prompts" "$eps_high")_$day"
     # TASK_CONFIG: the task's config (e.g. "--config max_terms=3"), for training and held-out rows alike
     # the held-out rows are drawn first, as the task draws them, and the training file leaves their
     # questions out: excluding the training questions from the held-out file instead would drop the
@@ -151,7 +156,9 @@ case "$1" in
       # EXTRA_TASK_CONFIG, EXTRA_NEW_TOKENS (default: NEW_TOKENS; the held-out check gets the same budget)
       # EXTRA_LR (default: LR): its learning rate; with EXTRA_TASK=TASK, another lr on the same task
       et=$EXTRA_TASK; elr=${EXTRA_LR:-$lr}; ent=${EXTRA_NEW_TOKENS:-$new_tokens}
-      etag="peer_trl_learn_${et}_${steps}$([ "$elr" = "$lr" ] || echo "_lr$elr")_$day"
+      ep=${EXTRA_PROMPTS:-$prompts}; eeh=${EXTRA_EPS_HIGH:-$eps_high}
+      etag="peer_trl_learn_${et}_${steps}$([ "$elr" = "$lr" ] || echo "_lr$elr")$(knobs "$ep" "$eeh")_$day"
+      [ "$etag" != "$tag" ] || etag="${etag%_$day}_extra_$day"
       # (the same task: its files and starting accuracy are the ones just made, not rewritten under the
       # main run)
       ( { [ "$et" = "$task" ] || { python3 tools/make_reasoning_gym_data.py --task "$et" --n 200 --seed 100000 \
@@ -161,15 +168,16 @@ case "$1" in
         python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$et.jsonl" --n 200 --max-new-tokens "$ent" \
           2>&1 | tail -1 > "$OUT/${etag}_eval_start.txt" &&
         CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model /tmp/smol-bf16 --task "$et" \
-          --data "/tmp/train_$et.jsonl" --prompts 16 --group 8 --max-new-tokens "$ent" --steps "$steps" --warmup 5 --lr "$elr" \
+          --data "/tmp/train_$et.jsonl" --prompts "$ep" --group 8 --max-new-tokens "$ent" --steps "$steps" --warmup 5 --lr "$elr" \
+          --eps-clip-high "$eeh" \
           --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_extra_$et" --save-interval "$steps" $OURS_EXTRA \
           > "$OUT/${etag}_ours.log" 2>&1 &&
         python3 tools/eval_greedy.py --model "/tmp/learned_extra_$et" --data "/tmp/heldout_$et.jsonl" --n 200 \
           --max-new-tokens "$ent" 2>&1 | tail -1 > "$OUT/${etag}_eval_end.txt" ) &
       extra=$!
     fi
-    common=(--model /tmp/smol-bf16 --task "$task" --data "/tmp/train_$task.jsonl" --prompts 16 --group 8
-            --max-new-tokens "$new_tokens" --steps "$steps" --warmup 5 --lr "$lr")
+    common=(--model /tmp/smol-bf16 --task "$task" --data "/tmp/train_$task.jsonl" --prompts "$prompts" --group 8
+            --max-new-tokens "$new_tokens" --steps "$steps" --warmup 5 --lr "$lr" --eps-clip-high "$eps_high")
     # SKIP_TRL=1: ours alone (a held-out check when TRL's curve on the task is already on record)
     trl=
     [ -n "$SKIP_TRL" ] || { CUDA_VISIBLE_DEVICES=$trl_gpu python3 bench/peer_trl.py --skip-ours "${common[@]}" \

@@ -68,7 +68,7 @@ def run_ours(args: argparse.Namespace, model: Path, data: Path, run_dir: Path) -
            "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.group),
            "--global-batch-size", str(batch), "--rollout-max-response-len", str(args.max_new_tokens),
            "--lr", str(args.lr), "--rollout-temperature", str(args.temperature), "--seed", str(args.seed),
-           *args.ours_extra]
+           "--eps-clip-high", str(args.eps_clip_high), *args.ours_extra]
     if args.device == "cpu":
         cmd += ["--micro-batch-size", str(batch)]
     print("ours:", " ".join(cmd), flush=True)
@@ -117,7 +117,8 @@ def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]
     config = GRPOConfig(
         output_dir=str(out_dir / "trl"), per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
         num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=args.temperature,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=0.0, epsilon=0.2, epsilon_high=0.2,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=0.0, epsilon=0.2,
+        epsilon_high=args.eps_clip_high,
         loss_type="dapo", scale_rewards="group", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
         max_grad_norm=1.0, max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none",
         bf16=not cpu, use_cpu=cpu, seed=args.seed, use_vllm=False)
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--eps-clip-high", type=float, default=0.2,
+                    help="upper clip of the ratio on both sides (ours --eps-clip-high, TRL epsilon_high; "
+                         "DAPO's clip-higher is 0.28); the lower one stays 0.2")
     ap.add_argument("--trl-micro-batch", type=int, default=64, help="TRL per_device_train_batch_size (completions)")
     ap.add_argument("--trl-dtype", default="fp32", choices=["fp32", "bf16"],
                     help="TRL's weights (GPU: bf16 autocast either way); fp32 = mixed precision as ours")
