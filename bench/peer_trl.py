@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -257,12 +258,18 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_ours:
         run_dir = out_dir / f"{stem}_ours_run"
         metrics = [r for r in run_ours(args, model, data, run_dir) if r["step"] >= 0]
-        ours_rewards = [r["rollout/reward_mean"] for r in metrics]
+        # with a dynamic-sampling filter (--ours-extra --dynamic-sampling-filter-path ...) the kept groups'
+        # mean is biased by the filter: the curve is the mean over every scored group, as TRL's is
+        ours_rewards = [r.get("rollout/reward_mean_before_filter", r["rollout/reward_mean"]) for r in metrics]
+        ours_rewards = [r["rollout/reward_mean"] if math.isnan(v) else v for v, r in zip(ours_rewards, metrics,
+                                                                                          strict=True)]
         result |= {"ours_step_s": mean_after([r["perf/step_s"] for r in metrics], args.warmup),
                    "ours_step_s_series": [r["perf/step_s"] for r in metrics], "ours_reward": ours_rewards,
                    "ours_rollout_s": mean_after([r["perf/rollout_s"] for r in metrics], args.warmup),
                    "ours_train_s": mean_after([r["perf/train_s"] for r in metrics], args.warmup),
-                   "ours_logprob_abs_diff": [r.get("train/rollout_logprob_abs_diff") for r in metrics]}
+                   "ours_logprob_abs_diff": [r.get("train/rollout_logprob_abs_diff") for r in metrics],
+                   "ours_reward_kept": [r["rollout/reward_mean"] for r in metrics],
+                   "ours_prompts_drawn": [r.get("rollout/prompts_drawn") for r in metrics]}
     if not args.skip_trl:
         steps_file = out_dir / f"{stem}_trl_steps.jsonl"
         steps_file.unlink(missing_ok=True)
