@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
                    "ours_rollout_s": mean_after([r["perf/rollout_s"] for r in metrics], args.warmup),
                    "ours_train_s": mean_after([r["perf/train_s"] for r in metrics], args.warmup),
                    "ours_logprob_abs_diff": [r.get("train/rollout_logprob_abs_diff") for r in metrics],
+                   "ours_logprob_abs_diff_max": [r.get("train/rollout_logprob_abs_diff_max") for r in metrics],
                    "ours_reward_kept": [r["rollout/reward_mean"] for r in metrics],
                    "ours_prompts_drawn": [r.get("rollout/prompts_drawn") for r in metrics]}
     if not args.skip_trl:

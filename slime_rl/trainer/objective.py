@@ -30,7 +30,7 @@ weights carrying the loss_agg_mode's global denominators, see loss_agg.py):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +45,29 @@ from slime_rl.trainer.batching import MicroBatch
 # "entropy_agg" and "loss", which are this micro-batch's share of the aggregated (loss_agg) value
 # "entropy_old" and "abs_diff" (entropy, |old - rollout|) are filled only on the fused path, where the
 # old log-probs are the training forward's own (see `policy_objective`'s `fused_old`)
+# "abs_diff_max" (the largest |old - rollout| of a trained token) is the one that is not a sum: it is
+# combined by max over micro-batches and DP ranks (MAX_STAT_KEYS: `combine_stats`, `dp_reduce_stats`)
 STAT_KEYS = ("pg", "kl", "clipped", "clip_high", "clip_low", "k1_old_new", "entropy_agg", "tis_w",
-             "tis_clipped", "tokens", "loss", "clip_dual", "entropy_old", "abs_diff")
+             "tis_clipped", "tokens", "loss", "clip_dual", "entropy_old", "abs_diff", "abs_diff_max")
+MAX_STAT_KEYS = ("abs_diff_max",)
+_MAX_INDEX = [STAT_KEYS.index(k) for k in MAX_STAT_KEYS]
+
+
+def combine_stats(per_micro: Tensor) -> Tensor:
+    """[n_micro, len(STAT_KEYS)] -> [len(STAT_KEYS)]: sums, and max for MAX_STAT_KEYS."""
+    out = per_micro.sum(dim=0)
+    out[_MAX_INDEX] = per_micro[:, _MAX_INDEX].max(dim=0).values
+    return out
+
+
+def dp_reduce_stats(values: list[float], all_reduce: Callable[..., list[float]]) -> dict[str, float]:
+    """STAT_KEYS over the DP group: `all_reduce(values, op)` summed, and MAX_STAT_KEYS by max."""
+    summed = all_reduce(values)
+    out = dict(zip(STAT_KEYS, summed, strict=True))
+    if _MAX_INDEX:
+        maxed = all_reduce([values[i] for i in _MAX_INDEX], dist.ReduceOp.MAX)
+        out.update(zip(MAX_STAT_KEYS, maxed, strict=True))
+    return out
 
 
 def uses_kl_loss(algo: AlgoConfig) -> bool:
@@ -61,11 +82,12 @@ def _pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
     return out
 
 
-def _all_reduce(t: Tensor, device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
+def _all_reduce(t: Tensor, device: torch.device, group: dist.ProcessGroup | None,
+                op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return t
     on_dev = t.to(device)
-    dist.all_reduce(on_dev, group=group)
+    dist.all_reduce(on_dev, op=op, group=group)
     return on_dev.cpu()
 
 
@@ -129,19 +151,22 @@ def step_sums(batch: dict, inputs: StepInputs | None, device: torch.device,
         adv = torch.tensor([float(a) for a in batch["advantages"]], dtype=torch.float64).unsqueeze(1) * mask
     adv_m = masked_moments(adv, mask)
     if inputs is None:
-        ent = diff = torch.zeros((), dtype=torch.float64)
+        ent = diff = diff_max = torch.zeros((), dtype=torch.float64)
     else:
         ent = (_pad(inputs.entropy, width) * mask).sum()
-        diff = ((_pad(inputs.old, width) - _pad(batch["rollout_logprobs"], width)).abs() * mask).sum()
+        gap = (_pad(inputs.old, width) - _pad(batch["rollout_logprobs"], width)).abs() * mask
+        diff, diff_max = gap.sum(), gap.max()
     local = torch.stack([ent, diff, adv_m[0], adv_m[1], adv_m[2]])
     keys = ("entropy", "abs_diff", "adv", "adv_sq", "tokens")
-    return dict(zip(keys, _all_reduce(local, device, group).tolist(), strict=True))
+    out = dict(zip(keys, _all_reduce(local, device, group).tolist(), strict=True))
+    return out | {"abs_diff_max": _all_reduce(diff_max.reshape(1), device, group, dist.ReduceOp.MAX).item()}
 
 
 def fused_step_sums(batch_sums: dict[str, float], stats: dict[str, float]) -> dict[str, float]:
     """step_sums of the fused path: the old policy's entropy and |old - rollout| summed by the one
     training forward (its STAT_KEYS "entropy_old", "abs_diff", DP-summed like the rest)."""
-    return batch_sums | {"entropy": stats["entropy_old"], "abs_diff": stats["abs_diff"]}
+    return batch_sums | {"entropy": stats["entropy_old"], "abs_diff": stats["abs_diff"],
+                         "abs_diff_max": stats["abs_diff_max"]}
 
 
 # ---- the per-micro-batch objective
@@ -180,15 +205,17 @@ def policy_objective(algo: AlgoConfig, logp: Tensor, mb: MicroBatch, entropy: Te
         per_token = per_token - algo.entropy_coef * entropy
         entropy_agg = masked_sum(entropy, weight)
     share = masked_sum(per_token, weight)  # the weights vanish off the loss mask
-    ent_old = abs_diff = zeros.sum()
+    ent_old = abs_diff = abs_diff_max = zeros.sum()
     if fused_old_entropy is not None:
         ent_old = masked_sum(fused_old_entropy, mask)
-        abs_diff = masked_sum((old - mb.per_token["rollout_logp"]).abs(), mask)
+        gap = (old - mb.per_token["rollout_logp"]).abs()
+        abs_diff = masked_sum(gap, mask)
+        abs_diff_max = (gap * mask).max() if gap.numel() else abs_diff_max
     sums = torch.stack([masked_sum(pg, mask), masked_sum(kl, mask), masked_sum(clipped, mask),
                         masked_sum(frac.high, mask), masked_sum(frac.low, mask),
                         masked_sum(old - logp, mask), entropy_agg, masked_sum(tis_w, mask),
                         masked_sum(tis_clipped, mask), mask.sum(), share, masked_sum(frac.dual, mask),
-                        ent_old, abs_diff]).detach().float()
+                        ent_old, abs_diff, abs_diff_max]).detach().float()
     return share, sums
 
 
@@ -205,6 +232,7 @@ def train_metrics(algo: AlgoConfig, step: dict[str, float], stats: list[dict[str
         estimate mean(old - logp) of the LAST mini-batch; train/ppo_kl: mean(old - logp) over all;
       train/pg_clipfrac(_high/_low): clipped tokens (upper + lower / upper / lower bound);
       train/pg_clipfrac_dual (eps_clip_c set): tokens whose loss the dual-clip cap replaced;
+      train/rollout_logprob_abs_diff(_max): mean (largest) |old - rollout| over trained tokens;
       train/entropy: of the old policy; train/entropy_loss (entropy_coef > 0): the aggregated
         (loss_agg_mode) entropy of the trained policy, so L includes -entropy_coef * it;
       train/tis_weight_mean, train/tis_clipfrac (use_tis); train/advantage_mean /
@@ -249,4 +277,5 @@ def step_metrics(step: dict[str, float]) -> dict[str, float]:
     var = max(step["adv_sq"] / max(n, 1.0) - mean * mean, 0.0) * (n / (n - 1) if n >= 2 else 0.0)
     return {"train/entropy": step["entropy"] / max(n, 1.0),
             "train/rollout_logprob_abs_diff": step["abs_diff"] / max(n, 1.0),
+            "train/rollout_logprob_abs_diff_max": step["abs_diff_max"],
             "train/advantage_mean": mean, "train/advantage_std": math.sqrt(var)}

@@ -41,6 +41,8 @@ from slime_rl.trainer.micro import MicroBatching, collect_per_sample
 from slime_rl.trainer.model import MoEOptions, build_from_checkpoint, moe_aux_losses
 from slime_rl.trainer.objective import (
     StepInputs,
+    combine_stats,
+    dp_reduce_stats,
     fused_step_sums,
     step_metrics,
     step_sums,
@@ -446,7 +448,8 @@ class TrainerWorker(MegatronRank):
         DP-reduced gradient is left in the grad buffers (`main_grad`; the distributed optimizer
         reduce-scatters, so each DP rank holds the reduced values of its own shard). `advantages`:
         per-token lists (token-level estimators) replacing the batch's scalar ones. Returns the
-        DP-summed STAT_KEYS (identical on every rank; "loss" is the mini-batch loss L of loss_agg.py).
+        DP-summed STAT_KEYS (identical on every rank; "loss" is the mini-batch loss L of loss_agg.py;
+        MAX_STAT_KEYS are maxima instead).
         old_logprobs None: the fused path (objective.policy_objective), the old log-probs are this
         forward's own; only when the mini-batch is the whole step on every rank (train_step)."""
         tokens, samples = self._dp_sum(list(local_counts(batch["loss_masks"])))
@@ -468,9 +471,9 @@ class TrainerWorker(MegatronRank):
                           mbs, forward_only=False)
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float32, device=self.info.device)
         if store:  # the last pipeline stage
-            sums.copy_(torch.stack([out["sums"] for out in store]).sum(dim=0))
+            sums.copy_(combine_stats(torch.stack([out["sums"] for out in store])))
         broadcast_from_last_stage(sums)
-        out = dict(zip(STAT_KEYS, self._dp_sum(sums.tolist()), strict=True))
+        out = dp_reduce_stats(sums.tolist(), self._dp_sum)
         # an MoE model's load-balancing losses (megatron's tracker: mean over layers and
         # micro-batches, averaged over DP; identical on every rank)
         out.update(moe_aux_losses(self.gpt.config, len(mbs)))

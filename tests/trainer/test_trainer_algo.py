@@ -28,8 +28,9 @@ from tests.trainer.trainer_ref import hf_model, make_batch
 
 WORLDS = {1: "algo1", 2: "algo2"}
 BASE_METRICS = {"train/loss", "train/pg_loss", "train/kl", "train/ppo_kl", "train/entropy", "train/grad_norm",
-                "train/rollout_logprob_abs_diff", "train/pg_clipfrac", "train/pg_clipfrac_high",
-                "train/pg_clipfrac_low", "train/advantage_mean", "train/advantage_std", "train/lr"}
+                "train/rollout_logprob_abs_diff", "train/rollout_logprob_abs_diff_max", "train/pg_clipfrac",
+                "train/pg_clipfrac_high", "train/pg_clipfrac_low", "train/advantage_mean", "train/advantage_std",
+                "train/lr"}
 
 
 def _full(recs: list[dict], key: str) -> list | None:

@@ -116,8 +116,14 @@ def test_train_step_metrics_and_update(scenario, ref):
     assert m["train/kl"] == 0.0 and m["train/pg_clipfrac"] == 0.0  # one mini-batch at ratio 1
     assert abs(m["train/entropy"] - ref["entropy_mean"]) < 1e-5
     rollout = [torch.tensor(x, dtype=torch.float64) for x in batch["rollout_logprobs"]]
-    diff = masked_token_mean([(a - b).abs() for a, b in zip(ref["logp"], rollout, strict=True)], batch)
+    gaps = [(a - b).abs() for a, b in zip(ref["logp"], rollout, strict=True)]
+    diff = masked_token_mean(gaps, batch)
     assert abs(m["train/rollout_logprob_abs_diff"] - diff) < 1e-5
+    # the largest gap over trained tokens (the mask's part: tests/trainer/test_objective_stats.py)
+    trained = [float(g[j]) for g, mask in zip(gaps, batch["loss_masks"], strict=True)
+               for j, keep in enumerate(mask) if keep]
+    assert abs(m["train/rollout_logprob_abs_diff_max"] - max(trained)) < 1e-5
+    assert m["train/rollout_logprob_abs_diff_max"] > diff
     assert m["train/lr"] == pytest.approx(1e-3)
     changed = [n for n in rec["before"] if not torch.equal(rec["before"][n], rec["after"][n])]
     assert len(changed) == len(rec["before"])  # Adam moves every tensor that has a gradient
