@@ -155,7 +155,7 @@ def step_sums(batch: dict, inputs: StepInputs | None, device: torch.device,
     else:
         ent = (_pad(inputs.entropy, width) * mask).sum()
         gap = (_pad(inputs.old, width) - _pad(batch["rollout_logprobs"], width)).abs() * mask
-        diff, diff_max = gap.sum(), gap.max()
+        diff, diff_max = gap.sum(), (gap.max() if gap.numel() else gap.sum())
     local = torch.stack([ent, diff, adv_m[0], adv_m[1], adv_m[2]])
     keys = ("entropy", "abs_diff", "adv", "adv_sq", "tokens")
     out = dict(zip(keys, _all_reduce(local, device, group).tolist(), strict=True))
