@@ -129,7 +129,7 @@ case "$1" in
     # the held-out rows are drawn first and the training rows leave their questions out)
     need_model
     set -f  # TASK_CONFIG may hold JSON lists ("operators=[...]"): no globbing of its words
-    task=${TASK:-chain_sum}; steps=${STEPS:-150}; tag="peer_trl_learn_${task}_${steps}_$day"
+    task=${TASK:-chain_sum}; steps=${STEPS:-150}
     # LR (5e-6, the recipe's) for both sides; the held-out check gets the training budget of new
     # tokens (64; it was 24, which cut off the longer answers a trained model writes)
     # NEW_TOKENS (64): the training budget of new tokens on both sides (tasks whose answers grow
@@ -139,7 +139,7 @@ case "$1" in
     # carry them when not the defaults. EXTRA_PROMPTS, EXTRA_EPS_HIGH: the second run's (default: the same)
     prompts=${PROMPTS:-16}; eps_high=${EPS_HIGH:-0.2}
     knobs() { [ "$1" = 16 ] || printf _p%s "$1"; [ "$2" = 0.2 ] || printf _eh%s "$2"; }
-    tag="${tag%_$day}$(knobs "$prompts" "$eps_high")_$day"
+    tag="peer_trl_learn_${task}_${steps}$(knobs "$prompts" "$eps_high")_$day"
     # TASK_CONFIG: the task's config (e.g. "--config max_terms=3"), for training and held-out rows alike
     # the held-out rows are drawn first, as the task draws them, and the training file leaves their
     # questions out: excluding the training questions from the held-out file instead would drop the

@@ -136,6 +136,13 @@ def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]
     return steps
 
 
+def scored_reward_mean(row: dict[str, Any]) -> float:
+    """A step's reward over every scored group, as TRL's: with a dynamic-sampling filter (--ours-extra
+    --dynamic-sampling-filter-path ...) `rollout/reward_mean` is the kept groups' mean, biased by it."""
+    value = row.get("rollout/reward_mean_before_filter", math.nan)
+    return row["rollout/reward_mean"] if math.isnan(value) else value
+
+
 def mean_after(values: list[float], warmup: int) -> float:
     if len(values) <= warmup:
         raise SystemExit(f"--warmup {warmup} leaves no steps of {len(values)} to average")
@@ -258,11 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_ours:
         run_dir = out_dir / f"{stem}_ours_run"
         metrics = [r for r in run_ours(args, model, data, run_dir) if r["step"] >= 0]
-        # with a dynamic-sampling filter (--ours-extra --dynamic-sampling-filter-path ...) the kept groups'
-        # mean is biased by the filter: the curve is the mean over every scored group, as TRL's is
-        ours_rewards = [r.get("rollout/reward_mean_before_filter", r["rollout/reward_mean"]) for r in metrics]
-        ours_rewards = [r["rollout/reward_mean"] if math.isnan(v) else v for v, r in zip(ours_rewards, metrics,
-                                                                                          strict=True)]
+        ours_rewards = [scored_reward_mean(r) for r in metrics]
         result |= {"ours_step_s": mean_after([r["perf/step_s"] for r in metrics], args.warmup),
                    "ours_step_s_series": [r["perf/step_s"] for r in metrics], "ours_reward": ours_rewards,
                    "ours_rollout_s": mean_after([r["perf/rollout_s"] for r in metrics], args.warmup),
