@@ -8,7 +8,7 @@
 #   bash bench/gpu_session.sh part2         # carry .rm2: second half + gguf + reasoning-gym; import SmolLM2
 #   bash bench/gpu_session.sh speed         # GPU engine tests, peer_trl 64x8x128, engine profile on SmolLM2
 #   bash bench/gpu_session.sh real          # peer_trl 16x8x64, precision gap (batched decode, split-K fp32)
-#   TASK=chain_sum [EXTRA_TASK=basic_arithmetic [EXTRA_LR=..]] [TASK_CONFIG="--config k=v ..."] [LR=5e-6] [EVAL_TOKENS=64] \
+#   TASK=chain_sum [EXTRA_TASK=basic_arithmetic [EXTRA_LR=..]] [TASK_CONFIG="--config k=v ..."] [LR=5e-6] [EVAL_TOKENS=64] [SEED=1] \
 #     bash bench/gpu_session.sh learn
 #                                           # 150 steps, ours and TRL at once; held-out greedy accuracy
 #   ... bash bench/gpu_session.sh learn-detached   # the same under setsid (outlives the call, may
@@ -139,7 +139,7 @@ case "$1" in
     # carry them when not the defaults. EXTRA_PROMPTS, EXTRA_EPS_HIGH: the second run's (default: the same)
     prompts=${PROMPTS:-16}; eps_high=${EPS_HIGH:-0.2}
     knobs() { [ "$1" = 16 ] || printf _p%s "$1"; [ "$2" = 0.2 ] || printf _eh%s "$2"; }
-    tag="peer_trl_learn_${task}_${steps}$(knobs "$prompts" "$eps_high")_$day"
+    tag="peer_trl_learn_${task}_${steps}$(knobs "$prompts" "$eps_high")${SEED:+_seed$SEED}_$day"
     # TASK_CONFIG: the task's config (e.g. "--config max_terms=3"), for training and held-out rows alike
     # the held-out rows are drawn first, as the task draws them, and the training file leaves their
     # questions out: excluding the training questions from the held-out file instead would drop the
@@ -157,30 +157,42 @@ case "$1" in
       # EXTRA_LR (default: LR): its learning rate; with EXTRA_TASK=TASK, another lr on the same task
       et=$EXTRA_TASK; elr=${EXTRA_LR:-$lr}; ent=${EXTRA_NEW_TOKENS:-$new_tokens}
       ep=${EXTRA_PROMPTS:-$prompts}; eeh=${EXTRA_EPS_HIGH:-$eps_high}
+      # EXTRA_OURS_EXTRA (default: OURS_EXTRA): the second run's own extra flags (e.g. dynamic sampling
+      # on one run only)
+      eox=${EXTRA_OURS_EXTRA-$OURS_EXTRA}
       etag="peer_trl_learn_${et}_${steps}$([ "$elr" = "$lr" ] || echo "_lr$elr")$(knobs "$ep" "$eeh")_$day"
       [ "$etag" != "$tag" ] || etag="${etag%_$day}_extra_$day"
-      # (the same task: its files and starting accuracy are the ones just made, not rewritten under the
-      # main run)
-      ( { [ "$et" = "$task" ] || { python3 tools/make_reasoning_gym_data.py --task "$et" --n 200 --seed 100000 \
-          $EXTRA_TASK_CONFIG --out "/tmp/heldout_$et.jsonl" &&
+      etag=${etag/_$day/${SEED:+_seed$SEED}_$day}
+      # the same task in the same config: its files are the ones just made, not rewritten under the main
+      # run; the same task in another config (EXTRA_TASK_CONFIG): files of its own (session 13 trained the
+      # second run on the first run's files)
+      ef=$et; reuse=
+      if [ "$et" = "$task" ]; then
+        if [ -z "$EXTRA_TASK_CONFIG" ] || [ "$EXTRA_TASK_CONFIG" = "$TASK_CONFIG" ]; then reuse=1; else ef="${et}_extra"; fi
+      fi
+      ( { [ -n "$reuse" ] || { python3 tools/make_reasoning_gym_data.py --task "$et" --n 200 --seed 100000 \
+          $EXTRA_TASK_CONFIG --out "/tmp/heldout_$ef.jsonl" &&
         python3 tools/make_reasoning_gym_data.py --task "$et" --n 5000 --seed 0 $EXTRA_TASK_CONFIG \
-          --exclude "/tmp/heldout_$et.jsonl" --out "/tmp/train_$et.jsonl"; }; } &&
-        python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$et.jsonl" --n 200 --max-new-tokens "$ent" \
+          --exclude "/tmp/heldout_$ef.jsonl" --out "/tmp/train_$ef.jsonl"; }; } &&
+        python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$ef.jsonl" --n 200 --max-new-tokens "$ent" \
           2>&1 | tail -1 > "$OUT/${etag}_eval_start.txt" &&
         CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model /tmp/smol-bf16 --task "$et" \
-          --data "/tmp/train_$et.jsonl" --prompts "$ep" --group 8 --max-new-tokens "$ent" --steps "$steps" --warmup 5 --lr "$elr" \
-          --eps-clip-high "$eeh" \
-          --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_extra_$et" --save-interval "$steps" $OURS_EXTRA \
+          --data "/tmp/train_$ef.jsonl" --prompts "$ep" --group 8 --max-new-tokens "$ent" --steps "$steps" --warmup 5 --lr "$elr" \
+          --eps-clip-high "$eeh" ${SEED:+--seed "$SEED"} \
+          --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_extra_$et" --save-interval "$steps" $eox \
           > "$OUT/${etag}_ours.log" 2>&1 &&
-        python3 tools/eval_greedy.py --model "/tmp/learned_extra_$et" --data "/tmp/heldout_$et.jsonl" --n 200 \
+        python3 tools/eval_greedy.py --model "/tmp/learned_extra_$et" --data "/tmp/heldout_$ef.jsonl" --n 200 \
           --max-new-tokens "$ent" 2>&1 | tail -1 > "$OUT/${etag}_eval_end.txt" ) &
       extra=$!
     fi
+    # SEED (peer_trl's default, 1234): both sides' seed (TRL's weights went NaN at step 44 of one seed)
     common=(--model /tmp/smol-bf16 --task "$task" --data "/tmp/train_$task.jsonl" --prompts "$prompts" --group 8
-            --max-new-tokens "$new_tokens" --steps "$steps" --warmup 5 --lr "$lr" --eps-clip-high "$eps_high")
+            --max-new-tokens "$new_tokens" --steps "$steps" --warmup 5 --lr "$lr" --eps-clip-high "$eps_high"
+            ${SEED:+--seed "$SEED"})
     # SKIP_TRL=1: ours alone (a held-out check when TRL's curve on the task is already on record)
     trl=
-    [ -n "$SKIP_TRL" ] || { CUDA_VISIBLE_DEVICES=$trl_gpu python3 bench/peer_trl.py --skip-ours "${common[@]}" \
+    # TRL_EXTRA: more peer_trl flags for TRL's side (e.g. --trl-no-autocast)
+    [ -n "$SKIP_TRL" ] || { CUDA_VISIBLE_DEVICES=$trl_gpu python3 bench/peer_trl.py --skip-ours "${common[@]}" $TRL_EXTRA \
       --out "$OUT/${tag}_trl.json" > "$OUT/${tag}_trl.log" 2>&1 & trl=$!; }
     CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl "${common[@]}" --out "$OUT/${tag}_ours.json" \
       --ours-extra --save-hf "/tmp/learned_$task" --save-interval "$steps" $OURS_EXTRA > "$OUT/${tag}_ours.log" 2>&1

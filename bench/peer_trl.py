@@ -122,7 +122,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]
         epsilon_high=args.eps_clip_high,
         loss_type="dapo", scale_rewards="group", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
         max_grad_norm=1.0, max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none",
-        bf16=not cpu, use_cpu=cpu, seed=args.seed, use_vllm=False)
+        bf16=not cpu and not args.trl_no_autocast, use_cpu=cpu, seed=args.seed, use_vllm=False)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     # fp32 weights + bf16 autocast (the HF Trainer's mixed precision) by default, like our fp32 main
     # params: pure bf16 weights would round away AdamW updates of lr ~5e-6 and barely learn
@@ -229,7 +229,11 @@ def main(argv: list[str] | None = None) -> None:
                          "DAPO's clip-higher is 0.28); the lower one stays 0.2")
     ap.add_argument("--trl-micro-batch", type=int, default=64, help="TRL per_device_train_batch_size (completions)")
     ap.add_argument("--trl-dtype", default="fp32", choices=["fp32", "bf16"],
-                    help="TRL's weights (GPU: bf16 autocast either way); fp32 = mixed precision as ours")
+                    help="TRL's weights (GPU: bf16 autocast unless --trl-no-autocast); fp32 = mixed precision as ours")
+    ap.add_argument("--trl-no-autocast", action="store_true",
+                    help="TRL without bf16 autocast on the GPU (GRPOConfig bf16=False; with --trl-dtype fp32: all "
+                         "fp32). Its bf16-autocast run on basic_arithmetic went NaN (grad_norm nan, then a "
+                         "sampling assert) at step 44 of one seed and 51 of another (session 13)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
