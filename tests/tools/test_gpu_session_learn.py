@@ -1,0 +1,101 @@
+"""bench/gpu_session.sh `learn` wires its environment into the right commands.
+
+The GPU session runs it once per session with no second chance (device time), so the wiring is checked
+here with stand-ins for `python3` and `nvidia-smi` that only record their arguments. Session 13's slip:
+a second run of the same task in another config (EXTRA_TASK_CONFIG) trained on the first run's files.
+"""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_session.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _learn(tmp_path: Path, **env: str) -> list[list[str]]:
+    """Run `learn` with recording stand-ins; the commands it ran, in order, as argument lists."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"#!/bin/bash\nprintf '%s\\t' \"$@\" >> {log}\necho >> {log}\n")
+    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho 'GPU 0: stand-in'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    model = tmp_path / "smol"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+                "SMOL": str(model), **env}
+    subprocess.run(["bash", str(SCRIPT), "learn"], cwd=ROOT, env=full_env, check=True, capture_output=True,
+                   timeout=60)
+    return [line.rstrip("\t").split("\t") for line in log.read_text().splitlines() if line]
+
+
+def _value(call: list[str], flag: str) -> str | None:
+    return call[call.index(flag) + 1] if flag in call else None
+
+
+def _runs(calls: list[list[str]]) -> dict[str, list[str]]:
+    """peer_trl calls by side: trl (--skip-ours), ours (--skip-trl, saving to learned_<task>), extra."""
+    runs = {}
+    for c in calls:
+        if len(c) > 1 and c[0] == "bench/peer_trl.py":
+            if "--skip-ours" in c:
+                runs["trl"] = c
+            else:
+                runs["extra" if "learned_extra" in _value(c, "--save-hf") else "ours"] = c
+    return runs
+
+
+def _data_calls(calls: list[list[str]]) -> list[list[str]]:
+    return [c for c in calls if c and c[0] == "tools/make_reasoning_gym_data.py"]
+
+
+def test_same_task_in_another_config_trains_on_its_own_files(tmp_path):
+    calls = _learn(tmp_path, TASK="basic_arithmetic", TASK_CONFIG="--config max_digits=1",
+                   EXTRA_TASK="basic_arithmetic", EXTRA_TASK_CONFIG="--config max_digits=2")
+    runs = _runs(calls)
+    assert set(runs) == {"ours", "trl", "extra"}
+    assert _value(runs["ours"], "--data") == _value(runs["trl"], "--data")
+    assert _value(runs["extra"], "--data") != _value(runs["ours"], "--data")
+    # each training file is written with its own run's config
+    written = {_value(c, "--out"): c for c in _data_calls(calls)}
+    assert "max_digits=1" in written[_value(runs["ours"], "--data")]
+    assert "max_digits=2" in written[_value(runs["extra"], "--data")]
+    # and its held-out file (the one it excludes) is the one its evaluations read
+    extra_heldout = _value(written[_value(runs["extra"], "--data")], "--exclude")
+    assert "max_digits=2" in written[extra_heldout]
+    extra_evals = [c for c in calls if c[0] == "tools/eval_greedy.py" and _value(c, "--data") == extra_heldout]
+    assert len(extra_evals) == 2  # start and end
+
+
+def test_same_task_in_the_same_config_reuses_the_files(tmp_path):
+    calls = _learn(tmp_path, TASK="chain_sum", EXTRA_TASK="chain_sum", EXTRA_LR="2e-5")
+    runs = _runs(calls)
+    assert _value(runs["extra"], "--data") == _value(runs["ours"], "--data")
+    assert _value(runs["extra"], "--lr") == "2e-5" and _value(runs["ours"], "--lr") == "5e-6"
+    assert len(_data_calls(calls)) == 2  # one held-out and one training file, not rewritten
+
+
+def test_seed_and_per_side_flags(tmp_path):
+    calls = _learn(tmp_path, TASK="chain_sum", SEED="7", OURS_EXTRA="--flag-a", TRL_EXTRA="--trl-no-autocast",
+                   EXTRA_TASK="gcd", EXTRA_OURS_EXTRA="--flag-b")
+    runs = _runs(calls)
+    assert {_value(r, "--seed") for r in runs.values()} == {"7"}
+    assert "--trl-no-autocast" in runs["trl"]
+    assert "--trl-no-autocast" not in runs["ours"] + runs["extra"]
+    assert "--flag-a" in runs["ours"] and "--flag-a" not in runs["extra"] + runs["trl"]
+    assert "--flag-b" in runs["extra"] and "--flag-b" not in runs["ours"]
+    # the seed is in the result names, so a second seed does not overwrite the first
+    assert all("_seed7_" in _value(r, "--out") for r in runs.values())
+
+
+def test_without_seed_both_sides_keep_the_default(tmp_path):
+    runs = _runs(_learn(tmp_path, TASK="chain_sum"))
+    assert set(runs) == {"ours", "trl"}
+    assert all("--seed" not in r for r in runs.values())
