@@ -17,6 +17,9 @@
 #                                           # (at once: a machine idle for 30 s is given back, and the
 #                                           # detached run with it; session 11 lost one so)
 #   bash bench/gpu_session.sh numerics      # engine-vs-trainer log-prob gap on the engine's own decode path
+#   [VARIANTS="name=flags;..."] bash bench/gpu_session.sh gap-bisect
+#                                           # which engine switch the deterministic engine's outlier
+#                                           # tokens come with (40 steps per variant, all at once)
 #   bash bench/gpu_session.sh decode        # #19: a decode step's kernels (bench/decode_step.py), the engine
 #                                           # with and without --enable-torch-compile, the GPU engine tests
 #                                           # (no wheels, no model; each part under `timeout`: < 9 min)
@@ -114,6 +117,31 @@ case "$1" in
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'lp_diff per step', d['ours_logprob_abs_diff'])" \
         "$OUT/loop_gap_${e}_3steps_1xH200_$day.json" "$e" || tail -5 "$OUT/loop_gap_${e}_$day.log"
     done ;;
+  gap-bisect)
+    # #18: which engine switch the log-prob outliers of the deterministic engine come with (one token of
+    # a step off by 0.01-0.27 on about a quarter of the steps, BENCHMARKS.md session 13). VARIANTS
+    # ("name=flags;name=flags", default below) run at once, ours only, STEPS (40) each on TASK
+    # (basic_arithmetic 2 x 1 digit), then bench/logprob_gap_summary.py counts the steps with an outlier
+    need_model
+    set -f
+    task=${TASK:-basic_arithmetic}; steps=${STEPS:-40}; lr=${LR:-1e-5}
+    tc=${TASK_CONFIG---config min_terms=2 --config max_terms=2 --config max_digits=1 --config operators=["+","-","*"] --config allow_parentheses=false --config allow_negation=false}
+    det=--sglang-enable-deterministic-inference
+    variants=${VARIANTS:-"det=$det;det_no_overlap=$det --sglang-disable-overlap-schedule;det_no_graph=$det --sglang-disable-cuda-graph"}
+    python3 tools/make_reasoning_gym_data.py --task "$task" --n 2000 --seed 0 $tc --out "/tmp/bisect_$task.jsonl"
+    IFS=';' read -ra vs <<< "$variants"
+    pids=(); results=()
+    for v in "${vs[@]}"; do
+      name=${v%%=*}; flags=${v#*=}; f="$OUT/gap_bisect_${task}_${name}${SEED:+_seed$SEED}_$day"
+      python3 bench/peer_trl.py --skip-trl --model "$SMOL" --task "$task" --data "/tmp/bisect_$task.jsonl" \
+        --prompts 16 --group 8 --max-new-tokens 64 --steps "$steps" --warmup 1 --lr "$lr" ${SEED:+--seed "$SEED"} \
+        --out "$f.json" --ours-extra $flags > "$f.log" 2>&1 &
+      pids+=($!); results+=("$f.json")
+    done
+    wait "${pids[@]}"
+    # the per-run folders and curves (a call brings back about 8 files; the JSONs hold the series)
+    rm -rf "$OUT"/gap_bisect_*_ours_run "$OUT"/gap_bisect_*_reward.png
+    python3 bench/logprob_gap_summary.py "${results[@]}" --out "$OUT/gap_bisect_${task}${SEED:+_seed$SEED}_$day.json" ;;
   learn-detached)
     need_model
     rm -rf /tmp/learn_out && mkdir -p /tmp/learn_out

@@ -18,11 +18,12 @@ SCRIPT = ROOT / "bench" / "gpu_session.sh"
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def _learn(tmp_path: Path, **env: str) -> list[list[str]]:
-    """Run `learn` with recording stand-ins; the commands it ran, in order, as argument lists."""
+def _learn(tmp_path: Path, mode: str = "learn", **env: str) -> list[list[str]]:
+    """Run `mode` with recording stand-ins; the commands it ran, in order, as argument lists."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.txt"
     bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f"#!/bin/bash\nprintf '%s\\t' \"$@\" >> {log}\necho >> {log}\n")
+    # one append per call (the script runs some at once: two appends per call could interleave)
+    (bin_dir / "python3").write_text(f"#!/bin/bash\nline=$(printf '%s\\t' \"$@\")\necho \"$line\" >> {log}\n")
     (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho 'GPU 0: stand-in'\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
@@ -31,7 +32,7 @@ def _learn(tmp_path: Path, **env: str) -> list[list[str]]:
     (model / "config.json").write_text("{}")
     full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
                 "SMOL": str(model), **env}
-    subprocess.run(["bash", str(SCRIPT), "learn"], cwd=ROOT, env=full_env, check=True, capture_output=True,
+    subprocess.run(["bash", str(SCRIPT), mode], cwd=ROOT, env=full_env, check=True, capture_output=True,
                    timeout=60)
     return [line.rstrip("\t").split("\t") for line in log.read_text().splitlines() if line]
 
@@ -99,3 +100,20 @@ def test_without_seed_both_sides_keep_the_default(tmp_path):
     runs = _runs(_learn(tmp_path, TASK="chain_sum"))
     assert set(runs) == {"ours", "trl"}
     assert all("--seed" not in r for r in runs.values())
+
+
+def test_gap_bisect_runs_each_variant_with_its_flags_and_summarizes_them(tmp_path):
+    calls = _learn(tmp_path, "gap-bisect", VARIANTS="base=--a;no_x=--a --b", STEPS="5", SEED="3")
+    runs = [c for c in calls if c[0] == "bench/peer_trl.py"]
+    assert len(runs) == 2 and all("--skip-trl" in r and _value(r, "--steps") == "5" for r in runs)
+    assert all(_value(r, "--seed") == "3" for r in runs)
+    # the variant's flags are the last words (peer_trl's --ours-extra takes the rest of the line); the
+    # variants start at once, so they are matched by the name in their result file
+    flags = {Path(_value(r, "--out")).name.split("_seed3_")[0]: r[r.index("--ours-extra") + 1:] for r in runs}
+    assert flags == {"gap_bisect_basic_arithmetic_base": ["--a"], "gap_bisect_basic_arithmetic_no_x": ["--a", "--b"]}
+    summary = [c for c in calls if c[0] == "bench/logprob_gap_summary.py"]
+    assert len(summary) == 1
+    assert sorted(summary[0][1:3]) == sorted(_value(r, "--out") for r in runs)
+    # one training file, the one every variant reads
+    data = [c for c in calls if c[0] == "tools/make_reasoning_gym_data.py"]
+    assert len(data) == 1 and {_value(r, "--data") for r in runs} == {_value(data[0], "--out")}
