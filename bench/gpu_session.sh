@@ -127,7 +127,8 @@ case "$1" in
     task=${TASK:-basic_arithmetic}; steps=${STEPS:-40}; lr=${LR:-1e-5}
     tc=${TASK_CONFIG---config min_terms=2 --config max_terms=2 --config max_digits=1 --config operators=["+","-","*"] --config allow_parentheses=false --config allow_negation=false}
     det=--sglang-enable-deterministic-inference
-    variants=${VARIANTS:-"det=$det;det_no_overlap=$det --sglang-disable-overlap-schedule;det_no_graph=$det --sglang-disable-cuda-graph"}
+    # (det_eager: neither the overlap scheduler nor CUDA graphs; outliers left there come from neither)
+    variants=${VARIANTS:-"det=$det;det_no_overlap=$det --sglang-disable-overlap-schedule;det_no_graph=$det --sglang-disable-cuda-graph;det_eager=$det --sglang-disable-overlap-schedule --sglang-disable-cuda-graph"}
     python3 tools/make_reasoning_gym_data.py --task "$task" --n 2000 --seed 0 $tc --out "/tmp/bisect_$task.jsonl"
     IFS=';' read -ra vs <<< "$variants"
     pids=(); results=()
@@ -135,10 +136,14 @@ case "$1" in
       name=${v%%=*}; flags=${v#*=}; f="$OUT/gap_bisect_${task}_${name}${SEED:+_seed$SEED}_$day"
       python3 bench/peer_trl.py --skip-trl --model "$SMOL" --task "$task" --data "/tmp/bisect_$task.jsonl" \
         --prompts 16 --group 8 --max-new-tokens 64 --steps "$steps" --warmup 1 --lr "$lr" ${SEED:+--seed "$SEED"} \
-        --out "$f.json" --ours-extra $flags > "$f.log" 2>&1 &
+        --out "$f.json" --ours-extra $flags > "/tmp/$(basename "$f").log" 2>&1 &
       pids+=($!); results+=("$f.json")
     done
-    wait "${pids[@]}"
+    # logs stay in /tmp (a call brings back about 8 files) but a failed variant's tail comes back
+    for i in "${!pids[@]}"; do
+      wait "${pids[$i]}" || { f=${results[$i]%.json}; tail -30 "/tmp/$(basename "$f").log" > "$f.failed.log"; }
+    done
+    ls "${results[@]}" 2>/dev/null | wc -l | xargs echo "results:"
     # the per-run folders and curves (a call brings back about 8 files; the JSONs hold the series)
     rm -rf "$OUT"/gap_bisect_*_ours_run "$OUT"/gap_bisect_*_reward.png
     python3 bench/logprob_gap_summary.py "${results[@]}" --out "$OUT/gap_bisect_${task}${SEED:+_seed$SEED}_$day.json" ;;

@@ -41,10 +41,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rows = {}
     for path in args.results:
+        if not path.exists():  # a run that failed (gpu_session.sh gap-bisect keeps its log's tail)
+            print(f"{path}: no result, left out")
+            continue
         try:
             rows[path.stem] = summarize(json.loads(path.read_text()), args.threshold)
         except (OSError, json.JSONDecodeError) as e:
             raise SystemExit(f"{path}: {e}") from e
+    if not rows:
+        raise SystemExit("no results to summarize")
     width = max(len(n) for n in rows)
     print(f"{'run':<{width}}  steps  steps with a token > {args.threshold:g}  per-step max: median / max  "
           f"per-step mean: median")

@@ -30,6 +30,10 @@ def test_a_result_without_our_side_is_refused(tmp_path):
 def test_writes_one_row_per_run(tmp_path):
     for name, maxes in (("a", [0.1, 0.2]), ("b", [1e-5, 1e-5])):
         (tmp_path / f"{name}.json").write_text(json.dumps({"ours_logprob_abs_diff_max": maxes}))
-    main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "s.json")])
+    main([str(tmp_path / "a.json"), str(tmp_path / "gone.json"), str(tmp_path / "b.json"), "--out",
+          str(tmp_path / "s.json")])
     runs = json.loads((tmp_path / "s.json").read_text())["runs"]
     assert runs["a"]["steps_over"] == 2 and runs["b"]["steps_over"] == 0
+    assert "gone" not in runs  # a failed run (no file) is left out, the others still summarized
+    with pytest.raises(SystemExit, match="no results"):
+        main([str(tmp_path / "gone.json")])
