@@ -196,8 +196,8 @@ case "$1" in
       # on one run only)
       eox=${EXTRA_OURS_EXTRA-$OURS_EXTRA}
       etag="peer_trl_learn_${et}_${steps}$([ "$elr" = "$lr" ] || echo "_lr$elr")$(knobs "$ep" "$eeh")_$day"
-      [ "$etag" != "$tag" ] || etag="${etag%_$day}_extra_$day"
       etag=${etag/_$day/${SEED:+_seed$SEED}_$day}
+      [ "$etag" != "$tag" ] || etag="${etag%_$day}_extra_$day"
       # the same task in the same config: its files are the ones just made, not rewritten under the main
       # run; the same task in another config (EXTRA_TASK_CONFIG): files of its own (session 13 trained the
       # second run on the first run's files)

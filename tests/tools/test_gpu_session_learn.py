@@ -96,6 +96,14 @@ def test_seed_and_per_side_flags(tmp_path):
     assert all("_seed7_" in _value(r, "--out") for r in runs.values())
 
 
+@pytest.mark.parametrize("seed", ["", "5"])
+def test_a_second_run_of_the_same_task_writes_its_own_results(tmp_path, seed):
+    runs = _runs(_learn(tmp_path, TASK="chain_sum", EXTRA_TASK="chain_sum", SEED=seed))
+    outs = [_value(r, "--out") for r in runs.values()]
+    assert len(outs) == 3 and len({o.removesuffix("_trl.json").removesuffix("_ours.json") for o in outs}) == 2
+    assert _value(runs["extra"], "--out") != _value(runs["ours"], "--out")
+
+
 def test_without_seed_both_sides_keep_the_default(tmp_path):
     runs = _runs(_learn(tmp_path, TASK="chain_sum"))
     assert set(runs) == {"ours", "trl"}
