@@ -23,10 +23,11 @@ from typing import Any
 def summarize(result: dict[str, Any], threshold: float) -> dict[str, Any]:
     """Counts and quantiles of one run's per-step gaps (steps without a value are skipped)."""
     means = [v for v in result.get("ours_logprob_abs_diff") or [] if v is not None]
-    maxes = [v for v in result.get("ours_logprob_abs_diff_max") or [] if v is not None]
+    series = result.get("ours_logprob_abs_diff_max") or []
+    maxes = [v for v in series if v is not None]
     if not maxes:
         raise SystemExit("no ours_logprob_abs_diff_max in the result: run peer_trl.py with ours (not --skip-ours)")
-    over = [i for i, v in enumerate(result["ours_logprob_abs_diff_max"]) if v is not None and v > threshold]
+    over = [i for i, v in enumerate(series) if v is not None and v > threshold]
     return {"steps": len(maxes), "steps_over": len(over), "first_steps_over": over[:10],
             "max_median": statistics.median(maxes), "max_max": max(maxes),
             "mean_median": statistics.median(means) if means else None,
