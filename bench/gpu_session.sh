@@ -145,8 +145,11 @@ case "$1" in
     done
     ls "${results[@]}" 2>/dev/null | wc -l | xargs echo "results:"
     # the per-run folders and curves (a call brings back about 8 files; the JSONs hold the series)
-    rm -rf "$OUT"/gap_bisect_*_ours_run "$OUT"/gap_bisect_*_reward.png
-    python3 bench/logprob_gap_summary.py "${results[@]}" --out "$OUT/gap_bisect_${task}${SEED:+_seed$SEED}_$day.json" ;;
+    # (find, not a glob: `set -f` above is on)
+    find "$OUT" -maxdepth 1 \( -name 'gap_bisect_*_ours_run' -o -name 'gap_bisect_*_reward.png' \) -exec rm -rf {} +
+    python3 bench/logprob_gap_summary.py "${results[@]}" --out "$OUT/gap_bisect_${task}${SEED:+_seed$SEED}_$day.json"
+    # the variants' logs, in one file
+    tar czf "$OUT/gap_bisect_logs${SEED:+_seed$SEED}_$day.tgz" -C /tmp $(find /tmp -maxdepth 1 -name 'gap_bisect_*.log' -printf '%f\n') ;;
   learn-detached)
     need_model
     rm -rf /tmp/learn_out && mkdir -p /tmp/learn_out
@@ -156,7 +159,11 @@ case "$1" in
     waited=0
     while pgrep -f "gpu_session.sh learn" > /dev/null && [ "$waited" -lt "${WAIT:-560}" ]; do sleep 10; waited=$((waited + 10)); done
     pgrep -f "gpu_session.sh learn" > /dev/null && echo "learn still running after $waited s" || echo "learn done"
-    cp -r /tmp/learn_out/. "$OUT/" 2>/dev/null; tail -8 /tmp/learn_out/session.log ;;
+    # one archive (a call brings back at most 8 files; a learn run with a second task writes about 15),
+    # without weights (the runs' folders may hold checkpoints)
+    tar czf "$OUT/learn_out_$day.tgz" -C /tmp/learn_out --exclude='*.safetensors' --exclude='*.pt' \
+      --exclude='*.distcp' --exclude='*.bin' . && ls -la "$OUT/learn_out_$day.tgz"
+    tail -8 /tmp/learn_out/session.log ;;
   learn)
     # TASK (chain_sum) for STEPS (150): ours and TRL at once (on GPU 0 and 1, or both on one GPU: the
     # curves are what counts here); the held-out file shares no question with the training file

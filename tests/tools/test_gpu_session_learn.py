@@ -125,3 +125,32 @@ def test_gap_bisect_runs_each_variant_with_its_flags_and_summarizes_them(tmp_pat
     # one training file, the one every variant reads
     data = [c for c in calls if c[0] == "tools/make_reasoning_gym_data.py"]
     assert len(data) == 1 and {_value(r, "--data") for r in runs} == {_value(data[0], "--out")}
+
+
+def test_gap_bisect_brings_back_few_files(tmp_path):
+    """A device call brings back at most 8 files: the runs' folders and curves are removed (under the
+    mode's `set -f` a glob did not expand, so session 13's version left them), the logs come in one archive."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # peer_trl's stand-in writes what the real one writes next to its result: a run folder and a curve
+    (bin_dir / "python3").write_text(
+        "#!/bin/bash\n[ \"$1\" = bench/peer_trl.py ] || exit 0\n"
+        "out=$(printf '%s\\n' \"$@\" | grep -A1 -x -- --out | tail -1)\n"
+        "mkdir -p \"${out%.json}_ours_run\" && echo '{}' > \"${out%.json}_ours_run/metrics.jsonl\"\n"
+        "echo '{}' > \"$out\" && echo png > \"${out%.json}_reward.png\"\n")
+    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho 'GPU 0: stand-in'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    model, out = tmp_path / "smol", tmp_path / "out"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "SMOL": str(model),
+           "VARIANTS": "a=--x;b=--y;c=--z;d=--w", "SEED": "77"}
+    subprocess.run(["bash", str(SCRIPT), "gap-bisect"], cwd=ROOT, env=env, check=True, capture_output=True,
+                   timeout=60)
+    left = sorted(p.name for p in out.iterdir())
+    assert not [n for n in left if n.endswith(("_ours_run", "_reward.png"))], left
+    assert len([n for n in left if n.endswith(".json")]) == 4 and len(left) <= 8, left
+    assert any(n.startswith("gap_bisect_logs_seed77_") and n.endswith(".tgz") for n in left), left
+    for f in Path("/tmp").glob("gap_bisect_*_seed77_*.log"):  # the mode keeps its logs in /tmp
+        f.unlink()
