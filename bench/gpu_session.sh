@@ -127,8 +127,12 @@ case "$1" in
     task=${TASK:-basic_arithmetic}; steps=${STEPS:-40}; lr=${LR:-1e-5}
     tc=${TASK_CONFIG---config min_terms=2 --config max_terms=2 --config max_digits=1 --config operators=["+","-","*"] --config allow_parentheses=false --config allow_negation=false}
     det=--sglang-enable-deterministic-inference
-    # (det_eager: neither the overlap scheduler nor CUDA graphs; outliers left there come from neither)
-    variants=${VARIANTS:-"det=$det;det_no_overlap=$det --sglang-disable-overlap-schedule;det_no_graph=$det --sglang-disable-cuda-graph;det_eager=$det --sglang-disable-overlap-schedule --sglang-disable-cuda-graph"}
+    # --sglang-disable-cuda-graph also leaves the static slot cache (server.py: static only with graphs
+    # or --static-kv-cache), so det_no_graph decodes on the dynamic path; det_static_eager keeps the
+    # slot cache (compaction, flash decode over slots) with graphs for 1-row steps only
+    # (--sglang-cuda-graph-max-bs-decode 1: larger batches run the static forward eagerly);
+    # det_eager: neither the overlap scheduler nor graphs nor the slot cache
+    variants=${VARIANTS:-"det=$det;det_no_overlap=$det --sglang-disable-overlap-schedule;det_static_eager=$det --sglang-cuda-graph-max-bs-decode 1;det_no_graph=$det --sglang-disable-cuda-graph;det_eager=$det --sglang-disable-overlap-schedule --sglang-disable-cuda-graph"}
     python3 tools/make_reasoning_gym_data.py --task "$task" --n 2000 --seed 0 $tc --out "/tmp/bisect_$task.jsonl"
     IFS=';' read -ra vs <<< "$variants"
     pids=(); results=()
