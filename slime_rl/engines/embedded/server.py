@@ -48,6 +48,17 @@ OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 DEPRECATED = {"/get_model_info": "/model_info", "/get_server_info": "/server_info"}  # old -> new path
 
 
+def decodes_on_slots(device: str, disable_cuda_graph: bool, static_kv_cache: bool, deterministic: bool) -> bool:
+    """Whether decode steps run on the static slot cache (slots.py, graphs.py) rather than the dynamic
+    left-padded one: on CUDA with graphs; with --static-kv-cache anywhere; and on CUDA under
+    --enable-deterministic-inference even with --disable-cuda-graph, because its flash decode
+    attention (the trainer's kernel, attention.py) runs on the slot cache only. Without that last
+    rule, deterministic inference with graphs off decoded on the dynamic path and the loop's bf16
+    gap was 2e-2 instead of 3e-5 (SmolLM2 on an H200, BENCHMARKS.md session 14)."""
+    cuda = torch.device(device).type == "cuda"
+    return (cuda and not disable_cuda_graph) or static_kv_cache or (cuda and deterministic)
+
+
 @dataclass
 class ServerConfig:
     model_path: str
@@ -61,7 +72,8 @@ class ServerConfig:
     weight_version: str = "default"
     num_threads: int | None = None  # torch.set_num_threads: process-wide, so left alone unless given
     # decoding (engine.py): on CUDA a static KV cache with CUDA graphs unless disable_cuda_graph;
-    # static_kv_cache uses the static cache without graphs elsewhere (CPU) or with them disabled
+    # static_kv_cache uses the static cache without graphs elsewhere (CPU) or with them disabled, as
+    # enable_deterministic_inference does on CUDA (`decodes_on_slots`)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # larger batches run the static step eagerly
     static_kv_cache: bool = False
@@ -137,13 +149,15 @@ class EmbeddedServer:
         self.vocab_size = hf.get_text_config().vocab_size
         self.context_len = getattr(hf.get_text_config(), "max_position_embeddings", 4096)
         cuda_graph = torch.device(cfg.device).type == "cuda" and not cfg.disable_cuda_graph
+        static = decodes_on_slots(cfg.device, cfg.disable_cuda_graph, cfg.static_kv_cache,
+                                  cfg.enable_deterministic_inference)
         routing = None
         if cfg.enable_return_routed_experts or cfg.routing_select_round:
             routing = RoutingCapture(self.model, cfg.routing_select_round)
             if not cfg.enable_return_routed_experts:
                 routing.keep = False
         self.engine = Engine(self.model, self.tokenizer, eos, pad, cfg.max_running_requests, cfg.random_seed,
-                             static_cache=cuda_graph or cfg.static_kv_cache, cuda_graph=cuda_graph,
+                             static_cache=static, cuda_graph=cuda_graph,
                              cuda_graph_max_bs=cfg.cuda_graph_max_bs, overlap=not cfg.disable_overlap_schedule,
                              compile_max_bs=cfg.torch_compile_max_bs if cfg.enable_torch_compile else 0,
                              routing=routing)
