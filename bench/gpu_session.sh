@@ -125,7 +125,10 @@ case "$1" in
     need_model
     set -f
     task=${TASK:-basic_arithmetic}; steps=${STEPS:-40}; lr=${LR:-1e-5}
-    tc=${TASK_CONFIG---config min_terms=2 --config max_terms=2 --config max_digits=1 --config operators=["+","-","*"] --config allow_parentheses=false --config allow_negation=false}
+    # (the default in single quotes: inside ${TASK_CONFIG-...} its double quotes were removed, and
+    # reasoning-gym refused operators=[+,-,*])
+    one_digit='--config min_terms=2 --config max_terms=2 --config max_digits=1 --config operators=["+","-","*"] --config allow_parentheses=false --config allow_negation=false'
+    tc=${TASK_CONFIG-$one_digit}
     det=--sglang-enable-deterministic-inference
     # --sglang-disable-cuda-graph also leaves the static slot cache (server.py: static only with graphs
     # or --static-kv-cache), so det_no_graph decodes on the dynamic path; det_static_eager keeps the

@@ -154,3 +154,11 @@ def test_gap_bisect_brings_back_few_files(tmp_path):
     assert any(n.startswith("gap_bisect_logs_seed77_") and n.endswith(".tgz") for n in left), left
     for f in Path("/tmp").glob("gap_bisect_*_seed77_*.log"):  # the mode keeps its logs in /tmp
         f.unlink()
+
+
+def test_gap_bisect_default_task_config_keeps_its_quotes(tmp_path):
+    """reasoning-gym reads operators=["+","-","*"] as JSON; session 14's first gap-bisect passed
+    operators=[+,-,*] (the quotes of a ${VAR-default} word are removed) and every variant failed."""
+    calls = _learn(tmp_path, "gap-bisect", VARIANTS="a=--x")
+    (data,) = _data_calls(calls)
+    assert "operators=[\"+\",\"-\",\"*\"]" in data and "max_digits=1" in data
