@@ -20,6 +20,7 @@
 #   [VARIANTS="name=flags;..."] bash bench/gpu_session.sh gap-bisect
 #                                           # which engine switch the deterministic engine's outlier
 #                                           # tokens come with (40 steps per variant, all at once)
+#   [STEPS=40] bash bench/gpu_session.sh sync-check   # #18: engine tensors vs the trainer's after every sync
 #   bash bench/gpu_session.sh decode        # #19: a decode step's kernels (bench/decode_step.py), the engine
 #                                           # with and without --enable-torch-compile, the GPU engine tests
 #                                           # (no wheels, no model; each part under `timeout`: < 9 min)
@@ -157,6 +158,20 @@ case "$1" in
     python3 bench/logprob_gap_summary.py "${results[@]}" --out "$OUT/gap_bisect_${task}${SEED:+_seed$SEED}_$day.json"
     # the variants' logs, in one file
     tar czf "$OUT/gap_bisect_logs${SEED:+_seed$SEED}_$day.tgz" -C /tmp $(find /tmp -maxdepth 1 -name 'gap_bisect_*.log' -printf '%f\n') ;;
+  sync-check)
+    # #18: after every weight sync, every engine tensor against the trainer's (bench/sync_check.py): bf16,
+    # colocated (the CUDA IPC hand-over), the basic_arithmetic 1-GPU recipe on its 1-digit data, STEPS
+    # (40); the outlier tokens of sessions 13-14 start once training has moved the weights
+    need_model
+    set -f
+    one_digit='--config min_terms=2 --config max_terms=2 --config max_digits=1 --config operators=["+","-","*"] --config allow_parentheses=false --config allow_negation=false'
+    python3 tools/make_reasoning_gym_data.py --task basic_arithmetic --n 2000 --seed 0 $one_digit \
+      --out /tmp/sync_basic_arithmetic.jsonl
+    python3 bench/sync_check.py --model "$SMOL" --data /tmp/sync_basic_arithmetic.jsonl --steps "${STEPS:-40}" \
+      --out "$OUT/sync_check_basic_arithmetic_${kind}_$day.json" -- \
+      --config configs/smollm2_basic_arithmetic_grpo_1gpu.yaml $OURS_EXTRA 2>&1 \
+      | grep -e "^step" -e "Error" | tail -45
+    find "$OUT" -maxdepth 1 -name 'sync_check_*_run' -exec rm -rf {} + ;;
   learn-detached)
     need_model
     rm -rf /tmp/learn_out && mkdir -p /tmp/learn_out

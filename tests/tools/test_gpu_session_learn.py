@@ -162,3 +162,13 @@ def test_gap_bisect_default_task_config_keeps_its_quotes(tmp_path):
     calls = _learn(tmp_path, "gap-bisect", VARIANTS="a=--x")
     (data,) = _data_calls(calls)
     assert "operators=[\"+\",\"-\",\"*\"]" in data and "max_digits=1" in data
+
+
+def test_sync_check_runs_the_recipe_on_the_one_digit_file(tmp_path):
+    calls = _learn(tmp_path, "sync-check", STEPS="7", OURS_EXTRA="--lr 2e-5")
+    (data,) = _data_calls(calls)
+    (check,) = [c for c in calls if c[0] == "bench/sync_check.py"]
+    assert "operators=[\"+\",\"-\",\"*\"]" in data and "max_digits=1" in data
+    assert _value(check, "--data") == _value(data, "--out") and _value(check, "--steps") == "7"
+    train_flags = check[check.index("--") + 1:]
+    assert train_flags == ["--config", "configs/smollm2_basic_arithmetic_grpo_1gpu.yaml", "--lr", "2e-5"]
