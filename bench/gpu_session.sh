@@ -131,11 +131,11 @@ case "$1" in
     one_digit='--config min_terms=2 --config max_terms=2 --config max_digits=1 --config operators=["+","-","*"] --config allow_parentheses=false --config allow_negation=false'
     tc=${TASK_CONFIG-$one_digit}
     det=--sglang-enable-deterministic-inference
-    # --sglang-disable-cuda-graph also leaves the static slot cache (server.py: static only with graphs
-    # or --static-kv-cache), so det_no_graph decodes on the dynamic path; det_static_eager keeps the
-    # slot cache (compaction, flash decode over slots) with graphs for 1-row steps only
-    # (--sglang-cuda-graph-max-bs-decode 1: larger batches run the static forward eagerly);
-    # det_eager: neither the overlap scheduler nor graphs nor the slot cache
+    # det_static_eager: the slot cache with graphs for 1-row steps only (--sglang-cuda-graph-max-bs-decode
+    # 1: larger batches run the static forward eagerly). Session 14 ran these before server.decodes_on_slots:
+    # then --sglang-disable-cuda-graph also left the slot cache (det_no_graph and det_eager decoded on
+    # the dynamic path, gap 2e-2); now deterministic inference keeps the slot cache without graphs, so
+    # det_no_graph is det_static_eager without its 1-row graphs, and det_eager adds no overlap
     variants=${VARIANTS:-"det=$det;det_no_overlap=$det --sglang-disable-overlap-schedule;det_static_eager=$det --sglang-cuda-graph-max-bs-decode 1;det_no_graph=$det --sglang-disable-cuda-graph;det_eager=$det --sglang-disable-overlap-schedule --sglang-disable-cuda-graph"}
     python3 tools/make_reasoning_gym_data.py --task "$task" --n 2000 --seed 0 $tc --out "/tmp/bisect_$task.jsonl"
     IFS=';' read -ra vs <<< "$variants"
