@@ -31,6 +31,10 @@ export PYTHONPATH=/tmp/site:$PWD RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=f
 OUT=${OUT:-bench/results/raw}
 # SMOL: the bf16 import of SmolLM2 (part2 writes it; every run reads it)
 SMOL=${SMOL:-/tmp/smol-bf16}
+# basic_arithmetic with 2 terms of 1 digit (#18's second task), gap-bisect's and sync-check's data; in
+# single quotes (inside ${TASK_CONFIG-...} the double quotes were removed and reasoning-gym refused
+# operators=[+,-,*])
+ONE_DIGIT='--config min_terms=2 --config max_terms=2 --config max_digits=1 --config operators=["+","-","*"] --config allow_parentheses=false --config allow_negation=false'
 mkdir -p "$OUT"
 day=$(date -u +%F)
 gpus=$(nvidia-smi -L | wc -l)
@@ -126,10 +130,7 @@ case "$1" in
     need_model
     set -f
     task=${TASK:-basic_arithmetic}; steps=${STEPS:-40}; lr=${LR:-1e-5}
-    # (the default in single quotes: inside ${TASK_CONFIG-...} its double quotes were removed, and
-    # reasoning-gym refused operators=[+,-,*])
-    one_digit='--config min_terms=2 --config max_terms=2 --config max_digits=1 --config operators=["+","-","*"] --config allow_parentheses=false --config allow_negation=false'
-    tc=${TASK_CONFIG-$one_digit}
+    tc=${TASK_CONFIG-$ONE_DIGIT}
     det=--sglang-enable-deterministic-inference
     # det_static_eager: the slot cache with graphs for 1-row steps only (--sglang-cuda-graph-max-bs-decode
     # 1: larger batches run the static forward eagerly). Session 14 ran these before server.decodes_on_slots:
@@ -161,11 +162,10 @@ case "$1" in
   sync-check)
     # #18: after every weight sync, every engine tensor against the trainer's (bench/sync_check.py): bf16,
     # colocated (the CUDA IPC hand-over), the basic_arithmetic 1-GPU recipe on its 1-digit data, STEPS
-    # (40); the outlier tokens of sessions 13-14 start once training has moved the weights
+    # (40); session 14 found every tensor equal after 30 syncs while outlier tokens remained
     need_model
     set -f
-    one_digit='--config min_terms=2 --config max_terms=2 --config max_digits=1 --config operators=["+","-","*"] --config allow_parentheses=false --config allow_negation=false'
-    python3 tools/make_reasoning_gym_data.py --task basic_arithmetic --n 2000 --seed 0 $one_digit \
+    python3 tools/make_reasoning_gym_data.py --task basic_arithmetic --n 2000 --seed 0 $ONE_DIGIT \
       --out /tmp/sync_basic_arithmetic.jsonl
     python3 bench/sync_check.py --model "$SMOL" --data /tmp/sync_basic_arithmetic.jsonl --steps "${STEPS:-40}" \
       --out "$OUT/sync_check_basic_arithmetic_${kind}_$day.json" -- \
