@@ -9,7 +9,7 @@
 #   bash bench/gpu_session.sh speed         # GPU engine tests, peer_trl 64x8x128, engine profile on SmolLM2
 #   bash bench/gpu_session.sh real          # peer_trl 16x8x64, precision gap (batched decode, split-K fp32)
 #   TASK=chain_sum [EXTRA_TASK=basic_arithmetic [EXTRA_LR=..]] [TASK_CONFIG="--config k=v ..."] [LR=5e-6] [EVAL_TOKENS=64] [SEED=1] \
-#     bash bench/gpu_session.sh learn
+#     [TRL_EXTRA=--trl-no-autocast] [OURS_FP32=1 | EXTRA_FP32=1] bash bench/gpu_session.sh learn
 #                                           # 150 steps, ours and TRL at once; held-out greedy accuracy
 #   ... bash bench/gpu_session.sh learn-detached   # the same under setsid (outlives the call, may
 #                                           # pass one call's time limit); then, in the next call:
@@ -203,7 +203,15 @@ case "$1" in
     # carry them when not the defaults. EXTRA_PROMPTS, EXTRA_EPS_HIGH: the second run's (default: the same)
     prompts=${PROMPTS:-16}; eps_high=${EPS_HIGH:-0.2}
     knobs() { [ "$1" = 16 ] || printf _p%s "$1"; [ "$2" = 0.2 ] || printf _eh%s "$2"; }
-    tag="peer_trl_learn_${task}_${steps}$(knobs "$prompts" "$eps_high")${SEED:+_seed$SEED}_$day"
+    # OURS_FP32=1 / EXTRA_FP32=1: that run of ours in fp32 (the recipe with bf16: false, which the command
+    # line cannot say: a YAML true has no --no-bf16), e.g. beside TRL_EXTRA=--trl-no-autocast (TRL in fp32)
+    fp32=/tmp/recipe_fp32.yaml
+    if [ -n "$OURS_FP32$EXTRA_FP32" ]; then
+      sed 's/^bf16: true$/bf16: false/' configs/smollm2_chain_sum_grpo_1gpu.yaml > "$fp32"
+      grep -q '^bf16: false$' "$fp32" || { echo "fp32 recipe: no 'bf16: true' line to turn off" >&2; exit 3; }
+    fi
+    ours_cfg=(); [ -z "$OURS_FP32" ] || ours_cfg=(--ours-config "$fp32")
+    tag="peer_trl_learn_${task}_${steps}$(knobs "$prompts" "$eps_high")${OURS_FP32:+_fp32}${SEED:+_seed$SEED}_$day"
     # TASK_CONFIG: the task's config (e.g. "--config max_terms=3"), for training and held-out rows alike
     # the held-out rows are drawn first, as the task draws them, and the training file leaves their
     # questions out: excluding the training questions from the held-out file instead would drop the
@@ -224,7 +232,8 @@ case "$1" in
       # EXTRA_OURS_EXTRA (default: OURS_EXTRA): the second run's own extra flags (e.g. dynamic sampling
       # on one run only)
       eox=${EXTRA_OURS_EXTRA-$OURS_EXTRA}
-      etag="peer_trl_learn_${et}_${steps}$([ "$elr" = "$lr" ] || echo "_lr$elr")$(knobs "$ep" "$eeh")_$day"
+      etag="peer_trl_learn_${et}_${steps}$([ "$elr" = "$lr" ] || echo "_lr$elr")$(knobs "$ep" "$eeh")${EXTRA_FP32:+_fp32}_$day"
+      ecfg=(); [ -z "$EXTRA_FP32" ] || ecfg=(--ours-config "$fp32")
       etag=${etag/_$day/${SEED:+_seed$SEED}_$day}
       [ "$etag" != "$tag" ] || etag="${etag%_$day}_extra_$day"
       # the same task in the same config: its files are the ones just made, not rewritten under the main
@@ -242,7 +251,7 @@ case "$1" in
           2>&1 | tail -1 > "$OUT/${etag}_eval_start.txt" &&
         CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model "$SMOL" --task "$et" \
           --data "/tmp/train_$ef.jsonl" --prompts "$ep" --group 8 --max-new-tokens "$ent" --steps "$steps" --warmup 5 --lr "$elr" \
-          --eps-clip-high "$eeh" ${SEED:+--seed "$SEED"} \
+          --eps-clip-high "$eeh" ${SEED:+--seed "$SEED"} "${ecfg[@]}" \
           --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_extra_$et" --save-interval "$steps" $eox \
           > "$OUT/${etag}_ours.log" 2>&1 &&
         python3 tools/eval_greedy.py --model "/tmp/learned_extra_$et" --data "/tmp/heldout_$ef.jsonl" --n 200 \
@@ -258,7 +267,7 @@ case "$1" in
     # TRL_EXTRA: more peer_trl flags for TRL's side (e.g. --trl-no-autocast)
     [ -n "$SKIP_TRL" ] || { CUDA_VISIBLE_DEVICES=$trl_gpu python3 bench/peer_trl.py --skip-ours "${common[@]}" $TRL_EXTRA \
       --out "$OUT/${tag}_trl.json" > "$OUT/${tag}_trl.log" 2>&1 & trl=$!; }
-    CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl "${common[@]}" --out "$OUT/${tag}_ours.json" \
+    CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl "${common[@]}" "${ours_cfg[@]}" --out "$OUT/${tag}_ours.json" \
       --ours-extra --save-hf "/tmp/learned_$task" --save-interval "$steps" $OURS_EXTRA > "$OUT/${tag}_ours.log" 2>&1
     tail -3 "$OUT/${tag}_ours.log"
     python3 tools/eval_greedy.py --model "/tmp/learned_$task" --data "/tmp/heldout_$task.jsonl" --n 200 \

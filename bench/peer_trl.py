@@ -61,8 +61,8 @@ def shared_reward(response: str, label: str, meta: dict[str, Any], index: int = 
 
 
 def run_ours(args: argparse.Namespace, model: Path, data: Path, run_dir: Path) -> list[dict[str, Any]]:
-    recipe = ROOT / "configs" / ("smollm2_chain_sum_cpu.yaml" if args.device == "cpu" else
-                                 "smollm2_chain_sum_grpo_1gpu.yaml")
+    recipe = args.ours_config or ROOT / "configs" / ("smollm2_chain_sum_cpu.yaml" if args.device == "cpu" else
+                                                     "smollm2_chain_sum_grpo_1gpu.yaml")
     batch = args.prompts * args.group
     cmd = [sys.executable, "-m", "slime_rl.cli", "train", "--config", str(recipe), "--hf-checkpoint", str(model),
            "--prompt-data", str(data), "--run-dir", str(run_dir), "--num-rollout", str(args.steps),
@@ -241,6 +241,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="two GPUs: ours on GPU 0 and TRL on GPU 1 at the same time (each side alone on its GPU; "
                          "the host's cores are shared), then one JSON as usual; one GPU: both on it at once "
                          "(for learning curves; the step times are then shared-GPU figures)")
+    ap.add_argument("--ours-config", type=Path, default=None,
+                    help="our side's recipe (default: configs/smollm2_chain_sum_grpo_1gpu.yaml, on CPU "
+                         "smollm2_chain_sum_cpu.yaml); e.g. a copy with bf16: false for ours in fp32 beside "
+                         "TRL's --trl-no-autocast (a YAML true cannot be turned off from the command line)")
     ap.add_argument("--ours-extra", nargs=argparse.REMAINDER, default=[], help="more flags for slime-rl train")
     args = ap.parse_args(argv)
     out_dir = args.out.parent

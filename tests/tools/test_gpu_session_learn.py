@@ -104,6 +104,23 @@ def test_a_second_run_of_the_same_task_writes_its_own_results(tmp_path, seed):
     assert _value(runs["extra"], "--out") != _value(runs["ours"], "--out")
 
 
+@pytest.mark.parametrize("which", ["OURS_FP32", "EXTRA_FP32"])
+def test_fp32_runs_the_recipe_with_bf16_off_on_that_run_only(tmp_path, which):
+    runs = _runs(_learn(tmp_path, TASK="chain_sum", EXTRA_TASK="chain_sum", TRL_EXTRA="--trl-no-autocast",
+                        **{which: "1"}))
+    fp32_side, other = ("ours", "extra") if which == "OURS_FP32" else ("extra", "ours")
+    config = _value(runs[fp32_side], "--ours-config")
+    assert config is not None and "--ours-config" not in runs[other] + runs["trl"]
+    # before --ours-extra, whose REMAINDER would take it as one of our train flags
+    assert runs[fp32_side].index("--ours-config") < runs[fp32_side].index("--ours-extra")
+    recipe = (ROOT / "configs" / "smollm2_chain_sum_grpo_1gpu.yaml").read_text().splitlines()
+    made = Path(config).read_text().splitlines()
+    changed = [(a, b) for a, b in zip(recipe, made, strict=True) if a != b]
+    assert changed == [("bf16: true", "bf16: false")]
+    names = {side: Path(_value(runs[side], "--out")).name for side in (fp32_side, other)}
+    assert "_fp32_" in names[fp32_side] and "_fp32_" not in names[other]
+
+
 def test_without_seed_both_sides_keep_the_default(tmp_path):
     runs = _runs(_learn(tmp_path, TASK="chain_sum"))
     assert set(runs) == {"ours", "trl"}
