@@ -9,7 +9,7 @@
 #   bash bench/gpu_session.sh speed         # GPU engine tests, peer_trl 64x8x128, engine profile on SmolLM2
 #   bash bench/gpu_session.sh real          # peer_trl 16x8x64, precision gap (batched decode, split-K fp32)
 #   TASK=chain_sum [EXTRA_TASK=basic_arithmetic [EXTRA_LR=..]] [TASK_CONFIG="--config k=v ..."] [LR=5e-6] [EVAL_TOKENS=64] [SEED=1] \
-#     [TRL_EXTRA=--trl-no-autocast] [OURS_FP32=1 | EXTRA_FP32=1] bash bench/gpu_session.sh learn
+#     [TRL_EXTRA=--trl-no-autocast] [OURS_FP32=1 | EXTRA_FP32=1] [IN_ORDER=1] bash bench/gpu_session.sh learn
 #                                           # 150 steps, ours and TRL at once; held-out greedy accuracy
 #   ... bash bench/gpu_session.sh learn-detached   # the same under setsid (outlives the call, may
 #                                           # pass one call's time limit); then, in the next call:
@@ -211,7 +211,10 @@ case "$1" in
       grep -q '^bf16: false$' "$fp32" || { echo "fp32 recipe: no 'bf16: true' line to turn off" >&2; exit 3; }
     fi
     ours_cfg=(); [ -z "$OURS_FP32" ] || ours_cfg=(--ours-config "$fp32")
-    tag="peer_trl_learn_${task}_${steps}$(knobs "$prompts" "$eps_high")${OURS_FP32:+_fp32}${SEED:+_seed$SEED}_$day"
+    # IN_ORDER=1: every run reads the training prompts in file order (peer_trl --in-order), so ours and
+    # TRL train step k on the same 16 prompts: paired curves
+    order=(); [ -z "$IN_ORDER" ] || order=(--in-order)
+    tag="peer_trl_learn_${task}_${steps}$(knobs "$prompts" "$eps_high")${OURS_FP32:+_fp32}${IN_ORDER:+_inorder}${SEED:+_seed$SEED}_$day"
     # TASK_CONFIG: the task's config (e.g. "--config max_terms=3"), for training and held-out rows alike
     # the held-out rows are drawn first, as the task draws them, and the training file leaves their
     # questions out: excluding the training questions from the held-out file instead would drop the
@@ -232,7 +235,7 @@ case "$1" in
       # EXTRA_OURS_EXTRA (default: OURS_EXTRA): the second run's own extra flags (e.g. dynamic sampling
       # on one run only)
       eox=${EXTRA_OURS_EXTRA-$OURS_EXTRA}
-      etag="peer_trl_learn_${et}_${steps}$([ "$elr" = "$lr" ] || echo "_lr$elr")$(knobs "$ep" "$eeh")${EXTRA_FP32:+_fp32}_$day"
+      etag="peer_trl_learn_${et}_${steps}$([ "$elr" = "$lr" ] || echo "_lr$elr")$(knobs "$ep" "$eeh")${EXTRA_FP32:+_fp32}${IN_ORDER:+_inorder}_$day"
       ecfg=(); [ -z "$EXTRA_FP32" ] || ecfg=(--ours-config "$fp32")
       etag=${etag/_$day/${SEED:+_seed$SEED}_$day}
       [ "$etag" != "$tag" ] || etag="${etag%_$day}_extra_$day"
@@ -251,7 +254,7 @@ case "$1" in
           2>&1 | tail -1 > "$OUT/${etag}_eval_start.txt" &&
         CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model "$SMOL" --task "$et" \
           --data "/tmp/train_$ef.jsonl" --prompts "$ep" --group 8 --max-new-tokens "$ent" --steps "$steps" --warmup 5 --lr "$elr" \
-          --eps-clip-high "$eeh" ${SEED:+--seed "$SEED"} "${ecfg[@]}" \
+          --eps-clip-high "$eeh" ${SEED:+--seed "$SEED"} "${ecfg[@]}" "${order[@]}" \
           --out "$OUT/${etag}_ours.json" --ours-extra --save-hf "/tmp/learned_extra_$et" --save-interval "$steps" $eox \
           > "$OUT/${etag}_ours.log" 2>&1 &&
         python3 tools/eval_greedy.py --model "/tmp/learned_extra_$et" --data "/tmp/heldout_$ef.jsonl" --n 200 \
@@ -261,7 +264,7 @@ case "$1" in
     # SEED (peer_trl's default, 1234): both sides' seed (TRL's weights went NaN at step 44 of one seed)
     common=(--model "$SMOL" --task "$task" --data "/tmp/train_$task.jsonl" --prompts "$prompts" --group 8
             --max-new-tokens "$new_tokens" --steps "$steps" --warmup 5 --lr "$lr" --eps-clip-high "$eps_high"
-            ${SEED:+--seed "$SEED"})
+            ${SEED:+--seed "$SEED"} "${order[@]}")
     # SKIP_TRL=1: ours alone (a held-out check when TRL's curve on the task is already on record)
     trl=
     # TRL_EXTRA: more peer_trl flags for TRL's side (e.g. --trl-no-autocast)

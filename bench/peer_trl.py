@@ -63,6 +63,8 @@ def shared_reward(response: str, label: str, meta: dict[str, Any], index: int = 
 def run_ours(args: argparse.Namespace, model: Path, data: Path, run_dir: Path) -> list[dict[str, Any]]:
     recipe = args.ours_config or ROOT / "configs" / ("smollm2_chain_sum_cpu.yaml" if args.device == "cpu" else
                                                      "smollm2_chain_sum_grpo_1gpu.yaml")
+    if args.in_order:
+        recipe = in_order_recipe(recipe, run_dir.parent / f"{run_dir.name}_recipe.yaml")
     batch = args.prompts * args.group
     cmd = [sys.executable, "-m", "slime_rl.cli", "train", "--config", str(recipe), "--hf-checkpoint", str(model),
            "--prompt-data", str(data), "--run-dir", str(run_dir), "--num-rollout", str(args.steps),
@@ -75,6 +77,19 @@ def run_ours(args: argparse.Namespace, model: Path, data: Path, run_dir: Path) -
     print("ours:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def in_order_recipe(recipe: Path, out: Path) -> Path:
+    """A copy of `recipe` that reads the prompts in file order (rollout-shuffle false), as TRL does with
+    shuffle_dataset=False: step k of both sides then trains on the file's prompts 16k..16k+15 (TRL's
+    RepeatSampler without shuffle yields them in order; ours reads them in order without a shuffle)."""
+    import yaml
+
+    data = yaml.safe_load(recipe.read_text())
+    data["rollout-shuffle"] = False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
 
 
 def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]], out_dir: Path,
@@ -122,6 +137,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]
         epsilon_high=args.eps_clip_high,
         loss_type="dapo", scale_rewards="group", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
         max_grad_norm=1.0, max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none",
+        shuffle_dataset=not args.in_order,
         bf16=not cpu and not args.trl_no_autocast, use_cpu=cpu, seed=args.seed, use_vllm=False)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     # fp32 weights + bf16 autocast (the HF Trainer's mixed precision) by default, like our fp32 main
@@ -245,6 +261,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="our side's recipe (default: configs/smollm2_chain_sum_grpo_1gpu.yaml, on CPU "
                          "smollm2_chain_sum_cpu.yaml); e.g. a copy with bf16: false for ours in fp32 beside "
                          "TRL's --trl-no-autocast (a YAML true cannot be turned off from the command line)")
+    ap.add_argument("--in-order", action="store_true",
+                    help="both sides read the training prompts in file order (TRL shuffle_dataset=False, ours "
+                         "rollout-shuffle false), so step k trains on the same prompts on both sides: the "
+                         "reward curves are then paired (a step's prompts vary in difficulty)")
     ap.add_argument("--ours-extra", nargs=argparse.REMAINDER, default=[], help="more flags for slime-rl train")
     args = ap.parse_args(argv)
     out_dir = args.out.parent

@@ -121,6 +121,17 @@ def test_fp32_runs_the_recipe_with_bf16_off_on_that_run_only(tmp_path, which):
     assert "_fp32_" in names[fp32_side] and "_fp32_" not in names[other]
 
 
+def test_in_order_reaches_every_run(tmp_path):
+    runs = _runs(_learn(tmp_path, TASK="chain_sum", EXTRA_TASK="chain_sum", IN_ORDER="1"))
+    assert set(runs) == {"ours", "trl", "extra"}
+    for r in runs.values():
+        # before --ours-extra, whose REMAINDER would pass it to slime-rl train
+        assert "--in-order" in r and ("--ours-extra" not in r or r.index("--in-order") < r.index("--ours-extra"))
+        assert "_inorder_" in Path(_value(r, "--out")).name
+    (tmp_path / "b").mkdir()
+    assert all("--in-order" not in r for r in _runs(_learn(tmp_path / "b", TASK="chain_sum")).values())
+
+
 def test_without_seed_both_sides_keep_the_default(tmp_path):
     runs = _runs(_learn(tmp_path, TASK="chain_sum"))
     assert set(runs) == {"ours", "trl"}
