@@ -5,6 +5,7 @@ from slime_rl.config.groups import (
     Config,
     CriticConfig,
     DataConfig,
+    DebugConfig,
     EngineConfig,
     EvalConfig,
     FaultConfig,
@@ -21,6 +22,7 @@ from slime_rl.config.load import ConfigError, build_config, parse_flags
 
 __all__ = [
     "AlgoConfig", "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
-    "EngineConfig", "EvalConfig", "FaultConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
-    "RewardConfig", "RolloutConfig", "TrainerConfig", "WeightSyncConfig", "build_config", "parse_flags",
+    "DebugConfig", "EngineConfig", "EvalConfig", "FaultConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig",
+    "ParallelConfig", "RewardConfig", "RolloutConfig", "TrainerConfig", "WeightSyncConfig", "build_config",
+    "parse_flags",
 ]

@@ -521,6 +521,20 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--dump-rollouts', 'logging.dump_rollouts', action="store_true",
              help="write each step's prompts, responses and rewards to <run-dir>/rollouts/step_NNNNNN.jsonl"),
     ),
+    *section("debug dumps (slime's names)",
+        Flag('--save-debug-rollout-data', 'debug.save_rollout_data', metavar='PATH',
+             help="after each rollout, torch.save its samples to PATH.format(rollout_id=N) (the only placeholder "
+                  "allowed): {'rollout_id', 'samples': one dict per sample, every Sample field (prompt_ids, "
+                  "response_ids, rollout_logprobs: the engine's, loss_mask, reward, label, group_index, index, ...) "
+                  "plus tokens and response_length}"),
+        Flag('--save-debug-train-data', 'debug.save_train_data', metavar='PATH',
+             help="after each step's training, each data-parallel rank (its TP rank 0, CP rank 0 of the last "
+                  "pipeline stage) torch.saves what it trained on to PATH.format(rollout_id=N, rank=DP_RANK) (the "
+                  "placeholders allowed): {'rollout_id', 'rank', 'dp_size', 'log_probs_from', 'samples': one dict "
+                  "per sample (tokens, response_ids, response_length, log_probs: the trainer's old-policy log-probs "
+                  "that train/rollout_logprob_abs_diff compares with rollout_log_probs, the engine's; loss_mask, "
+                  "advantages per response token, reward)}"),
+    ),
     *section(FROM_SLIME_SECTION,
         # accepted with the one value this trainer has; another value is refused (check), naming why
         Flag('--attention-dropout', default=0.0, type=float, check=(lambda v: v == 0, _NO_DROPOUT),

@@ -332,6 +332,26 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class DebugConfig:
+    """slime's debug dumps: --save-debug-rollout-data (the rollout manager writes each rollout's
+    samples) and --save-debug-train-data (each data-parallel rank writes what it trained on). Path
+    templates; load.py admits only the placeholders `rollout_data_path` / `train_data_path` fill."""
+
+    save_rollout_data: str | None = default_of("--save-debug-rollout-data")
+    save_train_data: str | None = default_of("--save-debug-train-data")
+
+    def rollout_data_path(self, rollout_id: int) -> str:
+        """Where rollout `rollout_id`'s samples go (slime's save_debug_rollout_data.format(rollout_id=...))."""
+        assert self.save_rollout_data is not None
+        return self.save_rollout_data.format(rollout_id=rollout_id)
+
+    def train_data_path(self, rollout_id: int, rank: int) -> str:
+        """Where data-parallel rank `rank` writes step `rollout_id`'s train data."""
+        assert self.save_train_data is not None
+        return self.save_train_data.format(rollout_id=rollout_id, rank=rank)
+
+
+@dataclass(frozen=True)
 class FaultConfig:
     """What the run does when a rollout engine fails (--use-fault-tolerance); a failing reward
     function is RewardConfig's (--reward-failure-value)."""
@@ -371,6 +391,7 @@ class Config:
     critic: CriticConfig | None = None  # set iff the estimator needs a critic (--advantage-estimator ppo)
     reward: RewardConfig = field(default_factory=RewardConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     @property
     def optimizer_steps_per_rollout(self) -> int:
@@ -388,7 +409,7 @@ GROUPS: dict[str, type] = {
     "data": DataConfig, "rollout": RolloutConfig, "reward": RewardConfig, "eval": EvalConfig,
     "engine": EngineConfig, "weight_sync": WeightSyncConfig, "checkpoint": CheckpointConfig,
     "logging": LoggingConfig, "fault": FaultConfig,
-    "plan": PlanConfig,
+    "plan": PlanConfig, "debug": DebugConfig,
 }
 
 

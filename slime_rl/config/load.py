@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import string
 import time
 import warnings
 from collections.abc import Sequence
@@ -345,6 +346,11 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
             a.save_hf.format(rollout_id=0)
         except (KeyError, IndexError, ValueError) as e:
             raise ConfigError(f"--save-hf {a.save_hf!r}: the only placeholder allowed is {{rollout_id}} ({e!r})") from e
+    _check_path_template("--save-debug-rollout-data", a.save_debug_rollout_data, ("rollout_id",))
+    _check_path_template("--save-debug-train-data", a.save_debug_train_data, ("rollout_id", "rank"))
+    if a.save_debug_train_data is not None and dp > 1 and "{rank}" not in a.save_debug_train_data:
+        warnings.warn(f"--save-debug-train-data {a.save_debug_train_data!r} has no {{rank}}: the {dp} data-parallel "
+                      "ranks write the same file, and only one rank's samples stay", UserWarning, stacklevel=2)
     _check(not a.mask_offpolicy_in_partial_rollout or a.partial_rollout,
            "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     _check(a.keep_last is None or a.save is not None, "--keep-last needs --save")
@@ -376,8 +382,30 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         fault=_group(a, "fault"),
         critic=_critic_config(a, parallel, gbs, samples),
         plan=_group(a, "plan"),
+        debug=_group(a, "debug"),
         **_fields(a, ""),
     )
+
+
+def _check_path_template(flag: str, template: str | None, names: tuple[str, ...]) -> None:
+    """A path template of `flag` (slime's str.format form) may hold only the placeholders `names`,
+    each bare ({rollout_id}, not {rollout_id.x} or {0}); None (not given) passes."""
+    if template is None:
+        return
+    placeholders = " and ".join(f"{{{n}}}" for n in names)
+    allowed = f"the placeholders allowed are {placeholders}" if len(names) > 1 else \
+        f"the only placeholder allowed is {placeholders}"
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:  # a lone { or }
+        raise ConfigError(f"{flag} {template!r}: not a path template ({exc}); write a literal brace as {{{{ or }}}}; "
+                          f"{allowed}") from exc
+    bad = [f"{{{name}}}" for name in fields if name not in names]
+    _check(not bad, f"{flag} {template!r}: placeholder {', '.join(bad)} is not allowed: {allowed}")
+    try:
+        template.format(**dict.fromkeys(names, 0))
+    except (ValueError, TypeError, KeyError, IndexError) as exc:  # a format spec a number does not take
+        raise ConfigError(f"{flag} {template!r}: not a path template for numbers ({exc!r}); {allowed}") from exc
 
 
 def _check_colocate(a: argparse.Namespace, parallel: ParallelConfig) -> None:

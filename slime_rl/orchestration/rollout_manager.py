@@ -25,6 +25,7 @@ from slime_rl.config import AlgoConfig, Config
 from slime_rl.config.slime_args import slime_args
 from slime_rl.data import PromptDataset, Sample
 from slime_rl.engines.client import AsyncEngineClient, AsyncRouterClient, EngineError
+from slime_rl.observability.debug_data import save_debug_data
 from slime_rl.orchestration.failures import EngineFailure, RolloutStarved
 from slime_rl.rewards import reward_fn_from_config, reward_metric_means
 from slime_rl.rollout.dynamic import generate_filtered_groups
@@ -98,6 +99,18 @@ def dump_rollouts(path: Path, groups: list[list[Sample]]) -> None:
                                     "response": s.response, "label": s.label, "reward": s.reward,
                                     "finish_reason": s.finish_reason, "response_length": s.response_length,
                                     "reward_metrics": s.reward_metrics}, default=str) + "\n")
+
+
+def debug_rollout_data(rollout_id: int, groups: list[list[Sample]]) -> dict[str, Any]:
+    """--save-debug-rollout-data's file: {"rollout_id", "samples"}, one dict per sample in batch order
+    (groups contiguous, as the trainer's batch): every Sample field (index, group_index, prompt,
+    prompt_ids, label, metadata, response, response_ids, rollout_logprobs: the engine's log-prob of
+    each response token, loss_mask, finish_reason, reward, reward_metrics, weight_version, images,
+    image_grid_thw, rollout_routed_experts as lists), plus tokens (prompt + response ids) and
+    response_length."""
+    samples = [_jsonable(dataclasses.asdict(s)) | {"tokens": s.tokens, "response_length": s.response_length}
+               for g in groups for s in g]
+    return {"rollout_id": rollout_id, "samples": samples}
 
 
 def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
@@ -181,6 +194,8 @@ class RolloutManager:
         self.leftover = result.leftover
         if self.cfg.logging.dump_rollouts:
             dump_rollouts(Path(self.cfg.logging.run_dir) / "rollouts" / f"step_{step:06d}.jsonl", groups)
+        if self.cfg.debug.save_rollout_data is not None:
+            save_debug_data(self.cfg.debug.rollout_data_path(step), debug_rollout_data(step, groups))
         self.next_index, self.next_group = result.next_index, result.next_group
         await buffer.put.remote(step, samples_to_batch(groups, self.cfg.algo, self.cfg.rollout.max_response_len))
         return (rollout_metrics(groups) | result.metrics | {"rollout/reward_failures": float(failed)}

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime_rl.config import Config
 from slime_rl.orchestration.engines import free_port
 from slime_rl.orchestration.placement import balanced_dp_shard, dp_shard
+from slime_rl.trainer.debug_data import TrainDataDump  # plain Python, no megatron: the driver may import it
 from slime_rl.weight_sync.broadcast import GROUP_NAME, EngineTarget, WeightBroadcaster, in_stage_order
 from slime_rl.weight_sync.colocated import ColocatedUpdater
 
@@ -127,8 +128,15 @@ class RankActor:
         start = time.perf_counter()
         batch = ray.get(buffer.get.remote(step, readers=readers or self.world_size))
         fetched = time.perf_counter() - start
-        metrics = self.worker.train_step(_select(batch, self._shard(batch)))
+        metrics = self.worker.train_step(_select(batch, self._shard(batch)), dump=self._train_data_dump(step))
         return metrics | self.worker.last_timings | {"perf/train_fetch_s": fetched}
+
+    def _train_data_dump(self, step: int) -> TrainDataDump | None:
+        """--save-debug-train-data: where this rank's DP rank saves step `step`'s train data (None: off)."""
+        debug = self.cfg.debug
+        if debug.save_train_data is None:
+            return None
+        return TrainDataDump(debug.train_data_path(step, self.worker.dp_rank), step)
 
     def train_ppo(self, step: int, buffer, readers: int, update: bool) -> dict[str, float]:
         """PPO: GAE on the critic's values (put into the step's batch by `compute_values`), then the
@@ -140,7 +148,7 @@ class RankActor:
         idx = self._shard(batch)
         shard = _select(batch, idx)
         inputs = self.worker.step_inputs(shard, [values[i] for i in idx])
-        metrics = self.worker.train_step(shard, inputs, update)
+        metrics = self.worker.train_step(shard, inputs, update, dump=self._train_data_dump(step))
         ray.get(buffer.put_rows.remote(step, "returns", idx, inputs.returns))
         return metrics
 

@@ -119,3 +119,23 @@ def collect_per_sample(store: list[dict], key: str, n: int, response_lengths: Se
         flat.copy_(torch.tensor([x for r in rows for x in r], dtype=torch.float32))
     broadcast_from_last_stage(flat)
     return [part.tolist() for part in torch.split(flat.cpu(), [int(r) for r in response_lengths])]
+
+
+def rows_by_sample(store: list[dict], key: str, response_lengths: Sequence[int]) -> list[list[float]]:
+    """Per-sample lists of `key` ([b, T], row k belonging to sample store[m]["sample_ids"][k]) from the
+    schedule's store on the last pipeline stage, each cut to the sample's response length (the
+    right padding of the [b, T] rows goes); no communication, unlike `collect_per_sample`. Dummy
+    micro-batches (no sample ids: micro-batch count equalized over DP) are skipped. Every sample of
+    the batch (`response_lengths` indexed like it) must be in some micro-batch."""
+    rows: list[list[float] | None] = [None] * len(response_lengths)
+    for out in store:
+        ids = out["sample_ids"]
+        if not ids:
+            continue
+        values = out[key].detach().float().cpu().tolist()
+        for i, row in zip(ids, values, strict=True):
+            rows[i] = row[: int(response_lengths[i])]
+    missing = [i for i, r in enumerate(rows) if r is None]
+    if missing:
+        raise RuntimeError(f"no {key!r} rows for samples {missing[:5]} in the schedule's store")
+    return rows

@@ -105,7 +105,8 @@ class LossScale:
         return float(self.num_microbatches * self.dp_size)
 
 
-def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale, fused_old: bool = False) -> Callable:
+def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale, fused_old: bool = False,
+                     keep_logp: bool = False) -> Callable:
     """forward_step_func for one training micro-batch (see the module docstring for the scale).
 
     The per-token objective is objective.policy_objective (pg loss of the configured kind, TIS,
@@ -114,6 +115,9 @@ def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale, fused_
     sums for the metrics (objective.STAT_KEYS; "loss" is this micro-batch's share of L).
     fused_old: the old log-probs are this forward's, detached (objective.policy_objective); the
     old policy's entropy is computed here too, without grad unless the entropy bonus needs it.
+    keep_logp: the micro-batch's output also holds "sample_ids" (mb.sample_ids) and "logp", this
+    forward's log-probs detached ([b, T]; the fused path's old log-probs), which the schedule keeps
+    in its store on the last pipeline stage (--save-debug-train-data: micro.rows_by_sample).
     """
 
     def step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
@@ -136,6 +140,8 @@ def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale, fused_
                         old_entropy = gather_replicated(vocab_parallel_entropy(
                             logits.detach(), temperature=algo.temperature, vocab_size=vocab_size), mb)
             share, sums = policy_objective(algo, logp, mb, entropy, old_entropy)
+            if keep_logp:
+                return share * scale.factor, {"sums": sums, "sample_ids": mb.sample_ids, "logp": logp.detach()}
             return share * scale.factor, {"sums": sums}
 
         return output, loss_func

@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from slime_rl.observability.debug_data import save_debug_data
 from slime_rl.trainer import checkpoint, hf_export, hf_io
 from slime_rl.trainer.batching import MicroBatch, chunks, validate_batch
+from slime_rl.trainer.debug_data import FUSED, SEPARATE, TrainDataDump, train_data, writes_train_data
 from slime_rl.trainer.equal_tokens import equalize_tokens
 from slime_rl.trainer.loss_agg import GlobalCounts, check_mode, local_counts, token_weights
 from slime_rl.trainer.mcore import (
@@ -37,7 +39,7 @@ from slime_rl.trainer.mcore import (
     get_megatron_optimizer,
     on_rank_thread,
 )
-from slime_rl.trainer.micro import MicroBatching, collect_per_sample
+from slime_rl.trainer.micro import MicroBatching, collect_per_sample, rows_by_sample
 from slime_rl.trainer.model import MoEOptions, build_from_checkpoint, moe_aux_losses
 from slime_rl.trainer.objective import (
     StepInputs,
@@ -443,7 +445,7 @@ class TrainerWorker(MegatronRank):
     # ---- training
     @on_rank_thread
     def forward_backward(self, batch: dict, old_logprobs: list | None, ref_logprobs: list | None = None,
-                         advantages: list | None = None) -> dict:
+                         advantages: list | None = None, fused_old_out: list | None = None) -> dict:
         """Zero the grads, run one mini-batch (this rank's samples) through the schedule; the
         DP-reduced gradient is left in the grad buffers (`main_grad`; the distributed optimizer
         reduce-scatters, so each DP rank holds the reduced values of its own shard). `advantages`:
@@ -451,7 +453,9 @@ class TrainerWorker(MegatronRank):
         DP-summed STAT_KEYS (identical on every rank; "loss" is the mini-batch loss L of loss_agg.py;
         MAX_STAT_KEYS are maxima instead).
         old_logprobs None: the fused path (objective.policy_objective), the old log-probs are this
-        forward's own; only when the mini-batch is the whole step on every rank (train_step)."""
+        forward's own; only when the mini-batch is the whole step on every rank (train_step).
+        fused_old_out (fused path, last pipeline stage; --save-debug-train-data): a list that gets those
+        old log-probs, one list per sample of `batch`; nothing is kept when it is None."""
         tokens, samples = self._dp_sum(list(local_counts(batch["loss_masks"])))
         counts = GlobalCounts(tokens=tokens, samples=samples, max_len=self.loss_agg_max_len)
         per_token = {"loss_weight": token_weights(batch["loss_masks"], self.loss_agg_mode, counts)}
@@ -467,8 +471,11 @@ class TrainerWorker(MegatronRank):
         scale = LossScale(num_microbatches=len(mbs), dp_size=self.dp_size)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        store = self._run(policy_loss_step(self.algo, self.arch.vocab_size, scale, fused_old=old_logprobs is None),
-                          mbs, forward_only=False)
+        keep = fused_old_out is not None and old_logprobs is None
+        store = self._run(policy_loss_step(self.algo, self.arch.vocab_size, scale, fused_old=old_logprobs is None,
+                                           keep_logp=keep), mbs, forward_only=False)
+        if keep and store:  # the last pipeline stage: every micro-batch's detached log-probs, back per sample
+            fused_old_out.extend(rows_by_sample(store, "logp", batch["response_lengths"]))
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float32, device=self.info.device)
         if store:  # the last pipeline stage
             sums.copy_(combine_stats(torch.stack([out["sums"] for out in store])))
@@ -512,21 +519,25 @@ class TrainerWorker(MegatronRank):
         return inputs
 
     @on_rank_thread
-    def train_step(self, batch: dict, inputs: StepInputs | None = None, update: bool = True) -> dict[str, float]:
+    def train_step(self, batch: dict, inputs: StepInputs | None = None, update: bool = True,
+                   dump: TrainDataDump | None = None) -> dict[str, float]:
         """One RL update on this DP rank's shard (see module docstring); the metrics, identical on
         every rank, are objective.train_metrics'. `inputs`: step_inputs(batch) when the caller
         computed them already (ppo: it needs their returns for the critic). update=False (PPO's
-        critic-only steps) changes nothing and returns objective.step_metrics."""
+        critic-only steps) changes nothing and returns objective.step_metrics. `dump`
+        (--save-debug-train-data): after the step, the rank that writes for this DP rank
+        (debug_data.writes_train_data) saves the shard with its old log-probs there."""
         n = validate_batch(batch)
         if n == 0:
             raise ValueError("train_step got an empty batch on this DP rank")
         minis = self._minibatches(n) if update else []
         if inputs is None and self._on_policy(minis):
-            return self._fused_train_step(batch)
+            return self._fused_train_step(batch, dump)
         t0 = time.perf_counter()
         if inputs is None:
             inputs = self.step_inputs(batch)
         if not update:
+            self._save_train_data(dump, batch, inputs.old, inputs.advantages, SEPARATE)
             return step_metrics(inputs.sums)
 
         def pick(rows: list | None, ids: list[int]) -> list | None:
@@ -555,8 +566,22 @@ class TrainerWorker(MegatronRank):
             self._refresh_reference()
         self.last_timings = {"perf/train_inputs_s": t1 - t0, "perf/train_fwd_bwd_s": t2 - t1 - opt_s,
                              "perf/train_optimizer_s": opt_s}
+        self._save_train_data(dump, batch, inputs.old, inputs.advantages, SEPARATE)
         return (train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
                 | moe_metrics(stats) | self._routing_agreement())
+
+    @property
+    def writes_train_data(self) -> bool:
+        """Whether this rank writes its DP rank's --save-debug-train-data file (debug_data.writes_train_data)."""
+        return writes_train_data(self.info.tp_rank, self.info.cp_rank, self.info.pp_rank, self.info.pp_size)
+
+    def _save_train_data(self, dump: TrainDataDump | None, batch: dict, old: list | None,
+                         advantages: list | None, source: str) -> None:
+        if dump is None or not self.writes_train_data:
+            return
+        assert old is not None, "the old log-probs of the step are needed for --save-debug-train-data"
+        save_debug_data(dump.path, train_data(dump.rollout_id, self.dp_rank, self.dp_size, batch, old, advantages,
+                                              source))
 
     # wall seconds of the last train_step's phases on this rank (the RankActor adds them to the step's
     # metrics; the phases end in host syncs: DP-summed stats, the grad norm): old/ref log-probs and
@@ -573,16 +598,18 @@ class TrainerWorker(MegatronRank):
             return False
         return len(minis) == 1
 
-    def _fused_train_step(self, batch: dict) -> dict[str, float]:
+    def _fused_train_step(self, batch: dict, dump: TrainDataDump | None = None) -> dict[str, float]:
         """train_step with old log-probs and the old policy's entropy from the one training forward
         (objective.policy_objective, fused path); the reference log-probs (KL) still take their own
-        forward under the reference weights. Same metrics as the two-pass step."""
+        forward under the reference weights. Same metrics as the two-pass step. `dump`: the
+        training forward's detached log-probs are kept (writing rank only) and saved after the step."""
         t0 = time.perf_counter()
         ref = self._reference_logprobs(batch)
         batch_sums = step_sums(batch, None, self.info.device, dp_group())
         t1 = time.perf_counter()
+        old: list | None = [] if dump is not None and self.writes_train_data else None
         with self._counting_routing():
-            stats = self.forward_backward(batch, None, ref, None)  # returns DP-summed floats: synchronized
+            stats = self.forward_backward(batch, None, ref, None, fused_old_out=old)  # DP-summed floats: synchronized
         t2 = time.perf_counter()
         grad_norm, lr = self.optimizer_step()
         t3 = time.perf_counter()
@@ -591,6 +618,7 @@ class TrainerWorker(MegatronRank):
             self._refresh_reference()
         self.last_timings = {"perf/train_inputs_s": t1 - t0, "perf/train_fwd_bwd_s": t2 - t1,
                              "perf/train_optimizer_s": t3 - t2}
+        self._save_train_data(dump, batch, old, None, FUSED)
         return (train_metrics(self.algo, fused_step_sums(batch_sums, stats), [stats], [grad_norm], lr,
                               have_ref=ref is not None) | moe_metrics([stats]) | self._routing_agreement())
 

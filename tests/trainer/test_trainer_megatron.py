@@ -145,6 +145,24 @@ def test_fused_old_logprobs_equal_the_separate_pass(scenario):
 
 
 @pytest.mark.slow
+def test_debug_train_data_holds_the_old_logprobs_of_either_path(scenario, ref):
+    """--save-debug-train-data on the steps above: the fused path's log-probs, gathered back per
+    sample from four micro-batches of the training forward, and the separate pass's, both the HF
+    float64 log-probs of the initial weights; the rest is the batch as given."""
+    (rec,) = scenario("tp1", 1)
+    batch = make_batch()
+    for key, source in (("dump/fused", "training forward (fused)"), ("dump/separate", "separate forward pass")):
+        dump = rec[key]
+        assert (dump["rollout_id"], dump["rank"], dump["dp_size"], dump["log_probs_from"]) == (5, 0, 1, source)
+        assert _max_diff([s["log_probs"] for s in dump["samples"]], ref["logp"]) < LOGP_TOL
+        for i, s in enumerate(dump["samples"]):
+            n = batch["response_lengths"][i]
+            assert s["tokens"] == batch["tokens"][i] and s["response_ids"] == batch["tokens"][i][-n:]
+            assert s["rollout_log_probs"] == batch["rollout_logprobs"][i] and s["loss_mask"] == batch["loss_masks"][i]
+            assert s["advantages"] == [batch["advantages"][i]] * n and s["reward"] == batch["rewards"][i]
+
+
+@pytest.mark.slow
 def test_metrics_same_under_tp2_and_dp2(scenario):
     (tp1,) = scenario("tp1", 1)
     for name, world in (("tp2", 2), ("dp2", 2)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from slime_rl.trainer.debug_data import TrainDataDump
 from tests.procs import run_processes
 from tests.trainer.trainer_ref import make_batch, select
 
@@ -111,17 +113,19 @@ def scenario_tp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dic
     res["stats_mbs1"] = w.forward_backward(batch, old)
     res["grad_mbs1"] = hf_grads(w)
     res["before"] = weights(w)
+    dumps = Path(tempfile.mkdtemp(prefix="train_data_"))  # --save-debug-train-data of both paths
     t = time.perf_counter()
-    res["metrics"] = w.train_step(batch)
+    res["metrics"] = w.train_step(batch, dump=TrainDataDump(str(dumps / "fused.pt"), 5))
     res["train_step_s"] = time.perf_counter() - t
     res["after"] = weights(w)
     w.shutdown()
     # the same step with the old log-probs from their own forward pass (the fused path above)
     w = make_worker(rank, world, port, qwen2, algo=AlgoConfig(separate_old_logprobs=True))
     port += 1
-    res["separate/metrics"] = w.train_step(batch)
+    res["separate/metrics"] = w.train_step(batch, dump=TrainDataDump(str(dumps / "separate.pt"), 5))
     res["separate/after"] = weights(w)
     w.shutdown()
+    res["dump/fused"], res["dump/separate"] = (torch.load(dumps / f"{k}.pt") for k in ("fused", "separate"))
     # reference model: 2 mini-batches, so the second one has moved away from the reference
     w = make_worker(rank, world, port, qwen2, mbs=1, gbs=2,
                     algo=AlgoConfig(kl_loss_coef=0.1, kl_loss_type="low_var_kl"))

@@ -1,0 +1,102 @@
+"""--save-debug-rollout-data and --save-debug-train-data in the real loop (Ray, two Megatron ranks on
+gloo as DP=2, the built-in engine over HTTP), on both ways the trainer gets its old log-probs: the
+fused path (one optimizer step per rollout: the training forward's own, detached) and the separate
+forward-only pass (two optimizer steps per rollout). The files are checked against each other and
+against the step's logged train/rollout_logprob_abs_diff, recomputed from them alone."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from slime_rl.config import build_config
+from slime_rl.train import preflight, train
+from tests.e2e.test_loop import argv
+from tests.loop_checks import digit_data_fixture, ray_session_fixture
+
+ray_session = ray_session_fixture(4)
+digit_data = digit_data_fixture(32, seed=1)
+
+STEPS, DP = 2, 2
+
+
+def _load(path) -> dict:
+    return torch.load(path)  # weights_only (the default): the files hold plain Python values
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "batch, source",
+    [
+        (["--global-batch-size", "16"], "training forward (fused)"),
+        (["--global-batch-size", "8"], "separate forward pass"),
+    ],
+    ids=["fused", "separate"],
+)
+def test_dumps_hold_what_the_step_measured(ray_session, tiny_qwen2, digit_data, tmp_path, batch, source):
+    # DP=2 (TP=1 over the 2 ranks); 16 samples per rollout: one optimizer step of 16, or two of 8. --async:
+    # rollout 1 comes from the weights before step 0's update, so step 1's engine/trainer gap is not
+    # rounding alone. The rewards differ within every group, so the update moves the weights.
+    run = tmp_path / "run"
+    cfg = build_config(
+        argv(tiny_qwen2, digit_data, run, steps=STEPS)
+        + batch
+        + [
+            "--tensor-model-parallel-size",
+            "1",
+            "--async",
+            "--custom-rm-path",
+            "tests.plugins.example_reward:index_reward",
+            "--save-debug-rollout-data",
+            str(tmp_path / "dump" / "rollout_{rollout_id}.pt"),
+            "--save-debug-train-data",
+            str(tmp_path / "dump" / "train_{rollout_id}_rank{rank}.pt"),
+        ]
+    )
+    assert cfg.parallel.data_parallel_size == DP
+    rows = train(*preflight(cfg))
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(STEPS)) and logged == rows
+    assert sorted(p.name for p in (tmp_path / "dump").iterdir()) == sorted(
+        [f"rollout_{k}.pt" for k in range(STEPS)] + [f"train_{k}_rank{r}.pt" for k in range(STEPS) for r in range(DP)]
+    )
+    gaps = []
+    for step, row in enumerate(logged):
+        rollout = _load(tmp_path / "dump" / f"rollout_{step}.pt")
+        assert rollout["rollout_id"] == step and len(rollout["samples"]) == 16
+        for s in rollout["samples"]:
+            assert s["tokens"] == s["prompt_ids"] + s["response_ids"]
+            assert len(s["rollout_logprobs"]) == len(s["loss_mask"]) == s["response_length"] > 0
+            assert isinstance(s["reward"], float) and "group_index" in s and "label" in s
+        shards = [_load(tmp_path / "dump" / f"train_{step}_rank{r}.pt") for r in range(DP)]
+        assert [(t["rollout_id"], t["rank"], t["dp_size"], t["log_probs_from"]) for t in shards] == [
+            (step, r, DP, source) for r in range(DP)
+        ]
+        trained = [s for t in shards for s in t["samples"]]
+        assert [len(t["samples"]) for t in shards] == [8, 8]
+        for s in trained:
+            n = s["response_length"]
+            assert s["response_ids"] == s["tokens"][-n:]
+            assert (
+                len(s["log_probs"]) == len(s["rollout_log_probs"]) == len(s["loss_mask"]) == len(s["advantages"]) == n
+            )
+        # every sample the ranks trained on is one of the rollout's, with the engine's log-probs and loss
+        # mask unchanged (matched by token ids; a repeated response counts as often as it was generated)
+        key = ("tokens", "rollout_log_probs", "loss_mask")
+        assert Counter(tuple(tuple(s[k]) for k in key) for s in trained) == Counter(
+            (tuple(s["tokens"]), tuple(s["rollout_logprobs"]), tuple(s["loss_mask"])) for s in rollout["samples"]
+        )
+        # the metric, from the files alone: mean (and max) |old - rollout| over the trained tokens
+        diffs = [
+            abs(a - b)
+            for s in trained
+            for a, b, m in zip(s["log_probs"], s["rollout_log_probs"], s["loss_mask"], strict=True)
+            if m
+        ]
+        assert sum(diffs) / len(diffs) == pytest.approx(row["train/rollout_logprob_abs_diff"], rel=1e-6, abs=1e-12)
+        assert max(diffs) == pytest.approx(row["train/rollout_logprob_abs_diff_max"], rel=1e-6, abs=1e-12)
+        gaps.append(row["train/rollout_logprob_abs_diff"])
+    assert gaps[1] > 1e-4 > gaps[0]  # step 1: generated by the weights before step 0's update (--async)
