@@ -112,6 +112,10 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str,
         refuse_slime_only([str(k) for k in data], f"--config {path}: ", ConfigError)
         items = [(k, k, v) for k, v in data.items()]
     dests = {a.dest: a for a in parser._actions}
+    # a key may also be the flag's own name where it differs from its dest: `no-pack-sequences: true`
+    # (store_false, dest pack_sequences) says what `--no-pack-sequences` says; `pack-sequences: false` too
+    flags = {o.lstrip("-").replace("-", "_"): a for a in parser._actions for o in a.option_strings
+             if o.startswith("--") and o.lstrip("-").replace("-", "_") != a.dest}
     defaults: dict[str, Any] = {}
     sglang: dict[str, Any] = {}
     for raw_key, flag_key, value in items:
@@ -121,6 +125,13 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str,
             continue
         if key.startswith("router_"):  # --router-<name>: kept as router:<name> like on the command line
             sglang[ROUTER_KEY + key[len("router_"):]] = value
+            continue
+        if key not in dests and key in flags and flags[key].nargs == 0:  # a switch by its flag name
+            action = flags[key]
+            if not isinstance(value, bool):
+                raise ConfigError(f"--config {path}: key '{raw_key}': expected true or false, got {value!r:.40}")
+            if value:  # true: as if the switch were given; false: as if it were not
+                defaults[action.dest] = action.const
             continue
         if key in ("config", "help") or key not in dests:
             raise ConfigError(f"--config {path}: unknown key '{raw_key}' (not a flag of slime-rl train)")

@@ -72,6 +72,25 @@ def test_yaml_unknown_key_names_file_and_key(tmp_path):
         build_config(base_argv(tmp_path) + ["--config", str(cfg_file)])
 
 
+@pytest.mark.parametrize("line, packed", [("no-pack-sequences: true", False), ("no-pack-sequences: false", True),
+                                           ("pack-sequences: false", False), ("", True)])
+def test_yaml_switch_by_its_flag_name_says_what_the_flag_says(tmp_path, line, packed):
+    # `no-pack-sequences` is the flag a user types (store_false, dest pack_sequences); it was refused
+    # as "not a flag of slime-rl train"
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(line + "\n")
+    assert build_config(base_argv(tmp_path) + ["--config", str(cfg_file)]).trainer.pack_sequences is packed
+    on_cli = build_config(base_argv(tmp_path) + ["--no-pack-sequences"]).trainer.pack_sequences
+    assert on_cli is False
+
+
+def test_yaml_switch_by_its_flag_name_wants_a_bool(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("no-pack-sequences: 1\n")
+    with pytest.raises(ConfigError, match="no-pack-sequences.*true or false"):
+        build_config(base_argv(tmp_path) + ["--config", str(cfg_file)])
+
+
 def test_sglang_passthrough_names(tmp_path):
     args, sglang = parse_flags(["--sglang-mem-fraction-static", "0.8", "--sglang-enable-torch-compile",
                                 "--sglang-chunked-prefill-size=4096", "--sglang-server-concurrency", "8"])
