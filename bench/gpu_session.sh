@@ -203,13 +203,9 @@ case "$1" in
     # carry them when not the defaults. EXTRA_PROMPTS, EXTRA_EPS_HIGH: the second run's (default: the same)
     prompts=${PROMPTS:-16}; eps_high=${EPS_HIGH:-0.2}
     knobs() { [ "$1" = 16 ] || printf _p%s "$1"; [ "$2" = 0.2 ] || printf _eh%s "$2"; }
-    # OURS_FP32=1 / EXTRA_FP32=1: that run of ours in fp32 (the recipe with bf16: false, which the command
-    # line cannot say: a YAML true has no --no-bf16), e.g. beside TRL_EXTRA=--trl-no-autocast (TRL in fp32)
-    fp32=/tmp/recipe_fp32.yaml
-    if [ -n "$OURS_FP32$EXTRA_FP32" ]; then
-      sed 's/^bf16: true$/bf16: false/' configs/smollm2_chain_sum_grpo_1gpu.yaml > "$fp32"
-      grep -q '^bf16: false$' "$fp32" || { echo "fp32 recipe: no 'bf16: true' line to turn off" >&2; exit 3; }
-    fi
+    # OURS_FP32=1 / EXTRA_FP32=1: that run of ours on the fp32 recipe (the command line cannot turn the
+    # recipe's bf16: true off), e.g. beside TRL_EXTRA=--trl-no-autocast (TRL in fp32)
+    fp32=configs/smollm2_chain_sum_grpo_1gpu_fp32.yaml
     ours_cfg=(); [ -z "$OURS_FP32" ] || ours_cfg=(--ours-config "$fp32")
     # IN_ORDER=1: every run reads the training prompts in file order (peer_trl --in-order), so ours and
     # TRL train step k on the same 16 prompts: paired curves

