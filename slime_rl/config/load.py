@@ -352,11 +352,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
                           UserWarning, stacklevel=2)
     _check(a.save_interval is None or a.save is not None or a.save_hf is not None,
            "--save-interval needs --save or --save-hf")
-    if a.save_hf is not None:
-        try:
-            a.save_hf.format(rollout_id=0)
-        except (KeyError, IndexError, ValueError) as e:
-            raise ConfigError(f"--save-hf {a.save_hf!r}: the only placeholder allowed is {{rollout_id}} ({e!r})") from e
+    _check_path_template("--save-hf", a.save_hf, ("rollout_id",))
     _check_path_template("--save-debug-rollout-data", a.save_debug_rollout_data, ("rollout_id",))
     _check_path_template("--save-debug-train-data", a.save_debug_train_data, ("rollout_id", "rank"))
     if a.save_debug_train_data is not None and dp > 1 and "{rank}" not in a.save_debug_train_data:
