@@ -21,6 +21,7 @@
 #                                           # which engine switch the deterministic engine's outlier
 #                                           # tokens come with (40 steps per variant, all at once)
 #   [STEPS=40] bash bench/gpu_session.sh sync-check   # #18: engine tensors vs the trainer's after every sync
+#   [STEPS=20] bash bench/gpu_session.sh outliers     # #18: the bf16 outlier tokens' place, from slime's debug dumps
 #   bash bench/gpu_session.sh decode        # #19: a decode step's kernels (bench/decode_step.py), the engine
 #                                           # with and without --enable-torch-compile, the GPU engine tests
 #                                           # (no wheels, no model; each part under `timeout`: < 9 min)
@@ -172,6 +173,25 @@ case "$1" in
       --config configs/smollm2_basic_arithmetic_grpo_1gpu.yaml $OURS_EXTRA 2>&1 \
       | grep -e "^step" -e "Error" | tail -45
     find "$OUT" -maxdepth 1 -name 'sync_check_*_run' -exec rm -rf {} + ;;
+  outliers)
+    # #18: which tokens the bf16 outliers are (bench/outlier_tokens.py): the basic_arithmetic 1-GPU recipe
+    # on its 1-digit data for STEPS (20) with slime's debug dumps, then each outlier's step, sample, group,
+    # position and both log-probs; the dumps come back in one archive (DBG: where they are written)
+    need_model
+    set -f
+    dbg=${DBG:-/tmp/dbg}
+    rm -rf "$dbg" && mkdir -p "$dbg"
+    python3 tools/make_reasoning_gym_data.py --task basic_arithmetic --n 2000 --seed 0 $ONE_DIGIT \
+      --out /tmp/sync_basic_arithmetic.jsonl
+    python3 -m slime_rl.cli train --config configs/smollm2_basic_arithmetic_grpo_1gpu.yaml --hf-checkpoint "$SMOL" \
+      --prompt-data /tmp/sync_basic_arithmetic.jsonl --run-dir "$dbg/run" --num-rollout "${STEPS:-20}" \
+      --save-debug-rollout-data "$dbg/rollout_{rollout_id}.pt" --save-debug-train-data "$dbg/train_{rollout_id}_{rank}.pt" \
+      $OURS_EXTRA 2>&1 | grep -e "^step" -e "Error" | tail -25
+    python3 bench/outlier_tokens.py --rollout "$dbg/rollout_{rollout_id}.pt" --train "$dbg/train_{rollout_id}_{rank}.pt" \
+      --out "$OUT/outlier_tokens_basic_arithmetic_${kind}_$day.json" | tail -40
+    if find "$dbg" -maxdepth 1 -name '*.pt' | grep -q .; then
+      tar czf "$OUT/outlier_dumps_$day.tgz" -C "$dbg" --exclude=run .
+    fi ;;
   learn-detached)
     need_model
     rm -rf /tmp/learn_out && mkdir -p /tmp/learn_out

@@ -197,3 +197,18 @@ def test_sync_check_runs_the_recipe_on_the_one_digit_file(tmp_path):
     assert _value(check, "--data") == _value(data, "--out") and _value(check, "--steps") == "7"
     train_flags = check[check.index("--") + 1:]
     assert train_flags == ["--config", "configs/smollm2_basic_arithmetic_grpo_1gpu.yaml", "--lr", "2e-5"]
+
+
+def test_outliers_dumps_where_the_analysis_reads(tmp_path):
+    dbg = tmp_path / "dbg"
+    calls = _learn(tmp_path, "outliers", STEPS="5", DBG=str(dbg), OURS_EXTRA="--lr 2e-5")
+    (data,) = _data_calls(calls)
+    (train,) = [c for c in calls if c[:2] == ["-m", "slime_rl.cli"]]
+    (analysis,) = [c for c in calls if c[0] == "bench/outlier_tokens.py"]
+    assert _value(train, "--prompt-data") == _value(data, "--out") and "max_digits=1" in data
+    assert _value(train, "--num-rollout") == "5" and train[-2:] == ["--lr", "2e-5"]
+    assert _value(train, "--config") == "configs/smollm2_basic_arithmetic_grpo_1gpu.yaml"
+    # the templates reach the analysis as the run wrote them, braces and all
+    rollout, shards = f"{dbg}/rollout_{{rollout_id}}.pt", f"{dbg}/train_{{rollout_id}}_{{rank}}.pt"
+    assert _value(analysis, "--rollout") == _value(train, "--save-debug-rollout-data") == rollout
+    assert _value(analysis, "--train") == _value(train, "--save-debug-train-data") == shards
