@@ -1,25 +1,14 @@
 """bench/outlier_tokens.py names the tokens over the threshold from debug-dump files, with their place.
 
-The files are written here the way the run writes them (torch.save of the two dump dicts); the planted
+The files are written here by the run's own writers (debug_rollout_data, train_data); the planted
 outliers and every expected field are set by hand."""
-
-import importlib.util
-from pathlib import Path
 
 import torch
 
+from bench.outlier_tokens import main
 from slime_rl.data import Sample
 from slime_rl.orchestration.rollout_manager import debug_rollout_data
 from slime_rl.trainer.debug_data import train_data
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("outlier_tokens", ROOT / "bench" / "outlier_tokens.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _sample(index, group, prompt, response, trainer, engine, mask=None, finish="stop"):
@@ -53,7 +42,7 @@ def test_outliers_are_named_with_their_place(tmp_path):
     _write(tmp_path, 0, [r0a, r0b], [[a], [b]])
     _write(tmp_path, 1, [r1], [[c], []])
     out = tmp_path / "r.json"
-    _module().main(["--rollout", str(tmp_path / "rollout_{rollout_id}.pt"),
+    main(["--rollout", str(tmp_path / "rollout_{rollout_id}.pt"),
                     "--train", str(tmp_path / "train_{rollout_id}_{rank}.pt"), "--out", str(out)])
     import json
 
