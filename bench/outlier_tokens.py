@@ -51,7 +51,7 @@ def outlier_tokens(rollout: dict[int, dict], train: dict[int, list[dict]], thres
     tokens, steps = [], []
     for step in sorted(train):
         by_tokens = {tuple(s["tokens"]): s for s in rollout[step]["samples"]} if step in rollout else {}
-        n_trained, worst = 0, 0.0
+        n_trained, worst, found = 0, 0.0, len(tokens)
         for part in train[step]:
             for s in part["samples"]:
                 meta = by_tokens.get(tuple(s["tokens"]), {})
@@ -71,7 +71,7 @@ def outlier_tokens(rollout: dict[int, dict], train: dict[int, list[dict]], thres
                             "absolute_position": prompt_len + pos, "finish_reason": meta.get("finish_reason"),
                             "token": s["response_ids"][pos], "trainer": mine, "engine": theirs, "gap": gap})
         steps.append({"step": step, "trained_tokens": n_trained, "largest_gap": worst,
-                      "outliers": sum(t["step"] == step for t in tokens)})
+                      "outliers": len(tokens) - found})
     positions = Counter("first" if t["position"] == 0 else
                         "last" if t["position"] == t["response_length"] - 1 else "middle" for t in tokens)
     summary = {
