@@ -121,3 +121,33 @@ def test_pieces_equal_the_modules_forwards_bit_for_bit_in_bf16(tiny_llama):
         loose = torch.compile(_silu_mlp, dynamic=True)
         mlp = layer.mlp
         assert not torch.equal(loose(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight), want[1])
+
+
+def test_rope_function_unwraps_the_kernels_hub_wrapper():
+    """transformers >= 5.25 installs `kernels`, whose use_kernel_forward_from_hub turns
+    `apply_rotary_pos_emb` into an nn.Module instance; the engine compiles the function behind it.
+    Driven with kernels' own decorator (and the installed Llama module, whichever form it has): the
+    unwrapped function gives the wrapper's results, and a non-RoPE object gives None."""
+    import types
+
+    import transformers.models.llama.modeling_llama as llama
+
+    from slime_rl.engines.embedded.compiled import rope_function
+
+    kernels = pytest.importorskip("kernels")
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        return q * cos.unsqueeze(unsqueeze_dim) + 1, k * sin.unsqueeze(unsqueeze_dim) - 1
+
+    wrapped = kernels.use_kernel_forward_from_hub("rotary_pos_emb")(apply_rotary_pos_emb)
+    assert isinstance(wrapped, torch.nn.Module)  # the form transformers 5.25 has
+    assert rope_function(wrapped) is apply_rotary_pos_emb
+    assert rope_function(apply_rotary_pos_emb) is apply_rotary_pos_emb
+    assert rope_function(torch.nn.Linear(2, 2)) is None and rope_function(None) is None
+
+    fn = rope_function(llama.apply_rotary_pos_emb)
+    assert isinstance(fn, types.FunctionType)
+    q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8)
+    cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    for got, want in zip(fn(q, k, cos, sin), llama.apply_rotary_pos_emb(q, k, cos, sin), strict=True):
+        assert torch.equal(got, want)

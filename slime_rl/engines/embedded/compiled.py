@@ -27,6 +27,7 @@ compiled step gives the uncompiled one's tokens and log-probs (tests/engines/tes
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import types
@@ -121,25 +122,46 @@ class CompiledPieces:
         original whenever no step is active."""
         attn = next((m for m in decoder.modules() if is_attention(m)), None)
         mod = sys.modules.get(type(attn).__module__) if attn is not None else None
-        eager = getattr(mod, "apply_rotary_pos_emb", None)
-        if not isinstance(eager, types.FunctionType):
+        original = getattr(mod, "apply_rotary_pos_emb", None)
+        original = getattr(original, "_slime_eager", original)  # installed before (another engine here)
+        plain = rope_function(original)
+        if plain is None:
             logger.info("embedded engine: torch.compile: no apply_rotary_pos_emb in %s; RoPE runs as it is",
                         getattr(mod, "__name__", None))
             return
-        eager = getattr(eager, "_slime_eager", eager)  # installed before (another engine in this process)
-        compiled = torch.compile(eager, dynamic=True, options=OPTIONS)
+        compiled = torch.compile(plain, dynamic=True, options=OPTIONS)
         owners: list[CompiledPieces] = getattr(mod.apply_rotary_pos_emb, "_slime_owners", [])
 
         def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
             if any(o.active for o in owners):
                 return compiled(q, k, cos, sin, *args, **kwargs)
-            return eager(q, k, cos, sin, *args, **kwargs)
+            return original(q, k, cos, sin, *args, **kwargs)
 
         owners.append(self)
-        apply_rotary_pos_emb._slime_eager = eager
+        apply_rotary_pos_emb._slime_eager = original
         apply_rotary_pos_emb._slime_owners = owners
         mod.apply_rotary_pos_emb = apply_rotary_pos_emb
         self.installed.append("rope")
+
+
+def rope_function(obj: object) -> types.FunctionType | None:
+    """The plain function behind a modeling module's `apply_rotary_pos_emb`, or None.
+
+    Up to transformers 5.24 it is a function. From 5.25 transformers requires `kernels`, whose
+    `use_kernel_forward_from_hub` turns a decorated function into an instance of a one-off
+    `nn.Module` class whose forward calls the function (or a hub kernel once a model has been
+    `kernelize`d); the function is only in that forward's closure (`func`). The engine never
+    kernelizes, so compiling the function itself is what the module would run."""
+    if isinstance(obj, types.FunctionType):
+        return obj
+    if isinstance(obj, torch.nn.Module):
+        try:
+            fn = inspect.getclosurevars(type(obj).forward).nonlocals.get("func")
+        except (TypeError, AttributeError):
+            return None
+        if isinstance(fn, types.FunctionType) and fn.__name__ == "apply_rotary_pos_emb":
+            return fn
+    return None
 
 
 class CompiledSampler:
