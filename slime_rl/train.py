@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from slime_rl.config import Config, ConfigError, RewardConfig, build_config
 from slime_rl.config.slime_args import slime_args
 from slime_rl.data import DataError, PromptDataset, TokenLimit, num_rollout_for_epochs
+from slime_rl.data.debug_rollouts import read_debug_rollout
 from slime_rl.engines.launch import check_engine_config
 from slime_rl.observability import MetricsLogger, StepClock, Timer, summary_line
 from slime_rl.orchestration.placement import PlacementPlan, assign_devices, plan_placement
@@ -51,7 +52,8 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     --num-epoch turned into steps) and the plan."""
     # --sglang-* / --router-* against the programs' own flags: a typo fails here, not on a GPU node
     cfg = dataclasses.replace(cfg, engine=check_engine_config(cfg.engine))
-    if cfg.engine.use_router and not cfg.dry_run and importlib.util.find_spec("sglang_router") is None:
+    router_started = cfg.engine.use_router and not cfg.dry_run and not cfg.debug.train_only
+    if router_started and importlib.util.find_spec("sglang_router") is None:
         raise ConfigError("--use-sglang-router: the 'sglang_router' package is not installed on the head node "
                           "(pip install slime_rl[router])")
     check_model_features(cfg)
@@ -81,6 +83,8 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     else:
         dataset = None
         token_limit(cfg, cfg.rollout.max_response_len)  # what config.json alone can tell
+    if cfg.debug.train_only and cfg.plan.cluster is None and not cfg.checkpoint.load:
+        check_replay_files(cfg)  # after --num-epoch became a number of steps
     args = slime_args(cfg)  # what slime-style extension functions get first
     reward_fn_from_config(cfg.reward, args=args)
     if dataset is not None and cfg.reward.rm_type == "reasoning_gym" and cfg.reward.custom_rm_path is None:
@@ -100,6 +104,20 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     if cfg.plan.cluster is not None and not_here and cfg.data.num_epoch is not None:
         plan.notes.append(f"--num-epoch {cfg.data.num_epoch}: the number of steps is known once the data is read")
     return cfg, plan
+
+
+def check_replay_files(cfg: Config) -> None:
+    """--load-debug-rollout-data, before anything starts: step 0's file is read and checked against the
+    flags (as each step's is when its rollout comes), and every step's file must exist. (With --load the
+    first step is known once the checkpoint is read: each file is checked when its step comes.)"""
+    debug, roll = cfg.debug, cfg.rollout
+    read_debug_rollout(debug.load_rollout_path(0), 0, roll.rollout_batch_size, roll.n_samples_per_prompt,
+                       cfg.trainer.use_rollout_routing_replay)
+    missing = [k for k in range(roll.num_rollout) if not os.path.isfile(debug.load_rollout_path(k))]
+    if missing:
+        raise DataError(f"--load-debug-rollout-data {debug.load_rollout_data}: no file for step {missing[0]} "
+                        f"({debug.load_rollout_path(missing[0])}); {len(missing)} of the {roll.num_rollout} steps' "
+                        "files are missing (fewer --num-rollout?)")
 
 
 def missing_here(cfg: Config) -> list[str]:
@@ -296,6 +314,9 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     finished, so they never change in the middle of a generate call, and rollout k+1 is one
     version behind the policy it trains (the trainer's old log-probs are recomputed, so the PPO
     ratio is exact; the engine/trainer gap shows in train/rollout_logprob_abs_diff).
+
+    Train-only (`--load-debug-rollout-data`): each step's rollout is read from its file instead of
+    generated; there are no engines, so no release, restart, weight sync or eval.
     """
     from slime_rl.orchestration.cluster import Cluster
     from slime_rl.orchestration.failures import describe
@@ -303,6 +324,10 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
 
     steps_per_rollout = cfg.optimizer_steps_per_rollout
     n_steps, interval = cfg.rollout.num_rollout, cfg.weight_sync.update_weights_interval
+    engines = not cfg.debug.train_only  # --load-debug-rollout-data: no engine to release, heal or sync
+    if not engines:
+        print(f"[slime_rl] train-only: each step's rollout is read from --load-debug-rollout-data "
+              f"{cfg.debug.load_rollout_data}; no rollout engine is started and no weights are synced", flush=True)
     logger = MetricsLogger(cfg.logging, cfg.to_dict())
     timer = Timer()
     clock = StepClock(n_steps)  # elapsed time and ETA on each step's line
@@ -332,7 +357,7 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
             pending = None
             if cfg.rollout.async_mode and step + 1 < n_steps:
                 pending = cluster.generate_async(step + 1)
-            if cfg.engine.colocate:  # the engines' memory goes to the trainer until the weight sync
+            if engines and cfg.engine.colocate:  # the engines' memory goes to the trainer until the weight sync
                 with timer("release"):
                     cluster.release_engines()
             phase = "train"
@@ -342,10 +367,11 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
                 with timer("rollout_overlap_wait"):
                     cluster.wait_done(pending)
             phase = "engine restart"
-            restarted = cluster.heal_engines() if cfg.fault.use_fault_tolerance else 0
+            restarted = cluster.heal_engines() if engines and cfg.fault.use_fault_tolerance else 0
             if restarted:
                 metrics["fault/engines_restarted"] = float(restarted)
-            if restarted or (step + 1) % interval == 0 or step + 1 == n_steps:  # a restarted engine needs weights
+            # a restarted engine needs weights
+            if engines and (restarted or (step + 1) % interval == 0 or step + 1 == n_steps):
                 phase = "weight sync"
                 with timer("weight_sync"):
                     metrics |= cluster.sync_weights(version=str(step + 1))

@@ -167,8 +167,6 @@ _ROLLOUT_FN = (f"must be {SLIME_DEFAULT_ROLLOUT} (slime's default, the built-in 
                "function is not supported; use --custom-generate-function-path (one sample at a time) and "
                "--dynamic-sampling-filter-path")
 _REFUSED_SWITCHES = (
-    ('--debug-train-only', "is refused: slime trains without SGLang on replayed rollouts "
-     "(--load-debug-rollout-data) or on SFT data with it; this project has neither: every step generates its rollout"),
     ('--disable-compute-advantages-and-returns', "is refused: it belongs to slime's SFT scripts (--loss-type "
      "sft_loss); every --advantage-estimator here computes advantages"),
     ('--no-check-for-nan-in-loss-and-grad', "is refused: the trainer always stops on a non-finite gradient (the "
@@ -521,7 +519,7 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--dump-rollouts', 'logging.dump_rollouts', action="store_true",
              help="write each step's prompts, responses and rewards to <run-dir>/rollouts/step_NNNNNN.jsonl"),
     ),
-    *section("debug dumps (slime's names)",
+    *section("debug dumps and train-only replay (slime's names)",
         Flag('--save-debug-rollout-data', 'debug.save_rollout_data', metavar='PATH',
              help="after each rollout, torch.save its samples to PATH.format(rollout_id=N) (the only placeholder "
                   "allowed): {'rollout_id', 'samples': one dict per sample, every Sample field (prompt_ids, "
@@ -534,6 +532,17 @@ FLAGS: tuple[Flag, ...] = (
                   "per sample (tokens, response_ids, response_length, log_probs: the trainer's old-policy log-probs "
                   "that train/rollout_logprob_abs_diff compares with rollout_log_probs, the engine's; loss_mask, "
                   "advantages per response token, reward)}"),
+        Flag('--load-debug-rollout-data', 'debug.load_rollout_data', metavar='PATH',
+             help="train only, on saved rollouts: each step's rollout is read from PATH.format(rollout_id=N) (the "
+                  "only placeholder allowed; the files --save-debug-rollout-data writes) instead of generated, "
+                  "its rewards as saved; its groups must be --rollout-batch-size groups of --n-samples-per-prompt "
+                  "samples. Implies --debug-train-only: no rollout engine (nor router) is started, no weight sync, "
+                  "no engine release in --colocate; the generation flags are accepted and unused, and eval "
+                  "(--eval-prompt-data) is skipped with a warning, since it needs the engines"),
+        Flag('--debug-train-only', derived='debug.train_only', action="store_true",
+             help="start no rollout engine; needs --load-debug-rollout-data (which implies it), the one source of "
+                  "training data here without generation (slime also trains SFT data with it, which this RL "
+                  "trainer has not)"),
     ),
     *section(FROM_SLIME_SECTION,
         # accepted with the one value this trainer has; another value is refused (check), naming why

@@ -334,16 +334,26 @@ class LoggingConfig:
 @dataclass(frozen=True)
 class DebugConfig:
     """slime's debug dumps: --save-debug-rollout-data (the rollout manager writes each rollout's
-    samples) and --save-debug-train-data (each data-parallel rank writes what it trained on). Path
-    templates; load.py admits only the placeholders `rollout_data_path` / `train_data_path` fill."""
+    samples) and --save-debug-train-data (each data-parallel rank writes what it trained on), and
+    their replay: --load-debug-rollout-data (each step's rollout read back from such a file instead
+    of generated). Path templates; load.py admits only the placeholders `rollout_data_path` /
+    `train_data_path` / `load_rollout_path` fill. `train_only`: no engine is started (set by
+    --load-debug-rollout-data, which --debug-train-only needs)."""
 
     save_rollout_data: str | None = default_of("--save-debug-rollout-data")
     save_train_data: str | None = default_of("--save-debug-train-data")
+    load_rollout_data: str | None = default_of("--load-debug-rollout-data")
+    train_only: bool = False
 
     def rollout_data_path(self, rollout_id: int) -> str:
         """Where rollout `rollout_id`'s samples go (slime's save_debug_rollout_data.format(rollout_id=...))."""
         assert self.save_rollout_data is not None
         return self.save_rollout_data.format(rollout_id=rollout_id)
+
+    def load_rollout_path(self, rollout_id: int) -> str:
+        """The file step `rollout_id`'s rollout is read from (slime's load_debug_rollout_data.format(rollout_id=N))."""
+        assert self.load_rollout_data is not None
+        return self.load_rollout_data.format(rollout_id=rollout_id)
 
     def train_data_path(self, rollout_id: int, rank: int) -> str:
         """Where data-parallel rank `rank` writes step `rollout_id`'s train data."""

@@ -7,6 +7,7 @@ raises `ConfigError` whose message names the flag (or the YAML file and key).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import string
@@ -28,7 +29,7 @@ from slime_rl.config.flags import (
     SGLANG_PREFIX,
     build_parser,
 )
-from slime_rl.config.groups import GROUPS, Config, CriticConfig, EvalConfig, ParallelConfig
+from slime_rl.config.groups import GROUPS, Config, CriticConfig, EngineConfig, EvalConfig, ParallelConfig
 from slime_rl.config.seeds import run_seed
 from slime_rl.config.slime_args import refuse_slime_only
 
@@ -355,6 +356,12 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check_path_template("--save-hf", a.save_hf, ("rollout_id",))
     _check_path_template("--save-debug-rollout-data", a.save_debug_rollout_data, ("rollout_id",))
     _check_path_template("--save-debug-train-data", a.save_debug_train_data, ("rollout_id", "rank"))
+    _check_path_template("--load-debug-rollout-data", a.load_debug_rollout_data, ("rollout_id",))
+    train_only = a.load_debug_rollout_data is not None
+    _check(not a.debug_train_only or train_only,
+           "--debug-train-only needs --load-debug-rollout-data (the saved rollouts to train on; it implies "
+           "--debug-train-only): slime also trains SFT data with it, which this RL trainer has not, and without "
+           "engines nothing else gives a step its data")
     if a.save_debug_train_data is not None and dp > 1 and "{rank}" not in a.save_debug_train_data:
         warnings.warn(f"--save-debug-train-data {a.save_debug_train_data!r} has no {{rank}}: the {dp} data-parallel "
                       "ranks write the same file, and only one rank's samples stay", UserWarning, stacklevel=2)
@@ -381,15 +388,15 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         data=_group(a, "data", seed=seed),
         rollout=rollout,
         reward=_group(a, "reward"),
-        engine=_group(a, "engine", num_gpus=a.rollout_num_gpus, sglang_args=sglang, router_args=router),
+        engine=_engine_config(a, sglang, router, train_only),
         weight_sync=_group(a, "weight_sync"),
         checkpoint=_group(a, "checkpoint"),
         logging=_group(a, "logging", run_dir=run_dir),
-        eval=_eval_config(a, check_paths and a.cluster is None),
+        eval=_eval_config(a, check_paths and a.cluster is None, train_only),
         fault=_group(a, "fault"),
         critic=_critic_config(a, parallel, gbs, samples),
         plan=_group(a, "plan"),
-        debug=_group(a, "debug"),
+        debug=_group(a, "debug", train_only=train_only),
         **_fields(a, ""),
     )
 
@@ -467,7 +474,15 @@ def _critic_config(a: argparse.Namespace, policy: ParallelConfig, gbs: int, samp
     return critic
 
 
-def _eval_config(a: argparse.Namespace, check_paths: bool) -> EvalConfig:
+def _engine_config(a: argparse.Namespace, sglang: dict[str, Any], router: dict[str, Any],
+                   train_only: bool) -> EngineConfig:
+    """The engines of the run. Train-only (--load-debug-rollout-data): none (0 devices, nothing colocated),
+    so the placement, --dry-run and the cluster plan and start no engine; the flags were checked all the same."""
+    engine: EngineConfig = _group(a, "engine", num_gpus=a.rollout_num_gpus, sglang_args=sglang, router_args=router)
+    return dataclasses.replace(engine, num_gpus=0, colocate=False) if train_only else engine
+
+
+def _eval_config(a: argparse.Namespace, check_paths: bool, train_only: bool = False) -> EvalConfig:
     pairs = a.eval_prompt_data or []
     _check(len(pairs) % 2 == 0, f"--eval-prompt-data takes NAME PATH pairs, got {len(pairs)} values")
     datasets = tuple((pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))
@@ -481,4 +496,10 @@ def _eval_config(a: argparse.Namespace, check_paths: bool) -> EvalConfig:
         temperature=a.rollout_temperature if a.eval_temperature is None else a.eval_temperature,
         top_p=a.rollout_top_p if a.eval_top_p is None else a.eval_top_p,
         max_response_len=a.eval_max_response_len or a.rollout_max_response_len)
+    if train_only and eval_cfg.enabled:
+        # eval generates: without engines it cannot run; the user's script stays valid, the eval is left out
+        warnings.warn(f"--eval-prompt-data {' '.join(name for name, _ in datasets)}: eval is skipped with "
+                      "--load-debug-rollout-data (it generates, and a train-only run starts no engine)",
+                      UserWarning, stacklevel=3)
+        eval_cfg = dataclasses.replace(eval_cfg, datasets=(), interval=None, log_generations=0)
     return eval_cfg

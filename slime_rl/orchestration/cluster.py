@@ -1,5 +1,7 @@
 """Brings the run's actors up on Ray and down again: placement group, engines, trainer group (and
-PPO's critic group), RolloutManager and Buffer. The driver (train.py) sees only generate / train / sync_weights."""
+PPO's critic group), RolloutManager and Buffer. The driver (train.py) sees only generate / train / sync_weights.
+Train-only (--load-debug-rollout-data): the plan holds no engine, so none is started, and each rollout
+is read back from its file by the RolloutManager."""
 
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ class Cluster:
         self._revived: dict[int, str] = {}  # restarted engines, handed to the rollout side after a sync
         self._rollout_steps: dict = {}  # generate_async's refs -> their step (to run one again)
         self.weight_version = "0"  # of the last sync: what a restarted engine gets again
+        # --load-debug-rollout-data: rollouts are read from files; no engine, router or weight sync
+        self.train_only = cfg.debug.train_only
 
     def start(self, train_iters: int) -> None:
         init_ray(self.plan)
@@ -92,13 +96,16 @@ class Cluster:
             self.critics.wait_init(critic_ready)
         ray.get(started)
         self.engine_urls = urls
-        if self.cfg.engine.use_router:
+        if self.cfg.engine.use_router and not self.train_only:
             from slime_rl.orchestration.router import start_router
 
             self.router, self.router_url = start_router(self.cfg, urls, self.api_key)
         self.buffer = Buffer.remote()
         self.rollout_manager = RolloutManager.remote(self.cfg, urls, self.api_key, self.router_url)
         self.targets = targets
+        if self.train_only:  # --load-debug-rollout-data: the plan holds no engine, the trainer sends no weights
+            assert not self.plan.engines, "a train-only plan holds no engine"
+            return
         if self.plan.colocated:  # engine e shares trainer rank (= bundle) e's device
             self.trainers.connect_colocated(targets, [slot.bundles[0] for slot in self.plan.engines])
         else:
@@ -108,8 +115,10 @@ class Cluster:
         return self.wait(self.generate_async(step))
 
     def generate_async(self, step: int):
-        """Start rollout `step`; the batch lands in the buffer, the metrics in the returned ref."""
-        ref = self.rollout_manager.generate.remote(step, self.buffer)
+        """Start rollout `step` (train-only: read it from --load-debug-rollout-data's file); the batch
+        lands in the buffer, the metrics in the returned ref."""
+        rollout = self.rollout_manager.replay if self.train_only else self.rollout_manager.generate
+        ref = rollout.remote(step, self.buffer)
         self._rollout_steps[ref] = step
         return ref
 
@@ -168,7 +177,8 @@ class Cluster:
         step = int(extra["rollout_id"]) + 1
         if self.critics is not None:
             self._resume_critic(step - 1)
-        self.sync_weights(version=str(step))
+        if not self.train_only:  # the engines get the checkpoint's weights
+            self.sync_weights(version=str(step))
         print(f"[slime_rl] resumed from step {step - 1} ({self.cfg.checkpoint.load})")
         return step
 

@@ -94,6 +94,7 @@ def describe(exc: BaseException, *, phase: str, step: int | None, save: str | No
     """The sentence for a run stopped by `exc`, raised during `phase` ("rollout", "train",
     "weight sync", "checkpoint save", "start", ...) of `step` (None: before the loop), and whether
     the failure is one of the known kinds (False: its traceback is worth printing too)."""
+    from slime_rl.data import DataError
     from slime_rl.engines.client import EngineError
     from slime_rl.engines.launch import EngineLaunchError
     from slime_rl.orchestration.trainer_group import TrainerRankError
@@ -126,7 +127,7 @@ def describe(exc: BaseException, *, phase: str, step: int | None, save: str | No
         what = f"rollout engine at {cause.url} refused {cause.endpoint} ({cause.status}: {cause.message})"
     elif isinstance(cause, RewardError):
         what = f"the reward function failed: {cause}"
-    elif isinstance(cause, RolloutStarved):
+    elif isinstance(cause, (RolloutStarved, DataError)):  # DataError: a --load-debug-rollout-data file
         what = str(cause)
     elif is_out_of_memory(exc):
         what = f"out of memory: {type(cause).__name__}: {_last_line(cause)}"

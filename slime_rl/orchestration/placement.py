@@ -70,7 +70,9 @@ class PlacementPlan:
             sync = "shared with the trainer" if self.colocated else f"weight-update rank_offset {e.rank_offset}"
             devices = f" ({e.num_gpus} devices: TP {e.num_gpus})" if e.num_gpus > 1 else ""
             lines.append(f"  engine {e.engine_id} -> bundles {list(e.bundles)}{devices}, {sync}")
-        if self.colocated:
+        if not self.engines:
+            lines.append("  no engines")
+        elif self.colocated:
             lines.append("  colocated: engines share the trainer's bundles; weights handed over in place")
         else:
             lines.append(f"  weight-update group world size {self.weight_update_world_size}")

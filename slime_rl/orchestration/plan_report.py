@@ -93,7 +93,11 @@ def placement_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...
     for r, b in enumerate(plan.critic_bundles):
         lines.append(f"  critic rank {r}: {devices[b] if devices else f'bundle {b}'}")
     kind = f"{cfg.engine.backend}, TP {cfg.engine.num_gpus_per_engine}"
-    lines.append(f"engines: {len(plan.engines)} ({kind}{', colocated' if plan.colocated else ''})")
+    if cfg.debug.train_only:
+        lines.append(f"engines: none (train-only: each rollout is read from --load-debug-rollout-data "
+                     f"{cfg.debug.load_rollout_data})")
+    else:
+        lines.append(f"engines: {len(plan.engines)} ({kind}{', colocated' if plan.colocated else ''})")
     for e in plan.engines:
         lines.append(f"  engine {e.engine_id}: {devices[e.bundles[0]] if devices else f'bundle {e.bundles[0]}'}")
     if devices:
@@ -150,6 +154,8 @@ def estimate_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...]
         f"  logits       {mem.logits / GiB:7.2f} GiB  (last stage: fp32 logits, response slice and softmax)",
         f"  total        {mem.total / GiB:7.2f} GiB",
     ]
+    if cfg.debug.train_only:  # no engine to send weights to
+        return lines
     link = sync_link(cfg, plan, devices)
     gbps = cfg.plan.inter_node_gbps if link == "inter-node" else cfg.plan.intra_node_gbps
     sync = estimate_sync(shape, lay.bf16, link, gbps)

@@ -24,6 +24,7 @@ from slime_rl.algo import estimator_for, overlong_penalty
 from slime_rl.config import AlgoConfig, Config
 from slime_rl.config.slime_args import slime_args
 from slime_rl.data import PromptDataset, Sample
+from slime_rl.data.debug_rollouts import read_debug_rollout
 from slime_rl.engines.client import AsyncEngineClient, AsyncRouterClient, EngineError
 from slime_rl.observability.debug_data import save_debug_data
 from slime_rl.orchestration.failures import EngineFailure, RolloutStarved
@@ -192,14 +193,30 @@ class RolloutManager:
             raise RolloutStarved(f"the rollout of step {step} kept no group before --rollout-deadline-s "
                                  f"{self.cfg.rollout.rollout_deadline_s}; nothing to train on")
         self.leftover = result.leftover
+        self.next_index, self.next_group = result.next_index, result.next_group
+        await self._put(step, groups, buffer)
+        return (rollout_metrics(groups) | result.metrics | {"rollout/reward_failures": float(failed)}
+                | {"time/rollout_start": start, "time/rollout_end": time.time()})
+
+    async def replay(self, step: int, buffer) -> dict[str, float]:
+        """--load-debug-rollout-data: the step's groups read from its file (as --save-debug-rollout-data
+        wrote them: rewards, engine log-probs and loss masks as saved, nothing generated or scored again)
+        and put in the buffer as `generate` puts a generated rollout; returns the rollout metrics."""
+        start = time.time()
+        self._state_before = {step: self.state_dict()}  # nothing is drawn: a checkpoint keeps the position
+        roll = self.cfg.rollout
+        groups = read_debug_rollout(self.cfg.debug.load_rollout_path(step), step, roll.rollout_batch_size,
+                                    roll.n_samples_per_prompt, self.cfg.trainer.use_rollout_routing_replay)
+        await self._put(step, groups, buffer)
+        return rollout_metrics(groups) | {"time/rollout_start": start, "time/rollout_end": time.time()}
+
+    async def _put(self, step: int, groups: list[list[Sample]], buffer) -> None:
+        """The step's groups: the dumps the flags ask for, then the trainer's batch into the buffer."""
         if self.cfg.logging.dump_rollouts:
             dump_rollouts(Path(self.cfg.logging.run_dir) / "rollouts" / f"step_{step:06d}.jsonl", groups)
         if self.cfg.debug.save_rollout_data is not None:
             save_debug_data(self.cfg.debug.rollout_data_path(step), debug_rollout_data(step, groups))
-        self.next_index, self.next_group = result.next_index, result.next_group
         await buffer.put.remote(step, samples_to_batch(groups, self.cfg.algo, self.cfg.rollout.max_response_len))
-        return (rollout_metrics(groups) | result.metrics | {"rollout/reward_failures": float(failed)}
-                | {"time/rollout_start": start, "time/rollout_end": time.time()})
 
     def _draw_guard(self, step: int):
         """The dataset's next_batch, stopping the run once one rollout has drawn every prompt

@@ -150,6 +150,9 @@ def _derived_cases(tmp: Path) -> dict[tuple[str, str, str], tuple[list[str], obj
         ("--critic-num-gpus-per-node", "critic", "num_gpus_per_node"): (ppo + ["--critic-num-gpus-per-node", "2"], 2),
         ("--critic-lr", "critic", "lr"): (ppo + ["--critic-lr", "0.5"], 0.5),
         ("--run-dir", "logging", "run_dir"): (["--run-dir", "somewhere"], "somewhere"),
+        # accepted only with the replay, which implies it (tests/config/test_debug_data_flags.py)
+        ("--debug-train-only", "debug", "train_only"): (["--debug-train-only", "--load-debug-rollout-data", "x"],
+                                                        True),
     }
 
 

@@ -138,7 +138,7 @@ OTHER_SCRIPTS: list[tuple[list[str], tuple[str, object] | str]] = [
     (["--loss-type", "sft_loss"], "supervised fine-tuning"),
     (["--disable-compute-advantages-and-returns"], "SFT"),
     (["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout"], "--custom-generate-function-path"),
-    (["--debug-train-only"], "every step generates its rollout"),
+    (["--debug-train-only"], "needs --load-debug-rollout-data"),
     (["--no-check-for-nan-in-loss-and-grad"], "non-finite gradient"),
     (["--decoder-last-pipeline-num-layers", "5"], "even split"),
 ]

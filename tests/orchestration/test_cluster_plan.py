@@ -96,6 +96,20 @@ def test_seven_b_recipes_plan_for_two_nodes_with_estimates(recipe, tmp_path, cap
     assert "the tokenizer of --hf-checkpoint" in out
 
 
+def test_train_only_plans_no_engine(tmp_path, capsys):
+    """--load-debug-rollout-data: the trainer's bundles only, no engine command, no weight-sync estimate."""
+    hf = config_only(tmp_path, "qwen2_5_7b_instruct.json")
+    code = train_main(recipe_argv("qwen2_5_7b_grpo_math.yaml", hf, "--dry-run", "--cluster", "2x8",
+                                  "--load-debug-rollout-data", "/dumps/rollout_{rollout_id}.pt"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "placement (GPU bundles: 8)" in out and "trainer: 8 ranks, TP 4 x PP 1 x CP 1 x DP 2" in out
+    assert "engines: none (train-only: each rollout is read from --load-debug-rollout-data " \
+           "/dumps/rollout_{rollout_id}.pt)" in out
+    assert "engine 0" not in out and "weight sync" not in out and "weight-update" not in out
+    assert "trainer memory per GPU" in out  # the rest of the plan as before
+
+
 def test_vl_recipe_counts_the_vision_tower(tmp_path, capsys):
     hf = config_only(tmp_path, "qwen2_5_vl_7b_instruct.json")
     code = train_main(recipe_argv("qwen2_5_vl_7b_geo3k_grpo.yaml", hf, "--dry-run", "--cluster", "1x8"))

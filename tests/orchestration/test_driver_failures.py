@@ -78,5 +78,18 @@ def test_an_unexpected_error_is_marked_for_its_traceback(ray_one_cpu):
     assert not known and text.startswith("run stopped: KeyError: 'missing' (during eval of step 4).")
 
 
+def replay_file_missing():
+    from slime_rl.data.debug_rollouts import read_debug_rollout
+
+    read_debug_rollout("/no/such/rollout_3.pt", 3, 4, 2)
+
+
+def test_a_missing_replay_file_is_a_known_failure_naming_it(ray_one_cpu):
+    exc = raised_in_ray(replay_file_missing)
+    text, known = describe(exc, phase="rollout", step=3, save=None, fault_tolerance=False)
+    assert known and text.startswith("run stopped: --load-debug-rollout-data: no file /no/such/rollout_3.pt for "
+                                     "step 3 (the template formatted with rollout_id=3) (during rollout of step 3).")
+
+
 def test_resume_hint_without_a_save_folder():
     assert resume_hint(None) == "No checkpoint to resume from (--save is not set): rerun to start over."
