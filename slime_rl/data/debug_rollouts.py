@@ -129,11 +129,11 @@ def _plain(value: Any) -> Any:
     return value.tolist() if isinstance(value, torch.Tensor) else value
 
 
-def _from_slime(raw: dict) -> Sample | tuple[str, str]:
+def _from_slime(raw: dict, reward_key: str | None = None) -> Sample | tuple[str, str]:
     """Our Sample from one slime sample dict, or (field, what is wrong). The split and the defaults are
     slime's training-data conversion's: the last `response_length` of `tokens` are the response,
-    `loss_mask` None trains every response token, `remove_sample` zeroes the mask; the reward must be a
-    number (a dict is picked by slime's --reward-key, which this reader does not apply)."""
+    `loss_mask` None trains every response token, `remove_sample` zeroes the mask; a dict reward gives
+    its `reward_key` entry (slime's Sample.get_reward_value with --reward-key)."""
     missing = [k for k in SLIME_REQUIRED if k not in raw]
     if missing:
         return missing[0], "missing (a slime sample dict holds it: slime/utils/types.py Sample.to_dict)"
@@ -170,10 +170,13 @@ def _from_slime(raw: dict) -> Sample | tuple[str, str]:
         mask = [0] * n
     reward = raw["reward"]
     if isinstance(reward, dict):
-        return "reward", (f"a dict (keys {sorted(map(str, reward))}): slime picks the trained reward out of it "
-                          "with its --reward-key, which this replay does not apply; a reward key is needed: "
-                          "store the number under that key as the sample's reward (e.g. "
-                          "s['reward'] = s['reward'][KEY] for each sample dict, then torch.save) and replay that")
+        keys = sorted(map(str, reward))
+        if reward_key is None or reward_key not in reward:
+            return "reward", (f"a dict (keys {keys}) without the --reward-key {reward_key!r} entry: slime trains "
+                              "reward[--reward-key]; give the key the saving run used")
+        reward = reward[reward_key]
+        if not _is_number(reward):
+            return "reward", f"reward[{reward_key!r}] (--reward-key): expected a number, got {_describe(reward)}"
     if not _is_number(reward):
         return "reward", f"expected a number, got {_describe(reward)}"
     status = raw.get("status", "completed")
@@ -213,7 +216,7 @@ def _from_slime(raw: dict) -> Sample | tuple[str, str]:
                   rollout_routed_experts=routed)
 
 
-def samples_from_debug_data(payload: Any, where: str) -> list[Sample]:
+def samples_from_debug_data(payload: Any, where: str, reward_key: str | None = None) -> list[Sample]:
     """The `Sample`s of a --save-debug-rollout-data payload, in file order; `where` names the file in
     errors (DataError naming the sample index in the file and the field)."""
     if not isinstance(payload, dict) or not isinstance(payload.get("samples"), list):
@@ -228,7 +231,7 @@ def samples_from_debug_data(payload: Any, where: str) -> list[Sample]:
                             f"sample 0 by {SLIME_FORMAT if slime else OUR_FORMAT}; a file holds one writer's "
                             "samples (mixed formats are refused)")
         if slime:
-            out = _from_slime(raw)
+            out = _from_slime(raw, reward_key)
             bad = out if isinstance(out, tuple) else None
         else:
             bad = _check_sample(raw)
@@ -258,10 +261,12 @@ def group_samples(samples: list[Sample], where: str) -> list[list[Sample]]:
 
 
 def read_debug_rollout(path: str | os.PathLike, rollout_id: int, rollout_batch_size: int,
-                       n_samples_per_prompt: int, routed_experts: bool = False) -> list[list[Sample]]:
+                       n_samples_per_prompt: int, routed_experts: bool = False,
+                       reward_key: str | None = None) -> list[list[Sample]]:
     """Step `rollout_id`'s groups from `path` (--load-debug-rollout-data's template, formatted), checked
     against the run's --rollout-batch-size and --n-samples-per-prompt, and, with `routed_experts`
-    (--use-rollout-routing-replay), that every sample holds the engines' routing. Raises DataError
+    (--use-rollout-routing-replay), that every sample holds the engines' routing. `reward_key`
+    (--reward-key): the entry a slime sample's dict reward gives. Raises DataError
     naming the file (and the step, the sample, the field or the flag)."""
     file = Path(path)
     if not file.is_file():
@@ -274,7 +279,7 @@ def read_debug_rollout(path: str | os.PathLike, rollout_id: int, rollout_batch_s
                         f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
                         ) from exc
     where = f"{FLAG} {file} (step {rollout_id})"
-    samples = samples_from_debug_data(payload, where)
+    samples = samples_from_debug_data(payload, where, reward_key)
     if routed_experts:  # without it the trainer would silently route on its own
         lacking = next((i for i, s in enumerate(samples) if s.rollout_routed_experts is None), None)
         if lacking is not None:

@@ -276,7 +276,7 @@ def test_a_rollout_saved_by_slime_reads_back_as_our_samples(tmp_path):
 
 # (what is done to sample 1's dict, the field named, words of the reason)
 SLIME_MALFORMED = [
-    (_set("reward", {"score": 1.0, "acc": 1}), "reward", "a reward key is needed"),
+    (_set("reward", {"score": 1.0, "acc": 1}), "reward", "without the --reward-key None entry"),
     (_set("reward", None), "reward", "expected a number, got NoneType None"),
     (_set("rollout_log_probs", None), "rollout_log_probs", "None: the run that saved it kept no engine log-probs"),
     (lambda d: d.pop("rollout_log_probs"), "rollout_log_probs", "missing"),
@@ -302,6 +302,25 @@ def test_a_bad_slime_sample_names_the_file_the_sample_and_the_field(tmp_path, ch
         read_debug_rollout(path, 3, 2, 2)
     message = str(err.value)
     assert message.startswith(f"{FLAG} {path} (step 3): sample 1, field {field!r}: ") and words in message, message
+
+
+def test_a_slime_dict_reward_gives_its_reward_key_entry(tmp_path):
+    """slime trains reward[--reward-key] when a reward function returns a dict (Sample.get_reward_value):
+    the replay takes the run's --reward-key entry, and refuses a dict without it or with a non-number."""
+    payload = _slime_payload()
+    payload["samples"][1]["reward"] = {"score": 0.25, "acc": 1}
+    path = _save_slime(tmp_path, payload)
+    back = read_debug_rollout(path, 3, 2, 2, reward_key="score")
+    assert [s.reward for g in back for s in g] == [1.0, 0.25, -1.0, 0.5]
+    assert read_debug_rollout(path, 3, 2, 2, reward_key="acc")[0][1].reward == 1
+    with pytest.raises(DataError, match=r"sample 1, field 'reward': a dict \(keys \['acc', 'score'\]\) without the "
+                                        r"--reward-key 'correct' entry"):
+        read_debug_rollout(path, 3, 2, 2, reward_key="correct")
+    payload["samples"][1]["reward"] = {"score": "high"}
+    path = _save_slime(tmp_path, payload)
+    with pytest.raises(DataError, match=r"sample 1, field 'reward': reward\['score'\] \(--reward-key\): expected a "
+                                        r"number, got str 'high'"):
+        read_debug_rollout(path, 3, 2, 2, reward_key="score")
 
 
 def test_a_file_mixing_slime_and_our_samples_is_refused(tmp_path):
