@@ -112,7 +112,7 @@ def check_replay_files(cfg: Config) -> None:
     first step is known once the checkpoint is read: each file is checked when its step comes.)"""
     debug, roll = cfg.debug, cfg.rollout
     read_debug_rollout(debug.load_rollout_path(0), 0, roll.rollout_batch_size, roll.n_samples_per_prompt,
-                       cfg.trainer.use_rollout_routing_replay)
+                       cfg.trainer.use_rollout_routing_replay, cfg.reward.reward_key)
     missing = [k for k in range(roll.num_rollout) if not os.path.isfile(debug.load_rollout_path(k))]
     if missing:
         raise DataError(f"--load-debug-rollout-data {debug.load_rollout_data}: no file for step {missing[0]} "

@@ -6,16 +6,25 @@ dict per sample in batch order, every `Sample` field plus `tokens` and `response
 of one group (one `group_index`) contiguous. `read_debug_rollout` rebuilds the groups of `Sample`s in
 file order and checks what the trainer relies on, so that a wrong file fails naming the file, the
 sample and the field (or the flag it disagrees with) instead of deep in a training step.
+
+It also reads the files slime's own --save-debug-rollout-data writes (slime/observability/
+rollout_data_utils.py save_debug_rollout_data: `{"rollout_id", "samples": [Sample.to_dict()]}`, with
+slime/utils/types.py's Sample: `tokens` = prompt + response ids, `response_length`, `rollout_log_probs`,
+`loss_mask` (None: every response token trained), `reward`, `status` as its string value,
+`weight_versions`, ...), so a migrating run can replay what slime saved (`_from_slime`). A file holds
+one writer's samples: mixed formats are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from slime_rl.data.readers import DataError
@@ -102,7 +111,112 @@ def _check_sample(raw: Any) -> tuple[str, str] | None:
     return None
 
 
-def samples_from_debug_data(payload: Any, where: str) -> list[Sample]:
+# slime's Sample.Status value -> our finish_reason (as slime_rl.rollout.slime_compat maps it); "pending"
+# (never generated) is refused
+SLIME_STATUS = {"completed": "stop", "truncated": "length", "aborted": "abort", "failed": "failed"}
+SLIME_REQUIRED = ("index", "group_index", "tokens", "response_length", "rollout_log_probs", "reward")
+SLIME_FORMAT = "slime's Sample.to_dict (rollout_log_probs or status, no prompt_ids)"
+OUR_FORMAT = "this project's writer (prompt_ids, rollout_logprobs)"
+
+
+def is_slime_sample(raw: Any) -> bool:
+    """A sample dict written by slime's --save-debug-rollout-data (its Sample.to_dict)."""
+    return isinstance(raw, dict) and "prompt_ids" not in raw and ("rollout_log_probs" in raw or "status" in raw)
+
+
+def _plain(value: Any) -> Any:
+    """A tensor (what slime may keep in a field) as nested lists, anything else as it is."""
+    return value.tolist() if isinstance(value, torch.Tensor) else value
+
+
+def _from_slime(raw: dict, reward_key: str | None = None) -> Sample | tuple[str, str]:
+    """Our Sample from one slime sample dict, or (field, what is wrong). The split and the defaults are
+    slime's training-data conversion's: the last `response_length` of `tokens` are the response,
+    `loss_mask` None trains every response token, `remove_sample` zeroes the mask; a dict reward gives
+    its `reward_key` entry (slime's Sample.get_reward_value with --reward-key)."""
+    missing = [k for k in SLIME_REQUIRED if k not in raw]
+    if missing:
+        return missing[0], "missing (a slime sample dict holds it: slime/utils/types.py Sample.to_dict)"
+    for name in ("index", "group_index"):
+        if not _is_int(raw[name]):
+            return name, f"expected an int, got {_describe(raw[name])}"
+    for name in ("multimodal_inputs", "multimodal_train_inputs"):
+        if raw.get(name) is not None:
+            return name, "a multimodal sample: replaying slime's multimodal samples is not supported"
+    tokens = _plain(raw["tokens"])
+    bad = _int_list(tokens)
+    if bad:
+        return "tokens", bad
+    n = raw["response_length"]
+    if not _is_int(n) or not 0 < n < len(tokens):
+        return "response_length", (f"{n!r}, but tokens holds {len(tokens)} ids (the trainer needs at least one "
+                                   "prompt token and one response token)")
+    logprobs = _plain(raw["rollout_log_probs"])
+    if logprobs is None:
+        return "rollout_log_probs", ("None: the run that saved it kept no engine log-probs, which the trainer "
+                                     "needs (slime's generate keeps them with return_logprob)")
+    if not isinstance(logprobs, list) or not all(_is_number(x) for x in logprobs):
+        return "rollout_log_probs", "expected a list of numbers (the engine's log-prob of each response token)"
+    if len(logprobs) != n:
+        return "rollout_log_probs", f"{len(logprobs)} values for response_length {n}"
+    mask = _plain(raw.get("loss_mask"))
+    if mask is None:  # slime's conversion: no mask means every response token is trained
+        mask = [1] * n
+    if not isinstance(mask, list) or not all(x in (0, 1) and not isinstance(x, float) for x in mask):
+        return "loss_mask", "expected None or a list of 0 and 1 (int or bool)"
+    if len(mask) != n:
+        return "loss_mask", f"{len(mask)} values for response_length {n}"
+    if raw.get("remove_sample"):  # slime trains none of a removed sample's tokens
+        mask = [0] * n
+    reward = raw["reward"]
+    if isinstance(reward, dict):
+        keys = sorted(map(str, reward))
+        if reward_key is None or reward_key not in reward:
+            return "reward", (f"a dict (keys {keys}) without the --reward-key {reward_key!r} entry: slime trains "
+                              "reward[--reward-key]; give the key the saving run used")
+        reward = reward[reward_key]
+        if not _is_number(reward):
+            return "reward", f"reward[{reward_key!r}] (--reward-key): expected a number, got {_describe(reward)}"
+    if not _is_number(reward):
+        return "reward", f"expected a number, got {_describe(reward)}"
+    status = raw.get("status", "completed")
+    if status not in SLIME_STATUS:
+        return "status", (f"{status!r}: expected one of {', '.join(SLIME_STATUS)} (a generated sample's "
+                          "Sample.Status value)")
+    prompt = raw.get("prompt", "")
+    if isinstance(prompt, list):  # chat messages: kept readable (the trainer uses the token ids)
+        prompt = json.dumps(prompt, ensure_ascii=False)
+    if not isinstance(prompt, str):
+        return "prompt", f"expected a string or a list of chat messages, got {_describe(prompt)}"
+    response = raw.get("response", "")
+    if not isinstance(response, str):
+        return "response", f"expected a string, got {_describe(response)}"
+    metadata = raw.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        return "metadata", f"expected a dict or None, got {_describe(metadata)}"
+    versions = raw.get("weight_versions") or []
+    if not isinstance(versions, list):
+        return "weight_versions", f"expected a list, got {_describe(versions)}"
+    routed = _plain(raw.get("rollout_routed_experts"))
+    if routed is not None:  # slime's [rows, layers, top_k] -> ours [rows, layers * top_k]
+        try:
+            routed = np.asarray(routed, dtype=np.int32)
+        except (TypeError, ValueError) as exc:
+            return "rollout_routed_experts", f"not an array of ints ({exc})"
+        if routed.ndim < 1 or not 0 < routed.shape[0] <= len(tokens) - 1:
+            return "rollout_routed_experts", (f"{routed.shape[0] if routed.ndim else 0} rows for {len(tokens)} "
+                                              f"tokens (one per position fed to the engine: at most "
+                                              f"{len(tokens) - 1})")
+        routed = routed.reshape(routed.shape[0], -1).tolist()
+    cut = len(tokens) - n
+    return Sample(index=raw["index"], group_index=raw["group_index"], prompt=prompt, prompt_ids=tokens[:cut],
+                  label=raw.get("label"), metadata=dict(metadata), response=response, response_ids=tokens[cut:],
+                  rollout_logprobs=list(logprobs), loss_mask=list(mask), finish_reason=SLIME_STATUS[status],
+                  reward=reward, weight_version=str(versions[-1]) if versions else None,
+                  rollout_routed_experts=routed)
+
+
+def samples_from_debug_data(payload: Any, where: str, reward_key: str | None = None) -> list[Sample]:
     """The `Sample`s of a --save-debug-rollout-data payload, in file order; `where` names the file in
     errors (DataError naming the sample index in the file and the field)."""
     if not isinstance(payload, dict) or not isinstance(payload.get("samples"), list):
@@ -110,12 +224,21 @@ def samples_from_debug_data(payload: Any, where: str) -> list[Sample]:
         raise DataError(f"{where}: expected {{'rollout_id', 'samples': [...]}} as --save-debug-rollout-data "
                         f"writes, got {got}")
     samples = []
+    slime = bool(payload["samples"]) and is_slime_sample(payload["samples"][0])
     for i, raw in enumerate(payload["samples"]):
-        bad = _check_sample(raw)
+        if i and is_slime_sample(raw) != slime:
+            raise DataError(f"{where}: sample {i}: written by {SLIME_FORMAT if not slime else OUR_FORMAT}, but "
+                            f"sample 0 by {SLIME_FORMAT if slime else OUR_FORMAT}; a file holds one writer's "
+                            "samples (mixed formats are refused)")
+        if slime:
+            out = _from_slime(raw, reward_key)
+            bad = out if isinstance(out, tuple) else None
+        else:
+            bad = _check_sample(raw)
         if bad is not None:
             field, what = bad
             raise DataError(f"{where}: sample {i}" + (f", field {field!r}" if field else "") + f": {what}")
-        samples.append(Sample(**{k: v for k, v in raw.items() if k in SAMPLE_FIELDS}))
+        samples.append(out if slime else Sample(**{k: v for k, v in raw.items() if k in SAMPLE_FIELDS}))
     return samples
 
 
@@ -138,10 +261,12 @@ def group_samples(samples: list[Sample], where: str) -> list[list[Sample]]:
 
 
 def read_debug_rollout(path: str | os.PathLike, rollout_id: int, rollout_batch_size: int,
-                       n_samples_per_prompt: int, routed_experts: bool = False) -> list[list[Sample]]:
+                       n_samples_per_prompt: int, routed_experts: bool = False,
+                       reward_key: str | None = None) -> list[list[Sample]]:
     """Step `rollout_id`'s groups from `path` (--load-debug-rollout-data's template, formatted), checked
     against the run's --rollout-batch-size and --n-samples-per-prompt, and, with `routed_experts`
-    (--use-rollout-routing-replay), that every sample holds the engines' routing. Raises DataError
+    (--use-rollout-routing-replay), that every sample holds the engines' routing. `reward_key`
+    (--reward-key): the entry a slime sample's dict reward gives. Raises DataError
     naming the file (and the step, the sample, the field or the flag)."""
     file = Path(path)
     if not file.is_file():
@@ -154,7 +279,7 @@ def read_debug_rollout(path: str | os.PathLike, rollout_id: int, rollout_batch_s
                         f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
                         ) from exc
     where = f"{FLAG} {file} (step {rollout_id})"
-    samples = samples_from_debug_data(payload, where)
+    samples = samples_from_debug_data(payload, where, reward_key)
     if routed_experts:  # without it the trainer would silently route on its own
         lacking = next((i for i, s in enumerate(samples) if s.rollout_routed_experts is None), None)
         if lacking is not None:

@@ -206,7 +206,8 @@ class RolloutManager:
         self._state_before = {step: self.state_dict()}  # nothing is drawn: a checkpoint keeps the position
         roll = self.cfg.rollout
         groups = read_debug_rollout(self.cfg.debug.load_rollout_path(step), step, roll.rollout_batch_size,
-                                    roll.n_samples_per_prompt, self.cfg.trainer.use_rollout_routing_replay)
+                                    roll.n_samples_per_prompt, self.cfg.trainer.use_rollout_routing_replay,
+                                    self.cfg.reward.reward_key)
         await self._put(step, groups, buffer)
         return rollout_metrics(groups) | {"time/rollout_start": start, "time/rollout_end": time.time()}
 

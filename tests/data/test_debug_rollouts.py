@@ -202,3 +202,137 @@ def test_the_command_line_stops_before_anything_starts_on_a_missing_file(tiny_qw
     err = capsys.readouterr().err
     assert f"{FLAG}: no file {tmp_path / 'dump' / 'rollout_0.pt'} for step 0" in err, err
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+# --- files written by slime's own --save-debug-rollout-data ---------------------------------------
+# The payload is slime/observability/rollout_data_utils.py save_debug_rollout_data's
+# {"rollout_id", "samples": [sample.to_dict() ...]} (torch.save); the keys below are those of
+# slime/utils/types.py Sample.to_dict (THUDM/slime 624b824a): the dataclass's __dict__, with `status` as
+# its string value and spec_info / prefix_cache_info as dicts. Written out literally, not by our code.
+
+
+def _slime_dict(index, group, prompt, tokens, response_length, log_probs, loss_mask, reward, status,
+                weight_versions=(), remove_sample=False, routed=None):
+    return {
+        "group_index": group, "index": index, "rollout_id": None, "prompt": prompt, "tokens": tokens,
+        "multimodal_inputs": None, "multimodal_train_inputs": None, "multimodal_train_input_id": None,
+        "apply_chat_template_kwargs": {}, "response": f"text {index}", "response_length": response_length,
+        "label": f"label {group}", "reward": reward, "loss_mask": loss_mask, "weight_versions": list(weight_versions),
+        "rollout_log_probs": log_probs, "rollout_top_p_token_ids": None, "rollout_top_p_token_offsets": None,
+        "rollout_routed_experts": routed, "remove_sample": remove_sample, "teacher_log_probs": None,
+        "status": status, "metadata": {"source": "slime", "n": index}, "generate_function_path": None,
+        "custom_rm_path": None, "train_metadata": None, "session_id": None, "non_generation_time": 0.0,
+        "spec_info": {"spec_accept_token_num": 0, "spec_draft_token_num": 0, "spec_verify_ct": 0,
+                      "completion_token_num": 0},
+        "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": 0},
+    }
+
+
+def _slime_payload():
+    """2 groups of 2 (group numbers 5 and 8), as slime's save_debug_rollout_data writes them."""
+    return {"rollout_id": 3, "samples": [
+        _slime_dict(10, 5, "What is 1+1?", [11, 12, 13, 21, 22], 2, [-0.5, -0.25], None, 1.0, "completed",
+                    weight_versions=["3", "4"]),
+        _slime_dict(11, 5, [{"role": "user", "content": "hi"}], [11, 12, 13, 31, 32, 33], 3, [-1.0, -2.0, 0.0],
+                    [1, 1, 0], 0, "truncated"),
+        _slime_dict(12, 8, "p", [40, 41, 42], 1, [-0.75], [1], -1.0, "aborted", remove_sample=True),
+        _slime_dict(13, 8, "p", [40, 50, 51, 52], 3, [-0.125, -0.375, -0.625], [1, 1, 1], 0.5, "failed",
+                    routed=torch.tensor([[[1], [2]], [[3], [4]], [[5], [6]]], dtype=torch.int32)),
+    ]}
+
+
+def _save_slime(tmp_path, payload, step: int = 3):
+    path = tmp_path / f"{step}.pt"
+    torch.save(payload, path)  # as slime does
+    return path
+
+
+def test_a_rollout_saved_by_slime_reads_back_as_our_samples(tmp_path):
+    path = _save_slime(tmp_path, _slime_payload())
+    back = read_debug_rollout(path, 3, rollout_batch_size=2, n_samples_per_prompt=2)
+    meta = lambda i: {"source": "slime", "n": i}  # noqa: E731
+    assert back == [
+        [Sample(index=10, group_index=5, prompt="What is 1+1?", prompt_ids=[11, 12, 13], label="label 5",
+                metadata=meta(10), response="text 10", response_ids=[21, 22], rollout_logprobs=[-0.5, -0.25],
+                loss_mask=[1, 1], finish_reason="stop", reward=1.0, weight_version="4"),
+         Sample(index=11, group_index=5, prompt='[{"role": "user", "content": "hi"}]', prompt_ids=[11, 12, 13],
+                label="label 5", metadata=meta(11), response="text 11", response_ids=[31, 32, 33],
+                rollout_logprobs=[-1.0, -2.0, 0.0], loss_mask=[1, 1, 0], finish_reason="length", reward=0)],
+        [Sample(index=12, group_index=8, prompt="p", prompt_ids=[40, 41], label="label 8", metadata=meta(12),
+                response="text 12", response_ids=[42], rollout_logprobs=[-0.75], loss_mask=[0],  # remove_sample
+                finish_reason="abort", reward=-1.0),
+         Sample(index=13, group_index=8, prompt="p", prompt_ids=[40], label="label 8", metadata=meta(13),
+                response="text 13", response_ids=[50, 51, 52], rollout_logprobs=[-0.125, -0.375, -0.625],
+                loss_mask=[1, 1, 1], finish_reason="failed", reward=0.5,
+                rollout_routed_experts=[[1, 2], [3, 4], [5, 6]])],
+    ]
+    back[1][1].rollout_routed_experts = None  # the batch wants all samples' routing or none
+    batch = samples_to_batch(back)
+    assert batch["tokens"] == [[11, 12, 13, 21, 22], [11, 12, 13, 31, 32, 33], [40, 41, 42], [40, 50, 51, 52]]
+    assert batch["response_lengths"] == [2, 3, 1, 3] and batch["rewards"] == [1.0, 0.0, -1.0, 0.5]
+    # GRPO, group 5: rewards 1 and 0, mean 1/2, unbiased std sqrt(1/2): advantages +-sqrt(1/2)
+    assert batch["advantages"][:2] == pytest.approx([0.5 ** 0.5, -(0.5 ** 0.5)], rel=1e-5)
+
+
+# (what is done to sample 1's dict, the field named, words of the reason)
+SLIME_MALFORMED = [
+    (_set("reward", {"score": 1.0, "acc": 1}), "reward", "without the --reward-key None entry"),
+    (_set("reward", None), "reward", "expected a number, got NoneType None"),
+    (_set("rollout_log_probs", None), "rollout_log_probs", "None: the run that saved it kept no engine log-probs"),
+    (lambda d: d.pop("rollout_log_probs"), "rollout_log_probs", "missing"),
+    (_set("rollout_log_probs", [-1.0, -2.0]), "rollout_log_probs", "2 values for response_length 3"),
+    (_set("response_length", 4), "rollout_log_probs", "3 values for response_length 4"),
+    (_set("response_length", 6), "response_length", "6, but tokens holds 6 ids"),
+    (_set("response_length", 0), "response_length", "0, but tokens holds 6 ids"),
+    (_set("tokens", []), "response_length", "3, but tokens holds 0 ids"),
+    (_set("loss_mask", [1, 1]), "loss_mask", "2 values for response_length 3"),
+    (_set("status", "pending"), "status", "'pending': expected one of completed, truncated, aborted, failed"),
+    (_set("multimodal_inputs", {"images": ["x"]}), "multimodal_inputs", "not supported"),
+    (_set("group_index", None), "group_index", "expected an int"),
+]
+
+
+@pytest.mark.parametrize("change, field, words", SLIME_MALFORMED,
+                         ids=[f"{m[1]}-{k}" for k, m in enumerate(SLIME_MALFORMED)])
+def test_a_bad_slime_sample_names_the_file_the_sample_and_the_field(tmp_path, change, field, words):
+    payload = _slime_payload()
+    change(payload["samples"][1])
+    path = _save_slime(tmp_path, payload)
+    with pytest.raises(DataError) as err:
+        read_debug_rollout(path, 3, 2, 2)
+    message = str(err.value)
+    assert message.startswith(f"{FLAG} {path} (step 3): sample 1, field {field!r}: ") and words in message, message
+
+
+def test_a_slime_dict_reward_gives_its_reward_key_entry(tmp_path):
+    """slime trains reward[--reward-key] when a reward function returns a dict (Sample.get_reward_value):
+    the replay takes the run's --reward-key entry, and refuses a dict without it or with a non-number."""
+    payload = _slime_payload()
+    payload["samples"][1]["reward"] = {"score": 0.25, "acc": 1}
+    path = _save_slime(tmp_path, payload)
+    back = read_debug_rollout(path, 3, 2, 2, reward_key="score")
+    assert [s.reward for g in back for s in g] == [1.0, 0.25, -1.0, 0.5]
+    assert read_debug_rollout(path, 3, 2, 2, reward_key="acc")[0][1].reward == 1
+    with pytest.raises(DataError, match=r"sample 1, field 'reward': a dict \(keys \['acc', 'score'\]\) without the "
+                                        r"--reward-key 'correct' entry"):
+        read_debug_rollout(path, 3, 2, 2, reward_key="correct")
+    payload["samples"][1]["reward"] = {"score": "high"}
+    path = _save_slime(tmp_path, payload)
+    with pytest.raises(DataError, match=r"sample 1, field 'reward': reward\['score'\] \(--reward-key\): expected a "
+                                        r"number, got str 'high'"):
+        read_debug_rollout(path, 3, 2, 2, reward_key="score")
+
+
+def test_a_file_mixing_slime_and_our_samples_is_refused(tmp_path):
+    payload = _slime_payload()
+    payload["samples"][2] = debug_rollout_data(3, _groups())["samples"][0]
+    path = _save_slime(tmp_path, payload)
+    with pytest.raises(DataError, match=r"\(step 3\): sample 2: written by this project's writer .*, but sample 0 by "
+                                        r"slime's Sample.to_dict .*mixed formats are refused"):
+        read_debug_rollout(path, 3, 2, 2)
+    ours = debug_rollout_data(3, _groups())
+    ours["samples"][4] = _slime_payload()["samples"][0]
+    path = _write(tmp_path, ours)
+    with pytest.raises(DataError, match=r"sample 4: written by slime's Sample.to_dict .*, but sample 0 by this "
+                                        r"project's writer"):
+        read_debug_rollout(path, 3, 2, 3)
