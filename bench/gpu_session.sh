@@ -21,7 +21,8 @@
 #                                           # which engine switch the deterministic engine's outlier
 #                                           # tokens come with (40 steps per variant, all at once)
 #   [STEPS=40] bash bench/gpu_session.sh sync-check   # #18: engine tensors vs the trainer's after every sync
-#   [STEPS=20] bash bench/gpu_session.sh outliers     # #18: the bf16 outlier tokens' place, from slime's debug dumps
+#   [STEPS=20] bash bench/gpu_session.sh outliers     # #18: the bf16 outlier tokens' place, from slime's debug dumps,
+#                                           # and which side is off (a float64 reference of each step's weights)
 #   bash bench/gpu_session.sh decode        # #19: a decode step's kernels (bench/decode_step.py), the engine
 #                                           # with and without --enable-torch-compile, the GPU engine tests
 #                                           # (no wheels, no model; each part under `timeout`: < 9 min)
@@ -186,11 +187,15 @@ case "$1" in
     python3 -m slime_rl.cli train --config configs/smollm2_basic_arithmetic_grpo_1gpu.yaml --hf-checkpoint "$SMOL" \
       --prompt-data /tmp/sync_basic_arithmetic.jsonl --run-dir "$dbg/run" --num-rollout "${STEPS:-20}" \
       --save-debug-rollout-data "$dbg/rollout_{rollout_id}.pt" --save-debug-train-data "$dbg/train_{rollout_id}_{rank}.pt" \
-      $OURS_EXTRA 2>&1 | grep -e "^step" -e "Error" | tail -25
+      --save-hf "$dbg/hf_{rollout_id}" --save-interval 1 $OURS_EXTRA 2>&1 | grep -e "^step" -e "Error" | tail -25
     python3 bench/outlier_tokens.py --rollout "$dbg/rollout_{rollout_id}.pt" --train "$dbg/train_{rollout_id}_{rank}.pt" \
       --out "$OUT/outlier_tokens_basic_arithmetic_${kind}_$day.json" | tail -40
+    # which side is off: both against a float64 forward of the weights each step was generated with (the
+    # weights after step k-1, saved every step above; bench/outlier_reference.py)
+    python3 bench/outlier_reference.py --train "$dbg/train_{rollout_id}_{rank}.pt" --model "$SMOL" \
+      --weights "$dbg/hf_{rollout_id}" --out "$OUT/outlier_reference_basic_arithmetic_${kind}_$day.json" | tail -45
     if find "$dbg" -maxdepth 1 -name '*.pt' | grep -q .; then
-      tar czf "$OUT/outlier_dumps_$day.tgz" -C "$dbg" --exclude=run .
+      tar czf "$OUT/outlier_dumps_$day.tgz" -C "$dbg" --exclude=run --exclude='hf_*' .
     fi ;;
   learn-detached)
     need_model
@@ -225,7 +230,8 @@ case "$1" in
     knobs() { [ "$1" = 16 ] || printf _p%s "$1"; [ "$2" = 0.2 ] || printf _eh%s "$2"; }
     # OURS_FP32=1 / EXTRA_FP32=1: that run of ours on the fp32 recipe (the command line cannot turn the
     # recipe's bf16: true off), e.g. beside TRL_EXTRA=--trl-no-autocast (TRL in fp32)
-    fp32=configs/smollm2_chain_sum_grpo_1gpu_fp32.yaml
+    # FP32_RECIPE: another fp32 recipe (e.g. the same with packing on, to time packed fp32 attention)
+    fp32=${FP32_RECIPE:-configs/smollm2_chain_sum_grpo_1gpu_fp32.yaml}
     ours_cfg=(); [ -z "$OURS_FP32" ] || ours_cfg=(--ours-config "$fp32")
     # IN_ORDER=1: every run reads the training prompts in file order (peer_trl --in-order), so ours and
     # TRL train step k on the same 16 prompts: paired curves
