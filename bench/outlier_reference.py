@@ -21,14 +21,13 @@ cache and kernels.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.outlier_tokens import _files, _load
+from bench.outlier_tokens import _files, _load, report
 
 
 def reference_logprobs(model: torch.nn.Module, tokens: list[int], response_length: int,
@@ -135,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         for o in s["outliers"]:
             print(f"step {s['step']} sample {o['sample']} position {o['position']} of {o['response_length']}: "
                   f"ref {o['reference']:.4f} trainer {o['trainer']:.4f} engine {o['engine']:.4f} -> {o['off']} off")
-    print(json.dumps(result["summary"]))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    report(result, args.out)
     return 0
 
 

@@ -84,6 +84,14 @@ def outlier_tokens(rollout: dict[int, dict], train: dict[int, list[dict]], thres
     return {"summary": summary, "steps": steps, "tokens": tokens}
 
 
+def report(result: dict[str, Any], out: Path | None) -> None:
+    """Print the result's summary as one JSON line; write the whole result to `out` when given."""
+    print(json.dumps(result["summary"]))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rollout", required=True, help="the run's --save-debug-rollout-data template")
@@ -104,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['response_length']} (prompt {t['prompt_length']}, absolute {t['absolute_position']}, "
               f"{t['finish_reason']}), token {t['token']}: trainer {t['trainer']:.4f} engine {t['engine']:.4f} "
               f"gap {t['gap']:.3g}")
-    print(json.dumps(result["summary"]))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    report(result, args.out)
     return 0
 
 
