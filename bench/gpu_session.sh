@@ -23,6 +23,7 @@
 #   [STEPS=40] bash bench/gpu_session.sh sync-check   # #18: engine tensors vs the trainer's after every sync
 #   [STEPS=20] bash bench/gpu_session.sh outliers     # #18: the bf16 outlier tokens' place, from slime's debug dumps,
 #                                           # and which side is off (a float64 reference of each step's weights)
+#   [STEPS=25] bash bench/gpu_session.sh layouts      # the fp32 recipe's train phase, packed vs right-padded
 #   bash bench/gpu_session.sh decode        # #19: a decode step's kernels (bench/decode_step.py), the engine
 #                                           # with and without --enable-torch-compile, the GPU engine tests
 #                                           # (no wheels, no model; each part under `timeout`: < 9 min)
@@ -197,6 +198,29 @@ case "$1" in
     if find "$dbg" -maxdepth 1 -name '*.pt' | grep -q .; then
       tar czf "$OUT/outlier_dumps_$day.tgz" -C "$dbg" --exclude=run --exclude='hf_*' .
     fi ;;
+  layouts)
+    # the fp32 recipe's micro-batch layout, alone on the GPU: packed (THD; without the fp32 varlen kernel the
+    # pack runs padded in one SDPA call) against right-padded (the recipe's no-pack-sequences), and the bf16
+    # recipe (packed, varlen flash) for scale; STEPS (25) of chain_sum each, one after the other; prints
+    # each run's mean train phase after 5 warm-up steps and the ratios
+    need_model
+    python3 tools/make_reasoning_gym_data.py --task chain_sum --n 2000 --seed 0 --out /tmp/layouts_chain_sum.jsonl
+    sed '/no-pack-sequences/d' configs/smollm2_chain_sum_grpo_1gpu_fp32.yaml > /tmp/fp32_packed.yaml
+    for v in fp32_padded:configs/smollm2_chain_sum_grpo_1gpu_fp32.yaml fp32_packed:/tmp/fp32_packed.yaml \
+             bf16_packed:configs/smollm2_chain_sum_grpo_1gpu.yaml; do
+      CUDA_VISIBLE_DEVICES=0 python3 bench/peer_trl.py --skip-trl --model "$SMOL" --task chain_sum \
+        --data /tmp/layouts_chain_sum.jsonl --prompts 16 --group 8 --max-new-tokens 64 --steps "${STEPS:-25}" \
+        --warmup 5 --lr 5e-6 --ours-config "${v#*:}" --out "$OUT/layouts_${v%%:*}_${kind}_$day.json" \
+        > "$OUT/layouts_${v%%:*}_${kind}_$day.log" 2>&1 || tail -5 "$OUT/layouts_${v%%:*}_${kind}_$day.log"
+    done
+    python3 - "$OUT" "$kind" "$day" <<'PY'
+import json, sys
+out, kind, day = sys.argv[1:]
+t = {v: json.load(open(f"{out}/layouts_{v}_{kind}_{day}.json"))["ours_train_s"] for v in ("fp32_padded", "fp32_packed", "bf16_packed")}
+print({v: round(x, 3) for v, x in t.items()})
+print(f"fp32 packed / fp32 padded: {t['fp32_packed'] / t['fp32_padded']:.2f}; fp32 padded / bf16 packed: {t['fp32_padded'] / t['bf16_packed']:.2f}")
+PY
+    ;;
   learn-detached)
     need_model
     rm -rf /tmp/learn_out && mkdir -p /tmp/learn_out
