@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,14 +105,8 @@ def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]
     dataset = Dataset.from_list([{"prompt": r["input"], "label": r["label"], "rg_meta": json.dumps(r[METADATA_KEY])}
                                  for r in rows])
     rewards: list[float] = []
-
-    def reward_fn(completions, label, rg_meta, **kwargs) -> list[float]:
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        scores = [shared_reward(t, lab, json.loads(m), i)
-                  for i, (t, lab, m) in enumerate(zip(texts, label, rg_meta, strict=True))]
-        rewards.append(statistics.fmean(scores))
-        return scores
-
+    lengths: list[float] = []
+    reward_fn = trl_reward(rewards, lengths)
     steps: list[dict] = []
 
     class StepTimer(TrainerCallback):
@@ -122,6 +117,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]
             steps.append({"step": state.global_step - 1, "step_s": time.perf_counter() - self.start})
             if progress is not None:  # the reward of this step was recorded by its generation batch
                 record = steps[-1] | ({"reward_mean": rewards[len(steps) - 1]} if len(rewards) >= len(steps) else {})
+                record |= {"response_len_mean": lengths[len(steps) - 1]} if len(lengths) >= len(steps) else {}
                 with progress.open("a") as f:
                     f.write(json.dumps(record) + "\n")
 
@@ -149,7 +145,25 @@ def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]
     trainer.train()
     for record, reward in zip(steps, rewards, strict=False):
         record["reward_mean"] = reward
+    for record, length in zip(steps, lengths, strict=False):
+        record["response_len_mean"] = length
     return steps
+
+
+def trl_reward(rewards: list[float], lengths: list[float]) -> Callable[..., list[float]]:
+    """TRL's reward function: reasoning-gym's verifier on each completion (shared_reward), appending each
+    generation batch's mean reward to `rewards` and, from the completion ids TRL passes its reward
+    functions, its mean completion length in tokens to `lengths`."""
+    def reward_fn(completions, label, rg_meta, completion_ids=None, **kwargs) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scores = [shared_reward(t, lab, json.loads(m), i)
+                  for i, (t, lab, m) in enumerate(zip(texts, label, rg_meta, strict=True))]
+        rewards.append(statistics.fmean(scores))
+        if completion_ids is not None:
+            lengths.append(statistics.fmean(len(ids) for ids in completion_ids))
+        return scores
+
+    return reward_fn
 
 
 def scored_reward_mean(row: dict[str, Any]) -> float:
@@ -301,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
                    "ours_logprob_abs_diff": [r.get("train/rollout_logprob_abs_diff") for r in metrics],
                    "ours_logprob_abs_diff_max": [r.get("train/rollout_logprob_abs_diff_max") for r in metrics],
                    "ours_reward_kept": [r["rollout/reward_mean"] for r in metrics],
-                   "ours_prompts_drawn": [r.get("rollout/prompts_drawn") for r in metrics]}
+                   "ours_prompts_drawn": [r.get("rollout/prompts_drawn") for r in metrics],
+                   "ours_response_len": [r.get("rollout/response_len_mean") for r in metrics]}
     if not args.skip_trl:
         steps_file = out_dir / f"{stem}_trl_steps.jsonl"
         steps_file.unlink(missing_ok=True)
@@ -309,7 +324,8 @@ def main(argv: list[str] | None = None) -> None:
         steps_file.write_text("".join(json.dumps(s) + "\n" for s in trl_steps))
         trl_rewards = [s.get("reward_mean") for s in trl_steps]
         result |= {"trl_step_s": mean_after([s["step_s"] for s in trl_steps], args.warmup),
-                   "trl_step_s_series": [s["step_s"] for s in trl_steps], "trl_reward": trl_rewards}
+                   "trl_step_s_series": [s["step_s"] for s in trl_steps], "trl_reward": trl_rewards,
+                   "trl_response_len": [s.get("response_len_mean") for s in trl_steps]}
     if "ours_step_s" in result and "trl_step_s" in result:
         result["ratio"] = result["trl_step_s"] / result["ours_step_s"]
     args.out.write_text(json.dumps(result, indent=2))
