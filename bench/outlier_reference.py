@@ -21,7 +21,6 @@ cache and kernels.
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +100,13 @@ def run(train_template: str, model_dir: str, weights_template: str | None, tempe
               f"{result['engine_max']:.3g}; outliers {len(result['outliers'])} "
               f"(engine off {sum(o['off'] == 'engine' for o in result['outliers'])})", flush=True)
     outliers = [dict(o, step=s["step"]) for s in steps for o in s["outliers"]]
+    n = sum(s["trained_tokens"] for s in steps)
     summary = {
         "threshold": threshold, "dtype": str(dtype), "steps": len(steps), "steps_skipped": skipped,
-        "trained_tokens": sum(s["trained_tokens"] for s in steps),
-        "trainer_mean": statistics.fmean(s["trainer_mean"] for s in steps) if steps else None,
-        "engine_mean": statistics.fmean(s["engine_mean"] for s in steps) if steps else None,
+        "trained_tokens": n,
+        # over every trained token of every step (each step's mean weighted by its tokens)
+        "trainer_mean": sum(s["trainer_mean"] * s["trained_tokens"] for s in steps) / n if n else None,
+        "engine_mean": sum(s["engine_mean"] * s["trained_tokens"] for s in steps) / n if n else None,
         "trainer_max": max((s["trainer_max"] for s in steps), default=None),
         "engine_max": max((s["engine_max"] for s in steps), default=None),
         "tokens_trainer_over_threshold": sum(s["trainer_over"] for s in steps),
