@@ -7,4 +7,6 @@ bash launch/setup.sh
 PY=${VENV:-.venv}/bin/python
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 "$PY" -m ruff check slime_rl tools tests bench
-exec "$PY" -m pytest -q -p no:cacheprovider "$@"
+# --only-gpu-skips: a skipped test that is not marked gpu fails the run, its reason printed (a real part
+# that is not installed must not pass unseen); --durations=30: where the time went, every run
+exec "$PY" -m pytest -q -p no:cacheprovider --only-gpu-skips --durations=30 "$@"

@@ -59,6 +59,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--only-gpu-skips", action="store_true",
+                     help="fail the run when a test that is not marked `gpu` is skipped (launch/test.sh sets it: "
+                          "a real part that is not installed must not pass CI unseen)")
+
+
+_SKIPPED: list[tuple[str, str]] = []  # (test id, reason) of the skips that are not a gpu-marked test's
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+def pytest_collectreport(report):
+    if report.skipped:  # a module-level importorskip / skip: every test in it is gone
+        _SKIPPED.append((report.nodeid, _skip_reason(report)))
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and "gpu" not in report.keywords and not hasattr(report, "wasxfail"):
+        _SKIPPED.append((report.nodeid, _skip_reason(report)))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not session.config.getoption("--only-gpu-skips") or not _SKIPPED:
+        return
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"{len(_SKIPPED)} skip(s) of tests not marked gpu (--only-gpu-skips): install what they need "
+             "(bash launch/setup.sh) or mark them gpu"] + [f"  {nodeid}: {reason}" for nodeid, reason in _SKIPPED]
+    if tr is not None:
+        tr.write_line("")
+        for line in lines:
+            tr.write_line(line, red=True)
+    if session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
