@@ -53,6 +53,43 @@ def tiny_llama(tmp_path_factory) -> Path:
     return _load_tool("make_tiny_model").make_tiny_model(out, arch="llama", seed=1)
 
 
+# Logical CPU slots of the test Ray: the largest plan of the suite (PPO: two policy ranks, two critic ranks
+# and an engine) with room to spare. Ray counts slots; the machine's cores run what they hold.
+RAY_TEST_CPUS = 8
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for every test of this pytest process that asks for it (started by the first,
+    stopped when the session ends): a Ray start is 4-5 s on 2 cores. The driver's log_to_driver=True, as
+    `train` starts it, so actors' lines ("[router] ...", "[engine 0] ...") reach the test's output."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=RAY_TEST_CPUS, include_dashboard=False, log_to_driver=True)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _placement_groups_removed(request):
+    """A test that leaves a placement group behind fails (Cluster.shutdown must remove its own); the group
+    is removed so that it cannot starve the later tests sharing the Ray session of CPU slots."""
+    yield
+    if "ray" not in __import__("sys").modules:
+        return
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    left = [pg_id for pg_id, row in placement_group_table().items() if row["state"] != "REMOVED"]
+    for pg_id in left:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+    assert not left, f"{request.node.nodeid} left {len(left)} placement group(s) in the shared Ray session"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

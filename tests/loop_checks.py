@@ -8,19 +8,6 @@ import pytest
 from slime_rl.engines.client import EngineClient
 
 
-def ray_session_fixture(num_cpus: int = 4):
-    """A module-scoped fixture `ray_session`: one local Ray instance for the module's tests.
-    Use as `ray_session = ray_session_fixture(4)` at module level."""
-    @pytest.fixture(scope="module")
-    def ray_session():
-        import ray
-
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-        yield
-        ray.shutdown()
-    return ray_session
-
-
 def digit_data_fixture(n: int, seed: int):
     """A module-scoped fixture `digit_data`: a jsonl of `n` copy-a-digit prompts (quickstart task)."""
     @pytest.fixture(scope="module")

@@ -30,6 +30,12 @@ from slime_rl.engines.cli_args import (
     sglang_server_table,
 )
 
+# The built-in engine's key may come from the environment instead of --api-key: a process's argv is
+# readable by every user of the node (ps, /proc/<pid>/cmdline), its environment only by its owner.
+API_KEY_ENV = "SLIME_RL_ENGINE_API_KEY"
+# default of its --debug-routing-select-round (tests and measurements only); the driver passes it on
+ROUTING_SELECT_ROUND_ENV = "SLIME_RL_DEBUG_ROUTING_SELECT_ROUND"
+
 # ServerArgs dests the launcher computes -> what sets them (named in the error for a pass-through)
 SGLANG_OWNED = {
     "model_path": "--hf-checkpoint",

@@ -17,8 +17,13 @@ import ray
 
 from slime_rl.config import Config
 from slime_rl.config.seeds import engine_seed, run_seed
-from slime_rl.engines.embedded.cli import API_KEY_ENV, ROUTING_SELECT_ROUND_ENV
-from slime_rl.engines.launch import embedded_command, sglang_command, wait_healthy
+from slime_rl.engines.launch import (
+    API_KEY_ENV,
+    ROUTING_SELECT_ROUND_ENV,
+    embedded_command,
+    sglang_command,
+    wait_healthy,
+)
 from slime_rl.orchestration.placement import EngineSlot
 
 

@@ -25,9 +25,8 @@ from slime_rl.config import build_config
 from slime_rl.engines.client import EngineClient
 from slime_rl.train import RunFailed, preflight, train
 from tests.e2e.test_fault import KEY, argv
-from tests.loop_checks import digit_data_fixture, ray_session_fixture
+from tests.loop_checks import digit_data_fixture
 
-ray_session = ray_session_fixture(4)
 digit_data = digit_data_fixture(16, seed=11)
 BUCKET = 1024  # --update-weight-buffer-size: the tiny model's 314 KB go in about 300 buckets
 

@@ -13,9 +13,8 @@ from slime_rl.engines.client import EngineClient, EngineError
 from slime_rl.observability import REQUIRED_KEYS
 from slime_rl.train import preflight, train
 from tests.e2e.test_loop import argv
-from tests.loop_checks import digit_data_fixture, ray_session_fixture
+from tests.loop_checks import digit_data_fixture
 
-ray_session = ray_session_fixture(4)  # 2 colocated bundles of 2 CPU slots (a trainer rank + an engine)
 digit_data = digit_data_fixture(64, seed=4)
 COLOCATE = ["--colocate", "--rollout-num-gpus", "2"]  # 2 engines on the 2 trainer ranks' bundles (TP 2)
 

@@ -15,9 +15,8 @@ import torch
 from slime_rl.config import build_config
 from slime_rl.train import preflight, train
 from tests.e2e.test_loop import argv
-from tests.loop_checks import digit_data_fixture, ray_session_fixture
+from tests.loop_checks import digit_data_fixture
 
-ray_session = ray_session_fixture(4)
 digit_data = digit_data_fixture(32, seed=1)
 
 STEPS, DP = 2, 2

@@ -20,9 +20,8 @@ import ray
 from slime_rl.config import build_config
 from slime_rl.train import RunFailed, preflight, train
 from tests.e2e.test_fault import KEY, PROMPTS, N, argv, dumped_ids, wait_running
-from tests.loop_checks import digit_data_fixture, ray_session_fixture
+from tests.loop_checks import digit_data_fixture
 
-ray_session = ray_session_fixture(4)
 digit_data = digit_data_fixture(16, seed=5)
 
 

@@ -23,13 +23,12 @@ import ray
 from slime_rl.config import build_config
 from slime_rl.engines.client import EngineClient
 from slime_rl.train import RunFailed, preflight, train
-from tests.loop_checks import digit_data_fixture, ray_session_fixture
+from tests.loop_checks import digit_data_fixture
 
 KEY = "fault-test-secret"
 PROMPTS, N = 8, 4
 
 
-ray_session = ray_session_fixture(4)
 
 
 digit_data = digit_data_fixture(64, seed=3)

@@ -12,9 +12,7 @@ from safetensors.torch import load_file
 from slime_rl.config import build_config
 from slime_rl.observability import REQUIRED_KEYS
 from slime_rl.train import preflight, train
-from tests.loop_checks import digit_data_fixture, one_step_then_compare_weights, ray_session_fixture
-
-ray_session = ray_session_fixture(4)
+from tests.loop_checks import digit_data_fixture, one_step_then_compare_weights
 
 
 def argv(model, data, run_dir, steps):

@@ -11,9 +11,8 @@ from safetensors.torch import load_file
 from slime_rl.config import build_config
 from slime_rl.engines.client import EngineClient
 from slime_rl.train import preflight
-from tests.loop_checks import digit_data_fixture, ray_session_fixture
+from tests.loop_checks import digit_data_fixture
 
-ray_session = ray_session_fixture(4)
 digit_data = digit_data_fixture(64, seed=1)
 
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 import pytest
 
 from slime_rl.config import build_config
-from slime_rl.engines.embedded.cli import ROUTING_SELECT_ROUND_ENV
+from slime_rl.engines.launch import ROUTING_SELECT_ROUND_ENV
 from slime_rl.train import preflight
-from tests.loop_checks import digit_data_fixture, ray_session_fixture
+from tests.loop_checks import digit_data_fixture
 
-ray_session = ray_session_fixture(2)
 digit_data = digit_data_fixture(64, seed=1)
 
 

@@ -13,9 +13,7 @@ from safetensors.torch import load_file
 from slime_rl.config import build_config
 from slime_rl.data.vl_counting import make_rows, write_jsonl
 from slime_rl.train import preflight, train
-from tests.loop_checks import one_step_then_compare_weights, ray_session_fixture
-
-ray_session = ray_session_fixture(4)
+from tests.loop_checks import one_step_then_compare_weights
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,8 @@ from slime_rl.config import build_config
 from slime_rl.data.vl_counting import make_rows, write_jsonl
 from slime_rl.train import preflight, train
 from tests.config.test_easyr1_config import write_config
-from tests.loop_checks import digit_data_fixture, ray_session_fixture
+from tests.loop_checks import digit_data_fixture
 
-ray_session = ray_session_fixture(4)
 digit_data = digit_data_fixture(64, seed=4)
 
 

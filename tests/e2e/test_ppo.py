@@ -13,14 +13,13 @@ import pytest
 from slime_rl.config import build_config
 from slime_rl.observability import REQUIRED_KEYS
 from slime_rl.train import dry_run, preflight, train
-from tests.loop_checks import digit_data_fixture, ray_session_fixture
+from tests.loop_checks import digit_data_fixture
 
 PPO_KEYS = {"train/value_loss", "train/explained_variance", "critic/value_mean", "critic/grad_norm",
             "critic/value_clipfrac", "critic/lr", "train/pg_loss", "train/pg_clipfrac", "train/advantage_mean",
             "train/advantage_std"}
 
 
-ray_session = ray_session_fixture(6)
 
 
 digit_data = digit_data_fixture(64, seed=1)

@@ -22,11 +22,9 @@ from slime_rl.data import write_records
 from slime_rl.engines.client import EngineClient
 from slime_rl.train import preflight
 from tests.conftest import ROOT
-from tests.loop_checks import ray_session_fixture
 
 pytest.importorskip("reasoning_gym")
 
-ray_session = ray_session_fixture(4)
 KEY = "real-model-key"
 
 

@@ -6,7 +6,6 @@ tests/trainer/test_save_hf.py; here the wiring through flags, train.py, the clus
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file
 
@@ -19,15 +18,11 @@ digit_data = digit_data_fixture(32, seed=1)
 
 
 @pytest.mark.slow
-def test_save_hf_every_interval(tiny_qwen2, digit_data, tmp_path):
+def test_save_hf_every_interval(ray_session, tiny_qwen2, digit_data, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        rows = train(*preflight(build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
-            "--save-hf", str(tmp_path / "hf" / "step_{rollout_id}"), "--save-interval", "1"])))
-    finally:
-        ray.shutdown()
+    rows = train(*preflight(build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
+        "--save-hf", str(tmp_path / "hf" / "step_{rollout_id}"), "--save-interval", "1"])))
     assert [r["step"] for r in rows] == [0, 1] and "perf/save_s" in rows[0]
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["step_0", "step_1"]
     source = load_file(tiny_qwen2 / "model.safetensors")

@@ -11,9 +11,8 @@ import pytest
 from slime_rl.config import build_config
 from slime_rl.train import preflight, train
 from tests.e2e.test_loop import argv
-from tests.loop_checks import digit_data_fixture, ray_session_fixture
+from tests.loop_checks import digit_data_fixture
 
-ray_session = ray_session_fixture(4)
 digit_data = digit_data_fixture(64, seed=1)
 
 # wall-clock figures differ between any two runs; so does the engine's log-prob of a token in the last

@@ -10,10 +10,8 @@ from slime_rl.orchestration.failures import EngineFailure, describe, is_out_of_m
 
 
 @pytest.fixture(scope="module")
-def ray_one_cpu():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_one_cpu(ray_session):
+    """The shared test Ray session (tests/conftest.py)."""
 
 
 def raised_in_ray(fn) -> BaseException:

@@ -41,23 +41,21 @@ def test_timeout_names_who_joined_and_what_to_run():
     assert "NODE_RANK=<1..2> bash launch/ray_multi_node.sh" in text and "NODE_WAIT_TIMEOUT" in text
 
 
-def test_against_a_local_ray_head():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        address = ray.get_runtime_context().gcs_address
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+def test_against_a_local_ray_head(ray_session):
+    """The shared test Ray session is the head the subprocess joins."""
+    import ray
 
-        def wait(n: int) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "slime_rl.orchestration.nodes", "--address", address,
-                                   "--nodes", str(n), "--timeout", "1", "--poll", "0.2"],
-                                  capture_output=True, text=True, env=env, timeout=300)
+    address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
 
-        short = wait(2)
-        assert short.returncode == 1, short.stderr
-        assert f"1 of 2 Ray nodes joined the head at {address} within 1 s" in short.stderr
-        enough = wait(1)
-        assert enough.returncode == 0, enough.stderr
-        assert "1 Ray nodes joined" in enough.stdout
-    finally:
-        ray.shutdown()
+    def wait(n: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "slime_rl.orchestration.nodes", "--address", address,
+                               "--nodes", str(n), "--timeout", "1", "--poll", "0.2"],
+                              capture_output=True, text=True, env=env, timeout=300)
+
+    short = wait(2)
+    assert short.returncode == 1, short.stderr
+    assert f"1 of 2 Ray nodes joined the head at {address} within 1 s" in short.stderr
+    enough = wait(1)
+    assert enough.returncode == 0, enough.stderr
+    assert "1 Ray nodes joined" in enough.stdout

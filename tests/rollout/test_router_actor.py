@@ -18,7 +18,7 @@ pytest.importorskip("sglang_router.launch_router", reason="sglang-router is not 
 KEY = "router-actor-key"
 
 
-def test_router_actor_starts_routes_logs_and_stops(tiny_qwen2, tmp_path, capfd):
+def test_router_actor_starts_routes_logs_and_stops(ray_session, tiny_qwen2, tmp_path, capfd):
     from slime_rl.orchestration.router import start_router
 
     data = tmp_path / "d.jsonl"
@@ -27,7 +27,6 @@ def test_router_actor_starts_routes_logs_and_stops(tiny_qwen2, tmp_path, capfd):
                         "--num-rollout", "1", "--rm-type", "digit", "--use-sglang-router",
                         "--router-policy", "round_robin", "--router-log-level", "info"])
     servers = [start_server(tiny_qwen2, random_seed=k, api_key=KEY) for k in range(2)]
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=True)
     try:
         actor, url = start_router(cfg, [s.url for s in servers], KEY, timeout=60)
         before = [s.engine.stats["requests_finished"] for s in servers]
@@ -46,6 +45,5 @@ def test_router_actor_starts_routes_logs_and_stops(tiny_qwen2, tmp_path, capfd):
             out += capfd.readouterr().out
         assert any("[router]" in line and "/generate" in line for line in out.splitlines()), out[-2000:]
     finally:
-        ray.shutdown()
         for s in servers:
             s.shutdown()

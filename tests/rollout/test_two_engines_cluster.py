@@ -12,12 +12,11 @@ import pytest
 from slime_rl.config import build_config
 from slime_rl.engines.client import EngineClient
 from slime_rl.train import preflight
-from tests.loop_checks import digit_data_fixture, one_step_then_compare_weights, ray_session_fixture
+from tests.loop_checks import digit_data_fixture, one_step_then_compare_weights
 
 KEY = "two-engines-secret"
 
 
-ray_session = ray_session_fixture(4)
 
 
 digit_data = digit_data_fixture(32, seed=3)

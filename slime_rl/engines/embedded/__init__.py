@@ -5,9 +5,8 @@ batch and its KV cache), `slots` and `graphs` (the static per-slot KV cache and 
 replayed from CUDA graphs, the default on CUDA), `engine` (the scheduler thread: continuous
 batching, abort, pause, weight locks), `protocol` (the /generate wire format), `weights`
 (weight-sync endpoints), `server` (HTTP), `cli` (`main(argv)`, the command line, with flags named
-as SGLang's ServerArgs).
+as SGLang's ServerArgs; `python -m slime_rl.engines.embedded` runs it).
+
+The package imports nothing itself: the engine actor that only builds the command line
+(`orchestration.engines`) must not pay for torch and transformers, which only the server process needs.
 """
-
-from slime_rl.engines.embedded.cli import main
-
-__all__ = ["main"]

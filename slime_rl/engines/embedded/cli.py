@@ -18,12 +18,7 @@ import sys
 import threading
 
 from slime_rl.engines.embedded.server import EmbeddedServer, ServerConfig
-
-# The key may come from the environment instead of --api-key: a process's argv is readable by every
-# user of the node (ps, /proc/<pid>/cmdline), its environment only by its owner.
-API_KEY_ENV = "SLIME_RL_ENGINE_API_KEY"
-# default of --debug-routing-select-round (tests and measurements only); the driver passes it on
-ROUTING_SELECT_ROUND_ENV = "SLIME_RL_DEBUG_ROUTING_SELECT_ROUND"
+from slime_rl.engines.launch import API_KEY_ENV, ROUTING_SELECT_ROUND_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
