@@ -80,7 +80,8 @@ def main() -> None:
 
     shape = model_shape(read_hf_config(ckpt))
     # k/v are expanded to the query heads when torch's varlen attention has no GQA (attention.py)
-    lay = TrainerLayout(bf16=cuda, tokens_per_micro_batch=a.tokens_per_mb, gqa_expanded=not attention._VARLEN_GQA,
+    flash = attention.varlen()
+    lay = TrainerLayout(bf16=cuda, tokens_per_micro_batch=a.tokens_per_mb, gqa_expanded=not (flash and flash[2]),
                         **recompute)
     est = estimate_memory(shape, lay)
     result = {"shape": a.shape, "tokens_per_mb": a.tokens_per_mb, "sample_len": a.sample_len, "mbs": a.mbs,

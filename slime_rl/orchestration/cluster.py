@@ -83,7 +83,11 @@ class Cluster:
             urls.append(f"http://{host}:{port}")
             targets.append(EngineTarget(urls[-1], slot.rank_offset, self.api_key))
             started.append(actor.start.remote(cmd, urls[-1], env=engine_env(self.cfg, self.api_key)))
-        # trainer ranks build Megatron while the engines load
+        # the rollout side (its imports, tokenizer, prompt data, reward function) and the trainer ranks
+        # (Megatron) build while the engines load; the router, started once they are healthy, is
+        # handed to the RolloutManager then
+        self.buffer = Buffer.remote()
+        self.rollout_manager = RolloutManager.remote(self.cfg, urls, self.api_key)
         self.trainers = RankGroup(self.cfg, self.pg, self.plan.trainer_bundles, self.plan.use_gpu,
                                   num_gpus=self.plan.actor_gpu)
         critic_world = self.cfg.critic.world_size if self.cfg.critic else 0
@@ -100,8 +104,7 @@ class Cluster:
             from slime_rl.orchestration.router import start_router
 
             self.router, self.router_url = start_router(self.cfg, urls, self.api_key)
-        self.buffer = Buffer.remote()
-        self.rollout_manager = RolloutManager.remote(self.cfg, urls, self.api_key, self.router_url)
+            ray.get(self.rollout_manager.use_router.remote(self.router_url))
         self.targets = targets
         if self.train_only:  # --load-debug-rollout-data: the plan holds no engine, the trainer sends no weights
             assert not self.plan.engines, "a train-only plan holds no engine"

@@ -155,6 +155,11 @@ class RolloutManager:
         self.next_index = 0
         self.next_group = 0
 
+    def use_router(self, router_url: str) -> None:
+        """--use-sglang-router: from now on /generate goes through the router at `router_url` (the
+        Cluster starts it once the engines are healthy, after this actor was built)."""
+        self.router_url = router_url
+
     def _clients(self, live_only: bool = False) -> list[AsyncEngineClient]:
         urls = [url for k, url in enumerate(self.engine_urls) if not (live_only and k in self.dead)]
         if self.router_url is not None:  # /generate through the router, control calls to every engine

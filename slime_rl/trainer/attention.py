@@ -29,11 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-try:  # torch >= 2.11: variable-length flash attention (CUDA only)
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # pragma: no cover - depends on the torch build
-    _varlen_attn = None
-
 from slime_rl.trainer.context_parallel import all_gather_seq, local_positions
 from slime_rl.trainer.mcore import MegatronModule, ProcessGroupCollection
 
@@ -68,17 +63,19 @@ def padded_causal(sdpa: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k
     return sdpa(pad(q), pad(k), pad(v)).transpose(1, 2)[row, col]
 
 
-def _varlen_params() -> set[str]:
-    return set(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else set()
-
-
-def _varlen_causal_kwargs() -> dict:
-    # torch 2.11 spells causality `is_causal=True`; later versions a (left, right) window
-    return {"is_causal": True} if "is_causal" in _varlen_params() else {"window_size": (-1, 0)}
-
-
-# torch 2.11's varlen_attn has no enable_gqa (seen on the H200 machines): expand k/v heads there
-_VARLEN_GQA = "enable_gqa" in _varlen_params()
+@functools.cache
+def varlen() -> tuple[Callable, dict, bool] | None:
+    """torch's variable-length flash attention (torch >= 2.11, CUDA only), how it is called causally
+    (torch 2.11 spells it `is_causal=True`, later versions a (left, right) window) and whether it takes
+    `enable_gqa` (torch 2.11's has none, seen on the H200 machines: k/v heads are expanded there).
+    Imported on first use: its module imports torch._dynamo, ~0.5 s of CPU in every rank start."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # pragma: no cover - depends on the torch build
+        return None
+    params = set(inspect.signature(varlen_attn).parameters)
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return varlen_attn, causal, "enable_gqa" in params
 
 
 class SDPACoreAttention(MegatronModule):
@@ -99,7 +96,6 @@ class SDPACoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self._varlen_kwargs = _varlen_causal_kwargs()
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """q [b, np, s, hn], k/v [b, ng, s, hn] -> [b, np, s, hn]; causal unless a mask is given."""
@@ -117,16 +113,17 @@ class SDPACoreAttention(MegatronModule):
         cu_q = packed_seq_params.cu_seqlens_q
         cu_k = packed_seq_params.cu_seqlens_kv if packed_seq_params.cu_seqlens_kv is not None else cu_q
         assert torch.equal(cu_q, cu_k), "self-attention packs need cu_seqlens_q == cu_seqlens_kv"
-        if (_varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-                and self.dropout_p == 0.0):
+        flash = varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and self.dropout_p == 0.0 else None
+        if flash is not None:
+            varlen_attn, causal, takes_gqa = flash
             gqa = self.heads != self.groups
-            kwargs = dict(self._varlen_kwargs)
-            if gqa and _VARLEN_GQA:
+            kwargs = dict(causal)
+            if gqa and takes_gqa:
                 kwargs["enable_gqa"] = True
             elif gqa:  # [t, ng, hn] -> [t, np, hn]: query head i reads kv head i // (np / ng)
                 k = k.repeat_interleave(self.heads // self.groups, dim=1)
                 v = v.repeat_interleave(self.heads // self.groups, dim=1)
-            return _varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32),
+            return varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32),
                                 int(packed_seq_params.max_seqlen_q), int(packed_seq_params.max_seqlen_kv),
                                 scale=self.softmax_scale, **kwargs)
         # tokens past cu[-1] (pack padding) attend causally among themselves, their outputs are never read

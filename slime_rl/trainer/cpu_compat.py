@@ -245,6 +245,33 @@ def stub_paged_stash_if_no_triton() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def eager_jit_fuser():
+    """While megatron is first imported on CPU, `torch.compile` is an identity decorator.
+
+    megatron-core's `jit_fuser` is `torch.compile` (megatron/core/jit.py, bound when that module is
+    imported) and decorates fused activations, norms and router helpers at import time. Decorating
+    alone imports torch._dynamo and torch._inductor, ~1.5-2.7 s of CPU in every rank process, and a
+    decorated function that runs on CPU is traced and compiled by inductor on its first call. On CPU
+    the trainer runs them eagerly: `jit_fuser` keeps the identity for the life of the process, and
+    torch.compile is itself again once the block ends. A no-op when CUDA is available or megatron's
+    jit module is already imported (its `jit_fuser` is bound then).
+    """
+    if torch.cuda.is_available() or "megatron.core.jit" in sys.modules:
+        yield
+        return
+    compile_fn = torch.compile
+
+    def identity(model: Any = None, **_: Any) -> Any:
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = identity
+    try:
+        yield
+    finally:
+        torch.compile = compile_fn
+
+
 PATCHES = {
     "paged_stash": stub_paged_stash_if_no_triton,
     "rng": patch_rng,

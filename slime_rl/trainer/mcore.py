@@ -2,7 +2,8 @@
 
 Importing this module first runs the part of the CPU compatibility layer (cpu_compat.py) that
 must precede any megatron import: the stub for the one megatron module that imports triton
-unconditionally (a no-op when triton is installed or CUDA is available). The rest of the layer
+unconditionally (a no-op when triton is installed or CUDA is available), and on CPU megatron's
+`jit_fuser` bound to no compile (`cpu_compat.eager_jit_fuser`). The rest of the layer
 changes global torch state and is applied by `parallel.init_parallel` when a rank starts on CPU,
 and per thread by `on_rank_thread` below.
 
@@ -23,8 +24,10 @@ from slime_rl.trainer import cpu_compat
 
 cpu_compat.apply(only=("paged_stash",))  # before the first megatron import (no-op on GPU / with triton)
 
-# the imports below must follow the stub above
+# the imports below must follow the stub above, and on CPU bind megatron's jit_fuser to no compile
 # ruff: noqa: E402, I001
+with cpu_compat.eager_jit_fuser():
+    import megatron.core.jit  # noqa: F401
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory

@@ -80,3 +80,42 @@ def test_on_rank_thread_gives_another_thread_the_device_mode(report):
     r = report["on_rank_thread"]
     assert r["plain_error"] is not None  # the mode pushed on the main thread does not reach others
     assert r["generator"] == r["decorated"] == "cpu"
+
+
+IMPORT_PROBE = """
+import json, sys
+import torch
+compile_fn = torch.compile
+import slime_rl.trainer.worker  # noqa: F401  (megatron through trainer/mcore.py)
+import megatron.core.jit as jit
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu
+x = torch.randn(3, 8, dtype=torch.float64)
+b = torch.randn(8, dtype=torch.float64)
+y1, y2 = torch.chunk(x + b, 2, -1)
+expected = torch.nn.functional.silu(y1) * y2  # swiglu of the biased input, by hand
+print(json.dumps({"dynamo": "torch._dynamo" in sys.modules, "inductor": "torch._inductor" in sys.modules,
+                  "jit_fuser_is_compile": jit.jit_fuser is compile_fn, "compile_restored": torch.compile is compile_fn,
+                  "swiglu_eager_exact": bool(torch.equal(bias_swiglu(x, b), expected)),
+                  "swiglu_is_plain_function": type(bias_swiglu).__name__ == "function"}))
+"""
+
+
+def test_megatron_jit_fuser_is_eager_on_cpu_and_torch_compile_is_untouched():
+    """A rank process imports megatron without torch._dynamo / torch._inductor (1.5-2.7 s of CPU each):
+    megatron's jit_fuser is bound to no compile, its fused functions run eagerly (a megatron fused swiglu
+    equals the formula by hand, bit for bit), and torch.compile is torch's own again afterwards."""
+    out = subprocess.run([sys.executable, "-c", IMPORT_PROBE], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r == {"dynamo": False, "inductor": False, "jit_fuser_is_compile": False, "compile_restored": True,
+                 "swiglu_eager_exact": True, "swiglu_is_plain_function": True}
+
+
+def test_the_engine_actor_module_does_not_import_torch():
+    """The engine actor only builds and runs the engine's command line: its module must not pay for torch
+    and transformers (the server process imports them)."""
+    code = "import sys, slime_rl.orchestration.engines; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "False"]
