@@ -12,7 +12,7 @@ import pytest
 from slime_rl.config import build_config
 from slime_rl.observability import REQUIRED_KEYS
 from slime_rl.train import preflight, train
-from tests.e2e.test_loop import argv, digit_data, ray_session  # noqa: F401 (fixtures)
+from tests.e2e.test_loop import argv, digit_data  # noqa: F401 (fixtures)
 
 CP2 = ["--tensor-model-parallel-size", "1", "--context-parallel-size", "2"]
 
