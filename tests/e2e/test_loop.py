@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from slime_rl.config import build_config
@@ -27,11 +28,13 @@ digit_data = digit_data_fixture(64, seed=1)
 
 
 @pytest.mark.slow
-def test_two_steps_write_metrics_and_logprobs_agree(ray_session, tiny_qwen2, digit_data, tmp_path):
+def test_two_steps_write_metrics_logprobs_agree_and_save_hf(ray_session, tiny_qwen2, digit_data, tmp_path):
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
-        "--use-wandb", "--wandb-mode", "offline", "--use-tensorboard", "--use-swanlab", "--swanlab-mode", "offline"])
+        "--use-wandb", "--wandb-mode", "offline", "--use-tensorboard", "--use-swanlab", "--swanlab-mode", "offline",
+        "--save-hf", str(tmp_path / "hf" / "step_{rollout_id}"), "--save-interval", "1"])
     rows = train(*preflight(cfg))
     check_logging_backends(tmp_path / "run", rows)
+    check_hf_folders(tiny_qwen2, tmp_path / "hf", rows)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1] and lines == rows
     for row in lines:
@@ -45,6 +48,25 @@ def test_two_steps_write_metrics_and_logprobs_agree(ray_session, tiny_qwen2, dig
     # step 1 generated with the broadcast weights of step 0's update
     assert lines[1]["train/rollout_logprob_abs_diff"] <= 1e-2
     assert lines[1]["perf/weight_sync_GBps"] > 0
+
+
+def check_hf_folders(source_ckpt, hf_dir, rows):
+    """--save-hf with --save-interval 1 and no --save: one HF folder per step, named from the {rollout_id}
+    template, each a checkpoint transformers loads. The trainer-level equality (folder == the trainer's
+    gathered weights, PP=2) is in tests/trainer/test_save_hf.py; here the wiring through flags, train.py,
+    the cluster and the actors."""
+    from transformers import AutoModelForCausalLM
+
+    assert "perf/save_s" in rows[0]
+    assert sorted(p.name for p in hf_dir.iterdir()) == ["step_0", "step_1"]
+    source = load_file(source_ckpt / "model.safetensors")
+    saved = [load_file(hf_dir / f"step_{i}" / "model.safetensors") for i in (0, 1)]
+    for s in saved:
+        assert set(s) == set(source)
+    if any(r["train/grad_norm"] > 0 for r in rows):  # an update happened: the folders track it
+        assert any(not torch.equal(saved[1][n], t) for n, t in source.items())
+    model = AutoModelForCausalLM.from_pretrained(hf_dir / "step_1", dtype=torch.float32)
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in saved[1].items())
 
 
 def check_logging_backends(run_dir, rows):
