@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 from pathlib import Path
@@ -102,7 +103,9 @@ def pytest_addoption(parser):
                           "a real part that is not installed must not pass CI unseen)")
 
 
-_SKIPPED: list[tuple[str, str]] = []  # (test id, reason) of the skips that are not a gpu-marked test's
+# test id -> reason, of the skips that are not a gpu-marked test's (under pytest-xdist each worker sends its
+# own to the controller, pytest_testnodedown; the controller also sees the workers' test reports)
+_SKIPPED: dict[str, str] = {}
 
 
 def _skip_reason(report) -> str:
@@ -112,20 +115,30 @@ def _skip_reason(report) -> str:
 
 def pytest_collectreport(report):
     if report.skipped:  # a module-level importorskip / skip: every test in it is gone
-        _SKIPPED.append((report.nodeid, _skip_reason(report)))
+        _SKIPPED[report.nodeid] = _skip_reason(report)
 
 
 def pytest_runtest_logreport(report):
     if report.skipped and "gpu" not in report.keywords and not hasattr(report, "wasxfail"):
-        _SKIPPED.append((report.nodeid, _skip_reason(report)))
+        _SKIPPED[report.nodeid] = _skip_reason(report)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist, on the controller: a worker's skips (its collection's among them)."""
+    _SKIPPED.update(json.loads(getattr(node, "workeroutput", {}).get("non_gpu_skips", "{}")))
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: the controller decides
+        session.config.workeroutput["non_gpu_skips"] = json.dumps(_SKIPPED)
+        return
     if not session.config.getoption("--only-gpu-skips") or not _SKIPPED:
         return
     tr = session.config.pluginmanager.get_plugin("terminalreporter")
     lines = [f"{len(_SKIPPED)} skip(s) of tests not marked gpu (--only-gpu-skips): install what they need "
-             "(bash launch/setup.sh) or mark them gpu"] + [f"  {nodeid}: {reason}" for nodeid, reason in _SKIPPED]
+             "(bash launch/setup.sh) or mark them gpu"]
+    lines += [f"  {nodeid}: {reason}" for nodeid, reason in _SKIPPED.items()]
     if tr is not None:
         tr.write_line("")
         for line in lines:
@@ -135,6 +148,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
+    # pytest-xdist (--dist loadgroup, launch/test.sh): a module's tests run on one worker, so its
+    # module-scoped servers and runs are built once; the trainer's on one worker, since its session-scoped
+    # scenario runs serve several modules
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("trainer" if module.startswith("tests/trainer/") else module))
     import torch
 
     if torch.cuda.is_available():
