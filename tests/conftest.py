@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import socket
 from pathlib import Path
@@ -103,9 +102,7 @@ def pytest_addoption(parser):
                           "a real part that is not installed must not pass CI unseen)")
 
 
-# test id -> reason, of the skips that are not a gpu-marked test's (under pytest-xdist each worker sends its
-# own to the controller, pytest_testnodedown; the controller also sees the workers' test reports)
-_SKIPPED: dict[str, str] = {}
+_SKIPPED: dict[str, str] = {}  # test id -> reason, of the skips that are not a gpu-marked test's
 
 
 def _skip_reason(report) -> str:
@@ -123,16 +120,7 @@ def pytest_runtest_logreport(report):
         _SKIPPED[report.nodeid] = _skip_reason(report)
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    """pytest-xdist, on the controller: a worker's skips (its collection's among them)."""
-    _SKIPPED.update(json.loads(getattr(node, "workeroutput", {}).get("non_gpu_skips", "{}")))
-
-
 def pytest_sessionfinish(session, exitstatus):
-    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: the controller decides
-        session.config.workeroutput["non_gpu_skips"] = json.dumps(_SKIPPED)
-        return
     if not session.config.getoption("--only-gpu-skips") or not _SKIPPED:
         return
     tr = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -148,12 +136,6 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
-    # pytest-xdist (--dist loadgroup, launch/test.sh): a module's tests run on one worker, so its
-    # module-scoped servers and runs are built once; the trainer's on one worker, since its session-scoped
-    # scenario runs serve several modules
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("trainer" if module.startswith("tests/trainer/") else module))
     import torch
 
     if torch.cuda.is_available():
