@@ -15,19 +15,40 @@ modules (convert/, checkpoint_layout.py, hf_files.py, launch_env.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from slime_rl.trainer import cpu_compat
 
 cpu_compat.apply(only=("paged_stash",))  # before the first megatron import (no-op on GPU / with triton)
 
-# the imports below must follow the stub above, and on CPU bind megatron's jit_fuser to no compile
+
+@contextlib.contextmanager
+def _without(*modules: str) -> Iterator[None]:
+    """While megatron.core is first imported, `import` of these modules fails (those not yet imported).
+
+    megatron.core.timers imports wandb and torch.utils.tensorboard, each in a try block, for a timers
+    writer that the trainer never passes: 0.5-1 s of every rank's start, and a trainer rank logs nothing
+    itself (the driver writes metrics.jsonl and the backends). Afterwards they import as usual."""
+    absent = [m for m in modules if m not in sys.modules]
+    for m in absent:
+        sys.modules[m] = None  # the import system raises ImportError for a None entry
+    try:
+        yield
+    finally:
+        for m in absent:
+            if m in sys.modules and sys.modules[m] is None:
+                del sys.modules[m]
+
+
+# the imports below must follow the stub above; on CPU megatron's jit_fuser is bound to no compile
 # ruff: noqa: E402, I001
-with cpu_compat.eager_jit_fuser():
-    import megatron.core.jit  # noqa: F401
+with cpu_compat.eager_jit_fuser(), _without("wandb", "torch.utils.tensorboard"):
+    import megatron.core.jit  # noqa: F401  (imports megatron.core, timers among it)
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory

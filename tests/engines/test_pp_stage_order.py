@@ -54,7 +54,7 @@ def test_pp2_stages_at_once_deadlock_on_the_engine_lock(tiny_qwen2):
         else:
             pytest.fail("the scenario's engines did not start")
         with pytest.raises(subprocess.TimeoutExpired):
-            proc.wait(timeout=20)  # the serialized run takes about 2 s of delays plus the sends
+            proc.wait(timeout=10)  # the serialized run takes about 2 s of delays plus the sends
     finally:
         proc.kill()
         out = proc.communicate()[0]
