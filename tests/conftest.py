@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,7 @@ def _placement_groups_removed(request):
     """A test that leaves a placement group behind fails (Cluster.shutdown must remove its own); the group
     is removed so that it cannot starve the later tests sharing the Ray session of CPU slots."""
     yield
-    if "ray" not in __import__("sys").modules:
+    if "ray" not in sys.modules:
         return
     import ray
 

@@ -134,11 +134,10 @@ MAX_EPOCHS_PER_ROLLOUT = 3
 
 @ray.remote(num_cpus=0)
 class RolloutManager:
-    def __init__(self, cfg: Config, engine_urls: list[str], api_key: str | None = None,
-                 router_url: str | None = None) -> None:
+    def __init__(self, cfg: Config, engine_urls: list[str], api_key: str | None = None) -> None:
         self.cfg = cfg
         self.engine_urls = engine_urls
-        self.router_url = router_url  # --use-sglang-router: /generate goes through it
+        self.router_url: str | None = None  # --use-sglang-router: /generate goes through it (use_router)
         self.api_key = api_key
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
