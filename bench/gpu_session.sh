@@ -62,17 +62,23 @@ case "$1" in
     # every part under its own time limit: a compile that runs long must not eat the call (a whole-step
     # torch.compile once took a 600 s call and most of a session's device time); SIGINT so that
     # the benches' `finally` stops the engine processes they started
-    timeout -s INT -k 10 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engines/test_embedded_attention.py \
-      tests/engines/test_gpu_engine.py -k "attention or scores or matches_eager" 2>&1 | tail -3 \
+    # DECODE_TESTS: which GPU engine tests run first (pytest -k; '' runs none)
+    k=${DECODE_TESTS-attention or scores or matches_eager}
+    [ -z "$k" ] || timeout -s INT -k 10 180 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/engines/test_embedded_attention.py tests/engines/test_gpu_engine.py -k "$k" 2>&1 | tail -3 \
       | tee "$OUT/gpu_decode_tests_$day.txt"
-    timeout -s INT -k 10 150 python3 bench/decode_step.py --variants "${VARIANTS:-engine,compiled}" \
-      --iters 30 --out "$OUT/decode_step_1.5b_$day.json" 2>&1 | grep -e "^bs" -e "^  " -e "^{" | tail -40
+    # SKIP_DECODE_STEP=1: only the engine runs below
+    [ -n "$SKIP_DECODE_STEP" ] || timeout -s INT -k 10 150 python3 bench/decode_step.py \
+      --variants "${VARIANTS:-engine,compiled}" --iters 30 --out "$OUT/decode_step_1.5b_$day.json" 2>&1 \
+      | grep -e "^bs" -e "^  " -e "^{" | tail -40
     # THROUGHPUT (default "compiled eager"): which engine_throughput runs, in that order; "deterministic":
-    # --enable-deterministic-inference (flash decode over a time-major slot cache), no compile
+    # --enable-deterministic-inference (flash decode over a time-major slot cache), no compile;
+    # "det_compiled": both (the 1-GPU recipes' engine); "default": neither (CUDA graphs, the default path)
     for c in ${THROUGHPUT:-compiled eager}; do
       case "$c" in compiled) flag=--enable-torch-compile ;; deterministic) flag=--enable-deterministic-inference ;;
+        det_compiled) flag="--enable-deterministic-inference --enable-torch-compile" ;;
         *) flag= ;; esac
-      timeout -s INT -k 10 "$([ "$c" = compiled ] && echo 170 || echo 110)" python3 bench/engine_throughput.py --shape 1.5b \
+      timeout -s INT -k 10 "$(case "$c" in *compiled) echo 170 ;; *) echo 110 ;; esac)" python3 bench/engine_throughput.py --shape 1.5b \
         --prompts 64 --prompt-len 128 --new-tokens 256 --decode-batches 64,256 --skip-eager --skip-hf $flag \
         --out "$OUT/engine_throughput_1.5b_${c}_$day.json" 2>&1 \
         | grep -e "^engine" -e "^decode" -e "^prefill" -e "^device"
@@ -219,6 +225,82 @@ out, kind, day = sys.argv[1:]
 t = {v: json.load(open(f"{out}/layouts_{v}_{kind}_{day}.json"))["ours_train_s"] for v in ("fp32_padded", "fp32_packed", "bf16_packed")}
 print({v: round(x, 3) for v, x in t.items()})
 print(f"fp32 packed / fp32 padded: {t['fp32_packed'] / t['fp32_padded']:.2f}; fp32 padded / bf16 packed: {t['fp32_padded'] / t['bf16_packed']:.2f}")
+PY
+    ;;
+  recipe-detached)
+    # #47 item 1: the shipped 1-GPU recipes against TRL (bench/recipe_pair.py: 2 tasks x SEEDS, all runs
+    # at once, held-out evals), under setsid so that it outlives this call; collect-recipe waits for it
+    need_model
+    rm -rf /tmp/recipe_out /tmp/recipe_pair && mkdir -p /tmp/recipe_out
+    OUT=/tmp/recipe_out setsid nohup python3 bench/recipe_pair.py --model "$SMOL" --steps "${STEPS:-150}" \
+      --seeds ${SEEDS:-1234 1} --work /tmp/recipe_pair --out "/tmp/recipe_out/recipe_pair_${kind}_$day.json" \
+      > /tmp/recipe_out/recipe_pair.log 2>&1 < /dev/null &
+    sleep 20; echo "recipe_pair started in its own session"; tail -3 /tmp/recipe_out/recipe_pair.log
+    ls /tmp/recipe_pair ;;
+  collect-recipe)
+    # waits (<= WAIT s) for recipe-detached, then brings back its summary, its log and one archive of
+    # the runs' results and logs (no weights); a progress line per run while it still runs
+    waited=0
+    while pgrep -f "bench/recipe_pair.py" > /dev/null && [ "$waited" -lt "${WAIT:-560}" ]; do
+      sleep 10; waited=$((waited + 10))
+    done
+    pgrep -f "bench/recipe_pair.py" > /dev/null && echo "recipe_pair still running after $waited s" || echo "recipe_pair done"
+    for f in /tmp/recipe_pair/*_trl_steps.partial.jsonl /tmp/recipe_pair/*_ours_run/metrics.jsonl; do
+      [ -f "$f" ] && echo "$f: $(wc -l < "$f") steps"
+    done
+    cp /tmp/recipe_out/* "$OUT/" 2>/dev/null
+    tar czf "$OUT/recipe_pair_runs_${kind}_$day.tgz" -C /tmp/recipe_pair --exclude='*_hf' --exclude='*.safetensors' \
+      --exclude='*.pt' --exclude='*.distcp' --exclude='*.bin' --exclude='checkpoints' . && ls -la "$OUT"
+    tail -14 /tmp/recipe_out/recipe_pair.log ;;
+  trl-best)
+    # #47 item 2: TRL 1.16 at its fastest without vLLM against the shipped recipe, 64 x 8 x <= 128 on chain_sum,
+    # one side at a time on the idle GPU. First TRL's settings (bf16 weights with each of: model.generate,
+    # a micro-batch of 256, a static cache, transformers' continuous batching) for PROBE_STEPS (4) steps
+    # each; then REPEATS (3) pairs of ours (the chain_sum recipe as shipped) and TRL's fastest
+    need_model
+    python3 tools/make_reasoning_gym_data.py --task chain_sum --n 5000 --seed 0 --out /tmp/speed_chain_sum.jsonl
+    base=(--model "$SMOL" --task chain_sum --data /tmp/speed_chain_sum.jsonl --prompts 64 --group 8 --max-new-tokens 128)
+    best=; best_s=
+    for v in "generate=--trl-dtype bf16" "micro256=--trl-dtype bf16 --trl-micro-batch 256" \
+             "static=--trl-dtype bf16 --trl-cache-implementation static" "cb=--trl-dtype bf16 --trl-continuous-batching"; do
+      name=${v%%=*}; flags=${v#*=}
+      timeout -s INT -k 10 150 python3 bench/peer_trl.py --skip-ours "${base[@]}" --steps "${PROBE_STEPS:-4}" --warmup 1 \
+        $flags --out "$OUT/trl_probe_${name}_$day.json" > "/tmp/trl_probe_$name.log" 2>&1 \
+        || { echo "probe $name failed:"; tail -3 "/tmp/trl_probe_$name.log"; continue; }
+      t=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['trl_step_s'])" "$OUT/trl_probe_${name}_$day.json")
+      echo "probe $name: $t s per step"
+      if [ -z "$best_s" ] || python3 -c "import sys; sys.exit(not float(sys.argv[1]) < float(sys.argv[2]))" "$t" "$best_s"; then
+        best=$flags; best_s=$t
+      fi
+    done
+    echo "TRL's fastest: $best ($best_s s)"
+    for r in $(seq 1 "${REPEATS:-3}"); do
+      python3 bench/peer_trl.py --skip-trl "${base[@]}" --steps 10 --warmup 3 \
+        --ours-config configs/smollm2_chain_sum_grpo_1gpu.yaml --out "/tmp/speed_ours_$r.json" > "/tmp/speed_ours_$r.log" 2>&1 \
+        || tail -5 "/tmp/speed_ours_$r.log"
+      python3 bench/peer_trl.py --skip-ours "${base[@]}" --steps 8 --warmup 2 $best --out "/tmp/speed_trl_$r.json" \
+        > "/tmp/speed_trl_$r.log" 2>&1 || tail -5 "/tmp/speed_trl_$r.log"
+    done
+    python3 - "$OUT/trl_best_pairs_${kind}_$day.json" "$best" "${REPEATS:-3}" <<'PY'
+import json, statistics, sys
+out, best, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+pairs = []
+for r in range(1, n + 1):
+    try:
+        o, t = json.load(open(f"/tmp/speed_ours_{r}.json")), json.load(open(f"/tmp/speed_trl_{r}.json"))
+    except FileNotFoundError as e:
+        print("missing", e.filename); continue
+    pairs.append({"ours_step_s": o["ours_step_s"], "ours_rollout_s": o["ours_rollout_s"], "ours_train_s": o["ours_train_s"],
+                  "ours_step_s_series": o["ours_step_s_series"], "trl_step_s": t["trl_step_s"],
+                  "trl_step_s_series": t["trl_step_s_series"], "ratio": t["trl_step_s"] / o["ours_step_s"]})
+ratios = [p["ratio"] for p in pairs]
+summary = {"trl_flags": best, "pairs": pairs, "ratio_mean": statistics.fmean(ratios) if ratios else None,
+           "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None)}
+json.dump(summary, open(out, "w"), indent=1)
+for p in pairs:
+    print(f"ours {p['ours_step_s']:.3f} s (rollout {p['ours_rollout_s']:.3f}, train {p['ours_train_s']:.3f}), "
+          f"TRL {p['trl_step_s']:.3f} s: TRL/ours {p['ratio']:.2f}")
+print("TRL/ours over the pairs:", {k: round(v, 2) for k, v in summary.items() if k.startswith("ratio_") and v})
 PY
     ;;
   learn-detached)

@@ -134,7 +134,9 @@ def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]
         loss_type="dapo", scale_rewards="group", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
         max_grad_norm=1.0, max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none",
         shuffle_dataset=not args.in_order,
-        bf16=not cpu and not args.trl_no_autocast, use_cpu=cpu, seed=args.seed, use_vllm=False)
+        bf16=not cpu and not args.trl_no_autocast, use_cpu=cpu, seed=args.seed, use_vllm=False,
+        cache_implementation=args.trl_cache_implementation,
+        use_transformers_continuous_batching=args.trl_continuous_batching)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     # fp32 weights + bf16 autocast (the HF Trainer's mixed precision) by default, like our fp32 main
     # params: pure bf16 weights would round away AdamW updates of lr ~5e-6 and barely learn
@@ -143,6 +145,9 @@ def run_trl(args: argparse.Namespace, model_dir: Path, rows: list[dict[str, Any]
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=config, train_dataset=dataset,
                           processing_class=tok, callbacks=[StepTimer()])
     trainer.train()
+    if args.trl_save is not None:
+        trainer.save_model(str(args.trl_save))
+        tok.save_pretrained(str(args.trl_save))
     for record, reward in zip(steps, rewards, strict=False):
         record["reward_mean"] = reward
     for record, length in zip(steps, lengths, strict=False):
@@ -264,6 +269,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="TRL without bf16 autocast on the GPU (GRPOConfig bf16=False; with --trl-dtype fp32: all "
                          "fp32). Its bf16-autocast run on basic_arithmetic went NaN (grad_norm nan, then a "
                          "sampling assert) at step 44 of one seed and 51 of another (session 13)")
+    ap.add_argument("--trl-cache-implementation", default=None,
+                    help="TRL GRPOConfig cache_implementation for HF generate (e.g. static; TRL passes "
+                         "disable_compile=True to generate, so a static cache runs uncompiled)")
+    ap.add_argument("--trl-continuous-batching", action="store_true",
+                    help="TRL GRPOConfig use_transformers_continuous_batching: transformers' paged, "
+                         "continuously batched generate instead of model.generate")
+    ap.add_argument("--trl-save", type=Path, default=None,
+                    help="save TRL's trained model here (an HF folder, for tools/eval_greedy.py)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
