@@ -74,7 +74,6 @@ class OptimizerConfig:
     min_lr: float = default_of("--min-lr")
     lr_decay_style: str = default_of("--lr-decay-style")
     lr_warmup_iters: int = default_of("--lr-warmup-iters")
-    lr_warmup_fraction: float | None = default_of("--lr-warmup-fraction")
     lr_decay_iters: int | None = default_of("--lr-decay-iters")
     lr_warmup_fraction: float | None = default_of("--lr-warmup-fraction")  # excludes lr_warmup_iters > 0
     weight_decay: float = default_of("--weight-decay")

@@ -104,9 +104,9 @@ class MegatronRank:
                          moe_token_dispatcher_type=moe_token_dispatcher_type, moe_grouped_gemm=moe_grouped_gemm)
         check_mode(loss_agg_mode, loss_agg_max_len)
         self.loss_agg_mode, self.loss_agg_max_len = loss_agg_mode, loss_agg_max_len
-        # --lr-warmup-fraction: Megatron's, a fraction of the decay steps
-        warmup = optim.lr_warmup_iters if optim.lr_warmup_fraction is None else \
-            int(optim.lr_warmup_fraction * (optim.lr_decay_iters or train_iters))
+        # the scheduler's warm-up (OptimizerConfig.warmup_steps: --lr-warmup-iters, or Megatron's
+        # --lr-warmup-fraction of the decay steps, a float as Megatron passes it)
+        warmup = optim.warmup_steps(optim.lr_decay_iters or train_iters)
         if train_iters < 1 or train_iters <= warmup:
             raise ValueError(f"train_iters={train_iters} must be >= 1 and > the warmup steps {warmup} "
                              f"(--lr-warmup-iters / --lr-warmup-fraction)")
