@@ -29,6 +29,7 @@ from slime_rl.engines.launch import check_engine_config
 from slime_rl.observability import MetricsLogger, StepClock, Timer, summary_line
 from slime_rl.orchestration.placement import PlacementPlan, assign_devices, plan_placement
 from slime_rl.rewards import RewardError, reward_fn_from_config
+from slime_rl.rewards.builtin import REWARDS
 from slime_rl.rewards.labels import label_problem
 from slime_rl.rollout.custom import load_filter, load_generate_function
 
@@ -87,8 +88,8 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
         check_replay_files(cfg)  # after --num-epoch became a number of steps
     args = slime_args(cfg)  # what slime-style extension functions get first
     reward_fn_from_config(cfg.reward, args=args)
-    if dataset is not None and cfg.reward.rm_type == "reasoning_gym" and cfg.reward.custom_rm_path is None:
-        check_reasoning_gym_rows(cfg.data.prompt_data, dataset)
+    if dataset is not None and cfg.reward.custom_rm_path is None:
+        check_reward_rows(cfg.reward.rm_type, cfg.data.prompt_data, dataset)
     # extension points load here, so a bad dotted path fails before any actor starts
     load_generate_function(cfg.rollout.custom_generate_function_path, args)
     load_filter(cfg.rollout.dynamic_sampling_filter_path, args, cfg.rollout.dynamic_sampling_filter_kwargs)
@@ -154,15 +155,17 @@ def token_limit(cfg: Config, max_response_len: int, flag: str = "--rollout-max-r
     return TokenLimit(context, max_response_len, source)
 
 
-def check_reasoning_gym_rows(where: object, dataset: PromptDataset) -> None:
-    """--rm-type reasoning_gym: every row names a reasoning-gym task and has a label, checked now
-    rather than as reward failures in the middle of step 0."""
-    from slime_rl.rewards.reasoning_gym import ReasoningGymLabelError, check_labels
-
+def check_reward_rows(rm_type: str | None, where: object, dataset: PromptDataset) -> None:
+    """What a built-in reward needs of all rows at once (its RewardSpec's `rows_check`; reasoning_gym:
+    every row names a reasoning-gym task and has a label), checked now rather than as reward failures in
+    the middle of step 0."""
+    spec = REWARDS.get(rm_type) if rm_type is not None else None
+    if spec is None or spec.rows_check is None:
+        return
     try:
-        check_labels([r.metadata for r in dataset.rows], [r.label for r in dataset.rows])
-    except ReasoningGymLabelError as exc:
-        raise DataError(f"{where} (--rm-type reasoning_gym): {exc}") from exc
+        spec.rows_check([r.metadata for r in dataset.rows], [r.label for r in dataset.rows])
+    except ValueError as exc:
+        raise DataError(f"{where} (--rm-type {rm_type}): {exc}") from exc
 
 
 def check_model_features(cfg: Config) -> None:

@@ -43,6 +43,9 @@ KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 # the one definition of the loss-aggregation modes; their math is slime_rl.algo.aggregate's
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ROLLOUT_BACKENDS = ("embedded", "sglang")
+# the built-in --rm-type names, in the help's order; each is a RewardSpec in rewards/builtin.py REWARDS
+# (which refuses to import unless it names these), plus remote_rm (needs --rm-url)
+REWARD_TYPES = ("digit", "math", "format", "dapo", "f1", "math_format", "reasoning_gym", "deepscaler")
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "EMBEDDED_SGLANG_ARGS", "FLAGS", "KL_LOSS_TYPES", "LOSS_AGG_MODES",
            "LR_DECAY_STYLES", "OWN_SGLANG_FLAGS", "ROLLOUT_BACKENDS", "ROUTER_PREFIX", "SGLANG_PREFIX", "Flag",
@@ -388,7 +391,7 @@ FLAGS: tuple[Flag, ...] = (
         Flag('--update-weights-interval', 'weight_sync.update_weights_interval', default=1, type=_positive_int,
              help='broadcast weights to the engines every N steps'),
         Flag('--rm-type', 'reward.rm_type',
-             help='built-in reward: digit, math, format, dapo, f1, math_format, reasoning_gym, deepscaler, remote_rm'),
+             help=f"built-in reward: {', '.join(REWARD_TYPES)}, remote_rm"),
         Flag('--rm-url', 'reward.rm_url', help='remote reward model (POST prompt/response/label/metadata)'),
         Flag('--reward-key', 'reward.reward_key', default='score', help="the score's key when a reward returns a dict"),
         Flag('--rm-timeout', 'reward.rm_timeout_s', default=30.0, type=float, help='seconds per remote reward call'),

@@ -12,6 +12,9 @@ dict whose "score" is the reward (its other numeric keys are logged as metrics).
 | `reasoning_gym` | reasoning-gym's own `score_answer` for the row's task (see `rewards.reasoning_gym`); logs `acc` |
 | `deepscaler` | slime's `deepscaler` rule: 1 when the `\boxed{}` answer after `</think>` equals the label, else 0 |
 
+Each is one `RewardSpec` in `REWARDS` (its function and what it needs of a row's label); adding one
+touches this file and `config.flags.REWARD_TYPES` (the flag's help).
+
 `remote_rm` (an HTTP reward model at `--rm-url`) is not here: it needs a URL, so
 `make_reward_fn` builds it (see `slime_rl.rewards.remote`).
 """
@@ -22,9 +25,14 @@ import re
 import string
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
+from slime_rl.config.flags import REWARD_TYPES
 from slime_rl.data import Sample
+from slime_rl.rewards.labels import LabelCheck, digit_label_problem, f1_label_problem, math_label_problem
 from slime_rl.rewards.math_grader import answer_region, is_equivalent, last_boxed
+from slime_rl.rewards.reasoning_gym import check_labels as check_reasoning_gym_labels
 from slime_rl.rewards.reasoning_gym import reasoning_gym_reward
 
 _DIGIT = re.compile(r"\d")
@@ -141,13 +149,34 @@ def math_format_reward(sample: Sample) -> dict[str, float]:
     return {"score": 0.9 * acc + 0.1 * fmt, "acc": acc, "format": fmt}
 
 
-BUILTIN: dict[str, Callable[[Sample], float | dict[str, float]]] = {
-    "digit": digit_reward,
-    "math": math_reward,
-    "dapo": dapo_reward,
-    "format": format_reward,
-    "f1": f1_reward,
-    "math_format": math_format_reward,
-    "reasoning_gym": reasoning_gym_reward,
-    "deepscaler": deepscaler_reward,
+@dataclass(frozen=True)
+class RewardSpec:
+    """One built-in `--rm-type`: its function, and what it needs of the data, checked when the data is
+    loaded (before any actor starts) so that a row it cannot score is a data error, not a reward of 0.
+
+    - `label_check`: one row's label -> what is wrong with it, or None (`rewards.labels`); None when the
+      reward reads no label or checks its labels itself.
+    - `rows_check`: every row at once, `(metadata_rows, labels)`, raising ValueError with the reason
+      (reasoning_gym: each row names a task of the installed reasoning-gym, and has a label).
+    """
+
+    fn: Callable[[Sample], float | dict[str, float]]
+    label_check: LabelCheck | None = None
+    rows_check: Callable[[list[dict[str, Any]], list[Any]], None] | None = None
+
+
+# in --rm-type's help order (config.flags.REWARD_TYPES names them, checked below)
+REWARDS: dict[str, RewardSpec] = {
+    "digit": RewardSpec(digit_reward, digit_label_problem),
+    "math": RewardSpec(math_reward, math_label_problem),
+    "format": RewardSpec(format_reward),
+    "dapo": RewardSpec(dapo_reward, math_label_problem),
+    "f1": RewardSpec(f1_reward, f1_label_problem),
+    "math_format": RewardSpec(math_format_reward, math_label_problem),
+    "reasoning_gym": RewardSpec(reasoning_gym_reward, rows_check=check_reasoning_gym_labels),
+    "deepscaler": RewardSpec(deepscaler_reward, math_label_problem),
 }
+if tuple(REWARDS) != REWARD_TYPES:  # the flag's help and its choices come from config's list
+    raise ImportError(f"rewards.builtin.REWARDS {tuple(REWARDS)} and config.flags.REWARD_TYPES {REWARD_TYPES} "
+                      "must name the same reward types in the same order")
+BUILTIN: dict[str, Callable[[Sample], float | dict[str, float]]] = {name: s.fn for name, s in REWARDS.items()}

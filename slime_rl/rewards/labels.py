@@ -2,10 +2,11 @@
 
 A label of the wrong type does not raise in the reward: `math` scores a `null` label 0 for every
 response, `digit` compares `str(label)` with one digit (so `12`, `[1]` or `null` never match), so
-such rows would train on a reward that is always 0. `label_problem(rm_type)` returns the check
-(label -> what is wrong, or None) that `PromptDataset(label_check=...)` runs on every row; None for
-rewards that read no label (`format`) or whose labels are free-form (`remote_rm`, `--custom-rm-path`;
-`reasoning_gym` has its own check, `rewards.reasoning_gym.check_labels`).
+such rows would train on a reward that is always 0. Each reward's `RewardSpec` (`rewards.builtin`)
+names its check; `label_problem(rm_type)` returns it (label -> what is wrong, or None) for
+`PromptDataset(label_check=...)` to run on every row; None for rewards that read no label (`format`) or
+whose labels are free-form (`remote_rm`, `--custom-rm-path`; `reasoning_gym` checks all rows at once,
+its spec's `rows_check`).
 
 | rm type                       | label                                                        |
 |-------------------------------|--------------------------------------------------------------|
@@ -65,19 +66,11 @@ def f1_label_problem(label: Any) -> str | None:
     return None if problem is None else f"{problem}, or a list of them (--rm-type f1)"
 
 
-CHECKS: dict[str, LabelCheck] = {
-    "digit": digit_label_problem,
-    "math": math_label_problem,
-    "dapo": math_label_problem,
-    "deepscaler": math_label_problem,
-    "math_format": math_label_problem,
-    "f1": f1_label_problem,
-}
-
-
 def label_problem(rm_type: str | None, custom_rm_path: str | None = None) -> LabelCheck | None:
-    """The label check of a built-in reward; None when a custom reward decides (`--custom-rm-path`)
-    or the reward reads no label / checks its own."""
-    if custom_rm_path is not None or rm_type is None:
+    """The label check of a built-in reward (`rewards.builtin.REWARDS`); None when a custom reward decides
+    (`--custom-rm-path`) or the reward reads no label / checks its own."""
+    from slime_rl.rewards.builtin import REWARDS  # builtin imports this module's checks
+
+    if custom_rm_path is not None or rm_type is None or rm_type not in REWARDS:
         return None
-    return CHECKS.get(rm_type)
+    return REWARDS[rm_type].label_check
