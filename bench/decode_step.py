@@ -14,7 +14,7 @@ graph. For each attention variant (registered in place of the engine's decode at
   the Gumbel-max argmax) on [B, V], eager and as --enable-torch-compile runs it (compiled.py);
 - roofline_ms: bytes of weights + KV over `--context` columns / a device-to-device copy's bandwidth.
 
-Variants: `fp32_copy` (session 6's attention: q and the cached keys converted to fp32 each step),
+Variants: `fp32_copy` (the attention of 2026-12-01: q and the cached keys converted to fp32 each step),
 `bf16` (bf16 scores: the island off), `engine` (the engine's attention as it is now), `sdpa_gqa`
 (torch's scaled_dot_product_attention with enable_gqa and the boolean mask), `sdpa_grouped` (the
 same without enable_gqa, each KV head's G query heads as G query positions), `compiled` (the

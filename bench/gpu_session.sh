@@ -15,7 +15,7 @@
 #                                           # pass one call's time limit); then, in the next call:
 #   WAIT=560 bash bench/gpu_session.sh collect     # waits for it (<= WAIT s), copies its results to $OUT
 #                                           # (at once: a machine idle for 30 s is given back, and the
-#                                           # detached run with it; session 11 lost one so)
+#                                           # detached run with it; one was lost so on 2026-12-02)
 #   bash bench/gpu_session.sh numerics      # engine-vs-trainer log-prob gap on the engine's own decode path
 #   [VARIANTS="name=flags;..."] bash bench/gpu_session.sh gap-bisect
 #                                           # which engine switch the deterministic engine's outlier
@@ -60,7 +60,7 @@ case "$1" in
       | grep -v Warning | tail -30 | tee "$OUT/profile_engine_1.5b_1xH200_$day.txt" ;;
   decode)
     # every part under its own time limit: a compile that runs long must not eat the call (a whole-step
-    # torch.compile once took a 600 s call and most of a session's device time); SIGINT so that
+    # torch.compile once took a 600 s call and most of the device time left); SIGINT so that
     # the benches' `finally` stops the engine processes they started
     # DECODE_TESTS: which GPU engine tests run first (pytest -k; '' runs none)
     k=${DECODE_TESTS-attention or scores or matches_eager}
@@ -133,7 +133,7 @@ case "$1" in
     done ;;
   gap-bisect)
     # #18: which engine switch the log-prob outliers of the deterministic engine come with (one token of
-    # a step off by 0.01-0.27 on about a quarter of the steps, BENCHMARKS.md session 13). VARIANTS
+    # a step off by 0.01-0.27 on about a quarter of the steps, BENCHMARKS.md 2026-12-03). VARIANTS
     # ("name=flags;name=flags", default below) run at once, ours only, STEPS (40) each on TASK
     # (basic_arithmetic 2 x 1 digit), then bench/logprob_gap_summary.py counts the steps with an outlier
     need_model
@@ -142,7 +142,7 @@ case "$1" in
     tc=${TASK_CONFIG-$ONE_DIGIT}
     det=--sglang-enable-deterministic-inference
     # det_static_eager: the slot cache with graphs for 1-row steps only (--sglang-cuda-graph-max-bs-decode
-    # 1: larger batches run the static forward eagerly). Session 14 ran these before server.decodes_on_slots:
+    # 1: larger batches run the static forward eagerly). These ran on 2026-12-03 before server.decodes_on_slots:
     # then --sglang-disable-cuda-graph also left the slot cache (det_no_graph and det_eager decoded on
     # the dynamic path, gap 2e-2); now deterministic inference keeps the slot cache without graphs, so
     # det_no_graph is det_static_eager without its 1-row graphs, and det_eager adds no overlap
@@ -171,7 +171,7 @@ case "$1" in
   sync-check)
     # #18: after every weight sync, every engine tensor against the trainer's (bench/sync_check.py): bf16,
     # colocated (the CUDA IPC hand-over), the basic_arithmetic 1-GPU recipe on its 1-digit data, STEPS
-    # (40); session 14 found every tensor equal after 30 syncs while outlier tokens remained
+    # (40); on 2026-12-03 it found every tensor equal after 30 syncs while outlier tokens remained
     need_model
     set -f
     python3 tools/make_reasoning_gym_data.py --task basic_arithmetic --n 2000 --seed 0 $ONE_DIGIT \
@@ -368,8 +368,8 @@ PY
       etag=${etag/_$day/${SEED:+_seed$SEED}_$day}
       [ "$etag" != "$tag" ] || etag="${etag%_$day}_extra_$day"
       # the same task in the same config: its files are the ones just made, not rewritten under the main
-      # run; the same task in another config (EXTRA_TASK_CONFIG): files of its own (session 13 trained the
-      # second run on the first run's files)
+      # run; the same task in another config (EXTRA_TASK_CONFIG): files of its own (a 2026-12-03 run trained
+      # the second run on the first run's files)
       ef=$et; reuse=
       if [ "$et" = "$task" ]; then
         if [ -z "$EXTRA_TASK_CONFIG" ] || [ "$EXTRA_TASK_CONFIG" = "$TASK_CONFIG" ]; then reuse=1; else ef="${et}_extra"; fi

@@ -1,7 +1,7 @@
 """The engine/trainer log-prob gap of several runs side by side, from `bench/peer_trl.py` results.
 
 On the deterministic engine most steps of a run score every trained token within ~1e-5 of the
-engine, but some steps hold one token off by 0.01-0.27 (BENCHMARKS.md, session 13). This prints, per
+engine, but some steps hold one token off by 0.01-0.27 (BENCHMARKS.md, 2026-12-03). This prints, per
 run, how many steps hold such a token, so runs that differ in one engine switch (the overlap
 scheduler, CUDA graphs, ...) show which one the outliers come with:
 

@@ -1,7 +1,7 @@
 """Which side the loop's bf16 outlier tokens come from: the trainer's and the engine's log-probs of a run's
 trained tokens against a float64 reference of the same weights (#18).
 
-Sessions 13-15 saw one token on about half of the bf16 steps whose trainer and engine log-probs differ by
+The 2026-12-03 runs saw one token on about half of the bf16 steps whose trainer and engine log-probs differ by
 0.01-0.27 (never in fp32). `bench/outlier_tokens.py` names those tokens; this says which of the two values is
 the wrong one. For each step it runs the weights that generated that step's rollout through transformers'
 own model in float64 (bf16 weights upcast exactly, eager attention, fp64 log-softmax of logits / T) and

@@ -2,7 +2,7 @@
 --threshold, from a run's --save-debug-rollout-data and --save-debug-train-data files (#18).
 
 On the GPU in bf16 one token of about half the steps differs by 0.01-0.27 while the step means stay near
-1e-5 (BENCHMARKS.md, sessions 13-15; never in fp32, never on CPU). Sessions 14-15 ruled out CUDA graphs, the
+1e-5 (BENCHMARKS.md, 2026-12-03; never in fp32, never on CPU). The later runs of that day ruled out CUDA graphs, the
 overlap scheduler, weight sync and the weights' values. This names each such token: its step, sample,
 group, position in the response (0: the first response token, whose log-prob the engine takes from the
 prefill's logits; later ones from decode steps), the prompt length and absolute position, how the

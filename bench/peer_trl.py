@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trl-no-autocast", action="store_true",
                     help="TRL without bf16 autocast on the GPU (GRPOConfig bf16=False; with --trl-dtype fp32: all "
                          "fp32). Its bf16-autocast run on basic_arithmetic went NaN (grad_norm nan, then a "
-                         "sampling assert) at step 44 of one seed and 51 of another (session 13)")
+                         "sampling assert) at step 44 of one seed and 51 of another (2026-12-03)")
     ap.add_argument("--trl-cache-implementation", default=None,
                     help="TRL GRPOConfig cache_implementation for HF generate (e.g. static; TRL passes "
                          "disable_compile=True to generate, so a static cache runs uncompiled)")

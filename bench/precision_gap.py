@@ -207,7 +207,7 @@ def trainer_logprobs_packed(model_dir: Path, seqs, device: str, train: bool) -> 
     every sequence in one THD micro-batch (trainer/packing.py build_packed_micro_batch), the loop's
     forward and log-prob functions (trainer/steps.py), in train mode with autograd on (`train`: the
     fused step takes the old log-probs from its training forward) or in eval mode without.
-    (Session 11 ran this without the wrapper and so missed what set the loop's gap: torch's fused
+    (On 2026-12-02 this ran without the wrapper and so missed what set the loop's gap: torch's fused
     RMSNorm kernel, which a bf16 norm weight selects; trainer/norm.py.)"""
     from megatron.core.transformer.module import Float16Module
 

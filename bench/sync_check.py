@@ -1,6 +1,6 @@
 """After every weight sync of a real run: does every engine hold, bit for bit, what the trainer holds?
 
-#18's outlier tokens (BENCHMARKS.md, sessions 13-14: on the GPU, in bf16, one token of a step off by
+#18's outlier tokens (BENCHMARKS.md, 2026-12-03: on the GPU, in bf16, one token of a step off by
 0.01-0.27 on some steps; neither CUDA graphs nor the overlap scheduler) ask
 first whether the two sides hold the same weights after a sync. CI checks it in fp32 on CPU with the
 distributed broadcast (tests/e2e/test_real_model.py); this runs the loop as a recipe does (bf16,

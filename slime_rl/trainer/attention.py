@@ -133,7 +133,7 @@ class SDPACoreAttention(MegatronModule):
         sdpa = functools.partial(self._sdpa, mask=None)
         # CUDA without the varlen kernel (fp32, dropout): the samples right-padded into one SDPA call (with
         # one call per sample an fp32 train step of 128 samples took 5.0 s on an H200, and 0.4 s with
-        # right-padded micro-batches, --no-pack-sequences; session 15); CPU: one call per sample
+        # right-padded micro-batches, --no-pack-sequences; 2026-12-03); CPU: one call per sample
         return (padded_causal if q.is_cuda else looped_causal)(sdpa, q, k, v, bounds)
 
     def _cp_bshd(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -5,11 +5,11 @@ the norm weights included. torch's RMSNorm then takes its fused kernel (`_fused_
 input and a bf16 weight), whose sum of squares adds in another order than the engine's norm
 (engines/embedded/precision.py `rmsnorm_fp32_weight`, SGLang's `RMSNorm.forward_native`:
 `x.float()`, `rsqrt(mean(x^2) + eps)`, times the fp32 weight, one rounding). On SmolLM2-135M
-(1xH200, BENCHMARKS.md session 11) the same model unwrapped (fp32 norm weights: torch's composite
+(1xH200, BENCHMARKS.md, 2026-12-02) the same model unwrapped (fp32 norm weights: torch's composite
 path, the engine's formula) agreed with the engine's deterministic path to 2e-6, while the loop
 (wrapped) stayed at 2.8e-2 whatever the engine's scheduling. With this norm the wrapped trainer
 agrees to 2.08e-6 (`precision_gap.py --loop-pack`) and the loop's `train/rollout_logprob_abs_diff`
-is 2.8e-6 at step 0 (session 12).
+is 2.8e-6 at step 0 (2026-12-03).
 
 So the forward here is that formula, written out, and the backward is the analytic one (what the
 fused kernel's backward computes), saving the input and the per-row 1/rms only, as the fused kernel

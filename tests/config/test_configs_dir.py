@@ -40,7 +40,7 @@ def test_there_are_recipes():
 
 
 def test_fp32_chain_sum_recipe_is_the_bf16_one_in_fp32():
-    """configs/smollm2_chain_sum_grpo_1gpu_fp32.yaml is the measured fp32 variant (BENCHMARKS.md session 15):
+    """configs/smollm2_chain_sum_grpo_1gpu_fp32.yaml is the measured fp32 variant (BENCHMARKS.md, 2026-12-03):
     a change to the bf16 recipe's settings must reach it, or its numbers describe another recipe."""
     import yaml
 

@@ -1,6 +1,6 @@
 """Which decode path the built-in engine takes (server.decodes_on_slots).
 
-Session 14 on an H200: with --enable-deterministic-inference and --disable-cuda-graph the engine
+On an H200 (BENCHMARKS.md, 2026-12-03): with --enable-deterministic-inference and --disable-cuda-graph the engine
 decoded on the dynamic path, where the deterministic flash decode does not run, and the loop's bf16
 gap rose from 3e-5 to 2e-2. Deterministic inference on CUDA keeps the slot path with graphs off.
 The table below is the rule written out by hand, not read from the function."""

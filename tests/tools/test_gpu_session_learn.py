@@ -1,7 +1,7 @@
 """bench/gpu_session.sh `learn` wires its environment into the right commands.
 
-The GPU session runs it once per session with no second chance (device time), so the wiring is checked
-here with stand-ins for `python3` and `nvidia-smi` that only record their arguments. Session 13's slip:
+A device call runs it once, with no second chance (device time), so the wiring is checked
+here with stand-ins for `python3` and `nvidia-smi` that only record their arguments. The 2026-12-03 slip:
 a second run of the same task in another config (EXTRA_TASK_CONFIG) trained on the first run's files.
 """
 
@@ -154,7 +154,7 @@ def test_gap_bisect_runs_each_variant_with_its_flags_and_summarizes_them(tmp_pat
 
 def test_gap_bisect_brings_back_few_files(tmp_path):
     """A device call brings back at most 8 files: the runs' folders and curves are removed (under the
-    mode's `set -f` a glob did not expand, so session 13's version left them), the logs come in one archive."""
+    mode's `set -f` a glob did not expand, so the 2026-12-03 version left them), the logs come in one archive."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     # peer_trl's stand-in writes what the real one writes next to its result: a run folder and a curve
@@ -182,7 +182,7 @@ def test_gap_bisect_brings_back_few_files(tmp_path):
 
 
 def test_gap_bisect_default_task_config_keeps_its_quotes(tmp_path):
-    """reasoning-gym reads operators=["+","-","*"] as JSON; session 14's first gap-bisect passed
+    """reasoning-gym reads operators=["+","-","*"] as JSON; the first gap-bisect of 2026-12-03 passed
     operators=[+,-,*] (the quotes of a ${VAR-default} word are removed) and every variant failed."""
     calls = _learn(tmp_path, "gap-bisect", VARIANTS="a=--x")
     (data,) = _data_calls(calls)

@@ -54,7 +54,7 @@ def decodes_on_slots(device: str, disable_cuda_graph: bool, static_kv_cache: boo
     --enable-deterministic-inference even with --disable-cuda-graph, because its flash decode
     attention (the trainer's kernel, attention.py) runs on the slot cache only. Without that last
     rule, deterministic inference with graphs off decoded on the dynamic path and the loop's bf16
-    gap was 2e-2 instead of 3e-5 (SmolLM2 on an H200, BENCHMARKS.md session 14)."""
+    gap was 2e-2 instead of 3e-5 (SmolLM2 on an H200, BENCHMARKS.md, 2026-12-03)."""
     cuda = torch.device(device).type == "cuda"
     return (cuda and not disable_cuda_graph) or static_kv_cache or (cuda and deterministic)
 
