@@ -51,6 +51,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from slime_rl.config.families import FAMILIES
+
 GiB = 2**30
 # fixed per-sync cost of the disaggregated path (pause, continue, the engines' answers), measured on
 # 2xH200 with bench/weight_sync.py (FACTS.md: "about 3.5 ms of fixed cost per sync")
@@ -60,9 +62,6 @@ SYNC_FIXED_S = 0.0035
 COLOCATED_GBPS = 16.0
 # bytes per (token x local vocab) at the loss's peak: fp32 logits, the response slice, its scaled copy
 LOGITS_BYTES = 12
-
-# what each supported model_type implies beyond config.json's sizes (the HF modules' biases and norms)
-_TYPES = ("llama", "qwen2", "qwen2_5_vl", "qwen3", "qwen3_moe", "qwen2_moe")
 
 # transformers' Qwen2_5_VLVisionConfig defaults, for keys a config.json leaves out
 _VISION_DEFAULTS = {"depth": 32, "hidden_size": 3584, "intermediate_size": 3420, "in_channels": 3, "patch_size": 14,
@@ -169,21 +168,22 @@ def _need(cfg: dict[str, Any], key: str, where: str) -> int:
 def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShape:
     """ModelShape of an HF config.json (vision-language configs may nest the decoder in text_config)."""
     model_type = config.get("model_type", "")
-    if model_type not in _TYPES:
-        raise ValueError(f"{where}: model_type {model_type!r} cannot be estimated; supported: {list(_TYPES)}")
-    cfg = {**config, **(config.get("text_config") or {})} if model_type == "qwen2_5_vl" else config
+    if model_type not in FAMILIES:
+        raise ValueError(f"{where}: model_type {model_type!r} cannot be estimated; supported: {list(FAMILIES)}")
+    # what the family implies beyond config.json's sizes (its biases, norms, experts, vision tower)
+    family = FAMILIES[model_type]
+    cfg = {**config, **(config.get("text_config") or {})} if family.vision else config
     hidden, heads = _need(cfg, "hidden_size", where), _need(cfg, "num_attention_heads", where)
     layers = _need(cfg, "num_hidden_layers", where)
     attention_bias = bool(cfg.get("attention_bias", False))
     # hub configs say num_experts; transformers 5 writes num_local_experts
-    moe_type = model_type in ("qwen3_moe", "qwen2_moe")
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if moe_type else 0
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if family.moe else 0
     moe_layers: tuple[int, ...] = ()
     if experts:
         step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
         moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
     vision = None
-    if model_type == "qwen2_5_vl":
+    if family.vision:
         vc = {**_VISION_DEFAULTS, **(config.get("vision_config") or {})}
         vision = VisionShape(depth=int(vc["depth"]), hidden=int(vc["hidden_size"]), ffn=int(vc["intermediate_size"]),
                              in_channels=int(vc.get("in_chans", vc["in_channels"])), patch=int(vc["patch_size"]),
@@ -194,14 +194,15 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=_need(cfg, "vocab_size", where),
         tied=bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
-        qkv_bias=model_type in ("qwen2", "qwen2_5_vl") or attention_bias
-        or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
-        o_bias=model_type in ("llama", "qwen3", "qwen3_moe") and attention_bias,
-        mlp_bias=model_type == "llama" and bool(cfg.get("mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        # Qwen2 families always have q/k/v biases (Qwen2-MoE's config may say qkv_bias); in the others
+        # attention_bias adds them and the o_proj bias
+        qkv_bias=attention_bias or (family.qkv_bias and bool(cfg.get("qkv_bias", True))),
+        o_bias=not family.qkv_bias and attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),  # only Llama's config has the key
+        qk_norm=family.qk_layernorm,
         experts=experts, expert_ffn=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
         top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0, moe_layers=moe_layers, vision=vision,
-        shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0) if experts and model_type == "qwen2_moe" else 0)
+        shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0) if experts and family.shared_expert else 0)
 
 
 # ---------------------------------------------------------------------------------------- memory

@@ -14,7 +14,7 @@ with P > 1 keeps a second copy of the word embeddings on the last stage as `outp
 model.embed_tokens.weight but never emitted, so the HF name is yielded once, by stage 0.
 
 Mixture of experts: expert-parallel rank r of E holds experts [r * n / E, (r + 1) * n / E), named
-from 0 locally (registry.py), each split over the expert-tensor-parallel group (ETP, not TP).
+from 0 locally (config/families.py), each split over the expert-tensor-parallel group (ETP, not TP).
 `iter_hf_weights` gathers each local expert over ETP, then over EP, and yields every expert of the
 layer under its global HF name, in expert order, on every rank (so weight sync, which runs on one
 rank per stage, and the HF export see the whole model).

@@ -1,7 +1,7 @@
 """Qwen3-MoE weights as SGLang 0.5.23 loads them, with the names the trainer sends.
 
 Weight sync sends every tensor under its HF name, each routed expert as
-`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight` (trainer/convert/registry.py, the
+`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight` (config/families.py, the
 order of `Family.param_maps`). SGLang's `Qwen3MoeForCausalLM.load_weights` (what
 /update_weights_from_distributed calls) maps them onto its fused parameters through
 `FusedMoE.make_expert_params_mapping`: gate -> w13 shard "w1", up -> w13 shard "w3", down -> w2

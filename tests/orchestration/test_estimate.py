@@ -55,7 +55,7 @@ def test_param_count_equals_transformers_model_on_meta(name):
 
 @pytest.mark.parametrize("name", [f for f in FILES if hf_config(f)["model_type"] != "qwen3_moe"])
 def test_param_count_equals_the_trainer_registry_shapes(name):
-    """The trainer's own HF name/shape map (convert/registry.py) sums to the same count."""
+    """The trainer's own HF name/shape map (config/families.py) sums to the same count."""
     from slime_rl.trainer.convert import arch_from_hf_config, hf_shapes
 
     cfg = hf_config(name)

@@ -35,6 +35,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from slime_rl.config.families import FAMILIES
 from slime_rl.engines.embedded.precision import is_attention, is_rmsnorm, rmsnorm_fp32_weight, text_decoder
 from slime_rl.engines.embedded.sampling import gumbel_pick
 
@@ -42,8 +43,8 @@ logger = logging.getLogger(__name__)
 # inductor keeps a fused chain's bf16 intermediates in fp32 unless told to round them where eager
 # code does: with this the pieces equal the modules' own forwards bit for bit (bf16 on CPU, tests)
 OPTIONS = {"emulate_precision_casts": True}
-# RMSNorm classes whose own forward is `_rms_norm(..., fp32_weight=False)`
-STOCK_RMSNORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm"})
+# RMSNorm classes whose own forward is `_rms_norm(..., fp32_weight=False)` (each family's hf_rmsnorm)
+STOCK_RMSNORMS = frozenset(f.hf_rmsnorm for f in FAMILIES.values() if f.hf_rmsnorm)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_weight: bool) -> torch.Tensor:

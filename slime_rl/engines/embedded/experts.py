@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+from slime_rl.config.families import FAMILIES
+
+MOE_MODEL_TYPES = tuple(t for t, f in FAMILIES.items() if f.moe)
 _FUSED = re.compile(r"^(.*\.mlp\.experts\.)(gate_up_proj|down_proj)$")
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slime_rl.trainer.convert.registry import Family, ParamMap, get_family
+from slime_rl.config.families import Family, ParamMap, get_family
 from slime_rl.trainer.convert.vision import VisionArch, vision_arch
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from slime_rl.config.families import Layout, ParamMap
 from slime_rl.trainer.convert.arch import ModelArch
-from slime_rl.trainer.convert.registry import Layout, ParamMap
 
 
 def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, arch: ModelArch) -> Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from slime_rl.trainer.convert.registry import Layout, ParamMap
+from slime_rl.config.families import Layout, ParamMap
 
 HF_PREFIX = "visual."  # the checkpoint's names (the Qwen2.5-VL safetensors layout)
 MCORE_PREFIX = "vision_model."  # the GPTModel attribute the trainer attaches the tower as

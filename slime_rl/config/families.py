@@ -1,4 +1,11 @@
-"""One registry of model families, keyed by HF `model_type`: explicit name tables HF <-> Megatron.
+"""One record per model family, keyed by HF `model_type`: what every room needs to know of it.
+
+The trainer's converters read the explicit name tables HF <-> Megatron (`global_params`,
+`layer_params`) and the features (`qkv_bias`, `qk_layernorm`, `moe`, `shared_expert`, `vision`);
+the memory estimate (`orchestration/estimate.py`) reads the same features; the built-in engine reads
+`moe` (which checkpoints return routed experts) and `hf_rmsnorm` (which RMSNorm modules its compiled
+decode step may replace). Adding a family is a `Family` here, plus its tiny checkpoint in
+`tools/make_tiny_model.py` for the tests (tests/trainer/test_families.py checks both).
 
 Megatron names are those of megatron-core 0.19's GPTModel with the *local* layer spec (no
 TransformerEngine): norms are separate modules (`input_layernorm.weight`,
@@ -87,6 +94,10 @@ class Family:
     dense_layer_params: tuple[ParamMap, ...] = ()
     # the MoE block has a shared expert with a sigmoid gate (Qwen2-MoE), megatron's SharedExpertMLP
     shared_expert: bool = False
+    # the HF decoder's RMSNorm class when its forward is the stock one (normalize in fp32, round, times
+    # the weight): the built-in engine's --enable-torch-compile replaces it by its compiled piece
+    # (engines/embedded/compiled.py); None: not checked to be stock, so it runs as it is
+    hf_rmsnorm: str | None = None
 
     def layer_maps(self, moe_layer: bool = True) -> tuple[ParamMap, ...]:
         """The entries of one layer: an MoE family's dense layers (moe_layer=False) have a dense MLP."""
@@ -167,11 +178,12 @@ _SHARED_EXPERT = (
 
 FAMILIES: dict[str, Family] = {
     "qwen2": Family(
-        model_type="qwen2", global_params=_GLOBAL,
+        model_type="qwen2", global_params=_GLOBAL, hf_rmsnorm="Qwen2RMSNorm",
         layer_params=(_NORMS[0], _QKV_W, _QKV_B, _PROJ, _NORMS[1], *_MLP),
         qkv_bias=True, qk_layernorm=False, default_tied=False,
         required_config={**_SWIGLU, "use_sliding_window": False},
     ),
+    # hf_rmsnorm None: Qwen2_5_VLRMSNorm is its own class, not checked against the stock forward
     "qwen2_5_vl": Family(
         model_type="qwen2_5_vl", global_params=_GLOBAL,
         layer_params=(_NORMS[0], _QKV_W, _QKV_B, _PROJ, _NORMS[1], *_MLP),
@@ -179,21 +191,21 @@ FAMILIES: dict[str, Family] = {
         required_config={**_SWIGLU, "use_sliding_window": False}, vision=True,
     ),
     "llama": Family(
-        model_type="llama", global_params=_GLOBAL,
+        model_type="llama", global_params=_GLOBAL, hf_rmsnorm="LlamaRMSNorm",
         layer_params=(_NORMS[0], _QKV_W, _PROJ, _NORMS[1], *_MLP),
         qkv_bias=False, qk_layernorm=False, default_tied=False,
         # attention_bias adds an o_proj bias too, which needs add_bias_linear for every linear
         required_config={**_SWIGLU, "attention_bias": False, "mlp_bias": False},
     ),
     "qwen3": Family(
-        model_type="qwen3", global_params=_GLOBAL,
+        model_type="qwen3", global_params=_GLOBAL, hf_rmsnorm="Qwen3RMSNorm",
         layer_params=(_NORMS[0], _QKV_W, *_QK_NORM, _PROJ, _NORMS[1], *_MLP),
         qkv_bias=False, qk_layernorm=True, default_tied=False,
         required_config={**_SWIGLU, "attention_bias": False, "use_sliding_window": False},
     ),
     # Qwen3-30B-A3B / 235B-A22B: every layer sparse (no shared expert), q/k-norm as qwen3
     "qwen3_moe": Family(
-        model_type="qwen3_moe", global_params=_GLOBAL,
+        model_type="qwen3_moe", global_params=_GLOBAL, hf_rmsnorm="Qwen3MoeRMSNorm",
         layer_params=(_NORMS[0], _QKV_W, *_QK_NORM, _PROJ, _NORMS[1], *_MOE),
         qkv_bias=False, qk_layernorm=True, default_tied=False,
         # a dense MLP in some layers (mlp_only_layers, decoder_sparse_step > 1): megatron's
@@ -205,7 +217,7 @@ FAMILIES: dict[str, Family] = {
     # Qwen1.5-MoE-A2.7B / Qwen2-57B-A14B: q/k/v biases as qwen2, routed experts plus one shared
     # expert whose output is scaled by sigmoid(shared_expert_gate(x)); dense layers as qwen2's
     "qwen2_moe": Family(
-        model_type="qwen2_moe", global_params=_GLOBAL,
+        model_type="qwen2_moe", global_params=_GLOBAL, hf_rmsnorm="Qwen2MoeRMSNorm",
         layer_params=(_NORMS[0], _QKV_W, _QKV_B, _PROJ, _NORMS[1], *_MOE, *_SHARED_EXPERT),
         qkv_bias=True, qk_layernorm=False, default_tied=False,
         required_config={**_SWIGLU, "use_sliding_window": False, "qkv_bias": True},
@@ -219,5 +231,6 @@ FAMILIES: dict[str, Family] = {
 def get_family(model_type: str, where: str = "config.json") -> Family:
     if model_type not in FAMILIES:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported; supported model types: "
-                         f"{sorted(FAMILIES)} (add a family in slime_rl/trainer/convert/registry.py)")
+                         f"{sorted(FAMILIES)} (a new family is a Family in slime_rl/config/families.py and its tiny "
+                         "checkpoint in tools/make_tiny_model.py)")
     return FAMILIES[model_type]
