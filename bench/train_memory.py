@@ -45,7 +45,7 @@ def main() -> None:
     if a.smoke:
         a.shape, a.tokens_per_mb, a.sample_len, a.prompt_len, a.mbs = "tiny", 64, 32, 8, 2
 
-    from slime_rl.config import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+    from slime_rl.config import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
     from slime_rl.orchestration.estimate import GiB, TrainerLayout, estimate_memory, model_shape
     from slime_rl.trainer import attention
     from slime_rl.trainer.convert import read_hf_config
@@ -63,7 +63,8 @@ def main() -> None:
         if a.recompute == "full" else {}
     worker = TrainerWorker(0, 1, "127.0.0.1", free_port(), ParallelConfig(), BatchConfig(1, n),
                            OptimizerConfig(lr=1e-6), ModelConfig(str(ckpt), bf16=cuda), AlgoConfig(),
-                           train_iters=5, use_dynamic_batch_size=True, max_tokens_per_gpu=a.tokens_per_mb, **recompute)
+                           train_iters=5, trainer=TrainerConfig(use_dynamic_batch_size=True,
+                                                                 max_tokens_per_gpu=a.tokens_per_mb, **recompute))
     batch = make_batch(n, a.sample_len, a.prompt_len, SHAPES[a.shape]["vocab_size"], seed=1)
     old = [[-1.0] * (a.sample_len - a.prompt_len) for _ in range(n)]
     if cuda:

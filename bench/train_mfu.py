@@ -124,7 +124,7 @@ def main() -> None:
     if a.tokens_per_mb % a.sample_len:
         raise SystemExit(f"--tokens-per-mb {a.tokens_per_mb} must be a multiple of --sample-len {a.sample_len}")
 
-    from slime_rl.config import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+    from slime_rl.config import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
     from slime_rl.trainer.model import unwrap
     from slime_rl.trainer.worker import TrainerWorker
 
@@ -144,8 +144,8 @@ def main() -> None:
     worker = TrainerWorker(0, 1, "127.0.0.1", free_port(), ParallelConfig(), BatchConfig(1, n_samples),
                            OptimizerConfig(lr=1e-6),
                            ModelConfig(str(ckpt), bf16=cuda, fp32_lm_head=a.fp32_lm_head), AlgoConfig(),
-                           train_iters=a.steps + 3, use_dynamic_batch_size=True,
-                           max_tokens_per_gpu=a.tokens_per_mb)
+                           train_iters=a.steps + 3,
+                           trainer=TrainerConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=a.tokens_per_mb))
     n_matmul = matmul_params(unwrap(worker.gpt), cfg)
     flops = step_flops(cfg, n_matmul, n_samples, a.sample_len)
     batch = make_batch(n_samples, a.sample_len, a.prompt_len, cfg["vocab_size"], seed=1)

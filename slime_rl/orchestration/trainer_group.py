@@ -10,7 +10,6 @@ reads for its own shard (`StepBuffer.get_rows`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any
@@ -99,19 +98,18 @@ class RankActor:
     def init(self, cfg: Config, master_addr: str, master_port: int, train_iters: int, threads: int) -> None:
         _set_cpu_threads(threads)
         self.cfg = cfg
-        options = dataclasses.asdict(cfg.trainer)
         if self.role == POLICY:
             from slime_rl.trainer.worker import TrainerWorker
 
             self.worker = TrainerWorker(self.rank, self.world_size, master_addr, master_port, cfg.parallel,
-                                        cfg.batch, cfg.optimizer, cfg.model, cfg.algo, train_iters, **options)
+                                        cfg.batch, cfg.optimizer, cfg.model, cfg.algo, train_iters, trainer=cfg.trainer)
             return
         from slime_rl.trainer.critic import CriticWorker
 
         critic = cfg.critic
         self.worker = CriticWorker(self.rank, self.world_size, master_addr, master_port,
                                    critic.parallel(cfg.parallel), cfg.batch, critic.optimizer(cfg.optimizer),
-                                   cfg.model, cfg.algo, train_iters, **options)
+                                   cfg.model, cfg.algo, train_iters, trainer=cfg.trainer)
         if critic.load and self.worker.load_latest_checkpoint(critic.load) is None:
             raise ValueError(f"--critic-load {critic.load}: no complete checkpoint there")
 

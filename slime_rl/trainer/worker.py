@@ -21,7 +21,14 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from slime_rl.config.groups import (
+    AlgoConfig,
+    BatchConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainerConfig,
+)
 from slime_rl.observability.debug_data import save_debug_data
 from slime_rl.trainer import checkpoint, hf_export, hf_io
 from slime_rl.trainer.batching import MicroBatch, chunks, validate_batch
@@ -71,39 +78,28 @@ class MegatronRank:
     the HF config and loaded from the HF weights, DDP, the distributed optimizer, the LR schedule,
     micro-batching and checkpoints. Subclasses: TrainerWorker (the policy) and
     critic.CriticWorker (PPO's value model, which swaps the LM output layer in `_prepare_model`).
-    Keyword options beyond the config groups (defaults keep the old behaviour
-    except pack_sequences, whose packed rows give the same log-probs as padded ones):
-      pack_sequences: THD packing of each micro-batch (False: right-padded [b, s]);
-      use_dynamic_batch_size / max_tokens_per_gpu: micro-batches filled up to a token budget
-        (prompt + response tokens) instead of micro_batch_size samples;
-      loss_agg_mode (loss_agg.LOSS_AGG_MODES) / loss_agg_max_len (seq-mean-token-sum-norm's H);
-      sequence_parallel, recompute_granularity / recompute_method / recompute_num_layers: passed
-        to megatron's TransformerConfig;
-      moe_aux_loss_coeff / moe_router_load_balancing_type / moe_token_dispatcher_type /
-        moe_grouped_gemm: a mixture-of-experts model's options (model.MoEOptions; the expert
-        parallel sizes come with `parallel`).
+    The rank gets the run's config groups as they are (config/groups.py); `trainer` (TrainerConfig)
+    holds how the work is laid out: packing, token budgets, loss aggregation, sequence parallel,
+    recompute and a mixture-of-experts model's options (the expert parallel sizes come with
+    `parallel`). A new trainer setting is a TrainerConfig field read here, nothing in between.
     """
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
                  parallel: ParallelConfig, batch: BatchConfig, optim: OptimizerConfig, model: ModelConfig,
                  algo: AlgoConfig, train_iters: int, pad_vocab_multiple: int = 1, *,
-                 pack_sequences: bool = True, use_dynamic_batch_size: bool = False,
-                 max_tokens_per_gpu: int | None = None, loss_agg_mode: str = "token-mean",
-                 loss_agg_max_len: int | None = None, sequence_parallel: bool = False,
-                 recompute_granularity: str | None = None, recompute_method: str | None = None,
-                 recompute_num_layers: int | None = None, moe_aux_loss_coeff: float = 0.0,
-                 moe_router_load_balancing_type: str = "aux_loss", moe_token_dispatcher_type: str = "alltoall",
-                 moe_grouped_gemm: bool = False, use_rollout_routing_replay: bool = False,
-                 use_routing_replay: bool = False) -> None:
+                 trainer: TrainerConfig | None = None) -> None:
+        trainer = trainer or TrainerConfig()
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
         cp = parallel.context_parallel_size
         ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
         moe = MoEOptions(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                         moe_aux_loss_coeff=moe_aux_loss_coeff,
-                         moe_router_load_balancing_type=moe_router_load_balancing_type,
-                         moe_token_dispatcher_type=moe_token_dispatcher_type, moe_grouped_gemm=moe_grouped_gemm)
-        check_mode(loss_agg_mode, loss_agg_max_len)
-        self.loss_agg_mode, self.loss_agg_max_len = loss_agg_mode, loss_agg_max_len
+                         moe_aux_loss_coeff=trainer.moe_aux_loss_coeff,
+                         moe_router_load_balancing_type=trainer.moe_router_load_balancing_type,
+                         moe_token_dispatcher_type=trainer.moe_token_dispatcher_type,
+                         moe_grouped_gemm=trainer.moe_grouped_gemm)
+        check_mode(trainer.loss_agg_mode, trainer.loss_agg_max_len)
+        self.trainer = trainer
+        self.loss_agg_mode, self.loss_agg_max_len = trainer.loss_agg_mode, trainer.loss_agg_max_len
         # the scheduler's warm-up (OptimizerConfig.warmup_steps: --lr-warmup-iters, or Megatron's
         # --lr-warmup-fraction of the decay steps, a float as Megatron passes it)
         warmup = optim.warmup_steps(optim.lr_decay_iters or train_iters)
@@ -121,9 +117,10 @@ class MegatronRank:
                              f"data-parallel size {self.info.dp_size}")
         self.arch, self.gpt = build_from_checkpoint(
             model.hf_checkpoint, bf16=model.bf16, tp_size=tp, pp_size=pp,
-            pad_vocab_multiple=pad_vocab_multiple, sequence_parallel=sequence_parallel,
-            recompute_granularity=recompute_granularity, recompute_method=recompute_method,
-            recompute_num_layers=recompute_num_layers, context_parallel_size=cp, fp32_lm_head=model.fp32_lm_head,
+            pad_vocab_multiple=pad_vocab_multiple, sequence_parallel=trainer.sequence_parallel,
+            recompute_granularity=trainer.recompute_granularity, recompute_method=trainer.recompute_method,
+            recompute_num_layers=trainer.recompute_num_layers, context_parallel_size=cp,
+            fp32_lm_head=model.fp32_lm_head,
             moe=moe)
         hf_io.load_hf_weights(self.gpt, model.hf_checkpoint, self.arch)
         vision = None
@@ -133,18 +130,19 @@ class MegatronRank:
             vision = VisionBatching(self.arch, model.hf_checkpoint, with_pixels=self.gpt.pre_process)
         # R2 alone (R3 implies it: the engines' routing is replayed in every forward already): the old-log-prob
         # forward's routing is recorded and replayed in the same step's training forwards (routing_replay.py)
-        self.record_routing = bool(use_routing_replay and not use_rollout_routing_replay and self.arch.num_experts)
+        self.record_routing = bool(trainer.use_routing_replay and not trainer.use_rollout_routing_replay
+                                   and self.arch.num_experts)
         # MoE: every router takes the engines' routing when a batch carries it: replayed under
         # --use-rollout-routing-replay, else only compared (train/routing_agreement)
-        self.engine_routing = attach_engine_routing(self.gpt, replay=use_rollout_routing_replay) \
+        self.engine_routing = attach_engine_routing(self.gpt, replay=trainer.use_rollout_routing_replay) \
             if self.arch.num_experts else []
         self.gpt.engine_routing = self.engine_routing
-        routing = None
+        routing, sequence_parallel = None, trainer.sequence_parallel
         if self.arch.num_experts:
             routing = (self.arch.num_layers, self.arch.moe_topk, self.arch.num_experts,
                        tp if sequence_parallel else 1, self.info.tp_rank if sequence_parallel else 0)
-        self.micro = MicroBatching(self.info.device, batch.micro_batch_size, pack_sequences,
-                                   use_dynamic_batch_size, max_tokens_per_gpu,
+        self.micro = MicroBatching(self.info.device, batch.micro_batch_size, trainer.pack_sequences,
+                                   trainer.use_dynamic_batch_size, trainer.max_tokens_per_gpu,
                                    pad_multiple=tp if sequence_parallel else 1,
                                    cp_size=cp, cp_rank=self.info.cp_rank, vision=vision, routing=routing)
         self._prepare_model()

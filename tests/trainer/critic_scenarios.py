@@ -12,7 +12,7 @@ import dataclasses
 import shutil
 import tempfile
 
-from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from tests.trainer.trainer_ref import make_batch, select
 
 # hand-made targets for the value loss: one per response token of make_batch()
@@ -30,7 +30,8 @@ def make_critic(rank: int, world: int, port: int, ckpt: str, tp: int = 1, mbs: i
                         BatchConfig(micro_batch_size=mbs, global_batch_size=gbs),
                         OptimizerConfig(lr=1e-4, clip_grad=0.0, weight_decay=0.0, lr_decay_style="constant"),
                         ModelConfig(hf_checkpoint=ckpt),
-                        AlgoConfig(advantage_estimator="ppo", value_clip=VALUE_CLIP), train_iters=10, **kw)
+                        AlgoConfig(advantage_estimator="ppo", value_clip=VALUE_CLIP), train_iters=10,
+                        trainer=TrainerConfig(**kw))
 
 
 def _step(w, batch: dict, res: dict, prefix: str) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from tests.trainer.parallel_scenarios import record_layouts
 from tests.trainer.trainer_ref import make_batch, select
 from tests.trainer.trainer_scenarios import weights
@@ -41,7 +41,7 @@ def _worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int, ep: i
                                         context_parallel_size=cp, expert_tensor_parallel_size=etp),
                          BatchConfig(micro_batch_size=2, global_batch_size=4),
                          OptimizerConfig(lr=1e-3, clip_grad=1.0), ModelConfig(hf_checkpoint=ckpt),
-                         AlgoConfig(), train_iters=10, moe_aux_loss_coeff=aux, **kw)
+                         AlgoConfig(), train_iters=10, trainer=TrainerConfig(moe_aux_loss_coeff=aux, **kw))
 
 
 def run_moe(rank: int, world: int, port: int, ckpt: str, name: str, res: dict, aux: float = AUX_COEFF,

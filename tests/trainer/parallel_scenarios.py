@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from tests.trainer.trainer_ref import make_batch, select
 from tests.trainer.trainer_scenarios import hf_grads, make_worker, weights
 
@@ -142,7 +142,7 @@ def _equiv_worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int,
                          BatchConfig(micro_batch_size=2, global_batch_size=4),
                          OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.0, lr_decay_style="constant"),
                          ModelConfig(hf_checkpoint=ckpt, bf16=bf16),
-                         AlgoConfig(), train_iters=10, **kw)
+                         AlgoConfig(), train_iters=10, trainer=TrainerConfig(**kw))
 
 
 def record_layouts(w, shard: dict, layouts: tuple[str, ...], name: str, res: dict) -> None:

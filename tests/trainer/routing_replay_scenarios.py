@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from tests.trainer.moe_scenarios import _worker
 from tests.trainer.routing_ref import engine_routing, hf_forced_logprobs
 from tests.trainer.trainer_ref import make_batch, select
@@ -86,8 +86,9 @@ def _r2_worker(rank: int, world: int, port: int, ckpt: str, ep: int, r2: bool, g
                                         actor_num_gpus_per_node=world, expert_model_parallel_size=ep),
                          BatchConfig(micro_batch_size=1, global_batch_size=gbs),
                          OptimizerConfig(lr=R2_LR, adam_eps=1.0, clip_grad=0.0), ModelConfig(hf_checkpoint=ckpt),
-                         AlgoConfig(), train_iters=10, pack_sequences=tp > 1, sequence_parallel=tp > 1,
-                         use_routing_replay=r2)
+                         AlgoConfig(), train_iters=10,
+                         trainer=TrainerConfig(pack_sequences=tp > 1, sequence_parallel=tp > 1,
+                                               use_routing_replay=r2))
 
 
 def _spy(w, res: dict, key: str) -> dict:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from slime_rl.trainer.debug_data import TrainDataDump
 from tests.procs import run_processes
 from tests.trainer.trainer_ref import make_batch, select
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def make_worker(rank: int, world: int, port: int, ckpt: str, tp: int = 1, mbs: int = 2, gbs: int = 4,
                 algo: AlgoConfig | None = None, bf16: bool = False, pp: int = 1,
-                freeze_vision_tower: bool = False, **kw):
+                freeze_vision_tower: bool = False, pad_vocab_multiple: int = 1, **kw):
     from slime_rl.trainer.worker import TrainerWorker
 
     return TrainerWorker(rank, world, "127.0.0.1", port,
@@ -38,9 +38,9 @@ def make_worker(rank: int, world: int, port: int, ckpt: str, tp: int = 1, mbs: i
                                         actor_num_gpus_per_node=world),
                          BatchConfig(micro_batch_size=mbs, global_batch_size=gbs),
                          OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.0, lr_decay_style="constant"),
-                         ModelConfig(hf_checkpoint=ckpt, bf16=bf16,
-                                                                 freeze_vision_tower=freeze_vision_tower),
-                         algo or AlgoConfig(), train_iters=10, **kw)
+                         ModelConfig(hf_checkpoint=ckpt, bf16=bf16, freeze_vision_tower=freeze_vision_tower),
+                         algo or AlgoConfig(), train_iters=10, pad_vocab_multiple=pad_vocab_multiple,
+                         trainer=TrainerConfig(**kw))
 
 
 def weights(w) -> dict[str, torch.Tensor]:
