@@ -53,13 +53,14 @@ TIMER_KEYS = ("decode_s", "decode_forwards", "prefill_s", "prefill_tokens")
 
 def engine_run(ckpt: Path, prompts: list[list[int]], new_tokens: int, cuda: bool, log: Path,
                graphs: bool, overlap: bool = True, compile_max_bs: int = 0, extra: tuple[str, ...] = ()) -> dict:
+    from slime_rl.config.builtin_engine import ServerConfig
     from slime_rl.engines.client import EngineClient
     from slime_rl.engines.launch import embedded_command, wait_healthy
 
     port = free_port()
-    argv = embedded_command(ckpt, "127.0.0.1", port, device="cuda" if cuda else "cpu",
-                            dtype="bfloat16" if cuda else "float32", disable_cuda_graph=not graphs,
-                            disable_overlap_schedule=not overlap)
+    argv = embedded_command(ServerConfig(str(ckpt), "127.0.0.1", port, device="cuda" if cuda else "cpu",
+                                         dtype="bfloat16" if cuda else "float32", disable_cuda_graph=not graphs,
+                                         disable_overlap_schedule=not overlap))
     argv += ["--max-running-requests", str(len(prompts))]
     if compile_max_bs:
         argv += ["--enable-torch-compile", "--torch-compile-max-bs", str(compile_max_bs)]

@@ -188,14 +188,15 @@ def run_http(ckpt: Path, prompts, a, cuda: bool, work: Path, grouped: bool = Fal
 
     from common import free_port
 
+    from slime_rl.config.builtin_engine import ServerConfig
     from slime_rl.engines.client import KeepAliveEngineClient
     from slime_rl.engines.launch import embedded_command, wait_healthy
 
     port, log = free_port(), work / "engine_http.log"
-    argv = embedded_command(ckpt, "127.0.0.1", port, device="cuda" if cuda else "cpu",
-                            dtype="bfloat16" if cuda else "float32", max_running_requests=a.max_running,
-                            num_threads=a.threads, disable_cuda_graph=a.dynamic,
-                            disable_overlap_schedule=a.disable_overlap_schedule)
+    argv = embedded_command(ServerConfig(
+        str(ckpt), "127.0.0.1", port, device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
+        max_running_requests=a.max_running, num_threads=a.threads, disable_cuda_graph=a.dynamic,
+        disable_overlap_schedule=a.disable_overlap_schedule))
     if a.static and not cuda:
         argv += ["--static-kv-cache"]
     proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)

@@ -64,6 +64,7 @@ def check_engine_weights(url: str, worker) -> int:
 
 def run_shape(shape: str, repeats: int, bucket_mb: float) -> dict:
     from slime_rl.config import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
+    from slime_rl.config.builtin_engine import ServerConfig
     from slime_rl.config.groups import WeightSyncConfig
     from slime_rl.engines.dist_group import broadcast, init_custom_group
     from slime_rl.engines.launch import embedded_command, wait_healthy
@@ -79,8 +80,8 @@ def run_shape(shape: str, repeats: int, bucket_mb: float) -> dict:
     engine_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"} if cuda else dict(os.environ)
     port = free_port()
     engine = subprocess.Popen(
-        embedded_command(ckpt, "127.0.0.1", port, device="cuda" if cuda else "cpu",
-                         dtype="bfloat16" if cuda else "float32"),
+        embedded_command(ServerConfig(str(ckpt), "127.0.0.1", port, device="cuda" if cuda else "cpu",
+                                      dtype="bfloat16" if cuda else "float32")),
         env=engine_env, stdout=open(work / "engine.log", "w"), stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import os
 import secrets
+import shlex
 import signal
 import sys
 import time
@@ -299,8 +300,8 @@ def dry_run(cfg: Config, plan: PlacementPlan) -> None:
     for slot in plan.engines:
         cmd = engine_command(cfg, slot, host="<node-ip>", port=30000 + 10 * slot.engine_id, api_key="<run-secret>",
                              use_gpu=plan.use_gpu)
-        env = "".join(f"{k}={v} " for k, v in engine_env(cfg, "<run-secret>").items())
-        print(f"engine {slot.engine_id}: {env}{' '.join(cmd)}")
+        env = "".join(f"{k}={shlex.quote(v)} " for k, v in engine_env(cfg, "<run-secret>").items())
+        print(f"engine {slot.engine_id}: {env}{shlex.join(cmd)}")
     if cfg.engine.use_router:
         from slime_rl.orchestration.router import router_launch_command
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from slime_rl.config.builtin_engine import SGLANG_ARGS
 from slime_rl.config.estimators import ADVANTAGE_ESTIMATORS
 
 SGLANG_PREFIX = "--sglang-"
@@ -33,10 +34,8 @@ ROUTER_PREFIX = "--router-"
 # --sglang-* flags that are ours (slime's names), not SGLang ServerArgs to pass through
 OWN_SGLANG_FLAGS = ("--sglang-server-concurrency", "--sglang-router-port")
 # SGLang ServerArgs the built-in engine reads too (its CLI takes the same names), so --sglang-<name>
-# also works with --rollout-backend embedded
-EMBEDDED_SGLANG_ARGS = ("disable_cuda_graph", "cuda_graph_max_bs_decode", "enable_fp32_lm_head",
-                        "max_running_requests", "disable_overlap_schedule", "enable_torch_compile",
-                        "torch_compile_max_bs", "enable_deterministic_inference")
+# also works with --rollout-backend embedded: the ServerConfig fields that name one
+EMBEDDED_SGLANG_ARGS = SGLANG_ARGS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")

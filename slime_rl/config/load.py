@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from slime_rl.config.builtin_engine import from_sglang_args
 from slime_rl.config.easyr1 import describe, is_easyr1, map_easyr1
 from slime_rl.config.estimators import ESTIMATOR_SPECS, estimator_spec
 from slime_rl.config.flags import (
@@ -329,10 +330,10 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         _check(not other, f"{', '.join('--sglang-' + n.replace('_', '-') for n in other)}: SGLang's server flags, "
                "but --rollout-backend is embedded (give --rollout-backend sglang; the built-in engine takes only "
                f"{', '.join('--sglang-' + n.replace('_', '-') for n in EMBEDDED_SGLANG_ARGS)})")
-        for name in ("cuda_graph_max_bs_decode", "torch_compile_max_bs"):
-            bs = sglang.get(name)
-            _check(bs is None or str(bs).isdigit() and int(bs) >= 1,
-                   f"--sglang-{name.replace('_', '-')} must be an integer >= 1, got {bs!r}")
+        try:  # each value converts to its engine setting's type and range (config/builtin_engine.py)
+            from_sglang_args(sglang)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     _check(a.use_sglang_router or not router, f"--router-* flags given ({', '.join(sorted(router))}) "
            "but not --use-sglang-router")
     _check(a.use_sglang_router or a.sglang_router_port is None, "--sglang-router-port needs --use-sglang-router")

@@ -31,9 +31,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from slime_rl.config.builtin_engine import FALSE_WORDS, TRUE_WORDS
+
 KINDS = ("flag", "bool", "value", "list", "optional", "append")
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
+_TRUE, _FALSE = TRUE_WORDS, FALSE_WORDS
 _HERE = Path(__file__).parent
 SGLANG_SNAPSHOT = _HERE / "sglang_server_args.json"
 ROUTER_SNAPSHOT = _HERE / "sglang_router_args.json"

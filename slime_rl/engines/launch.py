@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from slime_rl.config import EngineConfig
+from slime_rl.config.builtin_engine import ServerConfig, to_argv
 from slime_rl.engines.cli_args import (
     PassthroughError,
     check_passthrough,
@@ -29,12 +30,6 @@ from slime_rl.engines.cli_args import (
     router_table,
     sglang_server_table,
 )
-
-# The built-in engine's key may come from the environment instead of --api-key: a process's argv is
-# readable by every user of the node (ps, /proc/<pid>/cmdline), its environment only by its owner.
-API_KEY_ENV = "SLIME_RL_ENGINE_API_KEY"
-# default of its --debug-routing-select-round (tests and measurements only); the driver passes it on
-ROUTING_SELECT_ROUND_ENV = "SLIME_RL_DEBUG_ROUTING_SELECT_ROUND"
 
 # ServerArgs dests the launcher computes -> what sets them (named in the error for a pass-through)
 SGLANG_OWNED = {
@@ -92,43 +87,10 @@ def check_engine_config(engine: EngineConfig) -> EngineConfig:
     return dataclasses.replace(engine, sglang_args=sglang, router_args=router)
 
 
-def embedded_command(model_path: str | Path, host: str, port: int, api_key: str | None = None,
-                     seed: int = 0, device: str = "cpu", dtype: str = "float32",
-                     max_running_requests: int | None = None, num_threads: int | None = None,
-                     weight_version: str | None = None, disable_cuda_graph: bool = False,
-                     cuda_graph_max_bs: int | None = None, enable_deterministic_inference: bool = False,
-                     enable_fp32_lm_head: bool = False, enable_return_routed_experts: bool = False,
-                     disable_overlap_schedule: bool = False, enable_torch_compile: bool = False,
-                     torch_compile_max_bs: int | None = None,
-                     python: str = sys.executable) -> list[str]:
-    """argv of the built-in engine (`python -m slime_rl.engines.embedded ...`)."""
-    argv = [python, "-m", "slime_rl.engines.embedded", "--model-path", str(model_path), "--host", host,
-            "--port", str(port), "--random-seed", str(seed), "--device", device, "--dtype", dtype]
-    if api_key:
-        argv += ["--api-key", api_key]
-    if max_running_requests is not None:
-        argv += ["--max-running-requests", str(max_running_requests)]
-    if num_threads is not None:
-        argv += ["--num-threads", str(num_threads)]
-    if weight_version is not None:
-        argv += ["--weight-version", weight_version]
-    if disable_cuda_graph:
-        argv += ["--disable-cuda-graph"]
-    if cuda_graph_max_bs is not None:
-        argv += ["--cuda-graph-max-bs-decode", str(cuda_graph_max_bs)]
-    if enable_deterministic_inference:
-        argv += ["--enable-deterministic-inference"]
-    if enable_fp32_lm_head:
-        argv += ["--enable-fp32-lm-head"]
-    if enable_return_routed_experts:
-        argv += ["--enable-return-routed-experts"]
-    if disable_overlap_schedule:
-        argv += ["--disable-overlap-schedule"]
-    if enable_torch_compile:
-        argv += ["--enable-torch-compile"]
-    if torch_compile_max_bs is not None:
-        argv += ["--torch-compile-max-bs", str(torch_compile_max_bs)]
-    return argv
+def embedded_command(cfg: ServerConfig, python: str = sys.executable) -> list[str]:
+    """argv of the built-in engine (`python -m slime_rl.engines.embedded --config-json ...`): its whole
+    ServerConfig, read back by the engine's one parser (config/builtin_engine.py)."""
+    return [python, "-m", "slime_rl.engines.embedded", *to_argv(cfg)]
 
 
 def sglang_command(model_path: str | Path, host: str, port: int, tp_size: int = 1, nccl_port: int | None = None,

@@ -16,14 +16,9 @@ import threading
 import ray
 
 from slime_rl.config import Config
+from slime_rl.config.builtin_engine import API_KEY_ENV, ROUTING_SELECT_ROUND_ENV, ServerConfig, from_sglang_args
 from slime_rl.config.seeds import engine_seed, run_seed
-from slime_rl.engines.launch import (
-    API_KEY_ENV,
-    ROUTING_SELECT_ROUND_ENV,
-    embedded_command,
-    sglang_command,
-    wait_healthy,
-)
+from slime_rl.engines.launch import embedded_command, sglang_command, wait_healthy
 from slime_rl.orchestration.placement import EngineSlot
 
 
@@ -67,30 +62,22 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
                               tp_size=slot.num_gpus, nccl_port=nccl_port,
                               dist_init_addr=None, base_gpu_id=0, random_seed=seed, api_key=api_key,
                               extra=extra)
-    # on CPU the engine runs while the trainer ranks wait (sync loop), so it may use every core
-    graph_bs = cfg.engine.sglang_args.get("cuda_graph_max_bs_decode")  # the SGLang flags it shares
-    compile_bs = cfg.engine.sglang_args.get("torch_compile_max_bs")
+    # the --sglang-* flags the built-in engine shares with SGLang (config/builtin_engine.py SGLANG_ARGS)
+    shared = from_sglang_args(cfg.engine.sglang_args)
     # rows decoding together: --sglang-max-running-requests, else as many as the rollout client keeps
     # in flight (--sglang-server-concurrency), so no request waits in the engine while slots are free
     # and none waits in the client while the engine could batch it
-    running = cfg.engine.sglang_args.get("max_running_requests")
-    running = int(running) if running is not None else cfg.rollout.concurrency_per_engine
-    return embedded_command(model_path=cfg.model.hf_checkpoint, host=host, port=port, api_key=None, seed=seed,
-                            max_running_requests=running,
-                            device="cuda" if use_gpu else "cpu", dtype="bfloat16" if cfg.model.bf16 else "float32",
-                            num_threads=None if use_gpu else (os.cpu_count() or 1),
-                            disable_cuda_graph=cfg.engine.sglang_args.get("disable_cuda_graph") in (True, "true"),
-                            disable_overlap_schedule=cfg.engine.sglang_args.get("disable_overlap_schedule")
-                            in (True, "true"),
-                            enable_fp32_lm_head=cfg.model.fp32_lm_head,
-                            enable_torch_compile=cfg.engine.sglang_args.get("enable_torch_compile") in (True, "true"),
-                            torch_compile_max_bs=None if compile_bs is None else int(compile_bs),
-                            enable_return_routed_experts=cfg.trainer.use_rollout_routing_replay,
-                            cuda_graph_max_bs=None if graph_bs is None else int(graph_bs),
-                            # SGLang's own switch passed through (--sglang-enable-deterministic-inference)
-                            # gives the batch-invariant kernels without per-request seeds, as in SGLang
-                            enable_deterministic_inference=deterministic or cfg.engine.sglang_args.get(
-                                "enable_deterministic_inference") in (True, "true"))
+    shared.setdefault("max_running_requests", cfg.rollout.concurrency_per_engine)
+    # SGLang's own switch passed through (--sglang-enable-deterministic-inference) gives the
+    # batch-invariant kernels without per-request seeds, as in SGLang
+    shared["enable_deterministic_inference"] = deterministic or shared.get("enable_deterministic_inference", False)
+    return embedded_command(ServerConfig(
+        model_path=str(cfg.model.hf_checkpoint), host=host, port=port, random_seed=seed,
+        device="cuda" if use_gpu else "cpu", dtype="bfloat16" if cfg.model.bf16 else "float32",
+        # on CPU the engine runs while the trainer ranks wait (sync loop), so it may use every core
+        num_threads=None if use_gpu else (os.cpu_count() or 1),
+        enable_return_routed_experts=cfg.trainer.use_rollout_routing_replay,
+        **shared | {"enable_fp32_lm_head": cfg.model.fp32_lm_head}))
 
 
 # --mem-fraction-static for a colocated SGLang engine: the share of the GPU its weights + KV pool take.

@@ -1,6 +1,9 @@
+import shlex
+
 import pytest
 
 from slime_rl.config import ConfigError, build_config, parse_flags
+from slime_rl.config.builtin_engine import parse_server_args
 from slime_rl.train import main as train_main
 
 
@@ -116,7 +119,10 @@ def test_dry_run_prints_plan_and_engine_commands(tiny_qwen2, tmp_path, capsys):
     assert "trainer ranks 0..1 -> bundles [0, 1]" in out
     assert "engine 1 -> bundles [3], weight-update rank_offset 2" in out
     engine_lines = [ln for ln in out.splitlines() if ln.startswith("engine 0:") or ln.startswith("engine 1:")]
-    assert len(engine_lines) == 2 and all("--model-path " + str(tiny_qwen2) in ln for ln in engine_lines)
+    assert len(engine_lines) == 2
+    for ln in engine_lines:  # the engine's own parser reads each printed line back
+        argv_ = shlex.split(ln)
+        assert parse_server_args(argv_[argv_.index("-m") + 2:]).model_path == str(tiny_qwen2)
     assert "<run-secret>" in engine_lines[0]  # the real per-run secret is never printed
 
 
@@ -162,7 +168,7 @@ def test_dry_run_sglang_backend_passes_sglang_flags_through(tiny_qwen2, tmp_path
     out = capsys.readouterr().out
     assert code == 0
     (line,) = [ln for ln in out.splitlines() if ln.startswith("engine 0:")]
-    argv_ = line.split()[2:]
+    argv_ = shlex.split(line)[2:]
     assert argv_[1:3] == ["-m", "sglang.launch_server"]
     assert argv_[argv_.index("--tp-size") + 1] == "2"
     assert argv_[argv_.index("--mem-fraction-static") + 1] == "0.7" and "--enable-torch-compile" in argv_
@@ -179,16 +185,16 @@ def test_dry_run_embedded_backend_takes_its_cuda_graph_flags(tiny_qwen2, tmp_pat
     out = capsys.readouterr().out
     assert code == 0
     (line,) = [ln for ln in out.splitlines() if ln.startswith("engine 0:")]
-    argv_ = line.split()[2:]
+    argv_ = shlex.split(line)[2:]
     assert argv_[argv_.index("-m") + 1] == "slime_rl.engines.embedded"
-    assert "--disable-cuda-graph" in argv_ and argv_[argv_.index("--cuda-graph-max-bs-decode") + 1] == "16"
-    assert "--disable-overlap-schedule" in argv_
-    assert "--enable-torch-compile" in argv_ and argv_[argv_.index("--torch-compile-max-bs") + 1] == "8"
+    engine = parse_server_args(argv_[argv_.index("-m") + 2:])  # the engine's own parser reads the printed line
+    assert engine.disable_cuda_graph and engine.cuda_graph_max_bs == 16 and engine.disable_overlap_schedule
+    assert engine.enable_torch_compile and engine.torch_compile_max_bs == 8
 
 
 @pytest.mark.parametrize("value", ["0", "x"])
 def test_embedded_torch_compile_max_bs_must_be_a_positive_integer(tmp_path, value):
-    with pytest.raises(ConfigError, match="--sglang-torch-compile-max-bs must be an integer >= 1"):
+    with pytest.raises(ConfigError, match="--sglang-torch-compile-max-bs ('x': expected int|0: must be >= 1)"):
         build_config(base_argv(tmp_path) + ["--rollout-backend", "embedded", "--sglang-torch-compile-max-bs", value])
 
 
@@ -271,7 +277,7 @@ def test_fp32_lm_head_is_one_switch_for_engines_and_trainer(tmp_path):
         assert cfg.model.fp32_lm_head is True  # the trainer's output layer follows the engines' flag
         plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=0, cluster_cpus=2)
         argv = engine_command(cfg, plan.engines[0], host="h", port=1, api_key=None, use_gpu=False)
-        assert "--enable-fp32-lm-head" in argv  # the built-in engine takes SGLang's flag name
+        assert parse_server_args(argv[3:]).enable_fp32_lm_head  # the built-in engine gets it
     assert build_config(base_argv(tmp_path) + ["--sglang-enable-fp32-lm-head", "false"]).model.fp32_lm_head is False
 
 

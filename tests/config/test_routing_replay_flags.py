@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from slime_rl.config import ConfigError
-from slime_rl.engines.embedded.cli import build_parser
+from slime_rl.config.builtin_engine import parse_server_args
 from slime_rl.orchestration.engines import engine_command
 from slime_rl.orchestration.placement import EngineSlot
 from slime_rl.train import check_model_features
@@ -54,7 +54,7 @@ def test_engines_are_started_returning_their_routing(tiny_qwen3_moe):
     for replay in (False, True):
         cfg = _cfg(tiny_qwen3_moe, *(["--use-rollout-routing-replay"] if replay else []))
         argv = engine_command(cfg, slot, "127.0.0.1", 9000, None, use_gpu=False)
-        args = build_parser().parse_args(argv[3:])
+        args = parse_server_args(argv[3:])
         assert args.enable_return_routed_experts is replay
         sg = _cfg(tiny_qwen3_moe, "--rollout-backend", "sglang", *(["--use-rollout-routing-replay"] if replay else []))
         argv = engine_command(sg, slot, "127.0.0.1", 9000, None, use_gpu=True)

@@ -68,6 +68,7 @@ def test_request_seed_is_the_stated_function_of_the_sample(tmp_path):
 
 
 def test_engine_seed_follows_both_flags(tmp_path):
+    from slime_rl.config.builtin_engine import parse_server_args
     from slime_rl.orchestration.engines import engine_command
     from slime_rl.orchestration.placement import plan_placement
 
@@ -77,7 +78,7 @@ def test_engine_seed_follows_both_flags(tmp_path):
         out = []
         for slot in plan.engines:
             argv = engine_command(cfg, slot, host="h", port=1, api_key=None, use_gpu=False)
-            out.append(int(argv[argv.index("--random-seed") + 1]))
+            out.append(parse_server_args(argv[3:]).random_seed)
         return out
 
     assert random_seeds() == [1_234_040_764, 1_234_040_765]
@@ -88,7 +89,7 @@ def test_engine_seed_follows_both_flags(tmp_path):
 def test_embedded_engine_deterministic_inference_from_either_flag(tmp_path):
     """--deterministic-rollout starts the built-in engine with --enable-deterministic-inference (its
     per-request seeds need it); SGLang's own switch passed through does too, without seeding requests."""
-    from slime_rl.engines.embedded.cli import build_parser
+    from slime_rl.config.builtin_engine import parse_server_args
     from slime_rl.orchestration.engines import engine_command
     from slime_rl.orchestration.placement import plan_placement
 
@@ -96,7 +97,7 @@ def test_embedded_engine_deterministic_inference_from_either_flag(tmp_path):
         cfg = build_config(base_argv(tmp_path) + list(extra))
         plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=0, cluster_cpus=4)
         argv = engine_command(cfg, plan.engines[0], host="h", port=1, api_key=None, use_gpu=False)
-        return build_parser().parse_args(argv[3:]).enable_deterministic_inference, cfg.rollout.sample_seed
+        return parse_server_args(argv[3:]).enable_deterministic_inference, cfg.rollout.sample_seed
 
     assert started() == (False, None)
     assert started("--deterministic-rollout")[0] is True

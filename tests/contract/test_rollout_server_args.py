@@ -10,7 +10,7 @@ import argparse
 import pytest
 
 from slime_rl.config import build_config
-from slime_rl.engines.embedded.cli import build_parser
+from slime_rl.config.builtin_engine import parse_server_args
 from slime_rl.orchestration.engines import engine_command
 from slime_rl.orchestration.placement import plan_placement
 
@@ -60,7 +60,7 @@ def test_deterministic_rollout_switches_the_built_in_engine_the_same_way(tiny_qw
         cfg = _cfg(tiny_qwen2, tmp_path, *extra)
         plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=0)
         argv = engine_command(cfg, plan.engines[0], "127.0.0.1", 30000, None, use_gpu=False)
-        ns = build_parser().parse_args(argv[argv.index("slime_rl.engines.embedded") + 1:])
+        ns = parse_server_args(argv[argv.index("slime_rl.engines.embedded") + 1:])
         assert ns.enable_deterministic_inference is want
         # the built-in engine's flag is SGLang's: the same switch parses in SGLang's parser
         p = argparse.ArgumentParser(add_help=False)

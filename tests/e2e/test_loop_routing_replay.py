@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from slime_rl.config import build_config
-from slime_rl.engines.launch import ROUTING_SELECT_ROUND_ENV
+from slime_rl.config.builtin_engine import ROUTING_SELECT_ROUND_ENV
 from slime_rl.train import preflight
 from tests.loop_checks import digit_data_fixture
 

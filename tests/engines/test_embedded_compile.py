@@ -78,13 +78,13 @@ def test_compiled_sampler_draws_the_eager_samplers_tokens():
 
 
 def test_cli_passes_the_compile_flags():
-    from slime_rl.engines.embedded.cli import build_parser
+    from slime_rl.config.builtin_engine import ServerConfig, parse_server_args
     from slime_rl.engines.launch import embedded_command as cmd
 
-    argv = cmd("/m", "127.0.0.1", 1, enable_torch_compile=True, torch_compile_max_bs=64)
-    args = build_parser().parse_args(argv[3:])
+    argv = cmd(ServerConfig("/m", "127.0.0.1", 1, enable_torch_compile=True, torch_compile_max_bs=64))
+    args = parse_server_args(argv[3:])
     assert args.enable_torch_compile and args.torch_compile_max_bs == 64
-    assert build_parser().parse_args(["--model-path", "/m"]).torch_compile_max_bs == 32  # SGLang's default
+    assert parse_server_args(["--model-path", "/m"]).torch_compile_max_bs == 32  # SGLang's default
 
 
 @pytest.mark.slow

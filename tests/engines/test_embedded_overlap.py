@@ -242,10 +242,10 @@ def test_pause_abort_mid_way_then_continue(model_tok, path):
 
 
 def test_the_switch_reaches_the_engine(tiny_qwen2):
-    from slime_rl.engines.embedded.cli import build_parser
+    from slime_rl.config.builtin_engine import parse_server_args
 
-    assert build_parser().parse_args(["--model-path", "m", "--disable-overlap-schedule"]).disable_overlap_schedule
-    assert not build_parser().parse_args(["--model-path", "m"]).disable_overlap_schedule
+    assert parse_server_args(["--model-path", "m", "--disable-overlap-schedule"]).disable_overlap_schedule
+    assert not parse_server_args(["--model-path", "m"]).disable_overlap_schedule
     for off in (False, True):
         s = start_server(tiny_qwen2, disable_overlap_schedule=off)
         try:

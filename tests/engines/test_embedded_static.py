@@ -202,12 +202,12 @@ def test_unsupported_models_stay_on_the_dynamic_path(model_tok, tiny_qwen2_5_vl)
 
 
 def test_server_flags_reach_the_engine(tiny_qwen2, model64):
-    from slime_rl.engines.embedded.cli import build_parser
+    from slime_rl.config.builtin_engine import parse_server_args
 
-    args = build_parser().parse_args(["--model-path", "m", "--static-kv-cache", "--disable-cuda-graph",
+    args = parse_server_args(["--model-path", "m", "--static-kv-cache", "--disable-cuda-graph",
                                       "--cuda-graph-max-bs", "8"])
     assert args.static_kv_cache and args.disable_cuda_graph and args.cuda_graph_max_bs == 8
-    assert build_parser().parse_args(["--model-path", "m", "--cuda-graph-max-bs-decode", "4"]).cuda_graph_max_bs == 4
+    assert parse_server_args(["--model-path", "m", "--cuda-graph-max-bs-decode", "4"]).cuda_graph_max_bs == 4
     s = start_server(tiny_qwen2, static_kv_cache=True, max_running_requests=4)
     try:
         out = s.generate({"input_ids": prompt_of(6), "return_logprob": True,

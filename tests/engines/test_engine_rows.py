@@ -6,6 +6,7 @@ leaves requests queued in the engine; a larger one is never filled."""
 from __future__ import annotations
 
 from slime_rl.config import build_config
+from slime_rl.config.builtin_engine import parse_server_args
 from slime_rl.orchestration.engines import engine_command
 from slime_rl.orchestration.placement import EngineSlot
 
@@ -17,7 +18,7 @@ def _running(tiny_qwen2, tmp_path, *extra: str) -> int:
                         "--num-rollout", "1", "--rm-type", "digit", *extra])
     argv = engine_command(cfg, EngineSlot(engine_id=0, bundles=(0,), rank_offset=1), "127.0.0.1", 30000, None,
                           use_gpu=False)
-    return int(argv[argv.index("--max-running-requests") + 1])
+    return parse_server_args(argv[3:]).max_running_requests
 
 
 def test_engine_rows_follow_the_client_concurrency(tiny_qwen2, tmp_path):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from engine_testlib import prompt_of, reference_logprobs, start_server
 
+from slime_rl.config.builtin_engine import ServerConfig
 from slime_rl.engines import dist_group
 from slime_rl.engines.client import EngineClient
 from slime_rl.engines.launch import embedded_command, wait_healthy
@@ -232,7 +233,7 @@ def test_nccl_weight_update_from_a_trainer_rank(tiny_qwen2, tmp_path):
     port, gport = _free_port(), _free_port()
     log = tmp_path / "engine.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(embedded_command(tiny_qwen2, "127.0.0.1", port, device="cuda:1"),
+        proc = subprocess.Popen(embedded_command(ServerConfig(str(tiny_qwen2), "127.0.0.1", port, device="cuda:1")),
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"

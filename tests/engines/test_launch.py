@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from slime_rl.config.builtin_engine import ServerConfig, parse_server_args
 from slime_rl.engines.launch import (
     EngineLaunchError,
     embedded_command,
@@ -52,30 +53,21 @@ def test_router_command_puts_the_workers_behind_it():
         router_command("h", 1, ["http://a:1"], extra={"worker_urls": ["http://x:1"]})
 
 
-def test_embedded_command():
-    argv = embedded_command("/m", "127.0.0.1", 9000, api_key="k", seed=5, device="cuda", dtype="bfloat16",
-                            max_running_requests=8, num_threads=2)
+def test_embedded_command_carries_the_whole_config_and_the_engine_reads_it_back():
+    cfg = ServerConfig("/m", "127.0.0.1", 9000, random_seed=5, device="cuda", dtype="bfloat16",
+                       max_running_requests=8, num_threads=2, disable_cuda_graph=True, cuda_graph_max_bs=16,
+                       disable_overlap_schedule=True, enable_torch_compile=True, torch_compile_max_bs=64)
+    argv = embedded_command(cfg)
     assert argv[:3] == [sys.executable, "-m", "slime_rl.engines.embedded"]
-    pairs = dict(zip(argv[3::2], argv[4::2], strict=True))
-    assert pairs == {"--model-path": "/m", "--host": "127.0.0.1", "--port": "9000", "--random-seed": "5",
-                     "--device": "cuda", "--dtype": "bfloat16", "--api-key": "k", "--max-running-requests": "8",
-                     "--num-threads": "2"}
-    from slime_rl.engines.embedded.cli import build_parser
-
-    args = build_parser().parse_args(argv[3:])  # every flag we emit is one the engine accepts
-    assert args.port == 9000 and args.max_running_requests == 8 and args.api_key == "k"
+    assert argv[3] == "--config-json" and len(argv) == 5
+    assert parse_server_args(argv[3:]) == cfg  # every field, through the engine's own parser
+    assert parse_server_args(embedded_command(ServerConfig("/m", "h", 1))[3:]) == ServerConfig("/m", "h", 1)
 
 
-def test_embedded_command_cuda_graph_flags():
-    from slime_rl.engines.embedded.cli import build_parser
+def test_embedded_command_keeps_the_key_off_the_command_line():
+    with pytest.raises(ValueError, match="SLIME_RL_ENGINE_API_KEY"):
+        embedded_command(ServerConfig("/m", "127.0.0.1", 9000, api_key="k"))
 
-    argv = embedded_command("/m", "127.0.0.1", 9000, device="cuda", disable_cuda_graph=True, cuda_graph_max_bs=16)
-    args = build_parser().parse_args(argv[3:])
-    assert args.disable_cuda_graph and args.cuda_graph_max_bs == 16
-    args = build_parser().parse_args(embedded_command("/m", "127.0.0.1", 9000)[3:])
-    assert not args.disable_cuda_graph and args.cuda_graph_max_bs is None and not args.disable_overlap_schedule
-    argv = embedded_command("/m", "127.0.0.1", 9000, disable_overlap_schedule=True)
-    assert "--disable-overlap-schedule" in argv and build_parser().parse_args(argv[3:]).disable_overlap_schedule
 
 def test_wait_healthy_times_out_with_the_url():
     with socket.socket() as s:  # a port with nobody listening

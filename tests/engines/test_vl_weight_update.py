@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 from vl_testlib import reference
 
+from slime_rl.config.builtin_engine import ServerConfig
 from slime_rl.data.images import IMAGE_PAD, VISION_START
 from slime_rl.engines import dist_group
 from slime_rl.engines.client import EngineClient, image_data_of, one_pad_per_image
@@ -35,7 +36,8 @@ def engine(tiny_qwen2_5_vl, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("vl_engine") / "engine.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(embedded_command(tiny_qwen2_5_vl, "127.0.0.1", port, seed=3, num_threads=1),
+        proc = subprocess.Popen(embedded_command(ServerConfig(str(tiny_qwen2_5_vl), "127.0.0.1", port, random_seed=3,
+                                                             num_threads=1)),
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", timeout=120, process=proc, log_path=log)

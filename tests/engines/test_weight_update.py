@@ -20,6 +20,7 @@ import pytest
 import torch
 from engine_testlib import prompt_of, reference_logprobs
 
+from slime_rl.config.builtin_engine import ServerConfig
 from slime_rl.engines import dist_group
 from slime_rl.engines.client import EngineClient, EngineError
 from slime_rl.engines.launch import embedded_command, wait_healthy
@@ -35,7 +36,7 @@ def _free_port() -> int:
 def engine_proc(tiny_qwen2, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("engine") / "engine.log"
-    argv = embedded_command(tiny_qwen2, "127.0.0.1", port, seed=3, num_threads=1)
+    argv = embedded_command(ServerConfig(str(tiny_qwen2), "127.0.0.1", port, random_seed=3, num_threads=1))
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -172,7 +173,7 @@ def test_launch_reports_a_dead_engine(tmp_path):
     from slime_rl.engines.launch import EngineLaunchError
 
     log = tmp_path / "engine.log"
-    argv = embedded_command(tmp_path / "no_model_here", "127.0.0.1", _free_port())
+    argv = embedded_command(ServerConfig(str(tmp_path / "no_model_here"), "127.0.0.1", _free_port()))
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     with pytest.raises(EngineLaunchError, match=r"exited with code [1-9]") as info:

@@ -26,11 +26,11 @@ import logging
 import secrets
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from slime_rl.config.builtin_engine import ServerConfig
 from slime_rl.data.images import load_image_processor
 from slime_rl.engines.embedded.engine import Engine, GenRequest
 from slime_rl.engines.embedded.http import HttpLimits, HttpServer
@@ -57,55 +57,6 @@ def decodes_on_slots(device: str, disable_cuda_graph: bool, static_kv_cache: boo
     gap was 2e-2 instead of 3e-5 (SmolLM2 on an H200, BENCHMARKS.md, 2026-12-03)."""
     cuda = torch.device(device).type == "cuda"
     return (cuda and not disable_cuda_graph) or static_kv_cache or (cuda and deterministic)
-
-
-@dataclass
-class ServerConfig:
-    model_path: str
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    random_seed: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_running_requests: int = 64
-    weight_version: str = "default"
-    num_threads: int | None = None  # torch.set_num_threads: process-wide, so left alone unless given
-    # decoding (engine.py): on CUDA a static KV cache with CUDA graphs unless disable_cuda_graph;
-    # static_kv_cache uses the static cache without graphs elsewhere (CPU) or with them disabled, as
-    # enable_deterministic_inference does on CUDA (`decodes_on_slots`)
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None  # larger batches run the static step eagerly
-    static_kv_cache: bool = False
-    # SGLang's --disable-overlap-schedule: read each step's tokens before launching the next (engine.py)
-    disable_overlap_schedule: bool = False
-    # SGLang's --enable-torch-compile / --torch-compile-max-bs: the static decode step of padded
-    # batches up to the bound runs with its RMSNorms, MLPs and RoPE compiled (compiled.py)
-    enable_torch_compile: bool = False
-    torch_compile_max_bs: int = 32
-    # SGLang 0.5.23 honours a request's sampling_seed only under --enable-deterministic-inference
-    # (sampling_batch_info builds the seeds only then); without it the seed is ignored
-    enable_deterministic_inference: bool = False
-    # SGLang's --enable-weights-cpu-backup: a release of "weights" keeps a host copy that a resume
-    # restores; without it the released weights are gone and must be sent again (memory.py)
-    enable_weights_cpu_backup: bool = False
-    # SGLang's --enable-fp32-lm-head: fp32 logits (precision.py); RMSNorm rounds as SGLang's always
-    enable_fp32_lm_head: bool = False
-    # SGLang's --enable-return-routed-experts: a request's return_routed_experts answers each MoE
-    # layer's top-k expert ids (routing.py); routing_select_round: test/measurement only (routing.py)
-    enable_return_routed_experts: bool = False
-    routing_select_round: str | None = None
-    # a body larger than this is refused (413) before it is read: weight updates travel over NCCL/IPC,
-    # so the largest bodies are VL requests with images as data URLs
-    max_request_bytes: int = 256 << 20
-    # a request's head and body must arrive within this many seconds (else 408 and the connection
-    # closes); a kept-alive connection idle for idle_timeout_s closes. Long /generate calls wait on
-    # the scheduler, not on the socket, so they are not cut. Open connections above max_connections
-    # are answered 503; blocking endpoint bodies run on at most http_workers threads (http.py).
-    read_timeout_s: float = 30.0
-    idle_timeout_s: float = 300.0
-    max_connections: int = 4096
-    http_workers: int = 16
 
 
 class EmbeddedServer:
