@@ -8,8 +8,6 @@ flag), the dataset (DataError names the row) and the reward function (RewardErro
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import os
 import secrets
 import shlex
@@ -20,19 +18,19 @@ import traceback
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoTokenizer
 
-from slime_rl.config import Config, ConfigError, RewardConfig, build_config
-from slime_rl.config.slime_args import slime_args
-from slime_rl.data import DataError, PromptDataset, TokenLimit, num_rollout_for_epochs
-from slime_rl.data.debug_rollouts import read_debug_rollout
-from slime_rl.engines.launch import check_engine_config
+from slime_rl.config import Config, ConfigError, build_config
+from slime_rl.data import DataError
 from slime_rl.observability import MetricsLogger, StepClock, Timer, summary_line
-from slime_rl.orchestration.placement import PlacementPlan, assign_devices, plan_placement
-from slime_rl.rewards import RewardError, reward_fn_from_config
-from slime_rl.rewards.builtin import REWARDS
-from slime_rl.rewards.labels import label_problem
-from slime_rl.rollout.custom import load_filter, load_generate_function
+from slime_rl.orchestration.placement import PlacementPlan, assign_devices
+from slime_rl.preflight import (  # noqa: F401  (the driver's checks, importable from here as before)
+    check_model_features,
+    check_ref_load,
+    check_replay_files,
+    preflight,
+    reward_fn,
+)
+from slime_rl.rewards import RewardError
 
 
 class RunFailed(RuntimeError):
@@ -43,240 +41,6 @@ class RunFailed(RuntimeError):
     def __init__(self, message: str, known: bool = True) -> None:
         super().__init__(message)
         self.known = known
-
-
-# the files an HF folder's tokenizer is read from (any one of them)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
-
-
-def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
-    """Check data, reward and placement before anything is started; returns the config (with
-    --num-epoch turned into steps) and the plan."""
-    # --sglang-* / --router-* against the programs' own flags: a typo fails here, not on a GPU node
-    cfg = dataclasses.replace(cfg, engine=check_engine_config(cfg.engine))
-    router_started = cfg.engine.use_router and not cfg.dry_run and not cfg.debug.train_only
-    if router_started and importlib.util.find_spec("sglang_router") is None:
-        raise ConfigError("--use-sglang-router: the 'sglang_router' package is not installed on the head node "
-                          "(pip install slime_rl[router])")
-    check_model_features(cfg)
-    if cfg.plan.cluster is None or (cfg.model.ref_load and os.path.exists(cfg.model.ref_load)):
-        check_ref_load(cfg)  # with --cluster, a --ref-load that exists only there is not checked here
-    labels = label_problem(cfg.reward.rm_type, cfg.reward.custom_rm_path)  # what the reward needs of a label
-    not_here = missing_here(cfg)
-    if not any(os.path.isfile(os.path.join(cfg.model.hf_checkpoint, f)) for f in TOKENIZER_FILES):
-        # transformers 5 builds an empty tokenizer from config.json alone: every prompt would be 0 tokens
-        if cfg.plan.cluster is None:
-            raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: no tokenizer files there (one of "
-                              f"{', '.join(TOKENIZER_FILES)})")
-        not_here.append(f"the tokenizer of --hf-checkpoint {cfg.model.hf_checkpoint} (no tokenizer files here)")
-    if not not_here:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
-        dataset = PromptDataset(cfg.data, tokenizer, token_limit=token_limit(cfg, cfg.rollout.max_response_len),
-                                label_check=labels)
-        for _, path in cfg.eval.datasets:  # as the rollout manager reads them: unshuffled, same limits
-            PromptDataset(dataclasses.replace(cfg.data, prompt_data=path, rollout_shuffle=False), tokenizer,
-                          token_limit=token_limit(cfg, cfg.eval.max_response_len, "--eval-max-response-len"),
-                          label_check=labels)
-        if dataset.filtered_too_long:
-            print(f"[slime_rl] {dataset.filtered_too_long} prompts longer than --rollout-max-prompt-len dropped")
-        if cfg.data.num_epoch is not None:
-            steps = num_rollout_for_epochs(len(dataset), cfg.rollout.rollout_batch_size, cfg.data.num_epoch)
-            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_rollout=steps))
-    else:
-        dataset = None
-        token_limit(cfg, cfg.rollout.max_response_len)  # what config.json alone can tell
-    if cfg.debug.train_only and cfg.plan.cluster is None and not cfg.checkpoint.load:
-        check_replay_files(cfg)  # after --num-epoch became a number of steps
-    args = slime_args(cfg)  # what slime-style extension functions get first
-    reward_fn_from_config(cfg.reward, args=args)
-    if dataset is not None and cfg.reward.custom_rm_path is None:
-        check_reward_rows(cfg.reward.rm_type, cfg.data.prompt_data, dataset)
-    # extension points load here, so a bad dotted path fails before any actor starts
-    load_generate_function(cfg.rollout.custom_generate_function_path, args)
-    load_filter(cfg.rollout.dynamic_sampling_filter_path, args, cfg.rollout.dynamic_sampling_filter_kwargs)
-    critic_world = cfg.critic.world_size if cfg.critic else 0
-    if cfg.plan.cluster is not None:  # --dry-run for another cluster: its GPUs, not this machine's
-        nodes, gpus = cfg.plan.cluster
-        plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=nodes * gpus, critic_world=critic_world)
-        assign_devices(plan, nodes, gpus)  # an engine that fits on no node fails here
-    else:
-        plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
-                              cluster_cpus=os.cpu_count(), critic_world=critic_world)
-    plan.notes.extend(f"not checked here (--cluster): {what}" for what in not_here)
-    if cfg.plan.cluster is not None and not_here and cfg.data.num_epoch is not None:
-        plan.notes.append(f"--num-epoch {cfg.data.num_epoch}: the number of steps is known once the data is read")
-    return cfg, plan
-
-
-def check_replay_files(cfg: Config) -> None:
-    """--load-debug-rollout-data, before anything starts: step 0's file is read and checked against the
-    flags (as each step's is when its rollout comes), and every step's file must exist. (With --load the
-    first step is known once the checkpoint is read: each file is checked when its step comes.)"""
-    debug, roll = cfg.debug, cfg.rollout
-    read_debug_rollout(debug.load_rollout_path(0), 0, roll.rollout_batch_size, roll.n_samples_per_prompt,
-                       cfg.trainer.use_rollout_routing_replay, cfg.reward.reward_key)
-    missing = [k for k in range(roll.num_rollout) if not os.path.isfile(debug.load_rollout_path(k))]
-    if missing:
-        raise DataError(f"--load-debug-rollout-data {debug.load_rollout_data}: no file for step {missing[0]} "
-                        f"({debug.load_rollout_path(missing[0])}); {len(missing)} of the {roll.num_rollout} steps' "
-                        "files are missing (fewer --num-rollout?)")
-
-
-def missing_here(cfg: Config) -> list[str]:
-    """With --cluster, the prompt files that exist only on that cluster (not checked here, nor is a
-    tokenizer missing from --hf-checkpoint: a folder holding only config.json plans too). Empty otherwise."""
-    if cfg.plan.cluster is None:
-        return []
-    files = [("--prompt-data", cfg.data.prompt_data.split("@[", 1)[0])]
-    files += [(f"--eval-prompt-data {name}", path) for name, path in cfg.eval.datasets]
-    return [f"{flag} {path} (no such file here)" for flag, path in files if not os.path.isfile(path)]
-
-
-def token_limit(cfg: Config, max_response_len: int, flag: str = "--rollout-max-response-len") -> TokenLimit | None:
-    """The engines' context (--sglang-context-length, else the checkpoint's max_position_embeddings)
-    and what a prompt must leave of it: --rollout-max-context-len caps max_new_tokens per request,
-    else the whole max_response_len must fit (SGLang refuses the request otherwise)."""
-    from slime_rl.trainer.convert import read_hf_config
-
-    hf = read_hf_config(cfg.model.hf_checkpoint)
-    given = cfg.engine.sglang_args.get("context_length")
-    if given is not None:
-        context, source = int(given), "--sglang-context-length"
-    else:
-        context = hf.get("max_position_embeddings") or (hf.get("text_config") or {}).get("max_position_embeddings")
-        if context is None:
-            return None
-        source = f"max_position_embeddings of {cfg.model.hf_checkpoint}"
-    cap = cfg.rollout.rollout_max_context_len
-    if cap is not None:
-        return TokenLimit(min(context, cap), 1, source if cap >= context else "--rollout-max-context-len")
-    if max_response_len >= context:
-        raise ConfigError(f"{flag} {max_response_len}: no prompt fits with it in the context of {context} "
-                          f"({source}); lower it, or let --rollout-max-context-len {context} cap each response")
-    return TokenLimit(context, max_response_len, source)
-
-
-def check_reward_rows(rm_type: str | None, where: object, dataset: PromptDataset) -> None:
-    """What a built-in reward needs of all rows at once (its RewardSpec's `rows_check`; reasoning_gym:
-    every row names a reasoning-gym task and has a label), checked now rather than as reward failures in
-    the middle of step 0."""
-    spec = REWARDS.get(rm_type) if rm_type is not None else None
-    if spec is None or spec.rows_check is None:
-        return
-    try:
-        spec.rows_check([r.metadata for r in dataset.rows], [r.label for r in dataset.rows])
-    except ValueError as exc:
-        raise DataError(f"{where} (--rm-type {rm_type}): {exc}") from exc
-
-
-def check_model_features(cfg: Config) -> None:
-    """Flags that need (or do not work with) a vision-language checkpoint, from its config.json."""
-    from slime_rl.trainer.convert import FAMILIES, read_hf_config
-
-    try:
-        model_type = read_hf_config(cfg.model.hf_checkpoint).get("model_type", "")
-    except (FileNotFoundError, ValueError) as exc:
-        raise ConfigError(f"--hf-checkpoint: {exc}") from exc
-    vision = model_type in FAMILIES and FAMILIES[model_type].vision
-    if cfg.model.freeze_vision_tower and not vision:
-        raise ConfigError(f"--freeze-vision-tower needs a vision-language checkpoint; --hf-checkpoint "
-                          f"{cfg.model.hf_checkpoint} is model_type {model_type!r}")
-    if vision and cfg.parallel.context_parallel_size > 1:
-        raise ConfigError(f"--context-parallel-size {cfg.parallel.context_parallel_size}: context parallelism "
-                          f"is not supported for vision-language models ({model_type})")
-    check_moe_features(cfg, model_type)
-    if vision and cfg.critic is not None:
-        raise ConfigError(f"--advantage-estimator {cfg.algo.advantage_estimator}: a critic for vision-language "
-                          f"models ({model_type}) is not supported yet; use grpo, dapo, gspo, rloo or reinforce++")
-
-
-def check_ref_load(cfg: Config) -> None:
-    """--ref-load, before any rank starts: a Megatron checkpoint (its tensors are checked against the
-    model when a rank loads it) or an HF folder whose config.json describes the --hf-checkpoint's
-    model (same tensors; a different rope base or norm eps would make it another model)."""
-    path = cfg.model.ref_load
-    if path is None or not cfg.algo.use_reference:
-        return
-    from slime_rl.trainer.checkpoint_layout import is_megatron_checkpoint
-    from slime_rl.trainer.convert import load_arch
-
-    if is_megatron_checkpoint(path):
-        return
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"--ref-load {path}: neither a Megatron checkpoint (latest_checkpointed_iteration.txt, "
-                          "iter_*/ or metadata.json) nor an HF folder (config.json + safetensors)")
-    try:
-        ref, policy = load_arch(path), load_arch(cfg.model.hf_checkpoint)
-    except (ValueError, FileNotFoundError) as exc:
-        raise ConfigError(f"--ref-load {path}: {exc}") from exc
-    differ = [f"{f.name} {getattr(ref, f.name)} vs {getattr(policy, f.name)}" for f in dataclasses.fields(ref)
-              if f.name != "max_position_embeddings" and getattr(ref, f.name) != getattr(policy, f.name)]
-    if differ:
-        raise ConfigError(f"--ref-load {path}: another model than --hf-checkpoint {cfg.model.hf_checkpoint} "
-                          f"({'; '.join(differ)}); the reference must have the policy's architecture")
-
-
-def check_moe_features(cfg: Config, model_type: str) -> None:
-    """The mixture-of-experts flags against the checkpoint: expert parallelism needs experts, and as
-    many of them per layer as a multiple of --expert-model-parallel-size."""
-    from slime_rl.trainer.convert import FAMILIES, load_arch
-
-    moe = model_type in FAMILIES and FAMILIES[model_type].moe
-    ep = cfg.parallel.expert_model_parallel_size
-    # R3 (the engines' routing) or R2 alone (the old-log-prob forward's routing; R3 implies R2)
-    replay = cfg.trainer.use_rollout_routing_replay or cfg.trainer.use_routing_replay
-    flag = "--use-rollout-routing-replay" if cfg.trainer.use_rollout_routing_replay else "--use-routing-replay"
-    what = "the engines'" if cfg.trainer.use_rollout_routing_replay else "the recorded"
-    if replay and not moe:
-        raise ConfigError(f"{flag}: --hf-checkpoint {cfg.model.hf_checkpoint} is a dense "
-                          f"model ({model_type!r}), without experts to route")
-    if replay and cfg.parallel.context_parallel_size > 1:
-        raise ConfigError(f"{flag} with --context-parallel-size "
-                          f"{cfg.parallel.context_parallel_size}: {what} routing does not follow the CP split "
-                          "of the sequence yet")
-    if replay and cfg.trainer.recompute_granularity:
-        raise ConfigError(f"{flag} with --recompute-granularity "
-                          f"{cfg.trainer.recompute_granularity}: the recomputed forward would route on its own")
-    if not moe:
-        # --expert-tensor-parallel-size alone changes nothing without experts (Megatron ignores it too, and
-        # slime's dense scripts pass --expert-tensor-parallel-size 1 with any TP)
-        if ep > 1:
-            raise ConfigError(f"--expert-model-parallel-size {ep}: --hf-checkpoint {cfg.model.hf_checkpoint} is a "
-                              f"dense model ({model_type!r}), without experts")
-        return
-    if cfg.trainer.moe_grouped_gemm:
-        raise ConfigError("--moe-grouped-gemm needs TransformerEngine's grouped GEMM (TEGroupedMLP); the trainer "
-                          "builds megatron's local spec (SequentialMLP): drop the flag")
-    try:
-        experts = load_arch(cfg.model.hf_checkpoint).num_experts
-    except ValueError as exc:
-        raise ConfigError(f"--hf-checkpoint: {exc}") from exc
-    if experts % ep != 0:
-        raise ConfigError(f"--expert-model-parallel-size {ep}: {cfg.model.hf_checkpoint} has {experts} experts "
-                          "per layer, not a multiple of it")
-    if cfg.parallel.tensor_model_parallel_size > 1 and not cfg.trainer.sequence_parallel:
-        raise ConfigError(f"--tensor-model-parallel-size {cfg.parallel.tensor_model_parallel_size} with a "
-                          f"mixture-of-experts model ({model_type}) needs --sequence-parallel (megatron's MoE layer "
-                          "refuses to train with TP and without it)")
-    if cfg.trainer.moe_token_dispatcher_type == "allgather" and cfg.parallel.pipeline_model_parallel_size > 1:
-        raise ConfigError("--moe-token-dispatcher-type allgather: megatron's allgather dispatcher does not take "
-                          "the variable sequence lengths pipeline stages exchange; use alltoall with "
-                          "--pipeline-model-parallel-size > 1")
-    etp = cfg.parallel.expert_tensor_parallel_size or cfg.parallel.tensor_model_parallel_size
-    if cfg.trainer.moe_token_dispatcher_type == "allgather" and ep * etp > 1:
-        # its all-gather needs equal token counts over the EP x expert-TP ranks (trainer/equal_tokens.py)
-        if cfg.parallel.context_parallel_size > 1:
-            raise ConfigError(f"--moe-token-dispatcher-type allgather with --context-parallel-size "
-                              f"{cfg.parallel.context_parallel_size}: not supported; use alltoall")
-        if not cfg.trainer.pack_sequences:
-            raise ConfigError("--moe-token-dispatcher-type allgather with --no-pack-sequences and expert (or tensor) "
-                              "parallelism: right-padded micro-batches may hold different sample counts on the "
-                              "ranks the dispatcher gathers over; pack the sequences or use alltoall")
-
-
-def reward_fn(reward: RewardConfig):
-    """The reward function the flags name (checked now: errors name the flag)."""
-    return reward_fn_from_config(reward)
 
 
 def dry_run(cfg: Config, plan: PlacementPlan) -> None:
