@@ -3,6 +3,10 @@
 Field defaults come from the flag table (`flags.default_of`): a value has one default, written once.
 `load.py` fills the groups by keyword from the same table, and `_check_table` (run at import) makes
 a field that a flag names but the group lacks -- a rename -- fail loudly here, not silently later.
+
+The trainer's groups, checkpoints, logging, debug dumps, the dry-run plan and `Config` itself are
+written here; the rollout side's (data, rollout, reward, eval, engine, weight sync, fault) in
+`groups_rollout.py`, re-exported from here. `GROUPS` names them all.
 """
 
 from __future__ import annotations
@@ -13,7 +17,15 @@ from typing import Any
 
 from slime_rl.config.estimators import EstimatorSpec, estimator_spec
 from slime_rl.config.flags import FLAGS, default_of
-from slime_rl.config.seeds import run_seed
+from slime_rl.config.groups_rollout import (
+    DataConfig,
+    EngineConfig,
+    EvalConfig,
+    FaultConfig,
+    RewardConfig,
+    RolloutConfig,
+    WeightSyncConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -181,121 +193,6 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    prompt_data: str = ""
-    input_key: str = default_of("--input-key")
-    label_key: str = default_of("--label-key")
-    apply_chat_template: bool = default_of("--apply-chat-template")
-    rollout_shuffle: bool = default_of("--rollout-shuffle")
-    rollout_max_prompt_len: int | None = default_of("--rollout-max-prompt-len")
-    seed: int = run_seed(default_of("--seed"), default_of("--rollout-seed"))  # the run seed: the prompt order's
-    metadata_key: str | None = default_of("--metadata-key")
-    tool_key: str | None = default_of("--tool-key")
-    # JSON object, e.g. '{"enable_thinking": false}'
-    chat_template_kwargs: str | None = default_of("--apply-chat-template-kwargs")
-    num_epoch: int | None = default_of("--num-epoch")
-    image_key: str | None = default_of("--image-key")  # EasyR1's column name; absent in text-only data
-    min_pixels: int | None = default_of("--min-pixels")  # None: the checkpoint's image processor decides
-    max_pixels: int | None = default_of("--max-pixels")
-    # jinja2 file: each prompt is rendered from `content` first
-    format_prompt: str | None = default_of("--format-prompt")
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    rollout_batch_size: int = 1
-    n_samples_per_prompt: int = default_of("--n-samples-per-prompt")
-    max_response_len: int = default_of("--rollout-max-response-len")
-    temperature: float = default_of("--rollout-temperature")
-    top_p: float = default_of("--rollout-top-p")
-    top_k: int = default_of("--rollout-top-k")
-    seed: int = default_of("--rollout-seed")
-    num_rollout: int = 1  # --num-rollout, or from --num-epoch once the data is read
-    concurrency_per_engine: int = default_of("--sglang-server-concurrency")
-    async_mode: bool = default_of("--async")
-    rollout_stop: tuple[str, ...] = default_of("--rollout-stop")
-    rollout_stop_token_ids: tuple[int, ...] = default_of("--rollout-stop-token-ids")
-    rollout_max_context_len: int | None = default_of("--rollout-max-context-len")
-    over_sampling_batch_size: int | None = default_of("--over-sampling-batch-size")
-    dynamic_sampling_filter_path: str | None = default_of("--dynamic-sampling-filter-path")
-    partial_rollout: bool = default_of("--partial-rollout")
-    mask_offpolicy_in_partial_rollout: bool = default_of("--mask-offpolicy-in-partial-rollout")
-    rollout_deadline_s: float | None = default_of("--rollout-deadline-s")
-    custom_generate_function_path: str | None = default_of("--custom-generate-function-path")
-    dynamic_sampling_filter_kwargs: str | None = default_of("--dynamic-sampling-filter-kwargs")  # JSON object
-    sample_seed: int | None = None  # --deterministic-rollout: the run seed of --seed and --rollout-seed
-
-    @property
-    def samples_per_rollout(self) -> int:
-        """Samples a step trains on: --rollout-batch-size x --n-samples-per-prompt."""
-        return self.rollout_batch_size * self.n_samples_per_prompt
-
-    @property
-    def draw_size(self) -> int:
-        """Prompts drawn at a time while filling the step's groups."""
-        return self.over_sampling_batch_size or self.rollout_batch_size
-
-
-@dataclass(frozen=True)
-class RewardConfig:
-    """How samples are scored: the built-in or custom reward function, the remote reward model, and
-    what a raising reward scores."""
-
-    rm_type: str | None = default_of("--rm-type")
-    custom_rm_path: str | None = default_of("--custom-rm-path")
-    custom_rm_kwargs: str | None = default_of("--custom-rm-kwargs")  # JSON object
-    rm_url: str | None = default_of("--rm-url")
-    reward_key: str = default_of("--reward-key")
-    rm_timeout_s: float = default_of("--rm-timeout")
-    rm_max_retries: int = default_of("--rm-max-retries")
-    rm_backoff_s: float = default_of("--rm-backoff")
-    group_rm: bool = default_of("--group-rm")  # --custom-rm-path scores whole groups
-    # a sample whose reward raised scores this (counted in rollout/reward_failures)
-    reward_failure_value: float = default_of("--reward-failure-value")
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    interval: int | None = default_of("--eval-interval")
-    datasets: tuple[tuple[str, str], ...] = ()  # (name, path)
-    n_samples_per_prompt: int = default_of("--n-samples-per-eval-prompt")
-    temperature: float = default_of("--rollout-temperature")  # --eval-temperature, else the rollout's
-    top_p: float = default_of("--rollout-top-p")
-    max_response_len: int = default_of("--rollout-max-response-len")
-    skip_before_train: bool = default_of("--skip-eval-before-train")
-    log_generations: int = default_of("--log-eval-generations")  # eval samples written per eval
-
-    @property
-    def enabled(self) -> bool:
-        return self.interval is not None and bool(self.datasets)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    backend: str = default_of("--rollout-backend")
-    num_gpus: int = 1  # --rollout-num-gpus, else 1 (with --colocate: the trainer's devices)
-    num_gpus_per_engine: int = default_of("--rollout-num-gpus-per-engine")
-    # --sglang-<name> VALUE, keyed by SGLang's ServerArgs field name (dashes -> underscores)
-    sglang_args: dict[str, Any] = field(default_factory=dict)
-    use_router: bool = default_of("--use-sglang-router")
-    router_port: int | None = default_of("--sglang-router-port")
-    # --router-<name> VALUE, keyed by sglang-router's option name (dashes -> underscores)
-    router_args: dict[str, Any] = field(default_factory=dict)
-    # engines on the trainer's devices (placement, weight sync, memory)
-    colocate: bool = default_of("--colocate")
-
-    @property
-    def num_engines(self) -> int:
-        return self.num_gpus // self.num_gpus_per_engine
-
-
-@dataclass(frozen=True)
-class WeightSyncConfig:
-    update_weight_buffer_size: int = default_of("--update-weight-buffer-size")
-    update_weights_interval: int = default_of("--update-weights-interval")  # steps between weight syncs
-
-
-@dataclass(frozen=True)
 class CheckpointConfig:
     save: str | None = default_of("--save")
     load: str | None = default_of("--load")
@@ -358,16 +255,6 @@ class DebugConfig:
         """Where data-parallel rank `rank` writes step `rollout_id`'s train data."""
         assert self.save_train_data is not None
         return self.save_train_data.format(rollout_id=rollout_id, rank=rank)
-
-
-@dataclass(frozen=True)
-class FaultConfig:
-    """What the run does when a rollout engine fails (--use-fault-tolerance); a failing reward
-    function is RewardConfig's (--reward-failure-value)."""
-
-    use_fault_tolerance: bool = default_of("--use-fault-tolerance")
-    health_check_interval_s: float = default_of("--rollout-health-check-interval")
-    health_check_timeout_s: float = default_of("--rollout-health-check-timeout")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,12 @@
 
 Order of precedence: parser defaults < YAML file (`--config`) < command line. Every user error
 raises `ConfigError` whose message names the flag (or the YAML file and key).
+
+`parse.py` reads argv and the YAML file into the flat namespace (`parse_flags`); this module builds
+the typed groups from it (`build_config`), computing the fields several flags decide together and
+checking the combinations of flags where it computes them; `checks.py` holds the error type and the
+checks of one flag or one feature. `ConfigError`, `parse_flags`, `split_router_args` and
+`ROUTER_KEY` are re-exported from here.
 """
 
 from __future__ import annotations
@@ -10,212 +16,34 @@ import argparse
 import dataclasses
 import importlib.util
 import os
-import string
 import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from slime_rl.config.builtin_engine import from_sglang_args
-from slime_rl.config.easyr1 import describe, is_easyr1, map_easyr1
-from slime_rl.config.estimators import ESTIMATOR_SPECS, estimator_spec
-from slime_rl.config.flags import (
-    EMBEDDED_SGLANG_ARGS,
-    FLAGS,
-    OWN_SGLANG_FLAGS,
-    ROUTER_PREFIX,
-    SGLANG_PREFIX,
-    build_parser,
+from slime_rl.config.checks import (
+    ConfigError,
+    _check,
+    _check_colocate,
+    _check_flags,
+    _check_path_template,
+    _require,
+    _same_path,
 )
+from slime_rl.config.estimators import ESTIMATOR_SPECS, estimator_spec
+from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, FLAGS
 from slime_rl.config.groups import GROUPS, Config, CriticConfig, EngineConfig, EvalConfig, ParallelConfig
+from slime_rl.config.parse import ROUTER_KEY, parse_flags, split_router_args
 from slime_rl.config.seeds import run_seed
-from slime_rl.config.slime_args import refuse_slime_only
 
-# how parse_flags keys a `--router-<name>` in its pass-through dict: `--sglang-router-ip` (slime's
-# external-router flag) stays the SGLang name `router_ip` and cannot be taken for a router flag
-ROUTER_KEY = "router:"
-
-
-class ConfigError(ValueError):
-    """A user error in flags or the YAML file; the message names the flag."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse would print and exit(2); we want an exception
-        raise ConfigError(message)
-
-
-def _make_parser() -> argparse.ArgumentParser:
-    base = build_parser()
-    parser = _Parser(prog=base.prog, description=base.description, allow_abbrev=False,
-                     parents=[base], add_help=False, conflict_handler="resolve")
-    return parser
-
-
-def _split_passthrough(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """Pull `--sglang-<name> [VALUE ...]` and `--router-<name> [VALUE ...]` out of argv; returns
-    (rest, {name: value}) with router names as `router:<name>`. No value: True (a switch); several
-    values (our flags take no positionals, so every token up to the next `--` belongs to it): a list."""
-    rest: list[str] = []
-    sglang: dict[str, Any] = {}
-    i = 0
-    argv = list(argv)
-    while i < len(argv):
-        tok = argv[i]
-        if tok.partition("=")[0] in OWN_SGLANG_FLAGS:
-            rest.append(tok)
-        elif tok.startswith(SGLANG_PREFIX) or tok.startswith(ROUTER_PREFIX):
-            key, _, inline = tok.partition("=")
-            name = key[len(SGLANG_PREFIX):] if key.startswith(SGLANG_PREFIX) else ROUTER_KEY + key[
-                len(ROUTER_PREFIX):]
-            name = name.replace("-", "_")
-            values = []
-            while not inline and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                values.append(argv[i + 1])
-                i += 1
-            value: Any = inline or (values[0] if len(values) == 1 else values or True)
-            sglang[name] = value
-        else:
-            rest.append(tok)
-        i += 1
-    return rest, sglang
-
-
-def split_router_args(passthrough: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """parse_flags' pass-through dict -> ({sglang name: value}, {router name: value})."""
-    sglang = {k: v for k, v in passthrough.items() if not k.startswith(ROUTER_KEY)}
-    router = {k[len(ROUTER_KEY):]: v for k, v in passthrough.items() if k.startswith(ROUTER_KEY)}
-    return sglang, router
-
-
-def _yaml_overlay(parser: argparse.ArgumentParser, path: str,
-                  backend: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The --config file as flag defaults and --sglang-* pass-through; EasyR1's nested layout is
-    mapped first (config/easyr1.py) and the mapping printed. `backend`: --rollout-backend from the
-    command line (the EasyR1 mapping depends on it)."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--config: file not found: {path}")
-    try:
-        data = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: top level must be a mapping of flag names to values")
-    if is_easyr1(data):
-        mapping = map_easyr1(data, f"--config {path}", ConfigError, backend)
-        print(describe(mapping, f"--config {path}"), flush=True)
-        # (how errors name the key, the flag key, the value)
-        items = [(f"{mapping.origin[k]} -> --{k.replace('_', '-')}", k, v) for k, v in mapping.flags.items()]
-    else:
-        refuse_slime_only([str(k) for k in data], f"--config {path}: ", ConfigError)
-        items = [(k, k, v) for k, v in data.items()]
-    dests = {a.dest: a for a in parser._actions}
-    # a key may also be the flag's own name where it differs from its dest: `no-pack-sequences: true`
-    # (store_false, dest pack_sequences) says what `--no-pack-sequences` says; `pack-sequences: false` too
-    flags = {o.lstrip("-").replace("-", "_"): a for a in parser._actions for o in a.option_strings
-             if o.startswith("--") and o.lstrip("-").replace("-", "_") != a.dest}
-    defaults: dict[str, Any] = {}
-    sglang: dict[str, Any] = {}
-    for raw_key, flag_key, value in items:
-        key = str(flag_key).lstrip("-").replace("-", "_")
-        if key.startswith("sglang_") and "--" + key.replace("_", "-") not in OWN_SGLANG_FLAGS:
-            sglang[key[len("sglang_"):]] = value
-            continue
-        if key.startswith("router_"):  # --router-<name>: kept as router:<name> like on the command line
-            sglang[ROUTER_KEY + key[len("router_"):]] = value
-            continue
-        if key not in dests and key in flags and flags[key].nargs == 0:  # a switch by its flag name
-            action = flags[key]
-            if not isinstance(value, bool):
-                raise ConfigError(f"--config {path}: key '{raw_key}': expected true or false, got {value!r:.40}")
-            if value:  # true: as if the switch were given; false: as if it were not
-                defaults[action.dest] = action.const
-            continue
-        if key in ("config", "help") or key not in dests:
-            raise ConfigError(f"--config {path}: unknown key '{raw_key}' (not a flag of slime-rl train)")
-        action = dests[key]
-        if value is None:  # `key:` or `key: null` leaves the flag at its default (None would bypass its type)
-            continue
-        if action.nargs == 0 and value is not None and not isinstance(value, bool):  # store_true/false
-            raise ConfigError(f"--config {path}: key '{raw_key}': expected true or false, got {value!r:.40}")
-        many = action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 0)
-        if many and value is not None:  # a list flag: one value is a list of one
-            value = list(value) if isinstance(value, list) else [value]
-        elif isinstance(value, (list, dict)):
-            raise ConfigError(f"--config {path}: key '{raw_key}': expected one value, got {type(value).__name__}")
-        if not many and action.type is None and action.nargs != 0:  # a string flag (a path, a name)
-            if isinstance(value, bool):
-                raise ConfigError(f"--config {path}: key '{raw_key}': expected a string, got {value!r}")
-            value = str(value)  # a number written without quotes (a folder named 2024)
-        if value is not None and action.type is not None:  # a bool for a number is refused here too
-            try:
-                value = [action.type(str(v)) for v in value] if many else action.type(str(value))
-            except (argparse.ArgumentTypeError, ValueError) as exc:
-                raise ConfigError(f"--config {path}: key '{raw_key}': {exc}") from exc
-        if many and value is not None:
-            value = [str(v) if action.type is None else v for v in value]
-        if action.choices is not None and value is not None and value not in action.choices:
-            raise ConfigError(f"--config {path}: key '{raw_key}': {value!r} is not one of {list(action.choices)}")
-        defaults[key] = value
-    return defaults, sglang
-
-
-def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
-    """Parse argv (YAML overlay included); returns the flat namespace and the --sglang-* args."""
-    rest, sglang_cli = _split_passthrough(argv)
-    parser = _make_parser()
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    pre.add_argument("--rollout-backend", default=None)
-    known, _ = pre.parse_known_args(rest)
-    refuse_slime_only([t for t in rest if t.startswith("--")], "", ConfigError)
-    sglang: dict[str, Any] = {}
-    if known.config:
-        defaults, sglang = _yaml_overlay(parser, known.config, known.rollout_backend)
-        given = {t.partition("=")[0] for t in rest if t.startswith("--")}
-        # the two ways to say how long to train exclude each other: the command line's wins over the file's
-        for flag, other in (("--num-rollout", "num_epoch"), ("--num-epoch", "num_rollout")):
-            if flag in given:
-                defaults.pop(other, None)
-        parser.set_defaults(**defaults)
-    args = parser.parse_args(rest)
-    sglang.update(sglang_cli)
-    return args, sglang
-
-
-def _require(args: argparse.Namespace, flag: str) -> Any:
-    value = getattr(args, flag.lstrip("-").replace("-", "_"))
-    if value is None or value == "":
-        raise ConfigError(f"{flag} is required")
-    return value
-
-
-def _same_path(a: str, b: str | None) -> bool:
-    return b is not None and os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
+__all__ = ["ROUTER_KEY", "ConfigError", "build_config", "parse_flags", "split_router_args"]
 
 
 def _truthy(value: Any) -> bool:
     """A `--sglang-<switch>` value: given bare (True) or spelled true/false (YAML, the command line)."""
     return value is True or str(value).lower() in ("true", "1")
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
-def _check_flags(a: argparse.Namespace) -> None:
-    """Each flag's own range check from the table (flags.Flag.check); unset (None) flags skip it."""
-    for f in FLAGS:
-        value = getattr(a, f.key)
-        if f.check is not None and value is not None:
-            holds, must = f.check
-            # a switch is only given or not: its value says nothing the message does not
-            _check(holds(value), f"{f.name} {must}" + ("" if f.action else f", got {value}"))
 
 
 def _fields(a: argparse.Namespace, group: str) -> dict[str, Any]:
@@ -400,47 +228,6 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         debug=_group(a, "debug", train_only=train_only),
         **_fields(a, ""),
     )
-
-
-def _check_path_template(flag: str, template: str | None, names: tuple[str, ...]) -> None:
-    """A path template of `flag` (slime's str.format form) may hold only the placeholders `names`,
-    each bare ({rollout_id}, not {rollout_id.x} or {0}); None (not given) passes."""
-    if template is None:
-        return
-    placeholders = " and ".join(f"{{{n}}}" for n in names)
-    allowed = f"the placeholders allowed are {placeholders}" if len(names) > 1 else \
-        f"the only placeholder allowed is {placeholders}"
-    try:
-        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
-    except ValueError as exc:  # a lone { or }
-        raise ConfigError(f"{flag} {template!r}: not a path template ({exc}); write a literal brace as {{{{ or }}}}; "
-                          f"{allowed}") from exc
-    bad = [f"{{{name}}}" for name in fields if name not in names]
-    _check(not bad, f"{flag} {template!r}: placeholder {', '.join(bad)} is not allowed: {allowed}")
-    try:
-        template.format(**dict.fromkeys(names, 0))
-    except (ValueError, TypeError, KeyError, IndexError) as exc:  # a format spec a number does not take
-        raise ConfigError(f"{flag} {template!r}: not a path template for numbers ({exc!r}); {allowed}") from exc
-
-
-def _check_colocate(a: argparse.Namespace, parallel: ParallelConfig) -> None:
-    """--colocate: what the colocated loop supports (docs/colocate.md)."""
-    _check(a.rollout_num_gpus <= parallel.world_size,
-           f"--colocate: --rollout-num-gpus ({a.rollout_num_gpus}) must be at most the trainer's devices "
-           f"--actor-num-nodes x --actor-num-gpus-per-node ({parallel.world_size}): engines use the trainer's devices")
-    _check(a.rollout_num_gpus_per_engine == 1,
-           "--colocate needs --rollout-num-gpus-per-engine 1 (each engine takes its weights from the trainer rank "
-           "on its own device)")
-    _check(a.pipeline_model_parallel_size == 1,
-           "--colocate needs --pipeline-model-parallel-size 1 (every trainer rank must hold every layer to hand "
-           "it to the engine on its device)")
-    for flag, given in (("--async", a.async_mode), ("--use-fault-tolerance", a.use_fault_tolerance),
-                        ("--use-sglang-router", a.use_sglang_router)):
-        _check(not given, f"--colocate and {flag} exclude each other (engines sleep while the trainer trains)"
-               if flag == "--async" else f"--colocate does not support {flag} yet")
-    _check(a.update_weights_interval == 1,
-           f"--colocate needs --update-weights-interval 1 (got {a.update_weights_interval}): the engines drop their "
-           "weights during training and must get them back after every step")
 
 
 def _critic_config(a: argparse.Namespace, policy: ParallelConfig, gbs: int, samples: int) -> CriticConfig | None:

@@ -23,7 +23,7 @@ from slime_rl.config.flags import FLAGS
 
 # slime's flag -> why it has no counterpart here (and what does the job instead)
 SLIME_ONLY_FLAGS: dict[str, str] = {
-    # --rollout-function-path is a flag of ours (flags.py): accepted with slime's default rollout only
+    # --rollout-function-path is a flag of ours (flags_from_slime.py): accepted with slime's default rollout only
     "--eval-function-path": "evaluation runs the built-in generate on --eval-prompt-data",
     "--buffer-filter-path": "there is no sample buffer between rollout and training: each step trains on the "
     "groups its rollout kept (--dynamic-sampling-filter-path chooses them)",

@@ -68,7 +68,7 @@ def test_save_hf_flag(tmp_path):
     # --num-rollout 3: after steps 1 (interval) and 2 (the last)
     assert [s for s in range(3) if ckpt.saves_at(s, 3)] == [1, 2]
     # {rollout_id.x} escaped as an AttributeError, and {rollout_id.real} passed, before the check was
-    # the debug dumps' (config/load.py _check_path_template)
+    # the debug dumps' (config/checks.py _check_path_template)
     for bad in ("hf_{step}", "hf_{rollout_id.x}", "hf_{rollout_id.real}", "hf_{0}", "hf_{"):
         with pytest.raises(ConfigError, match=r"--save-hf .*placeholder allowed is \{rollout_id\}"):
             build_config(base_argv(tmp_path) + ["--save-hf", str(tmp_path / bad)])

@@ -1,0 +1,87 @@
+"""Checks of the flags that need no file, and `ConfigError`, the user error they raise (its message
+names the flag): each flag's own range check from the table (`_check_flags`), a required flag
+(`_require`), the path templates of --save-hf and the debug dumps (`_check_path_template`) and what
+--colocate supports (`_check_colocate`). `load.build_config` calls them; the checks that compare the
+values it computes (batch sizes, the parallel layout, the critic's) stay inline there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import string
+from typing import Any
+
+from slime_rl.config.flags import FLAGS
+from slime_rl.config.groups import ParallelConfig
+
+
+class ConfigError(ValueError):
+    """A user error in flags or the YAML file; the message names the flag."""
+
+
+def _require(args: argparse.Namespace, flag: str) -> Any:
+    value = getattr(args, flag.lstrip("-").replace("-", "_"))
+    if value is None or value == "":
+        raise ConfigError(f"{flag} is required")
+    return value
+
+
+def _same_path(a: str, b: str | None) -> bool:
+    return b is not None and os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _check_flags(a: argparse.Namespace) -> None:
+    """Each flag's own range check from the table (flags.Flag.check); unset (None) flags skip it."""
+    for f in FLAGS:
+        value = getattr(a, f.key)
+        if f.check is not None and value is not None:
+            holds, must = f.check
+            # a switch is only given or not: its value says nothing the message does not
+            _check(holds(value), f"{f.name} {must}" + ("" if f.action else f", got {value}"))
+
+
+def _check_path_template(flag: str, template: str | None, names: tuple[str, ...]) -> None:
+    """A path template of `flag` (slime's str.format form) may hold only the placeholders `names`,
+    each bare ({rollout_id}, not {rollout_id.x} or {0}); None (not given) passes."""
+    if template is None:
+        return
+    placeholders = " and ".join(f"{{{n}}}" for n in names)
+    allowed = f"the placeholders allowed are {placeholders}" if len(names) > 1 else \
+        f"the only placeholder allowed is {placeholders}"
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:  # a lone { or }
+        raise ConfigError(f"{flag} {template!r}: not a path template ({exc}); write a literal brace as {{{{ or }}}}; "
+                          f"{allowed}") from exc
+    bad = [f"{{{name}}}" for name in fields if name not in names]
+    _check(not bad, f"{flag} {template!r}: placeholder {', '.join(bad)} is not allowed: {allowed}")
+    try:
+        template.format(**dict.fromkeys(names, 0))
+    except (ValueError, TypeError, KeyError, IndexError) as exc:  # a format spec a number does not take
+        raise ConfigError(f"{flag} {template!r}: not a path template for numbers ({exc!r}); {allowed}") from exc
+
+
+def _check_colocate(a: argparse.Namespace, parallel: ParallelConfig) -> None:
+    """--colocate: what the colocated loop supports (docs/colocate.md)."""
+    _check(a.rollout_num_gpus <= parallel.world_size,
+           f"--colocate: --rollout-num-gpus ({a.rollout_num_gpus}) must be at most the trainer's devices "
+           f"--actor-num-nodes x --actor-num-gpus-per-node ({parallel.world_size}): engines use the trainer's devices")
+    _check(a.rollout_num_gpus_per_engine == 1,
+           "--colocate needs --rollout-num-gpus-per-engine 1 (each engine takes its weights from the trainer rank "
+           "on its own device)")
+    _check(a.pipeline_model_parallel_size == 1,
+           "--colocate needs --pipeline-model-parallel-size 1 (every trainer rank must hold every layer to hand "
+           "it to the engine on its device)")
+    for flag, given in (("--async", a.async_mode), ("--use-fault-tolerance", a.use_fault_tolerance),
+                        ("--use-sglang-router", a.use_sglang_router)):
+        _check(not given, f"--colocate and {flag} exclude each other (engines sleep while the trainer trains)"
+               if flag == "--async" else f"--colocate does not support {flag} yet")
+    _check(a.update_weights_interval == 1,
+           f"--colocate needs --update-weights-interval 1 (got {a.update_weights_interval}): the engines drop their "
+           "weights during training and must get them back after every step")

@@ -1,0 +1,115 @@
+"""The flag table's rows of the RL objective and the run's outputs: algorithm (estimator, clipping,
+KL, TIS), the PPO critic, logging, and slime's debug dumps with their train-only replay.
+`flags.FLAGS` takes them after `flags_rollout.ROLLOUT_FLAGS`, in this order.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from slime_rl.config.estimators import ADVANTAGE_ESTIMATORS
+from slime_rl.config.flag_spec import (
+    KL_LOSS_TYPES,
+    LOSS_AGG_MODES,
+    Flag,
+    _nonneg_float,
+    _nonneg_int,
+    _positive_int,
+    section,
+)
+
+ALGO_FLAGS: tuple[Flag, ...] = (
+    *section('algorithm',
+        Flag('--advantage-estimator', 'algo.advantage_estimator', default='grpo', choices=ADVANTAGE_ESTIMATORS),
+        Flag('--disable-grpo-std-normalization', 'algo.normalize_group_std', action="store_true", convert=operator.not_,
+             help='Dr.GRPO: centre rewards by the group mean without dividing by the std'),
+        Flag('--overlong-buffer-len', 'algo.overlong_buffer_len', default=0, type=_nonneg_int,
+             help='DAPO overlong shaping: penalty ramps over the last N tokens of --rollout-max-response-len'),
+        Flag('--overlong-penalty-factor', 'algo.overlong_penalty_factor', default=1.0, type=_nonneg_float),
+        Flag('--eps-clip', 'algo.eps_clip', default=0.2, type=float, check=(lambda v: 0 < v < 1, "must be in (0, 1)")),
+        Flag('--eps-clip-high', derived='algo.eps_clip_high', type=float, help='default: --eps-clip'),
+        Flag('--loss-agg-mode', 'trainer.loss_agg_mode', default='token-mean', choices=LOSS_AGG_MODES,
+             help='token-mean: over all tokens of the global batch (DAPO); seq-mean-*: per sample first'),
+        Flag('--calculate-per-token-loss', action="store_true",
+             help="slime's / Megatron's name of --loss-agg-mode token-mean (slime's default without it is "
+                  'seq-mean-token-mean)'),
+        Flag('--eps-clip-c', 'algo.eps_clip_c', type=float, check=(lambda v: v > 1, "must be > 1"),
+             help='dual-clip constant c > 1 (for A < 0)'),
+        Flag('--use-kl-loss', 'algo.use_kl_loss', action="store_true", help='KL to the reference model in the loss'),
+        Flag('--kl-loss-coef', 'algo.kl_loss_coef', default=0.0, type=_nonneg_float),
+        Flag('--kl-coef', 'algo.kl_coef', default=0.0, type=_nonneg_float,
+             help='KL to the reference folded into token rewards (REINFORCE++)'),
+        Flag('--gamma', 'algo.gamma', default=1.0, type=float, check=(lambda v: 0 < v <= 1, "must be in (0, 1]"),
+             help="discount of token returns (REINFORCE++, PPO's GAE)"),
+        Flag('--lambd', 'algo.lambd', default=1.0, type=float, help='GAE lambda (PPO)'),
+        Flag('--value-clip', 'algo.value_clip', default=0.2, type=float,
+             help='PPO value-loss clip around the rollout-time values'),
+        Flag('--entropy-coef', 'algo.entropy_coef', default=0.0, type=_nonneg_float, help='entropy bonus in the loss'),
+        Flag('--use-tis', 'algo.use_tis', action="store_true",
+             help="truncated importance sampling against the engine's log-probs"),
+        Flag('--tis-clip', 'algo.tis_clip', default=2.0, type=float),
+        Flag('--tis-clip-low', 'algo.tis_clip_low', default=0.0, type=float),
+        Flag('--kl-loss-type', 'algo.kl_loss_type', default='k1', choices=KL_LOSS_TYPES),
+        Flag('--separate-old-logprobs', 'algo.separate_old_logprobs', action="store_true",
+             help='compute the old log-probs in their own forward pass even when a step is on-policy (one '
+                  "optimizer step per rollout on each rank); default then: the training forward's own, "
+                  'detached (ratio exactly 1, one forward pass fewer; TRL and verl do the same)'),
+        Flag('--ref-update-interval', 'algo.ref_update_interval', type=_positive_int,
+             help='replace the frozen reference (KL) with the current policy every N rollouts; default: the '
+                  'initial policy for the whole run'),
+    ),
+    *section("critic (PPO: --advantage-estimator ppo; slime's names)",
+        Flag('--critic-num-nodes', derived='critic.num_nodes', type=_positive_int, help='default: --actor-num-nodes'),
+        Flag('--critic-num-gpus-per-node', derived='critic.num_gpus_per_node', type=_positive_int,
+             help='critic ranks per node, default: --actor-num-gpus-per-node (CPU processes without GPUs)'),
+        Flag('--critic-lr', derived='critic.lr', type=float, help='default: --lr'),
+        Flag('--critic-lr-warmup-iters', 'critic.lr_warmup_iters', default=0, type=_nonneg_int),
+        Flag('--critic-load', 'critic.load',
+             help='checkpoint folder of a critic (--critic-save); default: the --hf-checkpoint backbone with a new '
+                  'value head'),
+        Flag('--critic-save', 'critic.save', help='save the critic here with every --save'),
+        Flag('--num-critic-only-steps', 'critic.num_critic_only_steps', default=0, type=_nonneg_int,
+             help='first steps train only the critic (the policy is not updated)'),
+    ),
+    *section('logging',
+        Flag('--run-dir', derived='logging.run_dir', help='where metrics.jsonl goes; default runs/<time>'),
+        Flag('--use-wandb', 'logging.use_wandb', action="store_true"),
+        Flag('--wandb-project', 'logging.wandb_project', default='slime_rl'),
+        Flag('--wandb-group', 'logging.wandb_group'),
+        Flag('--wandb-mode', 'logging.wandb_mode', default='online', choices=('online', 'offline', 'disabled')),
+        Flag('--use-tensorboard', 'logging.use_tensorboard', action="store_true",
+             help='scalars to <run-dir>/tensorboard'),
+        Flag('--use-swanlab', 'logging.use_swanlab', action="store_true"),
+        Flag('--swanlab-project', 'logging.swanlab_project', default='slime_rl'),
+        Flag('--swanlab-mode', 'logging.swanlab_mode', default='online',
+             choices=('online', 'offline', 'local', 'disabled'),
+             help='offline/local keep the run under <run-dir>/swanlog'),
+        Flag('--dump-rollouts', 'logging.dump_rollouts', action="store_true",
+             help="write each step's prompts, responses and rewards to <run-dir>/rollouts/step_NNNNNN.jsonl"),
+    ),
+    *section("debug dumps and train-only replay (slime's names)",
+        Flag('--save-debug-rollout-data', 'debug.save_rollout_data', metavar='PATH',
+             help="after each rollout, torch.save its samples to PATH.format(rollout_id=N) (the only placeholder "
+                  "allowed): {'rollout_id', 'samples': one dict per sample, every Sample field (prompt_ids, "
+                  "response_ids, rollout_logprobs: the engine's, loss_mask, reward, label, group_index, index, ...) "
+                  "plus tokens and response_length}"),
+        Flag('--save-debug-train-data', 'debug.save_train_data', metavar='PATH',
+             help="after each step's training, each data-parallel rank (its TP rank 0, CP rank 0 of the last "
+                  "pipeline stage) torch.saves what it trained on to PATH.format(rollout_id=N, rank=DP_RANK) (the "
+                  "placeholders allowed): {'rollout_id', 'rank', 'dp_size', 'log_probs_from', 'samples': one dict "
+                  "per sample (tokens, response_ids, response_length, log_probs: the trainer's old-policy log-probs "
+                  "that train/rollout_logprob_abs_diff compares with rollout_log_probs, the engine's; loss_mask, "
+                  "advantages per response token, reward)}"),
+        Flag('--load-debug-rollout-data', 'debug.load_rollout_data', metavar='PATH',
+             help="train only, on saved rollouts: each step's rollout is read from PATH.format(rollout_id=N) (the "
+                  "only placeholder allowed; the files --save-debug-rollout-data writes) instead of generated, "
+                  "its rewards as saved; its groups must be --rollout-batch-size groups of --n-samples-per-prompt "
+                  "samples. Implies --debug-train-only: no rollout engine (nor router) is started, no weight sync, "
+                  "no engine release in --colocate; the generation flags are accepted and unused, and eval "
+                  "(--eval-prompt-data) is skipped with a warning, since it needs the engines"),
+        Flag('--debug-train-only', derived='debug.train_only', action="store_true",
+             help="start no rollout engine; needs --load-debug-rollout-data (which implies it), the one source of "
+                  "training data here without generation (slime also trains SFT data with it, which this RL "
+                  "trainer has not)"),
+    ),
+)

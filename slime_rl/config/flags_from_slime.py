@@ -1,0 +1,98 @@
+"""The flag table's last section: flags of slime's scripts and Megatron-LM's that this trainer has
+no choice for (docs/flags.md, "Coming from slime"). Each is accepted with the one value it has, or
+refused with the reason and what to use instead (its `check`). `flags.FLAGS` takes them last.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from slime_rl.config.flag_spec import (
+    Flag,
+    section,
+)
+
+FROM_SLIME_SECTION = "from slime and Megatron-LM: accepted with this trainer's one value, or refused"
+SLIME_DEFAULT_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
+_NO_DROPOUT = ("must be 0: dropout is off in the trainer, whose log-probs must equal the engine's (Megatron's default "
+               "is 0.1; slime's scripts set 0.0)")
+_ATTENTION = ("must be auto or flash: the trainer's core attention is torch SDPA (trainer/attention.py), which takes "
+              "the flash kernel where it applies; fused, unfused and local are TransformerEngine / Megatron kernels "
+              "it does not build")
+_LOCAL_SPEC = "must be local: the trainer builds megatron-core's local layer spec, without TransformerEngine"
+_POLICY_LOSS = ("must be policy_loss: this is an RL trainer; slime's sft_loss (supervised fine-tuning) and "
+                "custom_loss are not supported")
+_ROLLOUT_FN = (f"must be {SLIME_DEFAULT_ROLLOUT} (slime's default, the built-in rollout here): a whole-rollout "
+               "function is not supported; use --custom-generate-function-path (one sample at a time) and "
+               "--dynamic-sampling-filter-path")
+_REFUSED_SWITCHES = (
+    ('--disable-compute-advantages-and-returns', "is refused: it belongs to slime's SFT scripts (--loss-type "
+     "sft_loss); every --advantage-estimator here computes advantages"),
+    ('--no-check-for-nan-in-loss-and-grad', "is refused: the trainer always stops on a non-finite gradient (the "
+     "optimizer step reports it and the run fails naming the rank)"),
+    ('--use-precision-aware-optimizer', "is refused: megatron-core needs TransformerEngine's FusedAdam for it, which "
+     "this trainer does not use (local layer spec, torch Adam): main params and Adam states stay fp32, sharded over "
+     "the data-parallel ranks"),
+    ('--optimizer-cpu-offload', "is refused: megatron-core's HybridDeviceOptimizer (which also needs "
+     "--use-precision-aware-optimizer) does not take the trainer's distributed-optimizer shards (megatron-core "
+     "0.19.2 fails on them); the Adam state is already sharded over the data-parallel ranks: add ranks, or save "
+     "activation memory with --recompute-granularity full"),
+    ('--overlap-cpu-optimizer-d2h-h2d', "is refused: it is part of --optimizer-cpu-offload, which is refused"),
+)
+_REFUSED_VALUES = (
+    ('--decoder-first-pipeline-num-layers', "is refused: pipeline stages hold an even split, num_hidden_layers / "
+     "--pipeline-model-parallel-size layers each"),
+    ('--decoder-last-pipeline-num-layers', "is refused: pipeline stages hold an even split, num_hidden_layers / "
+     "--pipeline-model-parallel-size layers each"),
+)
+# Megatron's model-shape flags (slime's scripts/models/*.sh): the shape is read from config.json here
+_SHAPE = ("is refused: the model's shape comes from --hf-checkpoint's config.json (drop slime's MODEL_ARGS from "
+          "the command line)")
+_SHAPE_SWITCHES = ('--swiglu', '--group-query-attention', '--use-rotary-position-embeddings', '--disable-bias-linear',
+                   '--qk-layernorm', '--untie-embeddings-and-output-weights', '--add-qkv-bias')
+_SHAPE_VALUES = ('--num-layers', '--hidden-size', '--ffn-hidden-size', '--num-attention-heads', '--num-query-groups',
+                 '--normalization', '--norm-epsilon', '--rotary-base', '--vocab-size', '--kv-channels',
+                 '--max-position-embeddings', '--position-embedding-type')
+
+
+def _never(value: Any) -> bool:
+    """The check of a refused flag that takes a value: any value given is refused."""
+    return False
+
+
+FROM_SLIME_FLAGS: tuple[Flag, ...] = (
+    *section(FROM_SLIME_SECTION,
+        # accepted with the one value this trainer has; another value is refused (check), naming why
+        Flag('--attention-dropout', default=0.0, type=float, check=(lambda v: v == 0, _NO_DROPOUT),
+             help='0 only: ' + _NO_DROPOUT[len('must be 0: '):]),
+        Flag('--hidden-dropout', default=0.0, type=float, check=(lambda v: v == 0, _NO_DROPOUT),
+             help='0 only: ' + _NO_DROPOUT[len('must be 0: '):]),
+        Flag('--attention-softmax-in-fp32', action="store_true",
+             help='always on here (accepted): attention softmax in fp32'),
+        Flag('--accumulate-allreduce-grads-in-fp32', action="store_true",
+             help='always on here (accepted): gradients accumulate and reduce in fp32'),
+        Flag('--use-distributed-optimizer', action="store_true",
+             help='always on here (accepted): the optimizer state is sharded over the data-parallel ranks'),
+        Flag('--no-gradient-accumulation-fusion', action="store_true",
+             help="always so here (accepted): the fused weight-gradient kernel is apex / TransformerEngine's, "
+                  'not used'),
+        Flag('--attention-backend', default='auto', check=(lambda v: v in ('auto', 'flash'), _ATTENTION),
+             help='auto or flash: ' + _ATTENTION[len('must be auto or flash: '):]),
+        Flag('--transformer-impl', default='local', check=(lambda v: v == 'local', _LOCAL_SPEC),
+             help='local only: ' + _LOCAL_SPEC[len('must be local: '):]),
+        Flag('--loss-type', default='policy_loss', check=(lambda v: v == 'policy_loss', _POLICY_LOSS),
+             help='policy_loss only: ' + _POLICY_LOSS[len('must be policy_loss: '):]),
+        Flag('--rollout-function-path', check=(lambda v: v == SLIME_DEFAULT_ROLLOUT, _ROLLOUT_FN),
+             help=f'{SLIME_DEFAULT_ROLLOUT} only (slime\'s default, the built-in rollout here): a whole-rollout '
+                  'function is not supported; use --custom-generate-function-path (one sample at a time) and '
+                  '--dynamic-sampling-filter-path'),
+        # refused: given at all, the run stops with the reason (check) before anything starts
+        *(Flag(name, action="store_true", check=(operator.not_, why), help=why[len('is refused: '):])
+          for name, why in _REFUSED_SWITCHES),
+        *(Flag(name, check=(_never, why), help=why[len('is refused: '):]) for name, why in _REFUSED_VALUES),
+        *(Flag(name, action="store_true", check=(operator.not_, _SHAPE), help=_SHAPE[len('is refused: '):])
+          for name in _SHAPE_SWITCHES),
+        *(Flag(name, check=(_never, _SHAPE), help=_SHAPE[len('is refused: '):]) for name in _SHAPE_VALUES),
+    ),
+)

@@ -1,0 +1,156 @@
+"""The flag table's rows of the rollout side: model and data, rollout (generation, steps, rewards),
+evaluation and the rollout engines (backend, devices, router, weight-sync bucket, fault tolerance).
+`flags.FLAGS` takes them after `flags_trainer.TRAINER_FLAGS`, in this order.
+"""
+
+from __future__ import annotations
+
+import math
+
+from slime_rl.config.flag_spec import (
+    REWARD_TYPES,
+    ROLLOUT_BACKENDS,
+    Flag,
+    _nonneg_int,
+    _positive_float,
+    _positive_int,
+    _tuple,
+    section,
+)
+
+ROLLOUT_FLAGS: tuple[Flag, ...] = (
+    *section('model and data',
+        Flag('--hf-checkpoint', 'model.hf_checkpoint', required=True,
+             help='HF model folder (config, safetensors, tokenizer)'),
+        Flag('--prompt-data', 'data.prompt_data', required=True, help='jsonl file of prompts'),
+        Flag('--input-key', 'data.input_key', default='input'),
+        Flag('--label-key', 'data.label_key', default='label'),
+        Flag('--apply-chat-template', 'data.apply_chat_template', action="store_true"),
+        Flag('--metadata-key', 'data.metadata_key', help="a dict column merged into each sample's metadata"),
+        Flag('--tool-key', 'data.tool_key', help='a column of tools passed to the chat template'),
+        Flag('--apply-chat-template-kwargs', 'data.chat_template_kwargs',
+             help='JSON, e.g. \'{"enable_thinking": false}\''),
+        Flag('--format-prompt', 'data.format_prompt',
+             help="a jinja2 file rendering each prompt from `content` before the chat template (EasyR1's "
+                  'format_prompt), e.g. configs/prompts/think_boxed.jinja'),
+        Flag('--num-epoch', 'data.num_epoch', type=_positive_int, help='instead of --num-rollout'),
+        Flag('--rollout-shuffle', 'data.rollout_shuffle', action="store_true"),
+        Flag('--rollout-max-prompt-len', 'data.rollout_max_prompt_len', type=_positive_int),
+        Flag('--image-key', 'data.image_key', default='images',
+             help='column of image paths/bytes (vision-language models); rows without it are text-only'),
+        Flag('--min-pixels', 'data.min_pixels', type=_positive_int,
+             help="smallest image area after resizing (default: the checkpoint's image processor)"),
+        Flag('--max-pixels', 'data.max_pixels', type=_positive_int,
+             help="largest image area after resizing (default: the checkpoint's image processor)"),
+    ),
+    *section('rollout',
+        Flag('--rollout-batch-size', 'rollout.rollout_batch_size', type=_positive_int, required=True,
+             help='prompts per step'),
+        Flag('--n-samples-per-prompt', 'rollout.n_samples_per_prompt', default=1, type=_positive_int),
+        Flag('--rollout-max-response-len', ('rollout.max_response_len', 'trainer.loss_agg_max_len'),
+             derived='eval.max_response_len', default=1024, type=_positive_int),
+        Flag('--rollout-temperature', ('rollout.temperature', 'algo.temperature'), derived='eval.temperature',
+             default=1.0, type=float, check=(lambda v: 0 < v < math.inf, "must be > 0 and finite")),
+        Flag('--rollout-top-p', 'rollout.top_p', derived='eval.top_p', default=1.0, type=float,
+             check=(lambda v: 0 < v <= 1, "must be in (0, 1]")),
+        # SGLang's SamplingParams.verify: -1 (whole vocabulary) or >= 1; it maps -1 to 1 << 30, the bound
+        Flag('--rollout-top-k', 'rollout.top_k', default=-1, type=int,
+             check=(lambda v: v == -1 or 1 <= v <= 1 << 30, "must be -1 (whole vocabulary) or in [1, 2^30]")),
+        Flag('--rollout-seed', 'rollout.seed', derived=('data.seed', 'rollout.sample_seed'), default=42, type=int,
+             help="slime's seed of the prompt shuffle and the requests' sampling_seed; combined with --seed "
+                  '(config/seeds.py), so changing either changes every rollout-side random choice'),
+        Flag('--deterministic-rollout', derived='rollout.sample_seed', action="store_true",
+             help='seed every request (SGLang sampling_seed) from --seed, --rollout-seed and the sample index, and '
+                  'start the engines with --enable-deterministic-inference (SGLang ignores sampling_seed without it): '
+                  'rollouts then repeat across engine restarts and resumes; the built-in engine on CUDA also runs '
+                  "prefill and decode attention by the trainer's flash kernel then (the same attention bits: README)"),
+        Flag('--num-rollout', derived='rollout.num_rollout', type=_positive_int, help='training steps'),
+        Flag('--rollout-stop', 'rollout.rollout_stop', nargs='+', convert=_tuple, help='stop strings'),
+        Flag('--rollout-stop-token-ids', 'rollout.rollout_stop_token_ids', type=int, nargs='+', convert=_tuple),
+        Flag('--rollout-max-context-len', 'rollout.rollout_max_context_len', type=_positive_int,
+             help='prompt + response cap (max_new_tokens is lowered to fit)'),
+        Flag('--over-sampling-batch-size', 'rollout.over_sampling_batch_size', type=_positive_int,
+             help='prompts drawn at a time while filling --rollout-batch-size kept groups'),
+        Flag('--dynamic-sampling-filter-path', 'rollout.dynamic_sampling_filter_path',
+             help="module:function, ours (group) -> bool or slime's (args, samples) -> bool | DynamicFilterOutput; "
+                  'DAPO: slime_rl.rollout.filters.check_reward_nonzero_std'),
+        Flag('--dynamic-sampling-filter-kwargs', 'rollout.dynamic_sampling_filter_kwargs',
+             help='JSON object of keyword arguments for the --dynamic-sampling-filter-path function, e.g. '
+                  '\'{"low": 0.01, "high": 0.99}\' for slime_rl.rollout.filters.reward_mean_in_range'),
+        Flag('--partial-rollout', 'rollout.partial_rollout', action="store_true",
+             help='groups cut at the end of a rollout continue next step instead of being dropped'),
+        Flag('--mask-offpolicy-in-partial-rollout', 'rollout.mask_offpolicy_in_partial_rollout', action="store_true"),
+        Flag('--rollout-deadline-s', 'rollout.rollout_deadline_s', type=float,
+             help='cut a rollout after this many seconds'),
+        Flag('--custom-generate-function-path', 'rollout.custom_generate_function_path',
+             help="module:function, async; ours (sample, sampling_params, client_pool) -> Sample or slime's "
+                  '(args, sample, sampling_params) -> Sample'),
+        Flag('--async', 'rollout.async_mode', action="store_true", dest='async_mode',
+             help='one-step off-policy: generate step k+1 while training step k'),
+        Flag('--update-weights-interval', 'weight_sync.update_weights_interval', default=1, type=_positive_int,
+             help='broadcast weights to the engines every N steps'),
+        Flag('--rm-type', 'reward.rm_type',
+             help=f"built-in reward: {', '.join(REWARD_TYPES)}, remote_rm"),
+        Flag('--rm-url', 'reward.rm_url', help='remote reward model (POST prompt/response/label/metadata)'),
+        Flag('--reward-key', 'reward.reward_key', default='score', help="the score's key when a reward returns a dict"),
+        Flag('--rm-timeout', 'reward.rm_timeout_s', default=30.0, type=float, help='seconds per remote reward call'),
+        Flag('--rm-max-retries', 'reward.rm_max_retries', default=3, type=_nonneg_int),
+        Flag('--rm-backoff', 'reward.rm_backoff_s', default=0.5, type=float,
+             help='first retry delay, doubled each time'),
+        Flag('--custom-rm-path', 'reward.custom_rm_path',
+             help="module:function or file.py:function; ours (sample), slime's (args, sample) or an EasyR1 "
+                  'reward file (REWARD_TYPE, compute_score(reward_inputs))'),
+        Flag('--custom-rm-kwargs', 'reward.custom_rm_kwargs',
+             help='JSON object of keyword arguments for the --custom-rm-path function (EasyR1\'s '
+                  'reward_function_kwargs), e.g. \'{"format_weight": 0.1}\''),
+        Flag('--group-rm', 'reward.group_rm', action="store_true",
+             help='--custom-rm-path scores a whole group at once: list[Sample] -> list[float | dict]'),
+        Flag('--reward-failure-value', 'reward.reward_failure_value', default=0.0, type=float,
+             check=(math.isfinite, "must be finite"),
+             help='reward of a sample whose reward function raised (counted in rollout/reward_failures, first '
+                  "traceback logged); a step where every sample's reward raises stops the run"),
+    ),
+    *section('evaluation',
+        Flag('--eval-interval', 'eval.interval', type=_positive_int, help='evaluate every N steps'),
+        Flag('--eval-prompt-data', derived='eval.datasets', nargs='+', metavar='NAME PATH',
+             help='pairs: name path [name path ...]'),
+        Flag('--n-samples-per-eval-prompt', 'eval.n_samples_per_prompt', default=1, type=_positive_int),
+        Flag('--eval-temperature', derived='eval.temperature', type=float, help='default: --rollout-temperature'),
+        Flag('--eval-top-p', derived='eval.top_p', type=float, help='default: --rollout-top-p'),
+        Flag('--eval-max-response-len', derived='eval.max_response_len', type=_positive_int,
+             help='default: --rollout-max-response-len'),
+        Flag('--skip-eval-before-train', 'eval.skip_before_train', action="store_true"),
+        Flag('--log-eval-generations', 'eval.log_generations', default=0, type=_nonneg_int, metavar='N',
+             help="log N eval samples per eval (prompt, response, label, reward; the same prompts each time) to "
+                  "<run-dir>/eval_generations.jsonl and, with --use-wandb, a wandb table (EasyR1's "
+                  'val_generations_to_log)'),
+    ),
+    *section('rollout engines',
+        Flag('--rollout-backend', 'engine.backend', default='embedded', choices=ROLLOUT_BACKENDS),
+        Flag('--rollout-num-gpus', derived='engine.num_gpus', type=_positive_int,
+             help='devices for all engines (CPU processes when there is no GPU); default 1, or with --colocate the '
+                  "trainer's devices"),
+        Flag('--rollout-num-gpus-per-engine', 'engine.num_gpus_per_engine', default=1, type=_positive_int),
+        Flag('--colocate', 'engine.colocate', action="store_true",
+             help="engines share the trainer's devices: they release their memory while the trainer trains and get "
+                  'the weights in place (CUDA IPC / shared memory) instead of by broadcast'),
+        Flag('--sglang-server-concurrency', 'rollout.concurrency_per_engine', default=64, type=_positive_int,
+             help='most requests in flight per engine (the client queues the rest)'),
+        Flag('--use-sglang-router', 'engine.use_router', action="store_true",
+             help='put sglang-router (pip install sglang-router) on the head node in front of the engines: '
+                  '/generate goes through it, control and weight updates go to every engine; `--router-<name> '
+                  'VALUE` passes its flag --<name> through'),
+        Flag('--sglang-router-port', 'engine.router_port', type=_positive_int,
+             help='port of the router of --use-sglang-router (default: a free one)'),
+        Flag('--update-weight-buffer-size', 'weight_sync.update_weight_buffer_size', default=512 * 1024**2,
+             type=_positive_int,
+             help='bytes per weight-sync bucket'),
+        Flag('--use-fault-tolerance', 'fault.use_fault_tolerance', action="store_true",
+             help="health-check the engines; a dead or hung engine's requests go to the others, and it is "
+                  'restarted in its placement and given the current weights before the next rollout'),
+        Flag('--rollout-health-check-interval', 'fault.health_check_interval_s', default=10.0, type=_positive_float,
+             help='seconds between /health checks of every engine during a rollout'),
+        Flag('--rollout-health-check-timeout', 'fault.health_check_timeout_s', default=5.0, type=_positive_float,
+             help='an engine whose /health does not answer 200 within this many seconds is declared dead'),
+    ),
+)

@@ -1,0 +1,136 @@
+"""The flag table's first rows: the run's own options (--config, --dry-run and its --cluster plan),
+then the trainer's flags under Megatron-LM's names: parallelism, mixture of experts, batches,
+optimizer (with --seed, --bf16, --freeze-vision-tower) and checkpoints. `flags.FLAGS` takes them
+first, in this order (the order of `--help` and docs/flags.md).
+"""
+
+from __future__ import annotations
+
+from slime_rl.config.flag_spec import (
+    LR_DECAY_STYLES,
+    Flag,
+    _cluster_shape,
+    _nonneg_float,
+    _nonneg_int,
+    _positive_float,
+    _positive_int,
+    section,
+)
+
+TRAINER_FLAGS: tuple[Flag, ...] = (
+    *section('options',
+        Flag('--config', help="YAML file whose keys are these flags' names"),
+        Flag('--dry-run', 'dry_run', action="store_true", help='print the placement plan and engine commands'),
+        Flag('--cluster', 'plan.cluster', type=_cluster_shape, metavar='NODESxGPUS',
+             help='with --dry-run: plan for a cluster of NODES nodes of GPUS GPUs each (e.g. 2x8) instead of this '
+                  "machine's devices; the data and tokenizer are checked only where they exist here"),
+        Flag('--plan-intra-node-gbps', 'plan.intra_node_gbps', default=360.0, type=_positive_float,
+             help='GB/s of a weight-sync broadcast inside a node, for the --dry-run estimate (default: 360, the raw '
+                  'NCCL broadcast measured between two NVLink H200s)'),
+        Flag('--plan-inter-node-gbps', 'plan.inter_node_gbps', default=50.0, type=_positive_float,
+             help='GB/s of a weight-sync broadcast between nodes, for the --dry-run estimate (default: 50, one '
+                  '400 Gb/s InfiniBand NIC; not measured here)'),
+    ),
+    *section('parallelism (Megatron names)',
+        Flag('--tensor-model-parallel-size', 'parallel.tensor_model_parallel_size', default=1, type=_positive_int),
+        Flag('--pipeline-model-parallel-size', 'parallel.pipeline_model_parallel_size', default=1, type=_positive_int),
+        Flag('--sequence-parallel', 'trainer.sequence_parallel', action="store_true",
+             help='Megatron sequence parallelism (needs TP > 1)'),
+        Flag('--context-parallel-size', 'parallel.context_parallel_size', default=1, type=_positive_int,
+             help="split every sequence over this many ranks (megatron's load-balanced 2*CP chunks; padded and "
+                  'packed micro-batches)'),
+        Flag('--actor-num-nodes', 'parallel.actor_num_nodes', default=1, type=_positive_int),
+        Flag('--actor-num-gpus-per-node', 'parallel.actor_num_gpus_per_node', default=1, type=_positive_int,
+             help='trainer ranks per node (CPU processes when there is no GPU)'),
+        Flag('--expert-model-parallel-size', 'parallel.expert_model_parallel_size', default=1, type=_positive_int,
+             help='mixture-of-experts checkpoints: spread each layer\'s experts over this many ranks (EP)'),
+        Flag('--expert-tensor-parallel-size', 'parallel.expert_tensor_parallel_size', type=_positive_int,
+             help='split each expert over this many ranks (ETP); default: --tensor-model-parallel-size'),
+    ),
+    *section('mixture of experts (Megatron names)',
+        Flag('--moe-aux-loss-coeff', 'trainer.moe_aux_loss_coeff', default=0.0, type=_nonneg_float,
+             help='weight of the routers\' load-balancing loss in the gradient (0: off)'),
+        Flag('--moe-router-load-balancing-type', 'trainer.moe_router_load_balancing_type', default='aux_loss',
+             choices=('aux_loss', 'seq_aux_loss', 'global_aux_loss', 'none')),
+        Flag('--moe-token-dispatcher-type', 'trainer.moe_token_dispatcher_type', default='alltoall',
+             choices=('alltoall', 'allgather'),
+             help='how tokens reach the experts of other EP ranks (allgather: every micro-batch is padded to '
+                  'the longest over the EP x expert-TP ranks; not with pipeline or context parallelism, and with '
+                  'EP or TP only on packed sequences)'),
+        Flag('--moe-grouped-gemm', 'trainer.moe_grouped_gemm', action="store_true",
+             help="TransformerEngine's grouped GEMM for the experts (refused: the trainer builds the local spec)"),
+        Flag('--use-rollout-routing-replay', 'trainer.use_rollout_routing_replay', action="store_true",
+             help="slime's R3 (arXiv 2510.11370): the engines return the experts each MoE layer chose per token "
+                  "(SGLang's --enable-return-routed-experts) and the trainer's routers use them in every forward "
+                  "(gates from its own logits); train/routing_agreement reports how often it would choose alike"),
+        Flag('--use-routing-replay', 'trainer.use_routing_replay', action="store_true",
+             help="slime's R2 (arXiv 2507.18071): the experts the trainer's routers choose in the forward that "
+                  "computes the old log-probs (the rollout's weights) are recorded and replayed in the training "
+                  "forwards of the same step, so later mini-batches (--global-batch-size below the rollout, "
+                  "--num-steps-per-rollout > 1) and a separate old-log-prob pass (--separate-old-logprobs) route "
+                  "as the old-log-prob pass did. On the fused on-policy path (one optimizer step per rollout, old "
+                  "log-probs from the training forward itself) it changes nothing. Implied by "
+                  "--use-rollout-routing-replay, as in slime (the engines' routing is then replayed throughout)"),
+    ),
+    *section('batches (Megatron names)',
+        Flag('--micro-batch-size', 'batch.micro_batch_size', default=1, type=_positive_int),
+        Flag('--global-batch-size', derived='batch.global_batch_size', type=_positive_int,
+             help='samples per optimizer step; default: one step per rollout'),
+        Flag('--use-dynamic-batch-size', 'trainer.use_dynamic_batch_size', action="store_true",
+             help='fill micro-batches up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples'),
+        Flag('--max-tokens-per-gpu', 'trainer.max_tokens_per_gpu', type=_positive_int),
+        Flag('--no-pack-sequences', 'trainer.pack_sequences', action="store_false", dest='pack_sequences',
+             help='right-padded micro-batches instead of packed (THD) sequences'),
+        Flag('--recompute-granularity', 'trainer.recompute_granularity', choices=('full', 'selective')),
+        Flag('--recompute-method', 'trainer.recompute_method', choices=('uniform', 'block')),
+        Flag('--recompute-num-layers', 'trainer.recompute_num_layers', type=_positive_int),
+        Flag('--num-steps-per-rollout', derived='batch.global_batch_size', type=_positive_int,
+             help="slime's: optimizer steps per rollout, i.e. --global-batch-size = --rollout-batch-size x "
+                  '--n-samples-per-prompt / N'),
+        Flag('--balance-data', 'batch.balance_data', action="store_true",
+             help="slime's: split each rollout over the data-parallel ranks with equal sample counts and balanced "
+                  'token counts (prompt + response) instead of contiguous slices; a group\'s samples may then land '
+                  'in different optimizer steps'),
+    ),
+    *section('optimizer (Megatron names)',
+        Flag('--optimizer', 'optimizer.optimizer', default='adam', choices=('adam', 'sgd')),
+        Flag('--lr', 'optimizer.lr', default=1e-06, type=float, check=(lambda v: v > 0, "must be > 0")),
+        Flag('--min-lr', 'optimizer.min_lr', default=0.0, type=float),
+        Flag('--lr-decay-style', 'optimizer.lr_decay_style', default='linear', choices=LR_DECAY_STYLES),
+        Flag('--lr-warmup-iters', 'optimizer.lr_warmup_iters', default=0, type=_nonneg_int),
+        Flag('--lr-warmup-fraction', 'optimizer.lr_warmup_fraction', type=float,
+             check=(lambda v: 0 <= v < 1, "must be in [0, 1)"),
+             help="Megatron's: warm up over this fraction of the decay steps (--lr-decay-iters, else all optimizer "
+                  "steps) instead of --lr-warmup-iters (EasyR1's lr_warmup_ratio)"),
+        Flag('--lr-decay-iters', 'optimizer.lr_decay_iters', type=_positive_int),
+        Flag('--weight-decay', 'optimizer.weight_decay', default=0.01, type=_nonneg_float),
+        Flag('--clip-grad', 'optimizer.clip_grad', default=1.0, type=_nonneg_float),
+        Flag('--adam-beta1', 'optimizer.adam_beta1', default=0.9, type=float,
+             check=(lambda v: 0 <= v < 1, "must be in [0, 1)")),
+        Flag('--adam-beta2', 'optimizer.adam_beta2', default=0.999, type=float,
+             check=(lambda v: 0 <= v < 1, "must be in [0, 1)")),
+        Flag('--adam-eps', 'optimizer.adam_eps', default=1e-08, type=float),
+        Flag('--seed', 'model.seed', derived=('data.seed', 'rollout.sample_seed'), default=1234, type=int,
+             help="Megatron's seed (the trainer's RNGs); with --rollout-seed it also seeds the prompt order, "
+                  "each request's sampling_seed and the engines' own seed (config/seeds.py)"),
+        Flag('--bf16', 'model.bf16', action="store_true"),
+        Flag('--freeze-vision-tower', 'model.freeze_vision_tower', action="store_true",
+             help="vision-language checkpoints: the vision tower does not train (EasyR1's freeze_vision_tower); "
+                  'weight sync sends it once, then only the language model'),
+    ),
+    *section('checkpoints (Megatron names)',
+        Flag('--save', 'checkpoint.save'),
+        Flag('--load', 'checkpoint.load'),
+        Flag('--ref-load', 'model.ref_load',
+             help='the reference model of the KL terms (--use-kl-loss, --kl-loss-coef, --kl-coef): a Megatron '
+                  'checkpoint (torch_dist: tools/convert_hf_to_megatron.py, a --save, Megatron-LM\'s) or an HF '
+                  'folder of the same architecture; default: the initial policy (--hf-checkpoint). The policy '
+                  'still starts from --hf-checkpoint (or resumes from --load)'),
+        Flag('--save-interval', 'checkpoint.save_interval', type=_positive_int,
+             help='steps between saves (and at the end)'),
+        Flag('--keep-last', 'checkpoint.keep_last', type=_positive_int, help='keep only the newest N checkpoints'),
+        Flag('--save-hf', 'checkpoint.save_hf',
+             help='also write an HF folder at every save and at the end; a path template that may contain '
+                  '{rollout_id} (e.g. runs/x/hf_{rollout_id})'),
+    ),
+)

@@ -1,0 +1,170 @@
+"""argv (+ the YAML file of --config) -> the flat namespace of `slime-rl train` and the pass-through.
+
+Order of precedence: parser defaults < YAML file (`--config`) < command line. The `--sglang-<name>`
+and `--router-<name>` flags are taken out of argv first and returned as a dict (router names keyed
+`router:<name>`, `split_router_args` separates them). An EasyR1 YAML is mapped to these flags first
+(config/easyr1.py); slime's flags this trainer does not have are refused by name (config/slime_args.py).
+Errors raise `ConfigError` naming the flag (or the YAML file and key).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from slime_rl.config.checks import ConfigError
+from slime_rl.config.easyr1 import describe, is_easyr1, map_easyr1
+from slime_rl.config.flags import OWN_SGLANG_FLAGS, ROUTER_PREFIX, SGLANG_PREFIX, build_parser
+from slime_rl.config.slime_args import refuse_slime_only
+
+# how parse_flags keys a `--router-<name>` in its pass-through dict: `--sglang-router-ip` (slime's
+# external-router flag) stays the SGLang name `router_ip` and cannot be taken for a router flag
+ROUTER_KEY = "router:"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print and exit(2); we want an exception
+        raise ConfigError(message)
+
+
+def _make_parser() -> argparse.ArgumentParser:
+    base = build_parser()
+    parser = _Parser(prog=base.prog, description=base.description, allow_abbrev=False,
+                     parents=[base], add_help=False, conflict_handler="resolve")
+    return parser
+
+
+def _split_passthrough(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """Pull `--sglang-<name> [VALUE ...]` and `--router-<name> [VALUE ...]` out of argv; returns
+    (rest, {name: value}) with router names as `router:<name>`. No value: True (a switch); several
+    values (our flags take no positionals, so every token up to the next `--` belongs to it): a list."""
+    rest: list[str] = []
+    sglang: dict[str, Any] = {}
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        tok = argv[i]
+        if tok.partition("=")[0] in OWN_SGLANG_FLAGS:
+            rest.append(tok)
+        elif tok.startswith(SGLANG_PREFIX) or tok.startswith(ROUTER_PREFIX):
+            key, _, inline = tok.partition("=")
+            name = key[len(SGLANG_PREFIX):] if key.startswith(SGLANG_PREFIX) else ROUTER_KEY + key[
+                len(ROUTER_PREFIX):]
+            name = name.replace("-", "_")
+            values = []
+            while not inline and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                values.append(argv[i + 1])
+                i += 1
+            value: Any = inline or (values[0] if len(values) == 1 else values or True)
+            sglang[name] = value
+        else:
+            rest.append(tok)
+        i += 1
+    return rest, sglang
+
+
+def split_router_args(passthrough: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """parse_flags' pass-through dict -> ({sglang name: value}, {router name: value})."""
+    sglang = {k: v for k, v in passthrough.items() if not k.startswith(ROUTER_KEY)}
+    router = {k[len(ROUTER_KEY):]: v for k, v in passthrough.items() if k.startswith(ROUTER_KEY)}
+    return sglang, router
+
+
+def _yaml_overlay(parser: argparse.ArgumentParser, path: str,
+                  backend: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The --config file as flag defaults and --sglang-* pass-through; EasyR1's nested layout is
+    mapped first (config/easyr1.py) and the mapping printed. `backend`: --rollout-backend from the
+    command line (the EasyR1 mapping depends on it)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--config: file not found: {path}")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: top level must be a mapping of flag names to values")
+    if is_easyr1(data):
+        mapping = map_easyr1(data, f"--config {path}", ConfigError, backend)
+        print(describe(mapping, f"--config {path}"), flush=True)
+        # (how errors name the key, the flag key, the value)
+        items = [(f"{mapping.origin[k]} -> --{k.replace('_', '-')}", k, v) for k, v in mapping.flags.items()]
+    else:
+        refuse_slime_only([str(k) for k in data], f"--config {path}: ", ConfigError)
+        items = [(k, k, v) for k, v in data.items()]
+    dests = {a.dest: a for a in parser._actions}
+    # a key may also be the flag's own name where it differs from its dest: `no-pack-sequences: true`
+    # (store_false, dest pack_sequences) says what `--no-pack-sequences` says; `pack-sequences: false` too
+    flags = {o.lstrip("-").replace("-", "_"): a for a in parser._actions for o in a.option_strings
+             if o.startswith("--") and o.lstrip("-").replace("-", "_") != a.dest}
+    defaults: dict[str, Any] = {}
+    sglang: dict[str, Any] = {}
+    for raw_key, flag_key, value in items:
+        key = str(flag_key).lstrip("-").replace("-", "_")
+        if key.startswith("sglang_") and "--" + key.replace("_", "-") not in OWN_SGLANG_FLAGS:
+            sglang[key[len("sglang_"):]] = value
+            continue
+        if key.startswith("router_"):  # --router-<name>: kept as router:<name> like on the command line
+            sglang[ROUTER_KEY + key[len("router_"):]] = value
+            continue
+        if key not in dests and key in flags and flags[key].nargs == 0:  # a switch by its flag name
+            action = flags[key]
+            if not isinstance(value, bool):
+                raise ConfigError(f"--config {path}: key '{raw_key}': expected true or false, got {value!r:.40}")
+            if value:  # true: as if the switch were given; false: as if it were not
+                defaults[action.dest] = action.const
+            continue
+        if key in ("config", "help") or key not in dests:
+            raise ConfigError(f"--config {path}: unknown key '{raw_key}' (not a flag of slime-rl train)")
+        action = dests[key]
+        if value is None:  # `key:` or `key: null` leaves the flag at its default (None would bypass its type)
+            continue
+        if action.nargs == 0 and value is not None and not isinstance(value, bool):  # store_true/false
+            raise ConfigError(f"--config {path}: key '{raw_key}': expected true or false, got {value!r:.40}")
+        many = action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 0)
+        if many and value is not None:  # a list flag: one value is a list of one
+            value = list(value) if isinstance(value, list) else [value]
+        elif isinstance(value, (list, dict)):
+            raise ConfigError(f"--config {path}: key '{raw_key}': expected one value, got {type(value).__name__}")
+        if not many and action.type is None and action.nargs != 0:  # a string flag (a path, a name)
+            if isinstance(value, bool):
+                raise ConfigError(f"--config {path}: key '{raw_key}': expected a string, got {value!r}")
+            value = str(value)  # a number written without quotes (a folder named 2024)
+        if value is not None and action.type is not None:  # a bool for a number is refused here too
+            try:
+                value = [action.type(str(v)) for v in value] if many else action.type(str(value))
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                raise ConfigError(f"--config {path}: key '{raw_key}': {exc}") from exc
+        if many and value is not None:
+            value = [str(v) if action.type is None else v for v in value]
+        if action.choices is not None and value is not None and value not in action.choices:
+            raise ConfigError(f"--config {path}: key '{raw_key}': {value!r} is not one of {list(action.choices)}")
+        defaults[key] = value
+    return defaults, sglang
+
+
+def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """Parse argv (YAML overlay included); returns the flat namespace and the --sglang-* args."""
+    rest, sglang_cli = _split_passthrough(argv)
+    parser = _make_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    pre.add_argument("--rollout-backend", default=None)
+    known, _ = pre.parse_known_args(rest)
+    refuse_slime_only([t for t in rest if t.startswith("--")], "", ConfigError)
+    sglang: dict[str, Any] = {}
+    if known.config:
+        defaults, sglang = _yaml_overlay(parser, known.config, known.rollout_backend)
+        given = {t.partition("=")[0] for t in rest if t.startswith("--")}
+        # the two ways to say how long to train exclude each other: the command line's wins over the file's
+        for flag, other in (("--num-rollout", "num_epoch"), ("--num-epoch", "num_rollout")):
+            if flag in given:
+                defaults.pop(other, None)
+        parser.set_defaults(**defaults)
+    args = parser.parse_args(rest)
+    sglang.update(sglang_cli)
+    return args, sglang
