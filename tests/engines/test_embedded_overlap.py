@@ -296,7 +296,7 @@ def test_routed_experts_count_the_reported_tokens_only(tiny_qwen3_moe):
     import httpx
     import numpy as np
 
-    from slime_rl.engines.client import decode_routed_experts
+    from slime_rl.engines.payloads import decode_routed_experts
 
     body = {"input_ids": [prompt_of(7), prompt_of(5, salt=2)], "return_routed_experts": True,
             "sampling_params": [{"max_new_tokens": n, "temperature": 1.0, "sampling_seed": 5 + n, "ignore_eos": True}
