@@ -145,7 +145,7 @@ def engine_sampled(model_dir: Path, n: int, new_tokens: int, device: str, determ
     returns them with the log-probs it reports: exactly what the loop's rollout hands the trainer."""
     from transformers import AutoTokenizer
 
-    from slime_rl.engines.embedded import engine as engine_mod
+    from slime_rl.engines.embedded.request import GenRequest
     from slime_rl.engines.embedded.sampling import SamplingParams
     from slime_rl.engines.embedded.server import EmbeddedServer, ServerConfig
 
@@ -160,8 +160,8 @@ def engine_sampled(model_dir: Path, n: int, new_tokens: int, device: str, determ
     try:
         vocab = server.model.config.get_text_config().vocab_size
         params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
-        reqs = [engine_mod.GenRequest(rid=f"gap-{i}", input_ids=p, params=SamplingParams.from_json(params, vocab),
-                                      return_logprob=True) for i, p in enumerate(prompts)]
+        reqs = [GenRequest(rid=f"gap-{i}", input_ids=p, params=SamplingParams.from_json(params, vocab),
+                           return_logprob=True) for i, p in enumerate(prompts)]
         server.engine.submit(reqs)
         for r in reqs:
             r.done.wait()

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from common import SHAPES, make_checkpoint  # noqa: E402
 
-from slime_rl.engines.embedded import engine as engine_mod  # noqa: E402
+from slime_rl.engines.embedded.request import GenRequest  # noqa: E402
 
 
 class PhaseTimer:
@@ -80,8 +80,8 @@ def build_requests(prompts: list[list[int]], samples: int, new_tokens: int, voca
     from slime_rl.engines.embedded.sampling import SamplingParams
 
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
-    return [engine_mod.GenRequest(rid=f"{tag}-{i}-{j}", input_ids=p, params=SamplingParams.from_json(params, vocab),
-                                  return_logprob=True)
+    return [GenRequest(rid=f"{tag}-{i}-{j}", input_ids=p, params=SamplingParams.from_json(params, vocab),
+                       return_logprob=True)
             for i, p in enumerate(prompts) for j in range(samples)]
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from slime_rl.data import Sample
 from slime_rl.data.sample import ROLLOUT_STATUS_KEY as STATUS
 from slime_rl.data.sample import TOKEN_VERSIONS_KEY as VERSIONS
-from slime_rl.engines.client import decode_routed_experts
+from slime_rl.engines.payloads import decode_routed_experts
 
 PENDING, ABORTED, COMPLETED, TRUNCATED = "pending", "aborted", "completed", "truncated"
 DONE = (COMPLETED, TRUNCATED)

@@ -30,7 +30,8 @@ from typing import Any
 from slime_rl.config.seeds import sampling_seed
 from slime_rl.data import Sample
 from slime_rl.data.images import IMAGE_PAD, VISION_START
-from slime_rl.engines.client import AsyncEngineClient, EngineError, image_data_of, one_pad_per_image
+from slime_rl.engines.client import AsyncEngineClient, EngineError
+from slime_rl.engines.payloads import image_data_of, one_pad_per_image
 from slime_rl.rollout.health import EngineHealth, NoLiveEngineError
 
 _WIDTH = 10  # digits in group and sample numbers: fixed width keeps prefixes prefix-free

@@ -200,18 +200,20 @@ def test_the_built_in_engine_gate_answers_as_sglang(manager):
 
 
 def _builders() -> dict:
-    from slime_rl.engines import client as C
+    from slime_rl.engines import payloads
     return {
-        "InitWeightsUpdateGroupReqInput": C.init_weights_update_group_payload("10.0.0.1", 29500, 1, 3, "g", "gloo"),
-        "UpdateWeightsFromDistributedReqInput": C.update_weights_from_distributed_payload(
+        "InitWeightsUpdateGroupReqInput": payloads.init_weights_update_group_payload(
+            "10.0.0.1", 29500, 1, 3, "g", "gloo"),
+        "UpdateWeightsFromDistributedReqInput": payloads.update_weights_from_distributed_payload(
             ["model.norm.weight"], [torch.bfloat16], [[64]], "g", flush_cache=False, weight_version="7",
             abort_all_requests=True, load_format="flattened_bucket"),
-        "UpdateWeightsFromTensorReqInput": C.update_weights_from_tensor_payload(["AAAA"], "direct", False, True, "3"),
-        "DestroyWeightsUpdateGroupReqInput": C.destroy_weights_update_group_payload("g"),
-        "BeginWeightUpdateReqInput": C.begin_weight_update_payload("target"),
-        "EndWeightUpdateReqInput": C.end_weight_update_payload(),
-        "ReleaseMemoryOccupationReqInput": C.memory_occupation_payload(MEMORY_TAGS),
-        "ResumeMemoryOccupationReqInput": C.memory_occupation_payload(RESUME_AFTER_SYNC),
+        "UpdateWeightsFromTensorReqInput": payloads.update_weights_from_tensor_payload(
+            ["AAAA"], "direct", False, True, "3"),
+        "DestroyWeightsUpdateGroupReqInput": payloads.destroy_weights_update_group_payload("g"),
+        "BeginWeightUpdateReqInput": payloads.begin_weight_update_payload("target"),
+        "EndWeightUpdateReqInput": payloads.end_weight_update_payload(),
+        "ReleaseMemoryOccupationReqInput": payloads.memory_occupation_payload(MEMORY_TAGS),
+        "ResumeMemoryOccupationReqInput": payloads.memory_occupation_payload(RESUME_AFTER_SYNC),
     }
 
 

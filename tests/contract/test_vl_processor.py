@@ -18,9 +18,9 @@ import pytest
 from slime_rl.config import DataConfig
 from slime_rl.data import PromptDataset, write_records
 from slime_rl.data.images import IMAGE_PAD, VISION_START, decode_image, image_bytes, load_image_processor
-from slime_rl.engines.client import image_data_of, one_pad_per_image
 from slime_rl.engines.embedded.sampling import RequestError
 from slime_rl.engines.embedded.vision import VisionInputs
+from slime_rl.engines.payloads import image_data_of, one_pad_per_image
 
 qwen_vl = pytest.importorskip("sglang.srt.multimodal.processors.qwen_vl",
                               reason="sglang 0.5.23 is not importable here (pip install --no-deps sglang)")

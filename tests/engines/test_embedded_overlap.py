@@ -21,8 +21,9 @@ from engine_testlib import prompt_of, start_server
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from slime_rl.engines.embedded.engine import Engine, GenRequest
+from slime_rl.engines.embedded.engine import Engine
 from slime_rl.engines.embedded.protocol import seed_generator
+from slime_rl.engines.embedded.request import GenRequest
 from slime_rl.engines.embedded.sampling import SamplingParams
 
 N = 12
@@ -259,17 +260,17 @@ def test_the_switch_reaches_the_engine(tiny_qwen2):
 
 def test_the_sampler_plan_is_built_once_per_batch(model_tok, monkeypatch):
     """Item of the per-step host cost: the rows' temperatures, masks and index tensors are built when
-    the batch changes, not every step (engine._plan_of)."""
-    from slime_rl.engines.embedded import engine as engine_mod
+    the batch changes, not every step (steps.EngineSteps._plan_of)."""
+    from slime_rl.engines.embedded import steps as steps_mod
 
     built = []
 
-    class Counting(engine_mod.SamplerPlan):
+    class Counting(steps_mod.SamplerPlan):
         def __init__(self, params, *a, **kw) -> None:
             built.append(len(params))
             super().__init__(params, *a, **kw)
 
-    monkeypatch.setattr(engine_mod, "SamplerPlan", Counting)
+    monkeypatch.setattr(steps_mod, "SamplerPlan", Counting)
     model, tok = model_tok
     eng = Engine(model, tok, {tok.eos_token_id}, tok.pad_token_id, max_running_requests=4, **PATHS["static"])
     reqs = [GenRequest(rid=f"p{i}", input_ids=prompt_of(4 + i, salt=i), params=SamplingParams.from_json(
@@ -295,7 +296,7 @@ def test_routed_experts_count_the_reported_tokens_only(tiny_qwen3_moe):
     import httpx
     import numpy as np
 
-    from slime_rl.engines.client import decode_routed_experts
+    from slime_rl.engines.payloads import decode_routed_experts
 
     body = {"input_ids": [prompt_of(7), prompt_of(5, salt=2)], "return_routed_experts": True,
             "sampling_params": [{"max_new_tokens": n, "temperature": 1.0, "sampling_seed": 5 + n, "ignore_eos": True}

@@ -9,8 +9,9 @@ import torch
 from engine_testlib import prompt_of, reference_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from slime_rl.engines.embedded.engine import Engine, GenRequest
+from slime_rl.engines.embedded.engine import Engine
 from slime_rl.engines.embedded.protocol import seed_generator
+from slime_rl.engines.embedded.request import GenRequest
 from slime_rl.engines.embedded.sampling import SamplingParams
 
 GROUPS, N = 3, 4  # 3 prompts x 4 samples

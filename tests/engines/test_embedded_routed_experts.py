@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine_testlib import prompt_of, start_server
 
-from slime_rl.engines.client import decode_routed_experts
+from slime_rl.engines.payloads import decode_routed_experts
 
 LAYERS, TOPK = 2, 2  # the tiny Qwen3-MoE (tests/conftest.py)
 

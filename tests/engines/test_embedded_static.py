@@ -22,9 +22,10 @@ from transformers.cache_utils import DynamicCache
 
 from slime_rl.engines.embedded.attention import FLASH_DECODE
 from slime_rl.engines.embedded.batch import Row
-from slime_rl.engines.embedded.engine import Engine, GenRequest
+from slime_rl.engines.embedded.engine import Engine
 from slime_rl.engines.embedded.precision import apply_deterministic_attention
 from slime_rl.engines.embedded.protocol import seed_generator
+from slime_rl.engines.embedded.request import GenRequest
 from slime_rl.engines.embedded.sampling import SamplingParams
 from slime_rl.engines.embedded.slots import SlotBatch, SlotCache, batch_buckets, unsupported
 

@@ -17,8 +17,9 @@ import torch
 from engine_testlib import prompt_of, reference_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from slime_rl.engines.embedded.engine import Engine, GenRequest
+from slime_rl.engines.embedded.engine import Engine
 from slime_rl.engines.embedded.protocol import seed_generator
+from slime_rl.engines.embedded.request import GenRequest
 from slime_rl.engines.embedded.sampling import SamplingParams
 
 

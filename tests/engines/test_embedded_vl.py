@@ -24,7 +24,7 @@ from vl_testlib import reference, write_pictures
 from slime_rl.config import DataConfig
 from slime_rl.data import PromptDataset, write_records
 from slime_rl.data.images import IMAGE_PAD, VISION_START
-from slime_rl.engines.client import image_data_of, one_pad_per_image
+from slime_rl.engines.payloads import image_data_of, one_pad_per_image
 
 ATOL = 1e-5
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_testlib import prompt_of, start_server
 
-from slime_rl.engines.embedded.engine import GenRequest
+from slime_rl.engines.embedded.request import GenRequest
 from slime_rl.engines.embedded.sampling import SamplingParams
 
 # (kind, where the scheduler must say it failed, how the request is broken)

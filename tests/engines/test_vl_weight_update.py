@@ -21,8 +21,9 @@ from vl_testlib import reference
 from slime_rl.config.builtin_engine import ServerConfig
 from slime_rl.data.images import IMAGE_PAD, VISION_START
 from slime_rl.engines import dist_group
-from slime_rl.engines.client import EngineClient, image_data_of, one_pad_per_image
+from slime_rl.engines.client import EngineClient
 from slime_rl.engines.launch import embedded_command, wait_healthy
+from slime_rl.engines.payloads import image_data_of, one_pad_per_image
 
 
 def _free_port() -> int:

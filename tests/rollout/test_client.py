@@ -11,28 +11,30 @@ from pathlib import Path
 import pytest
 
 from slime_rl.engines import client as C
+from slime_rl.engines import payloads
 
 SNAPSHOT = json.loads((Path(__file__).parent / "sglang_fields.json").read_text())
 
 # Each payload builder, called with every optional field set, and the SGLang struct it must fit.
 PAYLOADS = {
-    "GenerateReqInput": C.generate_payload([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9,
+    "GenerateReqInput": payloads.generate_payload([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9,
                                                        "top_k": 5, "stop_token_ids": [2], "sampling_seed": 1},
                                            return_logprob=True, rid="r0", image_data=["data:image/png;base64,AA"],
                                            logprob_start_len=0, return_text_in_logprobs=True),
-    "InitWeightsUpdateGroupReqInput": C.init_weights_update_group_payload("10.0.0.1", 29500, 1, 3, "g", "gloo"),
-    "UpdateWeightsFromDistributedReqInput": C.update_weights_from_distributed_payload(
+    "InitWeightsUpdateGroupReqInput": payloads.init_weights_update_group_payload("10.0.0.1", 29500, 1, 3, "g", "gloo"),
+    "UpdateWeightsFromDistributedReqInput": payloads.update_weights_from_distributed_payload(
         ["model.norm.weight"], ["bfloat16"], [[64]], "g", flush_cache=False, weight_version="7",
         abort_all_requests=True, load_format="flattened_bucket"),
-    "DestroyWeightsUpdateGroupReqInput": C.destroy_weights_update_group_payload("g"),
-    "AbortReq": C.abort_request_payload("r0", abort_all=True),
-    "PauseGenerationReqInput": C.pause_generation_payload("retract"),
-    "ContinueGenerationReqInput": C.continue_generation_payload(),
-    "GetWeightsByNameReqInput": C.get_weights_by_name_payload("lm_head.weight", 10),
-    "UpdateWeightVersionReqInput": C.update_weight_version_payload("v2", False),
-    "UpdateWeightsFromTensorReqInput": C.update_weights_from_tensor_payload(["AAAA"], "direct", False, True, "3"),
-    "ReleaseMemoryOccupationReqInput": C.memory_occupation_payload(["weights"]),
-    "ResumeMemoryOccupationReqInput": C.memory_occupation_payload(["kv_cache"]),
+    "DestroyWeightsUpdateGroupReqInput": payloads.destroy_weights_update_group_payload("g"),
+    "AbortReq": payloads.abort_request_payload("r0", abort_all=True),
+    "PauseGenerationReqInput": payloads.pause_generation_payload("retract"),
+    "ContinueGenerationReqInput": payloads.continue_generation_payload(),
+    "GetWeightsByNameReqInput": payloads.get_weights_by_name_payload("lm_head.weight", 10),
+    "UpdateWeightVersionReqInput": payloads.update_weight_version_payload("v2", False),
+    "UpdateWeightsFromTensorReqInput": payloads.update_weights_from_tensor_payload(
+        ["AAAA"], "direct", False, True, "3"),
+    "ReleaseMemoryOccupationReqInput": payloads.memory_occupation_payload(["weights"]),
+    "ResumeMemoryOccupationReqInput": payloads.memory_occupation_payload(["kv_cache"]),
 }
 REQUIRED = {"InitWeightsUpdateGroupReqInput": {"master_address", "master_port", "rank_offset", "world_size"},
             "UpdateWeightsFromDistributedReqInput": {"names", "dtypes", "shapes"},
@@ -50,27 +52,27 @@ def test_payloads_use_only_sglang_field_names(struct):
 
 
 def test_payload_details():
-    p = C.update_weights_from_distributed_payload(["a", "b"], ["torch.float32", "bfloat16"], [(2, 3), []])
+    p = payloads.update_weights_from_distributed_payload(["a", "b"], ["torch.float32", "bfloat16"], [(2, 3), []])
     assert p["dtypes"] == ["float32", "bfloat16"] and p["shapes"] == [[2, 3], []]
     assert p["group_name"] == "weight_update_group" and p["flush_cache"] is True and "weight_version" not in p
-    assert C.generate_payload([[1], [2, 3]], {})["input_ids"] == [[1], [2, 3]]  # batch stays a list of lists
+    assert payloads.generate_payload([[1], [2, 3]], {})["input_ids"] == [[1], [2, 3]]  # batch stays a list of lists
     with pytest.raises(ValueError, match="exactly one"):
-        C.generate_payload([1], {}, text="x")
+        payloads.generate_payload([1], {}, text="x")
     with pytest.raises(ValueError, match="lengths differ"):
-        C.update_weights_from_distributed_payload(["a"], [], [[1]])
+        payloads.update_weights_from_distributed_payload(["a"], [], [[1]])
     with pytest.raises(ValueError, match="pause mode"):
-        C.pause_generation_payload("later")
+        payloads.pause_generation_payload("later")
 
 
 def test_one_pad_per_image_cuts_each_prompt_image_to_one_pad():
     S, P, E = 90, 91, 92  # vision_start, image_pad, vision_end
     prompt = [1, S, P, P, P, E, 2, S, P, P, E, 3]
     response = [4, P, P, 5]  # pads the model sampled are text: SGLang would count them, they stay as they are
-    got = C.one_pad_per_image(prompt + response, len(prompt), 2, P, S)
+    got = payloads.one_pad_per_image(prompt + response, len(prompt), 2, P, S)
     assert got == [1, S, P, E, 2, S, P, E, 3] + response
-    assert C.one_pad_per_image([1, S, P, E], 4, 1, P, S) == [1, S, P, E]  # already one pad: unchanged
+    assert payloads.one_pad_per_image([1, S, P, E], 4, 1, P, S) == [1, S, P, E]  # already one pad: unchanged
     with pytest.raises(AssertionError, match="2 image placeholders in the prompt for 1 images"):
-        C.one_pad_per_image(prompt, len(prompt), 1, P, S)
+        payloads.one_pad_per_image(prompt, len(prompt), 1, P, S)
 
 
 def test_payloads_construct_sglangs_own_structs():
@@ -175,7 +177,7 @@ def test_group_payload_splits_per_sample_in_sglangs_own_struct():
     io = pytest.importorskip("sglang.srt.managers.io_struct",
                              reason="sglang is not installed (pip install sglang to run the struct check)")
     url = "data:image/png;base64,AAAA"
-    payload = C.generate_payload([[1, 2], [1, 2, 7]], [{"max_new_tokens": 4, "sampling_seed": 11},
+    payload = payloads.generate_payload([[1, 2], [1, 2, 7]], [{"max_new_tokens": 4, "sampling_seed": 11},
                                                        {"max_new_tokens": 3, "sampling_seed": 12}],
                                  return_logprob=True, rid=["g-s0", "g-s1"], image_data=[[url], [url]])
     obj = io.GenerateReqInput(**payload)
@@ -188,6 +190,6 @@ def test_group_payload_splits_per_sample_in_sglangs_own_struct():
     assert [x.sampling_params["max_new_tokens"] for x in items] == [4, 3]
     assert [x.return_logprob for x in items] == [True, True]
     assert [x.image_data for x in items] == [[url], [url]]
-    text_only = io.GenerateReqInput(**C.generate_payload([[1], [2]], [{}, {}], rid=["a", "b"]))
+    text_only = io.GenerateReqInput(**payloads.generate_payload([[1], [2]], [{}, {}], rid=["a", "b"]))
     text_only.normalize_batch_and_arguments()
     assert [text_only[i].image_data for i in range(2)] == [None, None]

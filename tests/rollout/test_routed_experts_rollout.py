@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from slime_rl.data import Sample
-from slime_rl.engines.client import generate_payload
+from slime_rl.engines.payloads import generate_payload
 from slime_rl.orchestration.rollout_manager import samples_to_batch
 from slime_rl.rollout.partial import append_model_turn
 

@@ -26,7 +26,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 class Row:
     """One request in the running batch (the scheduler owns it; HTTP threads read the result)."""
 
-    req: Any  # engine.GenRequest
+    req: Any  # request.GenRequest
     next_pos: int = 0  # position id of the pending token
     pending: int = -1  # last sampled token, not yet in the KV cache
     slot: int = -1  # row of the static KV cache it occupies (static path only, see slots.py)
@@ -38,7 +38,7 @@ class RunningBatch:
     mask: torch.Tensor | None = None  # [B, L] long, 1 = real token in the cache
     cache: DynamicCache | None = None
     # the overlap scheduler's next inputs: the last step's sampled tokens [B] on the device, in row
-    # order, before the host has read them (engine.py); None when the rows' `pending` are the inputs
+    # order, before the host has read them (steps.py); None when the rows' `pending` are the inputs
     next_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:

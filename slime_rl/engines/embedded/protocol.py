@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from slime_rl.engines.embedded.engine import GenRequest
+from slime_rl.engines.embedded.request import GenRequest
 from slime_rl.engines.embedded.routing import encode_routed_experts
 from slime_rl.engines.embedded.sampling import RequestError, SamplingParams
 from slime_rl.engines.embedded.vision import VisionInputs, per_request_images

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from slime_rl.engines.client import decode_routed_experts  # noqa: F401 (the engine's half lives here too)
+from slime_rl.engines.payloads import decode_routed_experts  # noqa: F401 (the engine's half lives here too)
 
 _GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 ROUND_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn,

@@ -32,11 +32,12 @@ import torch
 
 from slime_rl.config.builtin_engine import ServerConfig
 from slime_rl.data.images import load_image_processor
-from slime_rl.engines.embedded.engine import Engine, GenRequest
+from slime_rl.engines.embedded.engine import Engine
 from slime_rl.engines.embedded.http import HttpLimits, HttpServer
 from slime_rl.engines.embedded.memory import MemoryOccupation
 from slime_rl.engines.embedded.precision import apply_deterministic_attention, apply_precision_policy
 from slime_rl.engines.embedded.protocol import build_response, parse_generate, seed_generator
+from slime_rl.engines.embedded.request import GenRequest
 from slime_rl.engines.embedded.routing import RoutingCapture
 from slime_rl.engines.embedded.sampling import RequestError
 from slime_rl.engines.embedded.session import WeightUpdateSession
