@@ -73,7 +73,7 @@ case "$1" in
       | grep -e "^bs" -e "^  " -e "^{" | tail -40
     # THROUGHPUT (default "compiled eager"): which engine_throughput runs, in that order; "deterministic":
     # --enable-deterministic-inference (flash decode over a time-major slot cache), no compile;
-    # "det_compiled": both (the 1-GPU recipes' engine); "default": neither (CUDA graphs, the default path)
+    # "det_compiled": both (a candidate for the 1-GPU recipes, which run the first alone); "default": neither (CUDA graphs, the default path)
     for c in ${THROUGHPUT:-compiled eager}; do
       case "$c" in compiled) flag=--enable-torch-compile ;; deterministic) flag=--enable-deterministic-inference ;;
         det_compiled) flag="--enable-deterministic-inference --enable-torch-compile" ;;

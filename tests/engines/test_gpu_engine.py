@@ -119,7 +119,8 @@ def _one_batch(http: httpx.Client, n_new: int = 20) -> list[tuple[list[int], lis
 
 
 def test_deterministic_inference_with_torch_compile_stays_batch_invariant_in_bf16(tiny_qwen2):
-    """The 1-GPU recipes run --enable-deterministic-inference with --enable-torch-compile. With both on, in
+    """--enable-deterministic-inference with --enable-torch-compile (a candidate for the 1-GPU recipes,
+    which run the first alone). With both on, in
     bf16, a request's tokens and log-probs do not depend on what else is in the batch (each row alone
     equals the same row inside a six-row batch, bit for bit), the compiled pieces are what ran, and the
     result stays within bf16 rounding of the deterministic engine without compile."""
