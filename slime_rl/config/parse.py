@@ -10,6 +10,8 @@ Errors raise `ConfigError` naming the flag (or the YAML file and key).
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,9 +28,54 @@ from slime_rl.config.slime_args import refuse_slime_only
 ROUTER_KEY = "router:"
 
 
+DOCS_HINT = ("The flags are listed in docs/flags.md; slime's and Megatron-LM's, and what each becomes, in "
+             "docs/migration.md")
+
+
+def explain_parse_error(message: str, options: Sequence[str]) -> str:
+    """argparse's terse message -> a sentence naming each flag (or value) and what to do instead:
+    an unknown flag gets its closest known names, a bad value the values or type the flag takes."""
+    if message.startswith("unrecognized arguments: "):
+        parts, after_flag = [], False
+        for token in message.removeprefix("unrecognized arguments: ").split():
+            if not token.startswith("-") and after_flag:  # the unknown flag's own value
+                after_flag = False
+                continue
+            after_flag = token.startswith("-") and "=" not in token
+            if token.startswith("-"):
+                name = token.partition("=")[0]
+                close = difflib.get_close_matches(name, options, n=3, cutoff=0.75)
+                hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+                parts.append(f"{name} is not a flag of slime-rl train, nor a flag of slime's or Megatron-LM's that "
+                             f"it reads{hint}")
+            else:
+                parts.append(f"{token!r} is a value with no flag before it that takes one")
+        return "; ".join(parts) + f". {DOCS_HINT}"
+    m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid choice: (.+?) \(choose from (.+)\)", message)
+    if m:
+        flag, value, choices = m.groups()
+        return f"{flag} {value}: not a value it takes here; it takes {choices}"
+    m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: (.+)", message)
+    if m:
+        flag, kind, value = m.groups()
+        # a type function of the table (flag_spec.py: _positive_int, ...) reads as words
+        words = kind.strip("_").replace("_", " ").replace("nonneg", "non-negative").replace("int", "integer")
+        what = {"integer": "an integer", "float": "a number"}.get(words, f"a {words}")
+        return f"{flag} {value}: expected {what}"
+    m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected (one argument|at least one argument)", message)
+    if m:
+        return f"{m.group(1)} needs a value"
+    m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: ignored explicit argument (.+)", message)
+    if m:
+        return f"{m.group(1)} is a switch: it takes no value (got {m.group(2)})"
+    m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: (.+)", message)  # a type function's own message
+    return f"{m.group(1)}: {m.group(2)}" if m else message
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse would print and exit(2); we want an exception
-        raise ConfigError(message)
+    def error(self, message: str):  # argparse would print and exit(2); we want an exception naming the flag
+        options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        raise ConfigError(explain_parse_error(message, options))
 
 
 def _make_parser() -> argparse.ArgumentParser:

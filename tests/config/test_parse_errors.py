@@ -1,0 +1,57 @@
+"""A command line slime-rl cannot read is refused with a sentence that names the flag and what to do,
+exit 2, before anything starts: never argparse's bare "unrecognized arguments" or "invalid choice"."""
+
+from __future__ import annotations
+
+import pytest
+
+from slime_rl.config import ConfigError, build_config
+from slime_rl.config.flags import FLAGS
+from slime_rl.train import main as train_main
+from tests.config.test_config import base_argv
+
+
+def _refusal(tmp_path, *extra: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        build_config(base_argv(tmp_path) + list(extra))
+    text = str(info.value)
+    assert "unrecognized arguments" not in text and "invalid choice" not in text, text
+    return text
+
+
+def test_an_unknown_flag_is_named_with_the_closest_flags_and_where_to_look(tmp_path, capsys):
+    code = train_main(base_argv(tmp_path) + ["--rollout-batch-sizes", "3", "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--rollout-batch-sizes is not a flag of slime-rl train" in err
+    assert "did you mean --rollout-batch-size" in err and "docs/migration.md" in err
+    assert "'3'" not in err  # the unknown flag's value is not reported as a stray one
+    assert "unrecognized arguments" not in err
+
+
+def test_several_unknown_flags_and_a_stray_value_are_each_named(tmp_path):
+    text = _refusal(tmp_path, "--not-a-flag-here", "1", "2", "--also-not-one=4")
+    assert "--not-a-flag-here is not a flag" in text and "--also-not-one is not a flag" in text
+    assert "'2' is a value with no flag before it" in text and "'1'" not in text
+    assert "did you mean" not in text.split(";")[0]  # nothing close to it
+
+
+@pytest.mark.parametrize("flag", [f for f in FLAGS if f.choices and f.action is None], ids=lambda f: f.name)
+def test_a_value_outside_the_choices_names_the_flag_and_every_choice(tmp_path, flag):
+    text = _refusal(tmp_path, flag.name, "no-such-value")
+    assert text.startswith(f"{flag.name} 'no-such-value': not a value it takes here"), text
+    assert all(repr(c) in text for c in flag.choices), text
+
+
+@pytest.mark.parametrize("flag", [f for f in FLAGS if f.action is None and not f.choices and f.nargs is None
+                                  and f.type in (int, float)], ids=lambda f: f.name)
+def test_a_number_flag_given_a_word_says_it_wants_a_number(tmp_path, flag):
+    text = _refusal(tmp_path, flag.name, "abc")
+    want = "an integer" if flag.type is int else "a number"
+    assert text == f"{flag.name} 'abc': expected {want}", text
+
+
+def test_a_flag_without_its_value_and_a_switch_with_one(tmp_path):
+    assert _refusal(tmp_path, "--lr") == "--lr needs a value"
+    assert _refusal(tmp_path, "--colocate=yes") == "--colocate is a switch: it takes no value (got 'yes')"
+    assert _refusal(tmp_path, "--micro-batch-size", "abc") == "--micro-batch-size 'abc': expected a positive integer"
