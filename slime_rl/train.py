@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -177,8 +178,26 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     return rows
 
 
+def _show_config_notes() -> None:
+    """The config's warnings (a flag that is accepted but changes or ignores something) print as one
+    plain line each, `slime-rl train: note: ...`, not with Python's source location; others as usual."""
+    default = warnings.showwarning
+    if getattr(default, "slime_rl_notes", False):  # installed already (main called again in one process)
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if issubclass(category, UserWarning) and os.sep + os.path.join("slime_rl", "config") in filename:
+            print(f"slime-rl train: note: {message}", file=file or sys.stderr, flush=True)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    show.slime_rl_notes = True
+    warnings.showwarning = show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _show_config_notes()
     try:
         cfg, plan = preflight(build_config(argv))
     except (ConfigError, DataError, RewardError, ValueError) as exc:

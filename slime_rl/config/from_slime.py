@@ -47,8 +47,9 @@ DIFFERENCES: tuple[Difference, ...] = (
     Difference("--wandb-project", "None", "slime_rl", "a project name is needed to log at all"),
     Difference("--wandb-mode", "None (wandb's WANDB_MODE)", "online", "an explicit mode"),
     Difference("--rollout-backend", "(no such flag: always SGLang)", "embedded",
-               "the built-in engine runs everywhere (the CPU quickstart and tests); give --rollout-backend "
-               "sglang for SGLang's server, which the other --sglang-* flags need", kind="meaning"),
+               "the built-in engine runs everywhere (the CPU quickstart and tests); without --rollout-backend, "
+               "SGLang's own --sglang-* flags or --rollout-num-gpus-per-engine > 1 choose sglang (a note says so)",
+               kind="meaning"),
     Difference("--calculate-per-token-loss", "not given: a mean per sample, then over the global batch "
                "(our seq-mean-token-mean)",
                "not given: --loss-agg-mode token-mean (over all tokens of the global batch)",

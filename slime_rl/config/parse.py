@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from slime_rl.config.builtin_engine import SGLANG_ARGS
 from slime_rl.config.checks import ConfigError
 from slime_rl.config.easyr1 import describe, is_easyr1, map_easyr1
 from slime_rl.config.flags import OWN_SGLANG_FLAGS, ROUTER_PREFIX, SGLANG_PREFIX, build_parser
@@ -214,4 +216,26 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]
         parser.set_defaults(**defaults)
     args = parser.parse_args(rest)
     sglang.update(sglang_cli)
+    explicit = known.rollout_backend is not None or (known.config is not None and "rollout_backend" in defaults)
+    if not explicit:
+        _backend_from_flags(args, sglang)
     return args, sglang
+
+
+def _backend_from_flags(args: argparse.Namespace, sglang: dict[str, Any]) -> None:
+    """No --rollout-backend given: a script written for SGLang (slime's always are) gets SGLang. Its
+    server flags that the built-in engine does not take, or engines over several GPUs, choose it; the
+    run says so first (a warning) and how to get the built-in engine instead."""
+    foreign = sorted(SGLANG_PREFIX + k.replace("_", "-") for k in sglang
+                     if not k.startswith(ROUTER_KEY) and k not in SGLANG_ARGS)
+    reasons = []
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        what = "is an SGLang server flag" if len(foreign) == 1 else "are SGLang server flags"
+        reasons.append(f"{', '.join(foreign[:3])}{more} {what}, which the built-in engine does not take")
+    if args.rollout_num_gpus_per_engine > 1:
+        reasons.append(f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} needs a multi-GPU engine")
+    if reasons and args.rollout_backend != "sglang":
+        args.rollout_backend = "sglang"
+        warnings.warn(f"--rollout-backend sglang: {'; '.join(reasons)} (give --rollout-backend embedded, without "
+                      "them, for the built-in engine)", UserWarning, stacklevel=3)

@@ -38,7 +38,7 @@ def test_global_batch_defaults_to_one_step_per_rollout(tmp_path):
     (["--lr-decay-style", "bogus"], "--lr-decay-style"),
     (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus-per-engine"),
     (["--lr", "-1"], "--lr"),
-    (["--sglang-mem-fraction-static", "0.8"], "--sglang-"),
+    (["--rollout-backend", "embedded", "--sglang-mem-fraction-static", "0.8"], "--sglang-"),
     (["--sglang-cuda-graph-max-bs-decode", "0"], "--sglang-cuda-graph-max-bs-decode"),
     (["--no-such-flag", "1"], "--no-such-flag"),
     (["--keep-last", "2"], "--keep-last"),
@@ -262,7 +262,9 @@ def test_multi_gpu_engines_need_sglang(tmp_path):
     # the weight-update group counts N ranks per engine; the built-in engine is one process on one device
     gpus = ["--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2"]
     with pytest.raises(ConfigError, match="--rollout-num-gpus-per-engine 2 needs --rollout-backend sglang"):
-        build_config(base_argv(tmp_path) + gpus)
+        build_config(base_argv(tmp_path) + gpus + ["--rollout-backend", "embedded"])
+    with pytest.warns(UserWarning, match="--rollout-backend sglang: --rollout-num-gpus-per-engine 2"):
+        assert build_config(base_argv(tmp_path) + gpus).engine.backend == "sglang"  # none given: SGLang's
     assert build_config(base_argv(tmp_path) + gpus + ["--rollout-backend", "sglang"]).engine.num_engines == 2
 
 

@@ -66,8 +66,8 @@ def test_every_flag_of_the_script_is_known(tmp_path):
 
 def test_the_script_builds_after_the_refusals_it_names(tmp_path):
     """The whole list: each refusal names a flag of the script with the reason; applying what the
-    message says (slime's engines are SGLang's; one device per colocated engine) leaves a config
-    that holds slime's values."""
+    message says (one device per colocated engine) leaves a config that holds slime's values. The
+    script's SGLang flag chooses SGLang (slime's engines), with a note."""
     argv = _script(tmp_path)
     refusals = []
     fixes = {"--sglang-mem-fraction-static": lambda a: a + ["--rollout-backend", "sglang"],
@@ -86,9 +86,9 @@ def test_the_script_builds_after_the_refusals_it_names(tmp_path):
             argv = fixes[refusals[-1][0]](argv)
     else:
         pytest.fail(f"still refused after {refusals}")
-    assert [r[0] for r in refusals] == ["--rollout-num-gpus-per-engine", "--sglang-mem-fraction-static"]
+    assert [r[0] for r in refusals] == ["--rollout-num-gpus-per-engine"]
     assert "--colocate needs --rollout-num-gpus-per-engine 1 (each engine takes its weights" in refusals[0][1]
-    assert "--rollout-backend is embedded (give --rollout-backend sglang" in refusals[1][1]
+    assert cfg.engine.backend == "sglang" and cfg.engine.sglang_args == {"mem_fraction_static": "0.7"}
     # slime's meaning of each value
     p = cfg.parallel
     assert (p.world_size, p.tensor_model_parallel_size, p.data_parallel_size) == (8, 2, 4)

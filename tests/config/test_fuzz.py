@@ -207,7 +207,7 @@ CONTRADICTIONS = [  # extra argv -> flags the message may name (one of them)
     (["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size"]),
     (["--kl-coef", "0.1"], ["--kl-coef"]),
     (["--tis-clip", "1", "--tis-clip-low", "2"], ["--tis-clip"]),
-    (["--sglang-mem-fraction-static", "0.5"], ["--sglang-"]),
+    (["--rollout-backend", "embedded", "--sglang-mem-fraction-static", "0.5"], ["--sglang-"]),
     (["--eval-prompt-data", "a"], ["--eval-prompt-data"]),
     (["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"], ["--rollout-num-gpus"]),
     (["--not-a-flag", "1"], ["--not-a-flag"]),

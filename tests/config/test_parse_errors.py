@@ -55,3 +55,23 @@ def test_a_flag_without_its_value_and_a_switch_with_one(tmp_path):
     assert _refusal(tmp_path, "--lr") == "--lr needs a value"
     assert _refusal(tmp_path, "--colocate=yes") == "--colocate is a switch: it takes no value (got 'yes')"
     assert _refusal(tmp_path, "--micro-batch-size", "abc") == "--micro-batch-size 'abc': expected a positive integer"
+
+
+def test_sglang_server_flags_without_a_backend_choose_sglang_and_say_why(tmp_path, capsys):
+    """slime's scripts never pass --rollout-backend (slime always runs SGLang) and do pass SGLang's flags."""
+    with pytest.warns(UserWarning, match=r"--rollout-backend sglang: --sglang-mem-fraction-static is an SGLang "
+                                         r"server flag, which the built-in engine does not take"):
+        cfg = build_config(base_argv(tmp_path) + ["--sglang-mem-fraction-static", "0.7"])
+    assert cfg.engine.backend == "sglang" and cfg.engine.sglang_args == {"mem_fraction_static": "0.7"}
+    with pytest.warns(UserWarning, match="--rollout-num-gpus-per-engine 2 needs a multi-GPU engine"):
+        cfg = build_config(base_argv(tmp_path) + ["--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2"])
+    assert cfg.engine.backend == "sglang"
+    # the flags the built-in engine takes keep it; an explicit backend is obeyed (and refuses what it cannot take)
+    assert build_config(base_argv(tmp_path) + ["--sglang-enable-torch-compile"]).engine.backend == "embedded"
+    with pytest.raises(ConfigError, match="--sglang-mem-fraction-static: SGLang's server flags, but "
+                                          "--rollout-backend is embedded"):
+        build_config(base_argv(tmp_path) + ["--rollout-backend", "embedded", "--sglang-mem-fraction-static", "0.7"])
+    # the command line prints it as the run's first line, not as a Python warning
+    train_main(base_argv(tmp_path) + ["--sglang-mem-fraction-static", "0.7", "--dry-run", "--cluster", "1x8"])
+    err = capsys.readouterr().err
+    assert err.startswith("slime-rl train: note: --rollout-backend sglang: --sglang-mem-fraction-static"), err
