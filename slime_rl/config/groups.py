@@ -59,7 +59,7 @@ class BatchConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     """How the trainer lays out work: packing, token budgets, sequence parallel, recompute, loss
-    aggregation. Each trainer rank gets it whole (trainer.worker.MegatronRank's `trainer`)."""
+    aggregation. Each trainer rank gets it whole (trainer.rank.MegatronRank's `trainer`)."""
 
     pack_sequences: bool = default_of("--no-pack-sequences")
     use_dynamic_batch_size: bool = default_of("--use-dynamic-batch-size")

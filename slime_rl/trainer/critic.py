@@ -4,7 +4,7 @@ The model is the policy's GPTModel built from the same HF config (model.py) and 
 same HF weights (or from a critic checkpoint, `--critic-load`); on the last pipeline stage the LM
 output layer is replaced by `ValueHead`, a [hidden -> 1] linear layer, so the model's "logits" are
 values [b, s, 1]. Everything else (DDP, distributed optimizer, LR schedule, micro-batching,
-schedules, checkpoints) is the policy's (worker.MegatronRank).
+schedules, checkpoints) is the policy's (rank.MegatronRank).
 
 Tensor parallelism: the hidden states after the final norm are replicated on every TP rank (the
 last RowParallelLinear all-reduces its output), so each rank runs the whole head on the whole
@@ -31,8 +31,8 @@ from slime_rl.trainer.loss_agg import GlobalCounts, local_counts, token_weights
 from slime_rl.trainer.mcore import gather_from_sequence_parallel_region, on_rank_thread
 from slime_rl.trainer.micro import collect_per_sample
 from slime_rl.trainer.parallel import broadcast_from_last_stage, dp_group
+from slime_rl.trainer.rank import MegatronRank
 from slime_rl.trainer.steps import LossScale, model_forward, response_logits
-from slime_rl.trainer.worker import MegatronRank
 
 INIT_STD = 0.02
 # per-micro-batch sums of the value loss (summed over micro-batches and DP ranks)
