@@ -77,6 +77,9 @@ ALGO_FLAGS: tuple[Flag, ...] = (
         Flag('--wandb-project', 'logging.wandb_project', default='slime_rl'),
         Flag('--wandb-group', 'logging.wandb_group'),
         Flag('--wandb-mode', 'logging.wandb_mode', default='online', choices=('online', 'offline', 'disabled')),
+        Flag('--wandb-key', 'logging.wandb_key', metavar='KEY',
+             help="slime's: the wandb API key to log in with (else wandb's own login or WANDB_API_KEY); not "
+                  "written to the run's config"),
         Flag('--use-tensorboard', 'logging.use_tensorboard', action="store_true",
              help='scalars to <run-dir>/tensorboard'),
         Flag('--use-swanlab', 'logging.use_swanlab', action="store_true"),

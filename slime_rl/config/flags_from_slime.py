@@ -77,6 +77,13 @@ FROM_SLIME_FLAGS: tuple[Flag, ...] = (
         Flag('--no-gradient-accumulation-fusion', action="store_true",
              help="always so here (accepted): the fused weight-gradient kernel is apex / TransformerEngine's, "
                   'not used'),
+        Flag('--log-probs-chunk-size', type=int, metavar='N',
+             help="accepted, no effect here: slime's log-prob computation in chunks of N tokens, to bound the "
+                  "memory of the logits; the trainer bounds it by micro-batch (--micro-batch-size, "
+                  "--max-tokens-per-gpu)"),
+        Flag('--allgather-cp', action="store_true",
+             help="accepted, no effect here: slime's choice of all-gather context parallelism; the trainer has one "
+                  "context-parallel implementation (--context-parallel-size)"),
         Flag('--attention-backend', default='auto', check=(lambda v: v in ('auto', 'flash'), _ATTENTION),
              help='auto or flash: ' + _ATTENTION[len('must be auto or flash: '):]),
         Flag('--transformer-impl', default='local', check=(lambda v: v == 'local', _LOCAL_SPEC),

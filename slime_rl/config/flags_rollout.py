@@ -54,7 +54,7 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
         Flag('--rollout-top-p', 'rollout.top_p', derived='eval.top_p', default=1.0, type=float,
              check=(lambda v: 0 < v <= 1, "must be in (0, 1]")),
         # SGLang's SamplingParams.verify: -1 (whole vocabulary) or >= 1; it maps -1 to 1 << 30, the bound
-        Flag('--rollout-top-k', 'rollout.top_k', default=-1, type=int,
+        Flag('--rollout-top-k', 'rollout.top_k', derived='eval.top_k', default=-1, type=int,
              check=(lambda v: v == -1 or 1 <= v <= 1 << 30, "must be -1 (whole vocabulary) or in [1, 2^30]")),
         Flag('--rollout-seed', 'rollout.seed', derived=('data.seed', 'rollout.sample_seed'), default=42, type=int,
              help="slime's seed of the prompt shuffle and the requests' sampling_seed; combined with --seed "
@@ -117,6 +117,9 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
         Flag('--n-samples-per-eval-prompt', 'eval.n_samples_per_prompt', default=1, type=_positive_int),
         Flag('--eval-temperature', derived='eval.temperature', type=float, help='default: --rollout-temperature'),
         Flag('--eval-top-p', derived='eval.top_p', type=float, help='default: --rollout-top-p'),
+        Flag('--eval-top-k', derived='eval.top_k', type=int,
+             check=(lambda v: v == -1 or 1 <= v <= 1 << 30, "must be -1 (whole vocabulary) or in [1, 2^30]"),
+             help='default: --rollout-top-k'),
         Flag('--eval-max-response-len', derived='eval.max_response_len', type=_positive_int,
              help='default: --rollout-max-response-len'),
         Flag('--skip-eval-before-train', 'eval.skip_before_train', action="store_true"),

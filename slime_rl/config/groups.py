@@ -220,6 +220,8 @@ class LoggingConfig:
     wandb_project: str = default_of("--wandb-project")
     wandb_group: str | None = default_of("--wandb-group")
     wandb_mode: str = default_of("--wandb-mode")
+    # slime's --wandb-key: the API key wandb logs in with; never printed, never in the run's config
+    wandb_key: str | None = field(default=None, repr=False)
     use_tensorboard: bool = default_of("--use-tensorboard")
     dump_rollouts: bool = default_of("--dump-rollouts")
     use_swanlab: bool = default_of("--use-swanlab")
@@ -295,7 +297,10 @@ class Config:
         return self.rollout.samples_per_rollout // self.batch.global_batch_size
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every group's fields (what wandb / swanlab record as the run's config), secrets left out."""
+        out = dataclasses.asdict(self)
+        out["logging"].pop("wandb_key", None)
+        return out
 
 
 # the group each "group.field" of the flag table names ("" is Config itself)

@@ -96,6 +96,7 @@ class EvalConfig:
     n_samples_per_prompt: int = default_of("--n-samples-per-eval-prompt")
     temperature: float = default_of("--rollout-temperature")  # --eval-temperature, else the rollout's
     top_p: float = default_of("--rollout-top-p")
+    top_k: int = default_of("--rollout-top-k")
     max_response_len: int = default_of("--rollout-max-response-len")
     skip_before_train: bool = default_of("--skip-eval-before-train")
     log_generations: int = default_of("--log-eval-generations")  # eval samples written per eval

@@ -91,8 +91,11 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            f"--expert-model-parallel-size ({a.expert_model_parallel_size}) x --expert-tensor-parallel-size ({etp}) "
            f"must divide the trainer world size {parallel.world_size} / --pipeline-model-parallel-size "
            f"({a.pipeline_model_parallel_size})")
-    _check(not a.sequence_parallel or a.tensor_model_parallel_size > 1,
-           "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if a.sequence_parallel and a.tensor_model_parallel_size == 1:
+        # as Megatron-LM's arguments.py does (slime's TP-1 scripts pass it): nothing to split the sequence over
+        warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1: off (Megatron-LM turns it off too)",
+                      UserWarning, stacklevel=2)
+        a.sequence_parallel = False
     _check(not a.sequence_parallel or a.pack_sequences, "--sequence-parallel needs packed sequences "
            "(drop --no-pack-sequences)")
     _check(not a.use_dynamic_batch_size or a.max_tokens_per_gpu is not None,
@@ -283,6 +286,7 @@ def _eval_config(a: argparse.Namespace, check_paths: bool, train_only: bool = Fa
         a, "eval", datasets=datasets,
         temperature=a.rollout_temperature if a.eval_temperature is None else a.eval_temperature,
         top_p=a.rollout_top_p if a.eval_top_p is None else a.eval_top_p,
+        top_k=a.rollout_top_k if a.eval_top_k is None else a.eval_top_k,
         max_response_len=a.eval_max_response_len or a.rollout_max_response_len)
     if train_only and eval_cfg.enabled:
         # eval generates: without engines it cannot run; the user's script stays valid, the eval is left out

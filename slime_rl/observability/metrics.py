@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -86,6 +87,8 @@ class MetricsLogger:
         if cfg.use_wandb:
             import wandb
 
+            if cfg.wandb_key:  # slime's --wandb-key: the key for this process only (no ~/.netrc is written)
+                os.environ["WANDB_API_KEY"] = cfg.wandb_key
             self._wandb = wandb.init(project=cfg.wandb_project, group=cfg.wandb_group, mode=cfg.wandb_mode,
                                      dir=str(self.run_dir), config=run_config or {})
         if cfg.use_tensorboard:

@@ -30,7 +30,7 @@ from slime_rl.observability.debug_data import save_debug_data
 from slime_rl.orchestration.failures import EngineFailure, RolloutStarved
 from slime_rl.rewards import reward_fn_from_config, reward_metric_means
 from slime_rl.rollout.dynamic import generate_filtered_groups
-from slime_rl.rollout.eval import generate_eval, pick_generations, rewards_of, summarize
+from slime_rl.rollout.eval import eval_sampling_params, generate_eval, pick_generations, rewards_of, summarize
 from slime_rl.rollout.health import EngineHealth
 from slime_rl.rollout.options import RolloutOptions
 
@@ -269,7 +269,7 @@ class RolloutManager:
         """eval/<name>/reward_mean and pass@k on every --eval-prompt-data set, and the
         --log-eval-generations samples to show (`rollout.eval.pick_generations`)."""
         ev = self.cfg.eval
-        params = {"temperature": ev.temperature, "top_p": ev.top_p, "max_new_tokens": ev.max_response_len}
+        params = eval_sampling_params(ev)
         out: dict[str, float] = {}
         groups_by_set = {}
         clients = self._clients(live_only=True)  # eval has no failover: it just skips dead engines

@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from slime_rl.config import EvalConfig
 from slime_rl.data import PromptRow, Sample
 from slime_rl.engines.client import AsyncEngineClient
 from slime_rl.observability import Progress
@@ -58,6 +59,12 @@ def summarize(rewards: Sequence[Sequence[float]], ks: Sequence[int] | None = Non
     for k in ks:
         out[f"pass@{k}"] = sum(pass_at_k(n, sum(x > pass_threshold for x in r), k) for r in rewards) / len(rewards)
     return out
+
+
+def eval_sampling_params(ev: EvalConfig) -> dict[str, Any]:
+    """SGLang sampling_params of every eval request: --eval-temperature / --eval-top-p / --eval-top-k
+    (each defaulting to its --rollout-* flag) and --eval-max-response-len."""
+    return {"temperature": ev.temperature, "top_p": ev.top_p, "top_k": ev.top_k, "max_new_tokens": ev.max_response_len}
 
 
 async def generate_eval(clients: Sequence[AsyncEngineClient], rows: Sequence[PromptRow], n_samples: int,

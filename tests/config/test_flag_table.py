@@ -143,6 +143,8 @@ def _derived_cases(tmp: Path) -> dict[tuple[str, str, str], tuple[list[str], obj
                                                      (("a", data),)),
         ("--eval-temperature", "eval", "temperature"): (["--eval-temperature", "0.5"], 0.5),
         ("--eval-top-p", "eval", "top_p"): (["--eval-top-p", "0.5"], 0.5),
+        ("--eval-top-k", "eval", "top_k"): (["--eval-top-k", "3"], 3),
+        ("--rollout-top-k", "eval", "top_k"): (["--rollout-top-k", "7"], 7),
         ("--eval-max-response-len", "eval", "max_response_len"): (["--eval-max-response-len", "9"], 9),
         ("--rollout-num-gpus", "engine", "num_gpus"): (["--rollout-num-gpus", "2"], 2),
         ("--eps-clip-high", "algo", "eps_clip_high"): (["--eps-clip-high", "0.3"], 0.3),

@@ -177,6 +177,8 @@ def _accepted_and_refused(f) -> tuple[list[str] | None, list[str] | None]:
     """(tokens accepted, tokens refused) for a flag of the section (None: there is no such value)."""
     if f.action is not None:  # a switch: refused when its check says so, else always accepted
         return (None, [f.name]) if f.check is not None else ([f.name], None)
+    if f.check is None:  # accepted with any value, changing nothing here (its help says what it is in slime)
+        return [f.name, "7"], None
     if f.default is None and f.name != "--rollout-function-path":
         return None, [f.name, "7"]  # refused whatever the value
     good = {"--attention-backend": "flash", "--rollout-function-path": "slime.rollout.sglang_rollout.generate_rollout"}

@@ -75,3 +75,29 @@ def test_sglang_server_flags_without_a_backend_choose_sglang_and_say_why(tmp_pat
     train_main(base_argv(tmp_path) + ["--sglang-mem-fraction-static", "0.7", "--dry-run", "--cluster", "1x8"])
     err = capsys.readouterr().err
     assert err.startswith("slime-rl train: note: --rollout-backend sglang: --sglang-mem-fraction-static"), err
+
+
+def test_eval_requests_take_eval_top_k_else_the_rollouts(tmp_path):
+    """slime's --eval-top-k; unset, eval samples with --rollout-top-k as it does with the other --rollout-*
+    sampling flags (before it, eval requests carried no top_k at all and so used the whole vocabulary)."""
+    from slime_rl.rollout.eval import eval_sampling_params
+
+    base = base_argv(tmp_path) + ["--eval-interval", "1", "--eval-prompt-data", "d", base_argv(tmp_path)[3]]
+    assert eval_sampling_params(build_config(base).eval)["top_k"] == -1
+    assert eval_sampling_params(build_config(base + ["--rollout-top-k", "5"]).eval)["top_k"] == 5
+    params = eval_sampling_params(build_config(base + ["--rollout-top-k", "5", "--eval-top-k", "1",
+                                                       "--eval-top-p", "0.5"]).eval)
+    assert (params["top_k"], params["top_p"]) == (1, 0.5)
+    assert _refusal(tmp_path, "--eval-top-k", "0").startswith("--eval-top-k must be -1 (whole vocabulary) or in")
+
+
+def test_slimes_runtime_flags_that_change_nothing_here_are_accepted_and_change_nothing(tmp_path):
+    base = build_config(base_argv(tmp_path))
+    same = build_config(base_argv(tmp_path) + ["--log-probs-chunk-size", "1024", "--allgather-cp"])
+    assert same == base, {k: (v, base.to_dict()[k]) for k, v in same.to_dict().items() if v != base.to_dict()[k]}
+    with pytest.warns(UserWarning, match="--sequence-parallel with --tensor-model-parallel-size 1: off"):
+        tp1 = build_config(base_argv(tmp_path) + ["--sequence-parallel"])
+    assert tp1 == base and not tp1.trainer.sequence_parallel, tp1.trainer
+    tp2 = build_config(base_argv(tmp_path) + ["--sequence-parallel", "--tensor-model-parallel-size", "2",
+                                              "--actor-num-gpus-per-node", "2"])
+    assert tp2.trainer.sequence_parallel
