@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from slime_rl.config import Config, ConfigError, build_config
+from slime_rl.config.checks import ConfigNote
 from slime_rl.data import DataError
 from slime_rl.observability import MetricsLogger, StepClock, Timer, summary_line
 from slime_rl.orchestration.placement import PlacementPlan, assign_devices
@@ -179,14 +180,14 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
 
 
 def _show_config_notes() -> None:
-    """The config's warnings (a flag that is accepted but changes or ignores something) print as one
-    plain line each, `slime-rl train: note: ...`, not with Python's source location; others as usual."""
+    """The config's notes (config.checks.ConfigNote) print as one plain line each, `slime-rl train: note:
+    ...`, not with Python's source location; other warnings as usual."""
     default = warnings.showwarning
     if getattr(default, "slime_rl_notes", False):  # installed already (main called again in one process)
         return
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
-        if issubclass(category, UserWarning) and os.sep + os.path.join("slime_rl", "config") in filename:
+        if issubclass(category, ConfigNote):
             print(f"slime-rl train: note: {message}", file=file or sys.stderr, flush=True)
         else:
             default(message, category, filename, lineno, file, line)

@@ -194,6 +194,12 @@ SGLANG_ARGS: tuple[str, ...] = tuple(f.metadata["sglang"] for f in FIELDS.values
 _BY_SGLANG = {f.metadata["sglang"]: f.name for f in FIELDS.values() if f.metadata["sglang"]}
 
 
+def not_taken(sglang_args: dict[str, Any]) -> list[str]:
+    """The --sglang-<name> flags (sorted, as the user wrote them) among `sglang_args` (SGLang's names,
+    router flags already apart) that the built-in engine does not take."""
+    return sorted("--sglang-" + k.replace("_", "-") for k in sglang_args if k not in SGLANG_ARGS)
+
+
 def from_sglang_args(sglang_args: dict[str, Any]) -> dict[str, Any]:
     """{field: value} of the --sglang-<name> flags the built-in engine takes, converted to the field's
     type (a switch: true/false; a number from its text); ValueError naming the --sglang flag for a

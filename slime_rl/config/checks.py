@@ -20,6 +20,11 @@ class ConfigError(ValueError):
     """A user error in flags or the YAML file; the message names the flag."""
 
 
+class ConfigNote(UserWarning):
+    """A flag accepted that changes or ignores something the user may not expect; the command line
+    prints it as one `slime-rl train: note: ...` line (train.py), whichever module raised it."""
+
+
 def _require(args: argparse.Namespace, flag: str) -> Any:
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     if value is None or value == "":

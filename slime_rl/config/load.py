@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from slime_rl.config.builtin_engine import from_sglang_args
+from slime_rl.config.builtin_engine import from_sglang_args, not_taken
 from slime_rl.config.checks import (
     ConfigError,
+    ConfigNote,
     _check,
     _check_colocate,
     _check_flags,
@@ -94,7 +95,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     if a.sequence_parallel and a.tensor_model_parallel_size == 1:
         # as Megatron-LM's arguments.py does (slime's TP-1 scripts pass it): nothing to split the sequence over
         warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1: off (Megatron-LM turns it off too)",
-                      UserWarning, stacklevel=2)
+                      ConfigNote, stacklevel=2)
         a.sequence_parallel = False
     _check(not a.sequence_parallel or a.pack_sequences, "--sequence-parallel needs packed sequences "
            "(drop --no-pack-sequences)")
@@ -142,7 +143,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         # a warning, not a changed default: a recipe that relies on the default keeps its numbers
         warnings.warn(f"--advantage-estimator {spec.name} with --loss-agg-mode {a.loss_agg_mode}: the method's "
                       f"paper (and verl) aggregate with {spec.loss_agg_mode}; pass --loss-agg-mode "
-                      f"{spec.loss_agg_mode} to match it", UserWarning, stacklevel=2)
+                      f"{spec.loss_agg_mode} to match it", ConfigNote, stacklevel=2)
     a.rollout_num_gpus = a.rollout_num_gpus or (parallel.world_size if a.colocate else 1)
     if a.colocate:
         _check_colocate(a, parallel)
@@ -157,8 +158,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            f"--rollout-num-gpus-per-engine {a.rollout_num_gpus_per_engine} needs --rollout-backend sglang "
            "(the built-in engine is one process on one device)")
     if a.rollout_backend == "embedded":
-        other = sorted(set(sglang) - set(EMBEDDED_SGLANG_ARGS))
-        _check(not other, f"{', '.join('--sglang-' + n.replace('_', '-') for n in other)}: SGLang's server flags, "
+        other = not_taken(sglang)
+        _check(not other, f"{', '.join(other)}: SGLang's server flags, "
                "but --rollout-backend is embedded (give --rollout-backend sglang; the built-in engine takes only "
                f"{', '.join('--sglang-' + n.replace('_', '-') for n in EMBEDDED_SGLANG_ARGS)})")
         try:  # each value converts to its engine setting's type and range (config/builtin_engine.py)
@@ -182,7 +183,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
             # slime's scripts pass --ref-load always (there it is also the initial checkpoint); not an error
             warnings.warn(f"--ref-load {a.ref_load}: no KL term uses a reference model (--use-kl-loss, "
                           "--kl-loss-coef, --kl-coef), so it is not loaded; the policy starts from --hf-checkpoint",
-                          UserWarning, stacklevel=2)
+                          ConfigNote, stacklevel=2)
     _check(a.save_interval is None or a.save is not None or a.save_hf is not None,
            "--save-interval needs --save or --save-hf")
     _check_path_template("--save-hf", a.save_hf, ("rollout_id",))
@@ -196,7 +197,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            "engines nothing else gives a step its data")
     if a.save_debug_train_data is not None and dp > 1 and "{rank}" not in a.save_debug_train_data:
         warnings.warn(f"--save-debug-train-data {a.save_debug_train_data!r} has no {{rank}}: the {dp} data-parallel "
-                      "ranks write the same file, and only one rank's samples stay", UserWarning, stacklevel=2)
+                      "ranks write the same file, and only one rank's samples stay", ConfigNote, stacklevel=2)
     _check(not a.mask_offpolicy_in_partial_rollout or a.partial_rollout,
            "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     _check(a.keep_last is None or a.save is not None, "--keep-last needs --save")
@@ -292,6 +293,6 @@ def _eval_config(a: argparse.Namespace, check_paths: bool, train_only: bool = Fa
         # eval generates: without engines it cannot run; the user's script stays valid, the eval is left out
         warnings.warn(f"--eval-prompt-data {' '.join(name for name, _ in datasets)}: eval is skipped with "
                       "--load-debug-rollout-data (it generates, and a train-only run starts no engine)",
-                      UserWarning, stacklevel=3)
+                      ConfigNote, stacklevel=3)
         eval_cfg = dataclasses.replace(eval_cfg, datasets=(), interval=None, log_generations=0)
     return eval_cfg

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from slime_rl.config.builtin_engine import SGLANG_ARGS
-from slime_rl.config.checks import ConfigError
+from slime_rl.config.builtin_engine import not_taken
+from slime_rl.config.checks import ConfigError, ConfigNote
 from slime_rl.config.easyr1 import describe, is_easyr1, map_easyr1
 from slime_rl.config.flags import OWN_SGLANG_FLAGS, ROUTER_PREFIX, SGLANG_PREFIX, build_parser
 from slime_rl.config.slime_args import refuse_slime_only
@@ -226,8 +226,7 @@ def _backend_from_flags(args: argparse.Namespace, sglang: dict[str, Any]) -> Non
     """No --rollout-backend given: a script written for SGLang (slime's always are) gets SGLang. Its
     server flags that the built-in engine does not take, or engines over several GPUs, choose it; the
     run says so first (a warning) and how to get the built-in engine instead."""
-    foreign = sorted(SGLANG_PREFIX + k.replace("_", "-") for k in sglang
-                     if not k.startswith(ROUTER_KEY) and k not in SGLANG_ARGS)
+    foreign = not_taken(split_router_args(sglang)[0])
     reasons = []
     if foreign:
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
@@ -238,4 +237,4 @@ def _backend_from_flags(args: argparse.Namespace, sglang: dict[str, Any]) -> Non
     if reasons and args.rollout_backend != "sglang":
         args.rollout_backend = "sglang"
         warnings.warn(f"--rollout-backend sglang: {'; '.join(reasons)} (give --rollout-backend embedded, without "
-                      "them, for the built-in engine)", UserWarning, stacklevel=3)
+                      "them, for the built-in engine)", ConfigNote, stacklevel=3)

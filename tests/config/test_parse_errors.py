@@ -91,7 +91,7 @@ def test_eval_requests_take_eval_top_k_else_the_rollouts(tmp_path):
     assert _refusal(tmp_path, "--eval-top-k", "0").startswith("--eval-top-k must be -1 (whole vocabulary) or in")
 
 
-def test_slimes_runtime_flags_that_change_nothing_here_are_accepted_and_change_nothing(tmp_path):
+def test_slimes_runtime_flags_that_change_nothing_here_are_accepted_and_change_nothing(tmp_path, capsys):
     base = build_config(base_argv(tmp_path))
     same = build_config(base_argv(tmp_path) + ["--log-probs-chunk-size", "1024", "--allgather-cp"])
     assert same == base, {k: (v, base.to_dict()[k]) for k, v in same.to_dict().items() if v != base.to_dict()[k]}
@@ -101,3 +101,6 @@ def test_slimes_runtime_flags_that_change_nothing_here_are_accepted_and_change_n
     tp2 = build_config(base_argv(tmp_path) + ["--sequence-parallel", "--tensor-model-parallel-size", "2",
                                               "--actor-num-gpus-per-node", "2"])
     assert tp2.trainer.sequence_parallel
+    # a note of load.py prints as the command line's note too, as parse.py's does
+    train_main(base_argv(tmp_path) + ["--sequence-parallel", "--dry-run", "--cluster", "1x8"])
+    assert capsys.readouterr().err.startswith("slime-rl train: note: --sequence-parallel with")
