@@ -149,14 +149,21 @@ def check_reward_rows(rm_type: str | None, where: object, dataset: PromptDataset
 
 
 def check_model_features(cfg: Config) -> None:
-    """Flags that need (or do not work with) a vision-language checkpoint, from its config.json."""
+    """The checkpoint's config.json against the flags: its model family first (one this trainer
+    builds), then the flags that need (or do not work with) a vision-language or a
+    mixture-of-experts checkpoint."""
     from slime_rl.trainer.convert import FAMILIES, read_hf_config
 
     try:
-        model_type = read_hf_config(cfg.model.hf_checkpoint).get("model_type", "")
+        hf = read_hf_config(cfg.model.hf_checkpoint)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(f"--hf-checkpoint: {exc}") from exc
-    vision = model_type in FAMILIES and FAMILIES[model_type].vision
+    model_type = hf.get("model_type", "")
+    if model_type not in FAMILIES:  # before any check that reads the model's features from its family
+        named = f"model_type {model_type!r}" if model_type else "no model_type"
+        raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: its config.json names {named}, which is not "
+                          f"a model family this trainer builds (supported: {', '.join(sorted(FAMILIES))})")
+    vision = FAMILIES[model_type].vision
     if cfg.model.freeze_vision_tower and not vision:
         raise ConfigError(f"--freeze-vision-tower needs a vision-language checkpoint; --hf-checkpoint "
                           f"{cfg.model.hf_checkpoint} is model_type {model_type!r}")
