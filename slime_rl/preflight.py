@@ -81,10 +81,23 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     else:
         plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
                               cluster_cpus=os.cpu_count(), critic_world=critic_world)
+    if cfg.model.megatron_model_args:
+        plan.notes.append(model_args_note(cfg))
     plan.notes.extend(f"not checked here (--cluster): {what}" for what in not_here)
     if cfg.plan.cluster is not None and not_here and cfg.data.num_epoch is not None:
         plan.notes.append(f"--num-epoch {cfg.data.num_epoch}: the number of steps is known once the data is read")
     return cfg, plan
+
+
+def model_args_note(cfg: Config) -> str:
+    """The plan's line on slime's MODEL_ARGS (checked by check_model_args before)."""
+    from slime_rl.config.flags_model import NO_EFFECT
+
+    given = cfg.model.megatron_model_args
+    unread = [f for f in given if f in NO_EFFECT]
+    more = f"; {', '.join(unread)} accepted without effect here (docs/flags.md says why)" if unread else ""
+    return (f"slime's MODEL_ARGS: {len(given) - len(unread)} flags agree with {cfg.model.hf_checkpoint}'s "
+            f"config.json, from which the model is built{more}")
 
 
 def check_replay_files(cfg: Config) -> None:
@@ -150,8 +163,8 @@ def check_reward_rows(rm_type: str | None, where: object, dataset: PromptDataset
 
 def check_model_features(cfg: Config) -> None:
     """The checkpoint's config.json against the flags: its model family first (one this trainer
-    builds), then the flags that need (or do not work with) a vision-language or a
-    mixture-of-experts checkpoint."""
+    builds), then slime's MODEL_ARGS, then the flags that need (or do not work with) a
+    vision-language or a mixture-of-experts checkpoint."""
     from slime_rl.trainer.convert import FAMILIES, read_hf_config
 
     try:
@@ -163,6 +176,7 @@ def check_model_features(cfg: Config) -> None:
         named = f"model_type {model_type!r}" if model_type else "no model_type"
         raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: its config.json names {named}, which is not "
                           f"a model family this trainer builds (supported: {', '.join(sorted(FAMILIES))})")
+    check_model_args(cfg, hf)
     vision = FAMILIES[model_type].vision
     if cfg.model.freeze_vision_tower and not vision:
         raise ConfigError(f"--freeze-vision-tower needs a vision-language checkpoint; --hf-checkpoint "
@@ -174,6 +188,25 @@ def check_model_features(cfg: Config) -> None:
     if vision and cfg.critic is not None:
         raise ConfigError(f"--advantage-estimator {cfg.algo.advantage_estimator}: a critic for vision-language "
                           f"models ({model_type}) is not supported yet; use grpo, dapo, gspo, rloo or reinforce++")
+
+
+def check_model_args(cfg: Config, hf: dict) -> None:
+    """slime's MODEL_ARGS (Megatron-LM's model flags, as given) against the model the trainer builds
+    from config.json: each flag that describes another model is named with both values and the
+    config.json key (trainer/convert/model_args.py says what is compared)."""
+    given = cfg.model.megatron_model_args
+    if not given:
+        return
+    from slime_rl.trainer.convert import arch_from_hf_config
+    from slime_rl.trainer.convert.model_args import model_args_error
+
+    try:
+        arch = arch_from_hf_config(hf, where=f"{cfg.model.hf_checkpoint}/config.json")
+    except ValueError as exc:
+        raise ConfigError(f"--hf-checkpoint: {exc}") from exc
+    error = model_args_error(given, hf, arch, cfg.model.hf_checkpoint)
+    if error:
+        raise ConfigError(error)
 
 
 def check_ref_load(cfg: Config) -> None:
@@ -230,9 +263,6 @@ def check_moe_features(cfg: Config, model_type: str) -> None:
             raise ConfigError(f"--expert-model-parallel-size {ep}: --hf-checkpoint {cfg.model.hf_checkpoint} is a "
                               f"dense model ({model_type!r}), without experts")
         return
-    if cfg.trainer.moe_grouped_gemm:
-        raise ConfigError("--moe-grouped-gemm needs TransformerEngine's grouped GEMM (TEGroupedMLP); the trainer "
-                          "builds megatron's local spec (SequentialMLP): drop the flag")
     try:
         experts = load_arch(cfg.model.hf_checkpoint).num_experts
     except ValueError as exc:

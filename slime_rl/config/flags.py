@@ -41,19 +41,23 @@ from slime_rl.config.flag_spec import (
 )
 from slime_rl.config.flags_algo import ALGO_FLAGS
 from slime_rl.config.flags_from_slime import FROM_SLIME_FLAGS, FROM_SLIME_SECTION, SLIME_DEFAULT_ROLLOUT
+from slime_rl.config.flags_model import MODEL_ARGS_SECTION, MODEL_FLAGS
 from slime_rl.config.flags_rollout import ROLLOUT_FLAGS
 from slime_rl.config.flags_trainer import TRAINER_FLAGS
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "EMBEDDED_SGLANG_ARGS", "FLAGS", "FROM_SLIME_SECTION", "KL_LOSS_TYPES",
-           "LOSS_AGG_MODES", "LR_DECAY_STYLES", "OWN_SGLANG_FLAGS", "REWARD_TYPES", "ROLLOUT_BACKENDS",
-           "ROUTER_PREFIX", "SGLANG_PREFIX", "SLIME_DEFAULT_ROLLOUT", "Flag", "build_parser", "default_of", "flag"]
+           "LOSS_AGG_MODES", "LR_DECAY_STYLES", "MODEL_ARGS_SECTION", "OWN_SGLANG_FLAGS", "REWARD_TYPES",
+           "ROLLOUT_BACKENDS", "ROUTER_PREFIX", "SGLANG_PREFIX", "SLIME_DEFAULT_ROLLOUT", "Flag", "build_parser",
+           "default_of", "flag"]
 
 # the sections in --help's order: options, the trainer's (Megatron names), the rollout side, the
-# algorithm and the run's outputs, then slime's and Megatron-LM's flags this trainer has one value for
-FLAGS: tuple[Flag, ...] = (*TRAINER_FLAGS, *ROLLOUT_FLAGS, *ALGO_FLAGS, *FROM_SLIME_FLAGS)
+# algorithm and the run's outputs, slime's MODEL_ARGS (compared with config.json), then slime's and
+# Megatron-LM's flags this trainer has one value for
+FLAGS: tuple[Flag, ...] = (*TRAINER_FLAGS, *ROLLOUT_FLAGS, *ALGO_FLAGS, *MODEL_FLAGS, *FROM_SLIME_FLAGS)
 
 _BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
 assert len(_BY_NAME) == len(FLAGS), "a flag is declared twice"
+assert len({f.key for f in FLAGS}) == len(FLAGS), "two flags share a namespace attribute"
 
 
 def flag(name: str) -> Flag:

@@ -1,6 +1,7 @@
 """The flag table's last section: flags of slime's scripts and Megatron-LM's that this trainer has
 no choice for (docs/flags.md, "Coming from slime"). Each is accepted with the one value it has, or
 refused with the reason and what to use instead (its `check`). `flags.FLAGS` takes them last.
+slime's MODEL_ARGS (the model's shape in Megatron-LM's flags) are `flags_model.py`'s.
 """
 
 from __future__ import annotations
@@ -46,14 +47,6 @@ _REFUSED_VALUES = (
     ('--decoder-last-pipeline-num-layers', "is refused: pipeline stages hold an even split, num_hidden_layers / "
      "--pipeline-model-parallel-size layers each"),
 )
-# Megatron's model-shape flags (slime's scripts/models/*.sh): the shape is read from config.json here
-_SHAPE = ("is refused: the model's shape comes from --hf-checkpoint's config.json (drop slime's MODEL_ARGS from "
-          "the command line)")
-_SHAPE_SWITCHES = ('--swiglu', '--group-query-attention', '--use-rotary-position-embeddings', '--disable-bias-linear',
-                   '--qk-layernorm', '--untie-embeddings-and-output-weights', '--add-qkv-bias')
-_SHAPE_VALUES = ('--num-layers', '--hidden-size', '--ffn-hidden-size', '--num-attention-heads', '--num-query-groups',
-                 '--normalization', '--norm-epsilon', '--rotary-base', '--vocab-size', '--kv-channels',
-                 '--max-position-embeddings', '--position-embedding-type')
 
 
 def _never(value: Any) -> bool:
@@ -98,8 +91,5 @@ FROM_SLIME_FLAGS: tuple[Flag, ...] = (
         *(Flag(name, action="store_true", check=(operator.not_, why), help=why[len('is refused: '):])
           for name, why in _REFUSED_SWITCHES),
         *(Flag(name, check=(_never, why), help=why[len('is refused: '):]) for name, why in _REFUSED_VALUES),
-        *(Flag(name, action="store_true", check=(operator.not_, _SHAPE), help=_SHAPE[len('is refused: '):])
-          for name in _SHAPE_SWITCHES),
-        *(Flag(name, check=(_never, _SHAPE), help=_SHAPE[len('is refused: '):]) for name in _SHAPE_VALUES),
     ),
 )

@@ -57,8 +57,6 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
              help='how tokens reach the experts of other EP ranks (allgather: every micro-batch is padded to '
                   'the longest over the EP x expert-TP ranks; not with pipeline or context parallelism, and with '
                   'EP or TP only on packed sequences)'),
-        Flag('--moe-grouped-gemm', 'trainer.moe_grouped_gemm', action="store_true",
-             help="TransformerEngine's grouped GEMM for the experts (refused: the trainer builds the local spec)"),
         Flag('--use-rollout-routing-replay', 'trainer.use_rollout_routing_replay', action="store_true",
              help="slime's R3 (arXiv 2510.11370): the engines return the experts each MoE layer chose per token "
                   "(SGLang's --enable-return-routed-experts) and the trainer's routers use them in every forward "

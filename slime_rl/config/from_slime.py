@@ -72,6 +72,13 @@ DIFFERENCES: tuple[Difference, ...] = (
                "--rollout-num-gpus-per-engine 1 (refused otherwise, naming it)",
                "each engine takes its weights from the trainer rank on its own device (docs/colocate.md)",
                kind="meaning"),
+    Difference("MODEL_ARGS (--num-layers, --swiglu, --num-experts, ...)",
+               "build the Megatron model (slime compares a few with config.json: layers, sizes, eps, rope_theta, tied "
+               "embeddings)",
+               "each flag with a shape meaning compared with --hf-checkpoint's config.json, read as Megatron-LM reads "
+               "it (the others accepted without effect); the model is built from config.json",
+               "one description of the model, the one the engines read too: a models/*.sh for another model stops the "
+               "run before it starts, naming the flag, both values and the config.json key", kind="meaning"),
     Difference("--dynamic-sampling-filter-path",
                "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
                "slime_rl.rollout.filters.check_reward_nonzero_std",

@@ -74,7 +74,6 @@ class TrainerConfig:
     moe_aux_loss_coeff: float = default_of("--moe-aux-loss-coeff")
     moe_router_load_balancing_type: str = default_of("--moe-router-load-balancing-type")
     moe_token_dispatcher_type: str = default_of("--moe-token-dispatcher-type")
-    moe_grouped_gemm: bool = default_of("--moe-grouped-gemm")
     use_rollout_routing_replay: bool = default_of("--use-rollout-routing-replay")
     use_routing_replay: bool = default_of("--use-routing-replay")
 
@@ -114,6 +113,9 @@ class ModelConfig:
     # --sglang-enable-fp32-lm-head: logits in fp32 on the engines (SGLang's flag, the built-in engine's
     # too) and in the trainer alike, so both sides round the logits the same way
     fp32_lm_head: bool = False
+    # slime's MODEL_ARGS as given (config/flags_model.py), flag name -> value: the model is built from
+    # config.json; preflight compares these with it (trainer/convert/model_args.py)
+    megatron_model_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from slime_rl.config.checks import (
 )
 from slime_rl.config.estimators import ESTIMATOR_SPECS, estimator_spec
 from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, FLAGS
+from slime_rl.config.flags_model import megatron_model_args
 from slime_rl.config.groups import GROUPS, Config, CriticConfig, EngineConfig, EvalConfig, ParallelConfig
 from slime_rl.config.parse import ROUTER_KEY, parse_flags, split_router_args
 from slime_rl.config.seeds import run_seed
@@ -216,7 +217,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         batch=_group(a, "batch", global_batch_size=gbs),
         trainer=_group(a, "trainer"),
         optimizer=_group(a, "optimizer"),
-        model=_group(a, "model", fp32_lm_head=_truthy(sglang.get("enable_fp32_lm_head"))),
+        model=_group(a, "model", fp32_lm_head=_truthy(sglang.get("enable_fp32_lm_head")),
+                     megatron_model_args=megatron_model_args(a)),
         algo=_group(a, "algo", eps_clip_high=eps_high),
         data=_group(a, "data", seed=seed),
         rollout=rollout,

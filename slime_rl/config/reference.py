@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, FROM_SLIME_SECTION, build_parser
+from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, FROM_SLIME_SECTION, MODEL_ARGS_SECTION, build_parser
 from slime_rl.config.from_slime import DEFAULTS_NOW_SLIMES, DIFFERENCES
 
 
@@ -43,8 +43,10 @@ def _cell(value: object) -> str:
 def _coming_from_slime() -> list[str]:
     """The "Coming from slime" section: flags of the same name that differ (config/from_slime.py)."""
     lines = ["## Coming from slime", "",
-             "slime's scripts carry over: Megatron's and slime's flag names are this trainer's, the model's shape "
-             "comes from `--hf-checkpoint`'s config.json (drop `MODEL_ARGS`), and an unknown flag is an error. "
+             "slime's scripts carry over: Megatron's and slime's flag names are this trainer's, the model is built "
+             "from `--hf-checkpoint`'s config.json and a script's `MODEL_ARGS` are compared with it (the table "
+             f"*{MODEL_ARGS_SECTION}* above: a flag that describes another model is refused naming both values), and "
+             "an unknown flag is an error. "
              f"Flags this trainer has one value for are in the table *{FROM_SLIME_SECTION}* above: accepted with "
              "that value, refused with the reason otherwise. Where a flag of the same name has another default "
              "or meaning here:", "",

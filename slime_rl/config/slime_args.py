@@ -82,6 +82,8 @@ def slime_args(cfg: Any, **extra: Any) -> argparse.Namespace:
         if not targets:
             continue
         value = _value(cfg, *targets[0])
+        if targets[0] == ("model", "megatron_model_args"):  # slime's MODEL_ARGS: each flag under its own name
+            value = (value or {}).get(f.name, f.default)
         if value is None and targets[0][0] == "critic":
             value = f.default
         if f.convert is operator.not_:  # --disable-grpo-std-normalization stores its negation

@@ -38,7 +38,6 @@ class MoEOptions:
     moe_aux_loss_coeff: float = 0.0
     moe_router_load_balancing_type: str = "aux_loss"
     moe_token_dispatcher_type: str = "alltoall"
-    moe_grouped_gemm: bool = False
 
 
 def moe_config_kwargs(arch: ModelArch, moe: MoEOptions, tp_size: int) -> dict:
@@ -53,9 +52,6 @@ def moe_config_kwargs(arch: ModelArch, moe: MoEOptions, tp_size: int) -> dict:
     if arch.moe_topk == 1 and arch.moe_norm_topk_prob:
         raise ValueError("num_experts_per_tok=1 with norm_topk_prob=true: every token's weight is 1 and the "
                          "router gets no gradient (megatron refuses it: --moe-router-pre-softmax)")
-    if moe.moe_grouped_gemm:
-        raise ValueError("--moe-grouped-gemm needs TransformerEngine's grouped GEMM (TEGroupedMLP), which the "
-                         "local layer spec this trainer builds does not use; run without it (SequentialMLP)")
     return dict(
         num_moe_experts=arch.num_experts,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
@@ -66,7 +62,7 @@ def moe_config_kwargs(arch: ModelArch, moe: MoEOptions, tp_size: int) -> dict:
         moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
         moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
         moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=False,  # the local spec's SequentialMLP (--moe-grouped-gemm is accepted, no effect)
         expert_model_parallel_size=moe.expert_model_parallel_size,
         expert_tensor_parallel_size=moe.expert_tensor_parallel_size or tp_size,
     )

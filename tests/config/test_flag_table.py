@@ -155,7 +155,32 @@ def _derived_cases(tmp: Path) -> dict[tuple[str, str, str], tuple[list[str], obj
         # accepted only with the replay, which implies it (tests/config/test_debug_data_flags.py)
         ("--debug-train-only", "debug", "train_only"): (["--debug-train-only", "--load-debug-rollout-data", "x"],
                                                         True),
+        # slime's MODEL_ARGS: each flag given lands in the dict under its name, nothing else does
+        **{(name, "model", "megatron_model_args"): (tokens, {name: value})
+           for name, (tokens, value) in _model_args_cases().items()},
     }
+
+
+def _model_args_cases() -> dict[str, tuple[list[str], object]]:
+    """A MODEL_ARGS flag -> (argv giving it, the value kept): a switch True, a number as its type reads it."""
+    from slime_rl.config.flags_model import MODEL_FLAGS
+
+    special = {"--moe-layer-freq": (["([0]*1+[1]*2)"], [0, 1, 1]), "--spec": (["local"], ["local"]),
+               "--moe-router-dtype": (["fp32"], "fp32"), "--normalization": (["RMSNorm"], "RMSNorm")}
+    cases = {}
+    for f in MODEL_FLAGS:
+        if f.name in special:
+            tokens, value = special[f.name]
+        elif f.action is not None:
+            tokens, value = [], True
+        elif f.choices is not None:
+            tokens, value = [f.choices[-1]], f.choices[-1]
+        elif f.type is float or f.type.__name__.endswith("_float"):
+            tokens, value = ["0.5"], 0.5
+        else:
+            tokens, value = ["3"], 3
+        cases[f.name] = ([f.name, *tokens], value)
+    return cases
 
 
 def test_every_derived_field_is_computed_from_its_flag(tmp_path):

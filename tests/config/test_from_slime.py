@@ -15,11 +15,14 @@ from slime_rl.config import ConfigError, build_config, parse_flags
 from slime_rl.config.flags import FLAGS, FROM_SLIME_SECTION, flag
 from slime_rl.config.from_slime import DEFAULTS_NOW_SLIMES, DIFFERENCES
 
-# scripts/run-qwen3-4B.sh: train.py's own flags, then CKPT / ROLLOUT / EVAL / PERF / GRPO / OPTIMIZER /
-# SGLANG / MISC_ARGS in the script's order. MODEL_ARGS (scripts/models/qwen3-4B.sh) is left out: the
-# shape comes from config.json here. PERF_ARGS' --expert-model-parallel-size 1 and
-# --expert-tensor-parallel-size 1 are left out too: MoE flags, another issue's (MoE support).
+# scripts/run-qwen3-4B.sh: MODEL_ARGS (scripts/models/qwen3-4B.sh; compared with config.json in preflight,
+# tests/config/test_model_args.py), train.py's own flags, then CKPT / ROLLOUT / EVAL / PERF / GRPO / OPTIMIZER /
+# SGLANG / MISC_ARGS in the script's order. PERF_ARGS' --expert-model-parallel-size 1 and
+# --expert-tensor-parallel-size 1 are left out: MoE flags, another issue's (MoE support).
 QWEN3_4B = """
+--swiglu --num-layers 36 --hidden-size 2560 --ffn-hidden-size 9728 --num-attention-heads 32 --group-query-attention
+--num-query-groups 8 --use-rotary-position-embeddings --disable-bias-linear --normalization RMSNorm
+--norm-epsilon 1e-6 --rotary-base 1000000 --vocab-size 151936 --kv-channels 128 --qk-layernorm
 --actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate
 --hf-checkpoint /root/Qwen3-4B --ref-load /root/Qwen3-4B_torch_dist --load /root/Qwen3-4B_slime/
 --save /root/Qwen3-4B_slime/ --save-interval 20
@@ -62,6 +65,7 @@ def test_every_flag_of_the_script_is_known(tmp_path):
     args, sglang = parse_flags(_script(tmp_path))
     assert sglang == {"mem_fraction_static": "0.7"}
     assert args.ref_load.endswith("Qwen3-4B_torch_dist") and args.balance_data and args.rm_type == "deepscaler"
+    assert (args.num_layers, args.kv_channels, args.qk_layernorm) == (36, 128, True)
 
 
 def test_the_script_builds_after_the_refusals_it_names(tmp_path):
@@ -89,6 +93,7 @@ def test_the_script_builds_after_the_refusals_it_names(tmp_path):
     assert [r[0] for r in refusals] == ["--rollout-num-gpus-per-engine"]
     assert "--colocate needs --rollout-num-gpus-per-engine 1 (each engine takes its weights" in refusals[0][1]
     assert cfg.engine.backend == "sglang" and cfg.engine.sglang_args == {"mem_fraction_static": "0.7"}
+    assert len(cfg.model.megatron_model_args) == 15  # MODEL_ARGS kept as given, for preflight to compare
     # slime's meaning of each value
     p = cfg.parallel
     assert (p.world_size, p.tensor_model_parallel_size, p.data_parallel_size) == (8, 2, 4)

@@ -28,8 +28,15 @@ def test_moe_flags_reach_the_groups(tiny_qwen3_moe):
         0.01, "seq_aux_loss", "allgather")
     check_model_features(cfg)  # 8 experts over 2 ranks: accepted
     default = _cfg(tiny_qwen3_moe).trainer
-    assert (default.moe_aux_loss_coeff, default.moe_token_dispatcher_type, default.moe_grouped_gemm) == (
-        0.0, "alltoall", False)
+    assert (default.moe_aux_loss_coeff, default.moe_token_dispatcher_type) == (0.0, "alltoall")
+
+
+def test_grouped_gemm_is_accepted_without_effect(tiny_qwen3_moe):
+    """slime's MoE model files all pass --moe-grouped-gemm: a kernel choice (TransformerEngine's grouped GEMM),
+    the same experts as the local spec's SequentialMLP computes one GEMM each; accepted, kept as given."""
+    cfg = _cfg(tiny_qwen3_moe, "--moe-grouped-gemm")
+    check_model_features(cfg)
+    assert cfg.model.megatron_model_args == {"--moe-grouped-gemm": True}
 
 
 def test_expert_parallel_must_divide_the_world(tiny_qwen3_moe):
@@ -43,7 +50,6 @@ def test_expert_parallel_must_divide_the_world(tiny_qwen3_moe):
 @pytest.mark.parametrize("extra,match", [
     (("--actor-num-gpus-per-node", "3", "--expert-model-parallel-size", "3", "--rollout-batch-size", "3",
       "--global-batch-size", "3"), "3: .* has 8 experts"),
-    (("--moe-grouped-gemm",), "--moe-grouped-gemm needs TransformerEngine"),
     (("--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"), "needs --sequence-parallel"),
     (("--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2", "--moe-token-dispatcher-type",
       "allgather"), "--moe-token-dispatcher-type allgather"),

@@ -33,6 +33,15 @@ def test_args_carry_slime_names_and_the_runs_values():
     assert slime_args(cfg, sglang_router_port=5).sglang_router_port == 5
 
 
+def test_model_args_under_megatrons_names():
+    """slime's MODEL_ARGS reach `args` as Megatron-LM's parser names them (args.num_layers, args.swiglu, ...);
+    a flag not given is None (a switch False)."""
+    cfg = build_config(BASE + ["--num-layers", "36", "--swiglu", "--moe-layer-freq", "[1]*2"], check_paths=False)
+    args = slime_args(cfg)
+    assert (args.num_layers, args.swiglu, args.moe_layer_freq) == (36, True, [1, 1])
+    assert args.hidden_size is None and args.qk_layernorm is False
+
+
 def test_sglang_passthrough_and_deterministic_rollout():
     cfg = build_config(BASE + ["--rollout-backend", "sglang", "--sglang-mem-fraction-static", "0.5",
                                "--deterministic-rollout"], check_paths=False)

@@ -1,6 +1,6 @@
 """`--dry-run --cluster NODESxGPUS`: node/GPU ids per trainer rank and engine, the rank layout against
 Megatron's own rank generator, and the whole dry run of the 7B recipes and of slime's Qwen3-4B script
-from a folder that holds only config.json."""
+(its MODEL_ARGS included) from a folder that holds only config.json."""
 
 from __future__ import annotations
 
@@ -143,9 +143,12 @@ def test_config_only_folder_without_cluster_is_refused_naming_the_flag(tmp_path,
     assert f"--hf-checkpoint {hf}: no tokenizer files there" in capsys.readouterr().err
 
 
-# slime's scripts/run-qwen3-4B.sh (THUDM/slime), its argument list as the script passes it to train.py,
-# without MODEL_ARGS (the architecture comes from config.json here)
+# slime's scripts/run-qwen3-4B.sh (THUDM/slime 624b824a), its argument list as the script passes it to train.py:
+# MODEL_ARGS (scripts/models/qwen3-4B.sh, compared with config.json here), then the script's own lists
 SLIME_QWEN3_4B = """
+--swiglu --num-layers 36 --hidden-size 2560 --ffn-hidden-size 9728 --num-attention-heads 32 --group-query-attention
+--num-query-groups 8 --use-rotary-position-embeddings --disable-bias-linear --normalization RMSNorm
+--norm-epsilon 1e-6 --rotary-base 1000000 --vocab-size 151936 --kv-channels 128 --qk-layernorm
 --actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate
 --ref-load /root/Qwen3-4B_torch_dist --load /root/Qwen3-4B_slime/ --save /root/Qwen3-4B_slime/ --save-interval 20
 --prompt-data /root/dapo-math-17k/dapo-math-17k.jsonl --input-key prompt --label-key label --apply-chat-template
@@ -205,3 +208,4 @@ def test_slime_qwen3_4b_script_plans_or_each_refusal_names_a_flag(tmp_path, caps
     assert code == 0, err
     _assert_plan(out)
     assert "colocated" in out
+    assert f"note: slime's MODEL_ARGS: 15 flags agree with {hf}'s config.json, from which the model is built\n" in out

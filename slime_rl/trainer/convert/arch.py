@@ -1,7 +1,8 @@
 """The architecture of an HF checkpoint, read from its config.json, in Megatron's terms.
 
-The user passes no architecture flags: every field below is derived from config.json, and a
-config this code cannot reproduce exactly (sliding window, o_proj bias, rope scaling) raises.
+Every field below is derived from config.json, and a config this code cannot reproduce exactly
+(sliding window, o_proj bias, rope scaling) raises. slime's MODEL_ARGS (Megatron-LM's architecture
+flags) build nothing: preflight compares them with this (model_args.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,233 @@
+"""The flag table's rows for slime's MODEL_ARGS: Megatron-LM's model flags, as slime's
+scripts/models/*.sh give them (THUDM/slime 624b824a: 39 files, these are every flag they pass but
+--attention-softmax-in-fp32, --allgather-cp and the --moe-* flags the trainer section has). The
+trainer builds the model from --hf-checkpoint's config.json; these flags describe the same model
+in Megatron-LM's terms, so they are kept as given (`ModelConfig.megatron_model_args`, flag name ->
+value) and preflight compares each with what the trainer builds from config.json
+(trainer/convert/model_args.py): equal is accepted silently, different is refused naming the flag,
+both values and the config.json key. Flags with no shape meaning (kernel fusions, grouped GEMM,
+YaRN / multi-latent attention settings Megatron-LM reads only with --multi-latent-attention) are
+accepted and say why they change nothing here. Types and choices are Megatron-LM's
+(megatron/training/arguments.py); no default is filled in, so a flag absent is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+from typing import Any
+
+from slime_rl.config.flag_spec import Flag, _nonneg_float, _nonneg_int, _positive_float, _positive_int, section
+
+MODEL_ARGS_SECTION = "model (slime's MODEL_ARGS, Megatron-LM names): compared with --hf-checkpoint's config.json"
+MODEL_ARGS_FIELD = "model.megatron_model_args"
+_TO = "is compared with config.json: "
+_NONE = "accepted, no effect here: "
+_MLA = ("multi-latent attention's {what}; Megatron-LM reads it only with --multi-latent-attention, which no model "
+        "family here has (that flag is compared, and refused)")
+
+
+def moe_freq_type(text: str) -> int | list[int]:
+    """Megatron-LM's --moe-layer-freq (arguments.py moe_freq_type): an integer N (layer i is an MoE
+    layer when i % N == 0), or a Python list expression of 0/1 per layer such as `([0]*1+[1]*47)`,
+    made of digits, commas, brackets, parentheses, + and * only (Megatron-LM evals it after that check;
+    here it is evaluated from its syntax tree, nothing else)."""
+    text = str(text).strip()
+    if "[" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer N or a list expression such as ([0]*1+[1]*47), "
+                                             f"got {text!r}") from None
+    if re.search(r"[^,\d\[\]()+*]", text):
+        raise argparse.ArgumentTypeError(f"a list expression may hold only digits , [ ] ( ) + *, got {text!r} "
+                                         "(slime's scripts join the layers with commas, no spaces)")
+    try:
+        value = _eval_pattern(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"not a list of layers: {text!r} ({exc})") from None
+    if not isinstance(value, list) or not all(isinstance(x, int) for x in value):
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}")
+    return value
+
+
+def _eval_pattern(node: ast.AST) -> Any:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        items = [_eval_pattern(e) for e in node.elts]
+        return items if isinstance(node, ast.List) else tuple(items)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _eval_pattern(node.left), _eval_pattern(node.right)
+        if isinstance(node.op, ast.Mult) and not (isinstance(left, int) or isinstance(right, int)):
+            raise ValueError("* needs a number on one side")
+        if isinstance(node.op, ast.Mult) and max(left if isinstance(left, int) else 0,
+                                                 right if isinstance(right, int) else 0) > 100_000:
+            raise ValueError("a repeat count over 100000")
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"{type(node).__name__} is not allowed")
+
+
+def _shape(name: str, key: str, **kw: Any) -> Flag:
+    """A flag compared with config.json (`key`: what it is compared with)."""
+    return Flag(name, derived=MODEL_ARGS_FIELD, help=_TO + key, **kw)
+
+
+def _switch(name: str, key: str) -> Flag:
+    return Flag(name, derived=MODEL_ARGS_FIELD, action="store_true", help=_TO + key)
+
+
+def _refused_switch(name: str, what: str) -> Flag:
+    """A feature no family here has: given, it describes another model (compared, always different)."""
+    return Flag(name, derived=MODEL_ARGS_FIELD, action="store_true", help=_REFUSED.format(what=what))
+
+
+def _no_effect(name: str, why: str, **kw: Any) -> Flag:
+    return Flag(name, derived=MODEL_ARGS_FIELD, help=_NONE + why, **kw)
+
+
+def _no_effect_switch(name: str, why: str) -> Flag:
+    return Flag(name, derived=MODEL_ARGS_FIELD, action="store_true", help=_NONE + why)
+
+
+# slime's model files leave these flags out where Megatron-LM's default is the model's value
+_ABSENT = "; absent from a whole MODEL_ARGS (with --num-layers, --hidden-size, --num-attention-heads): {default}"
+_REFUSED = "refused: no model family here has {what} (a checkpoint of a family with one is refused by its model_type)"
+
+MODEL_FLAGS: tuple[Flag, ...] = section(
+    MODEL_ARGS_SECTION,
+    # ---- the transformer's size
+    _shape('--num-layers', 'num_hidden_layers', type=_positive_int),
+    _shape('--hidden-size', 'hidden_size', type=_positive_int),
+    _shape('--ffn-hidden-size', "intermediate_size (the dense MLP's width; not compared when every layer is an MoE "
+           "layer, where Megatron-LM builds no dense MLP)", type=_positive_int),
+    _shape('--num-attention-heads', 'num_attention_heads', type=_positive_int),
+    _switch('--group-query-attention', 'num_key_value_heads < num_attention_heads (with --num-query-groups; '
+            "without it Megatron-LM's 1 group)" + _ABSENT.format(default="one key/value head per query head")),
+    _shape('--num-query-groups', 'num_key_value_heads (Megatron-LM reads it only with --group-query-attention)',
+           type=_positive_int),
+    _shape('--kv-channels', 'head_dim (without it, hidden_size / num_attention_heads)'
+           + _ABSENT.format(default="--hidden-size / --num-attention-heads"), type=_positive_int),
+    _shape('--vocab-size', 'vocab_size', type=_positive_int),
+    _shape('--max-position-embeddings', 'max_position_embeddings (the engines\' context; --sglang-context-length '
+           'sets another)', type=_positive_int),
+    _switch('--untie-embeddings-and-output-weights', 'tie_word_embeddings false'
+            + _ABSENT.format(default="a tied output layer")),
+    _switch('--swiglu', 'hidden_act silu (gated SiLU MLP)'),
+    _switch('--disable-bias-linear', "the family's linear layers without bias (every family here; q/k/v biases are "
+            "--add-qkv-bias)"),
+    _switch('--add-qkv-bias', "the family's q/k/v bias (qwen2, qwen2_moe, qwen2_5_vl have it)"
+            + _ABSENT.format(default="no q/k/v bias, under --disable-bias-linear")),
+    # ---- norms
+    Flag('--normalization', derived=MODEL_ARGS_FIELD, choices=('LayerNorm', 'RMSNorm'),
+         help=_TO + "the family's norm (RMSNorm for every family here)"),
+    _shape('--norm-epsilon', 'rms_norm_eps' + _ABSENT.format(default="1e-05"), type=_positive_float),
+    _switch('--qk-layernorm', "the family's q/k norm (qwen3, qwen3_moe have it)"
+            + _ABSENT.format(default="no q/k norm")),
+    _refused_switch('--apply-layernorm-1p', "zero-centred norm weights (1 + w)"),
+    _refused_switch('--post-self-attn-layernorm', "a norm after attention (slime's GLM-4 patch)"),
+    _refused_switch('--post-mlp-layernorm', "a norm after the MLP (slime's GLM-4 patch)"),
+    # ---- positions
+    Flag('--position-embedding-type', derived=MODEL_ARGS_FIELD,
+         choices=('learned_absolute', 'rope', 'yarn', 'mrope', 'relative', 'none'),
+         help=_TO + "the family's positions: rope (mrope for qwen2_5_vl)"),
+    _switch('--use-rotary-position-embeddings', "the family's positions (Megatron-LM: --position-embedding-type "
+            "rope)"),
+    _switch('--no-position-embedding', 'no learned absolute position embedding (true of every family here: they '
+            'rotate)'),
+    _shape('--rotary-base', 'rope_theta (or rope_parameters.rope_theta)'
+           + _ABSENT.format(default="10000 (slime's own config.json check compares it too)"),
+           type=_positive_int),
+    _shape('--rotary-percent', 'partial_rotary_factor (absent: 1.0, the whole head rotates)', type=_positive_float),
+    _refused_switch('--rotary-interleaved', "interleaved rotary pairs (they rotate the two halves of a head)"),
+    _refused_switch('--use-rope-scaling', "llama3.x's RoPE scaling: the trainer builds default RoPE (a config.json "
+                    "with rope_scaling is refused as such)"),
+    _no_effect('--rotary-scaling-factor', "YaRN's factor of multi-latent attention; Megatron-LM reads it only with "
+               "--multi-latent-attention (llama3.x's scaling is --use-rope-scaling, compared)", type=float),
+    _no_effect('--mscale', _MLA.format(what="YaRN mscale"), type=float),
+    _no_effect('--mscale-all-dim', _MLA.format(what="YaRN mscale_all_dim"), type=float),
+    # ---- attention variants
+    _refused_switch('--multi-latent-attention', "multi-latent attention (kv_lora_rank)"),
+    _no_effect('--q-lora-rank', _MLA.format(what="query low-rank"), type=_positive_int),
+    _no_effect('--kv-lora-rank', _MLA.format(what="key/value low-rank"), type=_positive_int),
+    _no_effect('--qk-head-dim', _MLA.format(what="q/k head width"), type=_positive_int),
+    _no_effect('--qk-pos-emb-head-dim', _MLA.format(what="q/k rotary width"), type=_positive_int),
+    _no_effect('--v-head-dim', _MLA.format(what="value head width"), type=_positive_int),
+    _refused_switch('--attention-output-gate', "an output gate on attention"),
+    _refused_switch('--use-gated-attention', "gated attention (slime's Qwen3-Next patch)"),
+    Flag('--spec', derived=MODEL_ARGS_FIELD, nargs='*', metavar='MODULE FUNCTION',
+         help="local only: the trainer builds megatron-core's local layer spec of the family config.json names "
+              "(config/families.py); slime's spec functions (slime_plugins.models.*) build families not supported "
+              "here"),
+    Flag('--mtp-num-layers', derived=MODEL_ARGS_FIELD, type=_nonneg_int,
+         help='0 only: the trainer builds no multi-token-prediction layers (num_nextn_predict_layers)'),
+    # ---- mixture of experts (the trainer's own MoE flags are in the section above)
+    _shape('--num-experts', 'num_experts (0: a dense model, as in Megatron-LM)'
+           + _ABSENT.format(default="a dense model"), type=_nonneg_int),
+    _shape('--moe-router-topk', 'num_experts_per_tok', type=_positive_int),
+    _shape('--moe-ffn-hidden-size', 'moe_intermediate_size', type=_positive_int),
+    _shape('--moe-shared-expert-intermediate-size', 'shared_expert_intermediate_size (qwen2_moe; absent: no shared '
+           'expert)' + _ABSENT.format(default="no shared expert"), type=_positive_int),
+    _switch('--moe-shared-expert-gate', "the shared expert's sigmoid gate (qwen2_moe has it)"
+            + _ABSENT.format(default="an ungated shared expert")),
+    Flag('--moe-layer-freq', derived=MODEL_ARGS_FIELD, type=moe_freq_type, metavar='N_OR_LIST',
+         help=_TO + "the MoE layers mlp_only_layers and decoder_sparse_step make (an integer N: layer i is an MoE "
+              "layer when i mod N is 0; a list expression such as ([0]*1+[1]*47): 1 per MoE layer, as Megatron-LM "
+              "parses it)"),
+    Flag('--moe-router-score-function', derived=MODEL_ARGS_FIELD, choices=('softmax', 'sigmoid', 'sqrtsoftplus'),
+         help=_TO + "the family's router: softmax for every MoE family here"),
+    _switch('--moe-router-pre-softmax', 'norm_topk_prob false (softmax over all experts, then the top-k; without '
+            'it Megatron-LM takes the softmax over the top-k logits, i.e. norm_topk_prob true)'
+            + _ABSENT.format(default="the softmax after the top-k")),
+    Flag('--moe-router-topk-scaling-factor', derived=MODEL_ARGS_FIELD, type=_positive_float,
+         help="1 only: the families here scale no routing weight (routed_scaling_factor)"),
+    Flag('--moe-router-num-groups', derived=MODEL_ARGS_FIELD, type=_positive_int,
+         help='1 only: the families here route over all experts at once (n_group)'),
+    _no_effect('--moe-router-group-topk', 'the groups group-limited routing keeps; with --moe-router-num-groups 1 '
+               '(the only value taken) the one group is all experts', type=_positive_int),
+    _refused_switch('--moe-router-enable-expert-bias', "an expert bias in its routers (DeepSeek-V3's "
+                    "e_score_correction_bias)"),
+    _no_effect('--moe-router-bias-update-rate', 'how fast the expert bias of --moe-router-enable-expert-bias moves; '
+               'without that bias (refused) there is nothing to update', type=_nonneg_float),
+    Flag('--moe-router-dtype', derived=MODEL_ARGS_FIELD, choices=('fp32', 'fp64'),
+         check=(lambda v: v == 'fp32', "must be fp32: the routers compute in fp32 as the HF model and SGLang do "
+                                       "(the trainer's router dtype is fixed), so both sides choose alike"),
+         help='fp32 only: the routers compute in fp32 as the HF model and SGLang do (the trainer\'s router dtype '
+              'is fixed), so both sides choose alike'),
+    _no_effect('--moe-token-drop-policy', 'which tokens an expert over its capacity drops (with '
+               "Megatron-LM's --moe-expert-capacity-factor); the trainer's MoE layers are dropless, no token is "
+               'dropped either way', choices=('probs', 'position')),
+    _no_effect_switch('--moe-grouped-gemm', "TransformerEngine's grouped GEMM kernel for the experts: the trainer "
+                      "builds megatron-core's local spec, whose SequentialMLP computes the same experts one GEMM "
+                      'each'),
+    _no_effect_switch('--moe-permute-fusion', "TransformerEngine's fused token permutation; the local spec "
+                      'permutes with torch ops, same result'),
+    # ---- kernels and Megatron-LM's own data settings
+    _no_effect_switch('--no-rope-fusion', 'always so here: the trainer applies RoPE unfused'),
+    _no_effect_switch('--no-masked-softmax-fusion', 'always so here: core attention is torch SDPA '
+                      '(trainer/attention.py), no fused masked softmax'),
+    _no_effect_switch('--enable-experimental', "Megatron-LM's experimental features; the trainer builds none"),
+    _no_effect('--seq-length', "Megatron-LM's training sequence length (its pretraining data loader's); here each "
+               'sample is its prompt + response, bounded by --rollout-max-response-len and the context',
+               type=_positive_int),
+    _no_effect('--make-vocab-size-divisible-by', 'Megatron-LM pads the embedding and output rows to a multiple of '
+               'N x TP; the trainer pads to a multiple of TP, and the padded rows get no probability either way '
+               "(log-probs and weight sync use config.json's vocab_size)", type=_positive_int),
+)
+
+# accepted without effect; every other flag of MODEL_FLAGS is compared with config.json (preflight)
+NO_EFFECT = tuple(f.name for f in MODEL_FLAGS if f.help.startswith(_NONE))
+COMPARED = tuple(f.name for f in MODEL_FLAGS if f.name not in NO_EFFECT and f.check is None)
+
+
+def megatron_model_args(namespace: argparse.Namespace) -> dict[str, Any]:
+    """The MODEL_ARGS flags given, by flag name: a switch as True, a value as parsed (--moe-layer-freq an
+    int or a list, --spec a list); a flag not given is not in it."""
+    out: dict[str, Any] = {}
+    for f in MODEL_FLAGS:
+        value = getattr(namespace, f.key)
+        if value is None or value is False:
+            continue
+        out[f.name] = value
+    return out

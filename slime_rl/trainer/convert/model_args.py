@@ -1,0 +1,275 @@
+"""slime's MODEL_ARGS against what the trainer builds from config.json.
+
+slime's launch scripts describe the model to Megatron-LM in flags (scripts/models/*.sh); the trainer
+builds it from --hf-checkpoint's config.json (`ModelArch`, the family's features). The flags are
+kept as given (`ModelConfig.megatron_model_args`, config/flags_model.py) and each is read the way
+Megatron-LM reads it (megatron/training/arguments.py): what model would Megatron-LM build from it?
+That is compared with the trainer's model; a flag that describes another model is a `Mismatch`.
+
+What is compared: every flag given that has a shape meaning. A flag absent is compared only in a
+whole MODEL_ARGS (--num-layers, --hidden-size and --num-attention-heads given: what Megatron-LM
+needs to build a model) and only where slime's model files rely on Megatron-LM's default by leaving
+the flag out (tied embeddings, no q/k/v bias, no q/k norm, one key/value head per query head, a
+dense MLP, no shared expert, softmax after the top-k, head width hidden / heads, norm epsilon
+1e-05) or slime's own config.json check compares the default (rotary base 10000,
+slime/backends/megatron_utils/arguments.py). Switches every slime model file gives (--swiglu,
+--disable-bias-linear, the position embedding, --normalization) are compared only when given.
+Flags Megatron-LM reads only together with another (--num-query-groups without
+--group-query-attention, MoE settings on a dense model without --num-experts) are read the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from slime_rl.trainer.convert.arch import ModelArch
+
+# what Megatron-LM requires to build a model (arguments.py validate_args' required_args, less
+# --max-position-embeddings, which slime fills in itself): given together, MODEL_ARGS is whole
+WHOLE = ("--num-layers", "--hidden-size", "--num-attention-heads")
+# the switches no family here has: flag -> what the family lacks
+_NO_FAMILY_HAS = {
+    "--apply-layernorm-1p": "zero-centred norm weights (1 + w)",
+    "--post-self-attn-layernorm": "norm after attention",
+    "--post-mlp-layernorm": "norm after the MLP",
+    "--rotary-interleaved": "interleaved rotary pairs (it rotates the two halves of each head)",
+    "--attention-output-gate": "output gate on attention",
+    "--use-gated-attention": "gated attention",
+    "--multi-latent-attention": "multi-latent attention (no kv_lora_rank)",
+    "--use-rope-scaling": "RoPE scaling (no rope_scaling: default RoPE)",
+    "--moe-router-enable-expert-bias": "expert bias in its routers (e_score_correction_bias)",
+}
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    claim: str  # what MODEL_ARGS says, in its flags: "--num-layers 36", "no --qk-layernorm (...)"
+    truth: str  # what config.json says, with its key: "num_hidden_layers 28"
+
+
+def fmt(value: Any) -> str:
+    """A value as a message shows it: integral floats as integers (rope_theta 1000000.0 -> 1000000),
+    lists of layers in Megatron-LM's notation."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1:
+        return str(int(value))
+    if isinstance(value, (list, tuple)) and all(isinstance(x, int) for x in value):
+        return layer_pattern(list(value))
+    return str(value)
+
+
+def layer_pattern(layers: list[int]) -> str:
+    """[0, 1, 1, 1] -> "[0]*1+[1]*3", a repeated period -> "([1]*1+[0]*1)*24" (Megatron-LM's notation)."""
+    def runs(xs: list[int]) -> str:
+        out: list[list[int]] = []
+        for x in xs:
+            if out and out[-1][0] == x:
+                out[-1][1] += 1
+            else:
+                out.append([x, 1])
+        return "+".join(f"[{x}]*{n}" for x, n in out)
+
+    if not layers:
+        return "[]"
+    n = len(layers)
+    for p in range(1, n // 2 + 1):
+        if n % p == 0 and layers == layers[:p] * (n // p) and runs(layers[:p]).count("+") < runs(layers).count("+"):
+            return f"({runs(layers[:p])})*{n // p}"
+    return runs(layers)
+
+
+def megatron_moe_layers(freq: int | list[int], num_layers: int) -> list[int]:
+    """Megatron-LM's MoE layer pattern (gpt_layer_specs.get_gpt_decoder_block_spec): an integer N makes
+    layer i an MoE layer when i % N == 0; a list is the pattern itself."""
+    if isinstance(freq, int):
+        return [int(i % freq == 0) for i in range(num_layers)] if freq > 0 else [0] * num_layers
+    return list(freq)
+
+
+def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArch) -> list[Mismatch]:
+    """Each flag of `given` (MODEL_ARGS, flag -> value) that describes another model than `arch`
+    (built from the config.json `hf`), in the order of a model file."""
+    fam, mt = arch.family, repr(arch.model_type)
+    text = {**hf, **(hf.get("text_config") or {})} if fam.vision else hf
+    whole = all(f in given for f in WHOLE)
+    out: list[Mismatch] = []
+
+    def compare(flag: str, stated: Any, key: str, actual: Any, claim: str | None = None,
+                truth: str | None = None) -> None:
+        same = (float(stated) == float(actual) if isinstance(stated, (int, float)) and not isinstance(stated, bool)
+                and isinstance(actual, (int, float)) else stated == actual)
+        if not same:
+            out.append(Mismatch(claim or f"{flag} {fmt(stated)}", truth or f"{key} {fmt(actual)}"))
+
+    def has(flag: str) -> bool:
+        return bool(given.get(flag))
+
+    # ---- sizes
+    for flag, key, actual in (("--num-layers", "num_hidden_layers", arch.num_layers),
+                              ("--hidden-size", "hidden_size", arch.hidden_size),
+                              ("--num-attention-heads", "num_attention_heads", arch.num_attention_heads)):
+        if flag in given:
+            compare(flag, given[flag], key, actual)
+    if "--ffn-hidden-size" in given and (not arch.num_experts or not all(arch.moe_layers)):
+        compare("--ffn-hidden-size", given["--ffn-hidden-size"], "intermediate_size", arch.ffn_hidden_size)
+    heads, groups = arch.num_attention_heads, arch.num_query_groups
+    if has("--group-query-attention"):
+        if "--num-query-groups" in given:
+            compare("--num-query-groups", given["--num-query-groups"], "num_key_value_heads", groups)
+        else:
+            compare("--group-query-attention", 1, "num_key_value_heads", groups, claim="--group-query-attention "
+                    "without --num-query-groups (Megatron-LM's default: 1 query group)")
+    elif (whole or "--num-query-groups" in given) and groups != heads:
+        unread = "; --num-query-groups is read only with it" if "--num-query-groups" in given else ""
+        out.append(Mismatch("no --group-query-attention (Megatron-LM builds one key/value head per attention "
+                            f"head{unread})", f"num_key_value_heads {groups} (of {heads} heads)"))
+    head_key = "head_dim" if text.get("head_dim") else "hidden_size / num_attention_heads"
+    if "--kv-channels" in given:
+        compare("--kv-channels", given["--kv-channels"], head_key, arch.kv_channels)
+    elif whole:
+        default = given["--hidden-size"] // given["--num-attention-heads"]
+        compare("--kv-channels", default, head_key, arch.kv_channels, claim="no --kv-channels (Megatron-LM's default "
+                f"--hidden-size / --num-attention-heads = {default})")
+    if "--vocab-size" in given:
+        compare("--vocab-size", given["--vocab-size"], "vocab_size", arch.vocab_size)
+    if "--max-position-embeddings" in given:
+        compare("--max-position-embeddings", given["--max-position-embeddings"], "max_position_embeddings",
+                arch.max_position_embeddings)
+    tied = arch.tie_word_embeddings
+    if has("--untie-embeddings-and-output-weights") and tied:
+        out.append(Mismatch("--untie-embeddings-and-output-weights", "tie_word_embeddings true"))
+    elif not has("--untie-embeddings-and-output-weights") and whole and not tied:
+        out.append(Mismatch("no --untie-embeddings-and-output-weights (Megatron-LM ties the output layer to the "
+                            "embedding)", "tie_word_embeddings false"))
+    if has("--swiglu"):
+        compare("--swiglu", "silu", "hidden_act", text.get("hidden_act", "silu"), claim="--swiglu (SiLU)")
+    qkv = (f"attention_bias {fmt(text['attention_bias'])}" if "attention_bias" in text else f"model_type {mt}") + \
+        (": q/k/v projections with bias" if fam.qkv_bias else ": q/k/v projections without bias")
+    if has("--add-qkv-bias") and not fam.qkv_bias:
+        out.append(Mismatch("--add-qkv-bias", qkv))
+    elif not has("--add-qkv-bias") and whole and has("--disable-bias-linear") and fam.qkv_bias:
+        out.append(Mismatch("no --add-qkv-bias (with --disable-bias-linear Megatron-LM builds q/k/v without bias)",
+                            qkv))
+    # ---- norms
+    if "--normalization" in given:
+        compare("--normalization", given["--normalization"], "", "RMSNorm", truth=f"model_type {mt}, whose norms "
+                "are RMSNorm")
+    if "--norm-epsilon" in given:
+        compare("--norm-epsilon", given["--norm-epsilon"], "rms_norm_eps", arch.norm_eps)
+    elif whole:
+        compare("--norm-epsilon", 1e-5, "rms_norm_eps", arch.norm_eps,
+                claim="no --norm-epsilon (Megatron-LM's default 1e-05)")
+    qk_norm = f"model_type {mt}, " + ("with q_norm / k_norm (an RMSNorm of each query and key head)"
+                                      if fam.qk_layernorm else "without q/k norm")
+    if has("--qk-layernorm") and not fam.qk_layernorm:
+        out.append(Mismatch("--qk-layernorm", qk_norm))
+    elif not has("--qk-layernorm") and whole and fam.qk_layernorm:
+        out.append(Mismatch("no --qk-layernorm (Megatron-LM builds no q/k norm)", qk_norm))
+    # ---- positions
+    position = "rope" if has("--use-rotary-position-embeddings") else given.get("--position-embedding-type")
+    want = "mrope" if fam.vision else "rope"
+    if position is not None and position != want:
+        claim = ("--use-rotary-position-embeddings (rope)" if has("--use-rotary-position-embeddings")
+                 else f"--position-embedding-type {position}")
+        out.append(Mismatch(claim, f"model_type {mt}, whose positions are "
+                            + ("3-D rotary (mrope: rope_scaling.mrope_section)" if fam.vision else "rotary (rope)")))
+    params = text.get("rope_parameters") or {}
+    theta_key = "rope_parameters.rope_theta" if params.get("rope_theta") is not None else "rope_theta"
+    if "--rotary-base" in given:
+        compare("--rotary-base", given["--rotary-base"], theta_key, arch.rotary_base)
+    elif whole:
+        compare("--rotary-base", 10000, theta_key, arch.rotary_base, claim="no --rotary-base (Megatron-LM's default "
+                "10000)")
+    if "--rotary-percent" in given:
+        factor = text.get("partial_rotary_factor")
+        compare("--rotary-percent", given["--rotary-percent"], "partial_rotary_factor", 1.0 if factor is None else
+                factor, truth=None if factor is not None else "no partial_rotary_factor: the whole head rotates (1.0)")
+    for flag, what in _NO_FAMILY_HAS.items():
+        if has(flag):
+            out.append(Mismatch(flag, f"model_type {mt}, which has no {what}"))
+    spec = given.get("--spec")
+    if spec is not None and spec not in ([], ["local"]):
+        out.append(Mismatch(f"--spec {' '.join(spec)}", f"model_type {mt}, which the trainer builds with "
+                            "megatron-core's local layer spec (config/families.py); a spec function is not loaded"))
+    if given.get("--mtp-num-layers"):
+        nextn = text.get("num_nextn_predict_layers")
+        out.append(Mismatch(f"--mtp-num-layers {given['--mtp-num-layers']}",
+                            (f"num_nextn_predict_layers {nextn}" if nextn else "no num_nextn_predict_layers")
+                            + ": the trainer builds no multi-token-prediction layers"))
+    _compare_moe(given, text, arch, whole, out, compare)
+    return out
+
+
+def _compare_moe(given: dict[str, Any], text: dict[str, Any], arch: ModelArch, whole: bool, out: list[Mismatch],
+                 compare: Any) -> None:
+    """The mixture-of-experts flags: Megatron-LM reads them only with --num-experts (a dense model's
+    MODEL_ARGS may carry them unread)."""
+    mt = repr(arch.model_type)
+    experts = given.get("--num-experts")
+    key = next((k for k in ("num_experts", "num_local_experts") if k in text), "num_experts")
+    if experts is not None:
+        if arch.num_experts:
+            compare("--num-experts", experts, key, arch.num_experts)
+        elif experts:
+            out.append(Mismatch(f"--num-experts {experts}", f"model_type {mt}, a dense model (no num_experts)"))
+    elif whole and arch.num_experts:
+        out.append(Mismatch("no --num-experts (Megatron-LM builds dense MLPs)", f"{key} {arch.num_experts}"))
+    if not arch.num_experts:
+        return
+    for flag, cfg_key, actual in (("--moe-router-topk", "num_experts_per_tok", arch.moe_topk),
+                                  ("--moe-ffn-hidden-size", "moe_intermediate_size", arch.moe_ffn_hidden_size)):
+        if flag in given:
+            compare(flag, given[flag], cfg_key, actual)
+    shared = arch.moe_shared_expert_ffn_hidden_size
+    no_shared = f"model_type {mt}, without a shared expert (no shared_expert_intermediate_size)"
+    if "--moe-shared-expert-intermediate-size" in given:
+        compare("--moe-shared-expert-intermediate-size", given["--moe-shared-expert-intermediate-size"],
+                "shared_expert_intermediate_size", shared, truth=None if shared else no_shared)
+    elif whole and shared:
+        out.append(Mismatch("no --moe-shared-expert-intermediate-size (Megatron-LM builds no shared expert)",
+                            f"shared_expert_intermediate_size {shared}"))
+    if given.get("--moe-shared-expert-gate") and not shared:
+        out.append(Mismatch("--moe-shared-expert-gate", no_shared))
+    elif not given.get("--moe-shared-expert-gate") and whole and shared and \
+            "--moe-shared-expert-intermediate-size" in given:
+        out.append(Mismatch("no --moe-shared-expert-gate (Megatron-LM adds the shared expert's output ungated)",
+                            f"model_type {mt}, whose shared expert is scaled by sigmoid(shared_expert_gate)"))
+    if "--moe-layer-freq" in given:
+        freq = given["--moe-layer-freq"]
+        stated = megatron_moe_layers(freq, given.get("--num-layers", arch.num_layers))
+        actual = [int(m) for m in arch.moe_layers]
+        if stated != actual:
+            dense = text.get("mlp_only_layers") or []
+            out.append(Mismatch(f"--moe-layer-freq {freq if isinstance(freq, int) else layer_pattern(freq)}"
+                                + (f" (MoE layers {layer_pattern(stated)})" if isinstance(freq, int) else ""),
+                                f"mlp_only_layers {dense} and decoder_sparse_step {text.get('decoder_sparse_step', 1)}"
+                                f": MoE layers {layer_pattern(actual)}"))
+    if "--moe-router-score-function" in given:
+        compare("--moe-router-score-function", given["--moe-router-score-function"], "", "softmax",
+                truth=f"model_type {mt}, whose router is a softmax")
+    pre = not arch.moe_norm_topk_prob  # HF's norm_topk_prob false: the top-k of the softmax over all experts
+    if given.get("--moe-router-pre-softmax") and not pre:
+        out.append(Mismatch("--moe-router-pre-softmax (the top-k of the softmax over all experts, not renormalised)",
+                            "norm_topk_prob true"))
+    elif not given.get("--moe-router-pre-softmax") and whole and pre:
+        out.append(Mismatch("no --moe-router-pre-softmax (Megatron-LM's softmax over the top-k logits renormalises "
+                            "them)", "norm_topk_prob false"))
+    if "--moe-router-topk-scaling-factor" in given:
+        compare("--moe-router-topk-scaling-factor", given["--moe-router-topk-scaling-factor"], "", 1.0,
+                truth=f"model_type {mt}, which scales no routing weight (no routed_scaling_factor)")
+    if "--moe-router-num-groups" in given:
+        compare("--moe-router-num-groups", given["--moe-router-num-groups"], "", 1,
+                truth=f"model_type {mt}, which routes over all experts at once (no n_group)")
+
+
+def model_args_error(given: dict[str, Any], hf: dict[str, Any], arch: ModelArch, checkpoint: str) -> str | None:
+    """The sentence that refuses MODEL_ARGS describing another model than --hf-checkpoint's, or None."""
+    mismatches = compare_model_args(given, hf, arch)
+    if not mismatches:
+        return None
+    first, *more = mismatches
+    return (f"{first.claim}: --hf-checkpoint {checkpoint}'s config.json says {first.truth}"
+            + "".join(f"; {m.claim}: it says {m.truth}" for m in more)
+            + "; slime's MODEL_ARGS must describe that checkpoint (is the models/*.sh for another model?)")
