@@ -95,9 +95,11 @@ def model_args_note(cfg: Config) -> str:
 
     given = cfg.model.megatron_model_args
     unread = [f for f in given if f in NO_EFFECT]
-    more = f"; {', '.join(unread)} accepted without effect here (docs/flags.md says why)" if unread else ""
-    return (f"slime's MODEL_ARGS: {len(given) - len(unread)} flags agree with {cfg.model.hf_checkpoint}'s "
-            f"config.json, from which the model is built{more}")
+    parts = [f"{len(given) - len(unread)} flags agree with {cfg.model.hf_checkpoint}'s config.json, from which the "
+             "model is built"] if len(given) > len(unread) else []
+    if unread:
+        parts.append(f"{', '.join(unread)} accepted without effect here (docs/flags.md says why)")
+    return "slime's MODEL_ARGS: " + "; ".join(parts)
 
 
 def check_replay_files(cfg: Config) -> None:

@@ -162,6 +162,17 @@ def test_each_value_changed_by_one_is_refused_naming_the_flag_both_values_and_th
                             "model?)"), message
 
 
+@pytest.mark.parametrize("flag, value, truth", [
+    ("--normalization", "LayerNorm", "model_type 'qwen3_moe', whose norms are RMSNorm"),
+    ("--position-embedding-type", "learned_absolute", "model_type 'qwen3_moe', whose positions are rotary (rope)"),
+    ("--moe-router-score-function", "sigmoid", "model_type 'qwen3_moe', whose router is a softmax"),
+    ("--rotary-percent", "0.5", "no partial_rotary_factor: the whole head rotates (1.0)"),
+])
+def test_each_choice_changed_is_refused_naming_what_the_family_has(flag, value, truth, tmp_path):
+    message = _refused(tmp_path, "qwen3_30b_a3b.json", _replace(QWEN3_30B_A3B.split(), flag, value))
+    assert message.startswith(f"{flag} {value}: --hf-checkpoint ") and f"config.json says {truth};" in message, message
+
+
 # switches whose absence Megatron-LM reads as the opposite feature, with the config.json key that decides it,
 # and the scripts that give them: left out of a whole MODEL_ARGS, the model Megatron-LM builds differs
 ABSENCE_STATES = {"--qk-layernorm": ("qwen3-4B", "q_norm"), "--add-qkv-bias": ("qwen2.5-0.5B", "q/k/v"),
@@ -390,6 +401,13 @@ def test_a_dry_run_with_the_model_args_plans_and_says_they_agree(tmp_path, capsy
     # are MODEL_ARGS, 3 of them kernel or token-dropping choices without effect here
     assert (f"note: slime's MODEL_ARGS: 23 flags agree with {hf}'s config.json, from which the model is built; "
             "--moe-token-drop-policy, --moe-grouped-gemm, --moe-permute-fusion accepted without effect") in out, out
+
+
+def test_a_dry_run_with_only_kernel_flags_says_they_have_no_effect(tmp_path, capsys):
+    hf = _checkpoint(tmp_path, "qwen3_30b_a3b.json")
+    assert train_main(_moe_dry_run_argv(hf, "--moe-grouped-gemm", "--moe-permute-fusion")) == 0
+    assert "note: slime's MODEL_ARGS: --moe-grouped-gemm, --moe-permute-fusion accepted without effect here " \
+           "(docs/flags.md says why)\n" in capsys.readouterr().out
 
 
 def test_a_dry_run_with_a_model_file_of_another_size_exits_2_naming_the_flag(tmp_path, capsys):
