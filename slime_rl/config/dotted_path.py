@@ -1,7 +1,9 @@
 """Loading a user function named by a flag: 'pkg.module:function', 'pkg.module.function' or
 'dir/file.py:function'. Every extension point uses it (--custom-rm-path, --custom-generate-function-path,
 --dynamic-sampling-filter-path); it lives in the top room so that each room that has a flag of this
-kind imports it downward. Errors name the flag and the path."""
+kind imports it downward. Errors name the flag and the path. Where slime is not installed, slime's
+module paths (a function written for slime imports them; a flag may name one) resolve to this
+project's counterparts from the first load on, in whichever process loads (config/slime_imports.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from slime_rl.config import slime_imports
 
 
 class PluginLoadError(ValueError):
@@ -43,6 +47,7 @@ def load_by_path(path: str, flag: str, error: type[Exception] = PluginLoadError)
     """'pkg.module:function', 'pkg.module.function' or 'dir/file.py:function' -> the function.
     `flag`: the flag that named it, in every error; `error`: the exception raised (a room may
     raise its own, e.g. rewards' RewardError for --custom-rm-path)."""
+    slime_imports.install()  # slime's module paths, unless slime itself is importable
     module_name, _, attr = path.rpartition(":") if ":" in path else path.rpartition(".")
     if not module_name or not attr:
         raise error(f"{flag} {path!r}: expected 'module:function', 'module.function' or 'file.py:function'")

@@ -80,9 +80,11 @@ DIFFERENCES: tuple[Difference, ...] = (
                "one description of the model, the one the engines read too: a models/*.sh for another model stops the "
                "run before it starts, naming the flag, both values and the config.json key", kind="meaning"),
     Difference("--dynamic-sampling-filter-path",
-               "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
-               "slime_rl.rollout.filters.check_reward_nonzero_std",
-               "the same filter under this package's name (a dotted path of slime's does not import here)",
+               "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std: keeps a group whose "
+               "rewards have a sample standard deviation above 1e-6",
+               "slime's path works as written (slime's module paths resolve here, docs/migration.md), with slime's "
+               "rule; slime_rl.rollout.filters.check_reward_nonzero_std keeps a group whose rewards differ at all",
+               "this project's filter takes the group alone (`filter(group) -> bool`)",
                kind="meaning"),
 )
 

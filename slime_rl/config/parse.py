@@ -3,7 +3,8 @@
 Order of precedence: parser defaults < YAML file (`--config`) < command line. The `--sglang-<name>`
 and `--router-<name>` flags are taken out of argv first and returned as a dict (router names keyed
 `router:<name>`, `split_router_args` separates them). An EasyR1 YAML is mapped to these flags first
-(config/easyr1.py); slime's flags this trainer does not have are refused by name (config/slime_args.py).
+(config/easyr1.py); slime's flags this trainer does not have are refused by name (config/slime_args.py);
+`--sglang-*` flags under an older SGLang's names are renamed or refused (config/sglang_changes.py).
 Errors raise `ConfigError` naming the flag (or the YAML file and key).
 """
 
@@ -23,6 +24,7 @@ from slime_rl.config.builtin_engine import not_taken
 from slime_rl.config.checks import ConfigError, ConfigNote
 from slime_rl.config.easyr1 import describe, is_easyr1, map_easyr1
 from slime_rl.config.flags import OWN_SGLANG_FLAGS, ROUTER_PREFIX, SGLANG_PREFIX, build_parser
+from slime_rl.config.sglang_changes import modernize
 from slime_rl.config.slime_args import refuse_slime_only
 
 # how parse_flags keys a `--router-<name>` in its pass-through dict: `--sglang-router-ip` (slime's
@@ -215,11 +217,21 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]
                 defaults.pop(other, None)
         parser.set_defaults(**defaults)
     args = parser.parse_args(rest)
-    sglang.update(sglang_cli)
+    sglang = _current_names(sglang) | _current_names(sglang_cli)  # each source alone: the command line wins
     explicit = known.rollout_backend is not None or (known.config is not None and "rollout_backend" in defaults)
     if not explicit:
         _backend_from_flags(args, sglang)
     return args, sglang
+
+
+def _current_names(passthrough: dict[str, Any]) -> dict[str, Any]:
+    """One source's pass-through with older SGLang's flag names replaced by the current ones (or
+    refused), each replacement said once in a note (config/sglang_changes.py)."""
+    sglang, router = split_router_args(passthrough)
+    sglang, notes = modernize(sglang)
+    for note in notes:
+        warnings.warn(note, ConfigNote, stacklevel=4)
+    return sglang | {ROUTER_KEY + k: v for k, v in router.items()}
 
 
 def _backend_from_flags(args: argparse.Namespace, sglang: dict[str, Any]) -> None:

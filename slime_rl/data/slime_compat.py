@@ -7,11 +7,11 @@ A function written for slime (`rm(args, sample)`, `generate(args, sample, sampli
 `to_slime` builds one from our `Sample`; the rollout turns a returned one back
 (`slime_rl.rollout.slime_compat.from_slime`).
 
-Where slime itself is not installed, `install_slime_modules()` registers the modules such functions
-import: `slime.utils.types` (`Sample`), `slime.utils.http_utils` (`post`, `get`),
-`slime.rollout.filter_hub.base_types` (`DynamicFilterOutput`) and `slime.utils.misc`
-(`load_function`). With slime installed nothing is registered and its own modules are used
-(its `Sample` is read field by field, so either works).
+Where slime itself is not installed, slime's module paths resolve to this project's counterparts
+(`slime_rl.config.slime_imports`): `slime.utils.types.Sample` is `SlimeSample`,
+`slime.utils.http_utils.post` / `get` are `post` / `get` here, `slime.utils.misc.load_function` is
+`load_function` and `slime.rollout.filter_hub.base_types.DynamicFilterOutput` is `DynamicFilterOutput`.
+With slime installed its own modules are used (its `Sample` is read field by field, so either works).
 
 `post` names the sample it was called for (`CURRENT_SAMPLE`, set by the rollout around a slime
 generate call) in the header `SAMPLE_HEADER`, so that the rollout's HTTP endpoint can file the
@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import contextvars
 import enum
-import importlib.util
 import sys
-import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime_rl.config.slime_imports import SHIM, real_slime_spec
 from slime_rl.data.sample import ROLLOUT_STATUS_KEY, TOKEN_VERSIONS_KEY, Sample
 
 # our own per-sample bookkeeping in Sample.metadata, not shown to user functions
@@ -177,7 +176,7 @@ def status_value(slime_sample: Any) -> str:
     return str(getattr(status, "value", status))
 
 
-# ---- the slime modules a user function imports, where slime is not installed
+# ---- slime's utilities a user function imports (config/slime_imports.py maps slime's paths here)
 
 _http_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its httpx client
 
@@ -211,7 +210,7 @@ async def get(url: str) -> Any:
         return response.json()
 
 
-def _load_function(path: str) -> Any:
+def load_function(path: str) -> Any:
     """slime.utils.misc.load_function ('module.function')."""
     import importlib
 
@@ -220,36 +219,11 @@ def _load_function(path: str) -> Any:
 
 
 def slime_installed() -> bool:
-    try:
-        spec = importlib.util.find_spec("slime")
-    except ValueError:  # registered by us: a module without a spec
-        return False
-    return spec is not None and not getattr(sys.modules.get("slime"), "__slime_rl_shim__", False)
-
-
-def install_slime_modules() -> None:
-    """Register slime.utils.types / http_utils / misc and slime.rollout.filter_hub.base_types (see the
-    module docstring) unless slime is installed or they are registered already."""
-    if "slime" in sys.modules or slime_installed():
-        return
-    contents = {
-        "slime": {}, "slime.utils": {}, "slime.rollout": {}, "slime.rollout.filter_hub": {},
-        "slime.utils.types": {"Sample": SlimeSample},
-        "slime.utils.http_utils": {"post": post, "get": get},
-        "slime.utils.misc": {"load_function": _load_function},
-        "slime.rollout.filter_hub.base_types": {"DynamicFilterOutput": DynamicFilterOutput},
-    }
-    for name, attrs in contents.items():
-        module = types.ModuleType(name, "stand-in for slime's module (slime_rl.data.slime_compat)")
-        module.__slime_rl_shim__ = True
-        if not name.count(".") or name in ("slime.utils", "slime.rollout", "slime.rollout.filter_hub"):
-            module.__path__ = []  # a package, so submodules import
-        module.__dict__.update(attrs)
-        sys.modules[name] = module
-    for name in contents:
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, sys.modules[name])
+    """Whether a real slime package is importable (the stand-ins of config/slime_imports do not count)."""
+    module = sys.modules.get("slime")
+    if module is not None:
+        return not getattr(module, SHIM, False)
+    return real_slime_spec() is not None
 
 
 def slime_sample_class() -> type:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_rl.config.builtin_engine import FALSE_WORDS, TRUE_WORDS
+from slime_rl.config.sglang_changes import older_name_hint
 
 KINDS = ("flag", "bool", "value", "list", "optional", "append")
 _TRUE, _FALSE = TRUE_WORDS, FALSE_WORDS
@@ -171,6 +172,9 @@ def check_passthrough(args: Mapping[str, Any], table: CliTable, prefix: str,
 
 def _unknown(ours: str, name: str, table: CliTable, prefix: str) -> str:
     msg = f"{ours}: {table.program} has no flag --{name.replace('_', '-')}"
+    older = older_name_hint(name) if prefix == "sglang-" else None
+    if older:  # slime-rl train renames these (config/sglang_changes.py); this is a direct caller
+        msg += f" ({older})"
     if name in table.fields:
         msg += f" ('{name}' is a field without a command-line flag)"
     close = difflib.get_close_matches(name, list(table.options), n=3, cutoff=0.6)

@@ -61,7 +61,7 @@ from typing import Any
 
 from slime_rl.config.dotted_path import choose_form, json_kwargs, load_by_path
 from slime_rl.data import Sample
-from slime_rl.data.slime_compat import install_slime_modules, slime_sample_class, to_slime
+from slime_rl.data.slime_compat import slime_sample_class, to_slime
 from slime_rl.rewards.builtin import BUILTIN
 from slime_rl.rewards.remote import RemoteRewardModel
 
@@ -242,7 +242,6 @@ def load_custom_reward(path: str, *, group_rm: bool = False, args: Any = None,
     """The `--custom-rm-path` function in our calling convention, decided once from its signature
     (see the module docstring): (function, scores whole groups, the key of a dict result's score).
     Errors name the flag."""
-    install_slime_modules()  # a slime-style file imports slime.utils.types
     fn = load_by_path(path, "--custom-rm-path", RewardError)
     kwargs = json_kwargs(rm_kwargs, "--custom-rm-kwargs", RewardError)
     if kwargs:

@@ -31,7 +31,6 @@ from typing import Any
 
 from slime_rl.config.dotted_path import choose_form, json_kwargs, load_by_path
 from slime_rl.data import Sample
-from slime_rl.data.slime_compat import install_slime_modules
 from slime_rl.rollout.partial import append_model_turn, mark_truncated
 from slime_rl.rollout.routing import ClientPool
 from slime_rl.rollout.slime_compat import FILTER_FLAG, GENERATE_FLAG, SlimeFilter, SlimeGenerate, default_args
@@ -87,7 +86,6 @@ def load_generate_function(path: str | None, args: Any = None) -> GenerateFn:
     (`config.slime_args.slime_args(cfg)`; default: `slime_compat.default_args()`)."""
     if not path:
         return generate_default
-    install_slime_modules()
     fn = load_by_path(path, GENERATE_FLAG)
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"{GENERATE_FLAG} {path!r}: {fn.__name__} must be an `async def` taking (sample, "
@@ -107,7 +105,6 @@ def load_filter(path: str | None, args: Any = None, kwargs: str | dict[str, Any]
         if kwargs:
             raise ValueError("--dynamic-sampling-filter-kwargs needs --dynamic-sampling-filter-path")
         return None
-    install_slime_modules()
     fn = load_by_path(path, FILTER_FLAG)
     if kwargs:
         fn = _bind_kwargs(fn, kwargs, "--dynamic-sampling-filter-kwargs")

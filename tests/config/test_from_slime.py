@@ -126,8 +126,9 @@ def test_the_script_builds_after_the_refusals_it_names(tmp_path):
 OTHER_SCRIPTS: list[tuple[list[str], tuple[str, object] | str]] = [
     (["--num-steps-per-rollout", "4"], ("batch.global_batch_size", 2)),  # 4 prompts x 2 samples / 4
     (["--over-sampling-batch-size", "8"], ("rollout.over_sampling_batch_size", 8)),
-    (["--dynamic-sampling-filter-path", "slime_rl.rollout.filters.check_reward_nonzero_std"],
-     ("rollout.dynamic_sampling_filter_path", "slime_rl.rollout.filters.check_reward_nonzero_std")),
+    (["--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"],
+     ("rollout.dynamic_sampling_filter_path",
+      "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std")),
     (["--use-tis"], ("algo.use_tis", True)),
     (["--kl-coef", "0.00"], ("algo.kl_coef", 0.0)),
     (["--update-weight-buffer-size", str(2 * 1024**3)], ("weight_sync.update_weight_buffer_size", 2 * 1024**3)),

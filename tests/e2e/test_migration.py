@@ -1,8 +1,9 @@
-"""Coming from slime and EasyR1, whole runs on CPU (issue #23's acceptance): a reward function, a
-custom generate function and a dynamic-sampling filter written exactly as slime documents them
-train 2 steps; EasyR1's own example config for Qwen2.5-VL geo3k (model path and data replaced by a
-tiny Qwen2.5-VL and local rows; sizes cut to a CPU on the command line, which wins over the file)
-trains 2 steps with its EasyR1-style reward file."""
+"""Coming from slime and EasyR1, whole runs on CPU (issue #23's acceptance): a reward function and a
+custom generate function written exactly as slime documents them, with slime's own dynamic-sampling
+filter named by slime's module path as its scripts name it (the RolloutManager actor resolves it
+through config/slime_imports.py), train 2 steps; EasyR1's own example config for Qwen2.5-VL geo3k
+(model path and data replaced by a tiny Qwen2.5-VL and local rows; sizes cut to a CPU on the command
+line, which wins over the file) trains 2 steps with its EasyR1-style reward file."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def test_slime_style_reward_generate_and_filter_train_two_steps(ray_session, tin
                         "--over-sampling-batch-size", "2", "--dump-rollouts",
                         "--custom-rm-path", "tests/plugins/slime_style.py:custom_rm",
                         "--custom-generate-function-path", "tests.plugins.slime_style:custom_generate",
-                        "--dynamic-sampling-filter-path", "tests.plugins.slime_style.filter_function"])
+                        "--dynamic-sampling-filter-path",
+                        "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"])
     rows = train(*preflight(cfg))
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:

@@ -104,6 +104,10 @@ def test_unknown_names_suggest_close_matches():
     assert no_cli
     with pytest.raises(PassthroughError, match=f"'{no_cli[0]}' is a field without a command-line flag"):
         check_passthrough({no_cli[0]: 1}, SNAP, "sglang-", SGLANG_OWNED)
+    # an older SGLang's name reaching the check directly (slime-rl train renames it first: config/sglang_changes.py)
+    with pytest.raises(PassthroughError, match=r"has no flag --cuda-graph-bs \(SGLang 0.5.20 renamed it "
+                                               r"--cuda-graph-bs-decode\)"):
+        check_passthrough({"cuda_graph_bs": [1, 2]}, SNAP, "sglang-", SGLANG_OWNED)
 
 
 def test_value_shapes_are_checked():

@@ -1,6 +1,6 @@
 """Extension functions written the way slime documents them (docs/en/get_started/customization.md and
 slime/rollout/sglang_rollout.py): `args` first, slime's Sample, slime's modules imported by name.
-slime is not installed here: slime_rl registers the modules these imports need."""
+slime is not installed here: slime_rl's stand-ins answer these imports (slime_rl.config.slime_imports)."""
 
 from __future__ import annotations
 

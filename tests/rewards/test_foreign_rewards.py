@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from slime_rl.config import slime_imports
 from slime_rl.data import Sample
-from slime_rl.data.slime_compat import install_slime_modules
 from slime_rl.rewards import GroupReward, RewardError, make_reward_fn, score_samples
 
-install_slime_modules()  # what loading by --custom-rm-path does first; the test imports the file itself
+slime_imports.install()  # what loading by --custom-rm-path does first; the test imports the file itself
 slime_style = importlib.import_module("tests.plugins.slime_style")
 
 EASYR1 = Path(__file__).resolve().parents[1] / "config" / "easyr1"

@@ -13,10 +13,10 @@ import httpx
 import pytest
 from rollout_testlib import feeder, row, start_server, with_clients
 
-from slime_rl.config import RolloutConfig
+from slime_rl.config import RolloutConfig, slime_imports
 from slime_rl.config.dotted_path import PluginLoadError
 from slime_rl.data import Sample
-from slime_rl.data.slime_compat import SAMPLE_HEADER, DynamicFilterOutput, install_slime_modules, to_slime
+from slime_rl.data.slime_compat import SAMPLE_HEADER, DynamicFilterOutput, to_slime
 from slime_rl.rollout.custom import load_filter, load_generate_function
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.generate import generate_groups
@@ -25,7 +25,7 @@ from slime_rl.rollout.partial import COMPLETED, TRUNCATED, status, token_version
 from slime_rl.rollout.routing import UNATTRIBUTED, ClientPool
 from slime_rl.rollout.slime_compat import SlimeFilter, SlimeGenerate, endpoint_of, from_slime
 
-install_slime_modules()
+slime_imports.install()  # what loading by a flag does first; the test imports the file itself
 slime_style = importlib.import_module("tests.plugins.slime_style")
 GEN = "tests.plugins.slime_style:custom_generate"
 
