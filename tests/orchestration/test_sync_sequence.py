@@ -61,7 +61,7 @@ class FakeUpdater:
     def continue_engines(self):
         self.log.append("continue")
 
-    def sync(self, named, version, own_session=True):
+    def sync(self, named, version, own_session=True, stages=None):
         self.log.append(("sync", named, own_session))
         return {"weight_sync/bytes": 1.0, "weight_sync/seconds": 1.0}
 
@@ -123,3 +123,4 @@ def test_sglang_command_picks_no_unchecked_nccl_port_and_a_colocated_memory_frac
         assert argv[argv.index("--mem-fraction-static") + 1] == "0.7" and "--enable-memory-saver" in argv
     else:
         assert "--mem-fraction-static" not in argv
+
