@@ -24,7 +24,7 @@ from slime_rl.config import Config, ConfigError, build_config
 from slime_rl.config.checks import ConfigNote
 from slime_rl.data import DataError
 from slime_rl.observability import MetricsLogger, StepClock, Timer, summary_line
-from slime_rl.orchestration.placement import PlacementPlan, assign_devices
+from slime_rl.orchestration.placement import PlacementPlan, assign_devices, engine_device
 from slime_rl.preflight import (  # noqa: F401  (the driver's checks, importable from here as before)
     check_model_features,
     check_ref_load,
@@ -66,7 +66,11 @@ def dry_run(cfg: Config, plan: PlacementPlan) -> None:
     for slot in plan.engines:
         cmd = engine_command(cfg, slot, host="<node-ip>", port=30000 + 10 * slot.engine_id, api_key="<run-secret>",
                              use_gpu=plan.use_gpu)
-        env = "".join(f"{k}={shlex.quote(v)} " for k, v in engine_env(cfg, "<run-secret>").items())
+        extra = engine_env(cfg, "<run-secret>")
+        if plan.colocated and plan.use_gpu and slot.num_gpus > 1 and devices is not None:
+            # the GPUs of the trainer ranks it runs beside, in its TP order (Cluster.start sets them)
+            extra["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, engine_device(plan, devices, slot).gpus))
+        env = "".join(f"{k}={shlex.quote(v)} " for k, v in extra.items())
         print(f"engine {slot.engine_id}: {env}{shlex.join(cmd)}")
     if cfg.engine.use_router:
         from slime_rl.orchestration.router import router_launch_command

@@ -57,6 +57,14 @@ class ServerConfig:
     weight_version: str = field(default="default", metadata=_opt("--weight-version"))
     tp_size: int = field(default=1, metadata=_opt("--tp-size", "--tensor-parallel-size",
                                                   help="only 1 (the embedded engine is one process)"))
+    # --colocate with --rollout-num-gpus-per-engine N: the engine spans N trainer devices and its
+    # /update_weights_from_tensor carries one serialized_named_tensors entry per device (SGLang's form
+    # for --tp-size N); it computes on the first and reads entry 0 (weights.py)
+    colocated_devices: int = field(default=1, metadata=_opt(
+        "--colocated-devices", minimum=1,
+        help="devices a colocated engine spans (the run's --rollout-num-gpus-per-engine): "
+             "/update_weights_from_tensor takes that many serialized_named_tensors entries, one per device, and "
+             "reads the first (the engine computes on its first device; no tensor parallel)"))
     # torch.set_num_threads: process-wide, so left alone unless given
     num_threads: int | None = field(default=None, metadata=_opt(
         "--num-threads", help="torch intra-op threads (CPU)", minimum=1))

@@ -77,12 +77,6 @@ def _check_colocate(a: argparse.Namespace, parallel: ParallelConfig) -> None:
     _check(a.rollout_num_gpus <= parallel.world_size,
            f"--colocate: --rollout-num-gpus ({a.rollout_num_gpus}) must be at most the trainer's devices "
            f"--actor-num-nodes x --actor-num-gpus-per-node ({parallel.world_size}): engines use the trainer's devices")
-    _check(a.rollout_num_gpus_per_engine == 1,
-           "--colocate needs --rollout-num-gpus-per-engine 1 (each engine takes its weights from the trainer rank "
-           "on its own device)")
-    _check(a.pipeline_model_parallel_size == 1,
-           "--colocate needs --pipeline-model-parallel-size 1 (every trainer rank must hold every layer to hand "
-           "it to the engine on its device)")
     for flag, given in (("--async", a.async_mode), ("--use-fault-tolerance", a.use_fault_tolerance),
                         ("--use-sglang-router", a.use_sglang_router)):
         _check(not given, f"--colocate and {flag} exclude each other (engines sleep while the trainer trains)"

@@ -68,9 +68,12 @@ DIFFERENCES: tuple[Difference, ...] = (
                "the reference only (default: the initial policy); the policy starts from --hf-checkpoint",
                "the trainer reads HF weights directly, and the engines start from --hf-checkpoint: both sides "
                "start from the same weights without a sync", kind="meaning"),
-    Difference("--colocate", "any --rollout-num-gpus-per-engine",
-               "--rollout-num-gpus-per-engine 1 (refused otherwise, naming it)",
-               "each engine takes its weights from the trainer rank on its own device (docs/colocate.md)",
+    Difference("--colocate", "implies --offload-train: the trainer's weights and optimizer state leave the GPU "
+               "while the engines generate",
+               "the same layouts (any --rollout-num-gpus-per-engine, pipeline parallel; engine e's TP rank i beside "
+               "trainer rank e*N+i), but the trainer's memory stays on the GPU during the rollout",
+               "nothing offloads the trainer yet: the engines get what is left (--sglang-mem-fraction-static 0.7 "
+               "unless given; docs/colocate.md)",
                kind="meaning"),
     Difference("MODEL_ARGS (--num-layers, --swiglu, --num-experts, ...)",
                "build the Megatron model (slime compares a few with config.json: layers, sizes, eps, rope_theta, tied "

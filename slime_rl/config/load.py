@@ -154,10 +154,18 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.rm_type is not None or a.custom_rm_path is not None, "--rm-type or --custom-rm-path is required")
     _check(not a.group_rm or a.custom_rm_path is not None, "--group-rm needs --custom-rm-path (a function that "
            "scores a list of samples)")
-    # the NCCL weight-update group counts N ranks per engine; the built-in engine would join with one
-    _check(a.rollout_backend != "embedded" or a.rollout_num_gpus_per_engine == 1,
+    # the NCCL weight-update group counts N ranks per engine; the built-in engine would join with one.
+    # Colocated, an engine of N devices gets one handle per device in one request: the built-in engine
+    # takes it (reading the one of its first device, where it computes: engines/embedded/weights.py)
+    _check(a.rollout_backend != "embedded" or a.rollout_num_gpus_per_engine == 1 or a.colocate,
            f"--rollout-num-gpus-per-engine {a.rollout_num_gpus_per_engine} needs --rollout-backend sglang "
-           "(the built-in engine is one process on one device)")
+           "(the built-in engine is one process on one device; with --colocate it spans the devices and computes "
+           "on the first)")
+    if a.rollout_backend == "embedded" and a.rollout_num_gpus_per_engine > 1:
+        warnings.warn(f"--rollout-num-gpus-per-engine {a.rollout_num_gpus_per_engine} with --rollout-backend "
+                      "embedded --colocate: each built-in engine spans that many trainer devices and computes on the "
+                      "first of them (it has no tensor parallel); --rollout-backend sglang runs it as TP "
+                      f"{a.rollout_num_gpus_per_engine}", ConfigNote, stacklevel=2)
     if a.rollout_backend == "embedded":
         other = not_taken(sglang)
         _check(not other, f"{', '.join(other)}: SGLang's server flags, "

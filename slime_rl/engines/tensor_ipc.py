@@ -5,8 +5,10 @@ Format (SGLang's MultiprocessingSerializer): one string per engine TP rank, each
 `multiprocessing.reduction.ForkingPickler` dump of `[(hf_name, tensor), ...]`. torch's reducers
 (torch.multiprocessing.reductions) turn a tensor into a handle of its storage:
 - CUDA: a CUDA IPC handle of the allocation (`rebuild_cuda_tensor`); the receiver maps the sender's
-  memory. Sender and receiver must see the device under the same index (Ray gives each actor of a
-  bundle the same GPU as cuda:0).
+  memory. The device is named by its UUID, not by its index (as SGLang's `monkey_patch_torch_reductions`
+  does, srt/utils/patch_torch.py): the trainer rank sees its GPU as cuda:0, the engine's TP rank i may
+  see the same GPU as cuda:i (an engine of N GPUs sees all N), so the receiver maps the UUID to its own
+  index. SGLang's receiver does so after its patch; `RestrictedUnpickler` does it here.
 - CPU: with torch's "file_system" sharing strategy, the name of a shared-memory file under /dev/shm
   plus the sender's torch_shm_manager socket (`rebuild_storage_filename`). This works between any
   two processes of one host; torch's default "file_descriptor" strategy passes fds over a socket of
@@ -49,6 +51,35 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
 })
 
 
+# rebuild_cuda_tensor's storage_device argument (SGLang's _REDUCE_TENSOR_ARG_DEVICE_INDEX)
+_DEVICE_ARG = 6
+
+
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _reduce_tensor_by_uuid(tensor: torch.Tensor) -> tuple:
+    """torch's reducer, with a CUDA tensor's device index replaced by the device's UUID."""
+    rebuild, args = torch.multiprocessing.reductions.reduce_tensor(tensor)
+    if rebuild is torch.multiprocessing.reductions.rebuild_cuda_tensor and isinstance(args[_DEVICE_ARG], int):
+        args = (*args[:_DEVICE_ARG], _device_uuid(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1:])
+    return rebuild, args
+
+
+def _rebuild_cuda_tensor_by_uuid(*args: object) -> torch.Tensor:
+    """torch's rebuild_cuda_tensor for a handle whose device is a UUID (or, from an older sender, an
+    index): the UUID becomes the index under which this process sees that device."""
+    device = args[_DEVICE_ARG]
+    if isinstance(device, str):
+        found = [i for i in range(torch.cuda.device_count()) if _device_uuid(i) == device]
+        if not found:
+            raise UnsafePayloadError(f"serialized_named_tensors: CUDA device {device} is not visible to this engine "
+                                     f"(it sees {torch.cuda.device_count()})")
+        args = (*args[:_DEVICE_ARG], found[0], *args[_DEVICE_ARG + 1:])
+    return torch.multiprocessing.reductions.rebuild_cuda_tensor(*args)
+
+
 class UnsafePayloadError(ValueError):
     """serialized_named_tensors holds something other than named tensors (or an unknown global)."""
 
@@ -57,6 +88,8 @@ class RestrictedUnpickler(pickle.Unpickler):
     """An Unpickler whose `find_class` resolves only ALLOWED_GLOBALS and `torch.<dtype>`."""
 
     def find_class(self, module: str, name: str) -> object:
+        if (module, name) == (_REDUCTIONS, "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor_by_uuid
         if (module, name) in ALLOWED_GLOBALS:
             return getattr(importlib.import_module(module), name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -73,7 +106,8 @@ def use_file_system_sharing() -> None:
 
 def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     """One entry of serialized_named_tensors. CUDA tensors: the pending work on the current stream
-    is waited for first, so the engine never reads a buffer that is still being filled. CPU tensors
+    is waited for first, so the engine never reads a buffer that is still being filled; the device
+    is named by its UUID (see the module doc). CPU tensors
     must live in shared memory (`share_memory_()` after `use_file_system_sharing()`), or
     ForkingPickler moves them there itself (a copy)."""
     if any(t.is_cuda for _, t in named):
@@ -82,7 +116,9 @@ def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
         raise RuntimeError("CPU tensors need torch's 'file_system' sharing strategy: call "
                            "use_file_system_sharing() first (fd passing does not reach the engine process)")
     buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump([(str(n), t.detach()) for n, t in named])
+    pickler = ForkingPickler(buf, pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table[torch.Tensor] = _reduce_tensor_by_uuid  # detach() gives plain tensors
+    pickler.dump([(str(n), t.detach()) for n, t in named])
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

@@ -40,6 +40,27 @@ def init_ray(plan: PlacementPlan) -> None:
              log_to_driver=True)
 
 
+def colocated_visible_devices(plan: PlacementPlan, ranks: list[tuple[str, str | None]]) -> dict[int, str]:
+    """--colocate on GPUs, engines of N > 1 GPUs: each such engine's CUDA_VISIBLE_DEVICES, the GPUs of the
+    trainer ranks it runs beside (`ranks[r]`: rank r's node and visible GPUs) in its TP order, so its
+    TP rank i runs on the GPU of the rank in its bundle i. Raises when those ranks are on several nodes."""
+    out = {}
+    for slot in plan.engines:
+        if slot.num_gpus == 1:
+            continue
+        mine = [ranks[plan.trainer_bundles.index(b)] for b in slot.bundles]
+        nodes = sorted({node for node, _ in mine})
+        if len(nodes) > 1:
+            raise RuntimeError(f"--colocate: engine {slot.engine_id} runs beside trainer ranks on nodes "
+                               f"{', '.join(nodes)}; its --rollout-num-gpus-per-engine {slot.num_gpus} GPUs must be on "
+                               "one node (give a number that divides --actor-num-gpus-per-node)")
+        if any(not gpus or "," in gpus for _, gpus in mine):
+            raise RuntimeError(f"--colocate: the trainer ranks beside engine {slot.engine_id} do not each see one GPU "
+                               f"(CUDA_VISIBLE_DEVICES {[g for _, g in mine]})")
+        out[slot.engine_id] = ",".join(gpus for _, gpus in mine)
+    return out
+
+
 # --use-fault-tolerance: a rollout whose every engine died is generated again after the restart (this
 # many times per step), and a weight sync that failed with an engine dead is retried after the restart
 MAX_ROLLOUT_RESTARTS = 3
@@ -70,11 +91,19 @@ class Cluster:
         init_ray(self.plan)
         self.pg = placement_group(list(self.plan.bundles), strategy="PACK")
         ray.get(self.pg.ready())
+        visible: dict[int, str] = {}
+        if self.plan.colocated and self.plan.use_gpu and any(s.num_gpus > 1 for s in self.plan.engines):
+            # the ranks' actors first (their build starts below): an engine's process sees their GPUs
+            self.trainers = self._trainer_group()
+            visible = colocated_visible_devices(self.plan, self.trainers.nodes_and_gpus())
         urls, targets, started = [], [], []
         for slot in self.plan.engines:
             # all N GPUs of the engine's bundle (SGLang --tp-size N); 0.5 when colocated: shared with a trainer rank
+            # (an engine of N GPUs then sees the GPUs of the N ranks it runs beside, not only its bundle's)
+            noset = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if slot.engine_id in visible \
+                else None
             actor = EngineActor.options(
-                num_cpus=1, num_gpus=self.plan.engine_actor_gpu(slot),
+                num_cpus=1, num_gpus=self.plan.engine_actor_gpu(slot), runtime_env=noset,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, slot.bundles[0]),
             ).remote(slot.engine_id)
             host, port = ray.get([actor.node_ip.remote(), actor.pick_port.remote()])
@@ -82,14 +111,17 @@ class Cluster:
             self.engines.append(actor)
             urls.append(f"http://{host}:{port}")
             targets.append(EngineTarget(urls[-1], slot.rank_offset, self.api_key))
-            started.append(actor.start.remote(cmd, urls[-1], env=engine_env(self.cfg, self.api_key)))
+            env = engine_env(self.cfg, self.api_key)
+            if slot.engine_id in visible:
+                env["CUDA_VISIBLE_DEVICES"] = visible[slot.engine_id]
+            started.append(actor.start.remote(cmd, urls[-1], env=env))
         # the rollout side (its imports, tokenizer, prompt data, reward function) and the trainer ranks
         # (Megatron) build while the engines load; the router, started once they are healthy, is
         # handed to the RolloutManager then
         self.buffer = Buffer.remote()
         self.rollout_manager = RolloutManager.remote(self.cfg, urls, self.api_key)
-        self.trainers = RankGroup(self.cfg, self.pg, self.plan.trainer_bundles, self.plan.use_gpu,
-                                  num_gpus=self.plan.actor_gpu)
+        if self.trainers is None:
+            self.trainers = self._trainer_group()
         critic_world = self.cfg.critic.world_size if self.cfg.critic else 0
         threads = max(1, (os.cpu_count() or 1) // (self.cfg.parallel.world_size + critic_world))
         if self.cfg.critic is not None:  # PPO: the critic builds at the same time
@@ -109,10 +141,14 @@ class Cluster:
         if self.train_only:  # --load-debug-rollout-data: the plan holds no engine, the trainer sends no weights
             assert not self.plan.engines, "a train-only plan holds no engine"
             return
-        if self.plan.colocated:  # engine e shares trainer rank (= bundle) e's device
-            self.trainers.connect_colocated(targets, [slot.bundles[0] for slot in self.plan.engines])
+        if self.plan.colocated:  # engine e's TP rank i shares the device of the trainer rank in its bundle i
+            self.trainers.connect_colocated(targets, [[self.plan.trainer_bundles.index(b) for b in slot.bundles]
+                                                      for slot in self.plan.engines])
         else:
             self.trainers.connect_engines(targets, self.plan.weight_update_world_size)
+
+    def _trainer_group(self) -> RankGroup:
+        return RankGroup(self.cfg, self.pg, self.plan.trainer_bundles, self.plan.use_gpu, num_gpus=self.plan.actor_gpu)
 
     def generate(self, step: int) -> dict[str, float]:
         return self.wait(self.generate_async(step))

@@ -77,6 +77,7 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
         # on CPU the engine runs while the trainer ranks wait (sync loop), so it may use every core
         num_threads=None if use_gpu else (os.cpu_count() or 1),
         enable_return_routed_experts=cfg.trainer.use_rollout_routing_replay,
+        colocated_devices=slot.num_gpus if cfg.engine.colocate else 1,
         **shared | {"enable_fp32_lm_head": cfg.model.fp32_lm_head}))
 
 

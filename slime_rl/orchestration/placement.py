@@ -9,10 +9,14 @@ tree and needs N devices visible to it, so the engine actor asks Ray for all N G
 the weight-update group the trainer's source is rank 0 and engine e holds ranks
 1 + e*N .. (e+1)*N. On a machine without GPUs a bundle is one CPU slot instead.
 
-Colocated (`--colocate`): engine e sits in trainer bundle e (the engines take the first
-`--rollout-num-gpus` trainer bundles); such a bundle holds both actors, so it offers two CPU slots
-and each actor asks for half of its GPU (`actor_gpu`): Ray then hands both the same device. One
-bundle holds one GPU there, so a colocated engine has one GPU (--rollout-num-gpus-per-engine 1).
+Colocated (`--colocate`): engine e of N GPUs (`--rollout-num-gpus-per-engine`) occupies the N
+consecutive trainer bundles e*N .. e*N+N-1 (the engines take the first `--rollout-num-gpus` trainer
+bundles), and its TP rank i runs on the GPU of trainer rank e*N+i: each GPU holds one trainer rank
+and one engine TP rank, as in slime. The engine's actor sits in its first bundle, which therefore
+offers two CPU slots, and each actor of that bundle asks for half of its GPU (`actor_gpu`): Ray hands
+both the same device. With N > 1 the engine's process must see all N GPUs: the cluster starts it
+with the GPUs of those N trainer ranks visible, in rank order (orchestration/cluster.py), so SGLang's
+TP rank i gets trainer rank e*N+i's GPU as its device i. An engine's N GPUs must be on one node.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ class PlacementError(ValueError):
 @dataclass(frozen=True)
 class EngineSlot:
     engine_id: int
-    bundles: tuple[int, ...]  # the one bundle that holds the engine's devices
+    # the one bundle that holds the engine's devices; colocated: the N trainer bundles of its N devices
+    # (its TP rank i on bundle i's GPU), its actor in the first
+    bundles: tuple[int, ...]
     # rank of the engine's first device in the weight-update group; the trainer's source is rank 0
     rank_offset: int
     num_gpus: int = 1  # devices of the engine: its TP size, and its ranks in the weight-update group
@@ -69,11 +75,14 @@ class PlacementPlan:
         for e in self.engines:
             sync = "shared with the trainer" if self.colocated else f"weight-update rank_offset {e.rank_offset}"
             devices = f" ({e.num_gpus} devices: TP {e.num_gpus})" if e.num_gpus > 1 else ""
+            if self.colocated and e.num_gpus > 1:
+                devices = f" (TP {e.num_gpus}: TP rank i beside trainer rank {e.bundles[0]}+i)"
             lines.append(f"  engine {e.engine_id} -> bundles {list(e.bundles)}{devices}, {sync}")
         if not self.engines:
             lines.append("  no engines")
         elif self.colocated:
-            lines.append("  colocated: engines share the trainer's bundles; weights handed over in place")
+            lines.append("  colocated: engines share the trainer's bundles (one engine TP rank beside each trainer "
+                         "rank); weights handed over in place")
         else:
             lines.append(f"  weight-update group world size {self.weight_update_world_size}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -93,9 +102,8 @@ def plan_placement(parallel: ParallelConfig, engine: EngineConfig, cluster_gpus:
     per = engine.num_gpus_per_engine
     if engine.colocate and engine_n > trainer_n:
         raise PlacementError(f"--colocate: --rollout-num-gpus ({engine_n}) exceeds the trainer's {trainer_n} devices")
-    if engine.colocate and per > 1:
-        raise PlacementError(f"--colocate with --rollout-num-gpus-per-engine {per}: a colocated engine shares one "
-                             "trainer rank's GPU; use --rollout-num-gpus-per-engine 1")
+    if engine_n % per:
+        raise PlacementError(f"--rollout-num-gpus-per-engine ({per}) must divide --rollout-num-gpus ({engine_n})")
     total_gpus = trainer_n + critic_world + (0 if engine.colocate else engine_n)
     use_gpu = cluster_gpus > 0
     notes: list[str] = []
@@ -110,14 +118,17 @@ def plan_placement(parallel: ParallelConfig, engine: EngineConfig, cluster_gpus:
     if not use_gpu and cluster_cpus is not None and total > cluster_cpus:
         notes.append(f"{total} CPU bundles on {cluster_cpus} cores: processes share cores")
     bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
-    shared = dict(bundle, CPU=2.0)  # colocated: a trainer rank and an engine
+    shared = dict(bundle, CPU=2.0)  # colocated: a trainer rank and an engine's actor
     engine_bundle = {"GPU": float(per), "CPU": 1.0} if use_gpu else {"CPU": 1.0}
     engines = []
     for e in range(engine.num_engines):
-        b = e if engine.colocate else trainer_n + critic_world + e
-        engines.append(EngineSlot(e, (b,), rank_offset=1 + e * per, num_gpus=per))
-    bundles = tuple(dict(shared if engine.colocate and i < engine_n else bundle)
-                    for i in range(trainer_n + critic_world))
+        if engine.colocate:  # the GPUs of trainer ranks e*N .. e*N+N-1, the actor in the first
+            slot_bundles = tuple(range(e * per, (e + 1) * per))
+        else:
+            slot_bundles = (trainer_n + critic_world + e,)
+        engines.append(EngineSlot(e, slot_bundles, rank_offset=1 + e * per, num_gpus=per))
+    actors = {e.bundles[0] for e in engines} if engine.colocate else set()
+    bundles = tuple(dict(shared if i in actors else bundle) for i in range(trainer_n + critic_world))
     bundles += tuple(dict(engine_bundle) for _ in range(n_engines))
     return PlacementPlan(use_gpu, bundles, tuple(range(trainer_n)), tuple(engines), notes,
                          tuple(range(trainer_n, trainer_n + critic_world)), colocated=engine.colocate)
@@ -156,7 +167,22 @@ def assign_devices(plan: PlacementPlan, nodes: int, gpus_per_node: int) -> tuple
                                  f"after the bundles before it")
         out.append(Device(node, tuple(free[node][:need])))
         del free[node][:need]
+    for e in plan.engines if plan.colocated else ():
+        nodes_of = sorted({out[b].node for b in e.bundles})
+        if len(nodes_of) > 1:
+            raise PlacementError(
+                f"--cluster {nodes}x{gpus_per_node}: colocated engine {e.engine_id} runs beside trainer ranks "
+                f"{e.bundles[0]}..{e.bundles[-1]}, which span nodes {' and '.join(map(str, nodes_of))}; an engine's "
+                f"--rollout-num-gpus-per-engine {e.num_gpus} GPUs must be on one node (give a number that divides "
+                "--actor-num-gpus-per-node)")
     return tuple(out)
+
+
+def engine_device(plan: PlacementPlan, devices: Sequence[Device], slot: EngineSlot) -> Device:
+    """The node and GPU ids of engine `slot` (its TP rank i on the i-th GPU listed): its bundle's, or
+    colocated, those of the trainer bundles it spans (one node: `assign_devices` checks it)."""
+    gpus = tuple(g for b in slot.bundles for g in devices[b].gpus)
+    return Device(devices[slot.bundles[0]].node, gpus)
 
 
 # Megatron's default rank order (megatron.core.parallel_state.initialize_model_parallel): TP varies

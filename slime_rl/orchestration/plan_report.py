@@ -13,7 +13,7 @@ from slime_rl.orchestration.estimate import (
     estimate_sync,
     model_shape,
 )
-from slime_rl.orchestration.placement import Device, PlacementPlan, rank_coords
+from slime_rl.orchestration.placement import Device, PlacementPlan, engine_device, rank_coords
 
 
 def _count(n: int) -> str:
@@ -99,7 +99,13 @@ def placement_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...
     else:
         lines.append(f"engines: {len(plan.engines)} ({kind}{', colocated' if plan.colocated else ''})")
     for e in plan.engines:
-        lines.append(f"  engine {e.engine_id}: {devices[e.bundles[0]] if devices else f'bundle {e.bundles[0]}'}")
+        where = str(engine_device(plan, devices, e)) if devices else \
+            f"bundle{'s' if len(e.bundles) > 1 else ''} {', '.join(map(str, e.bundles))}"
+        beside = ""
+        if plan.colocated:
+            first, last = plan.trainer_bundles.index(e.bundles[0]), plan.trainer_bundles.index(e.bundles[-1])
+            beside = f" | beside trainer rank{f's {first}..{last}' if last > first else f' {first}'}"
+        lines.append(f"  engine {e.engine_id}: {where}{beside}")
     if devices:
         tp = cfg.parallel.tensor_model_parallel_size
         split = [r for r in range(0, len(plan.trainer_bundles), tp)

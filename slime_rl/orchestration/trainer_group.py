@@ -24,7 +24,7 @@ from slime_rl.orchestration.engines import free_port
 from slime_rl.orchestration.placement import balanced_dp_shard, dp_shard
 from slime_rl.trainer.debug_data import TrainDataDump  # plain Python, no megatron: the driver may import it
 from slime_rl.weight_sync.broadcast import GROUP_NAME, EngineTarget, WeightBroadcaster, in_stage_order
-from slime_rl.weight_sync.colocated import ColocatedUpdater
+from slime_rl.weight_sync.colocated import ColocatedUpdater, EngineShare, PipelineStages
 
 POLICY, CRITIC = "policy", "critic"
 ROLES = (POLICY, CRITIC)
@@ -94,6 +94,10 @@ class RankActor:
 
     def master_address(self) -> tuple[str, int]:
         return _master_address()
+
+    def node_and_gpus(self) -> tuple[str, str | None]:
+        """This rank's node address and the GPUs Ray made visible to it (CUDA_VISIBLE_DEVICES)."""
+        return ray.util.get_node_ip_address(), os.environ.get("CUDA_VISIBLE_DEVICES")
 
     def init(self, cfg: Config, master_addr: str, master_port: int, train_iters: int, threads: int) -> None:
         _set_cpu_threads(threads)
@@ -191,10 +195,12 @@ class RankActor:
                                              master_addr, master_port, world_size, backend, group_name=name)
         self.broadcaster.connect()
 
-    def connect_colocated(self, targets: list[EngineTarget], owners: list[int]) -> None:
-        """--colocate: engine e gets its weights from trainer rank owners[e] (the one on its device)."""
-        self.broadcaster = ColocatedUpdater(targets, [e for e, r in enumerate(owners) if r == self.rank],
-                                            self.cfg.weight_sync)
+    def connect_colocated(self, targets: list[EngineTarget], spans: list[list[int]]) -> None:
+        """--colocate: engine e runs beside trainer ranks spans[e] (its TP rank i on spans[e][i]'s GPU);
+        every rank joins the gather group of each engine of several devices (collective)."""
+        share = EngineShare.create(self.rank, spans)
+        self.broadcaster = ColocatedUpdater(targets, [e for e, ranks in enumerate(spans) if self.rank in ranks],
+                                            self.cfg.weight_sync, share)
 
     def sync_weights(self, version: str, weights_dropped: bool = False) -> dict[str, float]:
         """All ranks: rank 0 pauses the engines and opens their weight-update session (SGLang
@@ -214,9 +220,13 @@ class RankActor:
             # that dropped the engines' weights; otherwise never again: it cannot change
             skip = self._synced_once and not weights_dropped
             self._synced_once = True
-            if isinstance(self.broadcaster, ColocatedUpdater):  # each rank to its own engines: no cross-engine wait
+            if isinstance(self.broadcaster, ColocatedUpdater):  # each engine from its own ranks: no cross-engine wait
+                stages = None
+                if self.worker.pp_size > 1:  # every rank needs every stage's tensors
+                    stages = PipelineStages.exchange(self.worker.pp_group, self.worker.pp_rank,
+                                                     self.worker.hf_weight_metadata(skip), self.worker.device)
                 metrics = self.broadcaster.sync(self.worker.iter_hf_sources(skip_frozen=skip), version,
-                                                own_session=False)
+                                                own_session=False, stages=stages)
             else:
                 metrics = in_stage_order(self.worker.pp_rank, self.worker.pp_size, dist.barrier,
                                          lambda: self.broadcaster.sync(self.worker.iter_hf_sources(skip_frozen=skip),
@@ -288,8 +298,12 @@ class RankGroup:
         ray.get([a.connect_engines.remote(targets, addr, port, world_size)
                  for a, (addr, port) in zip(self.actors, addrs, strict=True)])
 
-    def connect_colocated(self, targets: list[EngineTarget], owners: list[int]) -> None:
-        ray.get([a.connect_colocated.remote(targets, owners) for a in self.actors])
+    def connect_colocated(self, targets: list[EngineTarget], spans: list[list[int]]) -> None:
+        ray.get([a.connect_colocated.remote(targets, spans) for a in self.actors])
+
+    def nodes_and_gpus(self) -> list[tuple[str, str | None]]:
+        """Each rank's node address and visible GPUs, in rank order (no `init` needed)."""
+        return ray.get([a.node_and_gpus.remote() for a in self.actors])
 
     def train(self, step: int, buffer, readers: int | None = None) -> dict[str, float]:
         return self._all([a.train.remote(step, buffer, readers) for a in self.actors], f"train step {step}")[0]

@@ -42,6 +42,7 @@ from slime_rl.trainer.parallel import (
     dp_group,
     expert_tp_ep_group,
     init_parallel,
+    pp_group,
     teardown_parallel,
 )
 from slime_rl.trainer.routing_replay import attach as attach_engine_routing
@@ -171,6 +172,15 @@ class MegatronRank:
     @property
     def pp_size(self) -> int:
         return self.info.pp_size
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """This rank's pipeline group: one rank per stage, in stage order."""
+        return pp_group()
+
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
 
     @property
     def is_weight_source(self) -> bool:

@@ -372,8 +372,9 @@ class TrainerWorker(MegatronRank):
         cached views of the parameters, so a sync builds nothing)."""
         yield from hf_io.iter_hf_sources(self.gpt, self.arch, skip_frozen=skip_frozen)
 
-    def hf_weight_metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        return hf_io.hf_weight_metadata(self.gpt, self.arch)
+    def hf_weight_metadata(self, skip_frozen: bool = False) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(hf_name, dtype, HF shape) of what `iter_hf_sources(skip_frozen)` yields, in order; no communication."""
+        return hf_io.hf_weight_metadata(self.gpt, self.arch, skip_frozen=skip_frozen)
 
     @on_rank_thread
     def save_hf(self, path: str) -> str:

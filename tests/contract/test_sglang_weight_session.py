@@ -223,3 +223,74 @@ def test_sglang_builds_its_request_struct_from_our_payload(struct):
     payload = _builders()[struct]
     req = getattr(io, struct)(**payload)
     assert {k: getattr(req, k) for k in payload} == payload
+
+
+@pytest.fixture()
+def sglang_reductions():
+    """SGLang's deserialize_own_rank patches torch's reducers process-wide (monkey_patch_torch_reductions:
+    CUDA devices by UUID); its patch of reduce_tensor fails on CPU tensors, which later tests of this
+    process serialize. The reducers are put back afterwards."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    saved = (reductions.reduce_tensor, reductions.rebuild_cuda_tensor, dict(ForkingPickler._extra_reducers))
+    yield
+    reductions.reduce_tensor, reductions.rebuild_cuda_tensor = saved[:2]
+    ForkingPickler._extra_reducers.clear()
+    ForkingPickler._extra_reducers.update(saved[2])
+    for name in ("_reduce_tensor_original", "_rebuild_cuda_tensor_original"):
+        if hasattr(reductions, name):
+            delattr(reductions, name)
+
+
+def test_an_engine_of_two_devices_gets_one_request_whose_entry_i_sglang_tp_rank_i_reads(monkeypatch,
+                                                                                         sglang_reductions):
+    """Two trainer ranks beside an engine of two devices (tests/contract/colocated_rank.py: the real
+    ColocatedUpdater and EngineShare over gloo, rank r's tensors r + 1 times the base ones): rank 0 posts
+    ONE /update_weights_from_tensor with two entries; SGLang builds its struct from it, and its TP worker's
+    own deserialize_own_rank, run as TP rank i, decodes the tensors of trainer rank i. The built-in engine's
+    decoder reads entry 0 as SGLang's TP rank 0 does."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sglang.srt.managers import tp_worker
+    from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
+
+    from slime_rl.engines.tensor_ipc import deserialize_named_tensors
+    from tests.contract.colocated_rank import named
+
+    root = Path(__file__).resolve().parents[2]
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.contract.colocated_rank", str(r), str(port)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root, env=env)
+             for r in (0, 1)]
+    try:
+        request = json.loads(ranks[0].stdout.readline())
+        assert request["path"] == "/update_weights_from_tensor"
+        req = io.UpdateWeightsFromTensorReqInput(**request["payload"])
+        entries = normalize_serialized_named_tensor_payloads(req.serialized_named_tensors)
+        assert len(entries) == 2 and req.weight_version == "v1" and req.flush_cache is True  # its only bucket
+        for tp_rank in (0, 1):
+            monkeypatch.setattr(tp_worker, "get_parallel", lambda r=tp_rank: SimpleNamespace(tp_rank=r))
+            got = tp_worker.BaseTpWorker.deserialize_own_rank(None, entries)
+            expected = named(tp_rank)
+            assert [n for n, _ in got] == [n for n, _ in expected]
+            assert all(torch.equal(g, e) for (_, g), (_, e) in zip(got, expected, strict=True)), tp_rank
+        ours = deserialize_named_tensors(request["payload"]["serialized_named_tensors"][0])
+        assert all(torch.equal(g, e) for (_, g), (_, e) in zip(ours, named(0), strict=True))
+        del got, ours  # the mapped storages, before the ranks free them
+        ranks[0].stdin.write("\n")
+        ranks[0].stdin.flush()
+        for p in ranks:
+            assert p.wait(timeout=60) == 0
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()

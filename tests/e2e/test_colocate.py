@@ -1,6 +1,8 @@
-"""--colocate on CPU: each engine shares a trainer rank's bundle, releases its memory while the trainer
+"""--colocate on CPU: each engine shares its trainer ranks' bundles, releases its memory while the trainer
 trains, and gets the weights in place (shared-memory storages through /update_weights_from_tensor)
-instead of by broadcast. Same flow as on one GPU; nothing is faked."""
+instead of by broadcast. Same flow as on GPUs; nothing is faked. An engine of two devices
+(--rollout-num-gpus-per-engine 2) gets one request with a handle from each of its two trainer ranks;
+the built-in engine, which has no tensor parallel, reads the first (engines/embedded/weights.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +19,16 @@ from tests.loop_checks import digit_data_fixture
 
 digit_data = digit_data_fixture(64, seed=4)
 COLOCATE = ["--colocate", "--rollout-num-gpus", "2"]  # 2 engines on the 2 trainer ranks' bundles (TP 2)
+# one engine over both trainer ranks' devices
+OVER_TWO = COLOCATE + ["--rollout-num-gpus-per-engine", "2", "--rollout-backend", "embedded"]
 
 
 @pytest.mark.slow
 def test_colocated_loop_two_steps(ray_session, tiny_qwen2, digit_data, tmp_path):
-    rows = train(*preflight(build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + COLOCATE)))
+    """slime's layout: a TP-2 trainer and an engine of two devices beside its two ranks."""
+    cfg, plan = preflight(build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + OVER_TWO))
+    assert [s.bundles for s in plan.engines] == [(0, 1)]
+    rows = train(cfg, plan)
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
         assert not set(REQUIRED_KEYS) - set(row)
@@ -43,14 +50,26 @@ def _sha(t) -> str:  # as the engine's /weights_checksum: sha256 of each tensor'
     return hashlib.sha256(t.astype("float32").tobytes()).hexdigest()
 
 
+# (flags, each engine's trainer bundles): two engines of one device each beside the TP-2 trainer's two
+# ranks; and PP 2 (each rank holds one stage; the sync broadcasts each stage's buckets to the other
+# rank) with one engine over both ranks' devices
+LAYOUTS = {
+    "engine_per_rank": (COLOCATE, [(0,), (1,)]),
+    "pp2_engine_over_two_ranks": (OVER_TWO + ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
+                                              "2"], [(0, 1)]),
+}
+
+
 @pytest.mark.slow
-def test_release_train_resume_hand_over(ray_session, tiny_qwen2, digit_data, tmp_path):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_release_train_resume_hand_over(ray_session, tiny_qwen2, digit_data, tmp_path, layout):
     from slime_rl.orchestration.cluster import Cluster
 
-    cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1) + COLOCATE
+    flags, spans = LAYOUTS[layout]
+    cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1) + flags
                        + ["--custom-rm-path", "tests.plugins.example_reward:index_reward"])
     cfg, plan = preflight(cfg)
-    assert plan.colocated and [s.bundles for s in plan.engines] == [(0,), (1,)] and len(plan.bundles) == 2
+    assert plan.colocated and [s.bundles for s in plan.engines] == spans and len(plan.bundles) == 2
     cluster = Cluster(cfg, plan, api_key="k")
     try:
         cluster.start(train_iters=2)
@@ -62,7 +81,10 @@ def test_release_train_resume_hand_over(ray_session, tiny_qwen2, digit_data, tmp
         cluster.release_engines()
         for url in cluster.engine_urls:
             with EngineClient(url, api_key="k") as c:
-                assert c.get_server_info()["memory_occupation"]["weights_bytes"] == 0
+                info = c.get_server_info()
+                # it takes one serialized_named_tensors entry per device, and refuses any other count
+                assert info["colocated_devices"] == len(spans[0])
+                assert info["memory_occupation"]["weights_bytes"] == 0
                 with pytest.raises(EngineError, match="503.*resume_memory_occupation"):
                     c.generate([1, 2, 3], {"max_new_tokens": 2})
         cluster.train(0)

@@ -26,9 +26,10 @@ def test_plan_gpu_engines_rank_offsets_and_shortage():
     assert "engine 1 -> bundles [3] (2 devices: TP 2), weight-update rank_offset 3" in plan.describe()
     one = plan_placement(ParallelConfig(1, 1, 1, 1), EngineConfig(num_gpus=1), cluster_gpus=2)
     assert one.engine_actor_gpu(one.engines[0]) == 1.0 and one.weight_update_world_size == 2
-    with pytest.raises(PlacementError, match="--colocate with --rollout-num-gpus-per-engine 2"):
-        plan_placement(ParallelConfig(2, 1, 1, 2), EngineConfig(num_gpus=2, num_gpus_per_engine=2, colocate=True),
-                       cluster_gpus=2)
+    with pytest.raises(PlacementError, match=r"--rollout-num-gpus-per-engine \(2\) must divide "
+                                             r"--rollout-num-gpus \(3\)"):
+        plan_placement(ParallelConfig(2, 1, 1, 4), EngineConfig(num_gpus=3, num_gpus_per_engine=2, colocate=True),
+                       cluster_gpus=4)
     with pytest.raises(PlacementError, match="--rollout-num-gpus"):
         plan_placement(ParallelConfig(2, 1, 1, 2), EngineConfig(num_gpus=4), cluster_gpus=4)
 

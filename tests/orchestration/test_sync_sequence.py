@@ -61,7 +61,7 @@ class FakeUpdater:
     def continue_engines(self):
         self.log.append("continue")
 
-    def sync(self, named, version, own_session=True):
+    def sync(self, named, version, own_session=True, stages=None):
         self.log.append(("sync", named, own_session))
         return {"weight_sync/bytes": 1.0, "weight_sync/seconds": 1.0}
 
@@ -123,3 +123,20 @@ def test_sglang_command_picks_no_unchecked_nccl_port_and_a_colocated_memory_frac
         assert argv[argv.index("--mem-fraction-static") + 1] == "0.7" and "--enable-memory-saver" in argv
     else:
         assert "--mem-fraction-static" not in argv
+
+
+def test_an_engine_of_two_gpus_sees_the_gpus_of_the_two_trainer_ranks_it_runs_beside():
+    """--colocate on GPUs with --rollout-num-gpus-per-engine 2: the engine's process gets the GPUs Ray gave
+    its two trainer ranks, in rank order (its TP rank i on rank 2e+i's GPU), whatever their ids."""
+    from slime_rl.config import EngineConfig, ParallelConfig
+    from slime_rl.orchestration.placement import plan_placement
+
+    plan = plan_placement(ParallelConfig(2, 1, 1, 4), EngineConfig(num_gpus=4, num_gpus_per_engine=2, colocate=True),
+                          cluster_gpus=4)
+    ranks = [("10.0.0.1", "3"), ("10.0.0.1", "5"), ("10.0.0.1", "0"), ("10.0.0.1", "1")]
+    assert cluster_mod.colocated_visible_devices(plan, ranks) == {0: "3,5", 1: "0,1"}
+    one = plan_placement(ParallelConfig(2, 1, 1, 4), EngineConfig(num_gpus=4, colocate=True), cluster_gpus=4)
+    assert cluster_mod.colocated_visible_devices(one, ranks) == {}  # one GPU each: Ray's own assignment
+    with pytest.raises(RuntimeError, match=r"engine 1 runs beside trainer ranks on nodes 10\.0\.0\.1, 10\.0\.0\.2; "
+                                           r"its --rollout-num-gpus-per-engine 2 GPUs must be on one node"):
+        cluster_mod.colocated_visible_devices(plan, ranks[:3] + [("10.0.0.2", "0")])

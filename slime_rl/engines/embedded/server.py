@@ -113,7 +113,7 @@ class EmbeddedServer:
                              cuda_graph_max_bs=cfg.cuda_graph_max_bs, overlap=not cfg.disable_overlap_schedule,
                              compile_max_bs=cfg.torch_compile_max_bs if cfg.enable_torch_compile else 0,
                              routing=routing)
-        self.weights = WeightSync(self.model, self.engine, cfg.weight_version)
+        self.weights = WeightSync(self.model, self.engine, cfg.weight_version, cfg.colocated_devices)
         self.memory = self.weights.memory = MemoryOccupation(self.engine, self.weights.params,
                                                              cpu_backup=cfg.enable_weights_cpu_backup)
         self.session = WeightUpdateSession()
@@ -214,6 +214,7 @@ class EmbeddedServer:
         return {"model_path": self.cfg.model_path, "host": self.cfg.host, "port": self.cfg.port,
                 "random_seed": self.cfg.random_seed, "dtype": self.cfg.dtype, "device": self.cfg.device,
                 "max_running_requests": self.cfg.max_running_requests, "tp_size": 1,
+                "colocated_devices": self.cfg.colocated_devices,
                 "internal_states": [self.engine.load()], "version": "embedded",
                 "memory_occupation": self.memory.info()}
 

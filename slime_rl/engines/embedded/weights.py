@@ -10,10 +10,17 @@
   by running requests; they are copied under `Engine.weights_exclusive()`, so no forward sees
   half-updated weights.
 - update_weights_from_tensor {serialized_named_tensors, load_format, flush_cache, abort_all_requests,
-  weight_version}: colocated mode. One entry (TP 1) holding named tensors handed over in place (CUDA
-  IPC handles or shared-memory CPU storages, engines/tensor_ipc.py), decoded by a restricted
-  unpickler, copied into the parameters under `Engine.weights_exclusive()`; on CUDA the copy is
-  finished before the answer, so the sender may free or refill its buffer once answered.
+  weight_version}: colocated mode. One entry per device of the engine (`colocated_devices`, SGLang's
+  one per TP rank), each holding named tensors handed over in place (CUDA IPC handles or shared-memory
+  CPU storages, engines/tensor_ipc.py) by the trainer rank on that device. The engine computes on its
+  first device and has no tensor parallel, so it reads entry 0 alone, as SGLang's TP rank 0 does
+  (each TP rank decodes only its own entry: srt/managers/tp_worker.py, deserialize_own_rank); every
+  entry holds the same full tensors, since each trainer rank gathers them whole (on CPU, where
+  decoding an entry maps only a shared-memory file, the engine checks that: `_differing_entries`;
+  on CUDA it maps no other device's memory, as SGLang's ranks do not). The entry is decoded
+  by a restricted unpickler and copied into the parameters under `Engine.weights_exclusive()`; on
+  CUDA the copy is finished before the answer, so the sender may free or refill its buffer once
+  answered.
 - get_weights_by_name {name, truncate_size}: `param.float().tolist()[:truncate_size]`, as SGLang's
   models answer it (rows, not elements, are truncated).
 Responses are SGLang's (success, message) pairs.
@@ -37,8 +44,9 @@ from slime_rl.engines.tensor_ipc import UnsafePayloadError, deserialize_named_te
 
 
 class WeightSync:
-    def __init__(self, model: torch.nn.Module, engine: Engine, weight_version: str) -> None:
+    def __init__(self, model: torch.nn.Module, engine: Engine, weight_version: str, devices: int = 1) -> None:
         self.model, self.engine = model, engine
+        self.devices = devices  # serialized_named_tensors entries per update (ServerConfig.colocated_devices)
         self.device = next(model.parameters()).device
         # remove_duplicate=False keeps both names of a tied tensor (lm_head.weight and
         # model.embed_tokens.weight): updating either one updates the shared storage.
@@ -170,14 +178,17 @@ class WeightSync:
         if load_format not in (None, "direct"):
             raise RequestError(f"load_format: {load_format!r} is not supported by the embedded engine's "
                                "/update_weights_from_tensor (None: a list of (name, tensor) pairs)")
-        if len(entries) != 1:
-            raise RequestError(f"serialized_named_tensors: expected 1 entry (one per TP rank; the embedded engine "
-                               f"has tp_size 1), got {len(entries)}")
-        try:
+        if len(entries) != self.devices:
+            raise RequestError(f"serialized_named_tensors: expected {self.devices} "
+                               f"entr{'y' if self.devices == 1 else 'ies'} (one per device of the engine: "
+                               f"--colocated-devices {self.devices}), got {len(entries)}")
+        try:  # the entry of the device this engine computes on (see the module doc)
             received = deserialize_named_tensors(entries[0])
         except UnsafePayloadError as e:
             raise RequestError(str(e)) from e
         problems = [p for p in (self._check(name, t) for name, t in received) if p]
+        if not problems and self.device.type == "cpu":
+            problems = _differing_entries(entries, received)
         if problems:
             return False, "Failed to update parameter online: " + "; ".join(problems)
         if body.get("abort_all_requests"):
@@ -315,3 +326,23 @@ def _field(body: Any, name: str, kind: type, default: Any = _MISSING) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise RequestError(f"{name}: expected {kind.__name__}")
     return value
+
+
+def _differing_entries(entries: list, first: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """On CPU, where an entry names a shared-memory file and decoding it maps no other device's memory:
+    the entries after the first that do not hold exactly the first one's tensors. They must all be
+    equal: each trainer rank beside the engine gathers the full tensors (and with PP receives the other
+    stages'), and an engine with tensor parallel gives each TP rank its own entry to shard from
+    (SGLang's), so an entry that differs is a trainer-side error the first entry alone would hide."""
+    problems = []
+    for i, entry in enumerate(entries[1:], start=1):
+        try:
+            other = deserialize_named_tensors(entry)
+        except UnsafePayloadError as e:
+            raise RequestError(f"serialized_named_tensors[{i}]: {e}") from e
+        same = [n for n, _ in other] == [n for n, _ in first] and all(
+            a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(other, first, strict=True))
+        if not same:
+            problems.append(f"serialized_named_tensors[{i}] does not hold the same tensors as entry 0 (every device's "
+                            "entry must hold the full tensors)")
+    return problems
