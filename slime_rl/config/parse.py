@@ -39,22 +39,8 @@ DOCS_HINT = ("The flags are listed in docs/flags.md; slime's and Megatron-LM's, 
 def explain_parse_error(message: str, options: Sequence[str]) -> str:
     """argparse's terse message -> a sentence naming each flag (or value) and what to do instead:
     an unknown flag gets its closest known names, a bad value the values or type the flag takes."""
-    if message.startswith("unrecognized arguments: "):
-        parts, after_flag = [], False
-        for token in message.removeprefix("unrecognized arguments: ").split():
-            if not token.startswith("-") and after_flag:  # the unknown flag's own value
-                after_flag = False
-                continue
-            after_flag = token.startswith("-") and "=" not in token
-            if token.startswith("-"):
-                name = token.partition("=")[0]
-                close = difflib.get_close_matches(name, options, n=3, cutoff=0.75)
-                hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-                parts.append(f"{name} is not a flag of slime-rl train, nor a flag of slime's or Megatron-LM's that "
-                             f"it reads{hint}")
-            else:
-                parts.append(f"{token!r} is a value with no flag before it that takes one")
-        return "; ".join(parts) + f". {DOCS_HINT}"
+    if message.startswith("unrecognized arguments: "):  # argparse's own message: its tokens split on spaces
+        return explain_unrecognized(message.removeprefix("unrecognized arguments: ").split(), options)
     m = re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid choice: (.+?) \(choose from (.+)\)", message)
     if m:
         flag, value, choices = m.groups()
@@ -76,10 +62,38 @@ def explain_parse_error(message: str, options: Sequence[str]) -> str:
     return f"{m.group(1)}: {m.group(2)}" if m else message
 
 
+def explain_unrecognized(tokens: Sequence[str], options: Sequence[str]) -> str:
+    """The tokens argparse could not place (each as given: a value may hold spaces) -> one sentence each:
+    an unknown flag with its closest known names (its own value not reported again), a stray value."""
+    parts, after_flag = [], False
+    for token in tokens:
+        if not token.startswith("-") and after_flag:  # the unknown flag's own value
+            after_flag = False
+            continue
+        after_flag = token.startswith("-") and "=" not in token
+        if token.startswith("-"):
+            name = token.partition("=")[0]
+            close = difflib.get_close_matches(name, options, n=3, cutoff=0.75)
+            hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+            parts.append(f"{name} is not a flag of slime-rl train, nor a flag of slime's or Megatron-LM's that "
+                         f"it reads{hint}")
+        else:
+            parts.append(f"{token!r} is a value with no flag before it that takes one")
+    return "; ".join(parts) + f". {DOCS_HINT}"
+
+
 class _Parser(argparse.ArgumentParser):
+    def _options(self) -> list[str]:
+        return [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+
+    def parse_args(self, args=None, namespace=None):  # as argparse's, with the unplaced tokens kept whole
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            raise ConfigError(explain_unrecognized(extras, self._options()))
+        return ns
+
     def error(self, message: str):  # argparse would print and exit(2); we want an exception naming the flag
-        options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-        raise ConfigError(explain_parse_error(message, options))
+        raise ConfigError(explain_parse_error(message, self._options()))
 
 
 def _make_parser() -> argparse.ArgumentParser:

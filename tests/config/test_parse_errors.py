@@ -36,6 +36,12 @@ def test_several_unknown_flags_and_a_stray_value_are_each_named(tmp_path):
     assert "did you mean" not in text.split(";")[0]  # nothing close to it
 
 
+def test_an_unknown_flags_value_with_spaces_is_its_value_not_a_stray_one(tmp_path):
+    # slime's geo3k script: --multimodal-keys '{"image": "images"}' (one argv token holding a space)
+    text = _refusal(tmp_path, "--not-a-flag-here", '{"image": "images"}')
+    assert "--not-a-flag-here is not a flag" in text and "no flag before it" not in text, text
+
+
 @pytest.mark.parametrize("flag", [f for f in FLAGS if f.choices and f.action is None], ids=lambda f: f.name)
 def test_a_value_outside_the_choices_names_the_flag_and_every_choice(tmp_path, flag):
     text = _refusal(tmp_path, flag.name, "no-such-value")
