@@ -76,6 +76,10 @@ ALGO_FLAGS: tuple[Flag, ...] = (
         Flag('--use-wandb', 'logging.use_wandb', action="store_true"),
         Flag('--wandb-project', 'logging.wandb_project', default='slime_rl'),
         Flag('--wandb-group', 'logging.wandb_group'),
+        Flag('--wandb-team', 'logging.wandb_team', metavar='ENTITY',
+             help="slime's: the wandb team (entity) the run is logged under (default: the key's own)"),
+        Flag('--wandb-host', 'logging.wandb_host', metavar='URL',
+             help="slime's: the wandb server to log to (a self-hosted one; WANDB_BASE_URL for this process)"),
         Flag('--wandb-mode', 'logging.wandb_mode', default='online', choices=('online', 'offline', 'disabled')),
         Flag('--wandb-key', 'logging.wandb_key', metavar='KEY',
              help="slime's: the wandb API key to log in with (else wandb's own login or WANDB_API_KEY); not "

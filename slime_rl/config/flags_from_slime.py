@@ -27,11 +27,10 @@ _POLICY_LOSS = ("must be policy_loss: this is an RL trainer; slime's sft_loss (s
 _ROLLOUT_FN = (f"must be {SLIME_DEFAULT_ROLLOUT} (slime's default, the built-in rollout here): a whole-rollout "
                "function is not supported; use --custom-generate-function-path (one sample at a time) and "
                "--dynamic-sampling-filter-path")
+_TRAIN_BACKEND = "must be megatron: the trainer is megatron-core (slime's FSDP backend has no counterpart here)"
 _REFUSED_SWITCHES = (
     ('--disable-compute-advantages-and-returns', "is refused: it belongs to slime's SFT scripts (--loss-type "
      "sft_loss); every --advantage-estimator here computes advantages"),
-    ('--no-check-for-nan-in-loss-and-grad', "is refused: the trainer always stops on a non-finite gradient (the "
-     "optimizer step reports it and the run fails naming the rank)"),
     ('--use-precision-aware-optimizer', "is refused: megatron-core needs TransformerEngine's FusedAdam for it, which "
      "this trainer does not use (local layer spec, torch Adam): main params and Adam states stay fp32, sharded over "
      "the data-parallel ranks"),
@@ -70,6 +69,29 @@ FROM_SLIME_FLAGS: tuple[Flag, ...] = (
         Flag('--no-gradient-accumulation-fusion', action="store_true",
              help="always so here (accepted): the fused weight-gradient kernel is apex / TransformerEngine's, "
                   'not used'),
+        Flag('--no-check-for-nan-in-loss-and-grad', action="store_true",
+             help="accepted, the check stays on: Megatron-LM's per-step NaN check, which slime's large scripts "
+                  "turn off to save its all-reduce; the trainer always stops on a non-finite gradient (the "
+                  "optimizer step reports it and the run fails naming the rank), and a finite run is the same"),
+        Flag('--moe-enable-deepep', action="store_true",
+             help="accepted, no effect here: slime's DeepEP kernels for the flex token dispatcher (GPU kernels not "
+                  "built here); tokens go to the experts by all-to-all (see --moe-token-dispatcher-type)"),
+        Flag('--no-offload-train', action="store_true",
+             help="always so here (accepted): slime's switch that keeps the trainer's weights and optimizer state "
+                  "on the GPU during the rollout; nothing offloads them here"),
+        Flag('--no-offload-rollout', action="store_true",
+             help="always so here (accepted): slime's switch that keeps the engines' weights on the GPU while "
+                  "the trainer trains; without --colocate they never leave it here (with --colocate they are "
+                  "released, docs/colocate.md)"),
+        Flag('--data-pad-size-multiplier', type=int, metavar='N',
+             help="accepted, no effect here: slime pads each packed micro-batch to a multiple of N tokens for "
+                  "TransformerEngine's kernels; the trainer pads packed sequences to what its own attention and "
+                  "TP / CP split need"),
+        Flag('--model-name', metavar='NAME',
+             help="accepted, no effect here: slime's choice of HF <-> Megatron weight-name converter; here the "
+                  "converter follows config.json's model_type"),
+        Flag('--train-backend', default='megatron', check=(lambda v: v == 'megatron', _TRAIN_BACKEND),
+             help='megatron only: ' + _TRAIN_BACKEND[len('must be megatron: '):]),
         Flag('--log-probs-chunk-size', type=int, metavar='N',
              help="accepted, no effect here: slime's log-prob computation in chunks of N tokens, to bound the "
                   "memory of the logits; the trainer bounds it by micro-batch (--micro-batch-size, "

@@ -53,8 +53,9 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
         Flag('--moe-router-load-balancing-type', 'trainer.moe_router_load_balancing_type', default='aux_loss',
              choices=('aux_loss', 'seq_aux_loss', 'global_aux_loss', 'none')),
         Flag('--moe-token-dispatcher-type', 'trainer.moe_token_dispatcher_type', default='alltoall',
-             choices=('alltoall', 'allgather'),
-             help='how tokens reach the experts of other EP ranks (allgather: every micro-batch is padded to '
+             choices=('alltoall', 'allgather', 'flex'),
+             help='how tokens reach the experts of other EP ranks (flex, slime\'s DeepEP choice: alltoall here, '
+                  'with a note; allgather: every micro-batch is padded to '
                   'the longest over the EP x expert-TP ranks; not with pipeline or context parallelism, and with '
                   'EP or TP only on packed sequences)'),
         Flag('--use-rollout-routing-replay', 'trainer.use_rollout_routing_replay', action="store_true",

@@ -222,6 +222,8 @@ class LoggingConfig:
     wandb_project: str = default_of("--wandb-project")
     wandb_group: str | None = default_of("--wandb-group")
     wandb_mode: str = default_of("--wandb-mode")
+    wandb_team: str | None = default_of("--wandb-team")
+    wandb_host: str | None = default_of("--wandb-host")
     # slime's --wandb-key: the API key wandb logs in with; never printed, never in the run's config
     wandb_key: str | None = field(default=None, repr=False)
     use_tensorboard: bool = default_of("--use-tensorboard")

@@ -98,6 +98,13 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1: off (Megatron-LM turns it off too)",
                       ConfigNote, stacklevel=2)
         a.sequence_parallel = False
+    if a.moe_token_dispatcher_type == "flex":
+        # slime's MoE scripts pass flex with --moe-enable-deepep: megatron-core's flex dispatcher moves tokens
+        # with DeepEP / HybridEP GPU kernels, which are not built here; alltoall sends every token to the same
+        # experts (the routing and the expert math do not depend on the dispatcher), through torch collectives
+        warnings.warn("--moe-token-dispatcher-type flex: megatron-core's flex dispatcher needs DeepEP, which is not "
+                      "used here; alltoall sends the same tokens to the same experts", ConfigNote, stacklevel=2)
+        a.moe_token_dispatcher_type = "alltoall"
     _check(not a.sequence_parallel or a.pack_sequences, "--sequence-parallel needs packed sequences "
            "(drop --no-pack-sequences)")
     _check(not a.use_dynamic_batch_size or a.max_tokens_per_gpu is not None,

@@ -57,6 +57,34 @@ SLIME_ONLY_FLAGS: dict[str, str] = {
     "files",
     "--custom-config-path": "a custom function's settings go in its own module (or --custom-rm-kwargs for a "
     "reward)",
+    # slime's own training modes and transports (slime 624b824's scripts/ and examples/)
+    "--use-opd": "on-policy distillation (a teacher's log-probs in the loss) is not built yet; train with a reward",
+    "--opd-type": "on-policy distillation is not built yet (see --use-opd)",
+    "--opd-kl-coef": "on-policy distillation is not built yet (see --use-opd)",
+    "--opd-teacher-load": "on-policy distillation is not built yet (see --use-opd)",
+    "--enable-mtp-training": "multi-token-prediction layers are not built: the trainer builds the decoder of "
+    "config.json without MTP heads (MiMo's and DeepSeek's MTP layers are dropped)",
+    "--mtp-loss-scaling-factor": "multi-token-prediction layers are not built (see --enable-mtp-training)",
+    "--fp8-format": "FP8 training needs TransformerEngine, which this trainer does not use: it trains in bf16 "
+    "(the engines may still serve an FP8 checkpoint)",
+    "--fp8-recipe": "FP8 training needs TransformerEngine (see --fp8-format)",
+    "--loss-mask-type": "multi-turn loss masks come from a custom generate function (each sample's loss_mask), "
+    "not from a chat-template rule",
+    "--eval-config": "slime's eval YAML is not read: give each eval set with --eval-prompt-data NAME PATH and "
+    "the --eval-* sampling flags",
+    "--multimodal-keys": "images are read from --image-key (a column of paths or bytes per row), not a JSON map",
+    "--prefill-num-servers": "prefill/decode disaggregation is not supported: every engine prefills and decodes",
+    "--update-weight-mode": "weights reach the engines by a full broadcast (or CUDA IPC with --colocate) after "
+    "every update; delta and disk transports are not built",
+    "--update-weight-transport": "weights go by broadcast or CUDA IPC (see --update-weight-mode)",
+    "--update-weight-delta-checksum": "delta weight sync is not built (see --update-weight-mode)",
+    "--update-weight-delta-encoding": "delta weight sync is not built (see --update-weight-mode)",
+    "--update-weight-disk-dir": "weights never go through files (see --update-weight-mode)",
+    "--update-weight-local-checkpoint-dir": "weights never go through files (see --update-weight-mode)",
+    "--use-rollout-logprobs": "the trainer always recomputes the old log-probs; the engine's are used only by "
+    "--use-tis (truncated importance sampling on their gap) and reported as train/rollout_logprob_abs_diff",
+    "--deterministic-mode": "no switch for deterministic training kernels: --seed fixes data order and sampling, "
+    "--deterministic-rollout makes the engines batch-invariant",
 }
 
 

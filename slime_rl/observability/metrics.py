@@ -89,8 +89,10 @@ class MetricsLogger:
 
             if cfg.wandb_key:  # slime's --wandb-key: the key for this process only (no ~/.netrc is written)
                 os.environ["WANDB_API_KEY"] = cfg.wandb_key
-            self._wandb = wandb.init(project=cfg.wandb_project, group=cfg.wandb_group, mode=cfg.wandb_mode,
-                                     dir=str(self.run_dir), config=run_config or {})
+            if cfg.wandb_host:  # slime's --wandb-host: a self-hosted server, for this process only
+                os.environ["WANDB_BASE_URL"] = cfg.wandb_host
+            self._wandb = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_team, group=cfg.wandb_group,
+                                     mode=cfg.wandb_mode, dir=str(self.run_dir), config=run_config or {})
         if cfg.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

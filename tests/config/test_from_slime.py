@@ -123,7 +123,7 @@ OTHER_SCRIPTS: list[tuple[list[str], tuple[str, object] | str]] = [
     (["--disable-compute-advantages-and-returns"], "SFT"),
     (["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout"], "--custom-generate-function-path"),
     (["--debug-train-only"], "needs --load-debug-rollout-data"),
-    (["--no-check-for-nan-in-loss-and-grad"], "non-finite gradient"),
+    (["--train-backend", "fsdp"], "megatron-core"),
     (["--decoder-last-pipeline-num-layers", "5"], "even split"),
 ]
 
@@ -168,7 +168,7 @@ def _accepted_and_refused(f) -> tuple[list[str] | None, list[str] | None]:
     good = {"--attention-backend": "flash", "--rollout-function-path": "slime.rollout.sglang_rollout.generate_rollout"}
     bad = {"--attention-dropout": "0.1", "--hidden-dropout": "0.1", "--attention-backend": "fused",
            "--transformer-impl": "transformer_engine", "--loss-type": "custom_loss",
-           "--rollout-function-path": "my.rollout:generate"}
+           "--rollout-function-path": "my.rollout:generate", "--train-backend": "fsdp"}
     return [f.name, good.get(f.name, str(f.default))], [f.name, bad[f.name]]
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from slime_rl.config import ConfigError, build_config
+from slime_rl.config.checks import ConfigNote
 from slime_rl.train import check_model_features
 
 
@@ -70,4 +71,12 @@ def test_expert_parallel_refused_for_a_dense_model(tiny_qwen2):
 
 def test_unknown_dispatcher_refused(tiny_qwen3_moe):
     with pytest.raises((ConfigError, SystemExit)):
-        _cfg(tiny_qwen3_moe, "--moe-token-dispatcher-type", "flex")
+        _cfg(tiny_qwen3_moe, "--moe-token-dispatcher-type", "deepep")
+
+
+def test_slimes_flex_dispatcher_runs_as_alltoall_with_a_note(tiny_qwen3_moe):
+    """slime's MoE scripts: --moe-token-dispatcher-type flex --moe-enable-deepep. The flex dispatcher is DeepEP's
+    transport for the same routing: here alltoall, said once."""
+    with pytest.warns(ConfigNote, match="flex dispatcher needs DeepEP"):
+        cfg = _cfg(tiny_qwen3_moe, "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep")
+    assert cfg.trainer.moe_token_dispatcher_type == "alltoall"
