@@ -18,6 +18,7 @@ from slime_rl.config.checks import ConfigNote
 from slime_rl.config.sglang_changes import changes
 from slime_rl.engines.cli_args import CliTable
 from slime_rl.engines.launch import check_engine_config, sglang_extra_args
+from tests.config.test_sglang_changes import base_argv
 
 server_args = pytest.importorskip("sglang.srt.server_args",
                                   reason="sglang 0.5.23 is not importable here (pip install --no-deps sglang)")
@@ -37,12 +38,7 @@ NEW_OPTIONS = {o[2:].replace("-", "_") for a in _parser()._actions for o in a.op
 
 
 def _argv(tmp_path, *extra: str) -> list[str]:
-    (tmp_path / "model").mkdir(exist_ok=True)
-    (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "data.jsonl").write_text('{"input": "x", "label": "1"}\n')
-    return ["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(tmp_path / "data.jsonl"),
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "1", "--rm-type", "digit",
-            "--rollout-backend", "sglang", *extra]
+    return base_argv(tmp_path, "--rollout-backend", "sglang", *extra)
 
 
 def _engine_argv(tmp_path, *extra: str) -> tuple[list[str], list[str]]:
