@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.procs import run_processes
+from tests.procs import ROOT, _forkserver, run_processes
 
 
 def test_a_failing_rank_stops_the_waiting_ones_and_its_log_is_kept():
@@ -25,3 +25,27 @@ def test_logs_larger_than_a_pipe_and_timeouts():
     assert all(log.endswith("end\n") and len(log) > 1_000_000 for log in logs)
     with pytest.raises(RuntimeError, match="timed out after 1 s"):
         run_processes([[sys.executable, "-c", "import time; time.sleep(30)"]], "sleeper", timeout=1)
+
+
+def test_a_python_rank_runs_as_its_own_command_would_from_a_warm_interpreter(tmp_path):
+    """`python script.py ARGS` and `python -m module ARGS` ranks (forked from the warm forkserver on CPU): the
+    script's argv, the command's environment, the repo as working directory, its output in its log, its
+    exit code; torch already imported (what the forkserver saves)."""
+    script = tmp_path / "rank_probe.py"
+    script.write_text("import os, sys\n"
+                      "print('argv', sys.argv[1:], 'cwd', os.getcwd() == os.environ['WANT_CWD'])\n"
+                      "print('env', os.environ['PROBE'], 'torch preloaded', 'torch' in sys.modules)\n"
+                      "print('main', __name__)\n"
+                      "sys.exit(int(sys.argv[1]))\n")
+    cmd = [sys.executable, str(script)]
+    env = {"WANT_CWD": str(ROOT)}
+    logs = run_processes([cmd + ["0", "x y"], cmd + ["0", "z"]], "probe", timeout=120,
+                         envs=[{**env, "PROBE": "a"}, {**env, "PROBE": "b"}])
+    assert "argv ['0', 'x y'] cwd True" in logs[0] and "argv ['0', 'z'] cwd True" in logs[1]
+    assert "env a" in logs[0] and "env b" in logs[1] and all("main __main__" in log for log in logs)
+    assert all(f"torch preloaded {_forkserver() is not None}" in log for log in logs)
+    with pytest.raises(RuntimeError, match="exit codes 3|rank 0 exited with 3"):
+        run_processes([cmd + ["3"]], "probe", timeout=120, envs=[{**env, "PROBE": "c"}])
+    # a module (`python -m`): the same, through runpy as `-m` runs it
+    logs = run_processes([[sys.executable, "-m", "tests.rank_probe_module", "7"]], "module", timeout=120)
+    assert logs[0].strip().splitlines()[-1] == "module __main__ ['7']"
