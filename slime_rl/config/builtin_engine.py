@@ -32,6 +32,15 @@ ROUTING_SELECT_ROUND_ENV = "SLIME_RL_DEBUG_ROUTING_SELECT_ROUND"
 # how a switch may be written as a value (YAML, --sglang-x VALUE); engines/cli_args.py reads the same
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
+
+
+def switch_value(value: Any) -> bool | None:
+    """A switch's value as given on a command line or in YAML: a bool, or one of TRUE_WORDS / FALSE_WORDS
+    (any case); None for anything else (the caller names its flag in the error)."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).lower()
+    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
 DTYPES = ("float32", "float", "bfloat16", "float16", "half")
 ROUNDINGS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 

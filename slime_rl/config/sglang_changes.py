@@ -31,7 +31,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from slime_rl.config.builtin_engine import FALSE_WORDS, TRUE_WORDS
+from slime_rl.config.builtin_engine import switch_value
 from slime_rl.config.checks import ConfigError
 
 DATA = Path(__file__).with_name("sglang_flag_changes.json")
@@ -65,13 +65,10 @@ def _ours(name: str) -> str:
 
 
 def _switch(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if str(value).lower() in TRUE_WORDS:
-        return True
-    if str(value).lower() in FALSE_WORDS:
-        return False
-    raise ConfigError(f"{_ours(name)}: a switch (give it bare, or true/false), got {value!r}")
+    on = switch_value(value)
+    if on is None:
+        raise ConfigError(f"{_ours(name)}: a switch (give it bare, or true/false), got {value!r}")
+    return on
 
 
 def _shown(value: Any) -> str:

@@ -31,11 +31,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from slime_rl.config.builtin_engine import FALSE_WORDS, TRUE_WORDS
+from slime_rl.config.builtin_engine import switch_value
 from slime_rl.config.sglang_changes import older_name_hint
 
 KINDS = ("flag", "bool", "value", "list", "optional", "append")
-_TRUE, _FALSE = TRUE_WORDS, FALSE_WORDS
 _HERE = Path(__file__).parent
 SGLANG_SNAPSHOT = _HERE / "sglang_server_args.json"
 ROUTER_SNAPSHOT = _HERE / "sglang_router_args.json"
@@ -140,13 +139,10 @@ def router_table() -> CliTable:
 
 
 def _as_bool(ours: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if str(value).lower() in _TRUE:
-        return True
-    if str(value).lower() in _FALSE:
-        return False
-    raise PassthroughError(f"{ours}: a switch (give it bare, or true/false), got {value!r}")
+    on = switch_value(value)
+    if on is None:
+        raise PassthroughError(f"{ours}: a switch (give it bare, or true/false), got {value!r}")
+    return on
 
 
 def check_passthrough(args: Mapping[str, Any], table: CliTable, prefix: str,
