@@ -73,10 +73,16 @@ def main() -> None:
     for _ in range(2):
         worker.forward_backward(batch, old)
         worker.optimizer_step()
-    measured = static = float("nan")
+    measured = static = reserved_peak = device_total = non_torch = float("nan")
     if cuda:
         torch.cuda.synchronize()
         measured, static = torch.cuda.max_memory_allocated() / GiB, torch.cuda.memory_allocated() / GiB
+        # what a fit verdict must add to the allocated peak: the caching allocator's reserve above it
+        # (fragmentation), and memory the process holds outside torch's allocator (CUDA context,
+        # cuBLAS workspaces, NCCL buffers) = used on the device - reserved by torch, both read now
+        reserved_peak = torch.cuda.max_memory_reserved() / GiB
+        free, device_total = (x / GiB for x in torch.cuda.mem_get_info())
+        non_torch = device_total - free - torch.cuda.memory_reserved() / GiB
     worker.shutdown()
 
     shape = model_shape(read_hf_config(ckpt))
@@ -89,7 +95,8 @@ def main() -> None:
               "recompute": a.recompute, "measured_peak_gib": measured, "measured_static_gib": static,
               "estimate_gib": est.total / GiB, "estimate_static_gib": (est.weights + est.grads + est.optimizer) / GiB,
               "estimate_activations_gib": est.activations / GiB, "estimate_logits_gib": est.logits / GiB,
-              "error": est.total / GiB / measured - 1, "torch": torch.__version__,
+              "error": est.total / GiB / measured - 1, "measured_reserved_peak_gib": reserved_peak,
+              "device_total_gib": device_total, "non_torch_gib": non_torch, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
     if a.out:
         with open(a.out, "a") as f:
@@ -98,6 +105,8 @@ def main() -> None:
           f"(estimate {result['estimate_static_gib']:.2f}), activations {result['estimate_activations_gib']:.2f} + "
           f"logits {result['estimate_logits_gib']:.2f} GiB estimated")
     print(f"peak {measured:.2f} GiB, estimate {result['estimate_gib']:.2f} GiB, error {result['error']:+.3f}")
+    print(f"reserved peak {reserved_peak:.2f} GiB, outside torch's allocator {non_torch:.2f} GiB, "
+          f"device {device_total:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -75,7 +76,7 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     load_filter(cfg.rollout.dynamic_sampling_filter_path, args, cfg.rollout.dynamic_sampling_filter_kwargs)
     critic_world = cfg.critic.world_size if cfg.critic else 0
     if cfg.plan.cluster is not None:  # --dry-run for another cluster: its GPUs, not this machine's
-        nodes, gpus = cfg.plan.cluster
+        nodes, gpus = cfg.plan.cluster.nodes, cfg.plan.cluster.gpus
         plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=nodes * gpus, critic_world=critic_world)
         assign_devices(plan, nodes, gpus)  # an engine that fits on no node fails here
     else:
@@ -167,7 +168,7 @@ def check_model_features(cfg: Config) -> None:
     """The checkpoint's config.json against the flags: its model family first (one this trainer
     builds), then slime's MODEL_ARGS, then the flags that need (or do not work with) a
     vision-language or a mixture-of-experts checkpoint."""
-    from slime_rl.trainer.convert import FAMILIES, read_hf_config
+    from slime_rl.trainer.convert import FAMILIES, arch_from_hf_config, read_hf_config
 
     try:
         hf = read_hf_config(cfg.model.hf_checkpoint)
@@ -178,7 +179,17 @@ def check_model_features(cfg: Config) -> None:
         named = f"model_type {model_type!r}" if model_type else "no model_type"
         raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: its config.json names {named}, which is not "
                           f"a model family this trainer builds (supported: {', '.join(sorted(FAMILIES))})")
-    check_model_args(cfg, hf)
+    try:  # every check a rank's model build makes of config.json, before any process starts
+        arch = arch_from_hf_config(hf, where=f"{cfg.model.hf_checkpoint}/config.json")
+    except ValueError as exc:
+        raise ConfigError(f"--hf-checkpoint: {exc}") from exc
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if arch.num_layers % pp:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp}: {cfg.model.hf_checkpoint} has "
+                          f"{arch.num_layers} layers (num_hidden_layers), not a multiple of it; pipeline stages hold "
+                          f"an even split here (--decoder-first/last-pipeline-num-layers are not taken): use a "
+                          f"pipeline size that divides {arch.num_layers}")
+    check_model_args(cfg, hf, arch)
     vision = FAMILIES[model_type].vision
     if cfg.model.freeze_vision_tower and not vision:
         raise ConfigError(f"--freeze-vision-tower needs a vision-language checkpoint; --hf-checkpoint "
@@ -192,20 +203,15 @@ def check_model_features(cfg: Config) -> None:
                           f"models ({model_type}) is not supported yet; use grpo, dapo, gspo, rloo or reinforce++")
 
 
-def check_model_args(cfg: Config, hf: dict) -> None:
+def check_model_args(cfg: Config, hf: dict, arch: Any) -> None:
     """slime's MODEL_ARGS (Megatron-LM's model flags, as given) against the model the trainer builds
-    from config.json: each flag that describes another model is named with both values and the
+    from config.json (`arch`): each flag that describes another model is named with both values and the
     config.json key (trainer/convert/model_args.py says what is compared)."""
     given = cfg.model.megatron_model_args
     if not given:
         return
-    from slime_rl.trainer.convert import arch_from_hf_config
     from slime_rl.trainer.convert.model_args import model_args_error
 
-    try:
-        arch = arch_from_hf_config(hf, where=f"{cfg.model.hf_checkpoint}/config.json")
-    except ValueError as exc:
-        raise ConfigError(f"--hf-checkpoint: {exc}") from exc
     error = model_args_error(given, hf, arch, cfg.model.hf_checkpoint)
     if error:
         raise ConfigError(error)

@@ -45,22 +45,19 @@ class RunFailed(RuntimeError):
         self.known = known
 
 
-def dry_run(cfg: Config, plan: PlacementPlan) -> None:
-    """Print the plan (node/GPU ids, layout, steps, memory and weight-sync estimates) and the engine
-    and router commands; nothing is started."""
+def dry_run(cfg: Config, plan: PlacementPlan) -> bool:
+    """Print the plan (node/GPU ids, layout, steps, memory and weight-sync estimates, whether it fits
+    its GPUs) and the engine and router commands; nothing is started. False when it does not fit."""
     from slime_rl.orchestration.engines import engine_command, engine_env
     from slime_rl.orchestration.plan_report import plan_report
     from slime_rl.trainer.convert import read_hf_config
 
     if cfg.plan.cluster is not None:
-        devices = assign_devices(plan, *cfg.plan.cluster)
+        devices = assign_devices(plan, cfg.plan.cluster.nodes, cfg.plan.cluster.gpus)
     else:  # this machine: one node
         devices = assign_devices(plan, 1, torch.cuda.device_count()) if plan.use_gpu else None
-    try:
-        print(plan_report(cfg, plan, devices, read_hf_config(cfg.model.hf_checkpoint)))
-    except ValueError as exc:  # a model the estimate cannot size: the plan still prints
-        print(plan.describe())
-        print(f"estimates: not available ({exc})")
+    text, fits = plan_report(cfg, plan, devices, read_hf_config(cfg.model.hf_checkpoint))
+    print(text)
     if not plan.use_gpu and cfg.plan.cluster is None:
         print("note: planned for this machine (no GPU); --cluster NODESxGPUS plans for a GPU cluster")
     for slot in plan.engines:
@@ -78,6 +75,10 @@ def dry_run(cfg: Config, plan: PlacementPlan) -> None:
         urls = [f"http://<node-ip>:{30000 + 10 * slot.engine_id}" for slot in plan.engines]
         cmd = router_launch_command(cfg, "<head-ip>", cfg.engine.router_port or 30999, urls, "<run-secret>")
         print(f"router: {' '.join(cmd)}")
+    if not fits:
+        print("slime-rl train: error: the plan does not fit its GPUs (the DOES NOT FIT lines above say where and "
+              "what would fit)", file=sys.stderr)
+    return fits
 
 
 def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
@@ -209,8 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"slime-rl train: error: {exc}", file=sys.stderr)
         return 2
     if cfg.dry_run:
-        dry_run(cfg, plan)
-        return 0
+        return 0 if dry_run(cfg, plan) else 1
     if not os.environ.get("RAY_ADDRESS"):  # this driver starts Ray: what it starts goes with it, kill -9 included
         from slime_rl.orchestration.reaper import start_reaper
 

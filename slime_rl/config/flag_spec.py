@@ -14,9 +14,10 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from slime_rl.config.builtin_engine import SGLANG_ARGS
+from slime_rl.config.gpus import GpuMemory, parse_gpu
 
 SGLANG_PREFIX = "--sglang-"
 ROUTER_PREFIX = "--router-"
@@ -64,12 +65,29 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _cluster_shape(text: str) -> tuple[int, int]:
-    """`NODESxGPUS` (e.g. 2x8) -> (nodes, GPUs per node)."""
-    nodes, sep, gpus = text.lower().partition("x")
+class ClusterShape(NamedTuple):
+    """`--cluster NODESxGPUS[:GPU]`: nodes, GPUs per node, and the GPU whose memory the plan is judged
+    against (None: no fit verdict)."""
+
+    nodes: int
+    gpus: int
+    gpu: GpuMemory | None = None
+
+
+def _cluster_shape(text: str) -> ClusterShape:
+    """`NODESxGPUS[:GPU]` (e.g. 2x8, 1x8:H100, 1x8:80) -> ClusterShape; GPU: a name or GiB (gpus.parse_gpu)."""
+    shape, _, gpu = str(text).partition(":")
+    nodes, sep, gpus = shape.lower().partition("x")
     if not sep or not nodes.isdigit() or not gpus.isdigit() or int(nodes) < 1 or int(gpus) < 1:
-        raise argparse.ArgumentTypeError(f"must be NODESxGPUS with both >= 1 (e.g. 2x8), got {text!r}")
-    return int(nodes), int(gpus)
+        raise argparse.ArgumentTypeError(f"must be NODESxGPUS[:GPU] with both >= 1 (e.g. 2x8 or 1x8:H100), "
+                                         f"got {text!r}")
+    memory = None
+    if gpu:
+        try:
+            memory = parse_gpu(gpu)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: the GPU after ':' {exc}") from None
+    return ClusterShape(int(nodes), int(gpus), memory)
 
 
 def _tuple(value: Sequence | None) -> tuple:

@@ -21,9 +21,12 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
     *section('options',
         Flag('--config', help="YAML file whose keys are these flags' names"),
         Flag('--dry-run', 'dry_run', action="store_true", help='print the placement plan and engine commands'),
-        Flag('--cluster', 'plan.cluster', type=_cluster_shape, metavar='NODESxGPUS',
+        Flag('--cluster', 'plan.cluster', type=_cluster_shape, metavar='NODESxGPUS[:GPU]',
              help='with --dry-run: plan for a cluster of NODES nodes of GPUS GPUs each (e.g. 2x8) instead of this '
-                  "machine's devices; the data and tokenizer are checked only where they exist here"),
+                  "machine's devices; the data and tokenizer are checked only where they exist here. With :GPU "
+                  '(H100, H800, H200, H20, A100, A100-40, A800, B200, L40S, or its memory in GiB: 1x8:H100, 2x8:80) '
+                  'the plan says whether the trainer and engine GPUs fit, and the dry run exits 1 when one does '
+                  'not'),
         Flag('--plan-intra-node-gbps', 'plan.intra_node_gbps', default=360.0, type=_positive_float,
              help='GB/s of a weight-sync broadcast inside a node, for the --dry-run estimate (default: 360, the raw '
                   'NCCL broadcast measured between two NVLink H200s)'),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_rl.config.estimators import EstimatorSpec, estimator_spec
+from slime_rl.config.flag_spec import ClusterShape
 from slime_rl.config.flags import FLAGS, default_of
 from slime_rl.config.groups_rollout import (
     DataConfig,
@@ -268,7 +269,7 @@ class PlanConfig:
     """What `--dry-run` plans for: another cluster than this machine (--cluster), and the link speeds
     its weight-sync estimate assumes."""
 
-    cluster: tuple[int, int] | None = default_of("--cluster")  # (nodes, GPUs per node)
+    cluster: ClusterShape | None = default_of("--cluster")  # nodes, GPUs per node, the GPU (or None)
     intra_node_gbps: float = default_of("--plan-intra-node-gbps")
     inter_node_gbps: float = default_of("--plan-inter-node-gbps")
 

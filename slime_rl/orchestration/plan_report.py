@@ -13,6 +13,13 @@ from slime_rl.orchestration.estimate import (
     estimate_sync,
     model_shape,
 )
+from slime_rl.orchestration.fit import (
+    NON_TORCH_GIB,
+    TRAINER_RESERVE,
+    GpuMemory,
+    engine_verdict,
+    trainer_verdict,
+)
 from slime_rl.orchestration.placement import Device, PlacementPlan, engine_device, rank_coords
 
 
@@ -178,15 +185,65 @@ def estimate_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...]
     return lines
 
 
-def plan_report(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] | None, config_json: dict) -> str:
-    """Everything `--dry-run` prints before the engine commands (the placement plan's own lines first)."""
+def gpu_memory(cfg: Config, plan: PlacementPlan) -> GpuMemory | None:
+    """The GPU the plan is judged against: --cluster's `:GPU`, else this machine's first GPU, else None."""
+    if cfg.plan.cluster is not None:
+        return cfg.plan.cluster.gpu
+    if plan.use_gpu:
+        import torch
+
+        return GpuMemory(torch.cuda.mem_get_info(0)[1] / GiB, torch.cuda.get_device_name(0))
+    return None
+
+
+def fit_lines(cfg: Config, plan: PlacementPlan, shape: ModelShape, gpu: GpuMemory | None) -> tuple[list[str], bool]:
+    """The verdicts of fit.py for a trainer GPU and an engine GPU (a colocated one: both on the same
+    GPU), and whether every one fits (True when there is no GPU to judge against)."""
+    if gpu is None:
+        return ["fit: not judged (no GPU named): --cluster NODESxGPUS:GPU, e.g. 1x8:H100 or 1x8:80 (GiB)"], True
+    lay, _ = trainer_layout(cfg)
+    colocated = plan.colocated and not cfg.debug.train_only
+    prompt = cfg.data.rollout_max_prompt_len or 0
+    sample = prompt + cfg.rollout.max_response_len
+    verdicts = [trainer_verdict(shape, lay, gpu, colocated_context_gib=NON_TORCH_GIB if colocated else 0.0,
+                                sample_tokens=sample)]
+    lines: list[str] = []
+    if not cfg.debug.train_only:
+        if cfg.engine.backend == "sglang":
+            mem = estimate_memory(shape, lay)
+            resident = (mem.weights + mem.grads + mem.optimizer) / GiB * TRAINER_RESERVE + NON_TORCH_GIB
+            verdicts.append(engine_verdict(
+                shape, shape.params * (2 if cfg.model.bf16 else 4), cfg.engine.num_gpus_per_engine, gpu,
+                cfg.engine.sglang_args, sample, cfg.rollout.n_samples_per_prompt,
+                cfg.model.bf16, colocated_resident_gib=resident if colocated else None))
+            if not cfg.data.rollout_max_prompt_len:
+                lines.append("  note: a sample counts --rollout-max-response-len tokens only (--rollout-max-prompt-len "
+                             "unset)")
+        else:
+            lines.append("engine GPU: not judged (the built-in engine sizes its KV slots when it starts; the "
+                         "verdict follows SGLang's sizing: --rollout-backend sglang)")
+    if plan.critic_bundles:
+        lines.append("critic GPUs: not judged (their model is the policy's with a value head: about the trainer "
+                     "GPU's figure)")
+    fits = all(v.fits for v in verdicts)
+    return [line for v in verdicts for line in v.lines] + lines, fits
+
+
+def plan_report(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] | None,
+                config_json: dict) -> tuple[str, bool]:
+    """Everything `--dry-run` prints before the engine commands (the placement plan's own lines first),
+    and whether the plan fits its GPUs (True when no GPU is named)."""
     lines = []
     if cfg.plan.cluster is not None:
-        nodes, gpus = cfg.plan.cluster
-        lines.append(f"cluster: {nodes} node(s) x {gpus} GPUs (--cluster {nodes}x{gpus}), not this machine")
+        nodes, gpus = cfg.plan.cluster.nodes, cfg.plan.cluster.gpus
+        gpu = cfg.plan.cluster.gpu
+        named = f" of {gpu.gib:.2f} GiB" if gpu else ""
+        flag = f"--cluster {nodes}x{gpus}" + (f":{gpu.name.removesuffix(' GiB')}" if gpu else "")
+        lines.append(f"cluster: {nodes} node(s) x {gpus} GPUs{named} ({flag}), not this machine")
     lines.append(plan.describe())
     lines += placement_lines(cfg, plan, devices)
     lines += steps_lines(cfg)
     shape = model_shape(config_json, where=f"{cfg.model.hf_checkpoint}/config.json")
     lines += estimate_lines(cfg, plan, devices, shape)
-    return "\n".join(lines)
+    verdicts, fits = fit_lines(cfg, plan, shape, gpu_memory(cfg, plan))
+    return "\n".join(lines + verdicts), fits
