@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shlex
 import signal
 import sys
 import time
@@ -24,7 +23,7 @@ from slime_rl.config import Config, ConfigError, build_config
 from slime_rl.config.checks import ConfigNote
 from slime_rl.data import DataError
 from slime_rl.observability import MetricsLogger, StepClock, Timer, summary_line
-from slime_rl.orchestration.placement import PlacementPlan, assign_devices, engine_device
+from slime_rl.orchestration.placement import PlacementPlan, assign_devices
 from slime_rl.preflight import (  # noqa: F401  (the driver's checks, importable from here as before)
     check_model_features,
     check_ref_load,
@@ -45,11 +44,11 @@ class RunFailed(RuntimeError):
         self.known = known
 
 
-def dry_run(cfg: Config, plan: PlacementPlan) -> bool:
+def dry_run(cfg: Config, plan: PlacementPlan, argv: Sequence[str] = ()) -> bool:
     """Print the plan (node/GPU ids, layout, steps, memory and weight-sync estimates, whether it fits
-    its GPUs) and the engine and router commands; nothing is started. False when it does not fit."""
-    from slime_rl.orchestration.engines import engine_command, engine_env
-    from slime_rl.orchestration.plan_report import plan_report
+    its GPUs), the command that launches the job (from `argv`) and the engine and router commands a
+    person can paste; nothing is started. False when it does not fit."""
+    from slime_rl.orchestration.plan_report import engine_lines, launch_line, plan_report
     from slime_rl.trainer.convert import read_hf_config
 
     if cfg.plan.cluster is not None:
@@ -60,21 +59,9 @@ def dry_run(cfg: Config, plan: PlacementPlan) -> bool:
     print(text)
     if not plan.use_gpu and cfg.plan.cluster is None:
         print("note: planned for this machine (no GPU); --cluster NODESxGPUS plans for a GPU cluster")
-    for slot in plan.engines:
-        cmd = engine_command(cfg, slot, host="<node-ip>", port=30000 + 10 * slot.engine_id, api_key="<run-secret>",
-                             use_gpu=plan.use_gpu)
-        extra = engine_env(cfg, "<run-secret>")
-        if plan.colocated and plan.use_gpu and slot.num_gpus > 1 and devices is not None:
-            # the GPUs of the trainer ranks it runs beside, in its TP order (Cluster.start sets them)
-            extra["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, engine_device(plan, devices, slot).gpus))
-        env = "".join(f"{k}={shlex.quote(v)} " for k, v in extra.items())
-        print(f"engine {slot.engine_id}: {env}{shlex.join(cmd)}")
-    if cfg.engine.use_router:
-        from slime_rl.orchestration.router import router_launch_command
-
-        urls = [f"http://<node-ip>:{30000 + 10 * slot.engine_id}" for slot in plan.engines]
-        cmd = router_launch_command(cfg, "<head-ip>", cfg.engine.router_port or 30999, urls, "<run-secret>")
-        print(f"router: {' '.join(cmd)}")
+    print(launch_line(cfg, argv))
+    for line in engine_lines(cfg, plan, devices):
+        print(line)
     if not fits:
         print("slime-rl train: error: the plan does not fit its GPUs (the DOES NOT FIT lines above say where and "
               "what would fit)", file=sys.stderr)
@@ -210,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"slime-rl train: error: {exc}", file=sys.stderr)
         return 2
     if cfg.dry_run:
-        return 0 if dry_run(cfg, plan) else 1
+        return 0 if dry_run(cfg, plan, argv) else 1
     if not os.environ.get("RAY_ADDRESS"):  # this driver starts Ray: what it starts goes with it, kill -9 included
         from slime_rl.orchestration.reaper import start_reaper
 

@@ -4,6 +4,9 @@ ids), the parallel layout, optimizer steps per rollout, and the memory and weigh
 
 from __future__ import annotations
 
+import shlex
+from collections.abc import Sequence
+
 from slime_rl.config import Config
 from slime_rl.orchestration.estimate import (
     GiB,
@@ -247,3 +250,85 @@ def plan_report(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] | 
     lines += estimate_lines(cfg, plan, devices, shape)
     verdicts, fits = fit_lines(cfg, plan, shape, gpu_memory(cfg, plan))
     return "\n".join(lines + verdicts), fits
+
+
+# what a person sets before pasting the printed commands (one secret for the run; each node's address)
+KEY_VAR = "SLIME_RL_API_KEY"
+_MARK = "@@{}@@"  # a stand-in for "${VAR}" in a word (JSON keeps it as it is)
+
+
+def _shell(cmd: list[str], env: dict[str, str], variables: dict[str, str]) -> str:
+    """One pasteable command line: env, then argv; a word holding a `variables` stand-in is double-quoted
+    with "${VAR}" in its place (so the shell expands it), every other word shell-quoted."""
+    def word(text: str) -> str:
+        if not any(mark in text for mark in variables):
+            return shlex.quote(text)
+        text = "".join("\\" + c if c in '"\\$`' else c for c in text)  # literal inside double quotes
+        for mark, var in variables.items():
+            text = text.replace(mark, f"${{{var}}}")
+        return f'"{text}"'
+
+    return "".join(f"{k}={word(v)} " for k, v in env.items()) + " ".join(word(w) for w in cmd)
+
+
+def engine_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] | None) -> list[str]:
+    """Each engine's command as a person would run it on its node: the GPUs it gets in
+    CUDA_VISIBLE_DEVICES (SGLang then counts from --base-gpu-id 0), `python` of that node for a
+    --cluster plan, the node's address and the run's secret as shell variables; then the router's."""
+    from slime_rl.orchestration.engines import engine_command, engine_env
+
+    key = _MARK.format(KEY_VAR)
+    variables = {key: KEY_VAR}
+    lines = []
+    if plan.engines:
+        nodes = sorted({engine_device(plan, devices, e).node for e in plan.engines}) if devices else []
+        hosts = ", ".join([f"NODE{n}_IP" for n in nodes] or ["ENGINE_HOST"]
+                          + (["HEAD_IP"] if cfg.engine.use_router else []))
+        lines.append(f"engines by hand (set {KEY_VAR} to one secret and {hosts} to the nodes' addresses; the "
+                     "job starts them itself):")
+    urls = []
+    for slot in plan.engines:
+        where = engine_device(plan, devices, slot) if devices else None
+        host_var = f"NODE{where.node}_IP" if where else "ENGINE_HOST"
+        host = _MARK.format(host_var)
+        variables[host] = host_var
+        port = 30000 + 10 * slot.engine_id
+        cmd = engine_command(cfg, slot, host=host, port=port, api_key=key, use_gpu=plan.use_gpu)
+        if cfg.plan.cluster is not None:
+            cmd[0] = "python"  # the interpreter of the cluster's nodes, not this machine's path
+        env = engine_env(cfg, key)
+        if plan.use_gpu and where is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, where.gpus))
+        lines.append(f"engine {slot.engine_id}: {_shell(cmd, env, variables)}")
+        urls.append(f"http://{host}:{port}")
+    if cfg.engine.use_router and plan.engines:
+        from slime_rl.orchestration.router import router_launch_command
+
+        head = _MARK.format("HEAD_IP")
+        variables[head] = "HEAD_IP"
+        cmd = router_launch_command(cfg, head, cfg.engine.router_port or 30999, urls, key)
+        if cfg.plan.cluster is not None:
+            cmd[0] = "python"
+        lines.append(f"router: {_shell(cmd, {}, variables)}")
+    return lines
+
+
+def launch_line(cfg: Config, argv: Sequence[str]) -> str:
+    """The command that starts this job on its cluster: the same flags without --dry-run and --cluster,
+    through launch/ray_multi_node.sh on every node (several nodes) or launch/ray_single_node.sh."""
+    flags, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--dry-run" or arg.startswith("--cluster="):
+            continue
+        elif arg == "--cluster":
+            skip = True
+        else:
+            flags.append(arg)
+    nodes, gpus = (cfg.plan.cluster.nodes, cfg.plan.cluster.gpus) if cfg.plan.cluster is not None else (1, None)
+    if nodes > 1:
+        return (f"launch: on node i of {nodes} (0: the head): MASTER_ADDR=<head ip> NODE_RANK=i NNODES={nodes} "
+                f"NUM_GPUS={gpus} bash launch/ray_multi_node.sh {shlex.join(flags)}")
+    prefix = f"NUM_GPUS={gpus} " if gpus else ""
+    return f"launch: {prefix}bash launch/ray_single_node.sh {shlex.join(flags)}"

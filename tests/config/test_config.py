@@ -1,9 +1,11 @@
+import os
 import shlex
+import subprocess
 
 import pytest
 
 from slime_rl.config import ConfigError, build_config, parse_flags
-from slime_rl.config.builtin_engine import parse_server_args
+from slime_rl.config.builtin_engine import API_KEY_ENV, parse_server_args
 from slime_rl.train import main as train_main
 
 
@@ -120,10 +122,14 @@ def test_dry_run_prints_plan_and_engine_commands(tiny_qwen2, tmp_path, capsys):
     assert "engine 1 -> bundles [3], weight-update rank_offset 2" in out
     engine_lines = [ln for ln in out.splitlines() if ln.startswith("engine 0:") or ln.startswith("engine 1:")]
     assert len(engine_lines) == 2
-    for ln in engine_lines:  # the engine's own parser reads each printed line back
-        argv_ = shlex.split(ln)
-        assert parse_server_args(argv_[argv_.index("-m") + 2:]).model_path == str(tiny_qwen2)
-    assert "<run-secret>" in engine_lines[0]  # the real per-run secret is never printed
+    for ln in engine_lines:  # bash expands the printed line as pasted; the engine's own parser reads it back
+        expanded = subprocess.run(["bash", "-c", f'for w in {ln.split(": ", 1)[1]}; do printf "%s\\0" "$w"; done'],
+                                  env={"ENGINE_HOST": "10.0.0.7", "SLIME_RL_API_KEY": "s3cret", "PATH": os.defpath},
+                                  capture_output=True, text=True, check=True).stdout.split("\0")[:-1]
+        args = parse_server_args(expanded[expanded.index("-m") + 2:])
+        assert args.model_path == str(tiny_qwen2) and args.host == "10.0.0.7"
+        assert f"{API_KEY_ENV}=s3cret" in expanded  # the built-in engine takes its key from the environment
+    assert '"${SLIME_RL_API_KEY}"' in engine_lines[0]  # the real per-run secret is never printed
 
 
 def test_num_epoch_sets_steps_once_the_data_is_read(tiny_qwen2, tmp_path):

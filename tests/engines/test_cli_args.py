@@ -240,5 +240,5 @@ def test_dry_run_prints_router_and_engine_commands(tiny_qwen2, tmp_path, capsys)
     argv = router.split()[1:]
     assert argv[:3] == [sys.executable, "-m", "sglang_router.launch_router"]
     i = argv.index("--worker-urls")
-    assert argv[i + 1:i + 3] == ["http://<node-ip>:30000", "http://<node-ip>:30010"]
+    assert argv[i + 1:i + 3] == ['"http://${ENGINE_HOST}:30000"', '"http://${ENGINE_HOST}:30010"']
     assert argv[-3:] == ["--policy", "round_robin", "--disable-retries"]

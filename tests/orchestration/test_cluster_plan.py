@@ -94,6 +94,15 @@ def test_seven_b_recipes_plan_for_two_nodes_with_estimates(recipe, tmp_path, cap
     assert f"-> {2 * 7_615_616_512 / 50e9 + 0.0035:.3f} s per sync" in out
     assert "not checked here (--cluster): --prompt-data /data/not-on-this-machine.jsonl" in out
     assert "the tokenizer of --hf-checkpoint" in out
+    # commands a person can paste: the job's launch line (the flags given, less the plan's own), and each
+    # engine on node 1 with its two GPUs, the cluster's python, the node's address and the run's secret
+    flags = " ".join(recipe_argv(recipe, hf))
+    assert f"launch: on node i of 2 (0: the head): MASTER_ADDR=<head ip> NODE_RANK=i NNODES=2 NUM_GPUS=8 bash " \
+           f"launch/ray_multi_node.sh {flags}\n" in out
+    for e in range(4):
+        assert re.search(rf'^engine {e}: CUDA_VISIBLE_DEVICES={2 * e},{2 * e + 1} python -m sglang.launch_server '
+                         rf'--model-path {hf} --host "\$\{{NODE1_IP\}}" --port {30000 + 10 * e} --tp-size 2 '
+                         r'--base-gpu-id 0 .*--api-key "\$\{SLIME_RL_API_KEY\}"', out, re.M), out
 
 
 def test_train_only_plans_no_engine(tmp_path, capsys):
