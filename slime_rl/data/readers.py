@@ -53,11 +53,26 @@ def _check_object(path: Path, where: str, value: Any) -> Record:
     return value
 
 
+# a \\uD800-\\uDFFF escape: a surrogate, valid only as half of a pair (an emoji); alone it is not text
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class NotText(ValueError):
+    """Valid JSON whose strings are not all text (a lone surrogate)."""
+
+
 def _loads(text: str | bytes) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except RecursionError as exc:
         raise json.JSONDecodeError("nested too deeply", "", 0) from exc
+    if _SURROGATE_ESCAPE.search(text if isinstance(text, str) else text.decode("utf-8", "replace")):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise NotText(f"a string holds a lone UTF-16 surrogate ({exc.object[exc.start]!a}), which is not "
+                          "text a tokenizer takes; fix or drop the row") from None
+    return value
 
 
 def bad_rows_error(source: str | Path, errors: list[str], total: int) -> DataError:
@@ -82,6 +97,8 @@ def _read_jsonl(path: Path) -> list[tuple[str, Record]]:
                 errors.append(f"{where}: not valid UTF-8: {exc}")
             except json.JSONDecodeError as exc:
                 errors.append(f"{where}: not valid JSON: {exc}")
+            except NotText as exc:
+                errors.append(f"{where}: {exc}")
             except DataError as exc:
                 errors.append(str(exc).removeprefix(f"{path}: "))
     if errors:
@@ -94,6 +111,8 @@ def _read_json(path: Path) -> list[Record]:
         value = _loads(path.read_bytes().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DataError(f"{path}: not valid JSON: {exc}") from exc
+    except NotText as exc:
+        raise DataError(f"{path}: {exc}") from None
     if isinstance(value, dict) and isinstance(value.get("data"), list):
         value = value["data"]
     if not isinstance(value, list):

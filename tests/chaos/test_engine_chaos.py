@@ -256,3 +256,39 @@ def test_connections_over_the_cap_are_answered_503(tiny_qwen2):
         print(f"\n[chaos] connection 21 of a cap of 20: 503 within {took:.3f} s; served again after")
     finally:
         s.shutdown()
+
+
+# bodies json.dumps cannot write (4,301+ digit integers) or that Python writes only escaped (a lone
+# surrogate): each raw, with the field the answer must name
+BIG = "9" * 4301
+RAW_BAD = {
+    "lone surrogate in text": (r'{"text": "a \ud800 b", "sampling_params": {"max_new_tokens": 2}}', "text"),
+    "lone surrogate in a text batch": (r'{"text": ["fine", "x\udfff"]}', "text"),
+    "lone surrogate in stop": (r'{"input_ids": [1, 2], "sampling_params": {"stop": ["\udc00"]}}',
+                               "sampling_params.stop"),
+    "4301-digit input id": (f'{{"input_ids": [1, {BIG}]}}', "input_ids"),
+    "70-digit input id": (f'{{"input_ids": [{"7" * 70}]}}', "input_ids"),
+    "4301-digit max_new_tokens": (f'{{"input_ids": [1], "sampling_params": {{"max_new_tokens": {BIG}}}}}',
+                                  "sampling_params.max_new_tokens"),
+    "4301-digit stop token": (f'{{"input_ids": [1], "sampling_params": {{"stop_token_ids": [{BIG}]}}}}',
+                              "sampling_params.stop_token_ids"),
+    "400-digit temperature": (f'{{"input_ids": [1], "sampling_params": {{"temperature": {"1" * 400}}}}}',
+                              "sampling_params.temperature"),
+    "400-digit top_p": (f'{{"input_ids": [1], "sampling_params": {{"top_p": {"1" * 400}}}}}', "sampling_params.top_p"),
+    "400-digit min_p": (f'{{"input_ids": [1], "sampling_params": {{"min_p": -{"1" * 400}}}}}',
+                        "sampling_params.min_p"),
+    "5000-digit negative seed": (f'{{"input_ids": [1], "sampling_params": {{"sampling_seed": -{"5" * 5000}}}}}',
+                                 "sampling_params.sampling_seed"),
+}
+
+
+@pytest.mark.parametrize("name", list(RAW_BAD))
+def test_bad_text_and_huge_numbers_are_400_naming_the_field(engine, name):
+    """What answered 500 with a logged traceback before: a 400 whose message starts with the field."""
+    raw, field = RAW_BAD[name]
+    with _client(engine.url) as c:
+        r = c.post("/generate", content=raw.encode(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (name, r.status_code, r.text[:300])
+        assert r.json()["error"]["message"].startswith(f"{field}: "), r.text[:300]
+        good = c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        assert good.status_code == 200

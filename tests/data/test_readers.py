@@ -82,6 +82,26 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path):
         read_jsonl(f)
 
 
+def test_a_lone_surrogate_is_a_bad_row_named_by_line_and_a_pair_is_text(tmp_path):
+    """JSON's "\\ud800" escape parses to a string no tokenizer encodes (a raw TypeError deep in the
+    tokenizer before); an escaped pair (an emoji) is ordinary text."""
+    f = tmp_path / "s.jsonl"
+    f.write_text('{"input": "smile \\ud83d\\ude00", "label": "1"}\n{"input": "half \\ud800", "label": "2"}\n'
+                 '{"input": "low \\uDC00 too", "label": "3"}\n')
+    with pytest.raises(DataError) as err:
+        read_records(f)
+    msg = str(err.value)
+    assert "s.jsonl: 2 bad row(s) of 3:" in msg
+    assert "line 2: a string holds a lone UTF-16 surrogate ('\\ud800')" in msg
+    assert "line 3: a string holds a lone UTF-16 surrogate ('\\udc00')" in msg and "line 1" not in msg
+    f.write_text('{"input": "smile \\ud83d\\ude00", "label": "1"}\n')
+    assert read_records(f)[0][1]["input"] == "smile \U0001F600"
+    j = tmp_path / "s.json"
+    j.write_text('[{"input": "x \\udfff", "label": "1"}]')
+    with pytest.raises(DataError, match=r"s.json: a string holds a lone UTF-16 surrogate"):
+        read_records(j)
+
+
 def test_every_structurally_bad_jsonl_line_is_listed(tmp_path):
     good = json.dumps({"input": "a", "label": "1"}).encode()
     lines = [good, b"{oops", good, b"\xff\xfe not utf-8", b"", b"[1, 2]", good] + [b"nope"] * 12

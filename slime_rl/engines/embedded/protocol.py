@@ -19,7 +19,7 @@ import torch
 
 from slime_rl.engines.embedded.request import GenRequest
 from slime_rl.engines.embedded.routing import encode_routed_experts
-from slime_rl.engines.embedded.sampling import RequestError, SamplingParams
+from slime_rl.engines.embedded.sampling import RequestError, SamplingParams, check_text
 from slime_rl.engines.embedded.vision import VisionInputs, per_request_images
 
 # GenerateReqInput fields the embedded engine acts on. Any other GenerateReqInput field is accepted
@@ -62,6 +62,8 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
         texts = text if is_batch else [text]
         if not texts or not all(isinstance(t, str) and t for t in texts):
             raise RequestError("text: expected a non-empty string or a list of them")
+        for t in texts:
+            check_text(t, "text")
         prompts = [tokenizer.encode(t) for t in texts]
     n = len(prompts)
     sps = _per_item(body.get("sampling_params"), n, is_batch, "sampling_params", (dict,))

@@ -88,6 +88,8 @@ class SamplingParams:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("sampling_params.stop: expected a non-empty string or a list of them")
+        for s in stop:
+            check_text(s, "sampling_params.stop")
         p.stop = stop
         ids = raw.get("stop_token_ids", [])
         if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
@@ -103,6 +105,15 @@ class SamplingParams:
         if p.temperature < _SAMPLING_EPS:  # SGLang: greedy is top_k=1 at temperature 1
             p.temperature, p.top_k = 1.0, 1
         return p
+
+
+def check_text(text: str, name: str) -> None:
+    """A JSON string may hold a lone UTF-16 surrogate ("\\ud800"): not text any tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{name}: not valid Unicode (a lone surrogate {text[e.start]!a} at character "
+                           f"{e.start})") from None
 
 
 def _int(raw: dict, name: str, default: int, lo: int | None = None, hi: int | None = None) -> int:
