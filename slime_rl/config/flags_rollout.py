@@ -105,6 +105,10 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
                   'reward_function_kwargs), e.g. \'{"format_weight": 0.1}\''),
         Flag('--group-rm', 'reward.group_rm', action="store_true",
              help='--custom-rm-path scores a whole group at once: list[Sample] -> list[float | dict]'),
+        Flag('--reward-timeout-s', 'reward.reward_timeout_s', default=300.0, type=_positive_float,
+             help='seconds one reward call (a sample, or a group with --group-rm) may take; past it the sample '
+                  'scores --reward-failure-value, counted in rollout/reward_timeouts and rollout/reward_failures '
+                  '(a sync reward that never returns costs a thread, not the run)'),
         Flag('--reward-failure-value', 'reward.reward_failure_value', default=0.0, type=float,
              check=(math.isfinite, "must be finite"),
              help='reward of a sample whose reward function raised (counted in rollout/reward_failures, first '

@@ -87,6 +87,7 @@ class RewardConfig:
     group_rm: bool = default_of("--group-rm")  # --custom-rm-path scores whole groups
     # a sample whose reward raised scores this (counted in rollout/reward_failures)
     reward_failure_value: float = default_of("--reward-failure-value")
+    reward_timeout_s: float = default_of("--reward-timeout-s")  # per reward call
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,9 @@ class RolloutManager:
         self.leftover = result.leftover
         self.next_index, self.next_group = result.next_index, result.next_group
         await self._put(step, groups, buffer)
-        return (rollout_metrics(groups) | result.metrics | {"rollout/reward_failures": float(failed)}
+        timeouts = self.reward_fn.failures.timeouts_since(reward_mark)
+        return (rollout_metrics(groups) | result.metrics | {"rollout/reward_failures": float(failed),
+                                                             "rollout/reward_timeouts": float(timeouts)}
                 | {"time/rollout_start": start, "time/rollout_end": time.time()})
 
     async def replay(self, step: int, buffer) -> dict[str, float]:

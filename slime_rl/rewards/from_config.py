@@ -18,4 +18,5 @@ def reward_fn_from_config(reward: RewardConfig, failure_value: float | None = No
     return make_reward_fn(reward.rm_type, reward.custom_rm_path, reward.rm_url, reward.reward_key,
                           group_rm=reward.group_rm, rm_timeout_s=reward.rm_timeout_s,
                           rm_max_retries=reward.rm_max_retries, rm_backoff_s=reward.rm_backoff_s,
-                          failure_value=failure_value, args=args, rm_kwargs=reward.custom_rm_kwargs)
+                          failure_value=failure_value, args=args, rm_kwargs=reward.custom_rm_kwargs,
+                          timeout_s=reward.reward_timeout_s)

@@ -25,12 +25,15 @@ A dict result holds the reward under `--reward-key` (default "score"; EasyR1's f
 (`sample.reward_metrics`). The path is `pkg.module:function`, `pkg.module.function` or a file,
 `path/to/file.py:function`.
 
-Concurrency: sync reward functions run in the default thread pool (`asyncio.to_thread`), so a
-slow rule-based reward (sympy, regexes over long responses) does not block the event loop that
-keeps generation requests flowing; async functions run on the loop itself. A sync reward must
-therefore be thread-safe (pure functions of the sample are). Threads keep the loop responsive
-(the GIL is handed over every few ms) but add no CPU parallelism; the pool is asyncio's default
-executor (min(32, cpus + 4) threads), so rewards queue there rather than on the loop.
+Concurrency: sync reward functions run in threads (`_in_thread`: a daemon thread per call, at most
+min(32, cpus + 4) at once, the size of asyncio's default executor), so a slow rule-based reward
+(sympy, regexes over long responses) does not block the event loop that keeps generation requests
+flowing; async functions run on the loop itself. A sync reward must therefore be thread-safe (pure
+functions of the sample are). Threads keep the loop responsive (the GIL is handed over every few ms)
+but add no CPU parallelism. `--reward-timeout-s` bounds every call: past it the sample (or the group)
+scores the failure value, its thread is left behind (a thread cannot be stopped; a daemon never holds
+up the exit) and its slot goes to the next call, so a reward that never returns costs one thread, not
+the run. An async reward that blocks inside (no await) holds the loop itself; no timeout can help it.
 
 The run's reward, `make_reward_fn`: the default is `--custom-rm-path` when given, else
 `--rm-type`; a sample whose `metadata["rm_type"]` names a built-in (or `remote_rm`) is scored by
@@ -50,11 +53,15 @@ step failed (`RewardFailures.since`), since then the reward is broken rather tha
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import math
+import os
 import sys
+import threading
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,19 +129,66 @@ def _is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
-async def _invoke(fn: Callable, *args: Any) -> Any:
-    """Await an async function on the loop; run a sync one in a worker thread (see module docstring)."""
+class RewardTimeout(RewardError):
+    """A reward call did not return within its time limit (`--reward-timeout-s`)."""
+
+
+# sync reward calls running at once per event loop: asyncio's default executor's size
+_SYNC_CALLS = min(32, (os.cpu_count() or 1) + 4)
+_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+async def _in_thread(fn: Callable, args: tuple, timeout_s: float | None) -> Any:
+    """fn(*args) in a daemon thread of its own, at most _SYNC_CALLS at once. A call past `timeout_s`
+    raises RewardTimeout and gives its slot back; its thread is left to finish or hang on its own
+    (a thread cannot be stopped; daemon, so it never holds up the process's exit, where a pool's
+    worker would)."""
+    loop = asyncio.get_running_loop()
+    slots = _slots.setdefault(loop, asyncio.Semaphore(_SYNC_CALLS))
+    done: asyncio.Future = loop.create_future()
+
+    def settle(value: Any, exc: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(exc) if exc is not None else done.set_result(value)
+
+    def run(ctx: contextvars.Context) -> None:
+        try:
+            value, exc = ctx.run(fn, *args), None
+        except BaseException as e:  # handed to the caller, as to_thread would
+            value, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, value, exc)
+        except RuntimeError:  # the loop has closed: nobody waits for this call any more
+            pass
+
+    async with slots:
+        threading.Thread(target=run, args=(contextvars.copy_context(),), daemon=True,
+                         name=f"reward {_name(fn)}").start()
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        except TimeoutError:
+            raise RewardTimeout(f"{_name(fn)} did not return within {timeout_s:g} s (--reward-timeout-s)") from None
+
+
+async def _invoke(fn: Callable, *args: Any, timeout_s: float | None = None) -> Any:
+    """Await an async function on the loop; run a sync one in a thread (see module docstring); either
+    raises RewardTimeout past `timeout_s` seconds (None: no limit)."""
     if _is_async(fn):
-        return await fn(*args)
-    value = await asyncio.to_thread(fn, *args)
+        try:
+            return await asyncio.wait_for(fn(*args), timeout_s)
+        except TimeoutError:
+            raise RewardTimeout(f"{_name(fn)} did not return within {timeout_s:g} s (--reward-timeout-s)") from None
+    value = await _in_thread(fn, args, timeout_s)
     if inspect.isawaitable(value):  # a sync wrapper that returns a coroutine
-        value = await value
+        value = await asyncio.wait_for(value, timeout_s)
     return value
 
 
-async def call_reward_full(fn: RewardFn, sample: Sample, reward_key: str = "score") -> tuple[float, dict[str, float]]:
-    """Score one sample: (reward, extra metrics). Sync functions run in a thread."""
-    result = resolve_reward(await _invoke(fn, sample), reward_key, fn)
+async def call_reward_full(fn: RewardFn, sample: Sample, reward_key: str = "score",
+                           timeout_s: float | None = None) -> tuple[float, dict[str, float]]:
+    """Score one sample: (reward, extra metrics). Sync functions run in a thread; past `timeout_s`
+    seconds RewardTimeout."""
+    result = resolve_reward(await _invoke(fn, sample, timeout_s=timeout_s), reward_key, fn)
     return result.score, dict(result.metrics)
 
 
@@ -149,10 +203,11 @@ async def call_reward(fn: RewardFn, sample: Sample) -> float:
     return score
 
 
-async def call_group_reward(fn: GroupRewardFn, samples: list[Sample],
-                            reward_key: str = "score") -> list[tuple[float, dict[str, float]]]:
-    """Score a whole group at once (`--group-rm`): one result per sample, in order."""
-    values = await _invoke(fn, list(samples))
+async def call_group_reward(fn: GroupRewardFn, samples: list[Sample], reward_key: str = "score",
+                            timeout_s: float | None = None) -> list[tuple[float, dict[str, float]]]:
+    """Score a whole group at once (`--group-rm`): one result per sample, in order; past `timeout_s`
+    seconds RewardTimeout."""
+    values = await _invoke(fn, list(samples), timeout_s=timeout_s)
     if not isinstance(values, (list, tuple)) or len(values) != len(samples):
         got = f"{len(values)} results" if isinstance(values, (list, tuple)) else repr(values)[:80]
         raise RewardError(f"group reward function {_name(fn)!r} (--group-rm) must return a list of "
@@ -167,14 +222,27 @@ class RewardFailures:
 
     calls: int = 0
     failures: int = 0
+    timeouts: int = 0  # of the failures, calls past --reward-timeout-s
     first_traceback: str | None = None
     last_traceback: str | None = None
+    first_timeout: str | None = None
 
     def record(self, sample: Sample, fn_name: str, failure_value: float, count: int = 1) -> None:
         """Count the exception being handled (call from an `except` block); `count` samples got
-        `failure_value` (a group reward that raised fails its whole group)."""
-        tb = f"sample {sample.index} (group {sample.group_index}):\n{traceback.format_exc()}"
+        `failure_value` (a group reward that raised or timed out fails its whole group)."""
         self.failures += count
+        exc = sys.exc_info()[1]
+        if isinstance(exc, RewardTimeout):  # no traceback to show: the call is still running somewhere
+            self.timeouts += count
+            self.last_traceback = f"sample {sample.index} (group {sample.group_index}): {exc}"
+            if self.first_timeout is None:
+                self.first_timeout = self.last_traceback
+                print(f"[slime_rl] reward function {fn_name}: {exc}; the sample scores {failure_value:g} "
+                      f"(--reward-failure-value) and further timeouts are only counted (rollout/reward_timeouts, "
+                      f"also in rollout/reward_failures). First: sample {sample.index} (group "
+                      f"{sample.group_index})", file=sys.stderr, flush=True)
+            return
+        tb = f"sample {sample.index} (group {sample.group_index}):\n{traceback.format_exc()}"
         self.last_traceback = tb
         if self.first_traceback is None:
             self.first_traceback = tb
@@ -182,17 +250,22 @@ class RewardFailures:
                   f"(--reward-failure-value) and further failures are only counted (rollout/reward_failures). "
                   f"First failure, {tb}", file=sys.stderr, flush=True)
 
-    def mark(self) -> tuple[int, int]:
-        return self.calls, self.failures
+    def mark(self) -> tuple[int, int, int]:
+        return self.calls, self.failures, self.timeouts
 
-    def check_step(self, mark: tuple[int, int], step: int) -> int:
+    def check_step(self, mark: tuple[int, int, int], step: int) -> int:
         """Failures since `mark` (an earlier `mark()`); raises RewardError, with the last traceback,
         when every call since then failed: the reward is broken, not one input odd."""
         calls, failed = self.calls - mark[0], self.failures - mark[1]
         if calls and failed == calls:
-            raise RewardError(f"step {step}: the reward function raised on every one of the step's {calls} "
+            timed_out = self.timeouts - mark[2]
+            how = "timed out" if timed_out == failed else "raised or timed out" if timed_out else "raised"
+            raise RewardError(f"step {step}: the reward function {how} on every one of the step's {calls} "
                               f"samples; stopping the run. Last failure, {self.last_traceback}")
         return failed
+
+    def timeouts_since(self, mark: tuple[int, int, int]) -> int:
+        return self.timeouts - mark[2]
 
 
 BUILTIN_KEY = "score"  # the built-ins' dict rewards keep their score here, whatever --reward-key is
@@ -208,11 +281,12 @@ class GroupReward:
     reward_key: str = "score"
     failure_value: float | None = None
     failures: RewardFailures = field(default_factory=RewardFailures, compare=False)
+    timeout_s: float | None = None  # per call (one group); past it the group fails
 
     async def __call__(self, samples: list[Sample]) -> list[tuple[float, dict[str, float]]]:
         self.failures.calls += len(samples)
         try:
-            return await call_group_reward(self.fn, samples, self.reward_key)
+            return await call_group_reward(self.fn, samples, self.reward_key, self.timeout_s)
         except Exception:
             if self.failure_value is None:
                 raise
@@ -289,7 +363,8 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
                    reward_key: str = "score", *, group_rm: bool = False, rm_timeout_s: float = 30.0,
                    rm_max_retries: int = 3, rm_backoff_s: float = 0.5,
                    failure_value: float | None = None, args: Any = None,
-                   rm_kwargs: str | dict[str, Any] | None = None) -> RewardFn | GroupReward:
+                   rm_kwargs: str | dict[str, Any] | None = None,
+                   timeout_s: float | None = None) -> RewardFn | GroupReward:
     """The run's reward function, checked now (unknown names, a missing URL, a bad path raise
     `RewardError` naming the flag) rather than at the first sample.
 
@@ -303,13 +378,15 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
       docstring (`reward.failures` counts); with `group_rm` a raising call fails its whole group.
     - `args`: what a slime-style function gets first (`config.slime_args.slime_args`);
       `rm_kwargs`: `--custom-rm-kwargs`.
+    - `timeout_s`: `--reward-timeout-s`, per call (a sample, or a group); past it the call is a failure
+      (RewardTimeout: `failure_value`, counted also in `failures.timeouts`). None: no limit.
     """
     if group_rm and not custom_rm_path:
         raise RewardError("--group-rm needs --custom-rm-path (a function of a list of samples)")
     custom = (load_custom_reward(custom_rm_path, group_rm=group_rm, args=args, rm_kwargs=rm_kwargs,
                                  reward_key=reward_key) if custom_rm_path else None)
     if custom is not None and custom[1]:  # --group-rm, or an EasyR1 batch file: one call per group
-        return GroupReward(custom[0], custom[2], failure_value)
+        return GroupReward(custom[0], custom[2], failure_value, timeout_s=timeout_s)
 
     remote = (RemoteRewardModel(rm_url, timeout_s=rm_timeout_s, max_retries=rm_max_retries, backoff_s=rm_backoff_s)
               if rm_url else None)
@@ -339,7 +416,7 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
         try:
             override = sample.metadata.get("rm_type") if isinstance(sample.metadata, dict) else None
             fn, key = resolve(override, f"sample {sample.index}: metadata['rm_type']") if override else default
-            score, metrics = await call_reward_full(fn, sample, key)
+            score, metrics = await call_reward_full(fn, sample, key, timeout_s)
         except Exception:  # user code may raise anything; the policy decides, the traceback is kept
             if failure_value is None:
                 raise

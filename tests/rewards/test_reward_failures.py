@@ -4,6 +4,7 @@ traceback is printed once; a step where every sample failed stops with the trace
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -75,3 +76,42 @@ def test_group_reward_failure_fails_its_whole_group():
     assert fn.failures.check_step(mark, step=0) == 16 and fn.failures.calls == 20
     with pytest.raises(ValueError, match="broken on purpose"):
         asyncio.run(make_reward_fn(None, f"{PLUGINS}:group_flaky", group_rm=True)(groups[0]))
+
+
+@pytest.mark.parametrize("name", ["hangs_on_odd", "async_hangs_on_odd"])
+def test_a_reward_that_never_returns_scores_the_failure_value_after_the_timeout(name, capsys):
+    """A sync reward hung in its thread or an async one hung on the loop: past --reward-timeout-s the
+    sample scores the failure value and is counted as a timeout; the others score normally, and more
+    hung calls than threads at once (40 > 32) still all finish."""
+    fn = make_reward_fn(None, f"{PLUGINS}:{name}", failure_value=-1.0, timeout_s=0.5)
+    batch = samples(80)
+    mark = fn.failures.mark()
+    t0 = time.monotonic()
+    rewards = score(fn, batch)
+    took = time.monotonic() - t0
+    assert rewards == [-1.0 if s.index % 2 else 1.0 for s in batch]  # by hand: the odd ones hang
+    assert fn.failures.check_step(mark, step=0) == 40 and fn.failures.timeouts_since(mark) == 40
+    assert took < 10, took  # two rounds of 32 slots at most, not a hang
+    err = capsys.readouterr().err
+    assert err.count("did not return within 0.5 s (--reward-timeout-s)") == 1 and "Traceback" not in err
+
+
+def test_a_group_reward_that_never_returns_fails_its_group_only():
+    fn = make_reward_fn(None, f"{PLUGINS}:group_hangs_on_first", group_rm=True, failure_value=-1.0, timeout_s=0.5)
+    groups = [samples(4, first=4 * g) for g in range(3)]
+    mark = fn.failures.mark()
+
+    async def main():
+        return await asyncio.gather(*(fn(g) for g in groups))
+
+    results = asyncio.run(main())
+    assert [[s for s, _ in r] for r in results] == [[-1.0] * 4, [1.0] * 4, [1.0] * 4]
+    assert fn.failures.timeouts_since(mark) == 4
+
+
+def test_every_sample_timing_out_stops_the_step_saying_so():
+    fn = make_reward_fn(None, f"{PLUGINS}:hangs_on_odd", failure_value=0.0, timeout_s=0.2)
+    mark = fn.failures.mark()
+    assert score(fn, samples(3, first=1)[::2]) == [0.0, 0.0]  # indices 1 and 3
+    with pytest.raises(RewardError, match="timed out on every one of the step's 2 samples"):
+        fn.failures.check_step(mark, step=5)

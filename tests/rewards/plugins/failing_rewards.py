@@ -30,3 +30,28 @@ def group_flaky(samples: list[Sample]) -> list[float]:
     if any(s.index % 5 == 0 for s in samples):
         raise ValueError(f"group {samples[0].group_index} broken on purpose")
     return [1.0] * len(samples)
+
+
+HANG = __import__("threading").Event()  # never set: what the hanging rewards wait on
+
+
+def hangs_on_odd(sample: Sample) -> float:
+    """A sync reward that never returns for odd sample indices (waits on an event nobody sets)."""
+    if sample.index % 2:
+        HANG.wait()
+    return 1.0
+
+
+async def async_hangs_on_odd(sample: Sample) -> float:
+    import asyncio
+
+    if sample.index % 2:
+        await asyncio.Event().wait()
+    return 1.0
+
+
+def group_hangs_on_first(samples: list[Sample]) -> list[float]:
+    """`--group-rm` form: the group holding sample 0 never returns."""
+    if any(s.index == 0 for s in samples):
+        HANG.wait()
+    return [1.0] * len(samples)
