@@ -139,6 +139,26 @@ def split_router_args(passthrough: dict[str, Any]) -> tuple[dict[str, Any], dict
     return sglang, router
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, except that a key given twice in one mapping is an error naming the key
+    and both lines (YAML says keys are unique; PyYAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.setdefault(key, line)
+            except TypeError:  # an unhashable key: the base class says so
+                break
+            if first != line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (lines {first} and {line}); which one is meant?",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _yaml_overlay(parser: argparse.ArgumentParser, path: str,
                   backend: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The --config file as flag defaults and --sglang-* pass-through; EasyR1's nested layout is
@@ -148,7 +168,7 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str,
     if not file.is_file():
         raise ConfigError(f"--config: file not found: {path}")
     try:
-        data = yaml.safe_load(file.read_text()) or {}
+        data = yaml.load(file.read_text(), Loader=UniqueKeyLoader) or {}  # a SafeLoader: no object tags
     except yaml.YAMLError as exc:
         raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):

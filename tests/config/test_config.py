@@ -70,6 +70,18 @@ def test_yaml_overlay_and_cli_precedence(tmp_path):
     assert cfg.engine.sglang_args == {"mem_fraction_static": 0.7}
 
 
+def test_yaml_key_given_twice_is_an_error_naming_it_and_both_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys silently; YAML says keys are unique."""
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("lr: 0.01\nmicro-batch-size: 2\nlr: 0.02\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: not valid YAML: key 'lr' is given twice \(lines 1 and 3\)"):
+        build_config(base_argv(tmp_path) + ["--config", str(cfg_file)])
+    cfg_file.write_text("worker:\n  actor:\n    lr: 1\n  rollout:\n    lr: 2\n")  # same key, other mappings: fine
+    with pytest.raises(ConfigError) as err:
+        build_config(base_argv(tmp_path) + ["--config", str(cfg_file)])
+    assert "is given twice" not in str(err.value)
+
+
 def test_yaml_unknown_key_names_file_and_key(tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("learning-rate: 0.01\n")

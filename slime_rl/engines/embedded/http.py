@@ -35,6 +35,7 @@ import h11
 logger = logging.getLogger(__name__)
 _MAX_HEAD_BYTES = 64 << 10  # request line + headers (h11's default is 16 KiB)
 _READ_CHUNK = 256 << 10
+LISTEN_BACKLOG = 4096  # connections the kernel queues before accept (capped by net.core.somaxconn)
 _SHUTDOWN_GRACE_S = 2.0
 _LINGER_S = 1.0
 
@@ -82,7 +83,7 @@ class HttpServer:
     def __init__(self, host: str, port: int, app: Application, limits: HttpLimits) -> None:
         self.app, self.limits = app, limits
         # a rollout opens hundreds of connections at once: a long accept backlog
-        self.sock = socket.create_server((host, port), backlog=4096)
+        self.sock = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
         self.server_address = self.sock.getsockname()
         self.pool = ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="embedded-http")
         self.connections = 0
@@ -104,7 +105,9 @@ class HttpServer:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            server = await asyncio.start_server(self._connection, sock=self.sock, limit=_READ_CHUNK)
+            # start_server listens again on the socket, with its own backlog (100) unless told
+            server = await asyncio.start_server(self._connection, sock=self.sock, limit=_READ_CHUNK,
+                                                backlog=LISTEN_BACKLOG)
         except OSError:
             # `shutdown` came before this loop existed and closed the socket: nothing to serve
             if self._stop_requested.is_set():
