@@ -160,6 +160,21 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
                 generations = []
             rows.append(row)
             print(summary_line(row, n_steps, **clock.step_done(step, metrics["perf/step_s"])), flush=True)
+    except (SystemExit, KeyboardInterrupt) as exc:  # a preemption or Ctrl-C: one sentence too, then the exit
+        # Ray's ray.get turns the SignalStop raised inside it into a plain SystemExit(1): the handler's
+        # record says which signal it was
+        signum = _SIGNALS[0] if _SIGNALS else signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None
+        if signum is None:
+            raise
+        from slime_rl.orchestration.failures import resume_hint
+
+        what = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+        where = phase if step is None else f"{phase} of step {step}"
+        print(f"slime-rl train: run stopped: {what} received (during {where}); stopping the engines and trainers. "
+              f"{resume_hint(cfg.checkpoint.save)}", file=sys.stderr, flush=True)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise SignalStop(signum) from None
     except Exception as exc:  # every failure reads as one sentence: what, where, what to run next
         failed = isinstance(exc, TrainerRankError)
         text, known = describe(exc, phase=phase, step=step, save=cfg.checkpoint.save,
@@ -202,7 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from slime_rl.orchestration.reaper import start_reaper
 
         start_reaper()
-    # SIGTERM (kill, a scheduler's cancel) unwinds like Ctrl-C: the engines and trainers are stopped
+    # SIGTERM (kill, Slurm's or Kubernetes' preemption) unwinds like Ctrl-C: the engines and trainers
+    # are stopped, one sentence says where and how to resume, the exit status is 143 (Ctrl-C: 130).
+    # init_ray puts this handler back after ray.init, whose crash handler takes SIGTERM over.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         train(cfg, plan)
@@ -211,11 +228,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exception(exc.__cause__, file=sys.stderr)
         print(f"slime-rl train: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
     return 0
 
 
+class SignalStop(SystemExit):
+    """SIGTERM arrived: the run unwinds as on Ctrl-C and exits 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+_SIGNALS: list[int] = []  # the signals _exit_on_signal took, in order
+
+
 def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+    _SIGNALS.append(signum)
+    # later ones while the run stops are ignored (a scheduler's SIGKILL still ends it)
+    signal.signal(signum, lambda *_: print(f"slime-rl train: stopping ({signal.Signals(signum).name} again: "
+                                           "ignored; SIGKILL ends it at once)", file=sys.stderr, flush=True))
+    raise SignalStop(signum)
 
 
 if __name__ == "__main__":

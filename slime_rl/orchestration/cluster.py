@@ -6,6 +6,8 @@ is read back from its file by the RolloutManager."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -31,13 +33,19 @@ def init_ray(plan: PlacementPlan) -> None:
     """Join the cluster of `ray start` / `ray job submit`, or start a local one sized for the plan."""
     if ray.is_initialized():
         return
+    # ray.init installs a crash handler for SIGTERM in the driver (it prints "*** SIGTERM received" and
+    # aborts, exit 134): the driver's own handler (train.main: unwind, one sentence, exit 143) goes back
+    main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main else None
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
-        return
-    # Ray's CPU slots are logical: a 2-core laptop still gets one slot per bundle.
-    cpus = int(sum(b.get("CPU", 1.0) for b in plan.bundles))  # colocated bundles hold two actors
-    ray.init(num_cpus=max(cpus + 1, os.cpu_count() or 1), include_dashboard=False,
-             log_to_driver=True)
+    else:
+        # Ray's CPU slots are logical: a 2-core laptop still gets one slot per bundle.
+        cpus = int(sum(b.get("CPU", 1.0) for b in plan.bundles))  # colocated bundles hold two actors
+        ray.init(num_cpus=max(cpus + 1, os.cpu_count() or 1), include_dashboard=False,
+                 log_to_driver=True)
+    if main and callable(sigterm):
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def colocated_visible_devices(plan: PlacementPlan, ranks: list[tuple[str, str | None]]) -> dict[int, str]:

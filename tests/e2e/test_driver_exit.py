@@ -5,6 +5,7 @@ starting its own Ray; only the processes that were its descendants are looked at
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,7 +45,11 @@ def still_alive(recorded: dict[int, tuple[float, str]]) -> dict[int, str]:
 
 
 @pytest.mark.slow
-def test_a_killed_driver_leaves_no_process_behind(tiny_qwen2, digit_data, tmp_path):
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_a_killed_driver_leaves_no_process_behind(how, tiny_qwen2, digit_data, tmp_path):
+    """kill -9: no handler runs, the reaper takes everything down. SIGTERM (a scheduler's preemption)
+    while a rollout runs: the run unwinds, says in one sentence that it stopped on SIGTERM and how to
+    resume, and exits 143 (Ray's crash handler answered it with 134 and a stack dump before)."""
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env |= {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -66,9 +71,20 @@ def test_a_killed_driver_leaves_no_process_behind(tiny_qwen2, digit_data, tmp_pa
         else:
             pytest.fail(f"not every part started in time: {sorted(c for _, c in recorded.values())}")
         time.sleep(2.0)
+        if how == signal.SIGTERM:  # a rollout under way: after the first step's line
+            deadline = time.time() + 120
+            while "step    1/1000" not in (tmp_path / "driver.log").read_text() and time.time() < deadline:
+                assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+                time.sleep(0.2)
         recorded |= tree(driver.pid)
-        os.kill(driver.pid, signal.SIGKILL)
-        driver.wait()
+        os.kill(driver.pid, how)
+        code = driver.wait(timeout=120)
+        if how == signal.SIGTERM:
+            out = (tmp_path / "driver.log").read_text()
+            assert code == 143, out[-3000:]
+            assert re.search(r"slime-rl train: run stopped: SIGTERM received \(during rollout of step \d+\); "
+                             r"stopping the engines and trainers\. No checkpoint to resume from", out), out[-3000:]
+            assert "*** SIGTERM received" not in out and "Traceback" not in out, out[-3000:]
         deadline = time.time() + 30
         while still_alive(recorded) and time.time() < deadline:
             time.sleep(0.5)
