@@ -26,6 +26,19 @@ SHAPES = {
 }
 
 
+def ray_init() -> None:
+    """Join the Ray of RAY_ADDRESS when one is given (the test suite's session: a Ray start is 4-5 s on
+    2 cores), else start a local one for the bench's run."""
+    import os
+
+    import ray
+
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    else:
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from common import make_checkpoint  # noqa: E402
+from common import make_checkpoint, ray_init  # noqa: E402
 
 
 def main() -> None:
@@ -60,7 +60,7 @@ def main() -> None:
         argv += ["--bf16"]
     if a.colocate:
         argv += ["--colocate"]
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray_init()
     try:
         rows = train(*preflight(build_config(argv)))
     finally:

@@ -35,6 +35,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from common import ray_init  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H200 SXM dense bf16 (the brief's MFU denominator)
 GAP_LIMIT = 2e-2  # bf16 trainer vs engine log-prob gap criterion
@@ -159,7 +161,7 @@ def main() -> None:
         argv += ["--bf16"]
     if a.disable_cuda_graph:
         argv += ["--sglang-disable-cuda-graph"]
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray_init()
     try:
         rows_out = train(*preflight(build_config(argv)))
     finally:

@@ -60,12 +60,20 @@ def test_engine_throughput_smoke(tmp_path, script):
     assert result["prefill_tokens_per_s"] > 0 and result["device_copy_bytes_per_s"] > 0
 
 
+def session_address() -> str:
+    """The address of the suite's Ray session, for a bench run in a subprocess to join (bench/common.ray_init)."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
 @pytest.mark.slow
-def test_gpu_e2e_smoke(tmp_path):
+def test_gpu_e2e_smoke(ray_session, tmp_path):
     """The GPU end-to-end script on CPU: 3 steps of the real loop, its metrics and its verdict line."""
     import json
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "RAY_AUTH_MODE": "disabled",
+           "RAY_ADDRESS": session_address()}
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "--smoke", "--out", str(tmp_path / "run")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -76,12 +84,13 @@ def test_gpu_e2e_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_gpu_smoke(tmp_path):
+def test_moe_gpu_smoke(ray_session, tmp_path):
     """bench/moe_gpu.py --tiny on CPU: 3 colocated steps of the real loop with a Qwen3-MoE (weights
     refilled by expert name after every release), the parameter counts and the verdict."""
     import json
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "RAY_AUTH_MODE": "disabled",
+           "RAY_ADDRESS": session_address()}
     out = tmp_path / "moe.json"
     cmd = [sys.executable, str(ROOT / "bench" / "moe_gpu.py"), "--tiny", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
