@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
-# One node: start a Ray head, then submit `slime-rl train` as a Ray job.
-#   NUM_GPUS=8 bash launch/ray_single_node.sh [--dry-run] --config configs/X.yaml [train flags]
+# One node: a Ray head, then `slime-rl train` as its driver (ray_multi_node.sh's head with NNODES=1: the
+# same commands, no job server needed).
+#   NUM_GPUS=8 bash launch/ray_single_node.sh [--launch-dry-run] --config configs/X.yaml [train flags]
+# NODE_IP: the head's address (default 127.0.0.1); RAY_PORT, RAY_START_ARGS: as in ray_multi_node.sh.
 set -euo pipefail
-source "$(dirname "$0")/common.sh"
-NODE_IP=${NODE_IP:-127.0.0.1}
-NUM_GPUS=${NUM_GPUS:-8}
-run ray start --head --node-ip-address "$NODE_IP" --num-gpus "$NUM_GPUS" --disable-usage-stats \
-  --dashboard-host 127.0.0.1
-run ray job submit --address "http://127.0.0.1:8265" \
-  --runtime-env-json '{"env_vars": {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}}' \
-  -- "$PYTHON" -m slime_rl.cli train ${ARGS[@]+"${ARGS[@]}"}
+MASTER_ADDR=${NODE_IP:-127.0.0.1} NODE_RANK=0 NNODES=1 exec bash "$(dirname "$0")/ray_multi_node.sh" "$@"

@@ -30,7 +30,7 @@ from slime_rl.weight_sync.colocated import MEMORY_TAGS, RESUME_AFTER_SYNC, RESUM
 
 
 def init_ray(plan: PlacementPlan) -> None:
-    """Join the cluster of `ray start` / `ray job submit`, or start a local one sized for the plan."""
+    """Join the cluster of RAY_ADDRESS (the launch scripts' `ray start`), or start a local one sized for the plan."""
     if ray.is_initialized():
         return
     # ray.init installs a crash handler for SIGTERM in the driver (it prints "*** SIGTERM received" and

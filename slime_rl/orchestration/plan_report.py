@@ -315,7 +315,8 @@ def engine_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] |
 
 def launch_line(cfg: Config, argv: Sequence[str]) -> str:
     """The command that starts this job on its cluster: the same flags without --dry-run and --cluster,
-    through launch/ray_multi_node.sh on every node (several nodes) or launch/ray_single_node.sh."""
+    through launch/ray_multi_node.sh (the head with the flags, first; then the other nodes) or
+    launch/ray_single_node.sh (one node)."""
     flags, skip = [], False
     for arg in argv:
         if skip:
@@ -328,7 +329,9 @@ def launch_line(cfg: Config, argv: Sequence[str]) -> str:
             flags.append(arg)
     nodes, gpus = (cfg.plan.cluster.nodes, cfg.plan.cluster.gpus) if cfg.plan.cluster is not None else (1, None)
     if nodes > 1:
-        return (f"launch: on node i of {nodes} (0: the head): MASTER_ADDR=<head ip> NODE_RANK=i NNODES={nodes} "
-                f"NUM_GPUS={gpus} bash launch/ray_multi_node.sh {shlex.join(flags)}")
+        return (f"launch: on the head first: MASTER_ADDR=<head ip> NODE_RANK=0 NNODES={nodes} NUM_GPUS={gpus} bash "
+                f"launch/ray_multi_node.sh {shlex.join(flags)}; then on node i = 1..{nodes - 1}: "
+                f"MASTER_ADDR=<head ip> NODE_RANK=i NUM_GPUS={gpus} bash launch/ray_multi_node.sh (or, under Slurm: "
+                f"sbatch --nodes={nodes} launch/slurm_example.sbatch {shlex.join(flags)})")
     prefix = f"NUM_GPUS={gpus} " if gpus else ""
     return f"launch: {prefix}bash launch/ray_single_node.sh {shlex.join(flags)}"

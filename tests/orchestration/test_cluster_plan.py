@@ -97,8 +97,10 @@ def test_seven_b_recipes_plan_for_two_nodes_with_estimates(recipe, tmp_path, cap
     # commands a person can paste: the job's launch line (the flags given, less the plan's own), and each
     # engine on node 1 with its two GPUs, the cluster's python, the node's address and the run's secret
     flags = " ".join(recipe_argv(recipe, hf))
-    assert f"launch: on node i of 2 (0: the head): MASTER_ADDR=<head ip> NODE_RANK=i NNODES=2 NUM_GPUS=8 bash " \
-           f"launch/ray_multi_node.sh {flags}\n" in out
+    assert f"launch: on the head first: MASTER_ADDR=<head ip> NODE_RANK=0 NNODES=2 NUM_GPUS=8 bash " \
+           f"launch/ray_multi_node.sh {flags}; then on node i = 1..1: MASTER_ADDR=<head ip> NODE_RANK=i NUM_GPUS=8 " \
+           f"bash launch/ray_multi_node.sh (or, under Slurm: sbatch --nodes=2 launch/slurm_example.sbatch {flags})\n" \
+           in out
     for e in range(4):
         assert re.search(rf'^engine {e}: CUDA_VISIBLE_DEVICES={2 * e},{2 * e + 1} python -m sglang.launch_server '
                          rf'--model-path {hf} --host "\$\{{NODE1_IP\}}" --port {30000 + 10 * e} --tp-size 2 '
