@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from slime_rl.orchestration.reaper import descendants
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,20 +57,6 @@ def _shims(tmp: Path, temp_root: Path) -> tuple[Path, Path]:
         f'export NODE_IP={WORKER_IP} RAY_START_ARGS="--temp-dir {temp_root}/b --num-cpus 2 '
         f'--dashboard-agent-listen-port {free_port()}"\n')
     return bin_dir, nodes
-
-
-def _descendants(pid: int) -> dict[int, float]:
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return {}
-    out = {}
-    for p in children:
-        try:
-            out[p.pid] = p.create_time()
-        except psutil.Error:
-            pass
-    return out
 
 
 def _alive(recorded: dict[int, float], temp_root: Path) -> dict[int, str]:
@@ -114,7 +101,7 @@ def test_slurm_job_trains_two_steps_on_a_two_node_ray_cluster(tiny_qwen2, tmp_pa
                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 420
         while job.poll() is None and time.time() < deadline:
-            recorded |= _descendants(job.pid)
+            recorded |= descendants(job.pid)
             time.sleep(0.5)
         assert job.poll() is not None, "the job did not end within 420 s:\n" + log_path.read_text()[-6000:]
         out = log_path.read_text()
