@@ -39,6 +39,7 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
         raise ConfigError("--use-sglang-router: the 'sglang_router' package is not installed on the head node "
                           "(pip install slime_rl[router])")
     check_model_features(cfg)
+    check_checkpoints(cfg)
     if cfg.plan.cluster is None or (cfg.model.ref_load and os.path.exists(cfg.model.ref_load)):
         check_ref_load(cfg)  # with --cluster, a --ref-load that exists only there is not checked here
     labels = label_problem(cfg.reward.rm_type, cfg.reward.custom_rm_path)  # what the reward needs of a label
@@ -215,6 +216,21 @@ def check_model_args(cfg: Config, hf: dict, arch: Any) -> None:
     error = model_args_error(given, hf, arch, cfg.model.hf_checkpoint)
     if error:
         raise ConfigError(error)
+
+
+def check_checkpoints(cfg: Config) -> None:
+    """--load / --ckpt-step name a checkpoint that is there and complete (or nothing yet: a fresh start),
+    and --save holds no checkpoint this run would overwrite: another run's, or later ones than the one
+    resumed (trainer/checkpoint_layout.py says how each is decided)."""
+    from slime_rl.trainer.checkpoint_layout import CheckpointChoiceError, check_save_folder, choose_checkpoint
+
+    ckpt = cfg.checkpoint
+    try:
+        resume_from = choose_checkpoint(ckpt.load, ckpt.ckpt_step)
+        if not cfg.dry_run:  # a plan writes nothing
+            check_save_folder(ckpt.save, resume_from)
+    except CheckpointChoiceError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_ref_load(cfg: Config) -> None:

@@ -122,7 +122,13 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
     ),
     *section('checkpoints (Megatron names)',
         Flag('--save', 'checkpoint.save'),
-        Flag('--load', 'checkpoint.load'),
+        Flag('--load', 'checkpoint.load',
+             help='resume: a --save folder (its newest complete checkpoint) or one iteration folder of it '
+                  '(iter_0000002: exactly that one); a missing or empty folder starts fresh (the first run of '
+                  '--load X --save X), a path naming an incomplete checkpoint is an error'),
+        Flag('--ckpt-step', 'checkpoint.ckpt_step', type=_nonneg_int,
+             help="with --load of a save folder: resume from its iteration N instead of the newest (Megatron-LM's "
+                  'flag)'),
         Flag('--ref-load', 'model.ref_load',
              help='the reference model of the KL terms (--use-kl-loss, --kl-loss-coef, --kl-coef): a Megatron '
                   'checkpoint (torch_dist: tools/convert_hf_to_megatron.py, a --save, Megatron-LM\'s) or an HF '

@@ -199,6 +199,7 @@ class CriticConfig:
 class CheckpointConfig:
     save: str | None = default_of("--save")
     load: str | None = default_of("--load")
+    ckpt_step: int | None = default_of("--ckpt-step")  # with --load of a save folder: that iteration
     save_interval: int | None = default_of("--save-interval")
     keep_last: int | None = default_of("--keep-last")
     save_hf: str | None = default_of("--save-hf")  # HF folder path template, may contain {rollout_id}

@@ -216,9 +216,16 @@ class Cluster:
         Returns the first step to run (0 when there is nothing to resume)."""
         if not self.cfg.checkpoint.load:
             return 0
-        extra = self.trainers.load_latest_checkpoint(self.cfg.checkpoint.load)
-        if extra is None:
-            print(f"[slime_rl] --load {self.cfg.checkpoint.load}: no complete checkpoint yet, starting fresh")
+        from slime_rl.trainer.checkpoint_layout import choose_checkpoint
+
+        # preflight checked the choice; made again here, the folder is what the ranks load
+        folder = choose_checkpoint(self.cfg.checkpoint.load, self.cfg.checkpoint.ckpt_step)
+        if folder is None:
+            print(f"[slime_rl] --load {self.cfg.checkpoint.load}: no checkpoint there yet, starting fresh")
+            return 0
+        extra = self.trainers.load_latest_checkpoint(str(folder))
+        if extra is None:  # a Megatron-LM folder: weights only, counted from step 0
+            print(f"[slime_rl] --load {folder}: model weights only (no slime_rl state); starting at step 0")
             return 0
         ray.get(self.rollout_manager.load_state_dict.remote(extra["rollout"]))
         step = int(extra["rollout_id"]) + 1
@@ -226,12 +233,16 @@ class Cluster:
             self._resume_critic(step - 1)
         if not self.train_only:  # the engines get the checkpoint's weights
             self.sync_weights(version=str(step))
-        print(f"[slime_rl] resumed from step {step - 1} ({self.cfg.checkpoint.load})")
+        print(f"[slime_rl] resumed from step {step - 1} ({folder})")
         return step
 
     def _resume_critic(self, step: int) -> None:
         """The critic must resume from the same step as the policy (--critic-save holds it)."""
         root = self.cfg.critic.save
+        if root:  # the critic's checkpoint of the policy's step, also when later ones follow it
+            from slime_rl.trainer.checkpoint_layout import is_complete, iter_dir
+
+            root = str(iter_dir(root, step)) if is_complete(iter_dir(root, step)) else root
         extra = self.critics.load_latest_checkpoint(root) if root else None
         if extra is None or int(extra["rollout_id"]) != step:
             raise ValueError(f"--load resumes the policy at step {step} but --critic-save {root} holds no critic "

@@ -171,3 +171,105 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class CheckpointChoiceError(ValueError):
+    """--load / --ckpt-step / --save name no checkpoint to resume from, or one whose resumption would
+    overwrite checkpoints of another run; the message names the flag and the folders."""
+
+
+def _intact(root: Path) -> str:
+    """The complete checkpoints under `root`, each with the --load that resumes from it."""
+    steps = _complete_steps(root)
+    if not steps:
+        return f"no complete checkpoint under {root}"
+    return "intact checkpoints: " + "; ".join(f"{p.name} (--load {p})" for _, p in steps)
+
+
+def marker_step(path: Path) -> int:
+    """The step in a complete checkpoint's marker; a marker that is not what a save writes is an error
+    naming the file, with the other checkpoints to resume from."""
+    marker = path / MARKER_FILE
+    try:
+        return int(json.loads(marker.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointChoiceError(
+            f"--load: {marker} is not a complete checkpoint marker ({type(exc).__name__}: {exc}); the save that "
+            f"wrote it was cut short or the file was changed. {_intact(path.parent)}") from None
+
+
+def choose_checkpoint(load: str | Path | None, ckpt_step: int | None = None) -> Path | None:
+    """The checkpoint folder a run resumes from (None: a fresh start).
+
+    `load` is a save root (its newest complete checkpoint, or iteration `ckpt_step` of it) or one
+    complete iteration folder (exactly that one). A missing folder, or one holding no checkpoint at
+    all, is a fresh start (the first run of `--load X --save X`). A path that names a checkpoint that is
+    not there or not complete is an error: a run never starts fresh over one a user pointed at."""
+    if load is None:
+        if ckpt_step is not None:
+            raise CheckpointChoiceError(f"--ckpt-step {ckpt_step} needs --load (the save folder to take it from)")
+        return None
+    p = Path(load)
+    if _ITER_RE.match(p.name) or _TMP_RE.match(p.name):  # one iteration folder
+        if ckpt_step is not None:
+            raise CheckpointChoiceError(f"--ckpt-step {ckpt_step} with --load {p}: --load already names one "
+                                        f"checkpoint; give the save folder ({p.parent}) with --ckpt-step, or drop it")
+        if not is_complete(p):
+            what = "does not exist" if not p.exists() else "is not a complete checkpoint (an interrupted save: no " \
+                f"{MARKER_FILE} or {DIST_CKPT_METADATA})"
+            raise CheckpointChoiceError(f"--load {p} {what}; {_intact(p.parent)}")
+        marker_step(p)
+        return p
+    if not p.is_dir():
+        if ckpt_step is not None:
+            raise CheckpointChoiceError(f"--ckpt-step {ckpt_step}: --load {p} does not exist")
+        return None
+    if ckpt_step is not None:
+        folder = iter_dir(p, ckpt_step)
+        if not is_complete(folder):
+            raise CheckpointChoiceError(f"--ckpt-step {ckpt_step}: {folder} is not a complete checkpoint; "
+                                        f"{_intact(p)}")
+        marker_step(folder)
+        return folder
+    latest = latest_checkpoint(p)
+    if latest is None and (p / TRACKER_FILE).is_file():
+        latest = _megatron_lm_folder(p)  # Megatron-LM's own save (weights only)
+        if latest is not None:
+            return latest
+    if latest is None:
+        if any(_ITER_RE.match(c.name) for c in p.iterdir()):
+            raise CheckpointChoiceError(f"--load {p}: it holds iteration folders but none is complete (interrupted "
+                                        "saves); nothing to resume from, and starting fresh there would mix two runs")
+        return None
+    marker_step(latest)
+    return latest
+
+
+def check_save_folder(save: str | Path | None, resume_from: Path | None) -> None:
+    """A run writes iter_<step> folders into --save from the step after `resume_from` (None: from step 0
+    on): refuse before anything starts when --save already holds complete checkpoints that this run
+    would overwrite or mix with (those of another run, or later ones than the one resumed)."""
+    if save is None:
+        return
+    root = Path(save)
+    steps = _complete_steps(root)
+    if not steps:
+        return
+    if resume_from is None:
+        newest = steps[-1][1]
+        raise CheckpointChoiceError(
+            f"--save {root} already holds checkpoints of a run (newest: {newest.name}); this run would start "
+            f"fresh and overwrite them. To continue that run: --load {root}; to start another: another --save folder")
+    if resume_from.parent.resolve() != root.resolve():
+        raise CheckpointChoiceError(
+            f"--save {root} already holds checkpoints of another run (newest: {steps[-1][1].name}) than --load "
+            f"{resume_from}; this run would mix its checkpoints with them. Save into another folder")
+    # a Megatron-LM folder (no marker of ours) gives the weights only: the run counts from step 0
+    step = marker_step(resume_from) if (resume_from / MARKER_FILE).is_file() else -1
+    later = [p for s, p in steps if s > step]
+    if later:
+        names = ", ".join(p.name for p in later)
+        raise CheckpointChoiceError(
+            f"--load {resume_from} resumes at step {step + 1}, but --save {root} already holds later checkpoints "
+            f"({names}) that this run would overwrite. Save into another folder (e.g. --save {root}-from-{step}), or "
+            f"move those folders out of {root} first")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -275,9 +276,10 @@ class MegatronRank:
 
     @on_rank_thread
     def load_latest_checkpoint(self, root: str) -> dict | None:
-        """Load the newest complete checkpoint under `root` (incomplete saves are skipped); returns its
-        `extra`, or None when there is none yet (a fresh run that will save there)."""
-        path = checkpoint.latest_checkpoint(root)
+        """Load the newest complete checkpoint under `root` (incomplete saves are skipped), or `root`
+        itself when it is one complete checkpoint folder (--load .../iter_0000002); returns its `extra`,
+        or None when there is none yet (a fresh run that will save there)."""
+        path = Path(root) if checkpoint.is_complete(root) else checkpoint.latest_checkpoint(root)
         if path is None:
             return None
         return checkpoint.load_checkpoint(path, [self.model], self.optimizer, self.scheduler)

@@ -157,29 +157,45 @@ def test_over_sampling_aborts_land_and_partial_rollout_resumes_them(ray_session,
 
 @pytest.mark.slow
 def test_resume_continues_exactly(ray_session, tiny_qwen2, digit_data, tmp_path):
-    """4 steps straight vs 2 steps, a new cluster, --load, 2 more: steps 2-3 match. Rollouts repeat
-    because every request is seeded from the sample index (--deterministic-rollout); the trainer
-    state (weights, Adam, scheduler, RNG) and the data position come from the checkpoint."""
+    """4 steps straight vs 3 steps saved every step, a new cluster, --load of the iteration folder of step
+    1 (not the newest: what a user reaches for when the newest is bad) into a new --save folder, 2 more
+    steps: steps 2-3 match, and the old folder is not touched. Rollouts repeat because every request is
+    seeded from the sample index (--deterministic-rollout); the trainer state (weights, Adam, scheduler,
+    RNG) and the data position come from the checkpoint. The same folder as --save, where the old run's
+    step 2 would be overwritten, is refused before anything starts."""
+    import hashlib
+
+    from slime_rl.config import ConfigError
     from slime_rl.trainer.checkpoint import latest_checkpoint
 
-    # --lr-decay-iters 4: the 2-step run stands in for the first half of the 4-step one, so its (linear,
+    # --lr-decay-iters 4: the 3-step run stands in for the first steps of the 4-step one, so its (linear,
     # the default) LR schedule must span the same 4 steps; the resume must restore where it stands
     det = ["--deterministic-rollout", "--custom-rm-path", "tests.plugins.example_reward:index_reward",
            "--lr-decay-iters", "4"]
     straight = train(*_cfg_plan(argv(tiny_qwen2, digit_data, tmp_path / "a", steps=4) + det))
     ckpt = tmp_path / "ckpt"
-    first = train(*_cfg_plan(argv(tiny_qwen2, digit_data, tmp_path / "b", steps=2) + det
-                             + ["--save", str(ckpt), "--save-interval", "1", "--keep-last", "1"]))
-    assert [r["step"] for r in first] == [0, 1]
-    assert latest_checkpoint(ckpt).name == "iter_0000001" and not (ckpt / "iter_0000000").exists()  # keep-last 1
-    resumed = train(*_cfg_plan(argv(tiny_qwen2, digit_data, tmp_path / "c", steps=4) + det
-                               + ["--load", str(ckpt), "--save", str(ckpt)]))
+    first = train(*_cfg_plan(argv(tiny_qwen2, digit_data, tmp_path / "b", steps=3) + det
+                             + ["--save", str(ckpt), "--save-interval", "1", "--keep-last", "2"]))
+    assert [r["step"] for r in first] == [0, 1, 2]
+    assert latest_checkpoint(ckpt).name == "iter_0000002" and not (ckpt / "iter_0000000").exists()  # keep-last 2
+
+    def checksums() -> dict[str, str]:
+        return {str(f.relative_to(ckpt)): hashlib.sha256(f.read_bytes()).hexdigest()
+                for f in sorted(ckpt.rglob("*")) if f.is_file()}
+
+    before = checksums()
+    resume = argv(tiny_qwen2, digit_data, tmp_path / "c", steps=4) + det + ["--load", str(ckpt / "iter_0000001")]
+    with pytest.raises(ConfigError, match=r"already holds later checkpoints \(iter_0000002\)"):
+        _cfg_plan(resume + ["--save", str(ckpt)])
+    resumed = train(*_cfg_plan(resume + ["--save", str(tmp_path / "from-1")]))
     assert [r["step"] for r in resumed] == [2, 3]
     for a, b in zip(straight[2:], resumed, strict=True):
         for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
         # the engines were restarted with the HF weights: the resume pushed the checkpoint's to them
         assert b["train/rollout_logprob_abs_diff"] <= 1e-5
+    assert checksums() == before  # the folder resumed from is as it was
+    assert latest_checkpoint(tmp_path / "from-1").name == "iter_0000003"
 
 
 def _cfg_plan(args):

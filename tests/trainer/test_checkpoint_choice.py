@@ -1,0 +1,85 @@
+"""Which checkpoint --load / --ckpt-step resume from, and when --save would overwrite checkpoints
+(trainer/checkpoint_layout.choose_checkpoint, check_save_folder), on folders written by hand in the
+layout a save leaves (iter_<step>/ with the completion marker and dist_checkpointing's metadata.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slime_rl.trainer.checkpoint_layout import (
+    CheckpointChoiceError,
+    check_save_folder,
+    choose_checkpoint,
+)
+
+
+def saved(root: Path, *steps: int, incomplete: tuple[int, ...] = ()) -> Path:
+    """A --save folder with complete checkpoints of `steps` and interrupted saves of `incomplete`."""
+    for step in steps:
+        folder = root / f"iter_{step:07d}"
+        folder.mkdir(parents=True)
+        (folder / "metadata.json").write_text("{}")
+        (folder / "slime_rl_checkpoint.json").write_text(json.dumps({"step": step, "contents": ["model"]}))
+    for step in incomplete:
+        (root / f"iter_{step:07d}").mkdir(parents=True)  # no marker, no metadata
+    (root / "latest_checkpointed_iteration.txt").parent.mkdir(parents=True, exist_ok=True)
+    if steps:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(max(steps)))
+    return root
+
+
+def test_a_save_folder_resumes_from_its_newest_and_an_iteration_folder_from_itself(tmp_path):
+    root = saved(tmp_path / "ckpt", 0, 1, 2)
+    assert choose_checkpoint(root) == root / "iter_0000002"
+    assert choose_checkpoint(root / "iter_0000001") == root / "iter_0000001"
+    assert choose_checkpoint(root, ckpt_step=0) == root / "iter_0000000"
+
+
+def test_nothing_there_yet_is_a_fresh_start(tmp_path):
+    assert choose_checkpoint(tmp_path / "not-yet") is None  # the first run of --load X --save X
+    (tmp_path / "empty").mkdir()
+    assert choose_checkpoint(tmp_path / "empty") is None
+    assert choose_checkpoint(None) is None
+
+
+@pytest.mark.parametrize("load, step, message", [
+    ("ckpt/iter_0000007", None, r"--load .*iter_0000007 does not exist; intact checkpoints: iter_0000000 "
+                                r"\(--load .*iter_0000000\); iter_0000001"),
+    ("ckpt/iter_0000003", None, r"iter_0000003 is not a complete checkpoint \(an interrupted save"),
+    ("ckpt", 5, r"--ckpt-step 5: .*iter_0000005 is not a complete checkpoint; intact checkpoints: iter_0000000"),
+    ("ckpt/iter_0000001", 1, r"--ckpt-step 1 with --load .*iter_0000001: --load already names one checkpoint"),
+    ("interrupted-only", None, r"it holds iteration folders but none is complete"),
+])
+def test_a_path_naming_a_checkpoint_that_is_not_there_is_an_error(tmp_path, load, step, message):
+    saved(tmp_path / "ckpt", 0, 1, incomplete=(3,))
+    saved(tmp_path / "interrupted-only", incomplete=(0,))
+    with pytest.raises(CheckpointChoiceError, match=message):
+        choose_checkpoint(tmp_path / load, ckpt_step=step)
+
+
+def test_a_broken_marker_names_the_file_and_the_intact_ones(tmp_path):
+    root = saved(tmp_path / "ckpt", 0, 1, 2)
+    (root / "iter_0000002" / "slime_rl_checkpoint.json").write_text('{"step": 2, "conte')  # cut short
+    with pytest.raises(CheckpointChoiceError, match=r"iter_0000002/slime_rl_checkpoint.json is not a complete "
+                                                    r"checkpoint marker \(JSONDecodeError.*intact checkpoints: "
+                                                    r"iter_0000000 \(--load .*iter_0000000\); iter_0000001"):
+        choose_checkpoint(root)
+
+
+def test_save_refuses_to_overwrite_later_or_foreign_checkpoints(tmp_path):
+    root = saved(tmp_path / "ckpt", 0, 1, 2, 3)
+    # resuming from iter_2 into the same folder would write iter_3 over the old run's iter_3
+    with pytest.raises(CheckpointChoiceError, match=r"resumes at step 3, but --save .*ckpt already holds later "
+                                                    r"checkpoints \(iter_0000003\) that this run would overwrite"):
+        check_save_folder(root, choose_checkpoint(root / "iter_0000002"))
+    check_save_folder(root, choose_checkpoint(root))  # the newest: nothing later, auto-resume as before
+    check_save_folder(tmp_path / "from-2", choose_checkpoint(root / "iter_0000002"))  # a new folder: fine
+    with pytest.raises(CheckpointChoiceError, match=r"already holds checkpoints of a run \(newest: iter_0000003\); "
+                                                    r"this run would start fresh.*--load .*ckpt"):
+        check_save_folder(root, None)  # --save without --load
+    other = saved(tmp_path / "other", 0)
+    with pytest.raises(CheckpointChoiceError, match="holds checkpoints of another run"):
+        check_save_folder(other, choose_checkpoint(root))
