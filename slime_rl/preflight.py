@@ -222,13 +222,31 @@ def check_checkpoints(cfg: Config) -> None:
     """--load / --ckpt-step name a checkpoint that is there and complete (or nothing yet: a fresh start),
     and --save holds no checkpoint this run would overwrite: another run's, or later ones than the one
     resumed (trainer/checkpoint_layout.py says how each is decided)."""
-    from slime_rl.trainer.checkpoint_layout import CheckpointChoiceError, check_save_folder, choose_checkpoint
+    from slime_rl.trainer.checkpoint_layout import (
+        MARKER_FILE,
+        CheckpointChoiceError,
+        check_save_folder,
+        choose_checkpoint,
+        later_checkpoints,
+        marker_step,
+    )
 
     ckpt = cfg.checkpoint
     try:
         resume_from = choose_checkpoint(ckpt.load, ckpt.ckpt_step)
-        if not cfg.dry_run:  # a plan writes nothing
-            check_save_folder(ckpt.save, resume_from)
+        if cfg.dry_run:  # a plan writes nothing
+            return
+        check_save_folder(ckpt.save, resume_from)
+        critic_save = cfg.critic.save if cfg.critic is not None else None
+        if critic_save:  # PPO's critic saves beside the policy, step for step: the same rule
+            step = marker_step(resume_from) if resume_from and (resume_from / MARKER_FILE).is_file() else None
+            later = later_checkpoints(critic_save, step)
+            if later:
+                after = "" if step is None else f" after step {step}"
+                names = ", ".join(p.name for p in later)
+                raise CheckpointChoiceError(
+                    f"--critic-save {critic_save} already holds checkpoints{after} ({names}) that this run would "
+                    "write over; give it another folder, or move them away yourself")
     except CheckpointChoiceError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -191,11 +191,24 @@ def marker_step(path: Path) -> int:
     naming the file, with the other checkpoints to resume from."""
     marker = path / MARKER_FILE
     try:
-        return int(json.loads(marker.read_text())["step"])
+        d = json.loads(marker.read_text())
+        step = int(d["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointChoiceError(
             f"--load: {marker} is not a complete checkpoint marker ({type(exc).__name__}: {exc}); the save that "
             f"wrote it was cut short or the file was changed. {_intact(path.parent)}") from None
+    extra = d.get("extra") if isinstance(d, dict) else None
+    if not isinstance(extra, dict) or "rollout_id" not in extra or "rollout" not in extra:
+        raise CheckpointChoiceError(
+            f"--load {path}: {marker} holds no training position (extra.rollout_id, extra.rollout): a model-only "
+            "checkpoint (tools/convert_hf_to_megatron.py writes these), which --ref-load takes; a run starts from "
+            "--hf-checkpoint without --load")
+    return step
+
+
+def later_checkpoints(root: str | Path, step: int | None) -> list[Path]:
+    """The complete checkpoints under `root` after `step` (None: every one)."""
+    return [p for s, p in _complete_steps(Path(root)) if step is None or s > step]
 
 
 def choose_checkpoint(load: str | Path | None, ckpt_step: int | None = None) -> Path | None:

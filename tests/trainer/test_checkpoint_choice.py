@@ -22,7 +22,8 @@ def saved(root: Path, *steps: int, incomplete: tuple[int, ...] = ()) -> Path:
         folder = root / f"iter_{step:07d}"
         folder.mkdir(parents=True)
         (folder / "metadata.json").write_text("{}")
-        (folder / "slime_rl_checkpoint.json").write_text(json.dumps({"step": step, "contents": ["model"]}))
+        (folder / "slime_rl_checkpoint.json").write_text(json.dumps(
+            {"step": step, "contents": ["model", "optimizer"], "extra": {"rollout_id": step, "rollout": {}}}))
     for step in incomplete:
         (root / f"iter_{step:07d}").mkdir(parents=True)  # no marker, no metadata
     (root / "latest_checkpointed_iteration.txt").parent.mkdir(parents=True, exist_ok=True)
@@ -83,3 +84,30 @@ def test_save_refuses_to_overwrite_later_or_foreign_checkpoints(tmp_path):
     other = saved(tmp_path / "other", 0)
     with pytest.raises(CheckpointChoiceError, match="holds checkpoints of another run"):
         check_save_folder(other, choose_checkpoint(root))
+
+
+def test_a_model_only_checkpoint_is_refused_naming_what_takes_it(tmp_path):
+    """tools/convert_hf_to_megatron.py writes weights with no run state: --load of it used to crash
+    (KeyError 'rollout') after every actor had started."""
+    root = saved(tmp_path / "converted", 0)
+    (root / "iter_0000000" / "slime_rl_checkpoint.json").write_text(json.dumps(
+        {"step": 0, "contents": ["model"], "extra": {}}))
+    with pytest.raises(CheckpointChoiceError, match=r"holds no training position .*model-only checkpoint "
+                                                    r"\(tools/convert_hf_to_megatron.py.*--ref-load takes"):
+        choose_checkpoint(root)
+
+
+def test_the_critic_save_folder_is_kept_as_the_policy_one(tiny_qwen2, tmp_path):
+    from slime_rl.config import ConfigError, build_config
+    from slime_rl.preflight import check_checkpoints
+
+    policy = saved(tmp_path / "policy", 0, 1)
+    critic = saved(tmp_path / "critic", 0, 1, 2)
+    base = ["--hf-checkpoint", str(tiny_qwen2), "--prompt-data", str(tmp_path / "d.jsonl"), "--rollout-batch-size",
+            "2", "--num-rollout", "4", "--rm-type", "digit", "--advantage-estimator", "ppo",
+            "--critic-save", str(critic)]
+    (tmp_path / "d.jsonl").write_text('{"input": "1", "label": "1"}\n')
+    cfg = build_config(base + ["--load", str(policy), "--save", str(policy)])
+    with pytest.raises(ConfigError, match=r"--critic-save .*critic already holds checkpoints after step 1 "
+                                          r"\(iter_0000002\)"):
+        check_checkpoints(cfg)
