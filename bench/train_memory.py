@@ -104,9 +104,9 @@ def main() -> None:
     print(f"{a.shape}, {a.tokens_per_mb}-token micro-batches, recompute {a.recompute}: static {static:.2f} GiB "
           f"(estimate {result['estimate_static_gib']:.2f}), activations {result['estimate_activations_gib']:.2f} + "
           f"logits {result['estimate_logits_gib']:.2f} GiB estimated")
-    print(f"peak {measured:.2f} GiB, estimate {result['estimate_gib']:.2f} GiB, error {result['error']:+.3f}")
     print(f"reserved peak {reserved_peak:.2f} GiB, outside torch's allocator {non_torch:.2f} GiB, "
           f"device {device_total:.2f} GiB")
+    print(f"peak {measured:.2f} GiB, estimate {result['estimate_gib']:.2f} GiB, error {result['error']:+.3f}")
 
 
 if __name__ == "__main__":
