@@ -41,6 +41,8 @@ def switch_value(value: Any) -> bool | None:
         return value
     word = str(value).lower()
     return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
+
+
 DTYPES = ("float32", "float", "bfloat16", "float16", "half")
 ROUNDINGS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 

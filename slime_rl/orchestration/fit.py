@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from slime_rl.config.builtin_engine import switch_value
 from slime_rl.config.gpus import GpuMemory
 from slime_rl.orchestration.estimate import GiB, MemoryEstimate, ModelShape, TrainerLayout, estimate_memory
 
@@ -42,9 +43,8 @@ NON_TORCH_GIB = 0.0
 
 @dataclass(frozen=True)
 class Verdict:
-    """One side's verdict: what it needs, what it has, in GiB, and the lines that explain it."""
+    """One GPU's verdict (a trainer's or an engine's) and the lines that explain it."""
 
-    side: str  # "trainer GPU" or "engine GPU"
     fits: bool
     lines: tuple[str, ...]
 
@@ -83,14 +83,13 @@ def trainer_changes(shape: ModelShape, lay: TrainerLayout, world: int, sample_to
                                               recompute_num_layers=1)))
     if not lay.bf16:
         out.append(Change("--bf16", dataclasses.replace(lay, bf16=True)))
-    dp_cp = lay.dp  # DP ranks give way to a larger TP or PP
-    tp2 = lay.tp * 2
-    if dp_cp % 2 == 0 and shape.heads % tp2 == 0 and shape.kv_heads % tp2 == 0 and tp2 <= 8:
+    tp2 = lay.tp * 2  # DP ranks give way to a larger TP or PP
+    if lay.dp % 2 == 0 and shape.heads % tp2 == 0 and shape.kv_heads % tp2 == 0 and tp2 <= 8:
         out.append(Change(f"--tensor-model-parallel-size {tp2}" + ("" if lay.sequence_parallel
                                                                      else " --sequence-parallel"),
                           dataclasses.replace(lay, tp=tp2, dp=lay.dp // 2, sequence_parallel=True)))
     pp2 = lay.pp * 2
-    if dp_cp % 2 == 0 and shape.layers % pp2 == 0:
+    if lay.dp % 2 == 0 and shape.layers % pp2 == 0:
         out.append(Change(f"--pipeline-model-parallel-size {pp2}", dataclasses.replace(lay, pp=pp2, dp=lay.dp // 2)))
     if shape.experts:
         etp = lay.etp or lay.tp
@@ -118,7 +117,7 @@ def trainer_verdict(shape: ModelShape, lay: TrainerLayout, gpu: GpuMemory, coloc
                "the estimate: torch's allocated peak, without the allocator's reserve or the CUDA context")
     head = f"trainer GPU: needs {need:.2f} GiB of {gpu.gib:.2f} ({gpu.name}): {counted}{beside}"
     if need <= gpu.gib:
-        return Verdict("trainer GPU", True, (f"{head} -> fits ({gpu.gib - need:.2f} GiB spare)",))
+        return Verdict(True, (f"{head} -> fits ({gpu.gib - need:.2f} GiB spare)",))
     term = largest_term(mem)
     lines = [f"{head} -> DOES NOT FIT ({need - gpu.gib:.2f} GiB over); the largest term: {term} "
              f"{getattr(mem, term) / GiB:.2f} GiB"]
@@ -140,7 +139,7 @@ def trainer_verdict(shape: ModelShape, lay: TrainerLayout, gpu: GpuMemory, coloc
         lines.append("  no change of one or two flags fits" + (": closest " + "; ".join(
             f"{flags} ({alt:.2f} GiB)" for alt, flags in best) if best else "")
             + "; spread the model over more GPUs (TP, PP, EP) or give the trainer more ranks")
-    return Verdict("trainer GPU", False, tuple(lines))
+    return Verdict(False, tuple(lines))
 
 
 def _fixes(shape: ModelShape, lay: TrainerLayout, world: int, sample_tokens: int, extra_gib: float
@@ -200,13 +199,13 @@ def engine_verdict(shape: ModelShape, weight_bytes: int, tp: int, gpu: GpuMemory
         fraction, why = COLOCATED_MEM_FRACTION_STATIC, "colocated default"
     else:
         chunk, bs = _arg(sglang_args, "chunked_prefill_size"), _arg(sglang_args, "cuda_graph_max_bs_decode")
-        graphs = (_arg(sglang_args, "disable_cuda_graph") or "false").lower() not in ("true", "1", "yes")
+        graphs = not switch_value(sglang_args.get("disable_cuda_graph", False))
         fraction = sglang_default_fraction(gpu, tp, chunked_prefill=int(chunk) if chunk else None,
                                            decode_max_bs=int(bs) if bs else None, cuda_graph=graphs)
         why = "SGLang 0.5.23's default for this GPU"
     free = gpu.gib - (colocated_resident_gib or 0.0)
     if free <= 0:
-        return Verdict("engine GPU", False, (
+        return Verdict(False, (
             f"engine GPU: DOES NOT FIT: the trainer's weights, gradients and optimizer state "
             f"({colocated_resident_gib:.2f} GiB, resident while the engine generates) leave nothing of "
             f"{gpu.gib:.2f} GiB ({gpu.name}) for the engine; make the trainer fit first",))
@@ -220,17 +219,17 @@ def engine_verdict(shape: ModelShape, weight_bytes: int, tp: int, gpu: GpuMemory
     kv_gib = pool - weights_gib
     head = f"engine GPU: static pool {pool:.2f} GiB = {where}; weights {weights_gib:.2f} GiB (TP {tp})"
     if kv_gib <= 0:
-        return Verdict("engine GPU", False, (f"{head} -> DOES NOT FIT: no room for a KV cache; raise "
+        return Verdict(False, (f"{head} -> DOES NOT FIT: no room for a KV cache; raise "
                                              f"--rollout-num-gpus-per-engine (TP) or --sglang-mem-fraction-static",))
     tokens = int(kv_gib * GiB // per_token)
     lines = [f"{head}; KV cache {kv_gib:.2f} GiB = {tokens:,} tokens ({per_token / 1024:.1f} KiB per token)"]
     if tokens < sample_tokens:
         lines[0] += (f" -> DOES NOT FIT: one sample of {sample_tokens:,} tokens (prompt + --rollout-max-response-len) "
                      "needs more; raise --rollout-num-gpus-per-engine or shorten the responses")
-        return Verdict("engine GPU", False, tuple(lines))
+        return Verdict(False, tuple(lines))
     at_once = tokens // sample_tokens
     lines[0] += f" -> fits: {at_once:,} samples of {sample_tokens:,} tokens at once"
     if at_once < group:
         lines.append(f"  note: a group of --n-samples-per-prompt {group} does not fit at once ({at_once}); its "
                      "samples take turns")
-    return Verdict("engine GPU", True, tuple(lines))
+    return Verdict(True, tuple(lines))

@@ -279,7 +279,7 @@ def check_save_folder(save: str | Path | None, resume_from: Path | None) -> None
             f"{resume_from}; this run would mix its checkpoints with them. Save into another folder")
     # a Megatron-LM folder (no marker of ours) gives the weights only: the run counts from step 0
     step = marker_step(resume_from) if (resume_from / MARKER_FILE).is_file() else -1
-    later = [p for s, p in steps if s > step]
+    later = later_checkpoints(root, step)
     if later:
         names = ", ".join(p.name for p in later)
         raise CheckpointChoiceError(
