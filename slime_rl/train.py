@@ -90,6 +90,7 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     if not engines:
         print(f"[slime_rl] train-only: each step's rollout is read from --load-debug-rollout-data "
               f"{cfg.debug.load_rollout_data}; no rollout engine is started and no weights are synced", flush=True)
+    _remove_partial_saves(cfg, "left by an earlier run")
     logger = MetricsLogger(cfg.logging, cfg.to_dict())
     timer = Timer()
     clock = StepClock(n_steps)  # elapsed time and ETA on each step's line
@@ -183,7 +184,20 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     finally:
         cluster.shutdown(failed=failed)
         logger.close()
+        _remove_partial_saves(cfg, "this run's save did not finish")  # every rank has stopped writing
     return rows
+
+
+def _remove_partial_saves(cfg: Config, why: str) -> None:
+    """The `iter_<step>.tmp` folders under --save and --critic-save (saves cut short: a full disk, a
+    killed rank, a stop signal) are deleted when no rank writes there; complete checkpoints stay."""
+    from slime_rl.trainer.checkpoint_layout import remove_partial_saves
+
+    for root in (cfg.checkpoint.save, cfg.critic.save if cfg.critic is not None else None):
+        removed = remove_partial_saves(root)
+        if removed:
+            print(f"[slime_rl] removed the partial save(s) {', '.join(p.name for p in removed)} under {root} "
+                  f"({why})", flush=True)
 
 
 def _show_config_notes() -> None:

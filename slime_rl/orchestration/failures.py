@@ -97,7 +97,7 @@ def describe(exc: BaseException, *, phase: str, step: int | None, save: str | No
     from slime_rl.data import DataError
     from slime_rl.engines.client import EngineError
     from slime_rl.engines.launch import EngineLaunchError
-    from slime_rl.orchestration.trainer_group import TrainerRankError
+    from slime_rl.orchestration.trainer_group import LOAD_WHAT, TrainerRankError
     from slime_rl.rewards import RewardError
     from slime_rl.rollout.health import NoLiveEngineError
 
@@ -105,10 +105,17 @@ def describe(exc: BaseException, *, phase: str, step: int | None, save: str | No
     where = phase if step is None else f"{phase} of step {step}"
     advice = ""
     known = True
+    load_failed = False  # the hint is then the other checkpoints, not --save's
     if isinstance(exc, TrainerRankError) or isinstance(cause, TrainerRankError):
         rank_error = exc if isinstance(exc, TrainerRankError) else cause
         what = str(rank_error)
         where = ""  # the rank's message says what it was doing
+        if rank_error.what.startswith(LOAD_WHAT):  # the other checkpoints, each with its --load
+            from slime_rl.trainer.checkpoint_layout import intact_checkpoints
+
+            folder = Path(rank_error.what[len(LOAD_WHAT):].strip())
+            load_failed = True
+            advice = f"{folder.name} could not be loaded; {intact_checkpoints(folder.parent, damaged=folder)}."
         if is_out_of_memory(rank_error.__cause__ or rank_error):
             advice = ("The rank ran out of memory: lower --micro-batch-size (or --max-tokens-per-gpu), "
                       "or spread the model over more GPUs (--tensor-model-parallel-size).")
@@ -140,5 +147,6 @@ def describe(exc: BaseException, *, phase: str, step: int | None, save: str | No
     parts = [f"run stopped: {what}" + (f" (during {where})." if where else ".")]
     if advice:
         parts.append(advice)
-    parts.append(resume_hint(save))
+    if not load_failed:
+        parts.append(resume_hint(save))
     return " ".join(parts), known

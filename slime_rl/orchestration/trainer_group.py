@@ -30,6 +30,9 @@ POLICY, CRITIC = "policy", "critic"
 ROLES = (POLICY, CRITIC)
 # how the error names a rank of each group: the policy's ranks are "the trainer ranks" to the user
 _RANK_NAME = {POLICY: "trainer", CRITIC: "critic"}
+LOAD_WHAT = "checkpoint load of"  # a failed load's message: "... failed during checkpoint load of <folder>"
+# how long a graceful stop of the ranks may take (a rank frees its model and process groups)
+SHUTDOWN_TIMEOUT_S = 60.0
 
 
 class TrainerRankError(RuntimeError):
@@ -37,9 +40,11 @@ class TrainerRankError(RuntimeError):
 
     def __init__(self, rank: int, what: str, cause: BaseException, role: str = POLICY) -> None:
         self.rank, self.what, self.role = rank, what, role
-        first = str(cause).strip().splitlines()
-        super().__init__(f"{_RANK_NAME[role]} rank {rank} failed during {what}: {type(cause).__name__}: "
-                         f"{first[-1] if first else ''}")
+        # the rank's own exception, not Ray's wrapper of it ("RayTaskError(RuntimeError)" and a traceback)
+        inner = cause.cause if isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None else cause
+        lines = str(inner).strip().splitlines()
+        super().__init__(f"{_RANK_NAME[role]} rank {rank} failed during {what}: {type(inner).__name__}: "
+                         f"{lines[-1] if lines else ''}")
 
 
 def gather_ranks(refs: list, what: str, role: str = POLICY) -> list:
@@ -294,16 +299,17 @@ class RankGroup:
     # ---- policy
     def connect_engines(self, targets: list[EngineTarget], world_size: int) -> None:
         # each PP stage's source hosts its own group's rendezvous; the stages join in turns (actor side)
-        addrs = ray.get([a.master_address.remote() for a in self.actors])
-        ray.get([a.connect_engines.remote(targets, addr, port, world_size)
-                 for a, (addr, port) in zip(self.actors, addrs, strict=True)])
+        addrs = self._all([a.master_address.remote() for a in self.actors], "weight-update rendezvous")
+        self._all([a.connect_engines.remote(targets, addr, port, world_size)
+                   for a, (addr, port) in zip(self.actors, addrs, strict=True)], "weight-update group init")
 
     def connect_colocated(self, targets: list[EngineTarget], spans: list[list[int]]) -> None:
-        ray.get([a.connect_colocated.remote(targets, spans) for a in self.actors])
+        self._all([a.connect_colocated.remote(targets, spans) for a in self.actors],
+                  "colocated weight hand-over set-up")
 
     def nodes_and_gpus(self) -> list[tuple[str, str | None]]:
         """Each rank's node address and visible GPUs, in rank order (no `init` needed)."""
-        return ray.get([a.node_and_gpus.remote() for a in self.actors])
+        return self._all([a.node_and_gpus.remote() for a in self.actors], "placement")
 
     def train(self, step: int, buffer, readers: int | None = None) -> dict[str, float]:
         return self._all([a.train.remote(step, buffer, readers) for a in self.actors], f"train step {step}")[0]
@@ -330,12 +336,12 @@ class RankGroup:
 
     def save_hf(self, path: str) -> str:
         """--save-hf: every rank takes part (gathers), rank 0 writes the folder."""
-        return ray.get([a.save_hf.remote(path) for a in self.actors])[0]
+        return self._all([a.save_hf.remote(path) for a in self.actors], f"HF save to {path}")[0]
 
     def hf_weights(self) -> dict[str, Any]:
         """The union over ranks: with PP each stage holds only its own layers."""
         merged: dict[str, Any] = {}
-        for part in ray.get([a.hf_weights.remote() for a in self.actors]):
+        for part in self._all([a.hf_weights.remote() for a in self.actors], "weight gather"):
             merged |= part
         return merged
 
@@ -356,10 +362,18 @@ class RankGroup:
                          f"checkpoint save of step {step}")[0]
 
     def load_latest_checkpoint(self, root: str) -> dict | None:
-        return ray.get([a.load_latest_checkpoint.remote(root) for a in self.actors])[0]
+        return self._all([a.load_latest_checkpoint.remote(root) for a in self.actors], f"{LOAD_WHAT} {root}")[0]
 
-    def shutdown(self) -> None:
-        ray.get([a.shutdown.remote() for a in self.actors])
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Ask every rank to stop; ranks that have not stopped within `timeout_s` (one waiting in a
+        collective for a peer that will not come) are killed, so that a run's end never hangs."""
+        refs = [a.shutdown.remote() for a in self.actors]
+        done, waiting = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if waiting:
+            print(f"[slime_rl] {len(waiting)} {_RANK_NAME[self.role]} rank(s) did not stop within {timeout_s:g} s: "
+                  "killed", flush=True)
+            self.kill()
+        ray.get(done)
 
     def kill(self) -> None:
         """After a rank failed: the others may wait in a collective forever, so no graceful exit."""

@@ -38,6 +38,7 @@ from slime_rl.trainer.checkpoint_layout import (  # noqa: F401  (re-exported: th
     TRACKER_FILE,
     CheckpointInfo,
     copy_hf_metadata,
+    disk_problem,
     is_complete,
     is_megatron_checkpoint,
     iter_dir,
@@ -247,6 +248,25 @@ def save_checkpoint(root: str | Path, step: int, model_chunks: list[torch.nn.Mod
     final = iter_dir(root, step)
     tmp = final.with_name(final.name + TMP_SUFFIX)
     rank = dist.get_rank()
+    try:
+        return _save(root, step, final, tmp, rank, model_chunks, optimizer, scheduler, extra, save_rng,
+                     optim_sharding, hf_dir)
+    # torch's CheckpointException, which carries the writers' failures, derives from BaseException
+    except BaseException as exc:  # the partial folder stays until every rank has stopped (train.py removes it)
+        problem = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else disk_problem(root, exc)
+        if problem is None:
+            raise
+        raise CheckpointDiskError(f"saving {final.name} into {root}: {problem} ({type(exc).__name__}: "
+                                  f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})") from exc
+
+
+class CheckpointDiskError(OSError):
+    """A save failed because of its disk (full, over quota, read-only): named as such, with the free space."""
+
+
+def _save(root: Path, step: int, final: Path, tmp: Path, rank: int, model_chunks: Any, optimizer: Any,
+          scheduler: Any, extra: dict[str, Any], save_rng: bool, optim_sharding: str,
+          hf_dir: str | Path | None) -> Path:
     t0 = time.perf_counter()
     if rank == 0:
         if tmp.exists():  # an earlier save of this step was interrupted

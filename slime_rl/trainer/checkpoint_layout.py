@@ -17,6 +17,7 @@ looks complete.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -151,6 +152,52 @@ def keep_last(root: str | Path, n: int) -> list[Path]:
     return doomed
 
 
+def remove_partial_saves(root: str | Path | None) -> list[Path]:
+    """Delete every `iter_<step>.tmp` folder under `root` (saves that were cut short: a full disk, a
+    killed rank, a stop signal) and return them; call when no rank writes there (before a run starts its
+    ranks, after it stopped them). Complete checkpoints are never touched."""
+    if root is None or not Path(root).is_dir():
+        return []
+    doomed = [p for p in Path(root).iterdir() if _TMP_RE.match(p.name) and p.is_dir()]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+# the disk errors a save can meet, named as the OS names them
+DISK_ERRORS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
+               errno.EROFS: "Read-only file system"}
+LOW_FREE_BYTES = 64 * 2**20  # a disk with less free than this after a failed save is taken as full
+
+
+def disk_problem(root: str | Path, exc: BaseException | None = None) -> str | None:
+    """Why a save under `root` failed when the disk is the cause: an ENOSPC / EDQUOT / EROFS in `exc`'s
+    chain (or its text: torch's writers often lose the errno, e.g. "unexpected pos 704 vs 598"), or a disk
+    left with under 64 MiB free, or a read-only one. None when the disk looks fine."""
+    kind = None
+    seen: set[int] = set()
+    e = exc
+    while e is not None and id(e) not in seen and kind is None:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_ERRORS:
+            kind = DISK_ERRORS[e.errno]
+        else:
+            kind = next((name for name in DISK_ERRORS.values() if name in str(e)), None)
+        e = e.__cause__ or e.__context__
+    where = Path(root)
+    while not where.exists() and where != where.parent:  # the disk the folder is (or would be) on
+        where = where.parent
+    usage = shutil.disk_usage(where)
+    if kind is None and usage.free < LOW_FREE_BYTES:
+        kind = DISK_ERRORS[errno.ENOSPC]
+    if kind is None and os.statvfs(where).f_flag & os.ST_RDONLY:
+        kind = DISK_ERRORS[errno.EROFS]
+    if kind is None:
+        return None
+    return (f"{kind}: the disk holding {root} has {usage.free / 2**20:,.1f} MiB free of "
+            f"{usage.total / 2**20:,.1f} MiB; free space there or give --save a folder on another disk, then resume")
+
+
 def copy_hf_metadata(hf_dir: str | Path, dest: str | Path) -> Path:
     """Copy an HF folder's files except the weights (config.json, generation_config.json,
     tokenizer files, chat template) into `dest`; returns `dest`."""
@@ -178,12 +225,63 @@ class CheckpointChoiceError(ValueError):
     overwrite checkpoints of another run; the message names the flag and the folders."""
 
 
-def _intact(root: Path) -> str:
-    """The complete checkpoints under `root`, each with the --load that resumes from it."""
-    steps = _complete_steps(root)
+def intact_checkpoints(root: Path, damaged: Path | None = None) -> str:
+    """The complete checkpoints under `root` (but `damaged`), each with the --load that resumes from it."""
+    steps = [(s, p) for s, p in _complete_steps(root) if damaged is None or p.resolve() != damaged.resolve()]
     if not steps:
-        return f"no complete checkpoint under {root}"
+        return f"no other complete checkpoint under {root}" if damaged else f"no complete checkpoint under {root}"
     return "intact checkpoints: " + "; ".join(f"{p.name} (--load {p})" for _, p in steps)
+
+
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index (dist_checkpointing's torch_dist backend)
+DCP_COMMON = "common.pt"  # dist_checkpointing's non-sharded state (torch.save, a zip file)
+
+
+def check_shards(path: str | Path) -> None:
+    """The files of a torch_dist checkpoint are all there and whole, read from its own index before any
+    rank starts: torch.distributed.checkpoint's `.metadata` names the file and byte range of every saved
+    item; a file that is missing or shorter than its last range, an index that does not unpickle or a
+    `common.pt` that is no whole zip file is a checkpoint damaged after its save (a disk that filled, a
+    copy cut short): an error naming the file, with the intact checkpoints beside it. Loading it would
+    fail on the ranks that read that file only, deep inside torch. Bytes changed in place are not seen
+    (the format keeps no checksums). A folder without `.metadata` (another backend) is not checked."""
+    import zipfile
+
+    folder = Path(path)
+    index = folder / DCP_METADATA
+    if not index.is_file():
+        return
+
+    def damaged(what: str) -> CheckpointChoiceError:
+        others = intact_checkpoints(folder.parent, damaged=folder)
+        return CheckpointChoiceError(f"--load {folder}: {what}: the checkpoint was damaged after its save (a disk "
+                                     f"that filled, a copy cut short); {others}")
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(folder)).read_metadata().storage_data
+    except Exception as exc:  # noqa: BLE001  (any unpickling error: the index is damaged)
+        raise damaged(f"{index} cannot be read ({type(exc).__name__}: {exc})") from None
+    ends: dict[str, int] = {}
+    for item in storage.values():
+        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    for name, end in sorted(ends.items()):
+        file = folder / name
+        if not file.is_file():
+            raise damaged(f"{file} is missing ({index} places saved tensors in it)")
+        size = file.stat().st_size
+        if size < end:
+            raise damaged(f"{file} is {size:,} bytes, but {index} places saved tensors up to byte {end:,} (truncated)")
+    common = folder / DCP_COMMON
+    if common.is_file():
+        try:
+            with zipfile.ZipFile(common) as z:
+                bad = z.testzip()
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise damaged(f"{common} is not a whole file ({exc})") from None
+        if bad is not None:
+            raise damaged(f"{common}: its entry {bad} fails its CRC check")
 
 
 def marker_step(path: Path) -> int:
@@ -196,7 +294,7 @@ def marker_step(path: Path) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointChoiceError(
             f"--load: {marker} is not a complete checkpoint marker ({type(exc).__name__}: {exc}); the save that "
-            f"wrote it was cut short or the file was changed. {_intact(path.parent)}") from None
+            f"wrote it was cut short or the file was changed. {intact_checkpoints(path.parent)}") from None
     extra = d.get("extra") if isinstance(d, dict) else None
     if not isinstance(extra, dict) or "rollout_id" not in extra or "rollout" not in extra:
         raise CheckpointChoiceError(
@@ -230,8 +328,9 @@ def choose_checkpoint(load: str | Path | None, ckpt_step: int | None = None) -> 
         if not is_complete(p):
             what = "does not exist" if not p.exists() else "is not a complete checkpoint (an interrupted save: no " \
                 f"{MARKER_FILE} or {DIST_CKPT_METADATA})"
-            raise CheckpointChoiceError(f"--load {p} {what}; {_intact(p.parent)}")
+            raise CheckpointChoiceError(f"--load {p} {what}; {intact_checkpoints(p.parent)}")
         marker_step(p)
+        check_shards(p)
         return p
     if not p.is_dir():
         if ckpt_step is not None:
@@ -241,13 +340,15 @@ def choose_checkpoint(load: str | Path | None, ckpt_step: int | None = None) -> 
         folder = iter_dir(p, ckpt_step)
         if not is_complete(folder):
             raise CheckpointChoiceError(f"--ckpt-step {ckpt_step}: {folder} is not a complete checkpoint; "
-                                        f"{_intact(p)}")
+                                        f"{intact_checkpoints(p)}")
         marker_step(folder)
+        check_shards(folder)
         return folder
     latest = latest_checkpoint(p)
     if latest is None and (p / TRACKER_FILE).is_file():
         latest = _megatron_lm_folder(p)  # Megatron-LM's own save (weights only)
         if latest is not None:
+            check_shards(latest)
             return latest
     if latest is None:
         if any(_ITER_RE.match(c.name) for c in p.iterdir()):
@@ -255,6 +356,7 @@ def choose_checkpoint(load: str | Path | None, ckpt_step: int | None = None) -> 
                                         "saves); nothing to resume from, and starting fresh there would mix two runs")
         return None
     marker_step(latest)
+    check_shards(latest)
     return latest
 
 

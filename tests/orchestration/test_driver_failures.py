@@ -3,6 +3,8 @@ in a Ray task or actor (RayTaskError wrapping them), gathered like the trainer r
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import ray
 
@@ -91,3 +93,68 @@ def test_a_missing_replay_file_is_a_known_failure_naming_it(ray_one_cpu):
 
 def test_resume_hint_without_a_save_folder():
     assert resume_hint(None) == "No checkpoint to resume from (--save is not set): rerun to start over."
+
+
+def unreadable_shard():
+    raise RuntimeError("CheckpointingException: __1_0.distcp: unexpected end of file")
+
+
+@ray.remote(num_cpus=0)
+class Waiter:
+    """A rank that waits in a collective for a peer that will not come."""
+
+    def wait(self, seconds: float) -> None:
+        import time
+
+        time.sleep(seconds)
+
+    def shutdown(self) -> None:
+        import time
+
+        time.sleep(3600)
+
+
+def test_a_load_failing_on_one_rank_stops_at_once_naming_the_other_checkpoints(ray_one_cpu, tmp_path):
+    """One rank fails to read its shard while the other waits at the load's barrier: the failure comes
+    back at once (the waiting rank is not awaited), and the sentence names the other checkpoints with
+    their --load, not --save's hint."""
+    import time
+
+    from slime_rl.orchestration.trainer_group import LOAD_WHAT, TrainerRankError, gather_ranks
+
+    root = tmp_path / "ckpt"
+    for step in (0, 1, 2):  # three complete checkpoints, as a save leaves them
+        folder = root / f"iter_{step:07d}"
+        folder.mkdir(parents=True)
+        (folder / "metadata.json").write_text("{}")
+        (folder / "slime_rl_checkpoint.json").write_text(json.dumps({"step": step, "contents": ["model"], "extra": {}}))
+    waiter = Waiter.remote()
+    start = time.monotonic()
+    with pytest.raises(TrainerRankError) as info:
+        gather_ranks([waiter.wait.remote(600), ray.remote(num_cpus=0)(unreadable_shard).remote()],
+                     f"{LOAD_WHAT} {root / 'iter_0000002'}")
+    assert time.monotonic() - start < 30
+    ray.kill(waiter)
+    text, known = describe(info.value, phase="resume from --load", step=None, save=None, fault_tolerance=False)
+    assert known
+    assert text == (f"run stopped: trainer rank 1 failed during checkpoint load of {root / 'iter_0000002'}: "
+                    "RuntimeError: CheckpointingException: __1_0.distcp: unexpected end of file. iter_0000002 could "
+                    f"not be loaded; intact checkpoints: iter_0000000 (--load {root / 'iter_0000000'}); "
+                    f"iter_0000001 (--load {root / 'iter_0000001'}).")
+
+
+def test_ranks_that_do_not_stop_are_killed_after_the_timeout(ray_one_cpu, capsys):
+    """RankGroup.shutdown: a rank stuck in a collective does not hold the run's end."""
+    import time
+
+    from slime_rl.orchestration.trainer_group import POLICY, RankGroup
+
+    group = object.__new__(RankGroup)  # its actors only: no Megatron ranks needed to stop them
+    group.role, group.actors = POLICY, [Waiter.remote(), Waiter.remote()]
+    start = time.monotonic()
+    group.shutdown(timeout_s=2)
+    assert 2 <= time.monotonic() - start < 20
+    assert "2 trainer rank(s) did not stop within 2 s: killed" in capsys.readouterr().out
+    for actor in group.actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.wait.remote(0), timeout=20)

@@ -168,8 +168,37 @@ def scenario_save_hf(rank: int, world: int, port: int, args: dict) -> dict:
     return res
 
 
-SCENARIOS = {"save": scenario_save, "resume": scenario_resume, "tp1": scenario_tp1, "converted": scenario_converted,
-             "save_hf": scenario_save_hf}
+def scenario_disk_full(rank: int, world: int, port: int, args: dict) -> dict:
+    """A save that fits, then the disk filled to its last 128 KiB, then the next save (--save on a small
+    tmpfs): the error names the disk; the first checkpoint stays whole."""
+    import shutil
+
+    from slime_rl.trainer import checkpoint as ck
+    from slime_rl.trainer.checkpoint_layout import remove_partial_saves
+
+    root = Path(args["small"]) / "ckpt"
+    w = make_worker(rank, world, port, args["hf"], tp=1)
+    train(w, 1)
+    first = ck.save_checkpoint(root, 5, *handles(w), extra={"rollout_id": 5})
+    free = shutil.disk_usage(root).free
+    (Path(args["small"]) / "filler").write_bytes(b"\0" * (free - 128 * 1024))
+    res: dict[str, Any] = {"first": str(first), "free_before": free}
+    try:
+        ck.save_checkpoint(root, 6, *handles(w), extra={"rollout_id": 6})
+        res["error"] = None
+    except BaseException as e:  # noqa: BLE001  (the test asserts on what it is)
+        res["error"] = f"{type(e).__name__}: {e}"
+        res["disk_error"] = isinstance(e, ck.CheckpointDiskError)
+    res["tmp_left"] = (root / "iter_0000006.tmp").exists()
+    res["removed"] = [p.name for p in remove_partial_saves(root)]
+    res["latest"] = str(ck.latest_checkpoint(root))
+    res["shapes"] = ck.checkpoint_model_shapes(first)
+    w.shutdown()
+    return res
+
+
+SCENARIOS = {"save": scenario_save, "disk_full": scenario_disk_full, "resume": scenario_resume, "tp1": scenario_tp1,
+             "converted": scenario_converted, "save_hf": scenario_save_hf}
 
 
 def run_scenario(name: str, world: int, port: int, out: Path, args: dict, timeout: float = 300) -> list[dict]:

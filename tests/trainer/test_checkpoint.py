@@ -127,3 +127,37 @@ def test_keep_last_and_detection(tmp_path, tiny_qwen2):
 def test_extra_must_be_json(tmp_path):
     with pytest.raises(TypeError, match=r"extra\['position'\]"):
         ck.save_checkpoint(tmp_path, 1, [], extra={"position": object()})
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs: a disk that a save can fill (the suite runs as root, as CI does)."""
+    import subprocess
+
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)], capture_output=True,
+                             text=True)
+    assert mounted.returncode == 0, f"mount of a tmpfs failed (this test needs root): {mounted.stderr}"
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tiny_qwen2, small_disk, tmp_path):
+    """ENOSPC during a save: torch's writers lose the errno ("unexpected pos 704 vs 598"); the error names
+    the disk and its free space, the checkpoint saved before is whole and still the latest, and the
+    partial folder is removed once the rank has stopped writing."""
+    (res,) = run_scenario("disk_full", 1, free_port(), tmp_path, {"hf": str(tiny_qwen2), "small": str(small_disk)})
+    root = small_disk / "ckpt"
+    assert res["free_before"] > 1024 * 1024  # the first save fitted with room to spare
+    assert res["error"] is not None and res["disk_error"], res["error"]
+    assert res["error"].startswith(f"CheckpointDiskError: saving iter_0000006 into {root}: No space left on device: "
+                                   f"the disk holding {root} has "), res["error"]
+    free = float(res["error"].split(" has ")[1].split(" MiB free")[0].replace(",", ""))
+    assert free < 1.0  # MiB: the disk is full
+    assert "MiB free of 16.0 MiB; free space there or give --save a folder on another disk" in res["error"]
+    assert res["tmp_left"] and res["removed"] == ["iter_0000006.tmp"]
+    assert res["latest"] == str(root / "iter_0000005")
+    assert ck.is_complete(root / "iter_0000005") and not (root / "iter_0000006").exists()
+    assert res["shapes"]["embedding.word_embeddings.weight"][1] == 64  # its metadata reads back

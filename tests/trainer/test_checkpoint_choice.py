@@ -111,3 +111,53 @@ def test_the_critic_save_folder_is_kept_as_the_policy_one(tiny_qwen2, tmp_path):
     with pytest.raises(ConfigError, match=r"--critic-save .*critic already holds checkpoints after step 1 "
                                           r"\(iter_0000002\)"):
         check_checkpoints(cfg)
+
+
+def with_shards(root: Path, *steps: int) -> Path:
+    """`saved`, with real torch_dist files in each checkpoint: torch.distributed.checkpoint's index and
+    shard file (what dist_checkpointing writes through it) and a torch.save'd common.pt."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    saved(root, *steps)
+    for step in steps:
+        folder = root / f"iter_{step:07d}"
+        dcp.save({"a": torch.arange(1000.0), "b": torch.ones(300)}, checkpoint_id=str(folder), no_dist=True)
+        torch.save({"iteration": step}, folder / "common.pt")
+    return root
+
+
+def truncate(path: Path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncated shard", r"__0_0.distcp is 4,000 bytes, but .*\.metadata places saved tensors up to byte {size} "
+                        r"\(truncated\)"),
+    ("missing shard", r"__0_0.distcp is missing \(.*\.metadata places saved tensors in it\)"),
+    ("bad index", r"\.metadata cannot be read \(UnpicklingError"),
+    ("truncated common", r"common.pt is not a whole file"),
+])
+def test_a_damaged_checkpoint_is_named_before_any_rank_loads_it(tmp_path, damage, message):
+    """The files a checkpoint's own index names are checked in the driver: a shard file cut short used to
+    fail only on the ranks that read it, and hang the others in the load's collectives."""
+    root = with_shards(tmp_path / "ckpt", 0, 1, 2)
+    assert choose_checkpoint(root) == root / "iter_0000002"  # whole: taken
+    newest = root / "iter_0000002"
+    shard = newest / "__0_0.distcp"
+    size = shard.stat().st_size
+    assert size > 5200  # 1,300 float32 values and their framing; the last one ends at the file's end
+    message = message.replace("{size}", f"{size:,}")
+    if damage == "truncated shard":
+        truncate(shard, 4000)
+    elif damage == "missing shard":
+        shard.unlink()
+    elif damage == "bad index":
+        (newest / ".metadata").write_bytes(b"\x80\x04not a pickle")
+    else:
+        truncate(newest / "common.pt", 100)
+    intact = r"; intact checkpoints: iter_0000000 \(--load .*iter_0000000\); iter_0000001 \(--load .*iter_0000001\)$"
+    for load, step in ((root, None), (newest, None), (root, 2)):  # every way to name it
+        with pytest.raises(CheckpointChoiceError, match=r"--load .*iter_0000002: .*" + message + ".*" + intact):
+            choose_checkpoint(load, ckpt_step=step)
+    assert choose_checkpoint(root, ckpt_step=1) == root / "iter_0000001"  # the others still load
