@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -92,9 +91,10 @@ def _placement_groups_removed(request):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below the ephemeral range, as the driver picks them (orchestration/engines.py)."""
+    from slime_rl.orchestration.engines import free_port as pick
+
+    return pick("127.0.0.1")
 
 
 def pytest_addoption(parser):

@@ -153,6 +153,10 @@ class ServerConfig:
     idle_timeout_s: float = field(default=300.0, metadata=_opt(
         "--http-idle-timeout", positive=True,
         help="seconds a kept-alive connection may wait for its next request before it is closed"))
+    weight_group_timeout_s: float = field(default=1800.0, metadata=_opt(
+        "--weight-group-timeout", positive=True,
+        help="seconds /init_weights_update_group waits for every rank of the group to join, then answers 400 "
+             "and frees the weight-update lock (torch's default_pg_timeout, which SGLang uses)"))
     max_connections: int = field(default=4096, metadata=_opt(
         "--http-max-connections", positive=True,
         help="open connections served at once; one more is answered 503 and closed"))

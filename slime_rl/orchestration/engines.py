@@ -8,6 +8,7 @@ device, on a fresh port; the cluster then re-creates the weight-update group and
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -35,7 +36,34 @@ def terminate(process: subprocess.Popen, timeout_s: float = 20.0) -> int:
     return process.returncode
 
 
+# where free_port looks: above the well-known and registered services most hosts run, below the kernel's
+# ephemeral range (ip_local_port_range), from which the OS takes the local port of every outgoing
+# connection: a port picked there (bind to port 0) can be taken by one of those (Ray's, an HTTP client's)
+# between the pick and the server's bind, "Address already in use" (seen in CI)
+PORT_FLOOR = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on `host` now, below the kernel's ephemeral range when there is room (random
+    in [PORT_FLOOR, its start), so that two pickers rarely meet); else one the OS hands out."""
+    low = _ephemeral_low()
+    rng = random.Random()  # the OS's entropy: not the run's seeded streams
+    for _ in range(64 if low - PORT_FLOOR >= 1000 else 0):
+        port = rng.randrange(PORT_FLOOR, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

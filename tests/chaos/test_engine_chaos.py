@@ -5,6 +5,8 @@ figures ([chaos] lines; run with -s to see them)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import selectors
 import socket
@@ -292,3 +294,87 @@ def test_bad_text_and_huge_numbers_are_400_naming_the_field(engine, name):
         assert r.json()["error"]["message"].startswith(f"{field}: "), r.text[:300]
         good = c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
         assert good.status_code == 200
+
+
+def _init_group(url: str, port: int, group: str, timeout: float = 120) -> tuple[int, str, float]:
+    """POST /init_weights_update_group for rank 1 of 2 whose rank 0 (the store's host) listens nowhere."""
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": group, "backend": "gloo"}
+    start = time.monotonic()
+    with _client(url) as c:
+        r = c.post("/init_weights_update_group", json=body, timeout=timeout)
+    return r.status_code, r.text, time.monotonic() - start
+
+
+def test_a_weight_group_whose_peer_never_comes_times_out_and_frees_the_lock(tiny_qwen2):
+    """--weight-group-timeout: a set-up waiting for a rank that never comes answers 400 once the timeout
+    has passed, and frees the weight-update lock for the next call (it held it for torch's 30 minutes).
+    Callers queued behind it wait without holding the pool's threads: /generate and /health_generate
+    answer meanwhile (with 2 threads and 3 such calls, they hung)."""
+    from tests.conftest import free_port
+
+    s = start_server(tiny_qwen2, api_key=KEY, http_workers=2, weight_group_timeout_s=3)
+    try:
+        results: list[tuple[int, str, float]] = []
+        callers = [threading.Thread(target=lambda g=g: results.append(_init_group(s.url, free_port(), g)))
+                   for g in ("a", "b", "c")]
+        for t in callers:
+            t.start()
+        time.sleep(0.5)  # the first waits for its peer, two wait for the lock
+        with _client(s.url) as c:
+            start = time.monotonic()
+            r = c.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 200, r.text
+            assert c.get("/health_generate").status_code == 200
+            assert time.monotonic() - start < 2.5  # answered while the first set-up still waits
+        for t in callers:
+            t.join(timeout=60)
+        assert len(results) == 3
+        for status, text, _ in results:
+            assert status == 400 and "Failed to initialize custom process group" in text, text
+        # one at a time, each for its whole timeout: the last answered after about three of them
+        assert sorted(round(took) for _, _, took in results)[-1] >= 8
+    finally:
+        s.shutdown()
+
+
+def test_sigterm_ends_the_engine_while_a_group_set_up_waits(tiny_qwen2, tmp_path):
+    """The engine process exits on SIGTERM even while a pool thread waits for a weight group's peer
+    (the interpreter's exit joins the pool's threads: a waiting one must not hold the process)."""
+    import signal
+    import subprocess
+
+    from slime_rl.config.builtin_engine import ServerConfig
+    from slime_rl.engines.launch import embedded_command
+    from tests.conftest import free_port
+
+    port = free_port()
+    log = (tmp_path / "engine.log").open("w")
+    proc = subprocess.Popen(embedded_command(ServerConfig(str(tiny_qwen2), "127.0.0.1", port,
+                                                          weight_group_timeout_s=600)),
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SLIME_RL_ENGINE_API_KEY": KEY})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "engine.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        def stuck() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the engine goes away under it
+                _init_group(url, free_port(), "stuck", timeout=30)
+
+        threading.Thread(target=stuck, daemon=True).start()
+        time.sleep(1.0)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, (tmp_path / "engine.log").read_text()[-2000:]
+        assert time.monotonic() - start < 20
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -47,6 +47,10 @@ from slime_rl.engines.embedded.weights import WeightSync
 logger = logging.getLogger(__name__)
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 DEPRECATED = {"/get_model_info": "/model_info", "/get_server_info": "/server_info"}  # old -> new path
+# the calls that change the weights or their group: one at a time (route: session.call_lock)
+WEIGHT_UPDATE_CALLS = frozenset({"/init_weights_update_group", "/destroy_weights_update_group",
+                                 "/update_weights_from_distributed", "/update_weights_from_tensor",
+                                 "/begin_weight_update", "/end_weight_update"})
 
 
 def decodes_on_slots(device: str, disable_cuda_graph: bool, static_kv_cache: bool, deterministic: bool) -> bool:
@@ -113,10 +117,12 @@ class EmbeddedServer:
                              cuda_graph_max_bs=cfg.cuda_graph_max_bs, overlap=not cfg.disable_overlap_schedule,
                              compile_max_bs=cfg.torch_compile_max_bs if cfg.enable_torch_compile else 0,
                              routing=routing)
-        self.weights = WeightSync(self.model, self.engine, cfg.weight_version, cfg.colocated_devices)
+        self.weights = WeightSync(self.model, self.engine, cfg.weight_version, cfg.colocated_devices,
+                                  cfg.weight_group_timeout_s)
         self.memory = self.weights.memory = MemoryOccupation(self.engine, self.weights.params,
                                                              cpu_backup=cfg.enable_weights_cpu_backup)
         self.session = WeightUpdateSession()
+        self._weight_calls: asyncio.Lock | None = None  # made on the server's loop (handle)
         self._rid_counter = itertools.count()
         self._seed_warned = False
         self.http = HttpServer(cfg.host, cfg.port, self, HttpLimits(
@@ -282,6 +288,7 @@ class EmbeddedServer:
             w.weight_version = version
             return 200, {"success": True, "message": f"Weight version updated to {version}",
                          "new_version": version}
+        # WEIGHT_UPDATE_CALLS, each
         ops = {"/init_weights_update_group": w.init_group, "/destroy_weights_update_group": w.destroy_group,
                "/update_weights_from_distributed": w.update_from_distributed,
                "/update_weights_from_tensor": w.update_from_tensor,
@@ -318,6 +325,14 @@ class EmbeddedServer:
             return (200 if self.engine.is_alive() else 503), None
         if path == "/generate" and method in ("POST", "PUT"):
             return await self._generate_async(raw)
+        if path in WEIGHT_UPDATE_CALLS:
+            # one at a time (SGLang's lock): the others wait here, on the loop, not on the pool's threads,
+            # which /generate and /health_generate need (a call blocked for minutes, e.g. a group set-up
+            # whose peer never comes, with callers queued behind it, used to take every thread)
+            if self._weight_calls is None:
+                self._weight_calls = asyncio.Lock()
+            async with self._weight_calls:
+                return await self.http.run_blocking(self._guarded, path, self._route_raw, method, path, raw)
         return await self.http.run_blocking(self._guarded, path, self._route_raw, method, path, raw)
 
     def _route_raw(self, method: str, path: str, raw: bytes) -> tuple[int, Any]:

@@ -28,6 +28,7 @@ Responses are SGLang's (success, message) pairs.
 
 from __future__ import annotations
 
+import datetime
 import math
 import threading
 from dataclasses import dataclass
@@ -44,8 +45,11 @@ from slime_rl.engines.tensor_ipc import UnsafePayloadError, deserialize_named_te
 
 
 class WeightSync:
-    def __init__(self, model: torch.nn.Module, engine: Engine, weight_version: str, devices: int = 1) -> None:
+    def __init__(self, model: torch.nn.Module, engine: Engine, weight_version: str, devices: int = 1,
+                 group_timeout_s: float = 1800.0) -> None:
         self.model, self.engine = model, engine
+        # how long a group's set-up waits for its ranks (a rank that never comes: a 400, the lock freed)
+        self.group_timeout = datetime.timedelta(seconds=group_timeout_s)
         self.devices = devices  # serialized_named_tensors entries per update (ServerConfig.colocated_devices)
         self.device = next(model.parameters()).device
         # remove_duplicate=False keeps both names of a tied tensor (lm_head.weight and
@@ -79,8 +83,8 @@ class WeightSync:
                 return False, f"Group {group_name} already exists; destroy it first."
             try:
                 self.groups[group_name] = dist_group.init_custom_group(
-                    master_address, master_port, rank_offset, world_size, group_name, backend)
-            except (RuntimeError, ValueError) as e:
+                    master_address, master_port, rank_offset, world_size, group_name, backend, self.group_timeout)
+            except (RuntimeError, ValueError) as e:  # torch's DistStoreError (a timeout) is a RuntimeError
                 return False, f"Failed to initialize custom process group: {e}."
         return True, "Succeeded to initialize custom process group."
 
