@@ -39,10 +39,12 @@ Pipeline stages hold min(pp - stage, micro-batches) micro-batches in flight (1F1
 Not counted: the vision tower's activations, temporary buffers of the backward pass and allocator
 fragmentation; the reference model lives in host memory (a CPU copy swapped in).
 
-**Weight-sync time** = bytes of the HF weights the engines receive / a link bandwidth, plus the fixed
-cost per sync measured on 2xH200 (pause, continue, HTTP answers; /work/shared/FACTS.md). The bandwidth
-is --plan-intra-node-gbps when every engine sits on the node of the trainer's source ranks, else
---plan-inter-node-gbps. docs/launch.md compares all three estimates with measured runs.
+**Weight-sync time** = bytes of the HF weights the engines receive / a link bandwidth, plus the bytes the
+source ranks first gather from the other TP and EP ranks / --plan-intra-node-gbps (`gathered_params`;
+the two counted one after the other), plus the fixed cost per sync measured on 2xH200 (pause, continue,
+HTTP answers; /work/shared/FACTS.md). The link's bandwidth is --plan-intra-node-gbps when every engine
+sits on the node of the trainer's source ranks, else --plan-inter-node-gbps (an assumption: never
+measured here). docs/launch.md compares all three estimates with measured runs.
 """
 
 from __future__ import annotations
@@ -347,12 +349,37 @@ class SyncEstimate:
     bytes: int  # per sync (the vision tower included)
     gbps: float
     link: str  # "intra-node", "inter-node" or "colocated"
+    gathered_bytes: int = 0  # what the source ranks first receive from the other TP / EP ranks
+    gather_gbps: float = 1.0
+
+    @property
+    def gather_seconds(self) -> float:
+        return self.gathered_bytes / (self.gather_gbps * 1e9)
 
     @property
     def seconds(self) -> float:
-        return self.bytes / (self.gbps * 1e9) + (0.0 if self.link == "colocated" else SYNC_FIXED_S)
+        return (self.bytes / (self.gbps * 1e9) + self.gather_seconds
+                + (0.0 if self.link == "colocated" else SYNC_FIXED_S))
 
 
-def estimate_sync(shape: ModelShape, bf16: bool, link: str, gbps: float) -> SyncEstimate:
-    """Time of one weight sync: the HF weights in the trainer's dtype over the link (module docstring)."""
-    return SyncEstimate(shape.params * (2 if bf16 else 4), COLOCATED_GBPS if link == "colocated" else gbps, link)
+def gathered_params(shape: ModelShape, tp: int, ep: int = 1, etp: int | None = None) -> int:
+    """Parameters a sync's source ranks receive from the other trainer ranks before they send: the
+    (tp - 1) / tp of every TP-split weight (attention, dense and shared-expert MLPs, embedding and LM head)
+    held by the other TP ranks, and the (ep x etp - 1) / (ep x etp) of the routed experts held by the other
+    expert-parallel ranks. Norms, routers and the vision tower are whole on every rank."""
+    etp = tp if etp is None else etp
+    n_moe = len(shape.moe_layers)
+    split = (shape.layers * shape.attention_params()[0] + (shape.layers - n_moe) * shape.dense_mlp_params()
+             + n_moe * shape.shared_expert_params()[0] + shape.embedding_params * (1 if shape.tied else 2))
+    experts = n_moe * shape.moe_params()[0]
+    return round(split * (tp - 1) / tp + experts * (ep * etp - 1) / (ep * etp))
+
+
+def estimate_sync(shape: ModelShape, bf16: bool, link: str, gbps: float, tp: int = 1, ep: int = 1,
+                  etp: int | None = None, gather_gbps: float = 360.0) -> SyncEstimate:
+    """Time of one weight sync: the gathers of the TP / EP shards to the source ranks over the node's
+    links (`gather_gbps`), then the HF weights in the trainer's dtype over the sync's link, one after the
+    other (module docstring)."""
+    width = 2 if bf16 else 4
+    return SyncEstimate(shape.params * width, COLOCATED_GBPS if link == "colocated" else gbps, link,
+                        gathered_params(shape, tp, ep, etp) * width, gather_gbps)

@@ -174,12 +174,16 @@ def estimate_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...]
         return lines
     link = sync_link(cfg, plan, devices)
     gbps = cfg.plan.inter_node_gbps if link == "inter-node" else cfg.plan.intra_node_gbps
-    sync = estimate_sync(shape, lay.bf16, link, gbps)
+    sync = estimate_sync(shape, lay.bf16, link, gbps, tp=lay.tp, ep=lay.ep, etp=lay.etp,
+                         gather_gbps=cfg.plan.intra_node_gbps)
     gbps = sync.gbps
     source = {"colocated": f"CUDA IPC hand-over, {gbps:g} GB/s as a whole sync measured on one H200",
               "intra-node": f"{gbps:g} GB/s (--plan-intra-node-gbps)",
               "inter-node": f"{gbps:g} GB/s (--plan-inter-node-gbps; engines on other nodes than the sources)"}[link]
-    lines.append(f"weight sync: {sync.bytes / 1e9:.2f} GB of {dtype} HF weights per sync, {link}: {source} "
+    gather = (f"; first {sync.gathered_bytes / 1e9:.2f} GB gathered from the other TP/EP ranks at "
+              f"{sync.gather_gbps:g} GB/s (--plan-intra-node-gbps): {sync.gather_seconds:.3f} s"
+              if sync.gathered_bytes else "")
+    lines.append(f"weight sync: {sync.bytes / 1e9:.2f} GB of {dtype} HF weights per sync, {link}: {source}{gather} "
                  f"-> {sync.seconds:.3f} s per sync (every --update-weights-interval "
                  f"{cfg.weight_sync.update_weights_interval} step(s))")
     per_engine = cfg.engine.num_gpus_per_engine

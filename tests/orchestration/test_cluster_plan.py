@@ -89,9 +89,15 @@ def test_seven_b_recipes_plan_for_two_nodes_with_estimates(recipe, tmp_path, cap
     assert "qwen2, 7.616 B parameters" in out
     for part in ("weights", "grads", "optimizer", "activations", "logits", "total"):
         assert re.search(rf"^  {part} +\d+\.\d\d GiB", out, flags=re.MULTILINE), part
-    # 7,615,616,512 bf16 parameters over the inter-node link at the default 50 GB/s, + 3.5 ms
+    # 7,615,616,512 bf16 parameters over the inter-node link at the default 50 GB/s, + 3.5 ms, after the
+    # source rank gathered 3/4 of the TP-split weights from the other 3 TP ranks at 360 GB/s: per layer
+    # q, o 3584^2 each, k, v 3584 x 512 each, their biases 3584 + 2 x 512, the MLP 3 x 3584 x 18944; 28
+    # layers; embedding and LM head 152064 x 3584 each (norms are whole on every rank)
+    split = 28 * (2 * 3584**2 + 2 * 3584 * 512 + 3584 + 2 * 512 + 3 * 3584 * 18944) + 2 * 152064 * 3584
+    gathered = 2 * split * 3 / 4
     assert "weight sync: 15.23 GB of bf16 HF weights per sync, inter-node" in out
-    assert f"-> {2 * 7_615_616_512 / 50e9 + 0.0035:.3f} s per sync" in out
+    assert f"first {gathered / 1e9:.2f} GB gathered from the other TP/EP ranks at 360 GB/s" in out
+    assert f"-> {2 * 7_615_616_512 / 50e9 + gathered / 360e9 + 0.0035:.3f} s per sync" in out
     assert "not checked here (--cluster): --prompt-data /data/not-on-this-machine.jsonl" in out
     assert "the tokenizer of --hf-checkpoint" in out
     # commands a person can paste: the job's launch line (the flags given, less the plan's own), and each

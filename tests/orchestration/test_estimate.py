@@ -158,5 +158,21 @@ def test_expert_parallel_splits_the_experts():
 def test_sync_time_is_bytes_over_bandwidth_plus_the_fixed_cost():
     shape = model_shape(hf_config("qwen2_5_7b_instruct.json"))
     sync = estimate_sync(shape, bf16=True, link="inter-node", gbps=50.0)
-    assert sync.bytes == 2 * 7_615_616_512
+    assert sync.bytes == 2 * 7_615_616_512 and sync.gathered_bytes == 0  # TP 1: nothing to gather
     assert sync.seconds == pytest.approx(2 * 7_615_616_512 / 50e9 + 0.0035)
+
+
+def test_sync_counts_the_expert_gather_to_the_source_rank():
+    """Qwen3-30B-A3B at EP 8 (TP 1): the source rank receives the 7/8 of the routed experts the other
+    expert ranks hold (48 MoE layers x 128 experts x 3 x 2048 x 768), in bf16, at the gather bandwidth;
+    at TP 2 and EP 4 also half of every TP-split weight."""
+    shape = model_shape(hf_config("qwen3_30b_a3b.json"))
+    experts = 48 * 128 * 3 * 2048 * 768
+    sync = estimate_sync(shape, bf16=True, link="intra-node", gbps=300.0, tp=1, ep=8, gather_gbps=200.0)
+    assert sync.gathered_bytes == 2 * experts * 7 // 8
+    assert sync.seconds == pytest.approx(2 * shape.params / 300e9 + 2 * experts * 7 / 8 / 200e9 + 0.0035)
+    # TP-split outside the experts: per layer q (32 x 128 heads) and o, k and v (4 x 128), no MLP (every layer
+    # is MoE); the embedding and the untied LM head (151936 x 2048 each)
+    split = 48 * (2 * 2048 * 4096 + 2 * 2048 * 512) + 2 * 151936 * 2048
+    tp2 = estimate_sync(shape, bf16=True, link="intra-node", gbps=300.0, tp=2, ep=4)
+    assert tp2.gathered_bytes == round(2 * (split / 2 + experts * 7 / 8))  # expert TP = TP: 8 expert shards
