@@ -67,6 +67,17 @@ def test_malformed_bodies_are_400(server, body, words):
     assert r.status_code == 400 and words in r.json()["error"]["message"]
 
 
+def test_an_over_long_prompt_is_refused_by_its_length_before_its_ids_are_checked(server):
+    """The tiny model's context is 4,096 (tools/make_tiny_model.py): a prompt of 200,000 ids, one of them
+    outside the vocabulary, is refused for its length (the per-id check of a huge prompt came first)."""
+    ids = [5] * 199_999 + [10**6]
+    r = _post_raw(server.url, json.dumps({"input_ids": ids}).encode())
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "input_ids: the prompt has 200,000 tokens; the context length is 4,096"
+    r = _post_raw(server.url, json.dumps({"input_ids": [[1, 2], ids]}).encode())  # a batch: the long one named
+    assert r.json()["error"]["message"] == "input_ids: the prompt has 200,000 tokens; the context length is 4,096"
+
+
 def _raw_exchange(port: int, head: bytes, timeout: float = 5.0) -> tuple[bytes, float]:
     """Send only the request head (no body) and time the answer: the server must not wait for the body."""
     start = time.perf_counter()

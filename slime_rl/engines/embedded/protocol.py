@@ -52,6 +52,10 @@ def parse_generate(body: Any, tokenizer, vocab_size: int, context_len: int,
     if input_ids is not None:
         is_batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
         prompts = input_ids if is_batch else [input_ids]
+        for p in prompts:  # the length first: a prompt of millions of ids is refused before they are checked
+            if isinstance(p, list) and len(p) >= context_len:
+                raise RequestError(f"input_ids: the prompt has {len(p):,} tokens; the context length is "
+                                   f"{context_len:,}")
         for p in prompts:
             if not isinstance(p, list) or not p or not all(
                     isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p):
