@@ -161,7 +161,21 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
                 generations = []
             rows.append(row)
             print(summary_line(row, n_steps, **clock.step_done(step, metrics["perf/step_s"])), flush=True)
+            if _STOP_AFTER_STEP:  # --exit-signal-handler: the signal came during this step, which is done now
+                saved = cfg.checkpoint.saves_at(step, n_steps)
+                if not saved:
+                    phase = "checkpoint save on SIGTERM"
+                    cluster.save(step)
+                from slime_rl.orchestration.failures import resume_hint
+
+                signum = _STOP_AFTER_STEP[0]
+                print(f"slime-rl train: run stopped: {signal.Signals(signum).name} received; step {step} finished "
+                      f"and {'was' if saved else 'is'} saved (--exit-signal-handler); stopping the engines and "
+                      f"trainers. {resume_hint(cfg.checkpoint.save)}", file=sys.stderr, flush=True)
+                raise SignalStop(signum, announced=True)
     except (SystemExit, KeyboardInterrupt) as exc:  # a preemption or Ctrl-C: one sentence too, then the exit
+        if getattr(exc, "announced", False):  # --exit-signal-handler's stop after the save: said already
+            raise
         # Ray's ray.get turns the SignalStop raised inside it into a plain SystemExit(1): the handler's
         # record says which signal it was
         signum = _SIGNALS[0] if _SIGNALS else signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None
@@ -234,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM (kill, Slurm's or Kubernetes' preemption) unwinds like Ctrl-C: the engines and trainers
     # are stopped, one sentence says where and how to resume, the exit status is 143 (Ctrl-C: 130).
     # init_ray puts this handler back after ray.init, whose crash handler takes SIGTERM over.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGTERM, _stop_after_step if cfg.checkpoint.exit_signal_handler else _exit_on_signal)
     try:
         train(cfg, plan)
     except RunFailed as exc:
@@ -248,14 +262,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class SignalStop(SystemExit):
-    """SIGTERM arrived: the run unwinds as on Ctrl-C and exits 128 + the signal's number."""
+    """SIGTERM arrived: the run unwinds as on Ctrl-C and exits 128 + the signal's number. `announced`: its
+    sentence is printed already (--exit-signal-handler's stop after the step's save)."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, announced: bool = False) -> None:
         super().__init__(128 + signum)
-        self.signum = signum
+        self.signum, self.announced = signum, announced
 
 
 _SIGNALS: list[int] = []  # the signals _exit_on_signal took, in order
+_STOP_AFTER_STEP: list[int] = []  # --exit-signal-handler: the signal that asked to stop after the step
+
+
+def _stop_after_step(signum: int, frame: object) -> None:
+    """--exit-signal-handler (Megatron-LM's): the step under way finishes and is saved, then the run stops
+    (train's loop); a second signal stops at once, as without the flag."""
+    if _STOP_AFTER_STEP:
+        _exit_on_signal(signum, frame)
+    _STOP_AFTER_STEP.append(signum)
+    print(f"slime-rl train: {signal.Signals(signum).name} received: the step under way finishes, a checkpoint is "
+          f"saved, then the run stops (--exit-signal-handler); {signal.Signals(signum).name} again stops at once",
+          file=sys.stderr, flush=True)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

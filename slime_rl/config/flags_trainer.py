@@ -137,6 +137,10 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
         Flag('--save-interval', 'checkpoint.save_interval', type=_positive_int,
              help='steps between saves (and at the end)'),
         Flag('--keep-last', 'checkpoint.keep_last', type=_positive_int, help='keep only the newest N checkpoints'),
+        Flag('--exit-signal-handler', 'checkpoint.exit_signal_handler', action="store_true",
+             help="on SIGTERM (a scheduler's preemption) finish the step under way, save a checkpoint into --save "
+                  "and stop (exit 143), as Megatron-LM's flag does; a second SIGTERM stops at once without it. "
+                  'Without the flag SIGTERM stops at once, resuming from the last --save-interval checkpoint'),
         Flag('--save-hf', 'checkpoint.save_hf',
              help='also write an HF folder at every save and at the end; a path template that may contain '
                   '{rollout_id} (e.g. runs/x/hf_{rollout_id})'),

@@ -203,6 +203,7 @@ class CheckpointConfig:
     save_interval: int | None = default_of("--save-interval")
     keep_last: int | None = default_of("--keep-last")
     save_hf: str | None = default_of("--save-hf")  # HF folder path template, may contain {rollout_id}
+    exit_signal_handler: bool = default_of("--exit-signal-handler")  # SIGTERM: finish the step, save, stop
 
     def hf_path(self, rollout_id: int) -> str:
         """Where --save-hf writes after rollout `rollout_id` (slime's save_hf.format(rollout_id=...))."""

@@ -217,6 +217,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(not a.mask_offpolicy_in_partial_rollout or a.partial_rollout,
            "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
     _check(a.keep_last is None or a.save is not None, "--keep-last needs --save")
+    _check(not a.exit_signal_handler or a.save is not None,
+           "--exit-signal-handler saves a checkpoint when SIGTERM comes: it needs --save (the folder to save into)")
     # a mistyped --load must not train from scratch and exit 0; --load equal to --save is auto-resume,
     # whose folder does not exist before the first save
     _check(a.load is None or os.path.exists(a.load) or _same_path(a.load, a.save) or a.cluster is not None,

@@ -38,6 +38,7 @@ COMPANIONS = {
     "--sequence-parallel": ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
     "--use-dynamic-batch-size": ["--max-tokens-per-gpu", "64"],
     "--save-interval": ["--save", "ckpt"], "--keep-last": ["--save", "ckpt"],
+    "--exit-signal-handler": ["--save", "ckpt"],
     "--rollout-num-gpus-per-engine": ["--rollout-backend", "sglang", "--rollout-num-gpus", "2"],
     "--sglang-router-port": ["--use-sglang-router"],
     "--mask-offpolicy-in-partial-rollout": ["--partial-rollout"],

@@ -45,16 +45,23 @@ def still_alive(recorded: dict[int, tuple[float, str]]) -> dict[int, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
-def test_a_killed_driver_leaves_no_process_behind(how, tiny_qwen2, digit_data, tmp_path):
+@pytest.mark.parametrize("how, save_on_signal", [(signal.SIGKILL, False), (signal.SIGTERM, False),
+                                                 (signal.SIGTERM, True)], ids=["kill-9", "sigterm", "sigterm-save"])
+def test_a_killed_driver_leaves_no_process_behind(how, save_on_signal, tiny_qwen2, digit_data, tmp_path):
     """kill -9: no handler runs, the reaper takes everything down. SIGTERM (a scheduler's preemption)
     while the loop runs: the run unwinds, says in one sentence that it stopped on SIGTERM and how to
-    resume, and exits 143 (Ray's crash handler answered it with 134 and a stack dump before)."""
+    resume, and exits 143 (Ray's crash handler answered it with 134 and a stack dump before). With
+    --exit-signal-handler the step under way finishes and is saved first, and the sentence names it."""
+    from slime_rl.trainer.checkpoint_layout import is_complete
+
     run = tmp_path / "run"
+    ckpt = tmp_path / "ckpt"
+    extra = ["--exit-signal-handler", "--save", str(ckpt)] if save_on_signal else []
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env |= {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = (tmp_path / "driver.log").open("w")
-    driver = subprocess.Popen([sys.executable, "-m", "slime_rl.train", *argv(tiny_qwen2, digit_data, run, steps=1000)],
+    driver = subprocess.Popen([sys.executable, "-m", "slime_rl.train",
+                               *argv(tiny_qwen2, digit_data, run, steps=1000), *extra],
                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     recorded: dict[int, tuple[float, str]] = {}
     try:
@@ -80,7 +87,20 @@ def test_a_killed_driver_leaves_no_process_behind(how, tiny_qwen2, digit_data, t
         recorded |= tree(driver.pid)
         os.kill(driver.pid, how)
         code = driver.wait(timeout=120)
-        if how == signal.SIGTERM:
+        if save_on_signal:
+            out = (tmp_path / "driver.log").read_text()
+            assert code == 143, out[-3000:]
+            assert "slime-rl train: SIGTERM received: the step under way finishes, a checkpoint is saved" in out
+            found = re.search(r"slime-rl train: run stopped: SIGTERM received; step (\d+) finished and is saved "
+                              r"\(--exit-signal-handler\); stopping the engines and trainers\. To resume: rerun with "
+                              rf"--load {re.escape(str(ckpt))} \(its last complete checkpoint: (\S+), step (\d+)\)",
+                              out)
+            assert found, out[-3000:]
+            step = int(found.group(1))
+            assert step >= 1 and int(found.group(3)) == step  # a step after the first line, the one saved
+            assert found.group(2) == str(ckpt / f"iter_{step:07d}") and is_complete(found.group(2))
+            assert "Traceback" not in out, out[-3000:]
+        elif how == signal.SIGTERM:
             out = (tmp_path / "driver.log").read_text()
             assert code == 143, out[-3000:]
             assert re.search(r"slime-rl train: run stopped: SIGTERM received \(during "
