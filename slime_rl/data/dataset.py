@@ -26,7 +26,7 @@ from typing import Any
 
 from slime_rl.config import DataConfig
 from slime_rl.config.seeds import data_order_seed
-from slime_rl.data.readers import DataError, Record, bad_rows_error, located_records, parse_data_spec
+from slime_rl.data.readers import DataError, Record, bad_rows_error, located_records, parse_data_spec, row_position
 from slime_rl.data.vl import VisionRows
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,8 @@ class PromptDataset:
         self.rows: list[PromptRow] = []
         self.filtered_too_long = 0
         errors: list[str] = []
-        records = located_records(cfg.prompt_data)
+        structural: list[str] = []  # lines that are no record: reported with the other rows' errors, at once
+        records = located_records(cfg.prompt_data, bad=structural)
         # image paths are relative to the data file; the image processor comes from the tokenizer's
         # checkpoint folder unless given (only looked up when some row has images)
         self.vision = VisionRows(cfg, tokenizer, Path(parse_data_spec(cfg.prompt_data)[0]).parent, image_processor)
@@ -197,8 +198,9 @@ class PromptDataset:
                 errors.append(f"{where}: {problem}")
                 continue
             self.rows.append(row)
-        if errors:
-            raise bad_rows_error(cfg.prompt_data, errors, len(records))
+        if errors or structural:
+            raise bad_rows_error(cfg.prompt_data, sorted(structural + errors, key=row_position),
+                                 len(records) + len(structural))
         if self.filtered_too_long:
             logger.info("%s: dropped %d of %d prompts longer than --rollout-max-prompt-len=%s", cfg.prompt_data,
                         self.filtered_too_long, len(records), cfg.rollout_max_prompt_len)

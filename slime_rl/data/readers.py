@@ -75,6 +75,12 @@ def _loads(text: str | bytes) -> Any:
     return value
 
 
+def row_position(error: str) -> int:
+    """The N of an error's "line N: ..." / "row N: ..." (0 when it names none): to list errors in file order."""
+    match = re.match(r"(?:line|row) (\d+)", error)
+    return int(match.group(1)) if match else 0
+
+
 def bad_rows_error(source: str | Path, errors: list[str], total: int) -> DataError:
     """One error listing the bad rows (each 'where: what'), the first MAX_ERRORS_SHOWN of them."""
     shown = "\n  ".join(errors[:MAX_ERRORS_SHOWN])
@@ -82,7 +88,9 @@ def bad_rows_error(source: str | Path, errors: list[str], total: int) -> DataErr
     return DataError(f"{source}: {len(errors)} bad row(s) of {total}:\n  {shown}{more}")
 
 
-def _read_jsonl(path: Path) -> list[tuple[str, Record]]:
+def _read_jsonl(path: Path, bad: list[str] | None = None) -> list[tuple[str, Record]]:
+    """The file's rows as (where, record); its bad lines raise together, or, given `bad`, go into it (the
+    caller adds the errors it finds in the good rows, and reports them all at once)."""
     rows: list[tuple[str, Record]] = []
     errors: list[str] = []
     with path.open("rb") as f:  # bytes: a line that is not UTF-8 is reported with its line, not mid-read
@@ -101,7 +109,9 @@ def _read_jsonl(path: Path) -> list[tuple[str, Record]]:
                 errors.append(f"{where}: {exc}")
             except DataError as exc:
                 errors.append(str(exc).removeprefix(f"{path}: "))
-    if errors:
+    if bad is not None:
+        bad.extend(errors)
+    elif errors:
         raise bad_rows_error(path, errors, len(rows) + len(errors))
     return rows
 
@@ -144,15 +154,18 @@ def file_format(path: str | Path) -> str:
     return fmt
 
 
-def located_records(spec: str | Path) -> list[tuple[str, Record]]:
+def located_records(spec: str | Path, bad: list[str] | None = None) -> list[tuple[str, Record]]:
     """(where, record) pairs of a prompt file, sliced when `spec` ends in `@[start:end]`; `where` is
-    "line N" (jsonl) or "row N" (json, parquet)."""
+    "line N" (jsonl) or "row N" (json, parquet). `bad`: a jsonl file's lines that are no record go into it
+    instead of raising (PromptDataset reports them with the bad labels of the other rows)."""
     path_str, rows_slice = parse_data_spec(str(spec))
     path = Path(path_str)
     fmt = file_format(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    records = _READERS[fmt](path)
+    records = _read_jsonl(path, bad) if fmt == "jsonl" and bad is not None else _READERS[fmt](path)
+    if not records and bad:
+        return records  # every line bad: the caller reports them
     if not records:
         raise DataError(f"{path}: no rows")
     if rows_slice is None:

@@ -97,3 +97,19 @@ def test_preflight_checks_labels_with_the_flags_reward(tiny_qwen2, tmp_path):
     with pytest.raises(DataError, match=r"line 2: 'label' \(--label-key\) is null; --rm-type digit"):
         preflight(build_config(args + ["--rm-type", "digit"]))
     preflight(build_config(args + ["--rm-type", "format"]))  # reads no label: loads
+
+
+def test_lines_that_are_no_record_and_bad_labels_are_reported_together(tmp_path):
+    """A line that is not JSON used to hide the bad labels of the other lines until it was fixed."""
+    f = tmp_path / "mixed.jsonl"
+    lines = [json.dumps({"input": "q0", "label": "1"}), "{not json", json.dumps({"input": "q2", "label": None}),
+             json.dumps(["a", "list"]), json.dumps({"input": "q4", "label": "12"})]
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as err:
+        load(f, "digit")
+    msg = str(err.value)
+    assert "4 bad row(s) of 5" in msg
+    order = [msg.index(f"line {k}: ") for k in (2, 3, 4, 5)]  # in the file's order
+    assert order == sorted(order) and "line 1:" not in msg
+    assert "line 2: not valid JSON" in msg and "line 3: 'label' (--label-key) is null" in msg
+    assert "line 4: expected a JSON object, got list" in msg and "line 5: 'label' (--label-key) is '12'" in msg
