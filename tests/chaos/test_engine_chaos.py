@@ -313,7 +313,7 @@ def test_a_weight_group_whose_peer_never_comes_times_out_and_frees_the_lock(tiny
     answer meanwhile (with 2 threads and 3 such calls, they hung)."""
     from tests.conftest import free_port
 
-    s = start_server(tiny_qwen2, api_key=KEY, http_workers=2, weight_group_timeout_s=3)
+    s = start_server(tiny_qwen2, api_key=KEY, http_workers=2, weight_group_timeout_s=1.5)
     try:
         results: list[tuple[int, str, float]] = []
         callers = [threading.Thread(target=lambda g=g: results.append(_init_group(s.url, free_port(), g)))
@@ -332,8 +332,8 @@ def test_a_weight_group_whose_peer_never_comes_times_out_and_frees_the_lock(tiny
         assert len(results) == 3
         for status, text, _ in results:
             assert status == 400 and "Failed to initialize custom process group" in text, text
-        # one at a time, each for its whole timeout: the last answered after about three of them
-        assert sorted(round(took) for _, _, took in results)[-1] >= 8
+        # one at a time, each for at least its whole timeout: the last answered after three of them
+        assert max(took for _, _, took in results) >= 3 * 1.5
     finally:
         s.shutdown()
 
