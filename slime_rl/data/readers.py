@@ -171,7 +171,7 @@ def located_records(spec: str | Path, bad: list[str] | None = None) -> list[tupl
     if rows_slice is None:
         return records
     sliced = records[rows_slice]
-    if not sliced:
+    if not sliced and not bad:  # (with bad lines the caller reports those: the slice counts good rows only)
         raise DataError(f"{spec}: the slice [{rows_slice.start}:{rows_slice.stop}] selects no rows "
                         f"(the file has {len(records)})")
     return sliced
