@@ -157,27 +157,23 @@ def test_over_sampling_aborts_land_and_partial_rollout_resumes_them(ray_session,
 
 @pytest.mark.slow
 def test_resume_continues_exactly(ray_session, tiny_qwen2, digit_data, tmp_path):
-    """4 steps straight vs 3 steps saved every step, a new cluster, --load of the iteration folder of step
-    1 (not the newest: what a user reaches for when the newest is bad) into a new --save folder, 2 more
-    steps: steps 2-3 match, and the old folder is not touched. Rollouts repeat because every request is
-    seeded from the sample index (--deterministic-rollout); the trainer state (weights, Adam, scheduler,
-    RNG) and the data position come from the checkpoint. The same folder as --save, where the old run's
-    step 2 would be overwritten, is refused before anything starts."""
+    """4 steps saved every step (saving changes nothing in a run), then a new cluster, --load of the
+    iteration folder of step 1 (not the newest: what a user reaches for when the newest is bad) into a new
+    --save folder, 2 more steps: steps 2-3 match the first run's, and its folder is not touched. Rollouts
+    repeat because every request is seeded from the sample index (--deterministic-rollout); the trainer
+    state (weights, Adam, scheduler, RNG) and the data position come from the checkpoint. The same folder
+    as --save, where the first run's steps 2 and 3 would be overwritten, is refused before anything starts."""
     import hashlib
 
     from slime_rl.config import ConfigError
     from slime_rl.trainer.checkpoint import latest_checkpoint
 
-    # --lr-decay-iters 4: the 3-step run stands in for the first steps of the 4-step one, so its (linear,
-    # the default) LR schedule must span the same 4 steps; the resume must restore where it stands
-    det = ["--deterministic-rollout", "--custom-rm-path", "tests.plugins.example_reward:index_reward",
-           "--lr-decay-iters", "4"]
-    straight = train(*_cfg_plan(argv(tiny_qwen2, digit_data, tmp_path / "a", steps=4) + det))
+    det = ["--deterministic-rollout", "--custom-rm-path", "tests.plugins.example_reward:index_reward"]
     ckpt = tmp_path / "ckpt"
-    first = train(*_cfg_plan(argv(tiny_qwen2, digit_data, tmp_path / "b", steps=3) + det
-                             + ["--save", str(ckpt), "--save-interval", "1", "--keep-last", "2"]))
-    assert [r["step"] for r in first] == [0, 1, 2]
-    assert latest_checkpoint(ckpt).name == "iter_0000002" and not (ckpt / "iter_0000000").exists()  # keep-last 2
+    straight = train(*_cfg_plan(argv(tiny_qwen2, digit_data, tmp_path / "b", steps=4) + det
+                                + ["--save", str(ckpt), "--save-interval", "1", "--keep-last", "3"]))
+    assert [r["step"] for r in straight] == [0, 1, 2, 3]
+    assert latest_checkpoint(ckpt).name == "iter_0000003" and not (ckpt / "iter_0000000").exists()  # keep-last 3
 
     def checksums() -> dict[str, str]:
         return {str(f.relative_to(ckpt)): hashlib.sha256(f.read_bytes()).hexdigest()
@@ -185,7 +181,7 @@ def test_resume_continues_exactly(ray_session, tiny_qwen2, digit_data, tmp_path)
 
     before = checksums()
     resume = argv(tiny_qwen2, digit_data, tmp_path / "c", steps=4) + det + ["--load", str(ckpt / "iter_0000001")]
-    with pytest.raises(ConfigError, match=r"already holds later checkpoints \(iter_0000002\)"):
+    with pytest.raises(ConfigError, match=r"already holds later checkpoints \(iter_0000002, iter_0000003\)"):
         _cfg_plan(resume + ["--save", str(ckpt)])
     resumed = train(*_cfg_plan(resume + ["--save", str(tmp_path / "from-1")]))
     assert [r["step"] for r in resumed] == [2, 3]
