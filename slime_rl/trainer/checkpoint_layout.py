@@ -329,9 +329,7 @@ def choose_checkpoint(load: str | Path | None, ckpt_step: int | None = None) -> 
             what = "does not exist" if not p.exists() else "is not a complete checkpoint (an interrupted save: no " \
                 f"{MARKER_FILE} or {DIST_CKPT_METADATA})"
             raise CheckpointChoiceError(f"--load {p} {what}; {intact_checkpoints(p.parent)}")
-        marker_step(p)
-        check_shards(p)
-        return p
+        return _resumable(p)
     if not p.is_dir():
         if ckpt_step is not None:
             raise CheckpointChoiceError(f"--ckpt-step {ckpt_step}: --load {p} does not exist")
@@ -341,9 +339,7 @@ def choose_checkpoint(load: str | Path | None, ckpt_step: int | None = None) -> 
         if not is_complete(folder):
             raise CheckpointChoiceError(f"--ckpt-step {ckpt_step}: {folder} is not a complete checkpoint; "
                                         f"{intact_checkpoints(p)}")
-        marker_step(folder)
-        check_shards(folder)
-        return folder
+        return _resumable(folder)
     latest = latest_checkpoint(p)
     if latest is None and (p / TRACKER_FILE).is_file():
         latest = _megatron_lm_folder(p)  # Megatron-LM's own save (weights only)
@@ -355,9 +351,14 @@ def choose_checkpoint(load: str | Path | None, ckpt_step: int | None = None) -> 
             raise CheckpointChoiceError(f"--load {p}: it holds iteration folders but none is complete (interrupted "
                                         "saves); nothing to resume from, and starting fresh there would mix two runs")
         return None
-    marker_step(latest)
-    check_shards(latest)
-    return latest
+    return _resumable(latest)
+
+
+def _resumable(folder: Path) -> Path:
+    """`folder`, once its marker holds a run position and its files are whole (errors name what is not)."""
+    marker_step(folder)
+    check_shards(folder)
+    return folder
 
 
 def check_save_folder(save: str | Path | None, resume_from: Path | None) -> None:

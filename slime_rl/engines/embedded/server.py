@@ -288,7 +288,7 @@ class EmbeddedServer:
             w.weight_version = version
             return 200, {"success": True, "message": f"Weight version updated to {version}",
                          "new_version": version}
-        # WEIGHT_UPDATE_CALLS, each
+        # the calls of WEIGHT_UPDATE_CALLS (handle queues them on the loop first)
         ops = {"/init_weights_update_group": w.init_group, "/destroy_weights_update_group": w.destroy_group,
                "/update_weights_from_distributed": w.update_from_distributed,
                "/update_weights_from_tensor": w.update_from_tensor,
