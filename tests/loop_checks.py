@@ -25,6 +25,12 @@ def one_step_then_compare_weights(cluster, api_key: str, version: str = "1") -> 
     cluster.generate(0)
     cluster.train(0)
     cluster.sync_weights(version=version)
+    return compare_engine_weights(cluster, api_key, version)
+
+
+def compare_engine_weights(cluster, api_key: str, version: str) -> dict[str, np.ndarray]:
+    """Assert that every engine holds weight version `version` and every tensor the trainer gathers,
+    bit for bit. Returns the trainer's tensors."""
     trainer = cluster.trainers.hf_weights()
     for url in cluster.engine_urls:
         with EngineClient(url, api_key=api_key) as client:

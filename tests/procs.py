@@ -45,13 +45,16 @@ def _forkserver() -> multiprocessing.context.BaseContext | None:
     return _CONTEXT
 
 
-def _run_rank(argv: list[str], env: dict[str, str], log_path: str) -> None:
-    """In the forked rank: the command's environment, working directory and log file, then its module or
-    script as __main__ (what `python -m` / `python script.py` would run)."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+def _run_rank(argv: list[str], env: dict[str, str], log_path: str, err_path: str | None = None,
+              exit_handlers: bool = False) -> None:
+    """In the forked rank: the command's environment, working directory and log file (stderr to
+    `err_path` when given), then its module or script as __main__ (what `python -m` / `python script.py`
+    would run). `exit_handlers`: run the atexit handlers at the end, as an interpreter's exit does (a
+    forked process ends without them: a Ray session the command started would be left running)."""
+    for target, path in ((1, log_path), (2, err_path or log_path)):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, target)
+        os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
@@ -74,6 +77,10 @@ def _run_rank(argv: list[str], env: dict[str, str], log_path: str) -> None:
             sys.path.insert(0, str(Path(argv[1]).resolve().parent))  # as `python script.py` puts its folder first
             runpy.run_path(argv[1], run_name="__main__")
     finally:
+        if exit_handlers:
+            import atexit
+
+            atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
 
@@ -88,8 +95,9 @@ class _Forked:
     """A forked rank, with the part of Popen's interface run_processes uses."""
 
     def __init__(self, ctx: multiprocessing.context.BaseContext, cmd: Sequence[str], env: dict[str, str],
-                 log_path: str) -> None:
-        self._proc = ctx.Process(target=_run_rank, args=(list(cmd), env, log_path), daemon=False)
+                 log_path: str, err_path: str | None = None, exit_handlers: bool = False) -> None:
+        self._proc = ctx.Process(target=_run_rank, args=(list(cmd), env, log_path, err_path, exit_handlers),
+                                 daemon=False)
         self._proc.start()
 
     def poll(self) -> int | None:
@@ -151,3 +159,23 @@ def run_processes(cmds: Sequence[Sequence[str]], what: str, timeout: float = 300
     if why is not None:
         raise RuntimeError(f"{what} failed ({why}):\n" + "\n---\n".join(log[-tail:] for log in logs))
     return logs
+
+
+def run_python(cmd: Sequence[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """One Python command (`sys.executable script.py ...` or `-m module`), as subprocess.run with
+    capture_output and text would run it, from the warm interpreter where ranks start from it; stdout
+    and stderr apart. Raises subprocess.TimeoutExpired after `timeout` seconds (the process killed)."""
+    ctx = _forkserver() if _forkable(cmd) else None
+    if ctx is None:
+        return subprocess.run(list(cmd), capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="run_python_") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        out.touch()
+        err.touch()
+        proc = _Forked(ctx, cmd, dict(env), str(out), str(err), exit_handlers=True)
+        proc._proc.join(timeout)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            raise subprocess.TimeoutExpired(list(cmd), timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(list(cmd), proc.returncode, out.read_text(), err.read_text())

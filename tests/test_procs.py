@@ -1,13 +1,16 @@
-"""tests/procs.run_processes, the multi-rank scenario runner: a rank that dies stops the others."""
+"""tests/procs.run_processes, the multi-rank scenario runner: a rank that dies stops the others; tests/procs.run_python,
+one command as subprocess.run would run it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.procs import ROOT, _forkserver, run_processes
+from tests.procs import ROOT, _forkserver, run_processes, run_python
 
 
 def test_a_failing_rank_stops_the_waiting_ones_and_its_log_is_kept():
@@ -49,3 +52,25 @@ def test_a_python_rank_runs_as_its_own_command_would_from_a_warm_interpreter(tmp
     # a module (`python -m`): the same, through runpy as `-m` runs it
     logs = run_processes([[sys.executable, "-m", "tests.rank_probe_module", "7"]], "module", timeout=120)
     assert logs[0].strip().splitlines()[-1] == "module __main__ ['7']"
+
+
+def test_one_python_command_as_subprocess_run_would_run_it(tmp_path):
+    """run_python: stdout and stderr apart, the exit code, and the atexit handlers run at the end (a forked
+    process skips them; a Ray session a bench script started would outlive it); a timeout kills it."""
+    marker = tmp_path / "atexit_ran"
+    script = tmp_path / "probe.py"
+    script.write_text("import atexit, os, pathlib, sys\n"
+                      "atexit.register(lambda: pathlib.Path(os.environ['MARKER']).write_text('yes'))\n"
+                      "print('out', sys.argv[1:]); print('err', file=sys.stderr)\n"
+                      "sys.exit(int(sys.argv[1]))\n")
+    env = {**os.environ, "MARKER": str(marker)}
+    done = run_python([sys.executable, str(script), "0"], env, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "out ['0']\n", "err\n")
+    assert marker.read_text() == "yes"
+    assert run_python([sys.executable, str(script), "5"], env, timeout=120).returncode == 5
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(30)\n")
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python([sys.executable, str(sleeper)], env, timeout=1)
+    assert time.monotonic() - t0 < 20

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from slime_rl.config import build_config
 from slime_rl.data.vl_counting import make_rows, write_jsonl
-from slime_rl.train import preflight, train
-from tests.loop_checks import one_step_then_compare_weights
+from slime_rl.train import preflight
+from tests.loop_checks import compare_engine_weights
 
 
 @pytest.fixture(scope="module")
@@ -31,31 +31,24 @@ def argv(model, data, run_dir, steps: int, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_grpo_steps_with_images(ray_session, tiny_qwen2_5_vl, vl_data, tmp_path):
-    rows = train(*preflight(build_config(argv(tiny_qwen2_5_vl, vl_data, tmp_path / "run", 2))))
-    assert [r["step"] for r in rows] == [0, 1]
-    print("VL loop:", [(r["step"], r["train/rollout_logprob_abs_diff"], r["train/grad_norm"]) for r in rows])
-    # step 0: the same weights on both sides, so only image tokens/positions could make a gap
-    assert rows[0]["train/rollout_logprob_abs_diff"] <= 1e-3
-    # step 1 was generated with the broadcast weights of step 0's update (vision tower included)
-    assert rows[1]["train/rollout_logprob_abs_diff"] <= 1e-2
-    assert all(np.isfinite(r["train/loss"]) for r in rows)
-    assert rows[1]["perf/weight_sync_GBps"] > 0
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("freeze", [False, True], ids=["trained", "frozen"])
 def test_engine_holds_trainer_weights_after_sync(ray_session, tiny_qwen2_5_vl, vl_data, tmp_path, freeze):
     """After one update and a sync the engine's tensors equal the trainer's, bit for bit; the
-    vision tower moved unless frozen (then the sync sent it once and it stayed the checkpoint's)."""
+    vision tower moved unless frozen (then the sync sent it once and it stayed the checkpoint's).
+    Trained: a second step, generated with those weights, has a small log-prob gap too."""
     from slime_rl.orchestration.cluster import Cluster
 
     extra = ["--custom-rm-path", "tests.plugins.example_reward:index_reward"]
-    cfg = build_config(argv(tiny_qwen2_5_vl, vl_data, tmp_path / "run", 1, *extra)
+    cfg = build_config(argv(tiny_qwen2_5_vl, vl_data, tmp_path / "run", 2, *extra)
                        + (["--freeze-vision-tower"] if freeze else []))
     cluster = Cluster(*preflight(cfg), api_key="test-secret")
     try:
-        trainer = one_step_then_compare_weights(cluster, api_key="test-secret")
+        cluster.start(train_iters=4)
+        rows = [cluster.generate(0) | cluster.train(0)]
+        rows[0] |= cluster.sync_weights(version="1")
+        trainer = compare_engine_weights(cluster, "test-secret", "1")
+        if not freeze:
+            rows.append(cluster.generate(1) | cluster.train(1))
     finally:
         cluster.shutdown()
     initial = load_file(str(tiny_qwen2_5_vl / "model.safetensors"))
@@ -64,3 +57,10 @@ def test_engine_holds_trainer_weights_after_sync(ray_session, tiny_qwen2_5_vl, v
     assert any(n.startswith("model.layers.") for n in moved)
     vision_moved = any(n.startswith("visual.") for n in moved)
     assert vision_moved is not freeze
+    print("VL loop:", [(r["train/rollout_logprob_abs_diff"], r["train/grad_norm"]) for r in rows])
+    # step 0: the same weights on both sides, so only image tokens/positions could make a gap
+    assert rows[0]["train/rollout_logprob_abs_diff"] <= 1e-3
+    assert rows[0]["perf/weight_sync_GBps"] > 0
+    assert all(np.isfinite(r["train/loss"]) for r in rows)
+    if not freeze:  # step 1 was generated with the broadcast weights of step 0's update (vision tower included)
+        assert rows[1]["train/rollout_logprob_abs_diff"] <= 1e-2

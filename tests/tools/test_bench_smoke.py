@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.procs import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,8 +20,7 @@ def run_smoke(script: str, tmp_path: Path) -> tuple[str, dict]:
 
     out = tmp_path / "result.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    proc = run_python([sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out)], env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     return lines[-1], json.loads(out.read_text())
@@ -75,7 +75,7 @@ def test_gpu_e2e_smoke(ray_session, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "RAY_AUTH_MODE": "disabled",
            "RAY_ADDRESS": session_address()}
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "--smoke", "--out", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    proc = run_python(cmd, env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = [ln for ln in proc.stdout.splitlines() if ln.strip()][-1]
     assert last.startswith("disaggregated tiny: 3 steps") and last.endswith("PASS"), last
@@ -93,7 +93,7 @@ def test_moe_gpu_smoke(ray_session, tmp_path):
            "RAY_ADDRESS": session_address()}
     out = tmp_path / "moe.json"
     cmd = [sys.executable, str(ROOT / "bench" / "moe_gpu.py"), "--tiny", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    proc = run_python(cmd, env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = [ln for ln in proc.stdout.splitlines() if ln.strip()][-1]
     assert last.startswith("moe colocated tiny: 3 steps") and last.endswith("PASS"), last
@@ -128,9 +128,8 @@ def test_train_memory_smoke(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "mem.jsonl"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "train_memory.py"), "--smoke", "--out", str(out),
-                           "--ckpt-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=600)
+    proc = run_python([sys.executable, str(ROOT / "bench" / "train_memory.py"), "--smoke", "--out", str(out),
+                       "--ckpt-dir", str(tmp_path)], env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = [ln for ln in proc.stdout.splitlines() if ln.strip()][-1]
     assert re.fullmatch(r"peak nan GiB, estimate \d+\.\d\d GiB, error \+?nan", last), last
