@@ -47,16 +47,24 @@ def still_alive(recorded: dict[int, tuple[float, str]]) -> dict[int, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("how, save_on_signal", [(signal.SIGKILL, False), (signal.SIGTERM, False),
                                                  (signal.SIGTERM, True)], ids=["kill-9", "sigterm", "sigterm-save"])
-def test_a_killed_driver_leaves_no_process_behind(how, save_on_signal, tiny_qwen2, digit_data, tmp_path):
-    """kill -9: no handler runs, the reaper takes everything down. SIGTERM (a scheduler's preemption)
-    while the loop runs: the run unwinds, says in one sentence that it stopped on SIGTERM and how to
-    resume, and exits 143 (Ray's crash handler answered it with 134 and a stack dump before). With
-    --exit-signal-handler the step under way finishes and is saved first, and the sentence names it."""
-    from slime_rl.trainer.checkpoint_layout import is_complete
+def test_a_killed_driver_leaves_no_process_behind(how, save_on_signal, ray_session, tiny_qwen2, digit_data,
+                                                  tmp_path):
+    """kill -9: no handler runs, the reaper takes everything down. SIGTERM (a scheduler's preemption) in
+    the middle of a checkpoint save (every step saves): the run unwinds, says in one sentence that it
+    stopped on SIGTERM and from which checkpoint to resume, exits 143 (Ray's crash handler answered it with
+    134 and a stack dump before) and leaves no partial save; resuming from the checkpoint before the one
+    named repeats the step that followed it exactly. With --exit-signal-handler the step under way finishes
+    and is saved first, and the sentence names it."""
+    from slime_rl.trainer.checkpoint_layout import TMP_SUFFIX, is_complete
 
     run = tmp_path / "run"
     ckpt = tmp_path / "ckpt"
-    extra = ["--exit-signal-handler", "--save", str(ckpt)] if save_on_signal else []
+    if save_on_signal:
+        extra = ["--exit-signal-handler", "--save", str(ckpt)]
+    elif how == signal.SIGTERM:
+        extra = ["--save", str(ckpt), "--save-interval", "1", "--deterministic-rollout"]
+    else:
+        extra = []
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env |= {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = (tmp_path / "driver.log").open("w")
@@ -78,12 +86,19 @@ def test_a_killed_driver_leaves_no_process_behind(how, save_on_signal, tiny_qwen
         else:
             pytest.fail(f"not every part started in time: {sorted(c for _, c in recorded.values())}")
         time.sleep(2.0)
-        if how == signal.SIGTERM:  # the loop under way: after the first step's line (a step takes < 1 s, so
-            # the signal lands in any phase of a later step; the sentence names whichever it was)
+        if save_on_signal:  # the loop under way: after the first step's line (a step takes < 1 s, so
+            # the signal lands in any phase of a later step)
             deadline = time.time() + 120
             while "step    1/1000" not in (tmp_path / "driver.log").read_text() and time.time() < deadline:
                 assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
                 time.sleep(0.2)
+        elif how == signal.SIGTERM:  # while the save of step 2 or a later one is being written
+            deadline, k = time.time() + 120, 2
+            while not (ckpt / f"iter_{k:07d}{TMP_SUFFIX}").exists() and time.time() < deadline:
+                assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+                if is_complete(ckpt / f"iter_{k:07d}"):  # written between two looks: the next one
+                    k += 1
+                time.sleep(0.002)
         recorded |= tree(driver.pid)
         os.kill(driver.pid, how)
         code = driver.wait(timeout=120)
@@ -103,10 +118,17 @@ def test_a_killed_driver_leaves_no_process_behind(how, save_on_signal, tiny_qwen
         elif how == signal.SIGTERM:
             out = (tmp_path / "driver.log").read_text()
             assert code == 143, out[-3000:]
-            assert re.search(r"slime-rl train: run stopped: SIGTERM received \(during "
-                             r"(rollout|train|weight sync|engine restart|eval|checkpoint save) of step \d+\); "
-                             r"stopping the engines and trainers\. No checkpoint to resume from", out), out[-3000:]
+            found = re.search(r"slime-rl train: run stopped: SIGTERM received \(during checkpoint save of step "
+                              r"(\d+)\); stopping the engines and trainers\. To resume: rerun with --load "
+                              rf"{re.escape(str(ckpt))} \(its last complete checkpoint: (\S+), step (\d+)\)", out)
+            assert found, out[-3000:]
+            stopped, named = int(found.group(1)), int(found.group(3))
+            # the save under way is not complete (or had just finished when the signal came)
+            assert stopped >= k and named in (stopped - 1, stopped), (stopped, named)
+            assert found.group(2) == str(ckpt / f"iter_{named:07d}") and is_complete(found.group(2))
+            assert not list(ckpt.glob(f"*{TMP_SUFFIX}")), sorted(p.name for p in ckpt.iterdir())  # no partial save
             assert "*** SIGTERM received" not in out and "Traceback" not in out, out[-3000:]
+            resume_exactly(tiny_qwen2, digit_data, tmp_path, ckpt, step=stopped - 2)  # its next step is logged
         deadline = time.time() + 30
         while still_alive(recorded) and time.time() < deadline:
             time.sleep(0.5)
@@ -117,3 +139,21 @@ def test_a_killed_driver_leaves_no_process_behind(how, save_on_signal, tiny_qwen
             driver.kill()
         for pid in still_alive(recorded):  # only what this test's driver started
             os.kill(pid, signal.SIGKILL)
+
+
+def resume_exactly(model, data, tmp_path, ckpt, step: int) -> None:
+    """--load of the checkpoint of `step` (of the stopped run, whose metrics logged the step after it):
+    the step after it repeats bit for bit (rollouts seeded by sample index; weights, Adam, the LR schedule,
+    RNG and data position from the checkpoint)."""
+    import json
+
+    from slime_rl.config import build_config
+    from slime_rl.train import preflight, train
+
+    logged = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    args = argv(model, data, tmp_path / "resumed", steps=step + 2) + [
+        "--deterministic-rollout", "--load", str(ckpt / f"iter_{step:07d}")]
+    (row,) = train(*preflight(build_config(args)))
+    assert row["step"] == step + 1
+    for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "train/grad_norm"):
+        assert row[key] == logged[step + 1][key], (key, row[key], logged[step + 1][key])
