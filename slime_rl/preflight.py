@@ -69,8 +69,9 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     if cfg.debug.train_only and cfg.plan.cluster is None and not cfg.checkpoint.load:
         check_replay_files(cfg)  # after --num-epoch became a number of steps
     args = slime_args(cfg)  # what slime-style extension functions get first
-    reward_fn_from_config(cfg.reward, args=args)
-    if dataset is not None and cfg.reward.custom_rm_path is None:
+    reward_fn_from_config(cfg.reward, args=args,
+                          generate_sets_reward=cfg.rollout.custom_generate_function_path is not None)
+    if dataset is not None and cfg.reward.custom_rm_path is None and cfg.reward.rm_type is not None:
         check_reward_rows(cfg.reward.rm_type, cfg.data.prompt_data, dataset)
     # extension points load here, so a bad dotted path fails before any actor starts
     load_generate_function(cfg.rollout.custom_generate_function_path, args)

@@ -31,14 +31,6 @@ _TRAIN_BACKEND = "must be megatron: the trainer is megatron-core (slime's FSDP b
 _REFUSED_SWITCHES = (
     ('--disable-compute-advantages-and-returns', "is refused: it belongs to slime's SFT scripts (--loss-type "
      "sft_loss); every --advantage-estimator here computes advantages"),
-    ('--use-precision-aware-optimizer', "is refused: megatron-core needs TransformerEngine's FusedAdam for it, which "
-     "this trainer does not use (local layer spec, torch Adam): main params and Adam states stay fp32, sharded over "
-     "the data-parallel ranks"),
-    ('--optimizer-cpu-offload', "is refused: megatron-core's HybridDeviceOptimizer (which also needs "
-     "--use-precision-aware-optimizer) does not take the trainer's distributed-optimizer shards (megatron-core "
-     "0.19.2 fails on them); the Adam state is already sharded over the data-parallel ranks: add ranks, or save "
-     "activation memory with --recompute-granularity full"),
-    ('--overlap-cpu-optimizer-d2h-h2d', "is refused: it is part of --optimizer-cpu-offload, which is refused"),
 )
 _REFUSED_VALUES = (
     ('--decoder-first-pipeline-num-layers', "is refused: pipeline stages hold an even split, num_hidden_layers / "

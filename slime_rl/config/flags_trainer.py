@@ -112,6 +112,22 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
         Flag('--adam-beta2', 'optimizer.adam_beta2', default=0.999, type=float,
              check=(lambda v: 0 <= v < 1, "must be in [0, 1)")),
         Flag('--adam-eps', 'optimizer.adam_eps', default=1e-08, type=float),
+        Flag('--optimizer-cpu-offload', 'optimizer.cpu_offload', action="store_true",
+             help="Megatron's: each rank's shard of the fp32 main params, their grads and the Adam states lives in "
+                  "host memory and Adam steps on the CPU (megatron-core's HybridDeviceOptimizer, torch's AdamW): "
+                  "16 bytes per parameter / data-parallel size leave the GPU. Ranks on CPU: no effect (the "
+                  "optimizer is there already)"),
+        Flag('--optimizer-offload-fraction', 'optimizer.offload_fraction', default=1.0, type=float,
+             check=(lambda v: 0 < v <= 1, "must be in (0, 1]"),
+             help="Megatron's: with --optimizer-cpu-offload, the fraction of the shard's parameters whose "
+                  "optimizer runs on the CPU (the rest stays on the GPU)"),
+        Flag('--overlap-cpu-optimizer-d2h-h2d', 'optimizer.overlap_cpu_d2h_h2d', action="store_true",
+             help="Megatron's: with --optimizer-cpu-offload, one CPU optimizer per parameter, so the copies to "
+                  "and from the GPU overlap the CPU steps (on their own CUDA streams)"),
+        Flag('--use-precision-aware-optimizer', 'optimizer.precision_aware', action="store_true",
+             help="Megatron's: on with --optimizer-cpu-offload (Megatron-LM requires both); without it no effect: "
+                  "main params and Adam states stay fp32 either way (Megatron's --exp-avg-dtype and friends, "
+                  "which would lower them with TransformerEngine's FusedAdam, are not flags here)"),
         Flag('--seed', 'model.seed', derived=('data.seed', 'rollout.sample_seed'), default=1234, type=int,
              help="Megatron's seed (the trainer's RNGs); with --rollout-seed it also seeds the prompt order, "
                   "each request's sampling_seed and the engines' own seed (config/seeds.py)"),

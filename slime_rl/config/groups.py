@@ -93,6 +93,12 @@ class OptimizerConfig:
     adam_beta1: float = default_of("--adam-beta1")
     adam_beta2: float = default_of("--adam-beta2")
     adam_eps: float = default_of("--adam-eps")
+    # --optimizer-cpu-offload: fp32 main params, grads and Adam states of the rank's shard live in host
+    # memory and Adam steps on the CPU (megatron-core's HybridDeviceOptimizer); GPU ranks only
+    cpu_offload: bool = default_of("--optimizer-cpu-offload")
+    offload_fraction: float = default_of("--optimizer-offload-fraction")
+    overlap_cpu_d2h_h2d: bool = default_of("--overlap-cpu-optimizer-d2h-h2d")
+    precision_aware: bool = default_of("--use-precision-aware-optimizer")
 
     def warmup_steps(self, decay_steps: int) -> float:
         """LR warm-up steps: --lr-warmup-iters, or Megatron's --lr-warmup-fraction x the decay steps

@@ -158,7 +158,13 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.rollout_num_gpus % a.rollout_num_gpus_per_engine == 0,
            f"--rollout-num-gpus-per-engine ({a.rollout_num_gpus_per_engine}) must divide "
            f"--rollout-num-gpus ({a.rollout_num_gpus})")
-    _check(a.rm_type is not None or a.custom_rm_path is not None, "--rm-type or --custom-rm-path is required")
+    # slime's agent examples score in their generate function (sample.reward), with no reward flag
+    _check(a.rm_type is not None or a.custom_rm_path is not None or a.custom_generate_function_path is not None,
+           "--rm-type or --custom-rm-path is required (or a --custom-generate-function-path that sets each "
+           "sample's reward)")
+    _check(a.rm_type is not None or a.custom_rm_path is not None or not a.eval_prompt_data,
+           "--eval-prompt-data needs --rm-type or --custom-rm-path: eval samples come from the built-in generate "
+           "function, which sets no reward")
     _check(not a.group_rm or a.custom_rm_path is not None, "--group-rm needs --custom-rm-path (a function that "
            "scores a list of samples)")
     # the NCCL weight-update group counts N ranks per engine; the built-in engine would join with one.
@@ -295,6 +301,10 @@ def _engine_config(a: argparse.Namespace, sglang: dict[str, Any], router: dict[s
 
 def _eval_config(a: argparse.Namespace, check_paths: bool, train_only: bool = False) -> EvalConfig:
     pairs = a.eval_prompt_data or []
+    if len(pairs) == 1:  # slime's legacy form: one file, which it names aime
+        warnings.warn(f"--eval-prompt-data {pairs[0]}: one file and no name: named 'aime' as slime names it "
+                      "(give NAME PATH pairs to name it)", ConfigNote, stacklevel=2)
+        pairs = ["aime", pairs[0]]
     _check(len(pairs) % 2 == 0, f"--eval-prompt-data takes NAME PATH pairs, got {len(pairs)} values")
     datasets = tuple((pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))
     for name, path in datasets:

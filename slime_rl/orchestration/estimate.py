@@ -229,6 +229,7 @@ class TrainerLayout:
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
     gqa_expanded: bool = False  # k/v repeated to the query heads before attention (torch without varlen GQA)
+    optimizer_offload: float = 0.0  # --optimizer-cpu-offload's --optimizer-offload-fraction (0: none)
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,7 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     logits: int
+    host_optimizer: int = 0  # --optimizer-cpu-offload: host memory of this GPU's rank (not in total)
 
     @property
     def total(self) -> int:
@@ -323,6 +325,10 @@ def estimate_memory(shape: ModelShape, lay: TrainerLayout) -> MemoryEstimate:
     # distributed optimizer: fp32 master + Adam m, v (bf16); m, v (fp32); SGD: master and/or momentum
     opt_bytes = {("adam", True): 12, ("adam", False): 8, ("sgd", True): 8, ("sgd", False): 4}[
         (lay.optimizer, lay.bf16)]
+    # --optimizer-cpu-offload: that fraction of the shard leaves the GPU; the host holds its fp32 params and
+    # grads and the optimizer's states (Adam m, v; SGD momentum) -- megatron-core's HybridDeviceOptimizer
+    off = lay.optimizer_offload
+    host_bytes = 16 if lay.optimizer == "adam" else 12
     world = lay.tp * lay.pp * lay.cp * lay.dp
     expert_dp = max(1, world // (lay.pp * lay.ep * (lay.etp or lay.tp)))
     best = None
@@ -331,7 +337,8 @@ def estimate_memory(shape: ModelShape, lay: TrainerLayout) -> MemoryEstimate:
         in_flight = lay.micro_batches_in_flight or (lay.pp - stage)
         est = MemoryEstimate(
             stage=stage, params=dense + expert, weights=(dense + expert) * weight_bytes, grads=(dense + expert) * 4,
-            optimizer=int(opt_bytes * (dense / (lay.dp * lay.cp) + expert / expert_dp)),
+            optimizer=int((1 - off) * opt_bytes * (dense / (lay.dp * lay.cp) + expert / expert_dp)),
+            host_optimizer=int(off * host_bytes * (dense / (lay.dp * lay.cp) + expert / expert_dp)),
             activations=int(min(in_flight, lay.pp - stage) * stage_activation_bytes(shape, lay, stage)),
             logits=int(LOGITS_BYTES * lay.tokens_per_micro_batch / lay.cp * (-(-shape.vocab // lay.tp)))
             if stage == lay.pp - 1 else 0)

@@ -67,7 +67,8 @@ def trainer_layout(cfg: Config, gqa_expanded: bool = False) -> tuple[TrainerLayo
         etp=getattr(p, "expert_tensor_parallel_size", None), bf16=cfg.model.bf16,
         optimizer=cfg.optimizer.optimizer, sequence_parallel=t.sequence_parallel, tokens_per_micro_batch=tokens,
         micro_batches_in_flight=in_flight, recompute_granularity=t.recompute_granularity,
-        recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers, gqa_expanded=gqa_expanded)
+        recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers, gqa_expanded=gqa_expanded,
+        optimizer_offload=cfg.optimizer.offload_fraction if cfg.optimizer.cpu_offload else 0.0)
     return lay, why
 
 
@@ -164,7 +165,9 @@ def estimate_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...]
         f"  weights      {mem.weights / GiB:7.2f} GiB  ({dtype})",
         f"  grads        {mem.grads / GiB:7.2f} GiB  (fp32 gradient buffer)",
         f"  optimizer    {mem.optimizer / GiB:7.2f} GiB  ({'fp32 master + ' if lay.bf16 else ''}{opt}, distributed "
-        f"over DP x CP = {lay.dp * lay.cp})",
+        f"over DP x CP = {lay.dp * lay.cp}" + (f"; --optimizer-cpu-offload: {lay.optimizer_offload:g} of it in host "
+                                               f"memory, {mem.host_optimizer / GiB:.2f} GiB per rank: fp32 params, "
+                                               f"grads and {opt})" if lay.optimizer_offload else ")"),
         f"  activations  {mem.activations / GiB:7.2f} GiB  (micro-batch of {lay.tokens_per_micro_batch} tokens: "
         f"{why}; CP {lay.cp}, TP {lay.tp}{sp}; {_recompute_text(cfg)}; {shape.layers // lay.pp} layers per stage)",
         f"  logits       {mem.logits / GiB:7.2f} GiB  (last stage: fp32 logits, response slice and softmax)",

@@ -142,8 +142,9 @@ class RolloutManager:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
         self.slime_args = slime_args(cfg)  # what slime-style extension functions get as `args`
-        self.reward_fn = reward_fn_from_config(cfg.reward, failure_value=cfg.reward.reward_failure_value,
-                                               args=self.slime_args)
+        self.reward_fn = reward_fn_from_config(
+            cfg.reward, failure_value=cfg.reward.reward_failure_value, args=self.slime_args,
+            generate_sets_reward=cfg.rollout.custom_generate_function_path is not None)
         self.dead: dict[int, str] = {}  # engine -> why it was declared dead; until it is revived
         self.options = RolloutOptions.from_config(
             cfg.rollout, return_routed_experts=cfg.trainer.use_rollout_routing_replay or None)

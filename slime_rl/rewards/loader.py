@@ -364,7 +364,7 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
                    rm_max_retries: int = 3, rm_backoff_s: float = 0.5,
                    failure_value: float | None = None, args: Any = None,
                    rm_kwargs: str | dict[str, Any] | None = None,
-                   timeout_s: float | None = None) -> RewardFn | GroupReward:
+                   timeout_s: float | None = None, generate_sets_reward: bool = False) -> RewardFn | GroupReward:
     """The run's reward function, checked now (unknown names, a missing URL, a bad path raise
     `RewardError` naming the flag) rather than at the first sample.
 
@@ -380,6 +380,8 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
       `rm_kwargs`: `--custom-rm-kwargs`.
     - `timeout_s`: `--reward-timeout-s`, per call (a sample, or a group); past it the call is a failure
       (RewardTimeout: `failure_value`, counted also in `failures.timeouts`). None: no limit.
+    - `generate_sets_reward`: without `rm_type` and `custom_rm_path`, the custom generate function scores each
+      sample itself (slime's agent examples); one it left unscored is a failure naming that.
     """
     if group_rm and not custom_rm_path:
         raise RewardError("--group-rm needs --custom-rm-path (a function of a list of samples)")
@@ -405,6 +407,12 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
         default = (custom[0], custom[2])
     elif rm_type:
         default = resolve(rm_type, "--rm-type")
+    elif generate_sets_reward:
+        def unscored(sample: Sample) -> float:
+            raise RewardError(f"sample {sample.index}: --custom-generate-function-path left its reward unset, and "
+                              "no --rm-type or --custom-rm-path is given to score it")
+
+        default = (unscored, BUILTIN_KEY)
     else:
         raise RewardError("no reward: set --rm-type or --custom-rm-path")
 

@@ -131,6 +131,11 @@ def _ensure_optimizer_state(optimizer: Any) -> None:
         inner = opt.optimizer
         if len(inner.state) != 0:
             continue
+        if hasattr(inner, "dummy_step"):  # megatron-core's HybridDeviceOptimizer (--optimizer-cpu-offload)
+            # makes its sub-optimizers' states with one step on random gradients, as megatron's own load
+            # does: the loaded weights, main params and states overwrite what it changed
+            inner.dummy_step()
+            continue
         if getattr(opt, "init_state_fn", None) is None:
             raise NotImplementedError(f"loading optimizer state into a fresh {type(inner).__name__}: "
                                       "only optimizers with an init_state_fn (adam) are supported")

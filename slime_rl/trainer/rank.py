@@ -133,12 +133,12 @@ class MegatronRank:
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=inner)
-        self.optimizer = get_megatron_optimizer(MegatronOptimizerConfig(
-            optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-            clip_grad=optim.clip_grad, adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2,
-            adam_eps=optim.adam_eps, bf16=model.bf16, params_dtype=config.params_dtype,
-            use_distributed_optimizer=True,
-        ), [self.model])
+        on_gpu = self.info.device.type == "cuda"
+        if optim.cpu_offload and not on_gpu and self.info.rank == 0:
+            print("[slime_rl] --optimizer-cpu-offload: the ranks run on the CPU, where the optimizer is already; "
+                  "nothing to offload", flush=True)
+        self.optimizer = get_megatron_optimizer(megatron_optimizer_config(optim, model.bf16, config.params_dtype,
+                                                                          on_gpu), [self.model])
         # Without finalize_model_grads_func the schedule never all-reduces grads over DP.
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
@@ -293,3 +293,21 @@ def moe_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
     """An MoE model's load-balancing losses (megatron's, unscaled by the coefficient), mean over mini-batches."""
     return {f"train/moe_{key[len('moe/'):]}": sum(st[key] for st in stats) / len(stats)
             for key in stats[0] if key.startswith("moe/")}
+
+
+def megatron_optimizer_config(optim: OptimizerConfig, bf16: bool, params_dtype: torch.dtype,
+                              on_gpu: bool) -> MegatronOptimizerConfig:
+    """megatron-core's optimizer settings for a rank: the distributed optimizer (fp32 main params and Adam
+    states sharded over the data-parallel ranks); with --optimizer-cpu-offload on a GPU, megatron-core's
+    HybridDeviceOptimizer keeps --optimizer-offload-fraction of the shard in pinned host memory and steps it
+    with torch's AdamW on the CPU. Megatron-LM turns --use-precision-aware-optimizer on with it (the hybrid
+    optimizer takes the decoupled-grad path of that flag); alone that flag needs TransformerEngine's
+    FusedAdam, and with fp32 states it changes nothing, so it is not passed on."""
+    offload = optim.cpu_offload and on_gpu
+    return MegatronOptimizerConfig(
+        optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        clip_grad=optim.clip_grad, adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps, bf16=bf16, params_dtype=params_dtype, use_distributed_optimizer=True,
+        optimizer_cpu_offload=offload, use_precision_aware_optimizer=offload,
+        optimizer_offload_fraction=optim.offload_fraction if offload else 0.0,
+        overlap_cpu_optimizer_d2h_h2d=offload and optim.overlap_cpu_d2h_h2d)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from slime_rl.config import ConfigError, build_config, parse_flags
+from slime_rl.config.checks import ConfigNote
 from slime_rl.config.flags import FLAGS, FROM_SLIME_SECTION, flag
 from slime_rl.config.from_slime import DEFAULTS_NOW_SLIMES, DIFFERENCES
 
@@ -116,9 +117,11 @@ OTHER_SCRIPTS: list[tuple[list[str], tuple[str, object] | str]] = [
     (["--lr-warmup-fraction", "0.1"], ("optimizer.lr_warmup_fraction", 0.1)),
     (["--num-epoch", "1"], ("data.num_epoch", 1)),
     (["--eval-temperature", "0.6"], ("eval.temperature", 0.6)),
-    (["--use-precision-aware-optimizer"], "TransformerEngine's FusedAdam"),
-    (["--optimizer-cpu-offload"], "HybridDeviceOptimizer"),
-    (["--overlap-cpu-optimizer-d2h-h2d"], "part of --optimizer-cpu-offload"),
+    (["--use-precision-aware-optimizer"], ("optimizer.precision_aware", True)),
+    (["--optimizer-cpu-offload"], ("optimizer.cpu_offload", True)),
+    (["--overlap-cpu-optimizer-d2h-h2d"], ("optimizer.overlap_cpu_d2h_h2d", True)),
+    (["--optimizer-offload-fraction", "0.5"], ("optimizer.offload_fraction", 0.5)),
+    (["--optimizer-offload-fraction", "0"], "must be in (0, 1]"),
     (["--loss-type", "sft_loss"], "supervised fine-tuning"),
     (["--disable-compute-advantages-and-returns"], "SFT"),
     (["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout"], "--custom-generate-function-path"),
@@ -259,3 +262,16 @@ def test_an_hf_reference_of_another_model_is_refused_before_the_ranks_start(tiny
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="--ref-load .*empty: neither a Megatron checkpoint"):
         check_ref_load(build_config(base + ["--ref-load", str(tmp_path / "empty")]))
+
+
+def test_one_eval_file_without_a_name_is_named_aime_as_slime_names_it(tmp_path):
+    """slime's legacy --eval-prompt-data PATH (scripts/low_precision/run-qwen3-30B-A3B-int4.sh): the one file
+    gets the name aime (slime/utils/arguments.py, _resolve_eval_datasets), with a note; an odd count of two or
+    more values stays an error."""
+    argv = _base(tmp_path)
+    data = str(tmp_path / "d.jsonl")
+    with pytest.warns(ConfigNote, match="named 'aime' as slime names it"):
+        cfg = build_config(argv + ["--eval-prompt-data", data, "--eval-interval", "5"])
+    assert cfg.eval.datasets == (("aime", data),)
+    with pytest.raises(ConfigError, match="NAME PATH pairs, got 3 values"):
+        build_config(argv + ["--eval-prompt-data", "a", data, data, "--eval-interval", "5"])

@@ -85,14 +85,14 @@ def test_flag_census():
     argv = ["--lr", "1e-6", "--colocate", "--swiglu", "--foo-bar", "3", "--custom-loss-function-path", "m.f",
             "--sglang-mem-fraction-static", "0.7", "--sglang-no-such-flag", "1", "--attention-dropout", "0.1",
             "--moe-token-dispatcher-type", "deepep", "--optimizer-cpu-offload",
-            "--eval-prompt-data", "aime", "/x.jsonl"]
+            "--disable-compute-advantages-and-returns", "--eval-prompt-data", "aime", "/x.jsonl"]
     got = {e["flag"]: e["status"] for e in tool.flag_census(argv)}
     # --swiglu: slime's MODEL_ARGS are read (and compared with config.json in preflight)
     assert got == {"--lr": "accepted", "--colocate": "accepted", "--swiglu": "accepted", "--foo-bar": "unknown",
                    "--custom-loss-function-path": "refused", "--sglang-mem-fraction-static": "accepted",
                    "--sglang-no-such-flag": "refused", "--attention-dropout": "refused",
-                   "--moe-token-dispatcher-type": "refused", "--optimizer-cpu-offload": "refused",
-                   "--eval-prompt-data": "accepted"}
+                   "--moe-token-dispatcher-type": "refused", "--optimizer-cpu-offload": "accepted",
+                   "--disable-compute-advantages-and-returns": "refused", "--eval-prompt-data": "accepted"}
 
 
 def test_gpus_asked():

@@ -147,6 +147,25 @@ def test_distributed_optimizer_divides_by_dp_times_cp():
     assert fp32.weights == 4 * fp32.params and fp32.optimizer == 8 * fp32.params  # 4 + 4 + 8 / d
 
 
+def test_optimizer_cpu_offload_moves_the_optimizer_term_to_the_host():
+    """--optimizer-cpu-offload (megatron-core's HybridDeviceOptimizer, fraction f of the shard): the GPU
+    keeps (1 - f) of the fp32 master + Adam term; the host holds f x (fp32 params 4 + grads 4 + Adam m, v 8)
+    = 16 bytes per parameter of the shard (SGD: 12, momentum only); weights, grads and activations stay."""
+    shape = model_shape(SMALL)
+    base = estimate_memory(shape, TrainerLayout(dp=2))
+    off = estimate_memory(shape, TrainerLayout(dp=2, optimizer_offload=1.0))
+    half = estimate_memory(shape, TrainerLayout(dp=2, optimizer_offload=0.5))
+    assert (off.weights, off.grads, off.activations, off.logits) == (base.weights, base.grads, base.activations,
+                                                                     base.logits)
+    assert base.host_optimizer == 0 and off.optimizer == 0
+    assert off.host_optimizer == pytest.approx(16 * base.params / 2, abs=1)  # the DP=2 shard
+    assert off.total == base.total - base.optimizer
+    assert half.optimizer == pytest.approx(base.optimizer / 2, abs=1)
+    assert half.host_optimizer == pytest.approx(off.host_optimizer / 2, abs=1)
+    sgd = estimate_memory(shape, TrainerLayout(optimizer="sgd", optimizer_offload=1.0))
+    assert sgd.optimizer == 0 and sgd.host_optimizer == pytest.approx(12 * sgd.params, abs=1)
+
+
 def test_expert_parallel_splits_the_experts():
     shape = model_shape(hf_config("qwen3_30b_a3b.json"))
     ep1 = estimate_memory(shape, TrainerLayout(dp=8))

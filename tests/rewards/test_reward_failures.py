@@ -115,3 +115,37 @@ def test_every_sample_timing_out_stops_the_step_saying_so():
     assert score(fn, samples(3, first=1)[::2]) == [0.0, 0.0]  # indices 1 and 3
     with pytest.raises(RewardError, match="timed out on every one of the step's 2 samples"):
         fn.failures.check_step(mark, step=5)
+
+
+def test_a_generate_function_that_scores_its_samples_needs_no_reward_flag(tmp_path, capsys):
+    """slime's agent examples set sample.reward in their --custom-generate-function-path and pass no reward
+    flag: the run takes those rewards (the reward function is not called for a scored sample) and a sample left
+    unscored is a failure naming why; without a generate function, no reward flag is still a refusal."""
+    from slime_rl.config import ConfigError, build_config
+    from slime_rl.data.sample import ROLLOUT_STATUS_KEY
+    from slime_rl.rollout.generate import _after_generate
+
+    fn = make_reward_fn(None, None, failure_value=0.0, generate_sets_reward=True)
+    scored, unscored = samples(2)
+    scored.reward = 0.75
+    for s in (scored, unscored):
+        s.metadata[ROLLOUT_STATUS_KEY] = "completed"
+    assert asyncio.run(_after_generate(scored, True, fn)).reward == 0.75 and fn.failures.calls == 0
+    assert asyncio.run(_after_generate(unscored, True, fn)).reward == 0.0 and fn.failures.failures == 1
+    assert "sample 1: --custom-generate-function-path left its reward unset" in capsys.readouterr().err
+    strict = make_reward_fn(None, None, generate_sets_reward=True)
+    with pytest.raises(RewardError, match="no --rm-type or --custom-rm-path is given to score it"):
+        score(strict, samples(1))
+    with pytest.raises(RewardError, match="no reward: set --rm-type or --custom-rm-path"):
+        make_reward_fn(None, None)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "d.jsonl").write_text('{"input": "1", "label": "1"}\n')
+    base = ["--hf-checkpoint", str(tmp_path / "m"), "--prompt-data", str(tmp_path / "d.jsonl"),
+            "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--num-rollout", "1"]
+    agent = ["--custom-generate-function-path", "tests.plugins.slime_style.custom_generate"]
+    assert build_config(base + agent).rollout.custom_generate_function_path == agent[1]
+    with pytest.raises(ConfigError, match="or a --custom-generate-function-path that sets each sample's reward"):
+        build_config(base)
+    with pytest.raises(ConfigError, match="--eval-prompt-data needs --rm-type or --custom-rm-path"):
+        build_config(base + agent + ["--eval-prompt-data", "x", str(tmp_path / "d.jsonl"), "--eval-interval", "1"])
