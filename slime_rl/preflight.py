@@ -185,12 +185,11 @@ def check_model_features(cfg: Config) -> None:
         arch = arch_from_hf_config(hf, where=f"{cfg.model.hf_checkpoint}/config.json")
     except ValueError as exc:
         raise ConfigError(f"--hf-checkpoint: {exc}") from exc
-    pp = cfg.parallel.pipeline_model_parallel_size
-    if arch.num_layers % pp:
-        raise ConfigError(f"--pipeline-model-parallel-size {pp}: {cfg.model.hf_checkpoint} has "
-                          f"{arch.num_layers} layers (num_hidden_layers), not a multiple of it; pipeline stages hold "
-                          f"an even split here (--decoder-first/last-pipeline-num-layers are not taken): use a "
-                          f"pipeline size that divides {arch.num_layers}")
+    try:
+        cfg.parallel.stage_layers(arch.num_layers)
+    except ValueError as exc:
+        raise ConfigError(f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "
+                          f"{cfg.model.hf_checkpoint}: {exc}") from exc
     check_model_args(cfg, hf, arch)
     vision = FAMILIES[model_type].vision
     if cfg.model.freeze_vision_tower and not vision:

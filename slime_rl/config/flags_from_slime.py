@@ -7,7 +7,6 @@ slime's MODEL_ARGS (the model's shape in Megatron-LM's flags) are `flags_model.p
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 from slime_rl.config.flag_spec import (
     Flag,
@@ -32,17 +31,6 @@ _REFUSED_SWITCHES = (
     ('--disable-compute-advantages-and-returns', "is refused: it belongs to slime's SFT scripts (--loss-type "
      "sft_loss); every --advantage-estimator here computes advantages"),
 )
-_REFUSED_VALUES = (
-    ('--decoder-first-pipeline-num-layers', "is refused: pipeline stages hold an even split, num_hidden_layers / "
-     "--pipeline-model-parallel-size layers each"),
-    ('--decoder-last-pipeline-num-layers', "is refused: pipeline stages hold an even split, num_hidden_layers / "
-     "--pipeline-model-parallel-size layers each"),
-)
-
-
-def _never(value: Any) -> bool:
-    """The check of a refused flag that takes a value: any value given is refused."""
-    return False
 
 
 FROM_SLIME_FLAGS: tuple[Flag, ...] = (
@@ -104,6 +92,5 @@ FROM_SLIME_FLAGS: tuple[Flag, ...] = (
         # refused: given at all, the run stops with the reason (check) before anything starts
         *(Flag(name, action="store_true", check=(operator.not_, why), help=why[len('is refused: '):])
           for name, why in _REFUSED_SWITCHES),
-        *(Flag(name, check=(_never, why), help=why[len('is refused: '):]) for name, why in _REFUSED_VALUES),
     ),
 )

@@ -37,6 +37,11 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
     *section('parallelism (Megatron names)',
         Flag('--tensor-model-parallel-size', 'parallel.tensor_model_parallel_size', default=1, type=_positive_int),
         Flag('--pipeline-model-parallel-size', 'parallel.pipeline_model_parallel_size', default=1, type=_positive_int),
+        Flag('--decoder-first-pipeline-num-layers', 'parallel.decoder_first_pipeline_num_layers', type=_positive_int,
+             help="Megatron's: the first pipeline stage's decoder layers (it also holds the embedding); the stages "
+                  "between the first and the last share the rest evenly"),
+        Flag('--decoder-last-pipeline-num-layers', 'parallel.decoder_last_pipeline_num_layers', type=_positive_int,
+             help="Megatron's: the last pipeline stage's decoder layers (it also holds the LM head and the loss)"),
         Flag('--sequence-parallel', 'trainer.sequence_parallel', action="store_true",
              help='Megatron sequence parallelism (needs TP > 1)'),
         Flag('--context-parallel-size', 'parallel.context_parallel_size', default=1, type=_positive_int,

@@ -38,6 +38,16 @@ class ParallelConfig:
     context_parallel_size: int = default_of("--context-parallel-size")
     expert_model_parallel_size: int = default_of("--expert-model-parallel-size")
     expert_tensor_parallel_size: int | None = default_of("--expert-tensor-parallel-size")
+    # Megatron-LM's uneven pipeline split (config/pipeline.py): the first / last stage's layer count
+    decoder_first_pipeline_num_layers: int | None = default_of("--decoder-first-pipeline-num-layers")
+    decoder_last_pipeline_num_layers: int | None = default_of("--decoder-last-pipeline-num-layers")
+
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Layers of each pipeline stage (config/pipeline.py); ValueError when the flags do not split them."""
+        from slime_rl.config.pipeline import stage_layer_counts
+
+        return stage_layer_counts(num_layers, self.pipeline_model_parallel_size,
+                                  self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
 
     @property
     def world_size(self) -> int:

@@ -309,7 +309,9 @@ def _eval_config(a: argparse.Namespace, check_paths: bool, train_only: bool = Fa
     datasets = tuple((pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))
     for name, path in datasets:
         _check(not check_paths or Path(path).is_file(), f"--eval-prompt-data {name}: file not found: {path}")
-    _check(not datasets or a.eval_interval is not None, "--eval-prompt-data needs --eval-interval")
+    if datasets and a.eval_interval is None:  # slime's scripts switch eval off by commenting the interval out
+        warnings.warn("--eval-prompt-data without --eval-interval: no eval runs (as in slime); add --eval-interval "
+                      "N to evaluate every N steps", ConfigNote, stacklevel=2)
     _check(not a.log_eval_generations or datasets, f"--log-eval-generations {a.log_eval_generations} needs "
            "--eval-prompt-data and --eval-interval (it logs samples of the evals)")
     eval_cfg: EvalConfig = _group(

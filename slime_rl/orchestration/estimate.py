@@ -230,6 +230,14 @@ class TrainerLayout:
     recompute_num_layers: int | None = None
     gqa_expanded: bool = False  # k/v repeated to the query heads before attention (torch without varlen GQA)
     optimizer_offload: float = 0.0  # --optimizer-cpu-offload's --optimizer-offload-fraction (0: none)
+    # each stage's layers under --decoder-first/last-pipeline-num-layers (config/pipeline.py); (): even split
+    pipeline_layers: tuple[int, ...] = ()
+
+    def stage_layers(self, num_layers: int, stage: int) -> tuple[int, int]:
+        """(first layer, layer count) of pipeline stage `stage`."""
+        if self.pipeline_layers:
+            return sum(self.pipeline_layers[:stage]), self.pipeline_layers[stage]
+        return stage * (num_layers // self.pp), num_layers // self.pp
 
 
 @dataclass(frozen=True)
@@ -268,8 +276,7 @@ def activation_bytes_per_token(shape: ModelShape, lay: TrainerLayout, layer: int
 
 def stage_activation_bytes(shape: ModelShape, lay: TrainerLayout, stage: int) -> float:
     """Activations one micro-batch leaves on a GPU of pipeline stage `stage`, with the recompute flags."""
-    per_stage = shape.layers // lay.pp
-    first = stage * per_stage
+    first, per_stage = lay.stage_layers(shape.layers, stage)
     tokens = lay.tokens_per_micro_batch / lay.cp
     layer_bytes = [activation_bytes_per_token(shape, lay, first + i) * tokens for i in range(per_stage)]
     t_sp = lay.tp if lay.sequence_parallel else 1
@@ -293,11 +300,12 @@ def stage_activation_bytes(shape: ModelShape, lay: TrainerLayout, stage: int) ->
 
 def _stage_params(shape: ModelShape, lay: TrainerLayout, stage: int) -> tuple[int, int]:
     """(dense, expert) parameters on one GPU of pipeline stage `stage`."""
-    t, per_stage = lay.tp, shape.layers // lay.pp
+    t = lay.tp
+    first, per_stage = lay.stage_layers(shape.layers, stage)
     padded_vocab = -(-shape.vocab // t) * t
     split, rep = shape.attention_params()
     dense = expert = 0
-    for i in range(stage * per_stage, (stage + 1) * per_stage):
+    for i in range(first, first + per_stage):
         dense += split // t + rep
         if i in shape.moe_layers:
             experts, router = shape.moe_params()
@@ -318,7 +326,7 @@ def _stage_params(shape: ModelShape, lay: TrainerLayout, stage: int) -> tuple[in
 
 def estimate_memory(shape: ModelShape, lay: TrainerLayout) -> MemoryEstimate:
     """Trainer bytes per GPU (module docstring), for the stage whose total is largest."""
-    if shape.layers % lay.pp:
+    if shape.layers % lay.pp and not lay.pipeline_layers:
         raise ValueError(f"num_hidden_layers={shape.layers} is not divisible by --pipeline-model-parallel-size "
                          f"{lay.pp}")
     weight_bytes = 2 if lay.bf16 else 4

@@ -68,8 +68,29 @@ def trainer_layout(cfg: Config, gqa_expanded: bool = False) -> tuple[TrainerLayo
         optimizer=cfg.optimizer.optimizer, sequence_parallel=t.sequence_parallel, tokens_per_micro_batch=tokens,
         micro_batches_in_flight=in_flight, recompute_granularity=t.recompute_granularity,
         recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers, gqa_expanded=gqa_expanded,
-        optimizer_offload=cfg.optimizer.offload_fraction if cfg.optimizer.cpu_offload else 0.0)
+        optimizer_offload=cfg.optimizer.offload_fraction if cfg.optimizer.cpu_offload else 0.0,
+        pipeline_layers=pipeline_split(cfg))
     return lay, why
+
+
+def pipeline_split(cfg: Config) -> tuple[int, ...]:
+    """Each stage's layers under --decoder-first/last-pipeline-num-layers (config.json's num_hidden_layers);
+    () for the even split or when config.json cannot say."""
+    p = cfg.parallel
+    if p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None:
+        return ()
+    from slime_rl.trainer.convert import read_hf_config
+
+    try:
+        return p.stage_layers(int(read_hf_config(cfg.model.hf_checkpoint)["num_hidden_layers"]))
+    except (FileNotFoundError, KeyError, ValueError):
+        return ()
+
+
+def _layers_text(layers: int, lay: TrainerLayout) -> str:
+    if lay.pipeline_layers:
+        return f"layers per stage {'/'.join(map(str, lay.pipeline_layers))}"
+    return f"{layers // lay.pp} layers per stage"
 
 
 def _recompute_text(cfg: Config) -> str:
@@ -169,7 +190,7 @@ def estimate_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...]
                                                f"memory, {mem.host_optimizer / GiB:.2f} GiB per rank: fp32 params, "
                                                f"grads and {opt})" if lay.optimizer_offload else ")"),
         f"  activations  {mem.activations / GiB:7.2f} GiB  (micro-batch of {lay.tokens_per_micro_batch} tokens: "
-        f"{why}; CP {lay.cp}, TP {lay.tp}{sp}; {_recompute_text(cfg)}; {shape.layers // lay.pp} layers per stage)",
+        f"{why}; CP {lay.cp}, TP {lay.tp}{sp}; {_recompute_text(cfg)}; {_layers_text(shape.layers, lay)})",
         f"  logits       {mem.logits / GiB:7.2f} GiB  (last stage: fp32 logits, response slice and softmax)",
         f"  total        {mem.total / GiB:7.2f} GiB",
     ]

@@ -76,26 +76,23 @@ def stage_param_maps(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_ran
     """(local Megatron name, map with global HF names, emitted by iter_hf_weights) for every
     parameter of stage `pp_rank` on expert-parallel rank `ep_rank`, in the order of
     `Family.param_maps` (see the module docstring)."""
-    if arch.num_layers % pp_size != 0:
-        raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by "
-                         f"--pipeline-model-parallel-size {pp_size}")
+    first_layer, here = arch.stage_layers(pp_rank, pp_size)
     if arch.num_experts % ep_size != 0:
         raise ValueError(f"num_experts={arch.num_experts} is not divisible by --expert-model-parallel-size "
                          f"{ep_size}")
     local_experts = arch.num_experts // ep_size
     family, tied = arch.family, arch.tie_word_embeddings
-    per_stage = arch.num_layers // pp_size
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     embedding = [p for p in family.global_params if p.mcore.startswith("embedding.")]
     tail = [p for p in family.global_params if not p.mcore.startswith("embedding.")
             and not (p.untied_only and tied)]
     # a vision-language model's HF vision tower lives on the first stage (convert/vision.py)
     out = [(p.mcore, p, True) for p in (*arch.vision_params, *embedding)] if first else []
-    for i in range(per_stage):
+    for i in range(here):
         # megatron names a stage's layers from 0; HF globally. A dense layer of an MoE model has a dense MLP
-        for p in family.layer_maps(arch.is_moe_layer(pp_rank * per_stage + i)):
+        for p in family.layer_maps(arch.is_moe_layer(first_layer + i)):
             local = p.at_layer(i).expand_experts(local_experts, ep_rank * local_experts)
-            glob = p.at_layer(pp_rank * per_stage + i).expand_experts(local_experts, ep_rank * local_experts)
+            glob = p.at_layer(first_layer + i).expand_experts(local_experts, ep_rank * local_experts)
             out += [(lo.mcore, gl, True) for lo, gl in zip(local, glob, strict=True)]
     if last:
         out += [(p.mcore, p, True) for p in tail]

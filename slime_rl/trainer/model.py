@@ -7,12 +7,14 @@ chooses the dtype and the parallel layout.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from slime_rl.config.pipeline import stage_layer_counts
 from slime_rl.trainer import packed_rope
 from slime_rl.trainer.attention import SDPACoreAttention
 from slime_rl.trainer.convert import ModelArch, load_arch
@@ -127,7 +129,12 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
         raise ValueError("--moe-token-dispatcher-type allgather: megatron's allgather dispatcher does not take "
                          "variable sequence lengths, which pipeline stages exchange here (packed micro-batches "
                          "differ in length); use alltoall with --pipeline-model-parallel-size > 1")
+    uneven = {}
+    if arch.pipeline_layers:  # megatron's uneven split: the first and last stages' counts, the rest even
+        uneven = {"num_layers_in_first_pipeline_stage": arch.pipeline_layers[0],
+                  "num_layers_in_last_pipeline_stage": arch.pipeline_layers[-1]}
     return TransformerConfig(
+        **uneven,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -181,12 +188,11 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
     """A GPTModel for this rank (parallel state must be initialized). Its logits are vocab-parallel
     ([b, s, padded_vocab / tp]); its parameters are uninitialized until `hf_io.load_hf_weights`.
     pre_process / post_process default to whether this rank is the first / last pipeline stage;
-    with PP, megatron gives each stage num_layers / pp consecutive layers (named from 0 locally)."""
+    with PP, megatron gives each stage its consecutive layers (named from 0 locally): num_layers / pp, or
+    arch.pipeline_layers' counts (--decoder-first/last-pipeline-num-layers)."""
     packed_rope.install()  # packed THD RoPE without per-sample host syncs (see packed_rope.py)
 
-    if arch.num_layers % pp_size != 0:
-        raise ValueError(f"num_hidden_layers={arch.num_layers} is not divisible by "
-                         f"--pipeline-model-parallel-size {pp_size}")
+    first_layer, here = arch.stage_layers(mpu.get_pipeline_model_parallel_rank() if pp_size > 1 else 0, pp_size)
     if pre_process is None:
         pre_process = mpu.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
@@ -202,9 +208,9 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
     # megatron's local DotProductAttention rejects packed (THD) batches; ours handles both layouts
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     # every norm ours (engine rounding; SP-capable): trainer/norm.py
-    spec = _norm_block_spec(spec, arch, arch.num_layers // pp_size)
+    spec = _norm_block_spec(spec, arch, here)
     if not all(arch.is_moe_layer(i) for i in range(arch.num_layers)) and arch.num_experts:
-        spec = _mixed_block_spec(spec, arch, arch.num_layers // pp_size)
+        spec = _mixed_block_spec(spec, arch, first_layer, here)
     if arch.mrope_section is not None:  # vision-language: 3-D positions (trainer/vision.py)
         config.mrope_section = list(arch.mrope_section)
     model = GPTModel(
@@ -261,7 +267,7 @@ def _norm_block_spec(spec, arch: ModelArch, layers_here: int):
     return TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=TrainerRMSNorm)
 
 
-def _mixed_block_spec(moe_spec, arch: ModelArch, layers_here: int):
+def _mixed_block_spec(moe_spec, arch: ModelArch, first: int, layers_here: int):
     """A block spec of an MoE model with dense layers (mlp_only_layers / decoder_sparse_step): this
     stage's layers, each the MoE layer spec or the dense one (megatron's own
     get_gpt_decoder_block_spec does the same from moe_layer_freq, with its own norms and attention)."""
@@ -271,17 +277,29 @@ def _mixed_block_spec(moe_spec, arch: ModelArch, layers_here: int):
     # moe_spec is already the block spec of _norm_block_spec
     moe_layer, norm = moe_spec.layer_specs[0], moe_spec.layer_norm
     dense = _norm_block_spec(dense, arch, 1).layer_specs[0]
-    first = mpu.get_pipeline_model_parallel_rank() * layers_here
     specs = [moe_layer if arch.is_moe_layer(first + i) else dense for i in range(layers_here)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)
 
 
 def build_from_checkpoint(hf_checkpoint: str | Path, *, bf16: bool = False, tp_size: int = 1,
-                          pp_size: int = 1, pad_vocab_multiple: int = 1, **model_kwargs):
-    """(arch, model) for an HF folder; weights are not loaded yet. model_kwargs go to
+                          pp_size: int = 1, pad_vocab_multiple: int = 1, decoder_first: int | None = None,
+                          decoder_last: int | None = None, **model_kwargs):
+    """(arch, model) for an HF folder; weights are not loaded yet. `decoder_first` / `decoder_last`:
+    --decoder-first/last-pipeline-num-layers (config/pipeline.py; None: the even split); model_kwargs go to
     `build_gpt_model` (sequence_parallel, recompute_*)."""
     arch = load_arch(hf_checkpoint, tp_size, pad_vocab_multiple)
+    arch = with_pipeline_split(arch, pp_size, decoder_first, decoder_last)
     return arch, build_gpt_model(arch, bf16=bf16, tp_size=tp_size, pp_size=pp_size, **model_kwargs)
+
+
+def with_pipeline_split(arch: ModelArch, pp_size: int, decoder_first: int | None = None,
+                        decoder_last: int | None = None) -> ModelArch:
+    """The arch with its stages' layer counts when --decoder-first/last-pipeline-num-layers make the split
+    uneven (ValueError naming the flags when they do not split the layers); unchanged otherwise."""
+    if decoder_first is None and decoder_last is None:
+        return arch
+    counts = stage_layer_counts(arch.num_layers, pp_size, decoder_first, decoder_last)
+    return dataclasses.replace(arch, pipeline_layers=counts) if len(set(counts)) > 1 else arch
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -93,7 +93,8 @@ class MegatronRank:
                              f"data-parallel size {self.info.dp_size}")
         self.arch, self.gpt = build_from_checkpoint(
             model.hf_checkpoint, bf16=model.bf16, tp_size=tp, pp_size=pp,
-            pad_vocab_multiple=pad_vocab_multiple, sequence_parallel=trainer.sequence_parallel,
+            pad_vocab_multiple=pad_vocab_multiple, decoder_first=parallel.decoder_first_pipeline_num_layers,
+            decoder_last=parallel.decoder_last_pipeline_num_layers, sequence_parallel=trainer.sequence_parallel,
             recompute_granularity=trainer.recompute_granularity, recompute_method=trainer.recompute_method,
             recompute_num_layers=trainer.recompute_num_layers, context_parallel_size=cp,
             fp32_lm_head=model.fp32_lm_head,

@@ -127,7 +127,7 @@ OTHER_SCRIPTS: list[tuple[list[str], tuple[str, object] | str]] = [
     (["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout"], "--custom-generate-function-path"),
     (["--debug-train-only"], "needs --load-debug-rollout-data"),
     (["--train-backend", "fsdp"], "megatron-core"),
-    (["--decoder-last-pipeline-num-layers", "5"], "even split"),
+    (["--decoder-last-pipeline-num-layers", "5"], ("parallel.decoder_last_pipeline_num_layers", 5)),
 ]
 
 
@@ -275,3 +275,14 @@ def test_one_eval_file_without_a_name_is_named_aime_as_slime_names_it(tmp_path):
     assert cfg.eval.datasets == (("aime", data),)
     with pytest.raises(ConfigError, match="NAME PATH pairs, got 3 values"):
         build_config(argv + ["--eval-prompt-data", "a", data, data, "--eval-interval", "5"])
+
+
+def test_eval_data_without_an_interval_runs_no_eval_as_in_slime(tmp_path):
+    """scripts/run-qwen3-235B-A22B.sh comments its --eval-interval out and keeps --eval-prompt-data: slime then
+    never evaluates (train.py runs eval only with an interval); here too, with a note saying so."""
+    data = str(tmp_path / "d.jsonl")
+    argv = _base(tmp_path) + ["--eval-prompt-data", "aime", data]
+    with pytest.warns(ConfigNote, match="without --eval-interval: no eval runs"):
+        cfg = build_config(argv)
+    assert cfg.eval.datasets == (("aime", data),) and not cfg.eval.enabled
+    assert build_config(argv + ["--eval-interval", "3"]).eval.enabled

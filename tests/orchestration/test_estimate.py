@@ -136,6 +136,21 @@ def test_memory_per_gpu_by_hand_tp2_pp2_dp2():
     assert mem.params == (stage0 if total0 > total1 else stage1)
 
 
+def test_uneven_pipeline_stages_by_hand():
+    """--decoder-first-pipeline-num-layers 1 at PP=2 on the 4-layer model: stage 0 holds the embedding and
+    1 layer, stage 1 the other 3, the final norm and the LM head (the numbers of the TP2 x PP2 case above
+    at TP 1); activations: 1 and 3 layers, the last stage also the final norm."""
+    shape = model_shape(SMALL)
+    layer = 12416 + 128 + 24576
+    tokens, layer_act = 100, 1936 * 100
+    lay = TrainerLayout(pp=2, tokens_per_micro_batch=tokens, micro_batches_in_flight=1, pipeline_layers=(1, 3))
+    assert lay.stage_layers(4, 0) == (0, 1) and lay.stage_layers(4, 1) == (1, 3)
+    assert stage_activation_bytes(shape, lay, 0) == layer_act
+    assert stage_activation_bytes(shape, lay, 1) == 3 * layer_act + 4 * 64 * tokens
+    mem = estimate_memory(shape, lay)
+    assert mem.stage == 1 and mem.params == 3 * layer + 64 + 100 * 64
+
+
 def test_distributed_optimizer_divides_by_dp_times_cp():
     shape = model_shape(SMALL)
     one = estimate_memory(shape, TrainerLayout(dp=1))

@@ -186,7 +186,33 @@ def _equiv_scenario(names: tuple[str, ...], bf16: bool = False):
     return scenario
 
 
-SCENARIOS = {"agg": scenario_agg, "par2": scenario_par2,
+def scenario_pp_uneven(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    """PP=2 over the 4-layer Qwen2 with an uneven split, both ways: --decoder-first-pipeline-num-layers 1
+    (stages of 1 and 3 layers) and --decoder-last-pipeline-num-layers 1 (3 and 1). Each records the fixed
+    batch's log-probs, a forward-backward's stats and grads (HF names), and the weights its stage sends
+    (iter_hf_weights)."""
+    from slime_rl.trainer.worker import TrainerWorker
+
+    res: dict = {}
+    batch = make_batch()
+    for k, (name, first, last) in enumerate((("first1", 1, None), ("last1", None, 1))):
+        w = TrainerWorker(rank, world, "127.0.0.1", port + 10 * k,
+                          ParallelConfig(pipeline_model_parallel_size=2, actor_num_gpus_per_node=world,
+                                         decoder_first_pipeline_num_layers=first,
+                                         decoder_last_pipeline_num_layers=last),
+                          BatchConfig(micro_batch_size=2, global_batch_size=4),
+                          OptimizerConfig(lr=1e-3, weight_decay=0.0, lr_decay_style="constant"),
+                          ModelConfig(hf_checkpoint=ckpts["qwen2_4l"]), AlgoConfig(), train_iters=10)
+        res[f"{name}/layers"] = len(w.gpt.decoder.layers)
+        res[f"{name}/logp"] = logp = w.compute_logprobs(batch)
+        res[f"{name}/stats"] = w.forward_backward(batch, logp)
+        res[f"{name}/grad"] = hf_grads(w)
+        res[f"{name}/weights"] = {n: t.clone() for n, t in w.iter_hf_weights()}
+        w.shutdown()
+    return res
+
+
+SCENARIOS = {"agg": scenario_agg, "par2": scenario_par2, "pp_uneven": scenario_pp_uneven,
              "equiv1": _equiv_scenario(("base",)), "cp2": _equiv_scenario(("cp2",)),
              # world 4, split in two so that each run stays well inside run_scenario's timeout
              # on a loaded 2-core machine (4 processes, ~10 s of megatron import each)

@@ -103,6 +103,28 @@ def test_pp2_logprobs_grads_and_metrics_equal_pp1(scenario, ref, ckpts):
 
 
 @pytest.mark.slow
+def test_uneven_pipeline_stages_equal_hf_fp64(scenario, ref, ckpts):
+    """--decoder-first-pipeline-num-layers 1 / --decoder-last-pipeline-num-layers 1 on a 4-layer model at
+    PP=2 (slime's large-model scripts split so): each stage builds its own count of layers (1 + 3, 3 + 1),
+    the log-probs, loss and full gradient equal HF's float64 model, and each stage sends exactly its own
+    layers' weights under their global names (the checkpoint's tensors, bit for bit)."""
+    want = load_file(ckpts["qwen2_4l"] / "model.safetensors")
+    s0, s1 = scenario("pp_uneven", 2)
+    for name, counts in (("first1", (1, 3)), ("last1", (3, 1))):
+        assert (s0[f"{name}/layers"], s1[f"{name}/layers"]) == counts
+        for rec in (s0, s1):  # the last stage's values, broadcast to both stages
+            assert _max_diff(rec[f"{name}/logp"], ref["qwen2_4l/logp"]) < LOGP_TOL
+            assert rec[f"{name}/stats"]["loss"] == pytest.approx(ref["qwen2_4l/loss"], abs=1e-6)
+        _assert_grads_close({**s0[f"{name}/grad"], **s1[f"{name}/grad"]}, ref["qwen2_4l/grad"])
+        w0, w1 = s0[f"{name}/weights"], s1[f"{name}/weights"]
+        layers = [{int(n.split(".")[2]) for n in w if n.startswith("model.layers.")} for w in (w0, w1)]
+        assert layers == [set(range(counts[0])), set(range(counts[0], 4))]
+        assert not set(w0) & set(w1) and set(w0) | set(w1) == set(want)
+        for n, t in {**w0, **w1}.items():
+            assert torch.equal(t, want[n]), n
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family,key", [("qwen2", "pp/weights"), ("llama", "pp/llama/weights")])
 def test_pp2_iter_hf_weights_one_stage_each(scenario, ckpts, family, key):
     want = load_file(ckpts[family] / "model.safetensors")

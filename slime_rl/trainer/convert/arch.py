@@ -47,6 +47,23 @@ class ModelArch:
     # decoder_sparse_step); () for a dense model. The shared expert's width (Qwen2-MoE; 0: none).
     moe_layers: tuple[bool, ...] = ()
     moe_shared_expert_ffn_hidden_size: int = 0
+    # layers of each pipeline stage when the split is uneven (--decoder-first/last-pipeline-num-layers,
+    # config/pipeline.py); () for the even split
+    pipeline_layers: tuple[int, ...] = ()
+
+    def stage_layers(self, pp_rank: int, pp_size: int) -> tuple[int, int]:
+        """(global index of the first layer, number of layers) of pipeline stage `pp_rank`."""
+        if self.pipeline_layers:
+            if len(self.pipeline_layers) != pp_size:
+                raise ValueError(f"the pipeline split {list(self.pipeline_layers)} is for "
+                                 f"{len(self.pipeline_layers)} stages, not --pipeline-model-parallel-size {pp_size}")
+            return sum(self.pipeline_layers[:pp_rank]), self.pipeline_layers[pp_rank]
+        if self.num_layers % pp_size != 0:
+            raise ValueError(f"num_hidden_layers={self.num_layers} is not divisible by "
+                             f"--pipeline-model-parallel-size {pp_size} (give the first and last stages their "
+                             "layers with --decoder-first/last-pipeline-num-layers)")
+        per_stage = self.num_layers // pp_size
+        return pp_rank * per_stage, per_stage
 
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.num_experts) and (not self.moe_layers or self.moe_layers[i])
