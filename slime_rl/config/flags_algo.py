@@ -54,6 +54,11 @@ ALGO_FLAGS: tuple[Flag, ...] = (
              help='compute the old log-probs in their own forward pass even when a step is on-policy (one '
                   "optimizer step per rollout on each rank); default then: the training forward's own, "
                   'detached (ratio exactly 1, one forward pass fewer; TRL and verl do the same)'),
+        Flag('--use-rollout-logprobs', 'algo.use_rollout_logprobs', action="store_true",
+             help="slime's: the engine's log-probs of the sampled tokens are the old log-probs (the ratio's "
+                  "denominator and the advantages' log-probs) instead of the trainer's recomputed ones; the "
+                  "trainer's forward still runs for train/entropy and train/rollout_logprob_abs_diff (as slime "
+                  "with --get-mismatch-metrics). Not with --use-tis (slime refuses the pair: the weights would be 1)"),
         Flag('--ref-update-interval', 'algo.ref_update_interval', type=_positive_int,
              help='replace the frozen reference (KL) with the current policy every N rollouts; default: the '
                   'initial policy for the whole run'),

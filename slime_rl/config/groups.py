@@ -161,6 +161,9 @@ class AlgoConfig:
     ref_update_interval: int | None = default_of("--ref-update-interval")
     # the old log-probs from their own forward pass even when the step is on-policy (worker.train_step)
     separate_old_logprobs: bool = default_of("--separate-old-logprobs")
+    # slime's: the engine's log-probs are the old log-probs (the PPO ratio's denominator, the advantages'
+    # log-probs); the trainer's own forward still runs, for the entropy and mismatch metrics
+    use_rollout_logprobs: bool = default_of("--use-rollout-logprobs")
 
     @property
     def estimator(self) -> EstimatorSpec:

@@ -158,6 +158,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.rollout_num_gpus % a.rollout_num_gpus_per_engine == 0,
            f"--rollout-num-gpus-per-engine ({a.rollout_num_gpus_per_engine}) must divide "
            f"--rollout-num-gpus ({a.rollout_num_gpus})")
+    _check(not (a.use_rollout_logprobs and a.use_tis), "--use-rollout-logprobs with --use-tis: the old log-probs "
+           "would be the engine's, so every importance weight is 1 (slime refuses the pair too); drop one")
     # slime's agent examples score in their generate function (sample.reward), with no reward flag
     _check(a.rm_type is not None or a.custom_rm_path is not None or a.custom_generate_function_path is not None,
            "--rm-type or --custom-rm-path is required (or a --custom-generate-function-path that sets each "

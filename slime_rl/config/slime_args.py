@@ -81,8 +81,6 @@ SLIME_ONLY_FLAGS: dict[str, str] = {
     "--update-weight-delta-encoding": "delta weight sync is not built (see --update-weight-mode)",
     "--update-weight-disk-dir": "weights never go through files (see --update-weight-mode)",
     "--update-weight-local-checkpoint-dir": "weights never go through files (see --update-weight-mode)",
-    "--use-rollout-logprobs": "the trainer always recomputes the old log-probs; the engine's are used only by "
-    "--use-tis (truncated importance sampling on their gap) and reported as train/rollout_logprob_abs_diff",
     "--deterministic-mode": "no switch for deterministic training kernels: --seed fixes data order and sampling, "
     "--deterministic-rollout makes the engines batch-invariant",
 }

@@ -133,6 +133,8 @@ class StepInputs:
     returns: list | None = None  # ppo: GAE returns, the critic's targets
     # R2 (--use-routing-replay): the old-log-prob forward's routing, per sample (routing_replay.BATCH_KEY's form)
     routing: list | None = None
+    # --use-rollout-logprobs: the trainer's own log-probs of the old policy (metrics only; `old` is the engine's)
+    recomputed: list | None = None
 
 
 def step_sums(batch: dict, inputs: StepInputs | None, device: torch.device,
@@ -154,7 +156,8 @@ def step_sums(batch: dict, inputs: StepInputs | None, device: torch.device,
         ent = diff = diff_max = torch.zeros((), dtype=torch.float64)
     else:
         ent = (_pad(inputs.entropy, width) * mask).sum()
-        gap = (_pad(inputs.old, width) - _pad(batch["rollout_logprobs"], width)).abs() * mask
+        mine = inputs.recomputed if inputs.recomputed is not None else inputs.old
+        gap = (_pad(mine, width) - _pad(batch["rollout_logprobs"], width)).abs() * mask
         diff, diff_max = gap.sum(), (gap.max() if gap.numel() else gap.sum())
     local = torch.stack([ent, diff, adv_m[0], adv_m[1], adv_m[2]])
     keys = ("entropy", "abs_diff", "adv", "adv_sq", "tokens")

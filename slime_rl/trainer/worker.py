@@ -243,12 +243,15 @@ class TrainerWorker(MegatronRank):
                 old, entropy, routing = self._recorded_routing(batch)
             else:
                 old, entropy = self._forward_logprobs(batch, with_entropy=True)
+        recomputed = None
+        if self.algo.use_rollout_logprobs:  # the engine's log-probs stand for the old policy (slime's flag)
+            recomputed, old = old, [[float(x) for x in row] for row in batch["rollout_logprobs"]]
         ref = self._reference_logprobs(batch)
         adv = returns = None
         if self.algo.token_level_advantages:
             adv, returns = token_advantages(self.algo, batch, old, ref, self.info.device, dp_group(), values)
         inputs = StepInputs(old=old, entropy=entropy, ref=ref, advantages=adv, sums={}, returns=returns,
-                            routing=routing)
+                            routing=routing, recomputed=recomputed)
         inputs.sums = step_sums(batch, inputs, self.info.device, dp_group())
         return inputs
 
@@ -328,7 +331,7 @@ class TrainerWorker(MegatronRank):
         sync; estimators whose advantages need the old log-probs first (token-level) and
         --separate-old-logprobs keep the separate pass. Every DP rank decides alike (`minis`, from
         _minibatches, has the same length on every DP rank)."""
-        if self.algo.separate_old_logprobs or self.algo.token_level_advantages:
+        if self.algo.separate_old_logprobs or self.algo.token_level_advantages or self.algo.use_rollout_logprobs:
             return False
         return len(minis) == 1
 

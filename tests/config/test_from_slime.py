@@ -122,6 +122,8 @@ OTHER_SCRIPTS: list[tuple[list[str], tuple[str, object] | str]] = [
     (["--overlap-cpu-optimizer-d2h-h2d"], ("optimizer.overlap_cpu_d2h_h2d", True)),
     (["--optimizer-offload-fraction", "0.5"], ("optimizer.offload_fraction", 0.5)),
     (["--optimizer-offload-fraction", "0"], "must be in (0, 1]"),
+    (["--use-rollout-logprobs"], ("algo.use_rollout_logprobs", True)),
+    (["--use-rollout-logprobs", "--use-tis"], "the old log-probs would be the engine's"),
     (["--loss-type", "sft_loss"], "supervised fine-tuning"),
     (["--disable-compute-advantages-and-returns"], "SFT"),
     (["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout"], "--custom-generate-function-path"),

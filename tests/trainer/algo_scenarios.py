@@ -105,5 +105,28 @@ def scenario_ref_update(rank: int, world: int, port: int, ckpts: dict[str, str])
     return out
 
 
+ROLLOUT_SHIFT = 0.1  # the engine's log-probs in scenario_rollout_logprobs: the trainer's + this, every token
+
+
+def scenario_rollout_logprobs(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    """One step from the same weights on a batch whose rollout log-probs are the trainer's own + ROLLOUT_SHIFT,
+    with and without --use-rollout-logprobs (one mini-batch: without the flag, the fused on-policy path)."""
+    w = make_worker(rank, world, port, ckpts["qwen2"], mbs=2, gbs=4)
+    batch = make_batch()
+    own = w.compute_logprobs(batch)
+    batch = {**batch, "rollout_logprobs": [[x + ROLLOUT_SHIFT for x in row] for row in own]}
+    params = dict(w.gpt.named_parameters())
+    initial = {n: p.detach().clone() for n, p in params.items()}
+    out: dict = {}
+    for name, algo in (("engine_old", AlgoConfig(use_rollout_logprobs=True)), ("own_old", AlgoConfig())):
+        w.algo = algo
+        out[name] = w.train_step(batch)
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(initial[n])
+    w.shutdown()
+    return out
+
+
 SCENARIOS = {"algo1": scenario_algo, "algo2": scenario_algo, "entropy_tp2": scenario_entropy_tp2,
-             "ref_update": scenario_ref_update}
+             "ref_update": scenario_ref_update, "rollout_logprobs": scenario_rollout_logprobs}

@@ -205,3 +205,20 @@ def test_reference_refreshes_every_interval(scenario):
     assert ref[1] == old[0] and old[1] != old[0]  # still the initial policy; the policy moved
     assert ref[2] == old[2] and ref[2] != ref[1]  # refreshed after 2 updates: the policy of rollout 2
     assert ref[3] == old[2] and old[3] != old[2]
+
+
+@pytest.mark.slow
+def test_use_rollout_logprobs_takes_the_engines_log_probs_as_the_old_ones(scenario):
+    """slime's --use-rollout-logprobs: with the engine's log-probs ROLLOUT_SHIFT above the trainer's own,
+    train/ppo_kl (mean old - new over the step's tokens, at the step's starting weights) is that shift, where
+    the trainer's own old log-probs give 0; the mismatch metric measures the trainer's own forward either way."""
+    from tests.trainer.algo_scenarios import ROLLOUT_SHIFT
+
+    (rec,) = scenario("rollout_logprobs", 1)
+    engine, own = rec["engine_old"], rec["own_old"]
+    assert engine["train/ppo_kl"] == pytest.approx(ROLLOUT_SHIFT, abs=1e-5)
+    assert own["train/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
+    for m in (engine, own):
+        assert m["train/rollout_logprob_abs_diff"] == pytest.approx(ROLLOUT_SHIFT, abs=1e-5)
+        assert m["train/grad_norm"] > 0
+    assert engine["train/loss"] != own["train/loss"]  # the ratio exp(new - old) is exp(-shift) there
