@@ -20,7 +20,7 @@ from slime_rl.data import DataError, PromptDataset, TokenLimit, num_rollout_for_
 from slime_rl.data.debug_rollouts import read_debug_rollout
 from slime_rl.engines.launch import check_engine_config
 from slime_rl.orchestration.placement import PlacementPlan, assign_devices, plan_placement
-from slime_rl.rewards import reward_fn_from_config
+from slime_rl.rewards import RewardError, eval_reward_fn, reward_fn_from_config
 from slime_rl.rewards.builtin import REWARDS
 from slime_rl.rewards.labels import label_problem
 from slime_rl.rollout.custom import load_filter, load_generate_function
@@ -71,6 +71,12 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     args = slime_args(cfg)  # what slime-style extension functions get first
     reward_fn_from_config(cfg.reward, args=args,
                           generate_sets_reward=cfg.rollout.custom_generate_function_path is not None)
+    for name, _ in cfg.eval.datasets:  # --eval-config: a set's own reward loads now too
+        if {"rm_type", "custom_rm_path"} & set(cfg.eval.settings.get(name, {})):
+            try:
+                eval_reward_fn(cfg, name, args)
+            except RewardError as exc:
+                raise RewardError(f"--eval-config dataset {name}: {exc}") from exc
     if dataset is not None and cfg.reward.custom_rm_path is None and cfg.reward.rm_type is not None:
         check_reward_rows(cfg.reward.rm_type, cfg.data.prompt_data, dataset)
     # extension points load here, so a bad dotted path fails before any actor starts

@@ -51,6 +51,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SLIME_GIT = "/work/.mirror/THUDM+slime/repo"
 CORPUS = REPO / "tests" / "migration" / "slime_scripts.json"
 HF_CONFIGS = REPO / "tests" / "migration" / "hf_configs"
+# the --eval-config files the scripts name (slime's own YAML, its sets and settings), by file name
+EVAL_CONFIGS = REPO / "tests" / "migration" / "eval_configs"
 # where slime's docker image keeps the repository: the unpacked tree is written back as this path
 SLIME_ROOT = "/root/slime"
 # the environment a user of these scripts sets
@@ -498,7 +500,8 @@ def hf_config(name: str) -> dict[str, Any]:
 
 def dry_run_argv(record: dict[str, Any], workdir: Path) -> list[str]:
     """The script's argv with paths substituted: each --hf-checkpoint a folder holding its model's config.json,
-    the checkpoint flags temporary paths; then `--dry-run --cluster NODESxGPUS`."""
+    the checkpoint flags temporary paths, an --eval-config the corpus's copy of that file (EVAL_CONFIGS); then
+    `--dry-run --cluster NODESxGPUS`."""
     argv = list(record["argv"])
     for i, tok in enumerate(argv[:-1]):
         if tok == "--hf-checkpoint":
@@ -510,6 +513,8 @@ def dry_run_argv(record: dict[str, Any], workdir: Path) -> list[str]:
             argv[i + 1] = str(folder)
         elif tok in CHECKPOINT_FLAGS:
             argv[i + 1] = str(workdir / "ckpt" / tok.lstrip("-"))
+        elif tok == "--eval-config" and (EVAL_CONFIGS / Path(argv[i + 1]).name).is_file():
+            argv[i + 1] = str(EVAL_CONFIGS / Path(argv[i + 1]).name)
     return [*argv, "--dry-run", "--cluster", record["gpus"]["cluster"]]
 
 

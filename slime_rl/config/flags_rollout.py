@@ -118,6 +118,11 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
         Flag('--eval-interval', 'eval.interval', type=_positive_int, help='evaluate every N steps'),
         Flag('--eval-prompt-data', derived='eval.datasets', nargs='+', metavar='NAME PATH',
              help='pairs: name path [name path ...]'),
+        Flag('--eval-config', derived=('eval.datasets', 'eval.settings'), metavar='YAML',
+             help="slime's eval YAML: `datasets` (name, path and each set's own n_samples_per_eval_prompt, "
+                  "temperature, top_p, top_k, max_response_len, rm_type, custom_rm_path, input_key, label_key, "
+                  "apply_chat_template, stop, stop_token_ids) and `defaults` for all sets; a set's value wins "
+                  "over `defaults`, which win over the --eval-* flags; replaces --eval-prompt-data"),
         Flag('--n-samples-per-eval-prompt', 'eval.n_samples_per_prompt', default=1, type=_positive_int),
         Flag('--eval-temperature', derived='eval.temperature', type=float, help='default: --rollout-temperature'),
         Flag('--eval-top-p', derived='eval.top_p', type=float, help='default: --rollout-top-p'),

@@ -101,10 +101,16 @@ class EvalConfig:
     max_response_len: int = default_of("--rollout-max-response-len")
     skip_before_train: bool = default_of("--skip-eval-before-train")
     log_generations: int = default_of("--log-eval-generations")  # eval samples written per eval
+    # --eval-config (config/eval_config.py): each set's own settings (its `defaults` merged in), by name
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
         return self.interval is not None and bool(self.datasets)
+
+    def of(self, name: str, key: str, flag_value: Any) -> Any:
+        """Set `name`'s --eval-config value of `key`, else the flags' (`flag_value`)."""
+        return self.settings.get(name, {}).get(key, flag_value)
 
 
 @dataclass(frozen=True)

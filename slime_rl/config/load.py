@@ -164,9 +164,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.rm_type is not None or a.custom_rm_path is not None or a.custom_generate_function_path is not None,
            "--rm-type or --custom-rm-path is required (or a --custom-generate-function-path that sets each "
            "sample's reward)")
-    _check(a.rm_type is not None or a.custom_rm_path is not None or not a.eval_prompt_data,
-           "--eval-prompt-data needs --rm-type or --custom-rm-path: eval samples come from the built-in generate "
-           "function, which sets no reward")
+
     _check(not a.group_rm or a.custom_rm_path is not None, "--group-rm needs --custom-rm-path (a function that "
            "scores a list of samples)")
     # the NCCL weight-update group counts N ranks per engine; the built-in engine would join with one.
@@ -303,21 +301,38 @@ def _engine_config(a: argparse.Namespace, sglang: dict[str, Any], router: dict[s
 
 def _eval_config(a: argparse.Namespace, check_paths: bool, train_only: bool = False) -> EvalConfig:
     pairs = a.eval_prompt_data or []
+    settings: dict[str, dict[str, Any]] = {}
+    if a.eval_config is not None:  # slime's eval YAML (config/eval_config.py); it wins, as in slime
+        from slime_rl.config.eval_config import EvalConfigError, read_eval_config
+
+        try:
+            named, settings = read_eval_config(a.eval_config)
+        except EvalConfigError as exc:
+            raise ConfigError(str(exc)) from exc
+        if pairs:
+            warnings.warn(f"--eval-config {a.eval_config} gives the eval sets; --eval-prompt-data is not used (as in "
+                          "slime)", ConfigNote, stacklevel=2)
+        pairs = [x for pair in named for x in pair]
     if len(pairs) == 1:  # slime's legacy form: one file, which it names aime
         warnings.warn(f"--eval-prompt-data {pairs[0]}: one file and no name: named 'aime' as slime names it "
                       "(give NAME PATH pairs to name it)", ConfigNote, stacklevel=2)
         pairs = ["aime", pairs[0]]
     _check(len(pairs) % 2 == 0, f"--eval-prompt-data takes NAME PATH pairs, got {len(pairs)} values")
     datasets = tuple((pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))
+    source = f"--eval-config {a.eval_config}: dataset" if a.eval_config is not None else "--eval-prompt-data"
     for name, path in datasets:
-        _check(not check_paths or Path(path).is_file(), f"--eval-prompt-data {name}: file not found: {path}")
+        _check(not check_paths or Path(path).is_file(), f"{source} {name}: file not found: {path}")
+        # eval samples come from the built-in generate function, which sets no reward
+        _check(a.rm_type is not None or a.custom_rm_path is not None
+               or {"rm_type", "custom_rm_path"} & set(settings.get(name, {})),
+               f"{source} {name} needs a reward: --rm-type or --custom-rm-path (or its own rm_type in --eval-config)")
     if datasets and a.eval_interval is None:  # slime's scripts switch eval off by commenting the interval out
         warnings.warn("--eval-prompt-data without --eval-interval: no eval runs (as in slime); add --eval-interval "
                       "N to evaluate every N steps", ConfigNote, stacklevel=2)
     _check(not a.log_eval_generations or datasets, f"--log-eval-generations {a.log_eval_generations} needs "
            "--eval-prompt-data and --eval-interval (it logs samples of the evals)")
     eval_cfg: EvalConfig = _group(
-        a, "eval", datasets=datasets,
+        a, "eval", datasets=datasets, settings=settings,
         temperature=a.rollout_temperature if a.eval_temperature is None else a.eval_temperature,
         top_p=a.rollout_top_p if a.eval_top_p is None else a.eval_top_p,
         top_k=a.rollout_top_k if a.eval_top_k is None else a.eval_top_k,

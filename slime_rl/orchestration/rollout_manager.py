@@ -28,9 +28,16 @@ from slime_rl.data.debug_rollouts import read_debug_rollout
 from slime_rl.engines.client import AsyncEngineClient, AsyncRouterClient, EngineError
 from slime_rl.observability.debug_data import save_debug_data
 from slime_rl.orchestration.failures import EngineFailure, RolloutStarved
-from slime_rl.rewards import reward_fn_from_config, reward_metric_means
+from slime_rl.rewards import eval_reward_fn, reward_fn_from_config, reward_metric_means
 from slime_rl.rollout.dynamic import generate_filtered_groups
-from slime_rl.rollout.eval import eval_sampling_params, generate_eval, pick_generations, rewards_of, summarize
+from slime_rl.rollout.eval import (
+    eval_samples_per_prompt,
+    eval_sampling_params,
+    generate_eval,
+    pick_generations,
+    rewards_of,
+    summarize,
+)
 from slime_rl.rollout.health import EngineHealth
 from slime_rl.rollout.options import RolloutOptions
 
@@ -148,8 +155,15 @@ class RolloutManager:
         self.dead: dict[int, str] = {}  # engine -> why it was declared dead; until it is revived
         self.options = RolloutOptions.from_config(
             cfg.rollout, return_routed_experts=cfg.trainer.use_rollout_routing_replay or None)
-        self.eval_sets = {name: PromptDataset(replace(cfg.data, prompt_data=path, rollout_shuffle=False),
-                                              self.tokenizer).rows for name, path in cfg.eval.datasets}
+        ev = cfg.eval
+        self.eval_sets = {name: PromptDataset(replace(
+            cfg.data, prompt_data=path, rollout_shuffle=False, input_key=ev.of(name, "input_key", cfg.data.input_key),
+            label_key=ev.of(name, "label_key", cfg.data.label_key),
+            apply_chat_template=ev.of(name, "apply_chat_template", cfg.data.apply_chat_template)),
+            self.tokenizer).rows for name, path in ev.datasets}
+        # --eval-config: a set with its own rm_type / custom_rm_path scores with its own function
+        self.eval_rewards = {name: eval_reward_fn(cfg, name, self.slime_args) for name, _ in ev.datasets
+                             if {"rm_type", "custom_rm_path"} & set(ev.settings.get(name, {}))}
         self._state_before: dict[int, dict[str, Any]] = {}
         self.leftover: list[list[Sample]] = []  # partial rollout: groups cut last step, continued first
         self.next_index = 0
@@ -272,14 +286,15 @@ class RolloutManager:
         """eval/<name>/reward_mean and pass@k on every --eval-prompt-data set, and the
         --log-eval-generations samples to show (`rollout.eval.pick_generations`)."""
         ev = self.cfg.eval
-        params = eval_sampling_params(ev)
         out: dict[str, float] = {}
         groups_by_set = {}
         clients = self._clients(live_only=True)  # eval has no failover: it just skips dead engines
         try:
             for name, rows in self.eval_sets.items():
-                groups = await generate_eval(clients, rows, ev.n_samples_per_prompt, params, self.reward_fn,
-                                             self.tokenizer, concurrency_per_engine=self.options.concurrency_per_engine,
+                reward = self.eval_rewards.get(name, self.reward_fn)
+                groups = await generate_eval(clients, rows, eval_samples_per_prompt(ev, name),
+                                             eval_sampling_params(ev, name), reward, self.tokenizer,
+                                             concurrency_per_engine=self.options.concurrency_per_engine,
                                              sample_seed=self.options.sample_seed, progress=True,
                                              progress_desc=f"eval {name}")
                 groups_by_set[name] = groups
@@ -302,3 +317,4 @@ class RolloutManager:
         self.dataset.load_state_dict(state["data"])
         self.next_index, self.next_group = int(state["next_index"]), int(state["next_group"])
         self.leftover = [[Sample(**s) for s in g] for g in state.get("leftover", [])]
+

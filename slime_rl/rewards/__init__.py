@@ -8,7 +8,7 @@ from slime_rl.rewards.builtin import (
     math_reward,
     token_f1,
 )
-from slime_rl.rewards.from_config import reward_fn_from_config
+from slime_rl.rewards.from_config import eval_reward_fn, reward_fn_from_config
 from slime_rl.rewards.loader import (
     GroupReward,
     GroupRewardFn,
@@ -53,6 +53,7 @@ __all__ = [
     "math_reward",
     "reward_metric_means",
     "resolve_reward",
+    "eval_reward_fn",
     "reward_fn_from_config",
     "score_samples",
     "token_f1",

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from slime_rl.config import RewardConfig
+from slime_rl.config import Config, RewardConfig
 from slime_rl.rewards.loader import GroupReward, RewardFn, make_reward_fn
 
 
@@ -21,3 +22,15 @@ def reward_fn_from_config(reward: RewardConfig, failure_value: float | None = No
                           rm_max_retries=reward.rm_max_retries, rm_backoff_s=reward.rm_backoff_s,
                           failure_value=failure_value, args=args, rm_kwargs=reward.custom_rm_kwargs,
                           timeout_s=reward.reward_timeout_s, generate_sets_reward=generate_sets_reward)
+
+
+def eval_reward_fn(cfg: Config, name: str, args: Any = None) -> RewardFn | GroupReward:
+    """Eval set `name`'s reward function: its --eval-config rm_type / custom_rm_path (an rm_type alone drops the
+    run's custom_rm_path, which would win over it), the other reward flags as the run's, failures scored with
+    --reward-failure-value like the run's."""
+    own = cfg.eval.settings[name]
+    custom = own["custom_rm_path"] if "custom_rm_path" in own else None if "rm_type" in own \
+        else cfg.reward.custom_rm_path
+    reward = replace(cfg.reward, rm_type=own.get("rm_type", cfg.reward.rm_type), custom_rm_path=custom,
+                     group_rm=False)
+    return reward_fn_from_config(reward, failure_value=cfg.reward.reward_failure_value, args=args)

@@ -61,10 +61,22 @@ def summarize(rewards: Sequence[Sequence[float]], ks: Sequence[int] | None = Non
     return out
 
 
-def eval_sampling_params(ev: EvalConfig) -> dict[str, Any]:
-    """SGLang sampling_params of every eval request: --eval-temperature / --eval-top-p / --eval-top-k
-    (each defaulting to its --rollout-* flag) and --eval-max-response-len."""
-    return {"temperature": ev.temperature, "top_p": ev.top_p, "top_k": ev.top_k, "max_new_tokens": ev.max_response_len}
+def eval_sampling_params(ev: EvalConfig, name: str | None = None) -> dict[str, Any]:
+    """SGLang sampling_params of eval set `name`'s requests: --eval-temperature / --eval-top-p / --eval-top-k
+    (each defaulting to its --rollout-* flag) and --eval-max-response-len, each overridden by the set's own
+    --eval-config value; its `stop` / `stop_token_ids` when it gives them."""
+    params = {"temperature": ev.of(name, "temperature", ev.temperature), "top_p": ev.of(name, "top_p", ev.top_p),
+              "top_k": ev.of(name, "top_k", ev.top_k),
+              "max_new_tokens": ev.of(name, "max_response_len", ev.max_response_len)}
+    for key in ("stop", "stop_token_ids"):
+        if key in ev.settings.get(name, {}):
+            params[key] = list(ev.settings[name][key])
+    return params
+
+
+def eval_samples_per_prompt(ev: EvalConfig, name: str) -> int:
+    """--n-samples-per-eval-prompt, or set `name`'s own n_samples_per_eval_prompt."""
+    return ev.of(name, "n_samples_per_eval_prompt", ev.n_samples_per_prompt)
 
 
 async def generate_eval(clients: Sequence[AsyncEngineClient], rows: Sequence[PromptRow], n_samples: int,

@@ -142,6 +142,10 @@ def _derived_cases(tmp: Path) -> dict[tuple[str, str, str], tuple[list[str], obj
         ("--num-rollout", "rollout", "num_rollout"): (["--num-rollout", "5"], 5),
         ("--eval-prompt-data", "eval", "datasets"): (["--eval-interval", "1", "--eval-prompt-data", "a", data],
                                                      (("a", data),)),
+        ("--eval-config", "eval", "datasets"): (["--eval-interval", "1", "--eval-config", _eval_yaml(tmp)],
+                                                (("a", data),)),
+        ("--eval-config", "eval", "settings"): (["--eval-interval", "1", "--eval-config", _eval_yaml(tmp)],
+                                                {"a": {"top_k": 5, "temperature": 0.0}}),
         ("--eval-temperature", "eval", "temperature"): (["--eval-temperature", "0.5"], 0.5),
         ("--eval-top-p", "eval", "top_p"): (["--eval-top-p", "0.5"], 0.5),
         ("--eval-top-k", "eval", "top_k"): (["--eval-top-k", "3"], 3),
@@ -160,6 +164,14 @@ def _derived_cases(tmp: Path) -> dict[tuple[str, str, str], tuple[list[str], obj
         **{(name, "model", "megatron_model_args"): (tokens, {name: value})
            for name, (tokens, value) in _model_args_cases().items()},
     }
+
+
+def _eval_yaml(tmp: Path) -> str:
+    """An --eval-config file: one set `a` of d.jsonl, top_k 5 from defaults and its own temperature 0."""
+    path = tmp / "eval.yaml"
+    path.write_text(f"eval:\n  defaults:\n    top_k: 5\n  datasets:\n    - name: a\n      path: {tmp / 'd.jsonl'}\n"
+                    "      temperature: 0.0\n")
+    return str(path)
 
 
 def _model_args_cases() -> dict[str, tuple[list[str], object]]:

@@ -122,14 +122,33 @@ def test_async_overlaps_rollout_with_training_and_syncs_between(ray_session, tin
 
 @pytest.mark.slow
 def test_dapo_dynamic_sampling_partial_rollout_and_eval(ray_session, tiny_qwen2, digit_data, tmp_path):
+    """DAPO's dynamic sampling with partial rollout, and eval from slime's --eval-config: two sets, one with
+    the defaults (2 samples per prompt), one with its own sample count, reward type and sampling."""
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(digit_data.read_text().splitlines(keepends=True)[:4]))
+    (tmp_path / "eval.yaml").write_text(f"""eval:
+  defaults:
+    n_samples_per_eval_prompt: 2
+  datasets:
+    - name: digits
+      path: {digit_data}
+    - name: few
+      path: {few}
+      n_samples_per_eval_prompt: 3
+      rm_type: f1
+      temperature: 0.0
+      max_response_len: 3
+""")
     extra = ["--dynamic-sampling-filter-path", "slime_rl.rollout.filters.check_reward_nonzero_std",
              "--over-sampling-batch-size", "8", "--partial-rollout", "--eval-interval", "1",
-             "--eval-prompt-data", "digits", str(digit_data), "--n-samples-per-eval-prompt", "2"]
+             "--eval-config", str(tmp_path / "eval.yaml")]
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + extra)
     rows = train(*preflight(cfg))
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [-1, 0, 1]  # eval before training, then the steps
     assert 0.0 <= lines[0]["eval/digits/reward_mean"] <= 1.0 and "eval/digits/pass@2" in lines[0]
+    assert lines[0]["eval/digits/n_samples"] == 2.0 and lines[0]["eval/few/n_samples"] == 3.0  # its own count
+    assert 0.0 <= lines[0]["eval/few/reward_mean"] <= 1.0
     for row in rows:
         assert row["rollout/groups_kept"] == 4  # exactly --rollout-batch-size groups survive the filter
         assert row["rollout/zero_std_group_frac"] == 0.0  # DAPO: only groups whose rewards differ
