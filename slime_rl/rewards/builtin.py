@@ -11,6 +11,7 @@ dict whose "score" is the reward (its other numeric keys are logged as metrics).
 | `math_format` | 0.9 x `math` + 0.1 x format with a `\boxed{}` answer (EasyR1's score) |
 | `reasoning_gym` | reasoning-gym's own `score_answer` for the row's task (see `rewards.reasoning_gym`); logs `acc` |
 | `deepscaler` | slime's `deepscaler` rule: 1 when the `\boxed{}` answer after `</think>` equals the label, else 0 |
+| `gpqa` | slime's multiple-choice rule: 1 when the answer picks the correct option (`rewards.multiple_choice`) |
 
 Each is one `RewardSpec` in `REWARDS` (its function and what it needs of a row's label); adding one
 touches this file and `config.flags.REWARD_TYPES` (the flag's help).
@@ -32,6 +33,7 @@ from slime_rl.config.flags import REWARD_TYPES
 from slime_rl.data import Sample
 from slime_rl.rewards.labels import LabelCheck, digit_label_problem, f1_label_problem, math_label_problem
 from slime_rl.rewards.math_grader import answer_region, is_equivalent, last_boxed
+from slime_rl.rewards.multiple_choice import gpqa_reward
 from slime_rl.rewards.reasoning_gym import check_labels as check_reasoning_gym_labels
 from slime_rl.rewards.reasoning_gym import reasoning_gym_reward
 
@@ -175,6 +177,7 @@ REWARDS: dict[str, RewardSpec] = {
     "math_format": RewardSpec(math_format_reward, math_label_problem),
     "reasoning_gym": RewardSpec(reasoning_gym_reward, rows_check=check_reasoning_gym_labels),
     "deepscaler": RewardSpec(deepscaler_reward, math_label_problem),
+    "gpqa": RewardSpec(gpqa_reward),
 }
 if tuple(REWARDS) != REWARD_TYPES:  # the flag's help and its choices come from config's list
     raise ImportError(f"rewards.builtin.REWARDS {tuple(REWARDS)} and config.flags.REWARD_TYPES {REWARD_TYPES} "

@@ -359,6 +359,11 @@ def load_custom_reward(path: str, *, group_rm: bool = False, args: Any = None,
     return _named(slime_one, fn), False, reward_key
 
 
+# slime's reward types that are not built here, and why
+NOT_BUILT = {"ifbench": "slime's IFBench scorer is not built here (slime clones allenai/IFBench and its "
+                        "requirements at run time); score that set with --custom-rm-path"}
+
+
 def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str | None = None,
                    reward_key: str = "score", *, group_rm: bool = False, rm_timeout_s: float = 30.0,
                    rm_max_retries: int = 3, rm_backoff_s: float = 0.5,
@@ -400,8 +405,8 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
             if remote is None:
                 raise RewardError(f"{where} 'remote_rm' needs --rm-url")
             return remote, reward_key
-        raise RewardError(f"{where} {name!r}: unknown reward type (built-in: {', '.join(sorted(BUILTIN))}, "
-                          "remote_rm)")
+        why = NOT_BUILT.get(name, "unknown reward type")
+        raise RewardError(f"{where} {name!r}: {why} (built-in: {', '.join(sorted(BUILTIN))}, remote_rm)")
 
     if custom is not None:
         default = (custom[0], custom[2])

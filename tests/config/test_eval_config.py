@@ -54,9 +54,11 @@ def test_slimes_multi_task_file_gives_each_set_its_settings(tmp_path):
 
 
 def test_a_reward_type_not_built_here_is_named_with_its_set(tmp_path, tiny_qwen2):
+    """gpqa is built (rewards/multiple_choice.py); ifbench is not, and says why."""
     argv = _argv(tmp_path, MULTI_TASK)
     argv[argv.index("--hf-checkpoint") + 1] = str(tiny_qwen2)
-    with pytest.raises(RewardError, match=r"--eval-config dataset gpqa: .*'gpqa': unknown reward type"):
+    with pytest.raises(RewardError, match=r"--eval-config dataset ifbench: .*'ifbench': slime's IFBench scorer is "
+                                          r"not built here"):
         preflight(build_config(argv + ["--dry-run"]))
 
 
