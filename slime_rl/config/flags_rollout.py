@@ -38,6 +38,9 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
         Flag('--rollout-max-prompt-len', 'data.rollout_max_prompt_len', type=_positive_int),
         Flag('--image-key', 'data.image_key', default='images',
              help='column of image paths/bytes (vision-language models); rows without it are text-only'),
+        Flag('--multimodal-keys', derived='data.image_key', metavar='JSON',
+             help='slime\'s map from media type to column, as \'{"image": "images"}\': its image column is '
+                  '--image-key\'s (images are the only media read here)'),
         Flag('--min-pixels', 'data.min_pixels', type=_positive_int,
              help="smallest image area after resizing (default: the checkpoint's image processor)"),
         Flag('--max-pixels', 'data.max_pixels', type=_positive_int,

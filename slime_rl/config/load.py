@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
 import time
 import warnings
@@ -34,7 +35,7 @@ from slime_rl.config.checks import (
     _same_path,
 )
 from slime_rl.config.estimators import ESTIMATOR_SPECS, estimator_spec
-from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, FLAGS
+from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, FLAGS, default_of
 from slime_rl.config.flags_model import megatron_model_args
 from slime_rl.config.groups import GROUPS, Config, CriticConfig, EngineConfig, EvalConfig, ParallelConfig
 from slime_rl.config.parse import ROUTER_KEY, parse_flags, split_router_args
@@ -234,6 +235,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
             _check(importlib.util.find_spec(module) is not None,
                    f"{flag}: the '{module}' package is not installed (pip install slime_rl[{module}])")
 
+    a.image_key = _image_key(a)
     run_dir = a.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     return Config(
         parallel=parallel,
@@ -297,6 +299,25 @@ def _engine_config(a: argparse.Namespace, sglang: dict[str, Any], router: dict[s
     so the placement, --dry-run and the cluster plan and start no engine; the flags were checked all the same."""
     engine: EngineConfig = _group(a, "engine", num_gpus=a.rollout_num_gpus, sglang_args=sglang, router_args=router)
     return dataclasses.replace(engine, num_gpus=0, colocate=False) if train_only else engine
+
+
+def _image_key(a: argparse.Namespace) -> str:
+    """--image-key, or the image column of slime's --multimodal-keys JSON map (media type -> column)."""
+    if a.multimodal_keys is None:
+        return a.image_key
+    try:
+        keys = json.loads(a.multimodal_keys)
+    except ValueError as exc:
+        raise ConfigError(f"--multimodal-keys {a.multimodal_keys!r}: not JSON ({exc})") from exc
+    _check(isinstance(keys, dict) and all(isinstance(v, str) and v for v in keys.values()),
+           f"--multimodal-keys {a.multimodal_keys!r}: must be a JSON object from media type to column, as "
+           '\'{"image": "images"}\'')
+    other = sorted(set(keys) - {"image"})
+    _check(not other, f"--multimodal-keys {a.multimodal_keys}: {', '.join(other)} is not read here (images only, "
+           "from one column)")
+    _check(a.image_key in (keys.get("image"), default_of("--image-key")),
+           f"--multimodal-keys gives the image column {keys.get('image')!r} and --image-key {a.image_key!r}: give one")
+    return keys.get("image", a.image_key)
 
 
 def _eval_config(a: argparse.Namespace, check_paths: bool, train_only: bool = False) -> EvalConfig:

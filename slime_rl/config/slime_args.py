@@ -70,7 +70,6 @@ SLIME_ONLY_FLAGS: dict[str, str] = {
     "--fp8-recipe": "FP8 training needs TransformerEngine (see --fp8-format)",
     "--loss-mask-type": "multi-turn loss masks come from a custom generate function (each sample's loss_mask), "
     "not from a chat-template rule",
-    "--multimodal-keys": "images are read from --image-key (a column of paths or bytes per row), not a JSON map",
     "--prefill-num-servers": "prefill/decode disaggregation is not supported: every engine prefills and decodes",
     "--update-weight-mode": "weights reach the engines by a full broadcast (or CUDA IPC with --colocate) after "
     "every update; delta and disk transports are not built",

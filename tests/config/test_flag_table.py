@@ -147,6 +147,7 @@ def _derived_cases(tmp: Path) -> dict[tuple[str, str, str], tuple[list[str], obj
         ("--eval-config", "eval", "settings"): (["--eval-interval", "1", "--eval-config", _eval_yaml(tmp)],
                                                 {"a": {"top_k": 5, "temperature": 0.0}}),
         ("--eval-temperature", "eval", "temperature"): (["--eval-temperature", "0.5"], 0.5),
+        ("--multimodal-keys", "data", "image_key"): (["--multimodal-keys", '{"image": "pictures"}'], "pictures"),
         ("--eval-top-p", "eval", "top_p"): (["--eval-top-p", "0.5"], 0.5),
         ("--eval-top-k", "eval", "top_k"): (["--eval-top-k", "3"], 3),
         ("--rollout-top-k", "eval", "top_k"): (["--rollout-top-k", "7"], 7),

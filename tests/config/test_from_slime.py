@@ -123,6 +123,10 @@ OTHER_SCRIPTS: list[tuple[list[str], tuple[str, object] | str]] = [
     (["--optimizer-offload-fraction", "0.5"], ("optimizer.offload_fraction", 0.5)),
     (["--optimizer-offload-fraction", "0"], "must be in (0, 1]"),
     (["--use-rollout-logprobs"], ("algo.use_rollout_logprobs", True)),
+    (["--multimodal-keys", '{"image": "images"}'], ("data.image_key", "images")),  # slime's geo3k scripts
+    (["--multimodal-keys", '{"image": "img", "video": "v"}'], "video is not read here"),
+    (["--multimodal-keys", '{"image": "img"}', "--image-key", "pics"], "give one"),
+    (["--multimodal-keys", "image=img"], "not JSON"),
     (["--use-rollout-logprobs", "--use-tis"], "the old log-probs would be the engine's"),
     (["--loss-type", "sft_loss"], "supervised fine-tuning"),
     (["--disable-compute-advantages-and-returns"], "SFT"),
