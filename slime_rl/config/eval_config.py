@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from slime_rl.config.parse import UniqueKeyLoader
+
 # key -> (type check, what it must be); the values a set may set for itself
 SETTINGS: dict[str, tuple[Any, str]] = {
     "n_samples_per_eval_prompt": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
@@ -54,8 +56,8 @@ def read_eval_config(path: str | Path) -> tuple[tuple[tuple[str, str], ...], dic
     if "${" in text:
         raise EvalConfigError(f"{where}: it uses ${{...}} interpolation (slime resolves it with OmegaConf); "
                               "write the values out")
-    try:
-        raw = yaml.safe_load(text)
+    try:  # a key given twice in one mapping is an error naming both lines (parse.UniqueKeyLoader)
+        raw = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as exc:
         raise EvalConfigError(f"{where}: not YAML ({exc})") from exc
     if not isinstance(raw, dict):

@@ -88,6 +88,8 @@ def test_mapping_form_stop_strings_and_the_flags_underneath(tmp_path):
     ("datasets:\n  - name: a\n", "dataset 'a' needs a `path`"),
     ("datasets:\n  - path: {d}/aime.jsonl\n", r"datasets\[0\] needs a `name`"),
     ("datasets: []\n", "`datasets` must be a non-empty list"),
+    ("datasets:\n  - name: a\n    path: {d}/aime.jsonl\n    top_p: 0.5\n    top_p: 0.6\n",
+     r"key 'top_p' is given twice \(lines 4 and 5\)"),
     ("datasets:\n  - name: a\n    path: {d}/missing.jsonl\n", "dataset a: file not found"),
 ])
 def test_what_it_cannot_take_is_named(tmp_path, text, message):
