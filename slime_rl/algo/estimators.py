@@ -11,6 +11,7 @@ The two registries must name the same estimators (checked at import).
 |------------------------------|------------------------------|-------------------------------------------|---------|
 | grpo (Dr.GRPO: no std)       | grpo_advantages              | -- (the scalar, broadcast)                | PPO clip|
 | gspo                         | grpo_advantages              | --                                        | GSPO    |
+| cispo                        | grpo_advantages              | --                                        | CISPO   |
 | rloo                         | rloo_advantages              | --                                        | PPO clip|
 | reinforce_plus_plus          | 0 (unused)                   | discounted returns of token rewards       | PPO clip|
 | reinforce_plus_plus_baseline | group_mean_baseline          | baseline_token_advantages                 | PPO clip|
@@ -36,6 +37,7 @@ from slime_rl.algo.advantages import (
     reinforce_plus_plus_advantages,
     rloo_advantages,
 )
+from slime_rl.algo.cispo import cispo_loss, cispo_weight
 from slime_rl.algo.gspo import gspo_loss, gspo_seq_log_ratio
 from slime_rl.algo.losses import ClipFractions, clip_fractions, ppo_clip_loss
 from slime_rl.config.estimators import ESTIMATOR_SPECS, EstimatorSpec
@@ -116,6 +118,22 @@ class GSPO(GRPO):
         log_s = gspo_seq_log_ratio(logp.detach(), old_logp, mask).unsqueeze(1).expand_as(logp)
         frac = clip_fractions(log_s, torch.zeros_like(log_s), advantages, algo.eps_clip, algo.eps_clip_high)
         return pg, clipped, frac
+
+
+@register
+class CISPO(GRPO):
+    """GRPO's advantages; the loss weights each token's log-prob gradient by its clipped, detached ratio
+    (algo/cispo.py). The clip fractions count the weights cut at each bound, whatever the advantage's sign."""
+
+    name = "cispo"
+
+    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                    algo: AlgoConfig) -> tuple[Tensor, Tensor, ClipFractions]:
+        pg, clipped = cispo_loss(logp, old_logp, advantages, algo.eps_clip, algo.eps_clip_high)
+        _, ratio = cispo_weight(logp, old_logp, algo.eps_clip, algo.eps_clip_high)
+        high = (ratio > 1.0 + algo.eps_clip_high).float()
+        low = (ratio < 1.0 - algo.eps_clip).float()
+        return pg, clipped, ClipFractions(high, low, torch.zeros_like(high))
 
 
 @register

@@ -50,6 +50,9 @@ ESTIMATOR_SPECS: dict[str, EstimatorSpec] = {s.name: s for s in (
     EstimatorSpec("reinforce_plus_plus_baseline", "trainer"),
     # GRPO's advantages with a sequence-level ratio; the paper (and verl) average per sequence first
     EstimatorSpec("gspo", "rollout", sequence_ratio=True, loss_agg_mode="seq-mean-token-mean"),
+    # GRPO's advantages with MiniMax-M1's clipped IS-weight loss (algo/cispo.py); the paper averages over
+    # all tokens (token-mean, the default)
+    EstimatorSpec("cispo", "rollout"),
     EstimatorSpec("ppo", "trainer", critic=True, kl_in_rewards=True),
 )}
 

@@ -23,6 +23,7 @@ CASES: dict[str, tuple[dict, str, bool]] = {
     "rpp_baseline": ({"advantage_estimator": "reinforce_plus_plus_baseline", "kl_coef": 2.0, "kl_loss_type": "k1"},
                      "token-mean", False),
     "gspo": ({"advantage_estimator": "gspo"}, "seq-mean-token-mean", True),
+    "cispo": ({"advantage_estimator": "cispo"}, "token-mean", True),
     "dual_clip": ({"eps_clip_c": 3.0}, "token-mean", True),
     "tis": ({"use_tis": True, "tis_clip": 2.0, "tis_clip_low": 0.5}, "token-mean", True),
     "entropy": ({"entropy_coef": 0.5}, "seq-mean-token-mean", True),
@@ -31,6 +32,7 @@ CASES: dict[str, tuple[dict, str, bool]] = {
 
 # the same case with its feature switched off: the tests check that this changes the gradient
 ABLATION = {"rpp": {"kl_coef": 0.0}, "rpp_baseline": {"kl_coef": 0.0}, "gspo": {"advantage_estimator": "grpo"},
+            "cispo": {"advantage_estimator": "grpo"},
             "dual_clip": {"eps_clip_c": None}, "tis": {"use_tis": False}, "entropy": {"entropy_coef": 0.0},
             "kl_loss": {"use_kl_loss": False, "kl_loss_coef": 0.0}}
 
@@ -121,12 +123,17 @@ def reference_step(model, ref_model, batch: dict, kw: dict, mode: str, old: list
             ratio = torch.exp(((lp - o) * m).sum() / m.sum()).expand_as(lp)
         else:
             ratio = torch.exp(lp - o)
-        loss = -torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps_high) * a)
+        r = ratio.detach()
+        if kw.get("advantage_estimator") == "cispo":  # MiniMax-M1 eq. 4: -sg(clip(r)) * A * logp, every token
+            loss = -r.clamp(1 - eps, 1 + eps_high) * a * lp
+            high.append((r > 1 + eps_high).double())
+            low.append((r < 1 - eps).double())
+        else:
+            loss = -torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps_high) * a)
+            high.append(((a > 0) & (r > 1 + eps_high)).double())
+            low.append(((a < 0) & (r < 1 - eps)).double())
         if c is not None:
             loss = torch.where(a < 0, torch.minimum(loss, -c * a), loss)
-        r = ratio.detach()
-        high.append(((a > 0) & (r > 1 + eps_high)).double())
-        low.append(((a < 0) & (r < 1 - eps)).double())
         if c is not None:  # the dual-clip cap -c * A is the smaller loss exactly when r > c
             dual.append(((a < 0) & (r > c)).double())
         raw_w = torch.exp(o - torch.tensor(rollout[i], dtype=torch.float64))
