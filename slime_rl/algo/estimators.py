@@ -12,6 +12,7 @@ The two registries must name the same estimators (checked at import).
 | grpo (Dr.GRPO: no std)       | grpo_advantages              | -- (the scalar, broadcast)                | PPO clip|
 | gspo                         | grpo_advantages              | --                                        | GSPO    |
 | cispo                        | grpo_advantages              | --                                        | CISPO   |
+| sapo                         | grpo_advantages              | --                                        | SAPO    |
 | rloo                         | rloo_advantages              | --                                        | PPO clip|
 | reinforce_plus_plus          | 0 (unused)                   | discounted returns of token rewards       | PPO clip|
 | reinforce_plus_plus_baseline | group_mean_baseline          | baseline_token_advantages                 | PPO clip|
@@ -40,6 +41,7 @@ from slime_rl.algo.advantages import (
 from slime_rl.algo.cispo import cispo_loss, cispo_weight
 from slime_rl.algo.gspo import gspo_loss, gspo_seq_log_ratio
 from slime_rl.algo.losses import ClipFractions, clip_fractions, ppo_clip_loss
+from slime_rl.algo.sapo import sapo_loss
 from slime_rl.config.estimators import ESTIMATOR_SPECS, EstimatorSpec
 from slime_rl.config.groups import AlgoConfig
 
@@ -134,6 +136,20 @@ class CISPO(GRPO):
         high = (ratio > 1.0 + algo.eps_clip_high).float()
         low = (ratio < 1.0 - algo.eps_clip).float()
         return pg, clipped, ClipFractions(high, low, torch.zeros_like(high))
+
+
+@register
+class SAPO(GRPO):
+    """GRPO's advantages; the loss gates each token's ratio softly (algo/sapo.py): no token is clipped, so
+    the clip fractions are 0."""
+
+    name = "sapo"
+
+    def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                    algo: AlgoConfig) -> tuple[Tensor, Tensor, ClipFractions]:
+        pg = sapo_loss(logp, old_logp, advantages, algo.sapo_tau_pos, algo.sapo_tau_neg)
+        zero = torch.zeros_like(pg).detach()
+        return pg, zero, ClipFractions(zero, zero, zero)
 
 
 @register

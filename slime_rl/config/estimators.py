@@ -53,6 +53,8 @@ ESTIMATOR_SPECS: dict[str, EstimatorSpec] = {s.name: s for s in (
     # GRPO's advantages with MiniMax-M1's clipped IS-weight loss (algo/cispo.py); the paper averages over
     # all tokens (token-mean, the default)
     EstimatorSpec("cispo", "rollout"),
+    # GRPO's advantages with SAPO's soft gate on the ratio (algo/sapo.py)
+    EstimatorSpec("sapo", "rollout"),
     EstimatorSpec("ppo", "trainer", critic=True, kl_in_rewards=True),
 )}
 

@@ -45,6 +45,11 @@ ALGO_FLAGS: tuple[Flag, ...] = (
         Flag('--value-clip', 'algo.value_clip', default=0.2, type=float,
              help='PPO value-loss clip around the rollout-time values'),
         Flag('--entropy-coef', 'algo.entropy_coef', default=0.0, type=_nonneg_float, help='entropy bonus in the loss'),
+        Flag('--sapo-tau-pos', 'algo.sapo_tau_pos', default=1.0, type=float, check=(lambda v: v > 0, "must be > 0"),
+             help="--advantage-estimator sapo: the soft gate's temperature for tokens with a positive advantage"),
+        Flag('--sapo-tau-neg', 'algo.sapo_tau_neg', default=1.05, type=float, check=(lambda v: v > 0, "must be > 0"),
+             help="--advantage-estimator sapo: the gate's temperature for the other tokens (larger: their "
+                  "off-policy updates fade sooner)"),
         Flag('--use-tis', 'algo.use_tis', action="store_true",
              help="truncated importance sampling against the engine's log-probs"),
         Flag('--tis-clip', 'algo.tis_clip', default=2.0, type=float),

@@ -155,6 +155,8 @@ class AlgoConfig:
     value_clip: float = default_of("--value-clip")  # clipped value loss (ppo)
     entropy_coef: float = default_of("--entropy-coef")
     use_tis: bool = default_of("--use-tis")
+    sapo_tau_pos: float = default_of("--sapo-tau-pos")  # --advantage-estimator sapo's gate temperatures
+    sapo_tau_neg: float = default_of("--sapo-tau-neg")
     tis_clip: float = default_of("--tis-clip")
     tis_clip_low: float = default_of("--tis-clip-low")
     # rollouts between reference refreshes; None: frozen

@@ -159,7 +159,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.rollout_num_gpus % a.rollout_num_gpus_per_engine == 0,
            f"--rollout-num-gpus-per-engine ({a.rollout_num_gpus_per_engine}) must divide "
            f"--rollout-num-gpus ({a.rollout_num_gpus})")
-    _check(a.eps_clip_c is None or a.advantage_estimator not in ("gspo", "cispo"),
+    _check(a.eps_clip_c is None or a.advantage_estimator not in ("gspo", "cispo", "sapo"),
            f"--eps-clip-c (PPO's dual clip) has no effect with --advantage-estimator {a.advantage_estimator}, whose "
            "loss does not take the PPO minimum; drop it")
     _check(not (a.use_rollout_logprobs and a.use_tis), "--use-rollout-logprobs with --use-tis: the old log-probs "

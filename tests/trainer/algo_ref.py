@@ -24,6 +24,7 @@ CASES: dict[str, tuple[dict, str, bool]] = {
                      "token-mean", False),
     "gspo": ({"advantage_estimator": "gspo"}, "seq-mean-token-mean", True),
     "cispo": ({"advantage_estimator": "cispo"}, "token-mean", True),
+    "sapo": ({"advantage_estimator": "sapo", "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}, "token-mean", True),
     "dual_clip": ({"eps_clip_c": 3.0}, "token-mean", True),
     "tis": ({"use_tis": True, "tis_clip": 2.0, "tis_clip_low": 0.5}, "token-mean", True),
     "entropy": ({"entropy_coef": 0.5}, "seq-mean-token-mean", True),
@@ -32,7 +33,7 @@ CASES: dict[str, tuple[dict, str, bool]] = {
 
 # the same case with its feature switched off: the tests check that this changes the gradient
 ABLATION = {"rpp": {"kl_coef": 0.0}, "rpp_baseline": {"kl_coef": 0.0}, "gspo": {"advantage_estimator": "grpo"},
-            "cispo": {"advantage_estimator": "grpo"},
+            "cispo": {"advantage_estimator": "grpo"}, "sapo": {"advantage_estimator": "grpo"},
             "dual_clip": {"eps_clip_c": None}, "tis": {"use_tis": False}, "entropy": {"entropy_coef": 0.0},
             "kl_loss": {"use_kl_loss": False, "kl_loss_coef": 0.0}}
 
@@ -124,7 +125,12 @@ def reference_step(model, ref_model, batch: dict, kw: dict, mode: str, old: list
         else:
             ratio = torch.exp(lp - o)
         r = ratio.detach()
-        if kw.get("advantage_estimator") == "cispo":  # MiniMax-M1 eq. 4: -sg(clip(r)) * A * logp, every token
+        if kw.get("advantage_estimator") == "sapo":  # the soft gate (4 / tau) sigmoid(tau (r - 1)), no clip
+            tau = torch.where(a > 0, torch.full_like(a, kw["sapo_tau_pos"]), torch.full_like(a, kw["sapo_tau_neg"]))
+            loss = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * a
+            high.append(torch.zeros_like(r))
+            low.append(torch.zeros_like(r))
+        elif kw.get("advantage_estimator") == "cispo":  # MiniMax-M1 eq. 4: -sg(clip(r)) * A * logp, every token
             loss = -r.clamp(1 - eps, 1 + eps_high) * a * lp
             high.append((r > 1 + eps_high).double())
             low.append((r < 1 - eps).double())
