@@ -62,6 +62,10 @@ def map_data(ctx: EasyR1Context) -> None:
     na("data.filter_overlong_prompts_workers", "data loading parallelism")
 
 
+# EasyR1's worker.actor.loss_type values that are one of our estimators (with adv_estimator grpo)
+_LOSS_TYPES = {"gspo": "gspo", "cispo": "cispo", "sapo": "sapo"}
+
+
 def map_algorithm(ctx: EasyR1Context) -> None:
     """`algorithm.*` (with worker.actor.loss_type): the advantage estimator, the KL and online filtering."""
     m, get, fail, rule, to, na, only = ctx.m, ctx.get, ctx.fail, ctx.rule, ctx.to, ctx.na, ctx.only
@@ -73,14 +77,15 @@ def map_algorithm(ctx: EasyR1Context) -> None:
             fail("algorithm.adv_estimator", f"{v!r} has no counterpart (--advantage-estimator: "
                  f"{', '.join(sorted(_ESTIMATORS))} of EasyR1's)")
         ours = _ESTIMATORS[v]
-        if loss_type == "gspo":
+        if loss_type in _LOSS_TYPES:  # GRPO's advantages with another loss: one estimator here
             if v != "grpo":
-                fail("worker.actor.loss_type", f"gspo with adv_estimator {v}: GSPO is available with grpo only")
-            ours = "gspo"
+                fail("worker.actor.loss_type", f"{loss_type} with adv_estimator {v}: it is available with grpo only")
+            ours = _LOSS_TYPES[loss_type]
         elif loss_type != "default":
-            fail("worker.actor.loss_type", f"{loss_type!r} has no counterpart (default and gspo do)")
+            fail("worker.actor.loss_type", f"{loss_type!r} has no counterpart (default, "
+                 f"{', '.join(sorted(_LOSS_TYPES))} do)")
         m.set("algorithm.adv_estimator", "advantage_estimator", ours,
-              "with worker.actor.loss_type gspo" if ours == "gspo" else "EasyR1's default" if
+              f"with worker.actor.loss_type {loss_type}" if loss_type in _LOSS_TYPES else "EasyR1's default" if
               "algorithm.adv_estimator" not in given else "")
     rule("algorithm.adv_estimator", adv)
     ctx.handled.add("worker.actor.loss_type")
@@ -104,7 +109,7 @@ def map_algorithm(ctx: EasyR1Context) -> None:
             m.set("algorithm.kl_coef", "kl_loss_coef", coef)
             m.set("algorithm.kl_penalty", "kl_loss_type", _KL_TYPES[penalty])
             return
-        ours = "gspo" if get("worker.actor.loss_type", "default") == "gspo" else _ESTIMATORS.get(estimator, estimator)
+        ours = _LOSS_TYPES.get(str(get("worker.actor.loss_type", "default")), _ESTIMATORS.get(estimator, estimator))
         if not estimator_spec(ours).kl_in_rewards:
             fail("algorithm.use_kl_loss", f"false puts the KL (algorithm.kl_coef {coef}) in the rewards, which "
                  f"--advantage-estimator {ours} does not do here; set use_kl_loss: true or disable_kl: true")

@@ -34,7 +34,17 @@ def map_actor(ctx: EasyR1Context) -> None:
     to("worker.actor.max_grad_norm", "clip_grad", float)
     to("worker.actor.clip_ratio_low", "eps_clip", float)
     to("worker.actor.clip_ratio_high", "eps_clip_high", float)
-    to("worker.actor.clip_ratio_dual", "eps_clip_c", float)
+    loss_type = str(ctx.get("worker.actor.loss_type", "default"))
+    if loss_type == "default":
+        to("worker.actor.clip_ratio_dual", "eps_clip_c", float)
+    else:  # EasyR1 applies the dual clip in its default (PPO) loss only
+        na("worker.actor.clip_ratio_dual", f"the dual clip is PPO's; loss_type {loss_type} does not take it")
+    if loss_type == "sapo":
+        to("worker.actor.tau_positive", "sapo_tau_pos", float)
+        to("worker.actor.tau_negative", "sapo_tau_neg", float)
+    else:
+        na("worker.actor.tau_positive", "SAPO's gate temperature (loss_type sapo only)")
+        na("worker.actor.tau_negative", "SAPO's gate temperature (loss_type sapo only)")
 
     def loss_avg(v: Any) -> None:
         modes = {"token": "token-mean", "seq": "seq-mean-token-mean"}

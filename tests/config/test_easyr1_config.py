@@ -104,7 +104,8 @@ def test_command_line_wins(tmp_path):
     ({"worker.actor.model.lora.rank": 8}, "worker.actor.model.lora.rank"),
     ({"algorithm.kl_type": "adaptive"}, "algorithm.kl_type"),
     ({"algorithm.adv_estimator": "remax"}, "algorithm.adv_estimator"),
-    ({"worker.actor.loss_type": "cispo"}, "worker.actor.loss_type"),
+    ({"worker.actor.loss_type": "vespo"}, "worker.actor.loss_type"),
+    ({"worker.actor.loss_type": "cispo", "algorithm.adv_estimator": "rloo"}, "worker.actor.loss_type"),
     ({"worker.actor.ppo_epochs": 2}, "worker.actor.ppo_epochs"),
     ({"data.image_dir": "/images"}, "data.image_dir"),
     ({"data.override_chat_template": "t.jinja"}, "data.override_chat_template"),
@@ -190,3 +191,17 @@ def test_num_rollout_on_the_command_line_wins_over_the_files_epochs(tmp_path):
     cfg = build_config(["--config", str(flat), "--hf-checkpoint", "m", "--prompt-data", "d", "--rm-type", "digit",
                         "--rollout-batch-size", "2", "--num-epoch", "1"], check_paths=False)
     assert cfg.data.num_epoch == 1
+
+
+@pytest.mark.parametrize("loss_type", ["gspo", "cispo", "sapo"])
+def test_easyr1_loss_types_with_grpo_are_our_estimators(tmp_path, loss_type):
+    """EasyR1's worker.actor.loss_type gspo / cispo / sapo (its core_algos.compute_policy_loss) with
+    adv_estimator grpo: --advantage-estimator of that name; clip_ratio_low/high stay the clip bounds
+    (CISPO's weight bounds), the dual clip is dropped (EasyR1 applies it in its default loss only), SAPO
+    takes tau_positive / tau_negative."""
+    edit = {"worker.actor.loss_type": loss_type, "worker.actor.tau_positive": 0.5, "worker.actor.tau_negative": 2.0}
+    cfg = build_config(["--config", str(write_config(tmp_path, edit=edit))], check_paths=False)
+    assert cfg.algo.advantage_estimator == loss_type and cfg.algo.eps_clip_c is None
+    assert (cfg.algo.eps_clip, cfg.algo.eps_clip_high) == (0.2, 0.3)  # the fixture's clip ratios
+    want = (0.5, 2.0) if loss_type == "sapo" else (1.0, 1.05)  # the taus are SAPO's only
+    assert (cfg.algo.sapo_tau_pos, cfg.algo.sapo_tau_neg) == want
