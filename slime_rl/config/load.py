@@ -159,7 +159,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.rollout_num_gpus % a.rollout_num_gpus_per_engine == 0,
            f"--rollout-num-gpus-per-engine ({a.rollout_num_gpus_per_engine}) must divide "
            f"--rollout-num-gpus ({a.rollout_num_gpus})")
-    _check(a.eps_clip_c is None or a.advantage_estimator not in ("gspo", "cispo", "sapo"),
+    _check(a.eps_clip_c is None or estimator_spec(a.advantage_estimator).dual_clip,
            f"--eps-clip-c (PPO's dual clip) has no effect with --advantage-estimator {a.advantage_estimator}, whose "
            "loss does not take the PPO minimum; drop it")
     _check(not (a.use_rollout_logprobs and a.use_tis), "--use-rollout-logprobs with --use-tis: the old log-probs "
@@ -168,7 +168,6 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     _check(a.rm_type is not None or a.custom_rm_path is not None or a.custom_generate_function_path is not None,
            "--rm-type or --custom-rm-path is required (or a --custom-generate-function-path that sets each "
            "sample's reward)")
-
     _check(not a.group_rm or a.custom_rm_path is not None, "--group-rm needs --custom-rm-path (a function that "
            "scores a list of samples)")
     # the NCCL weight-update group counts N ranks per engine; the built-in engine would join with one.
