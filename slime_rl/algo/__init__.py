@@ -28,7 +28,6 @@ from slime_rl.algo.losses import (
     masked_sum,
     ppo_clip_loss,
     ppo_kl,
-    tis_weights,
     value_loss,
     value_loss_terms,
 )
@@ -73,7 +72,6 @@ __all__ = [
     "reinforce_plus_plus_baseline_advantages",
     "rloo_advantages",
     "sample_coefficient",
-    "tis_weights",
     "value_loss",
     "value_loss_terms",
 ]

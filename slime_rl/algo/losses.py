@@ -17,7 +17,7 @@ from slime_rl.algo.aggregate import aggregate
 from slime_rl.algo.kl import kl_penalty
 
 __all__ = ["PPO_LOG_RATIO_CLAMP", "ClipFractions", "clip_fractions", "entropy_from_logits", "explained_variance",
-           "kl_penalty", "log_ratio", "masked_mean", "masked_sum", "ppo_clip_loss", "ppo_kl", "tis_weights",
+           "kl_penalty", "log_ratio", "masked_mean", "masked_sum", "ppo_clip_loss", "ppo_kl",
            "value_loss"]
 
 
@@ -107,18 +107,6 @@ def ppo_kl(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     numerator and the count over micro-batches for a global figure). Scalar, detached.
     """
     return masked_mean((old_logp - logp).detach(), mask)
-
-
-def tis_weights(old_logp: Tensor, rollout_logp: Tensor, clip: float, clip_low: float = 0.0) -> Tensor:
-    """Truncated IS weights for the trainer/engine mismatch (Yao et al. 2025, "off-policy RL training"; slime TIS).
-
-    old_logp: [B, T] log-probs of the sampled tokens under the trainer's old policy; rollout_logp:
-    [B, T] the engine's log-probs of the same tokens (returned with the rollout). w = clamp(
-    exp(old_logp - rollout_logp), clip_low, clip) -- min(ratio, clip) with the default clip_low=0.
-    Detached: the policy-gradient loss is multiplied by w per token. Returns [B, T].
-    """
-    with torch.no_grad():
-        return torch.clamp(torch.exp(old_logp - rollout_logp), min=clip_low, max=clip)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

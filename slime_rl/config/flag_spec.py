@@ -29,6 +29,12 @@ EMBEDDED_SGLANG_ARGS = SGLANG_ARGS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
+
+# off-policy corrections (slime_rl.algo.offpolicy): importance-weight levels and modes, verl's rejection options
+IS_LEVELS = ("token", "sequence", "geometric")
+TIS_MODES = ("truncate", "mask")
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 # the one definition of the loss-aggregation modes; their math is slime_rl.algo.aggregate's
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ROLLOUT_BACKENDS = ("embedded", "sglang")

@@ -9,8 +9,11 @@ import operator
 
 from slime_rl.config.estimators import ADVANTAGE_ESTIMATORS
 from slime_rl.config.flag_spec import (
+    IS_LEVELS,
     KL_LOSS_TYPES,
     LOSS_AGG_MODES,
+    RS_OPTIONS,
+    TIS_MODES,
     Flag,
     _nonneg_float,
     _nonneg_int,
@@ -51,9 +54,27 @@ ALGO_FLAGS: tuple[Flag, ...] = (
              help="--advantage-estimator sapo: the gate's temperature for the other tokens (larger: their "
                   "off-policy updates fade sooner)"),
         Flag('--use-tis', 'algo.use_tis', action="store_true",
-             help="truncated importance sampling against the engine's log-probs"),
-        Flag('--tis-clip', 'algo.tis_clip', default=2.0, type=float),
-        Flag('--tis-clip-low', 'algo.tis_clip_low', default=0.0, type=float),
+             help="importance weights pi_old / pi_engine on each token's pg term, correcting for the engine "
+                  "having sampled the tokens (TIS; with --tis-mode mask: MIS / IcePop; decoupled PPO); "
+                  "docs/off_policy.md"),
+        Flag('--tis-clip', 'algo.tis_clip', default=2.0, type=float, help="the weights' upper bound"),
+        Flag('--tis-clip-low', 'algo.tis_clip_low', default=0.0, type=float, help="the weights' lower bound"),
+        Flag('--tis-level', 'algo.tis_level', default='token', choices=IS_LEVELS,
+             help='--use-tis: one weight per token, or per sample: the product of its ratios (sequence) or their '
+                  'geometric mean (geometric)'),
+        Flag('--tis-mode', 'algo.tis_mode', default='truncate', choices=TIS_MODES,
+             help='--use-tis: truncate clamps a weight to [--tis-clip-low, --tis-clip]; mask gives a weight '
+                  'outside those bounds 0 (MIS; at token level IcePop)'),
+        Flag('--rollout-rs', 'algo.rollout_rs', type=str,
+             help="verl's rejection of tokens or samples whose trainer/engine divergence is out of bounds: "
+                  f"comma-separated options of {', '.join(RS_OPTIONS)}; a rejected token's pg term is 0"),
+        Flag('--rollout-rs-threshold', 'algo.rollout_rs_threshold', type=str,
+             help="--rollout-rs's bounds, verl's syntax: one for all options or one per option (comma-separated); "
+                  "k1 options 'lower_upper' or 'upper' (ratio bounds, lower 1/upper), k2 / k3 an upper bound"),
+        Flag('--get-mismatch-metrics', 'algo.get_mismatch_metrics', action="store_true",
+             help="slime's: log train/rollout_corr/* (KL k1 / k3, perplexities, chi^2, ratio stats between the "
+                  "trainer's old policy and the engine; verl's names) without changing the loss; on with "
+                  "--use-tis or --rollout-rs"),
         Flag('--kl-loss-type', 'algo.kl_loss_type', default='k1', choices=KL_LOSS_TYPES),
         Flag('--separate-old-logprobs', 'algo.separate_old_logprobs', action="store_true",
              help='compute the old log-probs in their own forward pass even when a step is on-policy (one '

@@ -26,6 +26,15 @@ _POLICY_LOSS = ("must be policy_loss: this is an RL trainer; slime's sft_loss (s
 _ROLLOUT_FN = (f"must be {SLIME_DEFAULT_ROLLOUT} (slime's default, the built-in rollout here): a whole-rollout "
                "function is not supported; use --custom-generate-function-path (one sample at a time) and "
                "--dynamic-sampling-filter-path")
+# slime's built-in TIS functions (slime/backends/megatron_utils/loss.py) -> the --tis-mode that is the same
+# weight: vanilla clamps exp(old - rollout) to [--tis-clip-low, --tis-clip], icepop zeroes it outside
+SLIME_TIS_FUNCTIONS = {"slime.backends.megatron_utils.loss.vanilla_tis_function": "truncate",
+                       "slime.backends.megatron_utils.loss.icepop_function": "mask"}
+_TIS_FN = ("must be slime's vanilla_tis_function or icepop_function (slime.backends.megatron_utils.loss): "
+           "they are --tis-mode truncate and mask here (with --use-tis), and other corrections are flags: "
+           "--tis-level token / sequence / geometric (slime's mismatch helper mis.yaml: tis_level), --tis-mode mask "
+           "(tis_mode mask), --tis-clip / --tis-clip-low (tis_upper_bound / tis_lower_bound), --rollout-rs with "
+           "--rollout-rs-threshold (use_rs, rs_level and its bounds; verl's syntax); docs/off_policy.md")
 _TRAIN_BACKEND = "must be megatron: the trainer is megatron-core (slime's FSDP backend has no counterpart here)"
 _REFUSED_SWITCHES = (
     ('--disable-compute-advantages-and-returns', "is refused: it belongs to slime's SFT scripts (--loss-type "
@@ -89,6 +98,8 @@ FROM_SLIME_FLAGS: tuple[Flag, ...] = (
              help=f'{SLIME_DEFAULT_ROLLOUT} only (slime\'s default, the built-in rollout here): a whole-rollout '
                   'function is not supported; use --custom-generate-function-path (one sample at a time) and '
                   '--dynamic-sampling-filter-path'),
+        Flag('--custom-tis-function-path', check=(lambda v: v in SLIME_TIS_FUNCTIONS, _TIS_FN),
+             help="slime's two built-in functions only: " + _TIS_FN.split(": ", 1)[1]),
         # refused: given at all, the run stops with the reason (check) before anything starts
         *(Flag(name, action="store_true", check=(operator.not_, why), help=why[len('is refused: '):])
           for name, why in _REFUSED_SWITCHES),

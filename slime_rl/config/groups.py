@@ -159,6 +159,11 @@ class AlgoConfig:
     sapo_tau_neg: float = default_of("--sapo-tau-neg")
     tis_clip: float = default_of("--tis-clip")
     tis_clip_low: float = default_of("--tis-clip-low")
+    tis_level: str = default_of("--tis-level")
+    tis_mode: str = default_of("--tis-mode")
+    rollout_rs: str | None = default_of("--rollout-rs")  # verl's rejection options (algo.offpolicy)
+    rollout_rs_threshold: str | None = default_of("--rollout-rs-threshold")
+    get_mismatch_metrics: bool = default_of("--get-mismatch-metrics")
     # rollouts between reference refreshes; None: frozen
     ref_update_interval: int | None = default_of("--ref-update-interval")
     # the old log-probs from their own forward pass even when the step is on-policy (worker.train_step)

@@ -36,9 +36,11 @@ from slime_rl.config.checks import (
 )
 from slime_rl.config.estimators import ESTIMATOR_SPECS, estimator_spec
 from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, FLAGS, default_of
+from slime_rl.config.flags_from_slime import SLIME_TIS_FUNCTIONS
 from slime_rl.config.flags_model import megatron_model_args
 from slime_rl.config.groups import GROUPS, Config, CriticConfig, EngineConfig, EvalConfig, ParallelConfig
 from slime_rl.config.parse import ROUTER_KEY, parse_flags, split_router_args
+from slime_rl.config.rollout_corr import parse_rejection
 from slime_rl.config.seeds import run_seed
 
 __all__ = ["ROUTER_KEY", "ConfigError", "build_config", "parse_flags", "split_router_args"]
@@ -164,6 +166,23 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            "loss does not take the PPO minimum; drop it")
     _check(not (a.use_rollout_logprobs and a.use_tis), "--use-rollout-logprobs with --use-tis: the old log-probs "
            "would be the engine's, so every importance weight is 1 (slime refuses the pair too); drop one")
+    _check(not (a.use_rollout_logprobs and a.rollout_rs), "--use-rollout-logprobs with --rollout-rs: the old "
+           "log-probs would be the engine's, so no token could be rejected; drop one")
+    if a.rollout_rs is not None or a.rollout_rs_threshold is not None:
+        _check(a.rollout_rs is not None, "--rollout-rs-threshold without --rollout-rs: name the rejection options "
+               "(e.g. --rollout-rs token_k1)")
+        try:
+            parse_rejection(a.rollout_rs, a.rollout_rs_threshold)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if a.custom_tis_function_path is not None:  # slime's built-in functions are modes here
+        mode = SLIME_TIS_FUNCTIONS[a.custom_tis_function_path]
+        _check(a.tis_mode in ("truncate", mode), f"--custom-tis-function-path {a.custom_tis_function_path} is "
+               f"--tis-mode {mode}; it contradicts --tis-mode {a.tis_mode}: give one")
+        a.tis_mode = mode
+    for flag, value, default in (("--tis-level", a.tis_level, "token"), ("--tis-mode", a.tis_mode, "truncate")):
+        _check(a.use_tis or value == default, f"{flag} {value} shapes --use-tis's weights, which are off: add "
+               "--use-tis or drop it")
     # slime's agent examples score in their generate function (sample.reward), with no reward flag
     _check(a.rm_type is not None or a.custom_rm_path is not None or a.custom_generate_function_path is not None,
            "--rm-type or --custom-rm-path is required (or a --custom-generate-function-path that sets each "

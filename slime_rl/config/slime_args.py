@@ -36,8 +36,6 @@ SLIME_ONLY_FLAGS: dict[str, str] = {
     "--rollout-sample-hook-path": "no per-sample hook; a custom generate function can change the sample it returns",
     "--custom-loss-function-path": "the policy loss is fixed by --advantage-estimator and --loss-agg-mode "
     "(slime_rl.algo.losses)",
-    "--custom-tis-function-path": "the built-in truncated importance sampling is --use-tis with --tis-clip / "
-    "--tis-clip-low",
     "--custom-pg-loss-reducer-function-path": "--loss-agg-mode chooses the reduction (Dr.GRPO: "
     "seq-mean-token-sum-norm)",
     "--custom-reward-post-process-path": "advantages come from --advantage-estimator "

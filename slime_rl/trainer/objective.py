@@ -22,7 +22,9 @@ weights carrying the loss_agg_mode's global denominators, see loss_agg.py):
   pg_t: the estimator's policy_loss: ppo_clip_loss (clip-higher, dual clip with eps_clip_c) or, for
     gspo, gspo_loss (the sequence-level ratio; a sample is always whole in one micro-batch: packing
     never splits one; eps_clip_c is not applied to gspo);
-  w_t: TIS weights clamp(exp(old_logp - rollout_logp), tis_clip_low, tis_clip) when use_tis, else 1;
+  w_t: the off-policy correction of algo.offpolicy, 1 without one: --use-tis's importance weights
+    pi_old / pi_engine (token, sequence or geometric; truncated or masked to [tis_clip_low, tis_clip]),
+    times 0 on tokens --rollout-rs rejects;
   the KL term when use_kl_loss or kl_loss_coef > 0; the entropy term when entropy_coef > 0 (H is
   the differentiable vocab-parallel entropy of softmax(logits / temperature)).
 """
@@ -37,8 +39,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from slime_rl.algo import estimator_for, kl_penalty, masked_moments, masked_sum, masked_whiten, tis_weights
+from slime_rl.algo import estimator_for, kl_penalty, masked_moments, masked_sum, masked_whiten
+from slime_rl.algo.offpolicy import (
+    MISMATCH_KEYS,
+    MISMATCH_MAX_KEYS,
+    is_weights,
+    mismatch_metrics,
+    mismatch_sums,
+    rejection_keep,
+)
 from slime_rl.config.groups import AlgoConfig
+from slime_rl.config.rollout_corr import parse_rejection
 from slime_rl.trainer.batching import MicroBatch
 
 # per-micro-batch sums (summed over micro-batches and DP); every one is a masked token sum except
@@ -47,9 +58,13 @@ from slime_rl.trainer.batching import MicroBatch
 # old log-probs are the training forward's own (see `policy_objective`'s `fused_old`)
 # "abs_diff_max" (the largest |old - rollout| of a trained token) is the one that is not a sum: it is
 # combined by max over micro-batches and DP ranks (MAX_STAT_KEYS: `combine_stats`, `dp_reduce_stats`)
+# "is_masked" / "rs_masked": trained tokens whose weight --tis-mode mask / --rollout-rs set to 0; "rs_seqs" /
+# "seqs": samples with a token --rollout-rs rejected / with a trained token; the MISMATCH_KEYS (algo.offpolicy)
+# are filled only on the fused path, like "entropy_old" (step_sums computes them otherwise)
 STAT_KEYS = ("pg", "kl", "clipped", "clip_high", "clip_low", "k1_old_new", "entropy_agg", "tis_w",
-             "tis_clipped", "tokens", "loss", "clip_dual", "entropy_old", "abs_diff", "abs_diff_max")
-MAX_STAT_KEYS = ("abs_diff_max",)
+             "tis_clipped", "tokens", "loss", "clip_dual", "entropy_old", "abs_diff", "abs_diff_max",
+             "is_masked", "rs_masked", "rs_seqs", "seqs", *MISMATCH_KEYS)
+MAX_STAT_KEYS = ("abs_diff_max", *MISMATCH_MAX_KEYS)
 _MAX_INDEX = [STAT_KEYS.index(k) for k in MAX_STAT_KEYS]
 
 
@@ -72,6 +87,11 @@ def dp_reduce_stats(values: list[float], all_reduce: Callable[..., list[float]])
 
 def uses_kl_loss(algo: AlgoConfig) -> bool:
     return algo.use_kl_loss or algo.kl_loss_coef > 0
+
+
+def uses_mismatch_metrics(algo: AlgoConfig) -> bool:
+    """Whether a step logs train/rollout_corr/* (algo.offpolicy.mismatch_metrics)."""
+    return algo.get_mismatch_metrics or algo.use_tis or bool(algo.rollout_rs)
 
 
 # ---- advantages (once per train step)
@@ -152,24 +172,29 @@ def step_sums(batch: dict, inputs: StepInputs | None, device: torch.device,
     else:
         adv = torch.tensor([float(a) for a in batch["advantages"]], dtype=torch.float64).unsqueeze(1) * mask
     adv_m = masked_moments(adv, mask)
+    mm = torch.zeros(len(MISMATCH_KEYS), dtype=torch.float64)
     if inputs is None:
         ent = diff = diff_max = torch.zeros((), dtype=torch.float64)
     else:
         ent = (_pad(inputs.entropy, width) * mask).sum()
-        mine = inputs.recomputed if inputs.recomputed is not None else inputs.old
-        gap = (_pad(mine, width) - _pad(batch["rollout_logprobs"], width)).abs() * mask
+        mine = _pad(inputs.recomputed if inputs.recomputed is not None else inputs.old, width)
+        rollout = _pad(batch["rollout_logprobs"], width)
+        gap = (mine - rollout).abs() * mask
         diff, diff_max = gap.sum(), (gap.max() if gap.numel() else gap.sum())
-    local = torch.stack([ent, diff, adv_m[0], adv_m[1], adv_m[2]])
-    keys = ("entropy", "abs_diff", "adv", "adv_sq", "tokens")
+        mm = mismatch_sums(mine, rollout, mask)
+    local = torch.cat([torch.stack([ent, diff, adv_m[0], adv_m[1], adv_m[2]]), mm])
+    keys = ("entropy", "abs_diff", "adv", "adv_sq", "tokens", *MISMATCH_KEYS)
     out = dict(zip(keys, _all_reduce(local, device, group).tolist(), strict=True))
-    return out | {"abs_diff_max": _all_reduce(diff_max.reshape(1), device, group, dist.ReduceOp.MAX).item()}
+    max_keys = ("abs_diff_max", *MISMATCH_MAX_KEYS)
+    maxed = torch.cat([diff_max.reshape(1), mm[[MISMATCH_KEYS.index(k) for k in MISMATCH_MAX_KEYS]]])
+    return out | dict(zip(max_keys, _all_reduce(maxed, device, group, dist.ReduceOp.MAX).tolist(), strict=True))
 
 
 def fused_step_sums(batch_sums: dict[str, float], stats: dict[str, float]) -> dict[str, float]:
     """step_sums of the fused path: the old policy's entropy and |old - rollout| summed by the one
     training forward (its STAT_KEYS "entropy_old", "abs_diff", DP-summed like the rest)."""
     return batch_sums | {"entropy": stats["entropy_old"], "abs_diff": stats["abs_diff"],
-                         "abs_diff_max": stats["abs_diff_max"]}
+                         "abs_diff_max": stats["abs_diff_max"]} | {k: stats[k] for k in MISMATCH_KEYS}
 
 
 # ---- the per-micro-batch objective
@@ -189,12 +214,19 @@ def policy_objective(algo: AlgoConfig, logp: Tensor, mb: MicroBatch, entropy: Te
     weight = mb.per_token["loss_weight"]
     pg, clipped, frac = estimator_for(algo).policy_loss(logp, old, adv, mask, algo)
     zeros = torch.zeros_like(pg).detach()
-    tis_w, tis_clipped = torch.ones_like(zeros), zeros
-    if algo.use_tis:
-        tis_w = tis_weights(old, mb.per_token["rollout_logp"], algo.tis_clip, algo.tis_clip_low)
-        with torch.no_grad():
-            raw = torch.exp(old - mb.per_token["rollout_logp"])
-            tis_clipped = ((raw > algo.tis_clip) | (raw < algo.tis_clip_low)).float()
+    tis_w, tis_clipped, is_masked, rs_masked, rs_seqs = torch.ones_like(zeros), zeros, zeros, zeros, zeros.sum()
+    rollout = mb.per_token["rollout_logp"]
+    if algo.use_tis:  # the behaviour correction (algo.offpolicy): pi_old / pi_engine, bounded
+        w = is_weights(old, rollout, mask, algo.tis_level, algo.tis_mode, algo.tis_clip, algo.tis_clip_low)
+        tis_w, tis_clipped = w.weight, w.out_of_bounds
+        if algo.tis_mode == "mask":
+            is_masked = w.out_of_bounds
+    if algo.rollout_rs:
+        keep = rejection_keep(old, rollout, mask, parse_rejection(algo.rollout_rs, algo.rollout_rs_threshold))
+        rs_masked = (1 - keep) * mask
+        rs_seqs = (rs_masked.sum(dim=-1) > 0).sum().to(zeros.dtype)
+        tis_w = tis_w * keep
+    if algo.use_tis or algo.rollout_rs:
         pg = pg * tis_w
     per_token = pg
     kl = zeros
@@ -209,17 +241,20 @@ def policy_objective(algo: AlgoConfig, logp: Tensor, mb: MicroBatch, entropy: Te
         entropy_agg = masked_sum(entropy, weight)
     share = masked_sum(per_token, weight)  # the weights vanish off the loss mask
     ent_old = abs_diff = abs_diff_max = zeros.sum()
+    mismatch = torch.zeros(len(MISMATCH_KEYS), dtype=zeros.dtype, device=zeros.device)
     if fused_old_entropy is not None:
         ent_old = masked_sum(fused_old_entropy, mask)
-        gap = (old - mb.per_token["rollout_logp"]).abs()
+        gap = (old - rollout).abs()
         abs_diff = masked_sum(gap, mask)
         abs_diff_max = (gap * mask).max() if gap.numel() else abs_diff_max
+        mismatch = mismatch_sums(old, rollout, mask).to(zeros.dtype)
     sums = torch.stack([masked_sum(pg, mask), masked_sum(kl, mask), masked_sum(clipped, mask),
                         masked_sum(frac.high, mask), masked_sum(frac.low, mask),
                         masked_sum(old - logp, mask), entropy_agg, masked_sum(tis_w, mask),
                         masked_sum(tis_clipped, mask), mask.sum(), share, masked_sum(frac.dual, mask),
-                        ent_old, abs_diff, abs_diff_max]).detach().float()
-    return share, sums
+                        ent_old, abs_diff, abs_diff_max, masked_sum(is_masked, mask), masked_sum(rs_masked, mask),
+                        rs_seqs, (mask.sum(dim=-1) > 0).sum().to(zeros.dtype)]).detach().float()
+    return share, torch.cat([sums, mismatch.detach().float()])
 
 
 # ---- metrics
@@ -267,8 +302,16 @@ def train_metrics(algo: AlgoConfig, step: dict[str, float], stats: list[dict[str
     if algo.entropy_coef > 0:
         out["train/entropy_loss"] = sum(s["entropy_agg"] for s in stats) / len(stats)
     if algo.use_tis:
-        out["train/tis_weight_mean"] = frac("tis_w")
+        out["train/tis_weight_mean"] = frac("tis_w")  # after --rollout-rs's rejections, when both are on
         out["train/tis_clipfrac"] = frac("tis_clipped")
+        if algo.tis_mode == "mask":
+            out["train/rollout_corr/is_masked_fraction"] = frac("is_masked")
+    if algo.rollout_rs:
+        out["train/rollout_corr/rs_masked_fraction"] = frac("rs_masked")
+        out["train/rollout_corr/rs_seq_masked_fraction"] = sum(s["rs_seqs"] for s in stats) / max(
+            sum(s["seqs"] for s in stats), 1.0)
+    if uses_mismatch_metrics(algo):
+        out |= mismatch_metrics(step)
     return out
 
 

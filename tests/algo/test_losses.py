@@ -18,7 +18,6 @@ from slime_rl.algo import (
     kl_penalty,
     ppo_clip_loss,
     ppo_kl,
-    tis_weights,
     value_loss,
 )
 from tests.algo import refs
@@ -70,17 +69,6 @@ def test_ppo_kl_metric():
     got = ppo_kl(t(LOGP), t(OLD), t(MASK))
     vals = [OLD[b][k] - LOGP[b][k] for b in range(2) for k in range(4) if MASK[b][k]]
     assert got.item() == pytest.approx(sum(vals) / len(vals), rel=1e-12)
-
-
-def test_tis_weights_truncate_and_detach():
-    old = torch.tensor([[-1.0, -0.5, -3.0]], dtype=F64, requires_grad=True)
-    roll = t([[-1.2, -2.5, -2.0]])
-    w = tis_weights(old, roll, clip=2.0)
-    ref = [min(math.exp(o - r), 2.0) for o, r in zip([-1.0, -0.5, -3.0], [-1.2, -2.5, -2.0], strict=True)]
-    assert torch.allclose(w, t([ref]), **TOL)
-    assert not w.requires_grad
-    w_low = tis_weights(old, roll, clip=2.0, clip_low=0.5)
-    assert w_low[0, 2].item() == 0.5
 
 
 def test_entropy_from_logits():

@@ -28,7 +28,8 @@ def _get(cfg: Config, group: str, field: str):
 
 
 # flags whose generic non-default value (below) is refused, or that need another flag to be accepted
-VALUES = {"--eps-clip-c": ["3"], "--rollout-top-k": ["5"], "--min-lr": ["1e-7"], "--rm-type": ["math"],
+VALUES = {"--eps-clip-c": ["3"], "--rollout-rs": ["token_k1"], "--rollout-rs-threshold": ["2"],
+          "--rollout-top-k": ["5"], "--min-lr": ["1e-7"], "--rm-type": ["math"],
           "--rollout-stop": ["a", "b"], "--rollout-stop-token-ids": ["3", "5"]}
 VALUES["--cluster"] = ["2x8"]
 COMPANIONS = {
@@ -45,6 +46,8 @@ COMPANIONS = {
     "--group-rm": ["--custom-rm-path", "m:f"],
     "--kl-coef": ["--advantage-estimator", "reinforce_plus_plus"],
     "--ref-update-interval": ["--use-kl-loss"],
+    "--tis-level": ["--use-tis"], "--tis-mode": ["--use-tis"],
+    "--rollout-rs": ["--rollout-rs-threshold", "2"], "--rollout-rs-threshold": ["--rollout-rs", "token_k1"],
     "--critic-lr-warmup-iters": ["--advantage-estimator", "ppo"],
     "--critic-save": ["--advantage-estimator", "ppo", "--save", "ckpt"],
     "--num-critic-only-steps": ["--advantage-estimator", "ppo"],

@@ -128,6 +128,22 @@ OTHER_SCRIPTS: list[tuple[list[str], tuple[str, object] | str]] = [
     (["--multimodal-keys", '{"image": "img"}', "--image-key", "pics"], "give one"),
     (["--multimodal-keys", "image=img"], "not JSON"),
     (["--use-rollout-logprobs", "--use-tis"], "the old log-probs would be the engine's"),
+    (["--get-mismatch-metrics"], ("algo.get_mismatch_metrics", True)),
+    (["--use-tis", "--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function"],
+     ("algo.tis_mode", "mask")),
+    (["--custom-tis-function-path", "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"],
+     "--tis-level token / sequence / geometric"),
+    (["--use-tis", "--tis-mode", "mask", "--tis-level", "geometric"], ("algo.tis_mode", "mask")),
+    (["--tis-mode", "mask"], "--tis-mode mask shapes --use-tis's weights, which are off"),
+    (["--rollout-rs", "token_k1,seq_max_k3", "--rollout-rs-threshold", "0.5_2.0,0.1"],
+     ("algo.rollout_rs", "token_k1,seq_max_k3")),
+    (["--rollout-rs", "token_k1"], "--rollout-rs token_k1 needs --rollout-rs-threshold"),
+    (["--rollout-rs", "seq_k9", "--rollout-rs-threshold", "2"], "--rollout-rs 'seq_k9' is not an option"),
+    (["--rollout-rs-threshold", "0.5_2", "--rollout-rs", "token_k2"], "for token_k2: expected one number"),
+    (["--rollout-rs-threshold", "2,3,4", "--rollout-rs", "token_k1,token_k3"], "gives 3 thresholds for 2"),
+    (["--rollout-rs-threshold", "2"], "--rollout-rs-threshold without --rollout-rs"),
+    (["--use-rollout-logprobs", "--rollout-rs", "token_k1", "--rollout-rs-threshold", "2"],
+     "no token could be rejected"),
     (["--loss-type", "sft_loss"], "supervised fine-tuning"),
     (["--disable-compute-advantages-and-returns"], "SFT"),
     (["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout"], "--custom-generate-function-path"),
@@ -172,10 +188,12 @@ def _accepted_and_refused(f) -> tuple[list[str] | None, list[str] | None]:
         return (None, [f.name]) if f.check is not None else ([f.name], None)
     if f.check is None:  # accepted with any value, changing nothing here (its help says what it is in slime)
         return [f.name, "7"], None
-    if f.default is None and f.name != "--rollout-function-path":
+    if f.default is None and f.name not in ("--rollout-function-path", "--custom-tis-function-path"):
         return None, [f.name, "7"]  # refused whatever the value
-    good = {"--attention-backend": "flash", "--rollout-function-path": "slime.rollout.sglang_rollout.generate_rollout"}
-    bad = {"--attention-dropout": "0.1", "--hidden-dropout": "0.1", "--attention-backend": "fused",
+    good = {"--attention-backend": "flash", "--rollout-function-path": "slime.rollout.sglang_rollout.generate_rollout",
+            "--custom-tis-function-path": "slime.backends.megatron_utils.loss.vanilla_tis_function"}
+    bad = {"--custom-tis-function-path": "my.tis:fn",
+           "--attention-dropout": "0.1", "--hidden-dropout": "0.1", "--attention-backend": "fused",
            "--transformer-impl": "transformer_engine", "--loss-type": "custom_loss",
            "--rollout-function-path": "my.rollout:generate", "--train-backend": "fsdp"}
     return [f.name, good.get(f.name, str(f.default))], [f.name, bad[f.name]]

@@ -61,8 +61,8 @@ def test_slime_only_flags_are_refused_by_name(flag):
 
 def test_slime_only_flag_in_a_yaml_config(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("rollout-batch-size: 4\ncustom_tis_function_path: a.b\n")
-    with pytest.raises(ConfigError, match=f"--config {path}: --custom-tis-function-path is slime's.*--use-tis"):
+    path.write_text("rollout-batch-size: 4\ncustom_loss_function_path: a.b\n")
+    with pytest.raises(ConfigError, match=f"--config {path}: --custom-loss-function-path is slime's.*--advantage"):
         build_config(BASE + ["--config", str(path)], check_paths=False)
 
 

@@ -27,6 +27,9 @@ CASES: dict[str, tuple[dict, str, bool]] = {
     "sapo": ({"advantage_estimator": "sapo", "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}, "token-mean", True),
     "dual_clip": ({"eps_clip_c": 3.0}, "token-mean", True),
     "tis": ({"use_tis": True, "tis_clip": 2.0, "tis_clip_low": 0.5}, "token-mean", True),
+    # masked importance weights at the sample level (geometric mean) plus verl's token_k1 rejection
+    "mis_rs": ({"use_tis": True, "tis_level": "geometric", "tis_mode": "mask", "tis_clip": 1.1, "tis_clip_low": 0.85,
+                "rollout_rs": "token_k1", "rollout_rs_threshold": "0.29_3.0"}, "token-mean", True),
     "entropy": ({"entropy_coef": 0.5}, "seq-mean-token-mean", True),
     "kl_loss": ({"use_kl_loss": True, "kl_loss_coef": 0.2, "kl_loss_type": "low_var_kl"}, "token-mean", True),
 }
@@ -35,6 +38,7 @@ CASES: dict[str, tuple[dict, str, bool]] = {
 ABLATION = {"rpp": {"kl_coef": 0.0}, "rpp_baseline": {"kl_coef": 0.0}, "gspo": {"advantage_estimator": "grpo"},
             "cispo": {"advantage_estimator": "grpo"}, "sapo": {"advantage_estimator": "grpo"},
             "dual_clip": {"eps_clip_c": None}, "tis": {"use_tis": False}, "entropy": {"entropy_coef": 0.0},
+            "mis_rs": {"use_tis": False, "tis_level": "token", "tis_mode": "truncate", "rollout_rs": None},
             "kl_loss": {"use_kl_loss": False, "kl_loss_coef": 0.0}}
 
 # old_logp = current logp + OLD_DELTA (ratio exp(-delta)); sample advantages are (1, -1, 0.5, -0.25)
@@ -42,7 +46,10 @@ ABLATION = {"rpp": {"kl_coef": 0.0}, "rpp_baseline": {"kl_coef": 0.0}, "gspo": {
 # upper-clipped (ratio 1.35, 1.65), lower-clipped (0.67, 0.74, 0.61), dual-clipped (4.5, 3.7, 3.3)
 # and unclipped tokens, none within 0.05 of a bound
 OLD_DELTA = ([-0.3, 0.05, 0.3], [-1.5, 0.4, -2.0, 0.1, -1.3, 0.3], [-0.5, 0.1], [0.2, -0.15, -1.2, 0.5])
-# rollout_logp = old_logp + TIS_DELTA: raw TIS ratios exp(-d) in and out of [0.5, 2]
+# rollout_logp = (unperturbed old) + TIS_DELTA: raw TIS ratios exp(OLD_DELTA - TIS_DELTA) in and out of [0.5, 2].
+# mis_rs: per sample the geometric means of those ratios over the loss mask are 1.017, 0.535, 0.905 and 0.805
+# (samples 1 and 3 are out of [0.85, 1.1]); token_k1 "0.29_3.0" keeps pi_engine / pi_old in [0.29, 3], which
+# rejects token 2 of sample 0 (ratio e^1.3; its PPO term has a gradient: A = 1, pi / pi_old = 0.74)
 TIS_DELTA = ([0.0, 1.0, -1.0], [0.4, -0.9, 0.2, 0.0, 1.2, -0.3], [-1.1, 0.9], [0.5, 0.3, -0.5, 0.0])
 EPS_CLIP = 0.2
 
@@ -142,11 +149,21 @@ def reference_step(model, ref_model, batch: dict, kw: dict, mode: str, old: list
             loss = torch.where(a < 0, torch.minimum(loss, -c * a), loss)
         if c is not None:  # the dual-clip cap -c * A is the smaller loss exactly when r > c
             dual.append(((a < 0) & (r > c)).double())
-        raw_w = torch.exp(o - torch.tensor(rollout[i], dtype=torch.float64))
+        log_w = o - torch.tensor(rollout[i], dtype=torch.float64)  # log pi_old / pi_engine per token
         if kw.get("use_tis"):
             lo, hi = kw["tis_clip_low"], kw["tis_clip"]
-            tis_w.append(raw_w.clamp(lo, hi))
-            tis_clip.append(((raw_w > hi) | (raw_w < lo)).double())
+            if kw.get("tis_level", "token") == "geometric":  # the sample's mean log-ratio on each of its tokens
+                raw_w = torch.exp((log_w * m).sum() / m.sum()).expand_as(log_w)
+            else:
+                raw_w = torch.exp(log_w)
+            out = (raw_w > hi) | (raw_w < lo)
+            w = torch.where(out, 0.0, raw_w) if kw.get("tis_mode") == "mask" else raw_w.clamp(lo, hi)
+            if kw.get("rollout_rs"):  # token_k1 "lo_hi": keep pi_engine / pi_old within [lo, hi]
+                assert kw["rollout_rs"] == "token_k1"
+                rs_lo, rs_hi = (float(v) for v in kw["rollout_rs_threshold"].split("_"))
+                w = w * ((-log_w >= math.log(rs_lo)) & (-log_w <= math.log(rs_hi))).double()
+            tis_w.append(w)
+            tis_clip.append(out.double())
             loss = loss * tis_w[-1]
         pg.append(loss)
     kl = [kl_est(lp, r, kw.get("kl_loss_type", "k1")) for lp, r in zip(logps, refs_lp, strict=True)]
@@ -175,5 +192,11 @@ def reference_step(model, ref_model, batch: dict, kw: dict, mode: str, old: list
         sums["tis_w"], sums["tis_clipped"] = tok_sum(tis_w), tok_sum(tis_clip)
     if dual:
         sums["clip_dual"] = tok_sum(dual)
+    rolls = [torch.tensor(r, dtype=torch.float64) for r in rollout]
+    ratios = [float(math.exp(o - r)) for ol, rl, m in zip(olds, rolls, masks, strict=True)
+              for o, r, k in zip(ol.tolist(), rl.tolist(), m.tolist(), strict=True) if k > 0]
     return {"loss": float(total.detach()), "grad": grads, "sums": sums, "advantages": adv,
-            "adv_mean": mean, "adv_std": std, "entropy_mean": tok_sum(ents) / n_tok}
+            "adv_mean": mean, "adv_std": std, "entropy_mean": tok_sum(ents) / n_tok,
+            # KL(engine || old) by k1 over trained tokens, and the largest pi_old / pi_engine
+            "mismatch_kl": tok_sum([r - o for r, o in zip(rolls, olds, strict=True)]) / n_tok,
+            "mismatch_ratio_max": max(ratios)}

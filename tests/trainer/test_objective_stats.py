@@ -4,7 +4,15 @@ combined by max over micro-batches (the DP max: test_trainer_megatron's dp2 == t
 import pytest
 import torch
 
-from slime_rl.trainer.objective import STAT_KEYS, StepInputs, combine_stats, dp_reduce_stats, step_metrics, step_sums
+from slime_rl.trainer.objective import (
+    MAX_STAT_KEYS,
+    STAT_KEYS,
+    StepInputs,
+    combine_stats,
+    dp_reduce_stats,
+    step_metrics,
+    step_sums,
+)
 
 
 def _inputs(old: list[list[float]]) -> StepInputs:
@@ -34,10 +42,12 @@ def test_dp_reduce_stats_takes_the_max_over_ranks():
 
     def all_reduce(values, op=torch.distributed.ReduceOp.SUM):  # what dist.all_reduce gives each rank
         col = [ranks[0], ranks[1]] if len(values) == len(STAT_KEYS) else \
-            [[r[STAT_KEYS.index("abs_diff_max")]] for r in ranks]
+            [[r[STAT_KEYS.index(k)] for k in MAX_STAT_KEYS] for r in ranks]
         return [max(a, b) if op == torch.distributed.ReduceOp.MAX else a + b for a, b in zip(*col, strict=True)]
 
     out = dp_reduce_stats(ranks[0], all_reduce)
     i = STAT_KEYS.index("tokens")
     assert out["tokens"] == ranks[0][i] + ranks[1][i]
-    assert out["abs_diff_max"] == ranks[1][STAT_KEYS.index("abs_diff_max")]
+    assert "abs_diff_max" in MAX_STAT_KEYS and "mm_ratio_max" in MAX_STAT_KEYS
+    for k in MAX_STAT_KEYS:
+        assert out[k] == ranks[1][STAT_KEYS.index(k)]

@@ -27,6 +27,9 @@ from tests.trainer.test_trainer_megatron import _assert_grads_close
 from tests.trainer.trainer_ref import hf_model, make_batch
 
 WORLDS = {1: "algo1", 2: "algo2"}
+MISMATCH = ("kl", "k3_kl", "training_log_ppl", "rollout_log_ppl", "training_ppl", "rollout_ppl", "log_ppl_diff",
+            "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq",
+            "ratio_mean", "ratio_max", "ratio_min")
 BASE_METRICS = {"train/loss", "train/pg_loss", "train/kl", "train/ppo_kl", "train/entropy", "train/grad_norm",
                 "train/rollout_logprob_abs_diff", "train/rollout_logprob_abs_diff_max", "train/pg_clipfrac",
                 "train/pg_clipfrac_high", "train/pg_clipfrac_low", "train/advantage_mean", "train/advantage_std",
@@ -104,11 +107,15 @@ def test_gradient_and_sums_match_reference(scenario, algo_expected, world, case)
 
 @pytest.mark.slow
 def test_clipping_is_active_where_it_should_be(algo_expected):
-    sums = {case: algo_expected(1, case)["grad_run"]["sums"] for case in ("dual_clip", "gspo", "tis")}
+    sums = {case: algo_expected(1, case)["grad_run"]["sums"] for case in ("dual_clip", "gspo", "tis", "mis_rs")}
     assert sums["dual_clip"]["clip_high"] == 2 and sums["dual_clip"]["clip_low"] == 3
     assert sums["dual_clip"]["clip_dual"] == 3  # ratios 4.5, 3.7, 3.3 > c = 3 with A < 0
     assert sums["gspo"]["clip_high"] == 2  # sample 2 (2 tokens), s = 1.22 > 1.2
     assert 0 < sums["tis"]["tis_clipped"] < sums["tis"]["tokens"]
+    # mis_rs (algo_ref.TIS_DELTA): samples 1 and 3 (4 + 3 tokens) out of the geometric bounds; sample 0 keeps two
+    # tokens after the rejection at exp(0.05 / 3), sample 2 both at exp(-0.1)
+    assert sums["mis_rs"]["tis_clipped"] == 7
+    assert sums["mis_rs"]["tis_w"] == pytest.approx(2 * math.exp(0.05 / 3) + 2 * math.exp(-0.1), rel=1e-9)
 
 
 @pytest.mark.slow
@@ -141,7 +148,11 @@ def test_train_step_metrics(scenario, algo_expected, world, case):
     if kw.get("entropy_coef", 0) > 0:
         keys.add("train/entropy_loss")
     if kw.get("use_tis"):
-        keys |= {"train/tis_weight_mean", "train/tis_clipfrac"}
+        keys |= {"train/tis_weight_mean", "train/tis_clipfrac"} | {f"train/rollout_corr/{k}" for k in MISMATCH}
+    if kw.get("tis_mode") == "mask":
+        keys.add("train/rollout_corr/is_masked_fraction")
+    if kw.get("rollout_rs"):
+        keys |= {"train/rollout_corr/rs_masked_fraction", "train/rollout_corr/rs_seq_masked_fraction"}
     if kw.get("eps_clip_c") is not None:
         keys.add("train/pg_clipfrac_dual")
     assert set(m) == keys and all(math.isfinite(v) for v in m.values())
@@ -166,6 +177,9 @@ def test_train_step_metrics(scenario, algo_expected, world, case):
     if kw.get("use_tis"):
         assert m["train/tis_weight_mean"] == pytest.approx(s["tis_w"] / n, abs=1e-5)
         assert m["train/tis_clipfrac"] == s["tis_clipped"] / n
+        # the mismatch metrics of the step (old = the policy itself here) against the engine's log-probs
+        assert m["train/rollout_corr/kl"] == pytest.approx(want["mismatch_kl"], abs=1e-5)
+        assert m["train/rollout_corr/ratio_max"] == pytest.approx(want["mismatch_ratio_max"], rel=1e-5)
 
 
 @pytest.mark.slow
