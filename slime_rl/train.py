@@ -77,6 +77,10 @@ def train(cfg: Config, plan: PlacementPlan) -> list[dict]:
     version behind the policy it trains (the trainer's old log-probs are recomputed, so the PPO
     ratio is exact; the engine/trainer gap shows in train/rollout_logprob_abs_diff).
 
+    Fully async (`--fully-async`): the loop is the synchronous one, but the rollout never stops
+    (rollout/stream.py): generate(k) takes the first finished groups while the others keep generating
+    through training and weight syncs (a sync's pause interrupts them; they continue under the new weights).
+
     Train-only (`--load-debug-rollout-data`): each step's rollout is read from its file instead of
     generated; there are no engines, so no release, restart, weight sync or eval.
     """

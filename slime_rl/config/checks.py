@@ -72,6 +72,24 @@ def _check_path_template(flag: str, template: str | None, names: tuple[str, ...]
         raise ConfigError(f"{flag} {template!r}: not a path template for numbers ({exc!r}); {allowed}") from exc
 
 
+def _check_fully_async(a: argparse.Namespace) -> None:
+    """--fully-async and --max-staleness: what the streaming rollout (rollout/stream.py) supports."""
+    _check(a.max_staleness is None or a.fully_async, "--max-staleness bounds --fully-async's staleness; add "
+           "--fully-async (or drop it: without it every sample is at most one version old with --async, none with "
+           "the synchronous loop)")
+    if not a.fully_async:
+        return
+    for flag, given, why in (
+            ("--async", a.async_mode, "--fully-async overlaps generation and training already, without the "
+                                      "one-step bound; give one"),
+            ("--colocate", a.colocate, "the engines must keep generating while the trainer trains, on devices "
+                                       "of their own"),
+            ("--use-fault-tolerance", a.use_fault_tolerance, "restarting an engine inside the never-stopping "
+                                                             "rollout is not built yet"),
+            ("--load-debug-rollout-data", a.load_debug_rollout_data is not None, "there is nothing to generate")):
+        _check(not given, f"--fully-async with {flag}: {why}")
+
+
 def _check_colocate(a: argparse.Namespace, parallel: ParallelConfig) -> None:
     """--colocate: what the colocated loop supports (docs/colocate.md)."""
     _check(a.rollout_num_gpus <= parallel.world_size,

@@ -15,6 +15,8 @@ from slime_rl.config.flag_spec import (
 
 FROM_SLIME_SECTION = "from slime and Megatron-LM: accepted with this trainer's one value, or refused"
 SLIME_DEFAULT_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
+# slime's examples/fully_async rollout function: --fully-async here (rollout/stream.py)
+SLIME_FULLY_ASYNC_ROLLOUT = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 _NO_DROPOUT = ("must be 0: dropout is off in the trainer, whose log-probs must equal the engine's (Megatron's default "
                "is 0.1; slime's scripts set 0.0)")
 _ATTENTION = ("must be auto or flash: the trainer's core attention is torch SDPA (trainer/attention.py), which takes "
@@ -23,9 +25,9 @@ _ATTENTION = ("must be auto or flash: the trainer's core attention is torch SDPA
 _LOCAL_SPEC = "must be local: the trainer builds megatron-core's local layer spec, without TransformerEngine"
 _POLICY_LOSS = ("must be policy_loss: this is an RL trainer; slime's sft_loss (supervised fine-tuning) and "
                 "custom_loss are not supported")
-_ROLLOUT_FN = (f"must be {SLIME_DEFAULT_ROLLOUT} (slime's default, the built-in rollout here): a whole-rollout "
-               "function is not supported; use --custom-generate-function-path (one sample at a time) and "
-               "--dynamic-sampling-filter-path")
+_ROLLOUT_FN = (f"must be {SLIME_DEFAULT_ROLLOUT} (slime's default, the built-in rollout here) or "
+               f"{SLIME_FULLY_ASYNC_ROLLOUT} (--fully-async here): another whole-rollout function is not supported; "
+               "use --custom-generate-function-path (one sample at a time) and --dynamic-sampling-filter-path")
 # slime's built-in TIS functions (slime/backends/megatron_utils/loss.py) -> the --tis-mode that is the same
 # weight: vanilla clamps exp(old - rollout) to [--tis-clip-low, --tis-clip], icepop zeroes it outside
 SLIME_TIS_FUNCTIONS = {"slime.backends.megatron_utils.loss.vanilla_tis_function": "truncate",
@@ -94,10 +96,9 @@ FROM_SLIME_FLAGS: tuple[Flag, ...] = (
              help='local only: ' + _LOCAL_SPEC[len('must be local: '):]),
         Flag('--loss-type', default='policy_loss', check=(lambda v: v == 'policy_loss', _POLICY_LOSS),
              help='policy_loss only: ' + _POLICY_LOSS[len('must be policy_loss: '):]),
-        Flag('--rollout-function-path', check=(lambda v: v == SLIME_DEFAULT_ROLLOUT, _ROLLOUT_FN),
-             help=f'{SLIME_DEFAULT_ROLLOUT} only (slime\'s default, the built-in rollout here): a whole-rollout '
-                  'function is not supported; use --custom-generate-function-path (one sample at a time) and '
-                  '--dynamic-sampling-filter-path'),
+        Flag('--rollout-function-path', check=(lambda v: v in (SLIME_DEFAULT_ROLLOUT, SLIME_FULLY_ASYNC_ROLLOUT),
+                                               _ROLLOUT_FN),
+             help="slime's two rollout functions only: " + _ROLLOUT_FN.split(": ", 1)[1]),
         Flag('--custom-tis-function-path', check=(lambda v: v in SLIME_TIS_FUNCTIONS, _TIS_FN),
              help="slime's two built-in functions only: " + _TIS_FN.split(": ", 1)[1]),
         # refused: given at all, the run stops with the reason (check) before anything starts

@@ -90,6 +90,13 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
                   '(args, sample, sampling_params) -> Sample'),
         Flag('--async', 'rollout.async_mode', action="store_true", dest='async_mode',
              help='one-step off-policy: generate step k+1 while training step k'),
+        Flag('--fully-async', 'rollout.fully_async', action="store_true",
+             help='generation never stops: groups stay in flight across steps and weight updates (a group an '
+                  "update interrupts continues under the new weights, each token tagged with its version); each "
+                  'step trains on the groups finished first (docs/off_policy.md)'),
+        Flag('--max-staleness', 'rollout.max_staleness', type=_nonneg_int,
+             help='--fully-async: a group whose oldest token is more than K weight versions behind the trainer is '
+                  'not trained (dropped, counted in rollout/stale_groups_dropped); default: no bound'),
         Flag('--update-weights-interval', 'weight_sync.update_weights_interval', default=1, type=_positive_int,
              help='broadcast weights to the engines every N steps'),
         Flag('--rm-type', 'reward.rm_type',

@@ -48,6 +48,8 @@ class RolloutConfig:
     num_rollout: int = 1  # --num-rollout, or from --num-epoch once the data is read
     concurrency_per_engine: int = default_of("--sglang-server-concurrency")
     async_mode: bool = default_of("--async")
+    fully_async: bool = default_of("--fully-async")  # rollout/stream.py
+    max_staleness: int | None = default_of("--max-staleness")
     rollout_stop: tuple[str, ...] = default_of("--rollout-stop")
     rollout_stop_token_ids: tuple[int, ...] = default_of("--rollout-stop-token-ids")
     rollout_max_context_len: int | None = default_of("--rollout-max-context-len")

@@ -30,13 +30,14 @@ from slime_rl.config.checks import (
     _check,
     _check_colocate,
     _check_flags,
+    _check_fully_async,
     _check_path_template,
     _require,
     _same_path,
 )
 from slime_rl.config.estimators import ESTIMATOR_SPECS, estimator_spec
 from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, FLAGS, default_of
-from slime_rl.config.flags_from_slime import SLIME_TIS_FUNCTIONS
+from slime_rl.config.flags_from_slime import SLIME_FULLY_ASYNC_ROLLOUT, SLIME_TIS_FUNCTIONS
 from slime_rl.config.flags_model import megatron_model_args
 from slime_rl.config.groups import GROUPS, Config, CriticConfig, EngineConfig, EvalConfig, ParallelConfig
 from slime_rl.config.parse import ROUTER_KEY, parse_flags, split_router_args
@@ -114,6 +115,9 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            "--use-dynamic-batch-size needs --max-tokens-per-gpu")
 
     seed = run_seed(a.seed, a.rollout_seed)  # config/seeds.py: both flags enter every rollout-side choice
+    if a.rollout_function_path == SLIME_FULLY_ASYNC_ROLLOUT:  # slime's examples/fully_async
+        a.fully_async = True
+    _check_fully_async(a)
     rollout = _group(a, "rollout", num_rollout=num_rollout, sample_seed=seed if a.deterministic_rollout else None)
     samples = rollout.samples_per_rollout
     gbs = a.global_batch_size or samples
@@ -242,8 +246,8 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     if a.save_debug_train_data is not None and dp > 1 and "{rank}" not in a.save_debug_train_data:
         warnings.warn(f"--save-debug-train-data {a.save_debug_train_data!r} has no {{rank}}: the {dp} data-parallel "
                       "ranks write the same file, and only one rank's samples stay", ConfigNote, stacklevel=2)
-    _check(not a.mask_offpolicy_in_partial_rollout or a.partial_rollout,
-           "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
+    _check(not a.mask_offpolicy_in_partial_rollout or a.partial_rollout or a.fully_async,
+           "--mask-offpolicy-in-partial-rollout needs --partial-rollout or --fully-async")
     _check(a.keep_last is None or a.save is not None, "--keep-last needs --save")
     _check(not a.exit_signal_handler or a.save is not None,
            "--exit-signal-handler saves a checkpoint when SIGTERM comes: it needs --save (the folder to save into)")

@@ -88,8 +88,9 @@ NO_COUNTERPART: dict[str, str] = {
     "slime.backends": "slime's Megatron and SGLang back ends are internal; the trainer is slime_rl.trainer",
     "slime.ray": "slime's Ray actors are internal; slime_rl.orchestration places the run",
     "slime.rollout.sft_rollout": "a whole-rollout function is not supported; use --custom-generate-function-path",
-    "slime.rollout.fully_async_rollout": "a whole-rollout function is not supported; --async overlaps rollout and "
-                                         "training",
+    "slime.rollout.fully_async_rollout": "its rollout is --fully-async here (also what --rollout-function-path "
+                                         "slime.rollout.fully_async_rollout.generate_rollout_fully_async gives); "
+                                         "the module itself is not importable",
     "slime.rollout.on_policy_distillation": "on-policy distillation is not supported",
     "slime.utils.external_utils": "slime's Python launchers: run `slime-rl train` with the script's flags",
 }

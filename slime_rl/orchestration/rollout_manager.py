@@ -25,10 +25,12 @@ from slime_rl.config import AlgoConfig, Config
 from slime_rl.config.slime_args import slime_args
 from slime_rl.data import PromptDataset, Sample
 from slime_rl.data.debug_rollouts import read_debug_rollout
+from slime_rl.data.sample import TOKEN_VERSIONS_KEY
 from slime_rl.engines.client import AsyncEngineClient, AsyncRouterClient, EngineError
 from slime_rl.observability.debug_data import save_debug_data
 from slime_rl.orchestration.failures import EngineFailure, RolloutStarved
 from slime_rl.rewards import eval_reward_fn, reward_fn_from_config, reward_metric_means
+from slime_rl.rollout.custom import load_filter, load_generate_function
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.eval import (
     eval_samples_per_prompt,
@@ -40,6 +42,8 @@ from slime_rl.rollout.eval import (
 )
 from slime_rl.rollout.health import EngineHealth
 from slime_rl.rollout.options import RolloutOptions
+from slime_rl.rollout.routing import ClientPool
+from slime_rl.rollout.stream import GroupStream
 
 
 def shaped_rewards(groups: list[list[Sample]], algo: AlgoConfig, max_response_len: int) -> torch.Tensor:
@@ -106,7 +110,10 @@ def dump_rollouts(path: Path, groups: list[list[Sample]]) -> None:
                 f.write(json.dumps({"group": s.group_index, "index": s.index, "prompt": s.prompt,
                                     "response": s.response, "label": s.label, "reward": s.reward,
                                     "finish_reason": s.finish_reason, "response_length": s.response_length,
-                                    "reward_metrics": s.reward_metrics}, default=str) + "\n")
+                                    "reward_metrics": s.reward_metrics,
+                                    # the weight version that sampled each response token (None: environment)
+                                    "token_versions": s.metadata.get(TOKEN_VERSIONS_KEY, [])},
+                                   default=str) + "\n")
 
 
 def debug_rollout_data(rollout_id: int, groups: list[list[Sample]]) -> dict[str, Any]:
@@ -166,6 +173,7 @@ class RolloutManager:
                              if {"rm_type", "custom_rm_path"} & set(ev.settings.get(name, {}))}
         self._state_before: dict[int, dict[str, Any]] = {}
         self.leftover: list[list[Sample]] = []  # partial rollout: groups cut last step, continued first
+        self.stream: GroupStream | None = None  # --fully-async: the never-stopping rollout, from the first step
         self.next_index = 0
         self.next_group = 0
 
@@ -184,6 +192,8 @@ class RolloutManager:
         """Fill the step's groups (filter, over-sampling and partial rollout per the flags), put the
         batch in the buffer, return the rollout metrics. An async actor: Ray runs its methods on one
         event loop, so the HTTP fan-out is awaited here."""
+        if self.cfg.rollout.fully_async:
+            return await self._take_from_stream(step, buffer)
         start = time.time()
         # a checkpoint taken after step - 1 must hold the rollout side as it was before this rollout
         self._state_before = {step: self.state_dict()}
@@ -217,6 +227,41 @@ class RolloutManager:
         timeouts = self.reward_fn.failures.timeouts_since(reward_mark)
         return (rollout_metrics(groups) | result.metrics | {"rollout/reward_failures": float(failed),
                                                              "rollout/reward_timeouts": float(timeouts)}
+                | {"time/rollout_start": start, "time/rollout_end": time.time()})
+
+    async def _take_from_stream(self, step: int, buffer) -> dict[str, float]:
+        """--fully-async: the step's groups from the never-stopping rollout (rollout/stream.py), started by the
+        first step; the trainer is at weight version `step` (one update per step before it)."""
+        start = time.time()
+        roll = self.cfg.rollout
+        if self.stream is None:
+            pool = ClientPool(self._clients(), self.tokenizer, self.options.concurrency_per_engine,
+                              self.options.rollout_max_context_len, sample_seed=self.options.sample_seed,
+                              return_routed_experts=self.options.return_routed_experts)
+            self.stream = GroupStream(
+                pool, self.dataset.next_batch, self.options, self.reward_fn,
+                load_generate_function(self.options.custom_generate_function_path, self.slime_args),
+                load_filter(self.options.dynamic_sampling_filter_path, self.slime_args,
+                            self.options.dynamic_sampling_filter_kwargs),
+                resume=self.leftover, first_index=self.next_index, first_group=self.next_group)
+            self.leftover = []
+            self.stream.start()
+        reward_mark = self.reward_fn.failures.mark()
+        try:
+            groups, metrics = await self.stream.take(roll.rollout_batch_size, version=step,
+                                                     max_staleness=roll.max_staleness,
+                                                     deadline_s=roll.rollout_deadline_s)
+        except EngineError as exc:
+            raise EngineFailure.of(exc) from None
+        failed = self.reward_fn.failures.check_step(reward_mark, step)
+        if not groups:
+            raise RolloutStarved(f"the rollout of step {step} has no finished group to train on (--fully-async: the "
+                                 "prompts ran out, or --rollout-deadline-s passed, or --max-staleness dropped every "
+                                 "group)")
+        if step + 1 >= roll.num_rollout:  # the last step: nothing more will be taken
+            await self.stream.close()
+        await self._put(step, groups, buffer)
+        return (rollout_metrics(groups) | metrics | {"rollout/reward_failures": float(failed)}
                 | {"time/rollout_start": start, "time/rollout_end": time.time()})
 
     async def replay(self, step: int, buffer) -> dict[str, float]:
@@ -305,9 +350,13 @@ class RolloutManager:
         return out, pick_generations(groups_by_set, ev.log_generations)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able: data position, sample/group counters, and the partial groups to continue."""
-        return {"data": self.dataset.state_dict(), "next_index": self.next_index, "next_group": self.next_group,
-                "leftover": [[_jsonable(dataclasses.asdict(s)) for s in g] for g in self.leftover]}
+        """JSON-able: data position, sample/group counters, and the partial groups to continue (--fully-async:
+        the stream's queued and in-flight groups as far as they got, continued first after a resume)."""
+        leftover, next_index, next_group = self.leftover, self.next_index, self.next_group
+        if self.stream is not None:
+            leftover, next_index, next_group = self.stream.snapshot()
+        return {"data": self.dataset.state_dict(), "next_index": next_index, "next_group": next_group,
+                "leftover": [[_jsonable(dataclasses.asdict(s)) for s in g] for g in leftover]}
 
     def state_before(self, step: int) -> dict[str, Any]:
         """The state as it was before rollout `step` started (now, if it has not started)."""

@@ -29,8 +29,8 @@ class RolloutOptions(RolloutConfig):
             raise ValueError(f"--over-sampling-batch-size {self.over_sampling_batch_size}: must be >= 1")
         if self.rollout_max_context_len is not None and self.rollout_max_context_len < 2:
             raise ValueError(f"--rollout-max-context-len {self.rollout_max_context_len}: must be >= 2")
-        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
-            raise ValueError("--mask-offpolicy-in-partial-rollout needs --partial-rollout")
+        if self.mask_offpolicy_in_partial_rollout and not (self.partial_rollout or self.fully_async):
+            raise ValueError("--mask-offpolicy-in-partial-rollout needs --partial-rollout or --fully-async")
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, **overrides: Any) -> RolloutOptions:

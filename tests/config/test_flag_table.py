@@ -46,7 +46,7 @@ COMPANIONS = {
     "--group-rm": ["--custom-rm-path", "m:f"],
     "--kl-coef": ["--advantage-estimator", "reinforce_plus_plus"],
     "--ref-update-interval": ["--use-kl-loss"],
-    "--tis-level": ["--use-tis"], "--tis-mode": ["--use-tis"],
+    "--tis-level": ["--use-tis"], "--tis-mode": ["--use-tis"], "--max-staleness": ["--fully-async"],
     "--rollout-rs": ["--rollout-rs-threshold", "2"], "--rollout-rs-threshold": ["--rollout-rs", "token_k1"],
     "--critic-lr-warmup-iters": ["--advantage-estimator", "ppo"],
     "--critic-save": ["--advantage-estimator", "ppo", "--save", "ckpt"],

@@ -129,6 +129,14 @@ OTHER_SCRIPTS: list[tuple[list[str], tuple[str, object] | str]] = [
     (["--multimodal-keys", "image=img"], "not JSON"),
     (["--use-rollout-logprobs", "--use-tis"], "the old log-probs would be the engine's"),
     (["--get-mismatch-metrics"], ("algo.get_mismatch_metrics", True)),
+    (["--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async"],
+     ("rollout.fully_async", True)),  # slime's examples/fully_async
+    (["--fully-async", "--max-staleness", "2"], ("rollout.max_staleness", 2)),
+    (["--max-staleness", "2"], "bounds --fully-async's staleness"),
+    (["--fully-async", "--async"], "without the one-step bound"),
+    (["--fully-async", "--colocate"], "keep generating while the trainer trains"),
+    (["--fully-async", "--use-fault-tolerance"], "not built yet"),
+    (["--fully-async", "--mask-offpolicy-in-partial-rollout"], ("rollout.mask_offpolicy_in_partial_rollout", True)),
     (["--use-tis", "--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function"],
      ("algo.tis_mode", "mask")),
     (["--custom-tis-function-path", "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"],
@@ -190,7 +198,8 @@ def _accepted_and_refused(f) -> tuple[list[str] | None, list[str] | None]:
         return [f.name, "7"], None
     if f.default is None and f.name not in ("--rollout-function-path", "--custom-tis-function-path"):
         return None, [f.name, "7"]  # refused whatever the value
-    good = {"--attention-backend": "flash", "--rollout-function-path": "slime.rollout.sglang_rollout.generate_rollout",
+    good = {"--attention-backend": "flash",
+            "--rollout-function-path": "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
             "--custom-tis-function-path": "slime.backends.megatron_utils.loss.vanilla_tis_function"}
     bad = {"--custom-tis-function-path": "my.tis:fn",
            "--attention-dropout": "0.1", "--hidden-dropout": "0.1", "--attention-backend": "fused",

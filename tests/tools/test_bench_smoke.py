@@ -69,18 +69,25 @@ def session_address() -> str:
 
 @pytest.mark.slow
 def test_gpu_e2e_smoke(ray_session, tmp_path):
-    """The GPU end-to-end script on CPU: 3 steps of the real loop, its metrics and its verdict line."""
+    """The GPU end-to-end script on CPU, in its fully-async mode (the mode the GPU comparison adds to the
+    synchronous loop, which the other whole-loop tests run): 3 steps of the real loop, its metrics, the raw
+    JSON and the verdict line."""
     import json
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "RAY_AUTH_MODE": "disabled",
            "RAY_ADDRESS": session_address()}
-    cmd = [sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "--smoke", "--out", str(tmp_path / "run")]
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "--smoke", "--out", str(tmp_path / "run"),
+           "--modes", "fully_async", "--json", str(tmp_path / "raw.json")]
     proc = run_python(cmd, env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = [ln for ln in proc.stdout.splitlines() if ln.strip()][-1]
-    assert last.startswith("disaggregated tiny: 3 steps") and last.endswith("PASS"), last
+    assert last.startswith("disaggregated fully_async tiny: 3 steps") and last.endswith("PASS"), last
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["perf/weight_sync_GBps"] > 0 for r in rows)
+    assert all(r["rollout/staleness_max"] <= 2 and r["perf/trainer_wait_s"] >= 0 for r in rows)
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert raw["modes"] == {"fully_async": ["--fully-async", "--max-staleness", "2"]}
+    assert raw["results"]["fully_async"]["summary"]["step_s"] > 0
 
 
 @pytest.mark.slow
