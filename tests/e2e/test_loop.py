@@ -219,15 +219,19 @@ def _cfg_plan(args):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", [
-    ["--advantage-estimator", "rloo"],
     ["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.01", "--gamma", "0.99"],
-    ["--advantage-estimator", "reinforce_plus_plus_baseline"],
     ["--advantage-estimator", "gspo", "--loss-agg-mode", "seq-mean-token-mean"],
-    ["--eps-clip-c", "3", "--use-tis", "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.01",
-     "--kl-loss-type", "low_var_kl"],
-], ids=["rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "grpo_dualclip_tis_entropy_kl"])
+    ["--eps-clip-c", "3", "--use-tis", "--tis-mode", "mask", "--tis-level", "geometric", "--tis-clip-low", "0.5",
+     "--rollout-rs", "token_k1,seq_max_k3", "--rollout-rs-threshold", "0.2_5.0,1.0", "--entropy-coef", "0.01",
+     "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl"],
+], ids=["reinforce_pp", "gspo", "grpo_dualclip_mis_rs_entropy_kl"])
 def test_algorithm_families_train(ray_session, tiny_qwen2, digit_data, tmp_path, algo):
-    """Two loop steps per family: finite, non-zero gradients and the family's metric keys."""
+    """Two loop steps per family: finite, non-zero gradients and the family's metric keys. One run per way the
+    loop feeds the loss: token-level advantages built by the trainer with the reference model (reinforce_pp;
+    reinforce_plus_plus_baseline takes the same path), a sequence-level ratio (gspo), and GRPO's scalar
+    advantages (rloo's path too) with every per-token term on (dual clip, the off-policy corrections, entropy
+    bonus, KL loss). Each family's math, rloo and reinforce_plus_plus_baseline included, is checked against
+    float64 references in tests/algo and, on real Megatron ranks, tests/trainer/test_trainer_algo.py."""
     args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + algo + [
         "--custom-rm-path", "tests.plugins.example_reward:index_reward"]  # rewards always differ in a group
     rows = train(*preflight(build_config(args)))
@@ -235,8 +239,12 @@ def test_algorithm_families_train(ray_session, tiny_qwen2, digit_data, tmp_path,
         assert np.isfinite(row["train/loss"]) and np.isfinite(row["train/grad_norm"]) and row["train/grad_norm"] > 0
         assert {"train/ppo_kl", "train/pg_clipfrac_high", "train/advantage_mean", "train/advantage_std"} <= set(row)
     if "--use-tis" in algo:
-        assert {"train/tis_weight_mean", "train/entropy_loss"} <= set(rows[0])
+        assert {"train/tis_weight_mean", "train/entropy_loss", "train/rollout_corr/k3_kl"} <= set(rows[0])
         assert rows[0]["train/kl"] >= 0
+        for row in rows:  # synchronous: the engine sampled with the trainer's weights, so nothing is rejected
+            assert row["train/rollout_corr/rs_masked_fraction"] == 0 == row["train/rollout_corr/is_masked_fraction"]
+            assert abs(row["train/rollout_corr/kl"]) < 1e-4
+            assert row["train/tis_weight_mean"] == pytest.approx(1, abs=1e-3)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""--seed through the whole loop on CPU (Ray, Megatron TP=2 on gloo, the built-in engine): one seed
+"""--seed through the whole loop on CPU (Ray, a Megatron rank on gloo, the built-in engine): one seed
 twice repeats the run bit for bit (prompts, responses, metrics, eval answers), another seed changes
 it; --log-eval-generations writes the eval samples it names."""
 
@@ -26,6 +26,9 @@ def run(model, data, run_dir, seed: int) -> dict:
     extra = ["--seed", str(seed), "--deterministic-rollout", "--dump-rollouts", "--eval-interval", "1",
              "--eval-prompt-data", "digits", str(eval_data), "--n-samples-per-eval-prompt", "2",
              "--log-eval-generations", "3"]
+    # one trainer rank (TP 1): the seed's reach does not depend on the layout, and each of the three runs starts
+    # one rank process fewer
+    extra += ["--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1"]
     rows = train(*preflight(build_config(argv(model, data, run_dir, steps=2) + extra)))
     return {
         "metrics": [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows],
