@@ -31,6 +31,7 @@ loss mask), as slime's and AReaL's do; verl divides by the kept tokens instead.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +85,7 @@ def is_weights(old: Tensor, rollout: Tensor, mask: Tensor, level: str = "token",
 
 
 @torch.no_grad()
-def rejection_keep(old: Tensor, rollout: Tensor, mask: Tensor, rules: list[RejectionRule]) -> Tensor:
+def rejection_keep(old: Tensor, rollout: Tensor, mask: Tensor, rules: Sequence[RejectionRule]) -> Tensor:
     """[B, T] float: 1 where every rule keeps the token (a sequence rule keeps or drops a whole sample), else 0.
     Off the mask the value is that of the token's sample (it is multiplied by the mask where it is used)."""
     m = mask.to(old.dtype)

@@ -3,6 +3,7 @@ applies them: slime_rl.algo.offpolicy.rejection_keep)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from slime_rl.config.flag_spec import RS_OPTIONS
@@ -17,7 +18,8 @@ class RejectionRule:
     lower: float | None = None  # k1 options only (a ratio bound, as upper)
 
 
-def parse_rejection(options: str, threshold: str | float | None) -> list[RejectionRule]:
+@functools.lru_cache(maxsize=16)  # the trainer asks once per micro-batch: parse each setting once
+def parse_rejection(options: str, threshold: str | float | None) -> tuple[RejectionRule, ...]:
     """verl's rollout_rs / rollout_rs_threshold: comma-separated options, and one threshold for all or one per
     option; a k1 option's threshold is "lower_upper" or "upper" (lower = 1 / upper), the others' one upper bound.
     Raises ValueError naming the flag."""
@@ -54,4 +56,4 @@ def parse_rejection(options: str, threshold: str | float | None) -> list[Rejecti
         if upper <= 0 or (lower is not None and not 0 < lower <= upper):
             raise ValueError(f"--rollout-rs-threshold {spec!r} for {o}: bounds must be positive, lower <= upper")
         rules.append(RejectionRule(o, upper, lower))
-    return rules
+    return tuple(rules)

@@ -72,9 +72,9 @@ def test_rejection_rules_by_hand():
 
 
 def test_verls_threshold_syntax():
-    assert parse_rejection("token_k1", "2") == [RejectionRule("token_k1", 2.0, 0.5)]  # lower = 1 / upper
-    assert parse_rejection(" token_k1 , seq_sum_k3 ,token_k1", "0.2_3,0.05") == [
-        RejectionRule("token_k1", 3.0, 0.2), RejectionRule("seq_sum_k3", 0.05, None)]
+    assert parse_rejection("token_k1", "2") == (RejectionRule("token_k1", 2.0, 0.5),)  # lower = 1 / upper
+    assert parse_rejection(" token_k1 , seq_sum_k3 ,token_k1", "0.2_3,0.05") == (
+        RejectionRule("token_k1", 3.0, 0.2), RejectionRule("seq_sum_k3", 0.05, None))
     for options, spec, words in [("token_k1", "3_2", "lower <= upper"), ("seq_mean_k2", "-1", "positive"),
                                  ("", "1", "names no option"), ("token_k1", "a_b", "'lower_upper'")]:
         with pytest.raises(ValueError, match=words):
