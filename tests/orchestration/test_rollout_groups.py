@@ -21,7 +21,8 @@ class FakeClient:
         self.calls.append((rid, sampling_params))
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
-        await asyncio.sleep(0.001 * (len(self.calls) % 3))
+        for _ in range(1 + len(self.calls) % 3):  # uneven service times, counted in event-loop turns:
+            await asyncio.sleep(0)                # deterministic where wall-clock timers are not
         self.in_flight -= 1
         ids = [ord(c) for c in self.answer]
         return {"text": self.answer, "output_ids": ids,
