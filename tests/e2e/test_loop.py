@@ -4,6 +4,7 @@ and the gloo broadcast of weights. Nothing is faked here."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,8 +109,11 @@ def test_engine_weights_equal_trainer_after_sync(ray_session, tiny_qwen2, digit_
 
 @pytest.mark.slow
 def test_async_overlaps_rollout_with_training_and_syncs_between(ray_session, tiny_qwen2, digit_data, tmp_path):
-    cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=3) + ["--async"])
+    """--async, scored by an EasyR1-style reward file called per sample."""
+    cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=3) + ["--async"]
+                       + easyr1_reward("compute_score"))
     rows = train(*preflight(cfg))
+    check_easyr1_reward(tmp_path / "run", rows[0])
     assert [r["step"] for r in rows] == [0, 1, 2]
     for k in range(2):
         # rollout k+1 started before training k ended (overlap) ...
@@ -161,10 +165,12 @@ def test_over_sampling_aborts_land_and_partial_rollout_resumes_them(ray_session,
     """8 groups drawn for 4: the even groups stop after 4 tokens and fill the batch while the odd ones
     (whole budget) are still on the engine. Their requests are aborted by exact rid (the built-in
     engine, like SGLang, drops any other rid): they come back ABORTED with their tokens so far and
-    are continued first next step."""
+    are continued first next step. Scored by an EasyR1-style reward file called once per group (--group-rm)."""
     extra = ["--over-sampling-batch-size", "8", "--partial-rollout", "--rollout-max-response-len", "96",
-             "--custom-generate-function-path", "tests.plugins.odd_groups_slow.generate"]
+             "--custom-generate-function-path", "tests.plugins.odd_groups_slow.generate",
+             *easyr1_reward("compute_score_batch")]
     rows = train(*preflight(build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + extra)))
+    check_easyr1_reward(tmp_path / "run", rows[0])
     first, second = rows
     assert first["rollout/groups_kept"] == 4 and first["rollout/abort_requests"] > 0
     assert first["rollout/groups_aborted"] >= 1  # the abort reached requests still running
@@ -247,24 +253,26 @@ def test_algorithm_families_train(ray_session, tiny_qwen2, digit_data, tmp_path,
             assert row["train/tis_weight_mean"] == pytest.approx(1, abs=1e-3)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("form", [["compute_score"], ["compute_score_batch", "--group-rm"]], ids=["sample", "group"])
-def test_easyr1_reward_file_trains_a_step_and_dumps_rollouts(ray_session, tiny_qwen2, digit_data, tmp_path, form):
-    """An EasyR1-style reward file (compute_score -> overall/format/accuracy), loaded by file path, per
-    sample or (`--group-rm`) one call per group."""
-    from pathlib import Path
+EASYR1_REWARD = Path(__file__).resolve().parents[1] / "rewards" / "plugins" / "easyr1_reward.py"
 
-    reward_file = Path(__file__).resolve().parents[1] / "rewards" / "plugins" / "easyr1_reward.py"
-    args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1) + [
-        "--custom-rm-path", f"{reward_file}:{form[0]}", "--reward-key", "overall", "--dump-rollouts", *form[1:]]
-    (row,) = train(*preflight(build_config(args)))
-    assert {"rollout/reward/format", "rollout/reward/accuracy"} <= set(row)  # the dict's other keys are logged
-    assert np.isfinite(row["train/loss"])
-    dumped = [json.loads(x) for x in (tmp_path / "run" / "rollouts" / "step_000000.jsonl").read_text().splitlines()]
-    assert len(dumped) == 16 and all(set(d["reward_metrics"]) >= {"format", "accuracy"} for d in dumped)
+
+def easyr1_reward(form: str) -> list[str]:
+    """Flags of an EasyR1-style reward file (compute_score -> overall/format/accuracy), loaded by file path,
+    per sample (`compute_score`) or one call per group (`compute_score_batch` with `--group-rm`)."""
+    extra = ["--group-rm"] if form == "compute_score_batch" else []
+    return ["--custom-rm-path", f"{EASYR1_REWARD}:{form}", "--reward-key", "overall", "--dump-rollouts", *extra]
+
+
+def check_easyr1_reward(run_dir: Path, row: dict) -> None:
+    """The reward file's other keys are logged, and each dumped sample of step 0 (all 16 trained) holds
+    the file's "overall" for its response as its reward, with the other keys beside it."""
     from slime_rl.data import Sample
     from tests.rewards.plugins.easyr1_reward import compute_score
 
+    assert {"rollout/reward/format", "rollout/reward/accuracy"} <= set(row)
+    assert np.isfinite(row["train/loss"])
+    dumped = [json.loads(x) for x in (run_dir / "rollouts" / "step_000000.jsonl").read_text().splitlines()]
+    assert len(dumped) == 16 and all(set(d["reward_metrics"]) >= {"format", "accuracy"} for d in dumped)
     for d in dumped:  # the logged reward is the file's "overall" for that response
         again = compute_score(Sample(index=0, group_index=0, prompt=d["prompt"], prompt_ids=[], label=d["label"],
                                      response=d["response"]))
