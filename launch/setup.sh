@@ -16,7 +16,7 @@ CONSTRAINTS=launch/constraints.txt
 # install ARGS...: into the venv, by uv where it is there, else (or where uv fails) by pip
 install() {
   if [ "${SETUP_INSTALLER:-uv}" = uv ] && [ -x "$VENV/bin/uv" ]; then
-    "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --constraint "$CONSTRAINTS" "$@" && return 0
+    "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" --constraint "$CONSTRAINTS" "$@" && return 0
     echo "setup.sh: uv could not install $*; trying pip" >&2
   fi
   "$VENV/bin/python" -m pip install -q --constraint "$CONSTRAINTS" "$@"
