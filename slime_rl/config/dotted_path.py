@@ -110,10 +110,10 @@ def choose_form(fn: Callable, flag: str, path: str, forms: dict[str, tuple[int, 
                 error: type[Exception] = PluginLoadError) -> str:
     """Which calling convention a user function follows, decided once from its signature.
 
-    `forms`: {name: (positional arguments it is called with, the signature as documented)}, at most
-    two, one of them "slime" (slime's `args` first). When only one form's argument count fits, that
-    one; when both do, "slime" if the first parameter is named `args` (as slime's docs and examples
-    spell it), else the other. Neither: `error` naming the flag and both documented signatures."""
+    `forms`: {name: (positional arguments it is called with, the signature as documented)}, one of them
+    possibly "slime" (slime's `args` first). When only one form's argument count fits, that one; when
+    several do, "slime" if the first parameter is named `args` (as slime's docs and examples spell it),
+    else the first other one that fits. Neither: `error` naming the flag and both documented signatures."""
     fits = [name for name, (n, _) in forms.items() if accepts_positional(fn, n)]
     if len(fits) == 1:
         return fits[0]

@@ -87,7 +87,8 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
              help='cut a rollout after this many seconds'),
         Flag('--custom-generate-function-path', 'rollout.custom_generate_function_path',
              help="module:function, async; ours (sample, sampling_params, client_pool) -> Sample or slime's "
-                  '(args, sample, sampling_params) -> Sample'),
+                  "(args, sample, sampling_params) -> Sample, or an agent (client: openai.AsyncOpenAI, sample) -> "
+                  'reward or None, which talks to the model through an OpenAI endpoint (docs/agents.md)'),
         Flag('--async', 'rollout.async_mode', action="store_true", dest='async_mode',
              help='one-step off-policy: generate step k+1 while training step k'),
         Flag('--fully-async', 'rollout.fully_async', action="store_true",

@@ -139,7 +139,20 @@ def rollout_metrics(groups: list[list[Sample]]) -> dict[str, float]:
         "rollout/response_len_mean": lengths.mean().item(),
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in flat) / len(flat),
         "rollout/zero_std_group_frac": (group_std == 0).double().mean().item(),
-    } | reward_metric_means(flat)
+    } | reward_metric_means(flat) | agent_metrics(flat)
+
+
+def agent_metrics(flat: list[Sample]) -> dict[str, float]:
+    """Agent trajectories (`rollout.agent`): turns and tool calls per trajectory, the fractions that failed
+    (the agent raised) and branched (the harness edited its history); nothing when no sample is one."""
+    runs = [s for s in flat if "agent_turns" in s.metadata or "agent_error" in s.metadata]
+    if not runs:
+        return {}
+    n = len(runs)
+    return {"rollout/agent_turns_mean": sum(s.metadata.get("agent_turns", 0) for s in runs) / n,
+            "rollout/agent_tool_calls_mean": sum(s.metadata.get("agent_tool_calls", 0) for s in runs) / n,
+            "rollout/agent_failed_frac": sum("agent_error" in s.metadata for s in runs) / n,
+            "rollout/agent_branched_frac": sum(bool(s.metadata.get("agent_branched")) for s in runs) / n}
 
 
 # one rollout may draw the data this many times over before its filter is called hopeless

@@ -3,8 +3,11 @@
 | flag | protocol |
 |---|---|
 | --custom-generate-function-path | `async def generate(sample, sampling_params: dict, client_pool) -> Sample` |
+| --custom-generate-function-path | an agent: `async def agent(client: openai.AsyncOpenAI, sample) -> reward or None` |
 | --dynamic-sampling-filter-path | `def filter(group: list[Sample]) -> bool` (True keeps the group) |
 
+An agent (a function of two parameters) talks to the model through an OpenAI client only; each sample is
+one trajectory recorded token for token (`slime_rl.rollout.agent`).
 slime's forms of both are accepted too, `async def generate(args, sample, sampling_params)` and
 `def filter(args, samples) -> bool | DynamicFilterOutput`: the form is decided once, when the
 function is loaded, from its signature (`config.dotted_path.choose_form`: a first parameter named
@@ -90,10 +93,15 @@ def load_generate_function(path: str | None, args: Any = None) -> GenerateFn:
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"{GENERATE_FLAG} {path!r}: {fn.__name__} must be an `async def` taking (sample, "
                          "sampling_params, client_pool), or slime's (args, sample, sampling_params), and returning "
-                         "the Sample")
+                         "the Sample; or an agent's (client, sample) returning the reward")
     form = choose_form(fn, GENERATE_FLAG, path, {
         "ours": (3, "async generate(sample, sampling_params, client_pool) -> Sample"),
-        "slime": (3, "async generate(args, sample, sampling_params) -> Sample")})
+        "slime": (3, "async generate(args, sample, sampling_params) -> Sample"),
+        "agent": (2, "async agent(client: openai.AsyncOpenAI, sample) -> float | None")})
+    if form == "agent":
+        from slime_rl.rollout.agent.runner import AgentGenerate
+
+        return AgentGenerate(fn, path)
     return fn if form == "ours" else SlimeGenerate(fn, args if args is not None else default_args(), path)
 
 

@@ -1,0 +1,41 @@
+"""An agent harness that knows only the `openai` client (tests/plugins/openai_agent.py) trains through the
+whole loop on CPU: Ray, a Megatron rank on gloo, the built-in engine; each sample is one two-turn
+trajectory recorded token for token through the rollout's OpenAI endpoint (the exactness itself is
+checked against the engine and the template in tests/rollout/test_agent.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from slime_rl.config import build_config
+from slime_rl.train import preflight, train
+from tests.e2e.test_loop import argv
+from tests.loop_checks import digit_data_fixture
+
+digit_data = digit_data_fixture(32, seed=4)
+
+
+@pytest.mark.slow
+def test_an_openai_client_harness_trains_two_steps(ray_session, tiny_qwen2, digit_data, tmp_path):
+    args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
+        "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1", "--rollout-max-response-len", "64",
+        "--custom-generate-function-path", "tests.plugins.openai_agent:agent", "--dump-rollouts"]
+    rows = train(*preflight(build_config(args)))
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["rollout/agent_turns_mean"] == 2.0 and row["rollout/agent_failed_frac"] == 0.0
+        assert row["rollout/agent_branched_frac"] == 0.0
+        assert np.isfinite(row["train/loss"]) and np.isfinite(row["train/grad_norm"])
+        # the trainer's log-probs of the sampled tokens are the engine's: the same tokens in the same context
+        assert row["train/rollout_logprob_abs_diff"] <= (1e-3 if row["step"] == 0 else 1e-2)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    check = tok.decode(tok.encode("Check it."))  # as the tiny tokenizer keeps it (its alphabet is small)
+    dumped = [json.loads(x) for x in (tmp_path / "run" / "rollouts" / "step_000000.jsonl").read_text().splitlines()]
+    assert len(dumped) == 16
+    for d in dumped:  # the second user turn sits inside the response
+        assert check in d["response"] and d["reward"] in (0.0, 1.0)

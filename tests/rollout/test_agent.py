@@ -1,0 +1,282 @@
+"""Agents through the OpenAI endpoint against a real built-in engine (in this process): a harness written
+with the `openai` client only, three turns with a tool result and a user turn in between. The sample is
+checked against what the engine answered and what the chat template renders, derived here: its tokens
+are the first request's rendering, each answer's ids as the engine gave them, and only the template's
+text between them; the loss mask is 1 exactly on the answers' ids; every rollout log-prob is the model's
+(float64 reference over the whole trajectory), so each turn was generated from exactly these tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+import torch
+from rollout_testlib import float64_model, reference_logprobs, start_server
+
+from slime_rl.data import Sample
+from slime_rl.engines.client import AsyncEngineClient
+from slime_rl.rollout.agent.toolcalls import parse_tool_calls, template_messages
+from slime_rl.rollout.agent.trajectory import _same_message, render
+from slime_rl.rollout.custom import load_generate_function
+from slime_rl.rollout.partial import COMPLETED, STATUS, TRUNCATED
+from slime_rl.rollout.routing import ClientPool
+
+openai = pytest.importorskip("openai")
+
+# Qwen2.5's tool format (system block listing the tools in <tools>, assistant calls in <tool_call>, tool
+# results as a user turn in <tool_response>), with a shorter preamble: the tiny model's context is the limit
+QWEN_TOOL_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}{% for tool in tools %}{{ '\\n' }}"
+    "{{ tool | tojson }}{% endfor %}{{ '\\n</tools><|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or message.role == 'system' or (message.role == 'assistant' and not "
+    "message.tool_calls) %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% elif message.role == 'assistant' %}{{ '<|im_start|>assistant' }}{% if message.content %}"
+    "{{ '\\n' + message.content }}{% endif %}{% for call in message.tool_calls %}"
+    "{% if call.function is defined %}{% set call = call.function %}{% endif %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}{{ call.arguments | tojson }}"
+    "{{ '}\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message.role == 'tool' %}{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{ '<|im_start|>user' }}{% endif %}{{ '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_qwen2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_qwen2_tools") / "model"
+    shutil.copytree(tiny_qwen2, out)
+    (out / "chat_template.jinja").write_text(QWEN_TOOL_TEMPLATE)  # transformers reads it before tokenizer_config's
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tool_model):
+    s = start_server(tool_model, random_seed=5, max_running_requests=64)
+    yield s
+    s.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tok(tool_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tool_model)
+
+
+def run_agents(server, tok, agent, samples, max_new_tokens=160):
+    async def main():
+        client = AsyncEngineClient(server.url, timeout=120)
+        pool = ClientPool([client], tok, per_engine=64)
+        gen = load_generate_function(f"{agent.__module__}:{agent.__name__}") if isinstance(agent, str) else None
+        gen = gen or _as_generate(agent)
+        params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new_tokens}
+        try:
+            return await asyncio.gather(*(gen(s, params, pool) for s in samples))
+        finally:
+            await pool.aclose()
+            await client.aclose()
+    return asyncio.run(main())
+
+
+def _as_generate(fn):
+    from slime_rl.rollout.agent.runner import AgentGenerate
+
+    return AgentGenerate(fn, fn.__name__)
+
+
+def new_sample(i=0, prompt="add 2 and 3"):
+    return Sample(index=i, group_index=i, prompt=prompt, prompt_ids=[])
+
+
+def test_three_turns_are_recorded_token_for_token(server, tok, tool_model):
+    answers, conversations = [], []
+
+    async def agent(client, sample):  # only the openai client: what any harness does
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": sample.prompt}]
+        for turn in range(3):
+            conversations.append([dict(m) for m in messages])
+            r = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=12,
+                                                     logprobs=True, extra_body={"return_token_ids": True})
+            answers.append(r)
+            messages.append(r.choices[0].message.model_dump(exclude_none=True))  # the harness's echo
+            if turn == 0:
+                messages.append({"role": "tool", "tool_call_id": "call_0", "content": "5"})
+            else:
+                messages.append({"role": "user", "content": "and now?"})
+        return 0.5
+
+    (sample,) = run_agents(server, tok, agent, [new_sample()])
+    assert sample.reward == 0.5 and sample.metadata["agent_turns"] == 3 and "agent_error" not in sample.metadata
+    turns = [a.choices[0].token_ids for a in answers]
+    assert all(turns)
+    # the prompt: the first request rendered by the template with the generation prompt, tokenized
+    first = tok.apply_chat_template(conversations[0], tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert sample.prompt_ids == tok.encode(first, add_special_tokens=False)
+    # between two answers: the template's text of the longer conversation after the shorter one and the answer
+    # (the answer's raw text; the template's end of turn after it), tokenized; nothing else
+    expected, mask = [], []
+    for k, ids in enumerate(turns):
+        expected += ids
+        mask += [1] * len(ids)
+        if k + 1 < len(turns):
+            before = tok.apply_chat_template(conversations[k], tools=TOOLS, tokenize=False, add_generation_prompt=True)
+            raw = tok.decode(ids, skip_special_tokens=False)
+            after = tok.apply_chat_template(_with_raw_answer(conversations[k + 1], raw), tools=TOOLS, tokenize=False,
+                                            add_generation_prompt=True)
+            assert after.startswith(before + raw.removesuffix("<|im_end|>"))
+            env = tok.encode(after[len(before) + len(raw):], add_special_tokens=False)
+            expected += env
+            mask += [0] * len(env)
+    assert sample.response_ids == expected
+    assert sample.loss_mask == mask
+    # each answer's ids were generated from exactly the sample's tokens before them: its log-probs are the
+    # model's in that context (float64 reference over the whole trajectory)
+    ref = reference_logprobs(float64_model(tool_model), sample.prompt_ids, sample.response_ids)
+    got = torch.tensor(sample.rollout_logprobs, dtype=torch.float64)
+    on = torch.tensor(mask, dtype=torch.bool)
+    assert torch.allclose(got[on], ref[on], atol=1e-4), (got[on] - ref[on]).abs().max()
+    assert (got[~on] == 0).all()
+    # and the log-probs the harness was given are those
+    given = [lp.logprob for a in answers for lp in a.choices[0].logprobs.content]
+    assert given == got[on].tolist()
+    assert sample.metadata[STATUS] in (COMPLETED, TRUNCATED)
+
+
+def _with_raw_answer(conversation, raw):
+    """`conversation` (the next request's) with the previous answer's content replaced by its raw sampled text
+    (what the model wrote, up to the end-of-turn token), as the template would render the true history."""
+    out = [dict(m) for m in conversation]
+    k = max(i for i, m in enumerate(out) if m["role"] == "assistant")
+    out[k] = {"role": "assistant", "content": raw.removesuffix("<|im_end|>")}
+    return out
+
+
+def test_an_edited_history_branches_and_the_sample_keeps_its_exact_part(server, tok):
+    seen = {}
+
+    async def agent(client, sample):
+        messages = [{"role": "user", "content": "count to three"}]
+        r = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+        seen["after_first"] = (list(sample.prompt_ids), list(sample.response_ids))
+        # the harness rewrites its own first message: what the engine saw is no longer this conversation
+        messages = [{"role": "user", "content": "count to four"}, r.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "user", "content": "go on"}]
+        r2 = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+        assert r2.choices[0].finish_reason in ("stop", "length")  # answered all the same
+        return 1.0
+
+    (sample,) = run_agents(server, tok, agent, [new_sample()])
+    assert sample.metadata["agent_branched"] is True
+    assert (sample.prompt_ids, sample.response_ids) == seen["after_first"]  # nothing of the branch recorded
+    assert sample.reward == 1.0 and sample.loss_mask == [1] * len(sample.response_ids)
+
+
+def test_the_budget_covers_model_and_environment_tokens(server, tok):
+    """--rollout-max-response-len 10: a long tool result cannot fit; the sample is cut there, truncated, and
+    the next answer is "length" with no content."""
+    finishes = []
+
+    async def agent(client, sample):
+        messages = [{"role": "user", "content": "hi"}]
+        for _ in range(3):
+            r = await client.chat.completions.create(model="p", messages=messages, max_tokens=4)
+            finishes.append((r.choices[0].finish_reason, r.choices[0].message.content))
+            messages += [r.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "a long answer from the environment " * 3}]
+        return 0.0
+
+    (sample,) = run_agents(server, tok, agent, [new_sample()], max_new_tokens=10)
+    assert len(sample.response_ids) == 10 and sample.metadata[STATUS] == TRUNCATED
+    assert sample.finish_reason == "length"
+    assert finishes[1:] == [("length", ""), ("length", "")]  # the environment's text filled the budget
+
+
+def test_256_trajectories_none_lost_none_mixed_failures_alone(server, tok):
+    """256 agents at once, two turns each; every tenth raises after its first turn. Each sample holds its own
+    conversation (the prompt names the sample), the failed ones fail alone."""
+    async def agent(client, sample):
+        messages = [{"role": "user", "content": f"task {sample.index}"}]
+        r = await client.chat.completions.create(model="p", messages=messages, max_tokens=3)
+        if sample.index % 10 == 3:
+            raise RuntimeError(f"environment {sample.index} broke")
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        await client.chat.completions.create(model="p", messages=messages, max_tokens=3)
+        return float(sample.index)
+
+    samples = run_agents(server, tok, agent, [new_sample(i, prompt=f"task {i}") for i in range(256)])
+    assert [s.index for s in samples] == list(range(256))
+    for s in samples:
+        assert tok.decode(s.prompt_ids).endswith(f"task {s.index}<|im_end|>\n<|im_start|>assistant\n")
+        if s.index % 10 == 3:
+            assert s.metadata["agent_error"] == f"RuntimeError: environment {s.index} broke"
+            assert s.finish_reason == "failed" and s.loss_mask == [0] * len(s.response_ids) and s.reward == 0.0
+        else:
+            assert "agent_error" not in s.metadata and s.reward == float(s.index)
+            assert s.metadata["agent_turns"] == 2 and 1 in s.loss_mask and 0 in s.loss_mask
+            assert "more<|im_end|>" in tok.decode(s.response_ids, skip_special_tokens=False)
+
+
+def test_endpoint_errors_are_openai_errors(server, tok):
+    """Unknown trajectory 404; a body it cannot take 400 naming the field; the harness's own exception
+    (openai's error classes) carries them."""
+    async def agent(client, sample):
+        import httpx
+
+        base = str(client.base_url).rstrip("/")
+        async with httpx.AsyncClient() as http:
+            wrong = await http.post(base.replace(base.split("/")[-2], "nope") + "/chat/completions", json={})
+            assert wrong.status_code == 404 and wrong.json()["error"]["type"] == "not_found_error"
+            models = await http.get(base + "/models")
+            assert models.json()["data"][0]["id"] == "policy"
+        for bad, param in (({"messages": []}, "messages"), ({"n": 2}, "n"), ({"stop": 3}, "stop"),
+                           ({"max_tokens": 0}, "max_tokens"), ({"stream": True}, "stream")):
+            body = {"messages": [{"role": "user", "content": "x"}], **bad}
+            with pytest.raises(openai.BadRequestError) as err:
+                await client.chat.completions.create(model="p", **body)
+            assert err.value.param == param, err.value.body
+        r = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        return float(len(r.choices[0].message.content or "") >= 0)
+
+    (sample,) = run_agents(server, tok, agent, [new_sample()])
+    assert sample.reward == 1.0 and sample.metadata["agent_turns"] == 1
+
+
+def test_tool_calls_in_qwen_syntax_become_openai_tool_calls_and_back():
+    text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    content, calls = parse_tool_calls(text, "c")
+    assert content == "Let me add."
+    assert calls == [{"id": "c_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]
+    # two calls, arguments written as a JSON string, and a broken block that stays text
+    text = ('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call><tool_call>{oops}</tool_call>'
+            '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    content, calls = parse_tool_calls(text)
+    assert content == "<tool_call>{oops}</tool_call>"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("a", {"x": 1}),
+                                                                                                ("b", {})]
+    assert parse_tool_calls("no calls") == ("no calls", [])
+    # OpenAI's wire form (arguments as a string) -> the template's (an object); content None -> ''
+    wire = {"role": "assistant", "content": None, "tool_calls": calls[:1]}
+    assert template_messages([wire])[0] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "a", "arguments": {"x": 1}}}]}
+    # the harness's echo is the same message whatever the arguments' spacing or the ids
+    echo = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "other", "type": "function", "function": {"name": "a", "arguments": '{"x":1}'}}]}
+    assert _same_message(echo, wire)
+    assert not _same_message({**echo, "content": "edited"}, wire)
+    assert not _same_message({"role": "assistant", "content": ""}, wire)
+
+
+def test_render_uses_the_tools(tok):
+    with_tools = render(tok, [{"role": "user", "content": "x"}], TOOLS, True)
+    assert with_tools.startswith("<|im_start|>system\n# Tools\n<tools>\n{") and '"name": "add"' in with_tools
+    assert render(tok, [{"role": "user", "content": "x"}], None, True) == "<|im_start|>user\nx<|im_end|>\n" \
+        "<|im_start|>assistant\n"
