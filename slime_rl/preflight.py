@@ -23,7 +23,7 @@ from slime_rl.orchestration.placement import PlacementPlan, assign_devices, plan
 from slime_rl.rewards import RewardError, eval_reward_fn, reward_fn_from_config
 from slime_rl.rewards.builtin import REWARDS
 from slime_rl.rewards.labels import label_problem
-from slime_rl.rollout.custom import load_filter, load_generate_function
+from slime_rl.rollout.custom import load_filter, rollout_generate_function
 
 # the files an HF folder's tokenizer is read from (any one of them)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
@@ -70,7 +70,7 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
         check_replay_files(cfg)  # after --num-epoch became a number of steps
     args = slime_args(cfg)  # what slime-style extension functions get first
     reward_fn_from_config(cfg.reward, args=args,
-                          generate_sets_reward=cfg.rollout.custom_generate_function_path is not None)
+                          generate_sets_reward=cfg.rollout.generate_sets_reward)
     for name, _ in cfg.eval.datasets:  # --eval-config: a set's own reward loads now too
         if {"rm_type", "custom_rm_path"} & set(cfg.eval.settings.get(name, {})):
             try:
@@ -80,7 +80,7 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     if dataset is not None and cfg.reward.custom_rm_path is None and cfg.reward.rm_type is not None:
         check_reward_rows(cfg.reward.rm_type, cfg.data.prompt_data, dataset)
     # extension points load here, so a bad dotted path fails before any actor starts
-    load_generate_function(cfg.rollout.custom_generate_function_path, args)
+    rollout_generate_function(cfg.rollout, args)
     load_filter(cfg.rollout.dynamic_sampling_filter_path, args, cfg.rollout.dynamic_sampling_filter_kwargs)
     critic_world = cfg.critic.world_size if cfg.critic else 0
     if cfg.plan.cluster is not None:  # --dry-run for another cluster: its GPUs, not this machine's

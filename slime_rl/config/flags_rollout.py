@@ -89,6 +89,16 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
              help="module:function, async; ours (sample, sampling_params, client_pool) -> Sample or slime's "
                   "(args, sample, sampling_params) -> Sample, or an agent (client: openai.AsyncOpenAI, sample) -> "
                   'reward or None, which talks to the model through an OpenAI endpoint (docs/agents.md)'),
+        Flag('--agent-env', 'rollout.agent_env',
+             help='each sample plays one episode of a text environment through the OpenAI endpoint (docs/agents.md): '
+                  'textarena:GAME (a TextArena single-player game, e.g. textarena:GuessTheNumber-v0) or '
+                  'module:factory, factory(sample) -> env with reset() -> str and step(text) -> (observation, '
+                  'reward, done); the reward is the sum of the step rewards'),
+        Flag('--agent-max-turns', 'rollout.agent_max_turns', default=16, type=_positive_int,
+             help='--agent-env: the most model answers per episode'),
+        Flag('--agent-turn-max-tokens', 'rollout.agent_turn_max_tokens', type=_positive_int,
+             help='--agent-env: the most tokens of one answer (default: what is left of --rollout-max-response-len, '
+                  'which covers the whole episode)'),
         Flag('--async', 'rollout.async_mode', action="store_true", dest='async_mode',
              help='one-step off-policy: generate step k+1 while training step k'),
         Flag('--fully-async', 'rollout.fully_async', action="store_true",

@@ -59,8 +59,16 @@ class RolloutConfig:
     mask_offpolicy_in_partial_rollout: bool = default_of("--mask-offpolicy-in-partial-rollout")
     rollout_deadline_s: float | None = default_of("--rollout-deadline-s")
     custom_generate_function_path: str | None = default_of("--custom-generate-function-path")
+    agent_env: str | None = default_of("--agent-env")
+    agent_max_turns: int = default_of("--agent-max-turns")
+    agent_turn_max_tokens: int | None = default_of("--agent-turn-max-tokens")
     dynamic_sampling_filter_kwargs: str | None = default_of("--dynamic-sampling-filter-kwargs")  # JSON object
     sample_seed: int | None = None  # --deterministic-rollout: the run seed of --seed and --rollout-seed
+
+    @property
+    def generate_sets_reward(self) -> bool:
+        """A custom generate function or an agent may score each sample itself (no reward flag needed)."""
+        return self.custom_generate_function_path is not None or self.agent_env is not None
 
     @property
     def samples_per_rollout(self) -> int:

@@ -188,9 +188,13 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         _check(a.use_tis or value == default, f"{flag} {value} shapes --use-tis's weights, which are off: add "
                "--use-tis or drop it")
     # slime's agent examples score in their generate function (sample.reward), with no reward flag
-    _check(a.rm_type is not None or a.custom_rm_path is not None or a.custom_generate_function_path is not None,
-           "--rm-type or --custom-rm-path is required (or a --custom-generate-function-path that sets each "
-           "sample's reward)")
+    _check(a.agent_env is None or a.custom_generate_function_path is None,
+           f"--agent-env {a.agent_env} and --custom-generate-function-path {a.custom_generate_function_path} both "
+           "generate the samples: give one")
+    _check(a.rm_type is not None or a.custom_rm_path is not None or a.custom_generate_function_path is not None
+           or a.agent_env is not None,
+           "--rm-type or --custom-rm-path is required (or a --custom-generate-function-path or --agent-env that sets "
+           "each sample's reward)")
     _check(not a.group_rm or a.custom_rm_path is not None, "--group-rm needs --custom-rm-path (a function that "
            "scores a list of samples)")
     # the NCCL weight-update group counts N ranks per engine; the built-in engine would join with one.

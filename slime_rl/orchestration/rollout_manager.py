@@ -30,7 +30,7 @@ from slime_rl.engines.client import AsyncEngineClient, AsyncRouterClient, Engine
 from slime_rl.observability.debug_data import save_debug_data
 from slime_rl.orchestration.failures import EngineFailure, RolloutStarved
 from slime_rl.rewards import eval_reward_fn, reward_fn_from_config, reward_metric_means
-from slime_rl.rollout.custom import load_filter, load_generate_function
+from slime_rl.rollout.custom import load_filter, rollout_generate_function
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.eval import (
     eval_samples_per_prompt,
@@ -171,7 +171,7 @@ class RolloutManager:
         self.slime_args = slime_args(cfg)  # what slime-style extension functions get as `args`
         self.reward_fn = reward_fn_from_config(
             cfg.reward, failure_value=cfg.reward.reward_failure_value, args=self.slime_args,
-            generate_sets_reward=cfg.rollout.custom_generate_function_path is not None)
+            generate_sets_reward=cfg.rollout.generate_sets_reward)
         self.dead: dict[int, str] = {}  # engine -> why it was declared dead; until it is revived
         self.options = RolloutOptions.from_config(
             cfg.rollout, return_routed_experts=cfg.trainer.use_rollout_routing_replay or None)
@@ -253,7 +253,7 @@ class RolloutManager:
                               return_routed_experts=self.options.return_routed_experts)
             self.stream = GroupStream(
                 pool, self.dataset.next_batch, self.options, self.reward_fn,
-                load_generate_function(self.options.custom_generate_function_path, self.slime_args),
+                rollout_generate_function(self.options, self.slime_args),
                 load_filter(self.options.dynamic_sampling_filter_path, self.slime_args,
                             self.options.dynamic_sampling_filter_kwargs),
                 resume=self.leftover, first_index=self.next_index, first_group=self.next_group)

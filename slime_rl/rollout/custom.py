@@ -105,6 +105,18 @@ def load_generate_function(path: str | None, args: Any = None) -> GenerateFn:
     return fn if form == "ours" else SlimeGenerate(fn, args if args is not None else default_args(), path)
 
 
+def rollout_generate_function(rollout: Any, args: Any = None) -> GenerateFn:
+    """The generate function of a run's rollout settings (a `RolloutConfig` or `RolloutOptions`): the
+    --agent-env episode runner, or what --custom-generate-function-path names, or the built-in one."""
+    if getattr(rollout, "agent_env", None):
+        from slime_rl.rollout.agent.envs import env_agent, load_env_factory
+        from slime_rl.rollout.agent.runner import AgentGenerate
+
+        return AgentGenerate(env_agent(load_env_factory(rollout.agent_env), rollout.agent_max_turns,
+                                       rollout.agent_turn_max_tokens), rollout.agent_env)
+    return load_generate_function(rollout.custom_generate_function_path, args)
+
+
 def load_filter(path: str | None, args: Any = None, kwargs: str | dict[str, Any] | None = None) -> FilterFn | None:
     """The group filter `--dynamic-sampling-filter-path` names (ours or slime's), in our convention,
     or None (keep every group). `kwargs`: --dynamic-sampling-filter-kwargs (a JSON object), passed to

@@ -27,7 +27,7 @@ from slime_rl.data import PromptRow, Sample
 from slime_rl.engines.client import AsyncEngineClient
 from slime_rl.observability import Progress
 from slime_rl.rewards import GroupReward, RewardFn
-from slime_rl.rollout.custom import FilterFn, GenerateFn, load_filter, load_generate_function
+from slime_rl.rollout.custom import FilterFn, GenerateFn, load_filter, rollout_generate_function
 from slime_rl.rollout.generate import make_groups, run_group
 from slime_rl.rollout.health import EngineHealth
 from slime_rl.rollout.options import RolloutOptions, sampling_params
@@ -65,7 +65,7 @@ async def generate_filtered_groups(clients: Sequence[AsyncEngineClient],
     shown as `observability.Progress` under `progress_desc`."""
     pool = ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len,
                       sample_seed=opts.sample_seed, health=health, return_routed_experts=opts.return_routed_experts)
-    gen = generate_fn or load_generate_function(opts.custom_generate_function_path, slime_args)
+    gen = generate_fn or rollout_generate_function(opts, slime_args)
     keep = filter_fn or load_filter(opts.dynamic_sampling_filter_path, slime_args, opts.dynamic_sampling_filter_kwargs)
     try:
         return await _fill(pool, next_rows, opts, reward_fn, gen, keep, resume, first_index, first_group, progress,

@@ -29,7 +29,12 @@ from slime_rl.data import PromptRow, Sample
 from slime_rl.engines.client import AsyncEngineClient
 from slime_rl.observability import Progress
 from slime_rl.rewards import GroupReward, RewardFn, call_reward
-from slime_rl.rollout.custom import GenerateFn, generate_default, generate_group_default, load_generate_function
+from slime_rl.rollout.custom import (
+    GenerateFn,
+    generate_default,
+    generate_group_default,
+    rollout_generate_function,
+)
 from slime_rl.rollout.options import RolloutOptions
 from slime_rl.rollout.options import sampling_params as options_sampling_params
 from slime_rl.rollout.partial import is_done, mask_offpolicy
@@ -135,7 +140,7 @@ async def generate_groups(clients: Sequence[AsyncEngineClient], rows: Sequence[P
     own_pool = pool is None
     pool = pool or ClientPool(clients, tokenizer, opts.concurrency_per_engine, opts.rollout_max_context_len,
                               return_routed_experts=opts.return_routed_experts)
-    gen = generate_fn or load_generate_function(opts.custom_generate_function_path, slime_args)
+    gen = generate_fn or rollout_generate_function(opts, slime_args)
     params = options_sampling_params(opts)
     groups = make_groups(rows, opts.n_samples_per_prompt, itertools.count(first_index), itertools.count(first_group))
     bar = Progress(sum(len(g) for g in groups), "rollout", enabled=progress)

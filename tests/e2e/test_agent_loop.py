@@ -39,3 +39,19 @@ def test_an_openai_client_harness_trains_two_steps(ray_session, tiny_qwen2, digi
     assert len(dumped) == 16
     for d in dumped:  # the second user turn sits inside the response
         assert check in d["response"] and d["reward"] in (0.0, 1.0)
+
+
+@pytest.mark.slow
+def test_a_textarena_game_trains_two_steps(ray_session, tiny_qwen2, digit_data, tmp_path):
+    """--agent-env textarena:GuessTheNumber-v0: TextArena's own game, unchanged, one episode per sample."""
+    args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
+        "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1", "--rollout-max-response-len", "300",
+        "--agent-env", "textarena:GuessTheNumber-v0", "--agent-max-turns", "3", "--agent-turn-max-tokens", "16",
+        "--dump-rollouts"]
+    rows = train(*preflight(build_config(args)))
+    for row in rows:
+        assert 1.0 <= row["rollout/agent_turns_mean"] <= 3.0 and row["rollout/agent_failed_frac"] == 0.0
+        assert 0.0 <= row["rollout/reward_mean"] <= 1.0  # TextArena's reward: closeness of the last guess
+        assert np.isfinite(row["train/loss"]) and np.isfinite(row["train/grad_norm"])
+    dumped = [json.loads(x) for x in (tmp_path / "run" / "rollouts" / "step_000000.jsonl").read_text().splitlines()]
+    assert len(dumped) == 16 and all("Guess" in d["prompt"] for d in dumped)

@@ -11,6 +11,7 @@ import asyncio
 import json
 import shutil
 
+import openai
 import pytest
 import torch
 from rollout_testlib import float64_model, reference_logprobs, start_server
@@ -22,8 +23,6 @@ from slime_rl.rollout.agent.trajectory import _same_message, render
 from slime_rl.rollout.custom import load_generate_function
 from slime_rl.rollout.partial import COMPLETED, STATUS, TRUNCATED
 from slime_rl.rollout.routing import ClientPool
-
-openai = pytest.importorskip("openai")
 
 # Qwen2.5's tool format (system block listing the tools in <tools>, assistant calls in <tool_call>, tool
 # results as a user turn in <tool_response>), with a shorter preamble: the tiny model's context is the limit
@@ -280,3 +279,129 @@ def test_render_uses_the_tools(tok):
     assert with_tools.startswith("<|im_start|>system\n# Tools\n<tools>\n{") and '"name": "add"' in with_tools
     assert render(tok, [{"role": "user", "content": "x"}], None, True) == "<|im_start|>user\nx<|im_end|>\n" \
         "<|im_start|>assistant\n"
+
+
+class CountingEnv:
+    """A Gymnasium-style text environment written here: asks for the next number three times; reward 1 per
+    step whose answer contains a digit, done after the third step."""
+
+    def __init__(self, sample):
+        self.steps, self.sample = 0, sample
+
+    def reset(self):
+        return f"count from {self.sample.index}"
+
+    async def step(self, action):  # async and sync methods both work
+        self.steps += 1
+        reward = float(any(c.isdigit() for c in action))
+        return f"next {self.steps}", reward, self.steps == 3
+
+
+def test_a_text_environment_plays_through_the_endpoint(server, tok):
+    from slime_rl.rollout.agent.envs import env_agent
+
+    agent = env_agent(CountingEnv, max_turns=5, turn_max_tokens=8)
+    samples = run_agents(server, tok, agent, [new_sample(i) for i in range(4)], max_new_tokens=200)
+    for s in samples:
+        text = tok.decode(s.tokens, skip_special_tokens=False)
+        assert tok.decode(tok.encode(f"count from {s.index}")) in text  # the first observation is the prompt
+        assert s.metadata["agent_turns"] == 3 and s.metadata["agent_env_done"] is True  # done after 3 steps
+        assert [tok.decode(tok.encode(f"next {k}")) in text for k in (1, 2, 3)] == [True, True, False]
+        assert 0.0 <= s.reward <= 3.0 and s.reward == int(s.reward)
+    # max_turns caps an episode that never ends
+    capped = env_agent(lambda sample: CountingEnv(sample), max_turns=2, turn_max_tokens=8)
+    (s,) = run_agents(server, tok, capped, [new_sample(9)], max_new_tokens=200)
+    assert s.metadata["agent_turns"] == 2 and s.metadata["agent_env_done"] is False
+
+
+def test_textarena_games_are_one_episode_per_sample_the_same_for_a_group(server, tok):
+    """--agent-env textarena:GuessTheNumber-v0: the game's prompt is the first user turn, its hints the next
+    ones; the samples of a group play the same number (reset with the group's seed), other groups others."""
+    from types import SimpleNamespace
+
+    from slime_rl.rollout.agent.envs import TextArenaEnv
+    from slime_rl.rollout.custom import rollout_generate_function
+
+    gen = rollout_generate_function(SimpleNamespace(agent_env="textarena:GuessTheNumber-v0", agent_max_turns=3,
+                                                    agent_turn_max_tokens=8, custom_generate_function_path=None))
+    samples = [Sample(index=i, group_index=i // 2, prompt="", prompt_ids=[]) for i in range(4)]
+
+    async def main():
+        client = AsyncEngineClient(server.url, timeout=120)
+        pool = ClientPool([client], tok, per_engine=64)
+        params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 400}
+        try:
+            return await asyncio.gather(*(gen(s, params, pool) for s in samples))
+        finally:
+            await pool.aclose()
+            await client.aclose()
+
+    samples = asyncio.run(main())
+    prompt = tok.decode(tok.encode("You are Player 0. You are playing Guess The Number."))
+    for s in samples:
+        assert prompt in tok.decode(s.prompt_ids) and "agent_error" not in s.metadata
+        assert 1 <= s.metadata["agent_turns"] <= 3 and 0.0 <= s.reward <= 1.0
+    assert [s.metadata["agent_env_seed"] for s in samples] == [0, 0, 1, 1]  # a group's seed: its index
+
+    def number(seed):  # the number TextArena draws for a seed: the same every time, another for another seed
+        env = TextArenaEnv("GuessTheNumber-v0", seed)
+        env.reset()
+        return env.env.game_number
+    assert number(0) == number(0) != number(1)
+
+
+
+def test_agent_env_flags_are_checked_before_anything_starts(tmp_path):
+    from slime_rl.config import ConfigError, build_config
+    from slime_rl.rollout.custom import rollout_generate_function
+
+    base = ["--hf-checkpoint", str(tmp_path), "--prompt-data", str(tmp_path / "d.jsonl"), "--rollout-batch-size", "2",
+            "--num-rollout", "1"]
+    with pytest.raises(ConfigError, match="--agent-env textarena:X and --custom-generate-function-path m:f both"):
+        build_config(base + ["--agent-env", "textarena:X", "--custom-generate-function-path", "m:f"],
+                     check_paths=False)
+    cfg = build_config(base + ["--agent-env", "textarena:NoSuchGame-v0"], check_paths=False)  # no reward flag needed
+    with pytest.raises(ValueError, match="--agent-env textarena:NoSuchGame-v0: TextArena has no game"):
+        rollout_generate_function(cfg.rollout)
+    with pytest.raises(ConfigError, match="--agent-max-turns"):
+        build_config(base + ["--agent-env", "textarena:X", "--agent-max-turns", "0"], check_paths=False)
+
+
+def test_a_trajectory_the_rollout_stops_is_aborted_not_failed(server, tok):
+    """The rollout stops the pool after the first answer (its batch is full): the agent's next request gets
+    openai's 503 error; whether the agent raises or carries on, the sample is ABORTED with its first turn (a
+    partial rollout would start it again), neither failed nor scored."""
+    from slime_rl.rollout.partial import ABORTED
+    pools = []
+
+    async def agent(client, sample):
+        r = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "a"}], max_tokens=3)
+        pools[0].stop()
+        messages = [{"role": "user", "content": "a"}, r.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "user", "content": "b"}]
+        try:
+            await client.chat.completions.create(model="p", messages=messages, max_tokens=3)
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503
+            if sample.index == 0:
+                raise
+        return 1.0
+
+    async def main():
+        client = AsyncEngineClient(server.url, timeout=120)
+        gen = _as_generate(agent)
+        params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 50}
+        out = []
+        try:
+            for i in range(2):  # the agent raises (0) or carries on (1); a pool of its own each
+                pools[:] = [ClientPool([client], tok, per_engine=64)]
+                out.append(await gen(new_sample(i), params, pools[0]))
+                await pools[0].aclose()
+            return out
+        finally:
+            await client.aclose()
+
+    for s in asyncio.run(main()):
+        assert s.metadata[STATUS] == ABORTED and s.reward is None and "agent_error" not in s.metadata
+        # its one answer (trained) and the user turn of the request that was cut (not)
+        assert s.metadata["agent_turns"] == 1 and s.loss_mask[0] == 1 and s.loss_mask[-1] == 0

@@ -59,11 +59,15 @@ class AgentGenerate:
         try:
             reward = await self.fn(client, sample)
         except Exception as exc:  # the environment's failure fails this sample alone
+            if trajectory.cut:  # not a failure: the rollout aborted it (continued, it starts over)
+                return sample
             return _failed(sample, f"{type(exc).__name__}: {exc}"[:500])
         finally:
             endpoint.unregister(trajectory)
             await http.aclose()
             sample.metadata.update({"agent_turns": trajectory.turns, "agent_tool_calls": trajectory.tool_calls})
+        if trajectory.cut:  # the agent went on after the rollout aborted it: still aborted, not scored
+            return sample
         if trajectory.turns == 0 and not trajectory.exhausted:
             return _failed(sample, f"{self.path}: the agent returned without asking the model anything")
         if reward is not None:

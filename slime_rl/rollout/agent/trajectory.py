@@ -121,6 +121,7 @@ class Trajectory:
         self.tool_calls = 0
         self.branched = False
         self.exhausted = False  # the response budget is spent: every later answer is "length"
+        self.cut = False  # the rollout aborted a request: the sample is ABORTED, whatever the agent does next
         self._lock = asyncio.Lock()
         self._ids = 0
         self.key = ""  # set by the endpoint that serves it
@@ -131,6 +132,8 @@ class Trajectory:
             return await self._chat(body)
 
     async def _chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.cut:
+            raise RolloutCut("the rollout stopped this trajectory (its step is complete)")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list", "messages")
@@ -166,6 +169,7 @@ class Trajectory:
         out = await self.pool.generate(self.sample, prompt_ids, params)
         ids = append_model_turn(self.sample, out, self.tok)
         if status(self.sample) == ABORTED:
+            self.cut = True
             raise RolloutCut("the rollout stopped this request (its step is complete)")
         self.turns += 1
         self.last_turn = ids
@@ -238,6 +242,8 @@ class Trajectory:
         meta = out.get("meta_info") or {}
         finish = meta.get("finish_reason") or {}
         if finish.get("type") == "abort":
+            self.cut = True
+            self.sample.metadata[STATUS] = ABORTED
             raise RolloutCut("the rollout stopped this request (its step is complete)")
         entries = meta.get("output_token_logprobs") or []
         new = [int(e[1]) for e in entries]
