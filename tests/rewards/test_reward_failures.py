@@ -145,7 +145,8 @@ def test_a_generate_function_that_scores_its_samples_needs_no_reward_flag(tmp_pa
             "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--num-rollout", "1"]
     agent = ["--custom-generate-function-path", "tests.plugins.slime_style.custom_generate"]
     assert build_config(base + agent).rollout.custom_generate_function_path == agent[1]
-    with pytest.raises(ConfigError, match="or a --custom-generate-function-path or --agent-env that sets each sample's reward"):
+    with pytest.raises(ConfigError,
+                       match="or a --custom-generate-function-path or --agent-env that sets each sample's reward"):
         build_config(base)
     with pytest.raises(ConfigError, match="--eval-prompt-data x needs a reward: --rm-type or --custom-rm-path"):
         build_config(base + agent + ["--eval-prompt-data", "x", str(tmp_path / "d.jsonl"), "--eval-interval", "1"])
