@@ -23,7 +23,7 @@ import collections
 import contextlib
 import itertools
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -326,6 +326,24 @@ class ClientPool:
                     live.pop(rid, None)
                     if not live:
                         del self._live[group]
+
+    async def attach(self, name: str, make: Callable[[], Any]) -> Any:
+        """The pool's object `name` (e.g. an HTTP endpoint in front of it): `make()`, started (`await
+        obj.start()`) on first use, under a lock so concurrent first uses start one, and closed (`await
+        obj.close()`) by `aclose`."""
+        lock = self.attachments.setdefault(f"{name}_lock", asyncio.Lock())
+        async with lock:
+            obj = self.attachments.get(name)
+            if obj is None:
+                obj = make()
+                await obj.start()
+                self.attachments[name] = obj
+
+                async def close() -> None:
+                    self.attachments.pop(name, None)
+                    await obj.close()
+                self.on_close(close)
+            return obj
 
     def on_close(self, closer: Any) -> None:
         """Have `aclose` await `closer()` (a coroutine function)."""

@@ -23,7 +23,6 @@ DynamicFilterOutput's `keep_when_insufficient` is not honoured (the group is dro
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
 import inspect
 import sys
@@ -111,19 +110,8 @@ class SlimeEndpoint:
 
 async def endpoint_of(pool: ClientPool) -> tuple[str, int]:
     """(host, port) of the pool's `SlimeEndpoint`, started on first use and closed by `pool.aclose()`."""
-    lock = pool.attachments.setdefault("slime_endpoint_lock", asyncio.Lock())
-    async with lock:
-        endpoint = pool.attachments.get("slime_endpoint")
-        if endpoint is None:
-            endpoint = SlimeEndpoint(pool)
-            await endpoint.start()
-            pool.attachments["slime_endpoint"] = endpoint
-
-            async def close() -> None:
-                pool.attachments.pop("slime_endpoint", None)
-                await endpoint.close()
-            pool.on_close(close)
-        return endpoint.host, endpoint.port
+    endpoint = await pool.attach("slime_endpoint", lambda: SlimeEndpoint(pool))
+    return endpoint.host, endpoint.port
 
 
 def from_slime(out: Any, sample: Sample, path: str, reward_key: str | None = None) -> Sample:

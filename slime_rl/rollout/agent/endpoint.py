@@ -11,7 +11,6 @@ the rollout cut the request, 502 when the engines failed.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from typing import Any
 
@@ -104,16 +103,4 @@ class AgentEndpoint:
 
 async def endpoint_of(pool: ClientPool) -> AgentEndpoint:
     """The pool's `AgentEndpoint`, started on first use and closed by `pool.aclose()`."""
-    lock = pool.attachments.setdefault("agent_endpoint_lock", asyncio.Lock())
-    async with lock:
-        endpoint = pool.attachments.get("agent_endpoint")
-        if endpoint is None:
-            endpoint = AgentEndpoint(pool)
-            await endpoint.start()
-            pool.attachments["agent_endpoint"] = endpoint
-
-            async def close() -> None:
-                pool.attachments.pop("agent_endpoint", None)
-                await endpoint.close()
-            pool.on_close(close)
-        return endpoint
+    return await pool.attach("agent_endpoint", lambda: AgentEndpoint(pool))

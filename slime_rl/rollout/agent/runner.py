@@ -25,7 +25,7 @@ from typing import Any
 from slime_rl.data import Sample
 from slime_rl.rollout.agent.endpoint import endpoint_of
 from slime_rl.rollout.agent.trajectory import Trajectory
-from slime_rl.rollout.partial import COMPLETED, STATUS, token_versions
+from slime_rl.rollout.partial import COMPLETED, STATUS
 from slime_rl.rollout.routing import ClientPool
 
 AgentFn = Callable[[Any, Sample], Awaitable[float | int | None]]
@@ -83,8 +83,6 @@ def _failed(sample: Sample, why: str) -> Sample:
     sample.metadata[STATUS] = COMPLETED
     sample.finish_reason = "failed"
     sample.loss_mask = [0] * len(sample.response_ids)
-    versions = token_versions(sample)
-    versions[:] = versions[:len(sample.response_ids)] + [None] * (len(sample.response_ids) - len(versions))
     if sample.reward is None:
         sample.reward = 0.0
     print(f"[slime_rl] agent: sample {sample.index} failed: {why}")

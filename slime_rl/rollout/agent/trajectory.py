@@ -115,7 +115,6 @@ class Trajectory:
         self.budget_total = int(sampling_params["max_new_tokens"])
         self.messages: list[dict[str, Any]] | None = None  # the last request's, then the answer we gave
         self.tools: list[dict] | None = None
-        self.rendered_through_answer = ""  # the template's text of `messages` (no generation prompt)
         self.last_turn: list[int] = []
         self.turns = 0
         self.tool_calls = 0
@@ -179,7 +178,6 @@ class Trajectory:
         message = answer["choices"][0]["message"]
         self.messages = messages + [{k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}]
         self.tools = tools
-        self.rendered_through_answer = render(self.tok, self.messages, tools, False, self.template_kwargs)
         return answer
 
     def _start(self, messages: list[dict[str, Any]], tools: list[dict] | None, text: str) -> None:
