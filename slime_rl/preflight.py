@@ -197,6 +197,16 @@ def check_model_features(cfg: Config) -> None:
         raise ConfigError(f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "
                           f"{cfg.model.hf_checkpoint}: {exc}") from exc
     check_model_args(cfg, hf, arch)
+    if arch.mtp_layers:
+        import warnings
+
+        from slime_rl.config.checks import ConfigNote
+
+        warnings.warn(f"--hf-checkpoint {cfg.model.hf_checkpoint}: its {arch.mtp_layers} multi-token-prediction "
+                      f"layer(s) (num_nextn_predict_layers; tensors model.layers.{arch.num_layers}.*) are not "
+                      "trained: the trainer builds the decoder, weight sync leaves the engines' copy as loaded (an "
+                      "engine's MTP speculative decoding then drafts with the initial weights: correct tokens, a "
+                      "lower acceptance rate as the policy moves)", ConfigNote, stacklevel=2)
     vision = FAMILIES[model_type].vision
     if cfg.model.freeze_vision_tower and not vision:
         raise ConfigError(f"--freeze-vision-tower needs a vision-language checkpoint; --hf-checkpoint "

@@ -47,6 +47,16 @@ def tiny_qwen2_moe(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm4_moe(tmp_path_factory) -> Path:
+    """Tiny GLM-4.5 (glm4_moe): 4 layers, layer 0 dense (first_k_dense_replace 1: under PP=2 the first
+    stage holds it and an MoE layer), 8 routed experts of width 32 in 2 groups (1 taken), top-2 sigmoid
+    routing with a random expert bias, scaling 2.5, one ungated shared expert; qkv bias, q/k norms,
+    half-rotated heads, GQA 4/2."""
+    out = tmp_path_factory.mktemp("tiny_glm4_moe")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="glm4_moe", seed=11, num_layers=4)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """Tiny Llama (untied embeddings, no bias), vocab 64, hidden 64, 2 layers, GQA 4/2."""
     out = tmp_path_factory.mktemp("tiny_llama")

@@ -1,6 +1,6 @@
 """Write a complete tiny HF checkpoint folder, with a tokenizer trained here (no model hub).
 
-    python tools/make_tiny_model.py --out DIR [--arch qwen2|llama|qwen3_moe|qwen2_moe|qwen2_5_vl] [--seed N]
+    python tools/make_tiny_model.py --out DIR [--arch qwen2|llama|qwen3_moe|qwen2_moe|glm4_moe|qwen2_5_vl] [--seed N]
         [--vocab-size V]
 
 The folder has config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a
@@ -26,6 +26,13 @@ experts, top-2 of the softmax without renormalising (norm_topk_prob false), plus
 width `--shared-expert-intermediate-size` (48, unlike the routed experts' 32) scaled by
 sigmoid(shared_expert_gate(x)); the gate is drawn with std 0.3 so that its value varies by token.
 `--mlp-only-layers` applies to qwen3_moe too (default: none).
+
+`--arch glm4_moe` writes a Glm4MoeForCausalLM (as GLM-4.5): q/k/v biases, q/k norms (use_qk_norm), half of
+each head rotated (partial_rotary_factor 0.5), 3 layers by default of which the first
+(first_k_dense_replace 1) is dense, the others 8 routed experts chosen by sigmoid scores plus a
+random e_score_correction_bias (std 0.05, so a loader that drops it routes differently) in 2 groups
+of which 1 is taken (n_group / topk_group: DeepSeek-V3's group-limited routing), top-2, renormalised,
+times routed_scaling_factor 2.5, plus one ungated shared expert of the routed experts' width.
 
 `--arch qwen2_5_vl` writes a Qwen2_5_VLForConditionalGeneration (a 2-block vision tower, hidden 32,
 patch 14, merge 2, one window block and one full-attention block, over the same tiny decoder), the
@@ -57,7 +64,7 @@ CHAT_TEMPLATE = (
     "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% endif %}"
 )
-ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe", "qwen2_5_vl")
+ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "qwen2_5_vl")
 VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2.5-VL's template renders an image part as <|vision_start|><|image_pad|><|vision_end|>; the
 # processor then repeats <|image_pad|> once per merged patch. Same rendering here, without tools.
@@ -126,6 +133,18 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
                               shared_expert_intermediate_size=args.shared_expert_intermediate_size,
                               decoder_sparse_step=1, mlp_only_layers=list(args.mlp_only_layers or []),
                               router_aux_loss_coef=0.001, output_router_logits=False, **common)
+    if arch == "glm4_moe":
+        from transformers import Glm4MoeConfig
+        common = {k: v for k, v in common.items() if k != "rope_theta"}
+        return Glm4MoeConfig(tie_word_embeddings=False, attention_bias=True, use_qk_norm=True,
+                             head_dim=args.hidden_size // args.num_heads,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.5},
+                             n_routed_experts=args.num_experts, num_experts_per_tok=args.moe_topk,
+                             moe_intermediate_size=args.moe_intermediate_size, n_shared_experts=1,
+                             norm_topk_prob=True, routed_scaling_factor=2.5, n_group=2, topk_group=1,
+                             first_k_dense_replace=len(args.mlp_only_layers or []), num_nextn_predict_layers=0,
+                             **common)
     if arch == "qwen2_5_vl":
         return build_vl_config(common, args)
     raise SystemExit(f"--arch {arch}: unsupported ({', '.join(ARCHS)})")
@@ -159,14 +178,18 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                     num_kv_heads: int = 2, num_experts: int = 8, moe_topk: int = 2,
                     moe_intermediate_size: int = 32, shared_expert_intermediate_size: int = 48,
                     mlp_only_layers: list[int] | None = None) -> Path:
-    """num_layers: 3 for qwen2_moe, 2 otherwise; mlp_only_layers (MoE archs): [1] for qwen2_moe, none
-    for qwen3_moe."""
+    """num_layers: 3 for qwen2_moe and glm4_moe, 2 otherwise; mlp_only_layers (MoE archs): [1] for
+    qwen2_moe, none for qwen3_moe; glm4_moe's dense layers are the first len(mlp_only_layers) (default
+    [0]: first_k_dense_replace 1)."""
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     if num_layers is None:
-        num_layers = 3 if arch == "qwen2_moe" else 2
+        num_layers = 3 if arch in ("qwen2_moe", "glm4_moe") else 2
     if mlp_only_layers is None:
-        mlp_only_layers = [1] if arch == "qwen2_moe" else []
+        mlp_only_layers = {"qwen2_moe": [1], "glm4_moe": [0]}.get(arch, [])
+    if arch == "glm4_moe" and mlp_only_layers != list(range(len(mlp_only_layers))):
+        raise SystemExit(f"--mlp-only-layers {mlp_only_layers}: glm4_moe's dense layers are the first ones "
+                         "(first_k_dense_replace)")
     if any(not 0 <= i < num_layers for i in mlp_only_layers):
         raise SystemExit(f"--mlp-only-layers {mlp_only_layers}: layer indices must be in [0, {num_layers})")
     args = argparse.Namespace(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
@@ -202,6 +225,9 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("mlp.shared_expert_gate.weight"):  # Qwen2-MoE: a gate that varies by token
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5 / DeepSeek-V3: a bias that changes routing
+                b.copy_(0.05 * torch.randn(b.shape, generator=gen))
     model.save_pretrained(out, safe_serialization=True)
 
     template = VL_CHAT_TEMPLATE if vl else CHAT_TEMPLATE
@@ -249,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=None, help="default 64 (128 for qwen2_5_vl)")
     p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-layers", type=int, default=None, help="default 3 for qwen2_moe, 2 otherwise")
+    p.add_argument("--num-layers", type=int, default=None, help="default 3 for qwen2_moe and glm4_moe, 2 otherwise")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--num-experts", type=int, default=8, help="MoE archs: routed experts per layer")

@@ -551,12 +551,14 @@ def run_script(record: dict[str, Any]) -> dict[str, Any]:
                 rc = exc.code
             except BaseException:  # noqa: BLE001 - every other exception is the outcome `traceback`
                 trace = traceback.format_exc()
-    output = out.getvalue() + err.getvalue()
+    # the run's temporary folder as <tmp>: the table does not change from one run to the next
+    output = (out.getvalue() + err.getvalue()).replace(tmp, "<tmp>")
     if trace is not None:
+        trace = trace.replace(tmp, "<tmp>")
         return {"outcome": "traceback", "reason": trace.strip().splitlines()[-1], "output": output + trace}
     if rc == 0:
         return {"outcome": "plans", "reason": "", "output": output}
-    errors = [line.removeprefix("slime-rl train: error: ") for line in err.getvalue().splitlines()
+    errors = [line.removeprefix("slime-rl train: error: ") for line in err.getvalue().replace(tmp, "<tmp>").splitlines()
               if line.startswith("slime-rl train: error: ")]
     if rc != 2 or not errors:
         return {"outcome": "traceback", "reason": f"exit {rc} without the CLI's error line", "output": output}

@@ -25,6 +25,15 @@ sigmoid gate `mlp.shared_experts.gate_weight` [1, hidden] (sigmoid(x . w) times 
 output, added to the routed experts': HF's `shared_expert_gate` exactly). A family whose config
 makes some layers dense (mlp_only_layers, decoder_sparse_step) lists those layers' entries in
 `Family.dense_layer_params` (megatron builds a dense MLP there: moe_layer_freq as a list).
+
+GLM-4.5 (`glm4_moe`, `Family.deepseek_moe`) routes as DeepSeek-V3 does: sigmoid scores, the choice on
+score + e_score_correction_bias in n_group groups, the chosen scores renormalised times
+routed_scaling_factor (megatron's sigmoid router with moe_router_enable_expert_bias, group-limited
+top-k and moe_router_topk_scaling_factor). The bias is megatron's `mlp.router.expert_bias` buffer
+(`ParamMap.buffer`: loaded, saved, sent and exported as a parameter is, never trained); the shared
+experts are SharedExpertMLP without a gate (HF: `mlp.shared_experts`, plural); q/k norms exist where
+config.json's use_qk_norm says (`Family.qk_norm_key`), and a key the file leaves out takes
+transformers' default for the family (`Family.config_defaults`).
 """
 
 from __future__ import annotations
@@ -57,6 +66,9 @@ class ParamMap:
     shapes: tuple[tuple[str, ...], ...] = ()
     untied_only: bool = False  # present only when input and output embeddings are separate
     expert: bool = False  # one routed expert's ("{e}" in both names): split over ETP, spread over EP
+    # a persistent buffer of the Megatron module, not a parameter (the router's expert_bias): loaded,
+    # saved and sent like a parameter, never trained
+    buffer: bool = False
 
     def at_layer(self, i: int) -> ParamMap:
         return dataclasses.replace(self, mcore=self.mcore.replace("{i}", str(i)),
@@ -98,25 +110,49 @@ class Family:
     # the weight): the built-in engine's --enable-torch-compile replaces it by its compiled piece
     # (engines/embedded/compiled.py); None: not checked to be stock, so it runs as it is
     hf_rmsnorm: str | None = None
+    # the config.json switch that gives the q/k norms (GLM-4.5's use_qk_norm: the 355B has them, the
+    # Air not); None: `qk_layernorm` says for every config of the family
+    qk_norm_key: str | None = None
+    # the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE); False: added as it is (GLM-4.5)
+    shared_expert_gate: bool = True
+    # HF's value of a config.json key the file leaves out, where it differs from `required_config`'s
+    # (a required key absent from the file is then refused as HF would build it)
+    config_defaults: dict[str, Any] = field(default_factory=dict)
+    # DeepSeek-V3's MoE block (GLM-4.5 has it too): config.json's n_routed_experts, n_shared_experts x
+    # moe_intermediate_size shared, first_k_dense_replace dense layers, and a sigmoid router whose
+    # top-k is chosen on score + e_score_correction_bias in n_group groups (topk_group of them), the
+    # weights the chosen scores renormalised, times routed_scaling_factor
+    deepseek_moe: bool = False
 
-    def layer_maps(self, moe_layer: bool = True) -> tuple[ParamMap, ...]:
-        """The entries of one layer: an MoE family's dense layers (moe_layer=False) have a dense MLP."""
+    def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
+        """config.json's value of `key`, or transformers' default for this family when the file leaves it
+        out (config_defaults), or `default`."""
+        return cfg[key] if cfg.get(key) is not None else self.config_defaults.get(key, default)
+
+    def layer_maps(self, moe_layer: bool = True, qk_norm: bool | None = None) -> tuple[ParamMap, ...]:
+        """The entries of one layer: an MoE family's dense layers (moe_layer=False) have a dense MLP;
+        qk_norm=False drops the q/k norms of a family whose config switches them (qk_norm_key)."""
         if self.moe and not moe_layer:
             if not self.dense_layer_params:
                 raise ValueError(f"model_type {self.model_type!r}: no dense layers in this family")
-            return self.dense_layer_params
-        return self.layer_params
+            maps = self.dense_layer_params
+        else:
+            maps = self.layer_params
+        if qk_norm is False and self.qk_norm_key is not None:
+            maps = tuple(p for p in maps if p not in _QK_NORM)
+        return maps
 
     def param_maps(self, num_layers: int, tied: bool, num_experts: int = 0,
-                   moe_layers: tuple[bool, ...] = ()) -> list[ParamMap]:
+                   moe_layers: tuple[bool, ...] = (), qk_norm: bool | None = None) -> list[ParamMap]:
         """Every parameter of the model, embedding first, in layer order, output layer last (an
         MoE family's experts in expert order, as if one rank held them all). `moe_layers`: per
-        layer whether its MLP is an MoE block (empty: every layer's is, for an MoE family)."""
+        layer whether its MLP is an MoE block (empty: every layer's is, for an MoE family);
+        `qk_norm`: the config's q/k norm switch (qk_norm_key)."""
         first = [p for p in self.global_params if p.mcore.startswith("embedding.")]
         last = [p for p in self.global_params if not p.mcore.startswith("embedding.")]
         maps = list(first)
         for i in range(num_layers):
-            layer = self.layer_maps(moe_layers[i] if moe_layers else True)
+            layer = self.layer_maps(moe_layers[i] if moe_layers else True, qk_norm)
             maps += [e for p in layer for e in p.at_layer(i).expand_experts(num_experts)]
         maps += last
         return [p for p in maps if not (p.untied_only and tied)]
@@ -176,6 +212,19 @@ _SHARED_EXPERT = (
              (("one", "hidden"),)),
 )
 
+# GLM-4.5's shared experts: megatron's SharedExpertMLP without a gate (HF: mlp.shared_experts, plural)
+_G = _H + "mlp.shared_experts."
+_SHARED_EXPERTS_UNGATED = (
+    ParamMap(_L + "mlp.shared_experts.linear_fc1.weight", (_G + "gate_proj.weight", _G + "up_proj.weight"),
+             Layout.FC1, (("shared_ffn", "hidden"), ("shared_ffn", "hidden"))),
+    ParamMap(_L + "mlp.shared_experts.linear_fc2.weight", (_G + "down_proj.weight",), Layout.ROW,
+             (("hidden", "shared_ffn"),)),
+)
+# a sigmoid router's selection bias (aux-loss-free balancing): megatron's TopKRouter.expert_bias buffer,
+# HF's e_score_correction_bias; fp32 in both
+_EXPERT_BIAS = ParamMap(_L + "mlp.router.expert_bias", (_H + "mlp.gate.e_score_correction_bias",),
+                        Layout.REPLICATED, (("experts",),), buffer=True)
+
 FAMILIES: dict[str, Family] = {
     "qwen2": Family(
         model_type="qwen2", global_params=_GLOBAL, hf_rmsnorm="Qwen2RMSNorm",
@@ -224,6 +273,25 @@ FAMILIES: dict[str, Family] = {
         moe=True,
         dense_layer_params=(_NORMS[0], _QKV_W, _QKV_B, _PROJ, _NORMS[1], *_MLP),
         shared_expert=True,
+    ),
+    # GLM-4.5 / 4.6 / 4.7 (355B-A32B) and GLM-4.5-Air (106B-A12B): q/k/v biases, q/k norms where
+    # use_qk_norm, half of each head rotated (partial_rotary_factor), the first first_k_dense_replace
+    # layers dense, then routed experts chosen by sigmoid scores plus e_score_correction_bias (in
+    # n_group groups), weighted by the renormalised sigmoid scores times routed_scaling_factor, plus
+    # n_shared_experts ungated shared experts
+    "glm4_moe": Family(
+        model_type="glm4_moe", global_params=_GLOBAL, hf_rmsnorm="Glm4MoeRMSNorm",
+        layer_params=(_NORMS[0], _QKV_W, _QKV_B, *_QK_NORM, _PROJ, _NORMS[1], *_MOE[:1], _EXPERT_BIAS, *_MOE[1:],
+                      *_SHARED_EXPERTS_UNGATED),
+        qkv_bias=True, qk_layernorm=True, default_tied=False, qk_norm_key="use_qk_norm",
+        required_config={**_SWIGLU, "attention_bias": True, "norm_topk_prob": True},
+        # transformers' Glm4MoeConfig defaults, for a config.json that leaves a key out
+        config_defaults={"attention_bias": False, "first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1,
+                         "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True, "use_qk_norm": False,
+                         "partial_rotary_factor": 0.5},
+        moe=True,
+        dense_layer_params=(_NORMS[0], _QKV_W, _QKV_B, *_QK_NORM, _PROJ, _NORMS[1], *_MLP),
+        shared_expert=True, shared_expert_gate=False, deepseek_moe=True,
     ),
 }
 

@@ -117,13 +117,13 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     _switch('--swiglu', 'hidden_act silu (gated SiLU MLP)'),
     _switch('--disable-bias-linear', "the family's linear layers without bias (every family here; q/k/v biases are "
             "--add-qkv-bias)"),
-    _switch('--add-qkv-bias', "the family's q/k/v bias (qwen2, qwen2_moe, qwen2_5_vl have it)"
+    _switch('--add-qkv-bias', "the family's q/k/v bias (qwen2, qwen2_moe, qwen2_5_vl, glm4_moe have it)"
             + _ABSENT.format(default="no q/k/v bias, under --disable-bias-linear")),
     # ---- norms
     Flag('--normalization', derived=MODEL_ARGS_FIELD, choices=('LayerNorm', 'RMSNorm'),
          help=_TO + "the family's norm (RMSNorm for every family here)"),
     _shape('--norm-epsilon', 'rms_norm_eps' + _ABSENT.format(default="1e-05"), type=_positive_float),
-    _switch('--qk-layernorm', "the family's q/k norm (qwen3, qwen3_moe have it)"
+    _switch('--qk-layernorm', "the family's q/k norm (qwen3, qwen3_moe have it; glm4_moe where use_qk_norm)"
             + _ABSENT.format(default="no q/k norm")),
     _refused_switch('--apply-layernorm-1p', "zero-centred norm weights (1 + w)"),
     _refused_switch('--post-self-attn-layernorm', "a norm after attention (slime's GLM-4 patch)"),
@@ -139,7 +139,8 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     _shape('--rotary-base', 'rope_theta (or rope_parameters.rope_theta)'
            + _ABSENT.format(default="10000 (slime's own config.json check compares it too)"),
            type=_positive_int),
-    _shape('--rotary-percent', 'partial_rotary_factor (absent: 1.0, the whole head rotates)', type=_positive_float),
+    _shape('--rotary-percent', "partial_rotary_factor (absent: 1.0, the whole head rotates; glm4_moe's "
+           "transformers default 0.5)" + _ABSENT.format(default="1.0"), type=_positive_float),
     _refused_switch('--rotary-interleaved', "interleaved rotary pairs (they rotate the two halves of a head)"),
     _refused_switch('--use-rope-scaling', "llama3.x's RoPE scaling: the trainer builds default RoPE (a config.json "
                     "with rope_scaling is refused as such)"),
@@ -167,29 +168,36 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
            + _ABSENT.format(default="a dense model"), type=_nonneg_int),
     _shape('--moe-router-topk', 'num_experts_per_tok', type=_positive_int),
     _shape('--moe-ffn-hidden-size', 'moe_intermediate_size', type=_positive_int),
-    _shape('--moe-shared-expert-intermediate-size', 'shared_expert_intermediate_size (qwen2_moe; absent: no shared '
-           'expert)' + _ABSENT.format(default="no shared expert"), type=_positive_int),
+    _shape('--moe-shared-expert-intermediate-size', 'shared_expert_intermediate_size (qwen2_moe) or n_shared_experts x '
+           'moe_intermediate_size (glm4_moe); absent: no shared expert' + _ABSENT.format(default="no shared expert"),
+           type=_positive_int),
     _switch('--moe-shared-expert-gate', "the shared expert's sigmoid gate (qwen2_moe has it)"
             + _ABSENT.format(default="an ungated shared expert")),
     Flag('--moe-layer-freq', derived=MODEL_ARGS_FIELD, type=moe_freq_type, metavar='N_OR_LIST',
-         help=_TO + "the MoE layers mlp_only_layers and decoder_sparse_step make (an integer N: layer i is an MoE "
+         help=_TO + "the MoE layers mlp_only_layers and decoder_sparse_step make (glm4_moe: all after the first "
+              "first_k_dense_replace; an integer N: layer i is an MoE "
               "layer when i mod N is 0; a list expression such as ([0]*1+[1]*47): 1 per MoE layer, as Megatron-LM "
               "parses it)"),
     Flag('--moe-router-score-function', derived=MODEL_ARGS_FIELD, choices=('softmax', 'sigmoid', 'sqrtsoftplus'),
-         help=_TO + "the family's router: softmax for every MoE family here"),
+         help=_TO + "the family's router: softmax (qwen3_moe, qwen2_moe) or sigmoid (glm4_moe)"),
     _switch('--moe-router-pre-softmax', 'norm_topk_prob false (softmax over all experts, then the top-k; without '
-            'it Megatron-LM takes the softmax over the top-k logits, i.e. norm_topk_prob true)'
-            + _ABSENT.format(default="the softmax after the top-k")),
-    Flag('--moe-router-topk-scaling-factor', derived=MODEL_ARGS_FIELD, type=_positive_float,
-         help="1 only: the families here scale no routing weight (routed_scaling_factor)"),
-    Flag('--moe-router-num-groups', derived=MODEL_ARGS_FIELD, type=_positive_int,
-         help='1 only: the families here route over all experts at once (n_group)'),
-    _no_effect('--moe-router-group-topk', 'the groups group-limited routing keeps; with --moe-router-num-groups 1 '
-               '(the only value taken) the one group is all experts', type=_positive_int),
-    _refused_switch('--moe-router-enable-expert-bias', "an expert bias in its routers (DeepSeek-V3's "
-                    "e_score_correction_bias)"),
-    _no_effect('--moe-router-bias-update-rate', 'how fast the expert bias of --moe-router-enable-expert-bias moves; '
-               'without that bias (refused) there is nothing to update', type=_nonneg_float),
+            'it Megatron-LM takes the softmax over the top-k logits, i.e. norm_topk_prob true); a sigmoid router '
+            '(glm4_moe) does not read it' + _ABSENT.format(default="the softmax after the top-k")),
+    _shape('--moe-router-topk-scaling-factor', 'routed_scaling_factor (glm4_moe; 1 for the Qwen MoE families)'
+           + _ABSENT.format(default="1"), type=_positive_float),
+    _shape('--moe-router-num-groups', 'n_group (glm4_moe; 1 for the Qwen MoE families: all experts at once)'
+           + _ABSENT.format(default="1"), type=_positive_int),
+    _shape('--moe-router-group-topk', 'topk_group where n_group > 1 (with one group it chooses nothing)',
+           type=_positive_int),
+    _switch('--moe-router-enable-expert-bias', "the router's e_score_correction_bias (glm4_moe has it)"
+            + _ABSENT.format(default="no expert bias")),
+    Flag('--moe-router-bias-update-rate', derived=MODEL_ARGS_FIELD, type=_nonneg_float,
+         check=(lambda v: v == 0, "must be 0: the trainer keeps the checkpoint's expert bias "
+                                  "(e_score_correction_bias), which the engines route with; a bias that moved "
+                                  "would route the trainer's tokens elsewhere than the engines' (slime's GLM and "
+                                  "DeepSeek scripts give 0)"),
+         help="0 only: the trainer keeps the checkpoint's expert bias, which the engines route with (slime's GLM "
+              "and DeepSeek scripts give 0)"),
     Flag('--moe-router-dtype', derived=MODEL_ARGS_FIELD, choices=('fp32', 'fp64'),
          check=(lambda v: v == 'fp32', "must be fp32: the routers compute in fp32 as the HF model and SGLang do "
                                        "(the trainer's router dtype is fixed), so both sides choose alike"),

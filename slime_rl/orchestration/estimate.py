@@ -116,7 +116,8 @@ class ModelShape:
     top_k: int = 0
     moe_layers: tuple[int, ...] = ()
     vision: VisionShape | None = None
-    shared_ffn: int = 0  # Qwen2-MoE: the shared expert's width in every MoE layer (0: none), with its [1, h] gate
+    shared_ffn: int = 0  # the shared expert's width in every MoE layer (0: none)
+    shared_gate: bool = True  # Qwen2-MoE's shared expert has a [1, h] sigmoid gate; GLM-4.5's none
 
     @property
     def q(self) -> int:
@@ -143,7 +144,9 @@ class ModelShape:
 
     def shared_expert_params(self) -> tuple[int, int]:
         """(TP-split, replicated) parameters of one MoE layer's shared expert: its SwiGLU, its gate."""
-        return (3 * self.hidden * self.shared_ffn, self.hidden) if self.shared_ffn else (0, 0)
+        if not self.shared_ffn:
+            return 0, 0
+        return 3 * self.hidden * self.shared_ffn, self.hidden if self.shared_gate else 0
 
     @property
     def embedding_params(self) -> int:
@@ -178,12 +181,19 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
     hidden, heads = _need(cfg, "hidden_size", where), _need(cfg, "num_attention_heads", where)
     layers = _need(cfg, "num_hidden_layers", where)
     attention_bias = bool(cfg.get("attention_bias", False))
-    # hub configs say num_experts; transformers 5 writes num_local_experts
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if family.moe else 0
+    # hub configs say num_experts (DeepSeek-style: n_routed_experts); transformers 5 writes num_local_experts
+    experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0) \
+        if family.moe else 0
     moe_layers: tuple[int, ...] = ()
-    if experts:
+    shared_ffn = 0
+    if experts and family.deepseek_moe:  # the first first_k_dense_replace layers dense; n_shared_experts
+        moe_layers = tuple(range(int(family.config_value(cfg, "first_k_dense_replace", 0)), layers))
+        shared_ffn = int(family.config_value(cfg, "n_shared_experts", 0)) * int(cfg.get("moe_intermediate_size") or 0)
+    elif experts:
         step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
         moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        if family.shared_expert:
+            shared_ffn = int(cfg.get("shared_expert_intermediate_size") or 0)
     vision = None
     if family.vision:
         vc = {**_VISION_DEFAULTS, **(config.get("vision_config") or {})}
@@ -201,10 +211,11 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         qkv_bias=attention_bias or (family.qkv_bias and bool(cfg.get("qkv_bias", True))),
         o_bias=not family.qkv_bias and attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),  # only Llama's config has the key
-        qk_norm=family.qk_layernorm,
+        qk_norm=(family.qk_layernorm if family.qk_norm_key is None
+                 else bool(family.config_value(cfg, family.qk_norm_key))),
         experts=experts, expert_ffn=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
         top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0, moe_layers=moe_layers, vision=vision,
-        shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0) if experts and family.shared_expert else 0)
+        shared_ffn=shared_ffn, shared_gate=family.shared_expert_gate)
 
 
 # ---------------------------------------------------------------------------------------- memory

@@ -37,8 +37,7 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 def hf_tensor_count(arch: ModelArch) -> int:
     """How many tensors the HF state dict of the model has (a tied model has no lm_head)."""
-    return sum(len(pm.hf) for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings,
-                                                           arch.num_experts, arch.moe_layers))
+    return sum(len(pm.hf) for pm in arch.param_maps())
 
 
 def gather_hf_weights(model: torch.nn.Module, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:

@@ -71,6 +71,15 @@ def _split(pm: ParamMap) -> tuple[int, int, dist.ProcessGroup | None]:
     return _etp() if pm.expert else _tp()
 
 
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and the persistent buffers the registry names (ParamMap.buffer: a
+    router's expert_bias), by Megatron name."""
+    core = unwrap(model)
+    out: dict[str, torch.Tensor] = dict(core.named_parameters())
+    out.update((n, b) for n, b in core.named_buffers() if n.endswith(".router.expert_bias"))
+    return out
+
+
 def stage_param_maps(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0,
                      ep_size: int = 1) -> list[tuple[str, ParamMap, bool]]:
     """(local Megatron name, map with global HF names, emitted by iter_hf_weights) for every
@@ -90,7 +99,7 @@ def stage_param_maps(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_ran
     out = [(p.mcore, p, True) for p in (*arch.vision_params, *embedding)] if first else []
     for i in range(here):
         # megatron names a stage's layers from 0; HF globally. A dense layer of an MoE model has a dense MLP
-        for p in family.layer_maps(arch.is_moe_layer(first_layer + i)):
+        for p in arch.layer_maps(first_layer + i):
             local = p.at_layer(i).expand_experts(local_experts, ep_rank * local_experts)
             glob = p.at_layer(first_layer + i).expand_experts(local_experts, ep_rank * local_experts)
             out += [(lo.mcore, gl, True) for lo, gl in zip(local, glob, strict=True)]
@@ -108,7 +117,7 @@ def load_hf_weights(model: torch.nn.Module, checkpoint_dir: str | Path, arch: Mo
     Strict both ways: every Megatron parameter must be written and every registry tensor must
     exist in the checkpoint (a tied model's lm_head.weight, if saved, is ignored)."""
     check_hf_weights(checkpoint_dir, arch)
-    params = dict(unwrap(model).named_parameters())
+    params = model_tensors(model)
     maps = stage_param_maps(arch, *_pp(), *_ep()[:2])
     extra = set(params) - {local for local, _, _ in maps}
     if extra:
@@ -134,10 +143,14 @@ def _gather_tp(t: torch.Tensor, tp_size: int, group: dist.ProcessGroup | None,
     return out
 
 
-def _emitted(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool) -> list[tuple[str, ParamMap]]:
-    params = dict(unwrap(model).named_parameters())
+def _emitted(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool,
+             buffers: bool = True) -> list[tuple[str, ParamMap]]:
+    """What is sent and exported: every emitted entry, less the frozen parameters (skip_frozen) and the
+    buffers (buffers=False: for a parameter's gradient, which a buffer has not)."""
+    params = model_tensors(model)
     return [(local, pm) for local, pm, emit in stage_param_maps(arch, *_pp(), *_ep()[:2])
-            if emit and not (skip_frozen and not params[local].requires_grad)]
+            if emit and (buffers or not pm.buffer)
+            and not (skip_frozen and (pm.buffer or not params[local].requires_grad))]
 
 
 _EXPERT_INDEX = re.compile(r"(\.local_experts\.)\d+(\.)")  # Megatron's local expert index
@@ -191,16 +204,17 @@ def iter_hf_weights(model: torch.nn.Module, arch: ModelArch,
     (it runs all-gathers). The tensors are in the model's dtype and on its device. Tied models yield
     only `model.embed_tokens.weight` (from stage 0), as HF's own state dict does. `skip_frozen`
     leaves out parameters that do not train (a --freeze-vision-tower tower: the engine keeps its copy)."""
-    yield from iter_hf_tensors(model, arch, lambda p: p.detach(), skip_frozen)
+    yield from iter_hf_tensors(model, arch, lambda p: p.detach(), skip_frozen, buffers=True)
 
 
 def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch, get: Callable[[torch.nn.Parameter], torch.Tensor],
-                    skip_frozen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                    skip_frozen: bool = False, buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """`iter_hf_weights` of `get(parameter)` for each parameter (e.g. its main_grad): gathered over
-    TP (ETP and EP for experts), renamed and reshaped as the parameter itself would be."""
+    TP (ETP and EP for experts), renamed and reshaped as the parameter itself would be; the registry's
+    buffers (a router's expert_bias) too when `buffers`."""
     _, ep_size, ep_group = _ep()
-    params = dict(unwrap(model).named_parameters())
-    for run in _runs(_emitted(model, arch, skip_frozen)):
+    params = model_tensors(model)
+    for run in _runs(_emitted(model, arch, skip_frozen, buffers)):
         run_hf = []
         for local, pm in run:
             _, split_size, group = _split(pm)
@@ -242,7 +256,8 @@ def _build_view_plan(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool)
     emitted = dict(_emitted(model, arch, skip_frozen))
     for local, pm, _ in stage_param_maps(arch, *pp):
         owner_name, _, leaf = local.rpartition(".")
-        owner = core.get_submodule(owner_name)._parameters
+        module = core.get_submodule(owner_name)
+        owner = module._parameters if leaf in module._parameters else module._buffers
         p = owner[leaf]
         signature.append((owner, leaf, p, p.data_ptr(), p.shape, p.dtype, p.requires_grad))
         if local not in emitted:
@@ -285,7 +300,7 @@ def hf_weight_metadata(model: torch.nn.Module, arch: ModelArch,
     communication (weight sync announces the tensors before sending them). Shapes come from the
     same conversion code run on meta tensors, so they cannot drift from `iter_hf_weights`."""
     _, ep_size, _ = _ep()
-    params = dict(unwrap(model).named_parameters())
+    params = model_tensors(model)
     out = []
     for run in _runs(_emitted(model, arch, skip_frozen)):
         run_hf = []

@@ -72,6 +72,25 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+
+
+def _count_routed_tokens(self: TopKRouter, routing_map: Any, padding_mask: Any = None) -> None:
+    """TopKRouter._apply_expert_bias (the per-expert token count that moves a sigmoid router's
+    expert_bias between steps) with the padding mask broadcast over the experts: megatron-core 0.19.2
+    writes `routing_map & ~padding_mask`, [tokens, experts] against [tokens], which raises on every
+    batch with padding. The count is the same otherwise (and with moe_router_bias_update_rate 0, as the
+    trainer runs, it moves nothing)."""
+    import torch
+
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+TopKRouter._apply_expert_bias = _count_routed_tokens
+
 __all__ = [
     "DistributedDataParallel", "DistributedDataParallelConfig", "Float16Module", "GPTModel",
     "MegatronModule", "MegatronOptimizerConfig", "OptimizerParamScheduler", "PackedSeqParams",

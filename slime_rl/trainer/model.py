@@ -48,9 +48,29 @@ def moe_config_kwargs(arch: ModelArch, moe: MoEOptions, tp_size: int) -> dict:
     their sum. Megatron's softmax router with moe_router_pre_softmax=False takes the top-k logits
     and a softmax over those k, which is the same renormalised distribution; with
     pre_softmax=True it takes the top-k of the full softmax, i.e. HF's norm_topk_prob=False.
-    The router runs in fp32 (moe_router_dtype) whatever the model's dtype."""
+    The router runs in fp32 (moe_router_dtype) whatever the model's dtype.
+
+    A DeepSeek-style router (glm4_moe: moe_score_function sigmoid) is megatron's sigmoid router with its
+    expert_bias added for the choice only, megatron's group-limited top-k, the chosen sigmoid scores
+    renormalised (megatron always does for top-k > 1; HF under norm_topk_prob, required) and times
+    moe_router_topk_scaling_factor: HF's Glm4MoeTopkRouter / DeepseekV3TopkRouter. The bias is the
+    checkpoint's and stays it (moe_router_bias_update_rate 0, as slime's GLM and DeepSeek scripts set):
+    the engine routes with the same bias, so the trainer must too."""
     if arch.num_experts == 0:
         return {}
+    if arch.moe_score_function == "sigmoid":
+        return dict(
+            num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_topk=arch.moe_topk, moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+            moe_router_enable_expert_bias=arch.moe_expert_bias, moe_router_bias_update_rate=0.0,
+            moe_router_num_groups=arch.moe_num_groups or None, moe_router_group_topk=arch.moe_group_topk or None,
+            moe_router_topk_scaling_factor=arch.moe_scaling_factor, moe_router_dtype="fp32",
+            moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
+            moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
+            moe_token_dispatcher_type=moe.moe_token_dispatcher_type, moe_grouped_gemm=False,
+            expert_model_parallel_size=moe.expert_model_parallel_size,
+            expert_tensor_parallel_size=moe.expert_tensor_parallel_size or tp_size,
+        )
     if arch.moe_topk == 1 and arch.moe_norm_topk_prob:
         raise ValueError("num_experts_per_tok=1 with norm_topk_prob=true: every token's weight is 1 and the "
                          "router gets no gradient (megatron refuses it: --moe-router-pre-softmax)")
@@ -82,7 +102,7 @@ def moe_block_kwargs(arch: ModelArch) -> dict:
         return out
     if arch.moe_shared_expert_ffn_hidden_size:
         out.update(moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size,
-                   moe_shared_expert_gate=True, moe_shared_expert_overlap=False)
+                   moe_shared_expert_gate=arch.family.shared_expert_gate, moe_shared_expert_overlap=False)
     if arch.moe_layers and not all(arch.moe_layers):
         out["moe_layer_freq"] = [int(m) for m in arch.moe_layers]
     return out
@@ -224,7 +244,7 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="mrope" if arch.mrope_section is not None else "rope",
         rotary_base=arch.rotary_base,
-        rotary_percent=1.0,
+        rotary_percent=arch.rotary_percent,
     )
     if arch.vision is not None and pre_process:
         attach_vision_tower(model, arch)

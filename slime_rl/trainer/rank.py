@@ -128,9 +128,14 @@ class MegatronRank:
             config.batch_p2p_comm = False  # gloo has no batched (coalesced) isend/irecv
         # Float16Module keeps bf16 params and returns float32 logits on the last stage
         fp32_buffers = float_buffers(self.gpt.vision_model) if hasattr(self.gpt, "vision_model") else {}
+        # a sigmoid router's expert bias (GLM-4.5): the checkpoint's float32 values, which the engines route
+        # with (transformers keeps e_score_correction_bias in float32); Float16Module's cast would round them
+        router_bias = {n: b.detach().clone() for n, b in self.gpt.named_buffers() if n.endswith(".router.expert_bias")}
         inner = Float16Module(config, self.gpt) if model.bf16 else self.gpt
         if fp32_buffers:  # the HF vision tower keeps its RoPE frequencies in float32, as the engine does
             restore_buffers(self.gpt.vision_model, fp32_buffers)
+        if model.bf16 and router_bias:
+            restore_buffers(self.gpt, router_bias)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=inner)

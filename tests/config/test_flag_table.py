@@ -183,7 +183,8 @@ def _model_args_cases() -> dict[str, tuple[list[str], object]]:
     from slime_rl.config.flags_model import MODEL_FLAGS
 
     special = {"--moe-layer-freq": (["([0]*1+[1]*2)"], [0, 1, 1]), "--spec": (["local"], ["local"]),
-               "--moe-router-dtype": (["fp32"], "fp32"), "--normalization": (["RMSNorm"], "RMSNorm")}
+               "--moe-router-dtype": (["fp32"], "fp32"), "--normalization": (["RMSNorm"], "RMSNorm"),
+               "--moe-router-bias-update-rate": (["0"], 0.0)}
     cases = {}
     for f in MODEL_FLAGS:
         if f.name in special:

@@ -351,19 +351,18 @@ def test_every_flag_of_slimes_model_files_is_read(tmp_path):
 
 
 # ---- model families this trainer does not build: one sentence naming model_type, before any other check
-@pytest.mark.parametrize("config, model_type", [("deepseek_v3.json", "deepseek_v3"), ("glm4_5_air.json", "glm4_moe")])
+@pytest.mark.parametrize("config, model_type", [("deepseek_v3.json", "deepseek_v3")])
 @pytest.mark.parametrize("extra", [[], ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8",
                                         "--expert-model-parallel-size", "16", "--rollout-batch-size", "16"]],
                          ids=["no-EP", "EP16"])
 def test_an_unsupported_family_is_refused_naming_its_model_type(config, model_type, extra, tmp_path):
     message = _refused(tmp_path, config, extra, UNSUPPORTED)
     assert f"its config.json names model_type '{model_type}', which is not a model family this trainer builds " \
-           "(supported: llama, qwen2, qwen2_5_vl, qwen2_moe, qwen3, qwen3_moe)" in message, message
+           "(supported: glm4_moe, llama, qwen2, qwen2_5_vl, qwen2_moe, qwen3, qwen3_moe)" in message, message
     assert "dense" not in message
 
 
-@pytest.mark.parametrize("config, model_type, model_args", [("deepseek_v3.json", "deepseek_v3", DEEPSEEK_V3),
-                                                            ("glm4_5_air.json", "glm4_moe", GLM4_5_AIR)])
+@pytest.mark.parametrize("config, model_type, model_args", [("deepseek_v3.json", "deepseek_v3", DEEPSEEK_V3)])
 @pytest.mark.parametrize("ep", ["1", "8"])
 def test_a_dry_run_of_an_unsupported_family_exits_2_with_that_sentence(config, model_type, model_args, ep, tmp_path,
                                                                       capsys):
@@ -378,9 +377,49 @@ def test_a_dry_run_of_an_unsupported_family_exits_2_with_that_sentence(config, m
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()[-1]
     assert err == (f"slime-rl train: error: --hf-checkpoint {hf}: its config.json names model_type '{model_type}', "
-                   "which is not a model family this trainer builds (supported: llama, qwen2, qwen2_5_vl, qwen2_moe, "
-                   "qwen3, qwen3_moe)"), err
+                   "which is not a model family this trainer builds (supported: glm4_moe, llama, qwen2, qwen2_5_vl, "
+                   "qwen2_moe, qwen3, qwen3_moe)"), err
     assert "estimates" not in captured.out
+
+
+def test_glm4_5_air_model_file_agrees_and_plans(tmp_path, capsys):
+    """slime's scripts/models/glm4.5-106B-A12B.sh against GLM-4.5-Air's published config.json: every flag
+    agrees (sigmoid router with the expert bias, --rotary-percent 0.5, the dense first layer, the shared
+    expert's width, no q/k norm) and the dry run plans it on 2 x 8 GPUs with EP 8, with a note that its MTP
+    layer is not trained."""
+    hf = _checkpoint(tmp_path, "glm4_5_air.json", UNSUPPORTED)
+    argv = ["--hf-checkpoint", str(hf), "--prompt-data", "/data/not-here.jsonl", "--rollout-batch-size", "16",
+            "--num-rollout", "1", "--rm-type", "math", "--rollout-backend", "sglang", "--actor-num-nodes", "1",
+            "--actor-num-gpus-per-node", "8", "--expert-model-parallel-size", "8", "--rollout-num-gpus", "8",
+            "--dry-run", "--cluster", "2x8", *GLM4_5_AIR.split()]
+    rc, captured = train_main(argv), capsys.readouterr()
+    assert rc == 0, captured.err
+    # 46 layers less first_k_dense_replace 1 dense: 45 MoE layers of n_routed_experts 128, top num_experts_per_tok 8
+    assert "glm4_moe" in captured.out and "128 experts, top-8, in 45 layers" in captured.out, captured.out
+    # num_nextn_predict_layers 1: the MTP layer after the 46 decoder layers is named as not trained
+    assert "note: --hf-checkpoint" in captured.err and "1 multi-token-prediction layer(s)" in captured.err
+    assert "model.layers.46.*" in captured.err, captured.err
+
+
+@pytest.mark.parametrize("change, claim, truth", [
+    (("--qk-layernorm",), "--qk-layernorm", "use_qk_norm false, without q/k norm"),
+    (("--moe-router-topk-scaling-factor", "2.5"), "--moe-router-topk-scaling-factor 2.5", "routed_scaling_factor 1"),
+    (("--rotary-percent", "1.0"), "--rotary-percent 1", "partial_rotary_factor 0.5"),
+    (("--moe-router-score-function", "softmax"), "--moe-router-score-function softmax",
+     "model_type 'glm4_moe', whose router is a sigmoid"),
+    (("--moe-layer-freq", "[0]*2+[1]*44"), "--moe-layer-freq [0]*2+[1]*44",
+     "first_k_dense_replace 1: MoE layers [0]*1+[1]*45"),
+    (("--moe-router-num-groups", "8"), "--moe-router-num-groups 8", "n_group 1"),
+])
+def test_glm4_5_air_model_file_that_differs_is_named(change, claim, truth, tmp_path):
+    """Each GLM-specific flag compared with the key of config.json it describes (values worked out from the
+    published file: use_qk_norm false, routed_scaling_factor 1.0, partial_rotary_factor 0.5, first_k_dense_replace
+    1, n_group 1); slime's own file as written passes the same check."""
+    tokens = GLM4_5_AIR.split()
+    _check(tmp_path, "glm4_5_air.json", tokens, UNSUPPORTED)
+    tokens = _replace(tokens, change[0], change[1]) if change[0] in tokens else tokens + list(change)
+    message = _refused(tmp_path, "glm4_5_air.json", tokens, UNSUPPORTED)
+    assert f"{claim}: " in message and truth in message, message
 
 
 # ---- the whole dry run from a folder that holds only config.json
@@ -416,3 +455,11 @@ def test_a_dry_run_with_a_model_file_of_another_size_exits_2_naming_the_flag(tmp
     err = capsys.readouterr().err
     assert code == 2
     assert f"--num-experts 64: --hf-checkpoint {hf}'s config.json says num_experts 128; slime's MODEL_ARGS" in err
+
+
+def test_a_moving_expert_bias_is_refused_naming_the_flag(tmp_path):
+    """--moe-router-bias-update-rate other than 0 would move the trainer's expert bias away from the one the
+    engines route with: refused before anything starts, naming the flag (slime's scripts give 0)."""
+    tokens = _replace(GLM4_5_AIR.split(), "--moe-router-bias-update-rate", "0.001")
+    with pytest.raises(ConfigError, match=r"--moe-router-bias-update-rate must be 0: .*got 0.001"):
+        _check(tmp_path, "glm4_5_air.json", tokens, UNSUPPORTED)

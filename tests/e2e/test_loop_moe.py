@@ -1,6 +1,6 @@
 """The loop on CPU with a mixture-of-experts policy (issue 22): Ray actors, Megatron ranks with the
 experts spread over two expert-parallel ranks (EP=2, DP=2) on gloo, the built-in engine serving the
-HF Qwen3-MoE or Qwen2-MoE model, weight sync sending every expert under its HF name."""
+HF Qwen3-MoE, Qwen2-MoE or GLM-4.5 model, weight sync sending every expert under its HF name."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ digit_data = digit_data_fixture(64, seed=1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("folder", ["tiny_qwen3_moe", "tiny_qwen2_moe"])
+@pytest.mark.parametrize("folder", ["tiny_qwen3_moe", "tiny_qwen2_moe", "tiny_glm4_moe"])
 def test_expert_parallel_step_then_engine_holds_every_expert(ray_session, folder, digit_data, tmp_path, request):
     """Step 0: the engine (HF transformers, experts fused) and the trainer (Megatron, EP=2) see the
     same weights, so their log-probs agree; after the update and the sync every engine tensor,
     each expert under its HF name, equals the trainer's bit for bit, and the update moved them.
-    Qwen2-MoE: its shared expert, the shared expert's gate and the dense layer too."""
+    Qwen2-MoE: its shared expert, the shared expert's gate and the dense layer too. GLM-4.5: its shared
+    experts, the dense layer 0 and the sigmoid router's expert bias, sent as stored and never trained."""
     from slime_rl.orchestration.cluster import Cluster
 
     ckpt = request.getfixturevalue(folder)
@@ -59,5 +60,10 @@ def test_expert_parallel_step_then_engine_holds_every_expert(ray_session, folder
             assert any(".mlp.shared_expert_gate." in n for n in moved)
             assert any(".mlp.shared_expert." in n for n in moved)
             assert "model.layers.2.mlp.down_proj.weight" in moved  # the dense layer
+        if folder == "tiny_glm4_moe":
+            assert any(".mlp.shared_experts." in n for n in moved)
+            assert "model.layers.0.mlp.down_proj.weight" in moved  # the dense layer (first_k_dense_replace 1)
+            biases = [n for n in trainer if n.endswith("e_score_correction_bias")]
+            assert len(biases) == 3 and not set(biases) & set(moved)  # sent, equal on the engine, unchanged
     finally:
         cluster.shutdown()

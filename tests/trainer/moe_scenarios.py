@@ -129,4 +129,30 @@ SCENARIOS.update({"qwen2_moe1": _qwen2_moe("base", noaux=True), "qwen2_moe_ep2":
                   # the shared expert split over TP, the routed experts whole (ETP1)
                   "qwen2_moe_ep2tp2etp1": _qwen2_moe("ep2tp2etp1"),
                   # Qwen3-MoE with a dense first layer (mlp_only_layers=[0]), one rank vs HF
-                  "qwen3_moe_mixed1": _qwen2_moe("base", noaux=True, key="qwen3_moe_mixed")})
+                  "qwen3_moe_mixed1": _qwen2_moe("base", noaux=True, key="qwen3_moe_mixed"),
+                  # GLM-4.5 (glm4_moe): sigmoid routing with the expert bias and groups, an ungated
+                  # shared expert, a dense first layer, q/k norms and half-rotated heads
+                  "glm4_moe1": _qwen2_moe("base", noaux=True, key="glm4_moe"),
+                  "glm4_moe_ep2": _qwen2_moe("ep2", key="glm4_moe"),
+                  "glm4_moe_ep2tp2": _qwen2_moe("ep2tp2", key="glm4_moe"),
+                  "glm4_moe_ep2pp2": _qwen2_moe("ep2pp2", key="glm4_moe"),
+                  "glm4_moe_cp2ep2": _qwen2_moe("cp2ep2", key="glm4_moe")})
+
+
+def scenario_glm4_moe_bf16(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    """One bf16 rank of the tiny GLM-4.5: the router's expert bias as the model holds it and as weight
+    sync sends it (the engines keep the checkpoint's float32 values)."""
+    from slime_rl.trainer.hf_io import model_tensors
+    from slime_rl.trainer.worker import TrainerWorker
+
+    w = TrainerWorker(rank, world, "127.0.0.1", port, ParallelConfig(actor_num_gpus_per_node=world),
+                      BatchConfig(micro_batch_size=2, global_batch_size=4), OptimizerConfig(lr=1e-3),
+                      ModelConfig(hf_checkpoint=ckpts["glm4_moe"], bf16=True), AlgoConfig(), train_iters=10)
+    res = {"held": {n: t.detach().clone() for n, t in model_tensors(w.gpt).items() if n.endswith("expert_bias")},
+           "sent": {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()
+                    if n.endswith("e_score_correction_bias")}}
+    w.shutdown()
+    return res
+
+
+SCENARIOS["glm4_moe_bf16"] = scenario_glm4_moe_bf16

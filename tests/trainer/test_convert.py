@@ -7,6 +7,7 @@ group's q heads, then its k head, then its v head), not by the code under test.
 
 from __future__ import annotations
 
+import copy
 import types
 
 import pytest
@@ -29,7 +30,11 @@ CFG = dict(model_type="qwen2", hidden_size=8, intermediate_size=6, num_hidden_la
            hidden_act="silu",
            # read by the MoE families only (qwen3_moe, qwen2_moe): 4 experts of width 6, top-2
            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6,
-           shared_expert_intermediate_size=6)  # qwen2_moe's shared expert
+           shared_expert_intermediate_size=6,  # qwen2_moe's shared expert
+           n_routed_experts=4, n_shared_experts=1)  # glm4_moe's names of the same
+# what a family needs beyond CFG (glm4_moe: GLM-4.5's q/k/v biases; no dense layer, transformers' default
+# being 1 of CFG's 1)
+FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0}}
 
 
 TEXT_FAMILIES = sorted(k for k, f in FAMILIES.items() if not f.vision)
@@ -81,7 +86,7 @@ def test_fc1_each_rank_holds_its_gate_then_its_up():
 @pytest.mark.parametrize("model_type", TEXT_FAMILIES)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_round_trip_every_param_bit_exact(model_type, tp):
-    cfg = CFG | {"model_type": model_type, "tie_word_embeddings": False, "head_dim": 3}
+    cfg = CFG | {"model_type": model_type, "tie_word_embeddings": False, "head_dim": 3} | FAMILY_CFG.get(model_type, {})
     arch = arch_from_hf_config(cfg, tp_size=tp, pad_vocab_multiple=3)
     g = torch.Generator().manual_seed(0)
     shapes = {"q_proj": (4 * 3, 8), "k_proj": (2 * 3, 8), "v_proj": (2 * 3, 8), "o_proj": (8, 4 * 3),
@@ -121,7 +126,8 @@ def test_hf_shapes_are_those_of_the_transformers_model(model_type, tied, tmp_pat
 
     cfg = CFG | {"model_type": model_type, "tie_word_embeddings": tied, "head_dim": 3, "num_hidden_layers": 2,
                  "attention_bias": False, "mlp_bias": False, "use_sliding_window": False}
-    hf_cfg = AutoConfig.for_model(**cfg)
+    cfg |= FAMILY_CFG.get(model_type, {})
+    hf_cfg = AutoConfig.for_model(**copy.deepcopy(cfg))  # transformers writes into rope_parameters
     model = AutoModelForCausalLM.from_config(hf_cfg)
     if FAMILIES[model_type].moe:
         model.save_pretrained(tmp_path)

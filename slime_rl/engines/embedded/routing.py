@@ -1,4 +1,4 @@
-"""Routed experts of a Qwen-MoE model in the built-in engine: SGLang's `--enable-return-routed-experts`.
+"""Routed experts of a Qwen-MoE or GLM-4.5 model in the built-in engine: SGLang's `--enable-return-routed-experts`.
 
 SGLang 0.5.23 (state_capturer/routed_experts.py, managers/scheduler_components/batch_result_processor.py,
 managers/tokenizer_manager.py): with the server flag, a request's `return_routed_experts` answers
@@ -16,6 +16,9 @@ engine) while the weights still come from the fp32 probabilities of the chosen e
 can force routing flips without changing anything else. The tiny test model's router (std 0.1) keeps
 its choices far from ties: bf16 rounding flipped none of 192 (token, layer) choices, fp8 e5m2 (two
 mantissa bits) 3-10 % of them, so the tests use fp8_e5m2.
+
+A GLM-4.5 router (transformers' Glm4MoeTopkRouter: sigmoid scores plus e_score_correction_bias, groups,
+routed_scaling_factor) keeps transformers' own forward and only records its choice (no select_round).
 """
 
 from __future__ import annotations
@@ -54,6 +57,17 @@ def _router_forward(capture: RoutingCapture, layer: int):
     return forward
 
 
+def _recording_forward(capture: RoutingCapture, layer: int, inner):
+    """A DeepSeek-style router (transformers' Glm4MoeTopkRouter: sigmoid scores, e_score_correction_bias,
+    groups, routed_scaling_factor) keeps its own forward; its chosen experts are recorded."""
+    def forward(self, hidden_states: torch.Tensor):
+        logits, weights, idx = inner(hidden_states)
+        capture.record(layer, idx)
+        return logits, weights, idx
+
+    return forward
+
+
 class RoutingCapture:
     """Installs the recording forward on every MoE router of `model`; `take` returns what the last
     forward routed. Only the scheduler thread forwards (under the engine's model lock)."""
@@ -72,11 +86,17 @@ class RoutingCapture:
             m = _GATE.search(name)
             if m and hasattr(mod, "top_k") and hasattr(mod, "weight") and hasattr(mod, "norm_topk_prob"):
                 layer = int(m.group(1))
-                mod.forward = types.MethodType(_router_forward(self, layer), mod)
+                if hasattr(mod, "e_score_correction_bias"):
+                    if self.select_round is not None:
+                        raise ValueError(f"routing select_round {select_round!r}: only for softmax routers "
+                                         f"(Qwen-MoE), not {type(mod).__name__}")
+                    mod.forward = types.MethodType(_recording_forward(self, layer, mod.forward), mod)
+                else:
+                    mod.forward = types.MethodType(_router_forward(self, layer), mod)
                 self.layers.append(layer)
         if not self.layers:
             raise ValueError(f"--enable-return-routed-experts: {type(model).__name__} has no MoE router "
-                             "(Qwen-MoE models only)")
+                             "(Qwen-MoE and GLM-4.5 models only)")
 
     def record(self, layer: int, idx: torch.Tensor) -> None:
         self._cur[layer] = idx

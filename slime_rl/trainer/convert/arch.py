@@ -47,6 +47,19 @@ class ModelArch:
     # decoder_sparse_step); () for a dense model. The shared expert's width (Qwen2-MoE; 0: none).
     moe_layers: tuple[bool, ...] = ()
     moe_shared_expert_ffn_hidden_size: int = 0
+    # DeepSeek-style routers (Family.deepseek_moe): sigmoid scores, a selection bias (expert_bias),
+    # group-limited top-k (moe_num_groups groups, moe_group_topk chosen; 0: all experts at once) and
+    # the weights times moe_scaling_factor (routed_scaling_factor)
+    moe_score_function: str = "softmax"
+    moe_expert_bias: bool = False
+    moe_num_groups: int = 0
+    moe_group_topk: int = 0
+    moe_scaling_factor: float | None = None
+    # the share of each head's channels that rotate (partial_rotary_factor; GLM-4.5: 0.5)
+    rotary_percent: float = 1.0
+    # multi-token-prediction layers the checkpoint holds after the decoder (num_nextn_predict_layers):
+    # their tensors are read past and not trained
+    mtp_layers: int = 0
     # layers of each pipeline stage when the split is uneven (--decoder-first/last-pipeline-num-layers,
     # config/pipeline.py); () for the even split
     pipeline_layers: tuple[int, ...] = ()
@@ -71,6 +84,15 @@ class ModelArch:
     @property
     def family(self) -> Family:
         return get_family(self.model_type)
+
+    def layer_maps(self, i: int) -> tuple[ParamMap, ...]:
+        """The registry entries of global layer i (its MLP dense or MoE; q/k norms as the config says)."""
+        return self.family.layer_maps(self.is_moe_layer(i), self.qk_layernorm)
+
+    def param_maps(self) -> list[ParamMap]:
+        """Every tensor of the model as one rank would hold it (Family.param_maps for this config)."""
+        return self.family.param_maps(self.num_layers, self.tie_word_embeddings, self.num_experts, self.moe_layers,
+                                      self.qk_layernorm)
 
     @property
     def vision_params(self) -> tuple[ParamMap, ...]:
@@ -119,8 +141,10 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     if family.moe:  # hub configs write mlp_only_layers: null as often as []
         cfg = {**cfg, "mlp_only_layers": cfg.get("mlp_only_layers") or []}
     for key, allowed in family.required_config.items():
-        if cfg.get(key, allowed) != allowed:
-            raise ValueError(f"{where}: {key}={cfg[key]!r} is not supported for model_type "
+        value = cfg.get(key, family.config_defaults.get(key, allowed))
+        if value != allowed:
+            said = f"{key}={value!r}" if key in cfg else f"{key} absent (transformers' default {value!r})"
+            raise ValueError(f"{where}: {said} is not supported for model_type "
                              f"{family.model_type!r} (needs {allowed!r})")
     heads = int(cfg["num_attention_heads"])
     groups = int(cfg.get("num_key_value_heads") or heads)
@@ -131,7 +155,12 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
                          "query groups")
     vocab = int(cfg["vocab_size"])
     multiple = pad_vocab_multiple * tp_size
-    moe = _moe_fields(cfg, where, int(cfg["num_hidden_layers"]), family.shared_expert) if family.moe else {}
+    moe = {}
+    if family.deepseek_moe:
+        moe = _deepseek_moe_fields(cfg, family, where, int(cfg["num_hidden_layers"]))
+    elif family.moe:
+        moe = _moe_fields(cfg, where, int(cfg["num_hidden_layers"]), family.shared_expert)
+    qk_norm = family.qk_layernorm if family.qk_norm_key is None else bool(family.config_value(cfg, family.qk_norm_key))
     return ModelArch(
         model_type=family.model_type,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -147,7 +176,9 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         padded_vocab_size=-(-vocab // multiple) * multiple,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.default_tied)),
         qkv_bias=family.qkv_bias,
-        qk_layernorm=family.qk_layernorm,
+        qk_layernorm=qk_norm,
+        rotary_percent=_rotary_percent(cfg, family, where),
+        mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
         mrope_section=tuple(int(x) for x in mrope) if mrope else None,
         vision=vision,
         **moe,
@@ -175,6 +206,66 @@ def _moe_fields(cfg: dict[str, Any], where: str, num_layers: int = 0, shared_exp
                              f"(the shared expert's width), got {shared!r}")
         out["moe_shared_expert_ffn_hidden_size"] = shared
     return out
+
+
+def _rotary_percent(cfg: dict[str, Any], family: Family, where: str) -> float:
+    """partial_rotary_factor (top level or in rope_parameters); transformers' Glm4MoeConfig sets 0.5 when
+    the file has none. Other families rotate whole heads and refuse a factor below 1."""
+    factor = cfg.get("partial_rotary_factor", _rope_params(cfg).get("partial_rotary_factor"))
+    factor = float(factor if factor is not None else family.config_defaults.get("partial_rotary_factor", 1.0))
+    if not 0 < factor <= 1:
+        raise ValueError(f"{where}: partial_rotary_factor={factor} must be in (0, 1]")
+    if factor != 1.0 and family.model_type != "glm4_moe":
+        raise ValueError(f"{where}: partial_rotary_factor={factor} is not supported for model_type "
+                         f"{family.model_type!r} (its heads rotate whole)")
+    return factor
+
+
+def _deepseek_moe_fields(cfg: dict[str, Any], family: Family, where: str, num_layers: int) -> dict[str, Any]:
+    """ModelArch's MoE fields from a DeepSeek-V3-style config.json (GLM-4.5 too): n_routed_experts
+    (transformers 5 may write num_local_experts), n_shared_experts of moe_intermediate_size, the first
+    first_k_dense_replace layers dense, a sigmoid router with e_score_correction_bias, n_group /
+    topk_group and routed_scaling_factor. megatron's group-limited top-k scores a group by the sum of
+    its top num_experts_per_tok / topk_group experts, transformers' by its top 2: the two agree only when
+    that quotient is 2 (DeepSeek-V3: 8 / 4), or with one group."""
+    mt = cfg.get("model_type")
+    experts = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
+    missing = [k for k, v in (("n_routed_experts", experts), ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+                              ("moe_intermediate_size", cfg.get("moe_intermediate_size"))) if v is None]
+    if missing:
+        raise ValueError(f"{where}: model_type {mt!r} needs {missing} (mixture of experts)")
+    experts, topk, width = int(experts), int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"])
+    if not 1 <= topk <= experts:
+        raise ValueError(f"{where}: num_experts_per_tok={topk} must be in [1, n_routed_experts={experts}]")
+    value = family.config_value  # transformers' default where the file leaves a key out
+    groups, group_topk = int(value(cfg, "n_group", 1)), int(value(cfg, "topk_group", 1))
+    if groups < 1 or experts % groups:
+        raise ValueError(f"{where}: n_group={groups} must divide n_routed_experts={experts}")
+    if not 1 <= group_topk <= groups:
+        raise ValueError(f"{where}: topk_group={group_topk} must be in [1, n_group={groups}]")
+    if groups > 1 and (topk % group_topk or topk // group_topk != 2 or experts // groups < 2):
+        raise ValueError(f"{where}: n_group={groups} with topk_group={group_topk} and num_experts_per_tok={topk}: "
+                         "transformers scores each group by its top 2 experts, megatron-core's group-limited "
+                         f"routing by its top num_experts_per_tok / topk_group = {topk / group_topk:g}; only "
+                         "configs where that is 2 (DeepSeek-V3: 8 / 4) or with n_group 1 train the model the "
+                         "engine runs")
+    shared = int(value(cfg, "n_shared_experts", 0))
+    dense = value(cfg, "first_k_dense_replace", 0)
+    if not isinstance(dense, int) or not 0 <= dense < num_layers:
+        raise ValueError(f"{where}: first_k_dense_replace={dense!r} must be an integer in [0, "
+                         f"num_hidden_layers={num_layers}) (transformers' default for {family.model_type}: "
+                         f"{family.config_defaults.get('first_k_dense_replace', 0)}); a model without MoE layers is "
+                         "a dense family")
+    scaling = float(value(cfg, "routed_scaling_factor", 1.0))
+    if topk == 1:
+        raise ValueError(f"{where}: num_experts_per_tok=1 with a sigmoid router: megatron-core skips the "
+                         "renormalisation transformers does (norm_topk_prob) for a single expert")
+    return {"num_experts": experts, "moe_topk": topk, "moe_ffn_hidden_size": width, "moe_norm_topk_prob": True,
+            "moe_layers": tuple(i >= dense for i in range(num_layers)),
+            "moe_shared_expert_ffn_hidden_size": shared * width,
+            "moe_score_function": "sigmoid", "moe_expert_bias": True,
+            "moe_num_groups": groups if groups > 1 else 0, "moe_group_topk": group_topk if groups > 1 else 0,
+            "moe_scaling_factor": scaling}
 
 
 def _moe_layer_pattern(cfg: dict[str, Any], where: str, num_layers: int) -> tuple[bool, ...]:
@@ -208,8 +299,7 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             "head": arch.kv_channels, "experts": arch.num_experts, "moe_ffn": arch.moe_ffn_hidden_size,
             "shared_ffn": arch.moe_shared_expert_ffn_hidden_size, "one": 1}
     out: dict[str, tuple[int, ...]] = {pm.hf[0]: pm.shapes[0] for pm in arch.vision_params}  # concrete sizes
-    for pm in arch.family.param_maps(arch.num_layers, arch.tie_word_embeddings, arch.num_experts,
-                                     arch.moe_layers):
+    for pm in arch.param_maps():
         assert len(pm.shapes) == len(pm.hf), f"registry entry {pm.mcore}: one shape per HF name"
         for name, dims in zip(pm.hf, pm.shapes, strict=True):
             out[name] = tuple(size[d] for d in dims)

@@ -161,11 +161,11 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
     elif whole:
         compare("--norm-epsilon", 1e-5, "rms_norm_eps", arch.norm_eps,
                 claim="no --norm-epsilon (Megatron-LM's default 1e-05)")
-    qk_norm = f"model_type {mt}, " + ("with q_norm / k_norm (an RMSNorm of each query and key head)"
-                                      if fam.qk_layernorm else "without q/k norm")
-    if has("--qk-layernorm") and not fam.qk_layernorm:
+    qk_norm = (f"{fam.qk_norm_key} {fmt(arch.qk_layernorm)}" if fam.qk_norm_key else f"model_type {mt}") + ", " + (
+        "with q_norm / k_norm (an RMSNorm of each query and key head)" if arch.qk_layernorm else "without q/k norm")
+    if has("--qk-layernorm") and not arch.qk_layernorm:
         out.append(Mismatch("--qk-layernorm", qk_norm))
-    elif not has("--qk-layernorm") and whole and fam.qk_layernorm:
+    elif not has("--qk-layernorm") and whole and arch.qk_layernorm:
         out.append(Mismatch("no --qk-layernorm (Megatron-LM builds no q/k norm)", qk_norm))
     # ---- positions
     position = "rope" if has("--use-rotary-position-embeddings") else given.get("--position-embedding-type")
@@ -183,10 +183,16 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
         compare("--rotary-base", 10000, theta_key, arch.rotary_base, claim="no --rotary-base (Megatron-LM's default "
                 "10000)")
     if "--rotary-percent" in given:
-        factor = text.get("partial_rotary_factor")
-        compare("--rotary-percent", given["--rotary-percent"], "partial_rotary_factor", 1.0 if factor is None else
-                factor, truth=None if factor is not None else "no partial_rotary_factor: the whole head rotates (1.0)")
+        stated = "partial_rotary_factor" in text or "partial_rotary_factor" in params
+        compare("--rotary-percent", given["--rotary-percent"], "partial_rotary_factor", arch.rotary_percent,
+                truth=None if stated or arch.rotary_percent != 1.0 else
+                "no partial_rotary_factor: the whole head rotates (1.0)")
+    elif whole and arch.rotary_percent != 1.0:
+        compare("--rotary-percent", 1.0, "partial_rotary_factor", arch.rotary_percent,
+                claim="no --rotary-percent (Megatron-LM rotates the whole head)")
     for flag, what in _NO_FAMILY_HAS.items():
+        if flag == "--moe-router-enable-expert-bias" and arch.moe_expert_bias:
+            continue
         if has(flag):
             out.append(Mismatch(flag, f"model_type {mt}, which has no {what}"))
     spec = given.get("--spec")
@@ -206,9 +212,9 @@ def _compare_moe(given: dict[str, Any], text: dict[str, Any], arch: ModelArch, w
                  compare: Any) -> None:
     """The mixture-of-experts flags: Megatron-LM reads them only with --num-experts (a dense model's
     MODEL_ARGS may carry them unread)."""
-    mt = repr(arch.model_type)
+    fam, mt = arch.family, repr(arch.model_type)
     experts = given.get("--num-experts")
-    key = next((k for k in ("num_experts", "num_local_experts") if k in text), "num_experts")
+    key = next((k for k in ("num_experts", "n_routed_experts", "num_local_experts") if k in text), "num_experts")
     if experts is not None:
         if arch.num_experts:
             compare("--num-experts", experts, key, arch.num_experts)
@@ -223,16 +229,19 @@ def _compare_moe(given: dict[str, Any], text: dict[str, Any], arch: ModelArch, w
         if flag in given:
             compare(flag, given[flag], cfg_key, actual)
     shared = arch.moe_shared_expert_ffn_hidden_size
-    no_shared = f"model_type {mt}, without a shared expert (no shared_expert_intermediate_size)"
+    deepseek = fam.deepseek_moe
+    shared_key = "n_shared_experts x moe_intermediate_size" if deepseek else "shared_expert_intermediate_size"
+    no_shared = f"model_type {mt}, without a shared expert (no {shared_key})"
     if "--moe-shared-expert-intermediate-size" in given:
         compare("--moe-shared-expert-intermediate-size", given["--moe-shared-expert-intermediate-size"],
-                "shared_expert_intermediate_size", shared, truth=None if shared else no_shared)
+                shared_key, shared, truth=None if shared else no_shared)
     elif whole and shared:
         out.append(Mismatch("no --moe-shared-expert-intermediate-size (Megatron-LM builds no shared expert)",
-                            f"shared_expert_intermediate_size {shared}"))
-    if given.get("--moe-shared-expert-gate") and not shared:
-        out.append(Mismatch("--moe-shared-expert-gate", no_shared))
-    elif not given.get("--moe-shared-expert-gate") and whole and shared and \
+                            f"{shared_key} {shared}"))
+    if given.get("--moe-shared-expert-gate") and not (shared and fam.shared_expert_gate):
+        out.append(Mismatch("--moe-shared-expert-gate", no_shared if not shared else
+                            f"model_type {mt}, whose shared expert's output is added ungated"))
+    elif not given.get("--moe-shared-expert-gate") and whole and shared and fam.shared_expert_gate and \
             "--moe-shared-expert-intermediate-size" in given:
         out.append(Mismatch("no --moe-shared-expert-gate (Megatron-LM adds the shared expert's output ungated)",
                             f"model_type {mt}, whose shared expert is scaled by sigmoid(shared_expert_gate)"))
@@ -242,26 +251,42 @@ def _compare_moe(given: dict[str, Any], text: dict[str, Any], arch: ModelArch, w
         actual = [int(m) for m in arch.moe_layers]
         if stated != actual:
             dense = text.get("mlp_only_layers") or []
+            source = (f"first_k_dense_replace {text.get('first_k_dense_replace', 0)}" if deepseek else
+                      f"mlp_only_layers {dense} and decoder_sparse_step {text.get('decoder_sparse_step', 1)}")
             out.append(Mismatch(f"--moe-layer-freq {freq if isinstance(freq, int) else layer_pattern(freq)}"
                                 + (f" (MoE layers {layer_pattern(stated)})" if isinstance(freq, int) else ""),
-                                f"mlp_only_layers {dense} and decoder_sparse_step {text.get('decoder_sparse_step', 1)}"
-                                f": MoE layers {layer_pattern(actual)}"))
+                                f"{source}: MoE layers {layer_pattern(actual)}"))
     if "--moe-router-score-function" in given:
-        compare("--moe-router-score-function", given["--moe-router-score-function"], "", "softmax",
-                truth=f"model_type {mt}, whose router is a softmax")
+        compare("--moe-router-score-function", given["--moe-router-score-function"], "", arch.moe_score_function,
+                truth=f"model_type {mt}, whose router is a {arch.moe_score_function}")
+    if deepseek and not given.get("--moe-router-enable-expert-bias") and whole:
+        out.append(Mismatch("no --moe-router-enable-expert-bias (Megatron-LM's router adds no expert bias)",
+                            f"model_type {mt}, whose router chooses by score + e_score_correction_bias"))
+    # with a sigmoid router megatron reads no --moe-router-pre-softmax (slime's GLM and DeepSeek files give it)
     pre = not arch.moe_norm_topk_prob  # HF's norm_topk_prob false: the top-k of the softmax over all experts
-    if given.get("--moe-router-pre-softmax") and not pre:
+    if arch.moe_score_function == "softmax" and given.get("--moe-router-pre-softmax") and not pre:
         out.append(Mismatch("--moe-router-pre-softmax (the top-k of the softmax over all experts, not renormalised)",
                             "norm_topk_prob true"))
-    elif not given.get("--moe-router-pre-softmax") and whole and pre:
+    elif arch.moe_score_function == "softmax" and not given.get("--moe-router-pre-softmax") and whole and pre:
         out.append(Mismatch("no --moe-router-pre-softmax (Megatron-LM's softmax over the top-k logits renormalises "
                             "them)", "norm_topk_prob false"))
+    scaling = arch.moe_scaling_factor
     if "--moe-router-topk-scaling-factor" in given:
-        compare("--moe-router-topk-scaling-factor", given["--moe-router-topk-scaling-factor"], "", 1.0,
-                truth=f"model_type {mt}, which scales no routing weight (no routed_scaling_factor)")
+        compare("--moe-router-topk-scaling-factor", given["--moe-router-topk-scaling-factor"], "routed_scaling_factor",
+                1.0 if scaling is None else scaling, truth=None if scaling is not None else
+                f"model_type {mt}, which scales no routing weight (no routed_scaling_factor)")
+    elif whole and scaling not in (None, 1.0):
+        out.append(Mismatch("no --moe-router-topk-scaling-factor (Megatron-LM scales no routing weight)",
+                            f"routed_scaling_factor {fmt(scaling)}"))
+    groups = arch.moe_num_groups or 1
     if "--moe-router-num-groups" in given:
-        compare("--moe-router-num-groups", given["--moe-router-num-groups"], "", 1,
-                truth=f"model_type {mt}, which routes over all experts at once (no n_group)")
+        compare("--moe-router-num-groups", given["--moe-router-num-groups"], "n_group", groups,
+                truth=None if deepseek else f"model_type {mt}, which routes over all experts at once (no n_group)")
+    elif whole and groups > 1:
+        out.append(Mismatch("no --moe-router-num-groups (Megatron-LM routes over all experts at once)",
+                            f"n_group {groups}"))
+    if "--moe-router-group-topk" in given and groups > 1:
+        compare("--moe-router-group-topk", given["--moe-router-group-topk"], "topk_group", arch.moe_group_topk)
 
 
 def model_args_error(given: dict[str, Any], hf: dict[str, Any], arch: ModelArch, checkpoint: str) -> str | None:
