@@ -57,6 +57,23 @@ def tiny_glm4_moe(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_v3(tmp_path_factory) -> Path:
+    """Tiny DeepSeek-V3: glm4_moe's MoE layout (4 layers, layer 0 dense, 8 experts in 2 groups, expert bias,
+    one shared expert) under multi-latent attention: query rank 24, key/value latent 16, 8 + 4 query/key and
+    10 value channels per head, 4 heads."""
+    out = tmp_path_factory.mktemp("tiny_deepseek_v3")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="deepseek_v3", seed=13, num_layers=4, num_kv_heads=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_moonlight(tmp_path_factory) -> Path:
+    """tiny_deepseek_v3 with one query projection (q_lora_rank null, as Moonlight-16B-A3B)."""
+    out = tmp_path_factory.mktemp("tiny_moonlight")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="deepseek_v3", seed=17, num_layers=4, num_kv_heads=4,
+                                                         q_lora_rank=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """Tiny Llama (untied embeddings, no bias), vocab 64, hidden 64, 2 layers, GQA 4/2."""
     out = tmp_path_factory.mktemp("tiny_llama")

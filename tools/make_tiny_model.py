@@ -1,10 +1,11 @@
 """Write a complete tiny HF checkpoint folder, with a tokenizer trained here (no model hub).
 
-    python tools/make_tiny_model.py --out DIR [--arch qwen2|llama|qwen3_moe|qwen2_moe|glm4_moe|qwen2_5_vl] [--seed N]
+    python tools/make_tiny_model.py --out DIR [--arch ARCH] [--seed N]
         [--vocab-size V]
 
-The folder has config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a
-ChatML chat template), generation_config.json. Same seed -> same bytes of weights and the same
+ARCH: qwen2 (default), llama, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v3, qwen2_5_vl. The folder has
+config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a ChatML chat template),
+generation_config.json. Same seed -> same bytes of weights and the same
 tokenizer. The tokenizer uses Qwen2's pre-tokenizer (NFC, Qwen2's split regex, ByteLevel without
 its own regex) so that `AutoTokenizer`, which returns `Qwen2Tokenizer` for model_type=qwen2 and
 rebuilds the pre-tokenizer, gives the same ids as the trained `tokenizers` object.
@@ -33,6 +34,12 @@ each head rotated (partial_rotary_factor 0.5), 3 layers by default of which the 
 random e_score_correction_bias (std 0.05, so a loader that drops it routes differently) in 2 groups
 of which 1 is taken (n_group / topk_group: DeepSeek-V3's group-limited routing), top-2, renormalised,
 times routed_scaling_factor 2.5, plus one ungated shared expert of the routed experts' width.
+
+`--arch deepseek_v3` writes a DeepseekV3ForCausalLM: glm4_moe's MoE layers (sigmoid routing with the expert
+bias in 2 groups, top-2, scaling 2.5, one shared expert, the first layer dense) under multi-latent attention:
+the query through a rank-24 pair with its norm (`--q-lora-rank 0`: one projection, as Moonlight), keys and
+values expanded per head from a rank-16 latent with its norm, 8 + 4 (rotary, interleaved pairs) query/key
+channels and 10 value channels per head, so that no width equals another.
 
 `--arch qwen2_5_vl` writes a Qwen2_5_VLForConditionalGeneration (a 2-block vision tower, hidden 32,
 patch 14, merge 2, one window block and one full-attention block, over the same tiny decoder), the
@@ -64,7 +71,7 @@ CHAT_TEMPLATE = (
     "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% endif %}"
 )
-ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "qwen2_5_vl")
+ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "qwen2_5_vl")
 VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2.5-VL's template renders an image part as <|vision_start|><|image_pad|><|vision_end|>; the
 # processor then repeats <|image_pad|> once per merged patch. Same rendering here, without tools.
@@ -145,6 +152,18 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
                              norm_topk_prob=True, routed_scaling_factor=2.5, n_group=2, topk_group=1,
                              first_k_dense_replace=len(args.mlp_only_layers or []), num_nextn_predict_layers=0,
                              **common)
+    if arch == "deepseek_v3":
+        from transformers import DeepseekV3Config
+        common = {k: v for k, v in common.items() if k != "rope_theta"}
+        return DeepseekV3Config(tie_word_embeddings=False, attention_bias=False, rope_interleave=True,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                q_lora_rank=args.q_lora_rank or None, kv_lora_rank=16, qk_nope_head_dim=8,
+                                qk_rope_head_dim=4, v_head_dim=10, head_dim=4,
+                                n_routed_experts=args.num_experts, num_experts_per_tok=args.moe_topk,
+                                moe_intermediate_size=args.moe_intermediate_size, n_shared_experts=1,
+                                norm_topk_prob=True, routed_scaling_factor=2.5, n_group=2, topk_group=1,
+                                first_k_dense_replace=len(args.mlp_only_layers or []), num_nextn_predict_layers=0,
+                                **common)
     if arch == "qwen2_5_vl":
         return build_vl_config(common, args)
     raise SystemExit(f"--arch {arch}: unsupported ({', '.join(ARCHS)})")
@@ -177,18 +196,19 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                     hidden_size: int = 64, num_layers: int | None = None, num_heads: int = 4,
                     num_kv_heads: int = 2, num_experts: int = 8, moe_topk: int = 2,
                     moe_intermediate_size: int = 32, shared_expert_intermediate_size: int = 48,
-                    mlp_only_layers: list[int] | None = None) -> Path:
+                    mlp_only_layers: list[int] | None = None, q_lora_rank: int = 24) -> Path:
     """num_layers: 3 for qwen2_moe and glm4_moe, 2 otherwise; mlp_only_layers (MoE archs): [1] for
     qwen2_moe, none for qwen3_moe; glm4_moe's dense layers are the first len(mlp_only_layers) (default
     [0]: first_k_dense_replace 1)."""
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
+    first_dense = arch in ("glm4_moe", "deepseek_v3")  # first_k_dense_replace
     if num_layers is None:
-        num_layers = 3 if arch in ("qwen2_moe", "glm4_moe") else 2
+        num_layers = 3 if arch == "qwen2_moe" or first_dense else 2
     if mlp_only_layers is None:
-        mlp_only_layers = {"qwen2_moe": [1], "glm4_moe": [0]}.get(arch, [])
-    if arch == "glm4_moe" and mlp_only_layers != list(range(len(mlp_only_layers))):
-        raise SystemExit(f"--mlp-only-layers {mlp_only_layers}: glm4_moe's dense layers are the first ones "
+        mlp_only_layers = [1] if arch == "qwen2_moe" else [0] if first_dense else []
+    if first_dense and mlp_only_layers != list(range(len(mlp_only_layers))):
+        raise SystemExit(f"--mlp-only-layers {mlp_only_layers}: {arch}'s dense layers are the first ones "
                          "(first_k_dense_replace)")
     if any(not 0 <= i < num_layers for i in mlp_only_layers):
         raise SystemExit(f"--mlp-only-layers {mlp_only_layers}: layer indices must be in [0, {num_layers})")
@@ -196,7 +216,7 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                               num_kv_heads=num_kv_heads, num_experts=num_experts, moe_topk=moe_topk,
                               moe_intermediate_size=moe_intermediate_size,
                               shared_expert_intermediate_size=shared_expert_intermediate_size,
-                              mlp_only_layers=mlp_only_layers)
+                              mlp_only_layers=mlp_only_layers, q_lora_rank=q_lora_rank)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vl = arch == "qwen2_5_vl"
@@ -237,7 +257,7 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     fast.save_pretrained(out)
     cfg_path = out / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text())
-    qwen = arch in ("qwen2", "qwen3_moe", "qwen2_moe", "qwen2_5_vl")
+    qwen = arch in ("qwen2", "qwen3_moe", "qwen2_moe", "qwen2_5_vl")  # the others: PreTrainedTokenizerFast
     tok_cfg["tokenizer_class"] = "Qwen2Tokenizer" if qwen else "PreTrainedTokenizerFast"
     tok_cfg["chat_template"] = template
     tok_cfg["model_max_length"] = 512
@@ -275,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=None, help="default 64 (128 for qwen2_5_vl)")
     p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--num-layers", type=int, default=None, help="default 3 for qwen2_moe and glm4_moe, 2 otherwise")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="default 3 for qwen2_moe, glm4_moe and deepseek_v3, 2 otherwise")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--num-experts", type=int, default=8, help="MoE archs: routed experts per layer")
@@ -284,13 +305,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shared-expert-intermediate-size", type=int, default=48,
                    help="qwen2_moe: the shared expert's width")
     p.add_argument("--mlp-only-layers", default=None,
-                   help="MoE archs: comma-separated dense layers (default 1 for qwen2_moe, none for qwen3_moe)")
+                   help="MoE archs: comma-separated dense layers (default 1 for qwen2_moe, none for qwen3_moe, 0 "
+                        "for glm4_moe and deepseek_v3, whose dense layers come first)")
+    p.add_argument("--q-lora-rank", type=int, default=24,
+                   help="deepseek_v3: the query's low rank (0: one query projection, as Moonlight)")
     a = p.parse_args(argv)
     vocab = a.vocab_size or (128 if a.arch == "qwen2_5_vl" else 64)
     dense = None if a.mlp_only_layers is None else [int(x) for x in a.mlp_only_layers.split(",") if x.strip()]
     out = make_tiny_model(a.out, a.arch, a.seed, vocab, a.hidden_size, a.num_layers, a.num_heads,
                           a.num_kv_heads, a.num_experts, a.moe_topk, a.moe_intermediate_size,
-                          a.shared_expert_intermediate_size, dense)
+                          a.shared_expert_intermediate_size, dense, a.q_lora_rank)
     print(f"wrote {out}")
 
 

@@ -34,6 +34,12 @@ top-k and moe_router_topk_scaling_factor). The bias is megatron's `mlp.router.ex
 experts are SharedExpertMLP without a gate (HF: `mlp.shared_experts`, plural); q/k norms exist where
 config.json's use_qk_norm says (`Family.qk_norm_key`), and a key the file leaves out takes
 transformers' default for the family (`Family.config_defaults`).
+
+DeepSeek-V3 (`deepseek_v3`) adds multi-latent attention (`Family.mla`) to GLM-4.5's MoE layout: megatron's
+MLASelfAttention under the local spec, the query one projection or a low-rank pair with its norm
+(q_lora_rank), keys and values expanded per head from a latent with its norm, interleaved RoPE (or YaRN) on
+the rotary channels. Its projections are Layout.COLUMN (split on the output rows) or, for the down
+projections, whole on every TP rank (trainer/mcore.py's DuplicatedLinear says why).
 """
 
 from __future__ import annotations
@@ -46,7 +52,11 @@ from typing import Any
 # the named dimensions of `ParamMap.shapes`, defined from config.json in arch.py (`hf_shapes`)
 # q = heads x head_dim, kv = kv heads x head_dim; experts = routed experts, moe_ffn = one expert's width,
 # shared_ffn = the shared expert's width, one = 1 (the shared expert gate's single output)
-DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "moe_ffn", "shared_ffn", "one")
+DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "moe_ffn", "shared_ffn", "one",
+        # multi-latent attention (deepseek_v3): q_lora / kv_lora the latent widths, kv_down = kv_lora + the
+        # rotary key width, q_up = heads x (nope + rope) query width, kv_up = heads x (nope key + value)
+        # width, o_in = heads x value width
+        "q_lora", "kv_lora", "kv_down", "q_up", "kv_up", "o_in")
 
 
 class Layout(Enum):
@@ -55,6 +65,7 @@ class Layout(Enum):
     QKV = "qkv"  # fused [q; k; v] per query group, split by whole groups on dim 0 (weight or bias)
     FC1 = "fc1"  # fused [gate; up], each half split on dim 0 (SwiGLU)
     ROW = "row"  # row-parallel linear (linear_proj, linear_fc2): split on dim 1
+    COLUMN = "column"  # column-parallel linear of one output (MLA's projections): split on dim 0
 
 
 @dataclass(frozen=True)
@@ -123,15 +134,20 @@ class Family:
     # top-k is chosen on score + e_score_correction_bias in n_group groups (topk_group of them), the
     # weights the chosen scores renormalised, times routed_scaling_factor
     deepseek_moe: bool = False
+    # multi-latent attention (DeepSeek-V2/V3): megatron-core's MLASelfAttention under the local spec
+    mla: bool = False
 
     def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
         """config.json's value of `key`, or transformers' default for this family when the file leaves it
         out (config_defaults), or `default`."""
         return cfg[key] if cfg.get(key) is not None else self.config_defaults.get(key, default)
 
-    def layer_maps(self, moe_layer: bool = True, qk_norm: bool | None = None) -> tuple[ParamMap, ...]:
+    def layer_maps(self, moe_layer: bool = True, qk_norm: bool | None = None,
+                   q_lora: bool | None = None) -> tuple[ParamMap, ...]:
         """The entries of one layer: an MoE family's dense layers (moe_layer=False) have a dense MLP;
-        qk_norm=False drops the q/k norms of a family whose config switches them (qk_norm_key)."""
+        qk_norm=False drops the q/k norms of a family whose config switches them (qk_norm_key); for
+        multi-latent attention q_lora says whether the query goes through its low-rank pair (q_lora_rank)
+        or one projection (q_lora_rank null)."""
         if self.moe and not moe_layer:
             if not self.dense_layer_params:
                 raise ValueError(f"model_type {self.model_type!r}: no dense layers in this family")
@@ -140,19 +156,23 @@ class Family:
             maps = self.layer_params
         if qk_norm is False and self.qk_norm_key is not None:
             maps = tuple(p for p in maps if p not in _QK_NORM)
+        if self.mla:
+            drop = _MLA_Q_ONE if q_lora is not False else _MLA_Q_LORA
+            maps = tuple(p for p in maps if p not in drop)
         return maps
 
     def param_maps(self, num_layers: int, tied: bool, num_experts: int = 0,
-                   moe_layers: tuple[bool, ...] = (), qk_norm: bool | None = None) -> list[ParamMap]:
+                   moe_layers: tuple[bool, ...] = (), qk_norm: bool | None = None,
+                   q_lora: bool | None = None) -> list[ParamMap]:
         """Every parameter of the model, embedding first, in layer order, output layer last (an
         MoE family's experts in expert order, as if one rank held them all). `moe_layers`: per
         layer whether its MLP is an MoE block (empty: every layer's is, for an MoE family);
-        `qk_norm`: the config's q/k norm switch (qk_norm_key)."""
+        `qk_norm`: the config's q/k norm switch (qk_norm_key); `q_lora`: MLA's query low-rank pair."""
         first = [p for p in self.global_params if p.mcore.startswith("embedding.")]
         last = [p for p in self.global_params if not p.mcore.startswith("embedding.")]
         maps = list(first)
         for i in range(num_layers):
-            layer = self.layer_maps(moe_layers[i] if moe_layers else True, qk_norm)
+            layer = self.layer_maps(moe_layers[i] if moe_layers else True, qk_norm, q_lora)
             maps += [e for p in layer for e in p.at_layer(i).expand_experts(num_experts)]
         maps += last
         return [p for p in maps if not (p.untied_only and tied)]
@@ -225,6 +245,32 @@ _SHARED_EXPERTS_UNGATED = (
 _EXPERT_BIAS = ParamMap(_L + "mlp.router.expert_bias", (_H + "mlp.gate.e_score_correction_bias",),
                         Layout.REPLICATED, (("experts",),), buffer=True)
 
+# multi-latent attention (DeepSeek-V3): megatron's MLASelfAttention (local spec) against HF's DeepseekV3Attention.
+# The up projections (and one q_proj) are column-parallel linears split on their output rows, the down
+# projections whole on every TP rank (trainer/mcore.py's DuplicatedLinear says why); the latent norms are
+# megatron's q_layernorm / kv_layernorm. The query is one projection (q_proj) when q_lora_rank is null, else the
+# low-rank pair with its norm.
+_A = _L + "self_attention."
+_MLA_Q_ONE = (ParamMap(_A + "linear_q_proj.weight", (_H + "self_attn.q_proj.weight",), Layout.COLUMN,
+                       (("q_up", "hidden"),)),)
+_MLA_Q_LORA = (
+    ParamMap(_A + "linear_q_down_proj.weight", (_H + "self_attn.q_a_proj.weight",), Layout.REPLICATED,
+             (("q_lora", "hidden"),)),
+    ParamMap(_A + "q_layernorm.weight", (_H + "self_attn.q_a_layernorm.weight",), Layout.REPLICATED, (("q_lora",),)),
+    ParamMap(_A + "linear_q_up_proj.weight", (_H + "self_attn.q_b_proj.weight",), Layout.COLUMN,
+             (("q_up", "q_lora"),)),
+)
+_MLA = (
+    *_MLA_Q_ONE, *_MLA_Q_LORA,
+    ParamMap(_A + "linear_kv_down_proj.weight", (_H + "self_attn.kv_a_proj_with_mqa.weight",), Layout.REPLICATED,
+             (("kv_down", "hidden"),)),
+    ParamMap(_A + "kv_layernorm.weight", (_H + "self_attn.kv_a_layernorm.weight",), Layout.REPLICATED,
+             (("kv_lora",),)),
+    ParamMap(_A + "linear_kv_up_proj.weight", (_H + "self_attn.kv_b_proj.weight",), Layout.COLUMN,
+             (("kv_up", "kv_lora"),)),
+    ParamMap(_A + "linear_proj.weight", (_H + "self_attn.o_proj.weight",), Layout.ROW, (("hidden", "o_in"),)),
+)
+
 FAMILIES: dict[str, Family] = {
     "qwen2": Family(
         model_type="qwen2", global_params=_GLOBAL, hf_rmsnorm="Qwen2RMSNorm",
@@ -292,6 +338,23 @@ FAMILIES: dict[str, Family] = {
         moe=True,
         dense_layer_params=(_NORMS[0], _QKV_W, _QKV_B, *_QK_NORM, _PROJ, _NORMS[1], *_MLP),
         shared_expert=True, shared_expert_gate=False, deepseek_moe=True,
+    ),
+    # DeepSeek-V3 / R1, Moonlight (q_lora_rank null), Kimi-K2's architecture: multi-latent attention (no q/k/v
+    # bias), the first first_k_dense_replace layers dense, then GLM-4.5's routing (sigmoid + expert bias, groups,
+    # routed_scaling_factor) and n_shared_experts ungated shared experts
+    "deepseek_v3": Family(
+        model_type="deepseek_v3", global_params=_GLOBAL, hf_rmsnorm="DeepseekV3RMSNorm",
+        layer_params=(_NORMS[0], *_MLA, _NORMS[1], *_MOE[:1], _EXPERT_BIAS, *_MOE[1:], *_SHARED_EXPERTS_UNGATED),
+        qkv_bias=False, qk_layernorm=True, default_tied=False,
+        required_config={**_SWIGLU, "attention_bias": False, "norm_topk_prob": True, "rope_interleave": True},
+        # transformers' DeepseekV3Config defaults, for a config.json that leaves a key out
+        config_defaults={"first_k_dense_replace": 3, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+                         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rope_interleave": True,
+                         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                         "v_head_dim": 128, "attention_bias": False},
+        moe=True,
+        dense_layer_params=(_NORMS[0], *_MLA, _NORMS[1], *_MLP),
+        shared_expert=True, shared_expert_gate=False, deepseek_moe=True, mla=True,
     ),
 }
 

@@ -24,8 +24,7 @@ MODEL_ARGS_SECTION = "model (slime's MODEL_ARGS, Megatron-LM names): compared wi
 MODEL_ARGS_FIELD = "model.megatron_model_args"
 _TO = "is compared with config.json: "
 _NONE = "accepted, no effect here: "
-_MLA = ("multi-latent attention's {what}; Megatron-LM reads it only with --multi-latent-attention, which no model "
-        "family here has (that flag is compared, and refused)")
+_MLA = "multi-latent attention's {what} (deepseek_v3; Megatron-LM reads it only with --multi-latent-attention)"
 
 
 def moe_freq_type(text: str) -> int | list[int]:
@@ -144,17 +143,20 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     _refused_switch('--rotary-interleaved', "interleaved rotary pairs (they rotate the two halves of a head)"),
     _refused_switch('--use-rope-scaling', "llama3.x's RoPE scaling: the trainer builds default RoPE (a config.json "
                     "with rope_scaling is refused as such)"),
-    _no_effect('--rotary-scaling-factor', "YaRN's factor of multi-latent attention; Megatron-LM reads it only with "
-               "--multi-latent-attention (llama3.x's scaling is --use-rope-scaling, compared)", type=float),
-    _no_effect('--mscale', _MLA.format(what="YaRN mscale"), type=float),
-    _no_effect('--mscale-all-dim', _MLA.format(what="YaRN mscale_all_dim"), type=float),
+    _shape('--rotary-scaling-factor', _MLA.format(what="YaRN factor: rope_scaling.factor (1 without YaRN); "
+                                                   "llama3.x's scaling is --use-rope-scaling, compared"), type=float),
+    _shape('--mscale', _MLA.format(what="YaRN mscale: rope_scaling.mscale"), type=float),
+    _shape('--mscale-all-dim', _MLA.format(what="YaRN mscale_all_dim: rope_scaling.mscale_all_dim"), type=float),
     # ---- attention variants
-    _refused_switch('--multi-latent-attention', "multi-latent attention (kv_lora_rank)"),
-    _no_effect('--q-lora-rank', _MLA.format(what="query low-rank"), type=_positive_int),
-    _no_effect('--kv-lora-rank', _MLA.format(what="key/value low-rank"), type=_positive_int),
-    _no_effect('--qk-head-dim', _MLA.format(what="q/k head width"), type=_positive_int),
-    _no_effect('--qk-pos-emb-head-dim', _MLA.format(what="q/k rotary width"), type=_positive_int),
-    _no_effect('--v-head-dim', _MLA.format(what="value head width"), type=_positive_int),
+    _switch('--multi-latent-attention', "the family's multi-latent attention (deepseek_v3 has it: kv_lora_rank)"
+            + _ABSENT.format(default="standard attention")),
+    _shape('--q-lora-rank', _MLA.format(what="query low rank: q_lora_rank (null: one query projection)"),
+           type=_positive_int),
+    _shape('--kv-lora-rank', _MLA.format(what="key/value latent width: kv_lora_rank"), type=_positive_int),
+    _shape('--qk-head-dim', _MLA.format(what="query/key width without positions: qk_nope_head_dim"),
+           type=_positive_int),
+    _shape('--qk-pos-emb-head-dim', _MLA.format(what="rotary query/key width: qk_rope_head_dim"), type=_positive_int),
+    _shape('--v-head-dim', _MLA.format(what="value width: v_head_dim"), type=_positive_int),
     _refused_switch('--attention-output-gate', "an output gate on attention"),
     _refused_switch('--use-gated-attention', "gated attention (slime's Qwen3-Next patch)"),
     Flag('--spec', derived=MODEL_ARGS_FIELD, nargs='*', metavar='MODULE FUNCTION',

@@ -118,6 +118,12 @@ class ModelShape:
     vision: VisionShape | None = None
     shared_ffn: int = 0  # the shared expert's width in every MoE layer (0: none)
     shared_gate: bool = True  # Qwen2-MoE's shared expert has a [1, h] sigmoid gate; GLM-4.5's none
+    # multi-latent attention (DeepSeek-V3; kv_lora 0: none): the latent widths and each head's channels
+    q_lora: int = 0
+    kv_lora: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
 
     @property
     def q(self) -> int:
@@ -130,6 +136,12 @@ class ModelShape:
     def attention_params(self) -> tuple[int, int]:
         """(TP-split, replicated) parameters of one layer's attention block and its two RMSNorms."""
         h, q, kv = self.hidden, self.q, self.kv
+        if self.kv_lora:  # MLA: up projections split over TP, the down projections and latent norms whole
+            n, qk = self.heads, self.qk_nope + self.qk_rope
+            split = (self.q_lora if self.q_lora else h) * n * qk + self.kv_lora * n * (self.qk_nope + self.v_head)
+            split += n * self.v_head * h
+            replicated = 2 * h + (h * self.q_lora + self.q_lora if self.q_lora else 0)
+            return split, replicated + h * (self.kv_lora + self.qk_rope) + self.kv_lora
         split = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         replicated = 2 * h + (2 * self.head_dim if self.qk_norm else 0) + (h if self.o_bias else 0)
         return split, replicated
@@ -194,6 +206,13 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
         if family.shared_expert:
             shared_ffn = int(cfg.get("shared_expert_intermediate_size") or 0)
+    mla: dict[str, int] = {}
+    if family.mla:  # transformers' defaults where the file leaves a key out; q_lora_rank null: one q_proj
+        q_lora = cfg["q_lora_rank"] if "q_lora_rank" in cfg else family.config_defaults.get("q_lora_rank")
+        mla = {"q_lora": int(q_lora or 0), "kv_lora": int(family.config_value(cfg, "kv_lora_rank", 0)),
+               "qk_nope": int(family.config_value(cfg, "qk_nope_head_dim", 0)),
+               "qk_rope": int(family.config_value(cfg, "qk_rope_head_dim", 0)),
+               "v_head": int(family.config_value(cfg, "v_head_dim", 0))}
     vision = None
     if family.vision:
         vc = {**_VISION_DEFAULTS, **(config.get("vision_config") or {})}
@@ -203,8 +222,9 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
                              out_hidden=int(vc["out_hidden_size"]))
     return ModelShape(
         model_type=model_type, layers=layers, hidden=hidden, ffn=_need(cfg, "intermediate_size", where),
-        heads=heads, kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=_need(cfg, "vocab_size", where),
+        heads=heads, kv_heads=heads if mla else int(cfg.get("num_key_value_heads") or heads),
+        head_dim=mla["qk_nope"] + mla["qk_rope"] if mla else int(cfg.get("head_dim") or hidden // heads),
+        vocab=_need(cfg, "vocab_size", where),
         tied=bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
         # Qwen2 families always have q/k/v biases (Qwen2-MoE's config may say qkv_bias); in the others
         # attention_bias adds them and the o_proj bias
@@ -215,7 +235,7 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
                  else bool(family.config_value(cfg, family.qk_norm_key))),
         experts=experts, expert_ffn=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
         top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0, moe_layers=moe_layers, vision=vision,
-        shared_ffn=shared_ffn, shared_gate=family.shared_expert_gate)
+        shared_ffn=shared_ffn, shared_gate=family.shared_expert_gate, **mla)
 
 
 # ---------------------------------------------------------------------------------------- memory

@@ -83,7 +83,8 @@ class SDPACoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None) -> None:
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None) -> None:
         super().__init__(config=config)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
@@ -92,7 +93,9 @@ class SDPACoreAttention(MegatronModule):
         self.cp_size = config.context_parallel_size
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
+        # multi-latent attention gives its query/key and value widths (and its softmax scale)
+        self.head_dim = k_channels or config.kv_channels
+        self.v_dim = v_channels or self.head_dim
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -186,4 +189,4 @@ class SDPACoreAttention(MegatronModule):
             out = self._cp_bshd(q, k, v)
         else:
             out = self._sdpa(q, k, v, mask)  # [b, np, s, hn]
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim)

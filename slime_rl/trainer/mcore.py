@@ -65,12 +65,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
 
@@ -91,14 +92,80 @@ def _count_routed_tokens(self: TopKRouter, routing_map: Any, padding_mask: Any =
 
 TopKRouter._apply_expert_bias = _count_routed_tokens
 
+
+class DuplicatedLinear(MegatronModule):
+    """A linear layer whose whole weight every TP rank holds, applied to this rank's tokens: multi-latent
+    attention's down projections (TransformerEngine's parallel_mode "duplicated", which the local spec lacks).
+
+    megatron-core 0.19.2's MLA under the local spec splits the key/value down projection's outputs over TP and
+    gathers them (`gather_from_tensor_model_parallel_region`), whose backward keeps this rank's slice of the
+    gradient; the rotary key channels feed every head, so each rank's gradient for them is partial, and the
+    kept slices are wrong with TP > 1 (kv_a_proj_with_mqa's and the embedding's gradients 5e-4 off on the tiny
+    model). Duplicated, MLA takes its other path: the latent stays on this rank's tokens under sequence
+    parallelism and the rotary key is gathered over the sequence (`gather_from_sequence_parallel_region`, whose
+    backward sums the ranks' gradients). The weight's gradient is then partial per rank (its tokens), summed by
+    finalize_model_grads (`sequence_parallel`). Without sequence parallelism every rank would see every token
+    and the rotary key's gradient would stay partial: MLA with TP > 1 needs --sequence-parallel, as megatron's
+    MoE layers do anyway."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Any = None, bias: bool = False,
+                 skip_bias_add: bool = False, **_unused: Any) -> None:
+        import torch
+
+        super().__init__(config=config)
+        if bias:
+            raise ValueError("DuplicatedLinear: no bias (multi-latent attention's down projections have none)")
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
+        if config.perform_initialization and init_method is not None:
+            init_method(self.weight)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: Any) -> tuple[Any, None]:
+        import torch.nn.functional as F
+
+        return F.linear(x, self.weight), None
+
+
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention  # noqa: E402
+
+
+class LocalMLASelfAttention(MLASelfAttention):
+    """megatron's MLASelfAttention building the modules its spec names, as given.
+
+    megatron-core 0.19.2's QKNormConfigResolver, with qk_layernorm on (the latent norms) and q_lora_rank
+    null (one query projection: Moonlight), asks the backend for a fused norm+linear query projection,
+    which the local spec does not have (it raises). The trainer's spec names every module explicitly
+    (model._layer_spec: no query norm without q_lora_rank, our RMSNorm for the latents), so nothing is left
+    to resolve."""
+
+    def _resolve_qk_norm_config(self, submodules: Any) -> dict[str, Any]:
+        return {"linear_q_proj": submodules.linear_q_proj, "linear_q_up_proj": submodules.linear_q_up_proj,
+                "linear_kv_up_proj": submodules.linear_kv_up_proj, "q_layernorm": submodules.q_layernorm,
+                "kv_layernorm": submodules.kv_layernorm}
+
+
+def _install_duplicated_linear() -> None:
+    """MLASelfAttention takes a down projection of a class it knows; without TransformerEngine its name for
+    the plain linear (modelopt's `Linear`) is None, and DuplicatedLinear takes that place."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if getattr(mla, "Linear", None) is None:
+        mla.Linear = DuplicatedLinear
+
+
+_install_duplicated_linear()
+
 __all__ = [
     "DistributedDataParallel", "DistributedDataParallelConfig", "Float16Module", "GPTModel",
     "MegatronModule", "MegatronOptimizerConfig", "OptimizerParamScheduler", "PackedSeqParams",
     "ProcessGroupCollection", "ShardedObject", "ShardedTensor", "ShardedTensorFactory",
-    "TransformerBlockSubmodules", "TransformerConfig", "dist_checkpointing", "finalize_model_grads",
+    "TransformerBlockSubmodules", "TransformerConfig", "MLATransformerConfig", "dist_checkpointing",
+    "finalize_model_grads",
     "gather_from_sequence_parallel_region", "get_forward_backward_func", "get_gpt_layer_local_spec",
     "get_megatron_optimizer", "get_moe_metrics_tracker", "mpu", "on_rank_thread", "rope_utils", "tensor_parallel",
-    "vocab_parallel_cross_entropy", "RouterReplay", "RouterReplayAction", "TopKRouter",
+    "vocab_parallel_cross_entropy", "RouterReplay", "RouterReplayAction", "TopKRouter", "DuplicatedLinear",
+    "IdentityOp", "LocalMLASelfAttention",
 ]
 
 def on_rank_thread[F: Callable[..., Any]](method: F) -> F:

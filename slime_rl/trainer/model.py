@@ -19,7 +19,11 @@ from slime_rl.trainer import packed_rope
 from slime_rl.trainer.attention import SDPACoreAttention
 from slime_rl.trainer.convert import ModelArch, load_arch
 from slime_rl.trainer.mcore import (
+    DuplicatedLinear,
     GPTModel,
+    IdentityOp,
+    LocalMLASelfAttention,
+    MLATransformerConfig,
     TransformerBlockSubmodules,
     TransformerConfig,
     get_gpt_layer_local_spec,
@@ -153,8 +157,22 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
     if arch.pipeline_layers:  # megatron's uneven split: the first and last stages' counts, the rest even
         uneven = {"num_layers_in_first_pipeline_stage": arch.pipeline_layers[0],
                   "num_layers_in_last_pipeline_stage": arch.pipeline_layers[-1]}
-    return TransformerConfig(
+    mla = {}
+    config_class = TransformerConfig
+    if arch.mla:  # megatron's MLASelfAttention: its own fields, default RoPE on the rotary part of each head
+        config_class = MLATransformerConfig
+        mla = dict(q_lora_rank=arch.q_lora_rank or None, kv_lora_rank=arch.kv_lora_rank,
+                   qk_head_dim=arch.qk_nope_head_dim, qk_pos_emb_head_dim=arch.qk_rope_head_dim,
+                   v_head_dim=arch.v_head_dim, rope_type="rope", rotary_base=arch.rotary_base,
+                   rotary_percent=1.0, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+        if arch.yarn_factor:  # YaRN on the rotary channels (convert/arch.py _yarn_fields: transformers' reading)
+            mla.update(rope_type="yarn", rotary_scaling_factor=arch.yarn_factor,
+                       original_max_position_embeddings=arch.yarn_original_max_position_embeddings,
+                       beta_fast=arch.yarn_beta_fast, beta_slow=arch.yarn_beta_slow, mscale=arch.yarn_mscale,
+                       mscale_all_dim=arch.yarn_mscale_all_dim)
+    return config_class(
         **uneven,
+        **mla,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -223,10 +241,7 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
                                 recompute_granularity=recompute_granularity,
                                 recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
                                 context_parallel_size=context_parallel_size, moe=moe)
-    spec = get_gpt_layer_local_spec(num_experts=arch.num_experts or None, moe_grouped_gemm=False,
-                                    normalization="RMSNorm", qk_layernorm=arch.qk_layernorm)
-    # megatron's local DotProductAttention rejects packed (THD) batches; ours handles both layouts
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    spec = _layer_spec(arch, arch.num_experts or None)
     # every norm ours (engine rounding; SP-capable): trainer/norm.py
     spec = _norm_block_spec(spec, arch, here)
     if not all(arch.is_moe_layer(i) for i in range(arch.num_layers)) and arch.num_experts:
@@ -276,12 +291,28 @@ def fp32_output_layer(layer: torch.nn.Module) -> None:
     layer._forward_impl = forward_impl
 
 
+def _layer_spec(arch: ModelArch, num_experts: int | None):
+    """megatron's local layer spec for this arch (multi-latent attention where the family has it) with our
+    core attention: megatron's local DotProductAttention rejects packed (THD) batches; ours handles both."""
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                    qk_layernorm=arch.qk_layernorm, multi_latent_attention=arch.mla)
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if arch.mla:  # the latent down projections whole on every TP rank (mcore.DuplicatedLinear says why)
+        spec.submodules.self_attention.module = LocalMLASelfAttention
+        spec.submodules.self_attention.submodules.linear_q_down_proj = DuplicatedLinear
+        spec.submodules.self_attention.submodules.linear_kv_down_proj = DuplicatedLinear
+    return spec
+
+
 def _norm_block_spec(spec, arch: ModelArch, layers_here: int):
     """The local layer spec with our norms (trainer/norm.py: the engine's rounding, SP-capable), as a
     block spec so the final norm is ours too."""
     spec.submodules.input_layernorm = TrainerRMSNorm
     spec.submodules.pre_mlp_layernorm = TrainerRMSNorm
-    if arch.qk_layernorm:  # q/k norms see the gathered sequence; megatron sums their grads anyway
+    if arch.mla:  # the query's and the key/value latent's norms (q_layernorm only with q_lora_rank)
+        spec.submodules.self_attention.submodules.q_layernorm = TrainerRMSNorm if arch.q_lora_rank else IdentityOp
+        spec.submodules.self_attention.submodules.kv_layernorm = TrainerRMSNorm
+    elif arch.qk_layernorm:  # q/k norms see the gathered sequence; megatron sums their grads anyway
         spec.submodules.self_attention.submodules.q_layernorm = TrainerRMSNorm
         spec.submodules.self_attention.submodules.k_layernorm = TrainerRMSNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=TrainerRMSNorm)
@@ -291,9 +322,7 @@ def _mixed_block_spec(moe_spec, arch: ModelArch, first: int, layers_here: int):
     """A block spec of an MoE model with dense layers (mlp_only_layers / decoder_sparse_step): this
     stage's layers, each the MoE layer spec or the dense one (megatron's own
     get_gpt_decoder_block_spec does the same from moe_layer_freq, with its own norms and attention)."""
-    dense = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, normalization="RMSNorm",
-                                     qk_layernorm=arch.qk_layernorm)
-    dense.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    dense = _layer_spec(arch, None)
     # moe_spec is already the block spec of _norm_block_spec
     moe_layer, norm = moe_spec.layer_specs[0], moe_spec.layer_norm
     dense = _norm_block_spec(dense, arch, 1).layer_specs[0]

@@ -60,6 +60,16 @@ DEEPSEEK_V3 = f"""--disable-bias-linear --num-layers 61 --hidden-size 7168 --ffn
 --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0 --moe-router-bias-update-rate 0 --moe-router-group-topk 4
 --moe-router-num-groups 8 --moe-grouped-gemm --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32
 --moe-permute-fusion"""
+# scripts/models/qwen3-next-80B-A3B.sh (slime's own spec, gated attention and linear attention layers)
+QWEN3_NEXT = f"""--spec slime_plugins.models.qwen3_next get_qwen3_next_spec --disable-bias-linear --qk-layernorm
+--group-query-attention --num-attention-heads 16 --num-query-groups 2 --kv-channels 256 --num-layers 48
+--hidden-size 2048 --ffn-hidden-size 5120 --use-gated-attention --normalization RMSNorm --apply-layernorm-1p
+--position-embedding-type rope --norm-epsilon 1e-6 --rotary-percent 0.25 --swiglu
+--untie-embeddings-and-output-weights --vocab-size 151936
+--rotary-base 10000000 --moe-ffn-hidden-size 512 --moe-shared-expert-intermediate-size 512
+--moe-router-score-function softmax --moe-token-dispatcher-type alltoall --moe-router-topk 10
+--moe-layer-freq [{','.join(['1'] * 48)}] --num-experts 512 --moe-grouped-gemm --moe-token-drop-policy probs
+--moe-router-dtype fp32 --moe-permute-fusion --moe-aux-loss-coeff 0 --attention-output-gate --moe-shared-expert-gate"""
 GLM4_5_AIR = """--disable-bias-linear --group-query-attention --num-attention-heads 96 --num-query-groups 8
 --kv-channels 128 --num-layers 46 --hidden-size 4096 --ffn-hidden-size 10944 --add-qkv-bias --normalization RMSNorm
 --position-embedding-type rope --rotary-percent 0.5 --swiglu --untie-embeddings-and-output-weights
@@ -351,22 +361,23 @@ def test_every_flag_of_slimes_model_files_is_read(tmp_path):
 
 
 # ---- model families this trainer does not build: one sentence naming model_type, before any other check
-@pytest.mark.parametrize("config, model_type", [("deepseek_v3.json", "deepseek_v3")])
+@pytest.mark.parametrize("config, model_type", [("qwen3_next.json", "qwen3_next")])
 @pytest.mark.parametrize("extra", [[], ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8",
                                         "--expert-model-parallel-size", "16", "--rollout-batch-size", "16"]],
                          ids=["no-EP", "EP16"])
 def test_an_unsupported_family_is_refused_naming_its_model_type(config, model_type, extra, tmp_path):
     message = _refused(tmp_path, config, extra, UNSUPPORTED)
     assert f"its config.json names model_type '{model_type}', which is not a model family this trainer builds " \
-           "(supported: glm4_moe, llama, qwen2, qwen2_5_vl, qwen2_moe, qwen3, qwen3_moe)" in message, message
+           "(supported: deepseek_v3, glm4_moe, llama, qwen2, qwen2_5_vl, qwen2_moe, qwen3, qwen3_moe)" in message, \
+        message
     assert "dense" not in message
 
 
-@pytest.mark.parametrize("config, model_type, model_args", [("deepseek_v3.json", "deepseek_v3", DEEPSEEK_V3)])
+@pytest.mark.parametrize("config, model_type, model_args", [("qwen3_next.json", "qwen3_next", QWEN3_NEXT)])
 @pytest.mark.parametrize("ep", ["1", "8"])
 def test_a_dry_run_of_an_unsupported_family_exits_2_with_that_sentence(config, model_type, model_args, ep, tmp_path,
                                                                       capsys):
-    """slime's own model file for it (multi-latent attention, expert bias, ...) gets the same sentence, not a
+    """slime's own model file for it (its own spec, gated attention, ...) gets the same sentence, not a
     complaint about one of its flags; the dry run stops before its estimates."""
     hf = _checkpoint(tmp_path, config, UNSUPPORTED)
     argv = ["--hf-checkpoint", str(hf), "--prompt-data", "/data/not-here.jsonl", "--rollout-batch-size", "16",
@@ -377,8 +388,8 @@ def test_a_dry_run_of_an_unsupported_family_exits_2_with_that_sentence(config, m
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()[-1]
     assert err == (f"slime-rl train: error: --hf-checkpoint {hf}: its config.json names model_type '{model_type}', "
-                   "which is not a model family this trainer builds (supported: glm4_moe, llama, qwen2, qwen2_5_vl, "
-                   "qwen2_moe, qwen3, qwen3_moe)"), err
+                   "which is not a model family this trainer builds (supported: deepseek_v3, glm4_moe, llama, qwen2, "
+                   "qwen2_5_vl, qwen2_moe, qwen3, qwen3_moe)"), err
     assert "estimates" not in captured.out
 
 
@@ -463,3 +474,42 @@ def test_a_moving_expert_bias_is_refused_naming_the_flag(tmp_path):
     tokens = _replace(GLM4_5_AIR.split(), "--moe-router-bias-update-rate", "0.001")
     with pytest.raises(ConfigError, match=r"--moe-router-bias-update-rate must be 0: .*got 0.001"):
         _check(tmp_path, "glm4_5_air.json", tokens, UNSUPPORTED)
+
+
+def test_deepseek_v3_model_file_agrees_and_plans(tmp_path, capsys):
+    """slime's scripts/models/deepseek-v3.sh against DeepSeek-V3's published config.json: multi-latent attention
+    (ranks 1536 / 512, head widths 128 + 64 and 128), YaRN (factor 40, mscale 1, mscale_all_dim 1), the 3 dense
+    layers, 256 experts in 8 groups (4 taken), scaling 2.5, the expert bias: every flag agrees, and the dry run
+    plans it on 4 x 8 GPUs with EP 8."""
+    hf = _checkpoint(tmp_path, "deepseek_v3.json", UNSUPPORTED)
+    _check(tmp_path, "deepseek_v3.json", DEEPSEEK_V3.split(), UNSUPPORTED)
+    argv = ["--hf-checkpoint", str(hf), "--prompt-data", "/data/not-here.jsonl", "--rollout-batch-size", "16",
+            "--num-rollout", "1", "--rm-type", "math", "--rollout-backend", "sglang", "--actor-num-nodes", "2",
+            "--actor-num-gpus-per-node", "8", "--expert-model-parallel-size", "8", "--rollout-num-gpus", "16",
+            "--dry-run", "--cluster", "4x8", *DEEPSEEK_V3.split()]
+    rc, captured = train_main(argv), capsys.readouterr()
+    assert rc == 0, captured.err
+    # 61 layers less first_k_dense_replace 3 dense: 58 MoE layers of 256 experts, top 8
+    assert "deepseek_v3" in captured.out and "256 experts, top-8, in 58 layers" in captured.out, captured.out
+
+
+@pytest.mark.parametrize("change, claim, truth", [
+    (("--q-lora-rank", "1024"), "--q-lora-rank 1024", "q_lora_rank 1536"),
+    (("--kv-lora-rank", "256"), "--kv-lora-rank 256", "kv_lora_rank 512"),
+    (("--qk-pos-emb-head-dim", "32"), "--qk-pos-emb-head-dim 32", "qk_rope_head_dim 64"),
+    (("--v-head-dim", "64"), "--v-head-dim 64", "v_head_dim 128"),
+    (("--rotary-scaling-factor", "32"), "--rotary-scaling-factor 32", "rope_scaling.factor 40"),
+    (("--moe-router-group-topk", "2"), "--moe-router-group-topk 2", "topk_group 4"),
+])
+def test_deepseek_v3_model_file_that_differs_is_named(change, claim, truth, tmp_path):
+    """Each MLA / YaRN / group flag compared with the config.json key it describes (values from the published
+    file)."""
+    tokens = DEEPSEEK_V3.split()
+    tokens = _replace(tokens, change[0], change[1]) if change[0] in tokens else tokens + list(change)
+    message = _refused(tmp_path, "deepseek_v3.json", tokens, UNSUPPORTED)
+    assert f"{claim}: " in message and truth in message, message
+
+
+def test_multi_latent_attention_on_a_model_without_it_is_named(tmp_path):
+    message = _refused(tmp_path, "glm4_5_air.json", GLM4_5_AIR.split() + ["--multi-latent-attention"], UNSUPPORTED)
+    assert "--multi-latent-attention: " in message and "which has no multi-latent attention" in message, message

@@ -136,7 +136,16 @@ SCENARIOS.update({"qwen2_moe1": _qwen2_moe("base", noaux=True), "qwen2_moe_ep2":
                   "glm4_moe_ep2": _qwen2_moe("ep2", key="glm4_moe"),
                   "glm4_moe_ep2tp2": _qwen2_moe("ep2tp2", key="glm4_moe"),
                   "glm4_moe_ep2pp2": _qwen2_moe("ep2pp2", key="glm4_moe"),
-                  "glm4_moe_cp2ep2": _qwen2_moe("cp2ep2", key="glm4_moe")})
+                  "glm4_moe_cp2ep2": _qwen2_moe("cp2ep2", key="glm4_moe"),
+                  # DeepSeek-V3 (multi-latent attention over glm4_moe's MoE layout) and Moonlight's one q_proj
+                  "deepseek_v31": _qwen2_moe("base", noaux=True, key="deepseek_v3"),
+                  "moonlight1": _qwen2_moe("base", noaux=True, key="moonlight"),
+                  **{f"deepseek_v3_{name}": _qwen2_moe(name, key="deepseek_v3")
+                     for name in ("ep2", "ep2tp2", "ep2pp2", "cp2ep2")},
+                  "moonlight_ep2tp2": _qwen2_moe("ep2tp2", key="moonlight"),
+                  # DeepSeek-V3's YaRN on the rotary channels
+                  "yarn1": _qwen2_moe("base", noaux=True, key="yarn"),
+                  "yarn_cp2ep2": _qwen2_moe("cp2ep2", key="yarn"), "yarn_ep2tp2": _qwen2_moe("ep2tp2", key="yarn")})
 
 
 def scenario_glm4_moe_bf16(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:

@@ -33,8 +33,12 @@ CFG = dict(model_type="qwen2", hidden_size=8, intermediate_size=6, num_hidden_la
            shared_expert_intermediate_size=6,  # qwen2_moe's shared expert
            n_routed_experts=4, n_shared_experts=1)  # glm4_moe's names of the same
 # what a family needs beyond CFG (glm4_moe: GLM-4.5's q/k/v biases; no dense layer, transformers' default
-# being 1 of CFG's 1)
-FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0}}
+# being 1 of CFG's 1 layer)
+FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0},
+              # deepseek_v3: multi-latent attention (every head its own key), small latent widths
+              "deepseek_v3": {"num_key_value_heads": 4, "first_k_dense_replace": 0, "q_lora_rank": 6, "kv_lora_rank": 4,
+                              "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3, "n_group": 1,
+                              "topk_group": 1}}
 
 
 TEXT_FAMILIES = sorted(k for k, f in FAMILIES.items() if not f.vision)

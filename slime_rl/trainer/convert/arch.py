@@ -57,6 +57,21 @@ class ModelArch:
     moe_scaling_factor: float | None = None
     # the share of each head's channels that rotate (partial_rotary_factor; GLM-4.5: 0.5)
     rotary_percent: float = 1.0
+    # multi-latent attention (Family.mla; 0: none): the query's low-rank width (0: one q_proj), the key/value
+    # latent's width, each head's query/key width without and with rotary positions, each head's value width
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # YaRN on multi-latent attention's rotary channels (DeepSeek-V3, Kimi-K2): factor (0: default RoPE),
+    # the pretraining context, beta_fast / beta_slow, mscale / mscale_all_dim as megatron's MLA reads them
+    yarn_factor: float = 0.0
+    yarn_original_max_position_embeddings: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
     # multi-token-prediction layers the checkpoint holds after the decoder (num_nextn_predict_layers):
     # their tensors are read past and not trained
     mtp_layers: int = 0
@@ -86,13 +101,18 @@ class ModelArch:
         return get_family(self.model_type)
 
     def layer_maps(self, i: int) -> tuple[ParamMap, ...]:
-        """The registry entries of global layer i (its MLP dense or MoE; q/k norms as the config says)."""
-        return self.family.layer_maps(self.is_moe_layer(i), self.qk_layernorm)
+        """The registry entries of global layer i (its MLP dense or MoE; q/k norms and MLA's query
+        projections as the config says)."""
+        return self.family.layer_maps(self.is_moe_layer(i), self.qk_layernorm, self.q_lora_rank > 0)
 
     def param_maps(self) -> list[ParamMap]:
         """Every tensor of the model as one rank would hold it (Family.param_maps for this config)."""
         return self.family.param_maps(self.num_layers, self.tie_word_embeddings, self.num_experts, self.moe_layers,
-                                      self.qk_layernorm)
+                                      self.qk_layernorm, self.q_lora_rank > 0)
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def vision_params(self) -> tuple[ParamMap, ...]:
@@ -110,14 +130,15 @@ def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
 
 
-def _rope_theta(cfg: dict[str, Any], where: str) -> float:
+def _rope_theta(cfg: dict[str, Any], where: str, yarn: bool = False) -> float:
     # transformers 5 writes rope_parameters = {rope_theta, rope_type}; older configs a flat key.
     params = _rope_params(cfg)
     rope_type = params.get("rope_type", params.get("type", "default"))
     # Qwen2-VL / 2.5-VL hub configs say rope_scaling {"type": "mrope", "mrope_section": ...}: that is
     # default RoPE frequencies with 3-D positions (transformers maps it to "default" too)
-    if rope_type not in ("default", "mrope"):
-        raise ValueError(f"{where}: rope_type {rope_type!r} is not supported (only 'default' RoPE)")
+    if rope_type not in ("default", "mrope") and not (yarn and rope_type == "yarn"):
+        raise ValueError(f"{where}: rope_type {rope_type!r} is not supported (only 'default' RoPE"
+                         + (", and 'yarn' for multi-latent attention)" if yarn else ")"))
     theta = params.get("rope_theta", cfg.get("rope_theta"))
     if theta is None:
         raise ValueError(f"{where}: neither rope_parameters.rope_theta nor rope_theta is set")
@@ -149,6 +170,9 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     heads = int(cfg["num_attention_heads"])
     groups = int(cfg.get("num_key_value_heads") or heads)
     hidden = int(cfg["hidden_size"])
+    if family.mla and groups != heads:
+        raise ValueError(f"{where}: num_key_value_heads={groups} must equal num_attention_heads={heads} for "
+                         "multi-latent attention (each head expands its own key and value from the latent)")
     if groups % tp_size != 0:
         raise ValueError(f"{where}: num_key_value_heads={groups} is not divisible by "
                          f"--tensor-model-parallel-size {tp_size}; each TP rank must own whole "
@@ -161,6 +185,7 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     elif family.moe:
         moe = _moe_fields(cfg, where, int(cfg["num_hidden_layers"]), family.shared_expert)
     qk_norm = family.qk_layernorm if family.qk_norm_key is None else bool(family.config_value(cfg, family.qk_norm_key))
+    mla = _mla_fields(cfg, family, where, tp_size) if family.mla else {}
     return ModelArch(
         model_type=family.model_type,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -168,9 +193,11 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         ffn_hidden_size=int(cfg["intermediate_size"]),
         num_attention_heads=heads,
         num_query_groups=groups,
-        kv_channels=int(cfg.get("head_dim") or hidden // heads),
+        # multi-latent attention: a query/key head's width (megatron's MLA reads its own fields)
+        kv_channels=(mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"] if mla
+                     else int(cfg.get("head_dim") or hidden // heads)),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rotary_base=_rope_theta(cfg, where),
+        rotary_base=_rope_theta(cfg, where, yarn=family.mla),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         vocab_size=vocab,
         padded_vocab_size=-(-vocab // multiple) * multiple,
@@ -179,6 +206,8 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         qk_layernorm=qk_norm,
         rotary_percent=_rotary_percent(cfg, family, where),
         mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+        **mla,
+        **(_yarn_fields(cfg, where) if family.mla else {}),
         mrope_section=tuple(int(x) for x in mrope) if mrope else None,
         vision=vision,
         **moe,
@@ -206,6 +235,55 @@ def _moe_fields(cfg: dict[str, Any], where: str, num_layers: int = 0, shared_exp
                              f"(the shared expert's width), got {shared!r}")
         out["moe_shared_expert_ffn_hidden_size"] = shared
     return out
+
+
+def _mla_fields(cfg: dict[str, Any], family: Family, where: str, tp_size: int) -> dict[str, int]:
+    """ModelArch's multi-latent attention fields from a DeepSeek-V3 config.json (transformers' defaults for a
+    key the file leaves out; q_lora_rank null: one query projection). The up projections split by heads over
+    TP (num_key_value_heads = num_attention_heads, checked with the groups); the down projections are whole
+    on every rank."""
+    del tp_size  # the heads' split is checked with the query groups
+    value = family.config_value
+    q_lora = cfg["q_lora_rank"] if "q_lora_rank" in cfg else family.config_defaults.get("q_lora_rank")
+    out = {"q_lora_rank": int(q_lora or 0), "kv_lora_rank": int(value(cfg, "kv_lora_rank", 0)),
+           "qk_nope_head_dim": int(value(cfg, "qk_nope_head_dim", 0)),
+           "qk_rope_head_dim": int(value(cfg, "qk_rope_head_dim", 0)), "v_head_dim": int(value(cfg, "v_head_dim", 0))}
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if out[key] <= 0:
+            raise ValueError(f"{where}: {key}={out[key]} must be a positive integer (multi-latent attention)")
+    if out["qk_rope_head_dim"] % 2:
+        raise ValueError(f"{where}: qk_rope_head_dim={out['qk_rope_head_dim']} must be even (rotary pairs)")
+    return out
+
+
+def _yarn_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """ModelArch's YaRN fields from rope_parameters / rope_scaling of type yarn (none for default RoPE), read as
+    transformers' _compute_yarn_parameters and yarn_apply_mscale read them: factor (absent: max_position_embeddings
+    / original_max_position_embeddings), beta_fast 32 / beta_slow 1 where absent, the cos/sin concentration
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set and non-zero, else mscale(factor),
+    and the softmax scale times mscale(factor, mscale_all_dim)^2 when mscale_all_dim is set. megatron's
+    YarnRotaryEmbedding computes the same from (mscale, mscale_all_dim) = (1, 0) in the second case."""
+    params = _rope_params(cfg)
+    if params.get("rope_type", params.get("type", "default")) != "yarn":
+        return {}
+    for key in ("attention_factor",):
+        if params.get(key) is not None:
+            raise ValueError(f"{where}: rope_parameters.{key}={params[key]!r} is not supported for YaRN (the "
+                             "concentration comes from factor, mscale and mscale_all_dim)")
+    if params.get("truncate", True) is not True:
+        raise ValueError(f"{where}: rope_parameters.truncate={params['truncate']!r} is not supported (megatron "
+                         "rounds YaRN's correction range to integers)")
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError(f"{where}: YaRN needs rope_parameters.original_max_position_embeddings")
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else int(cfg.get("max_position_embeddings", 0)) / int(original)
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    both = bool(mscale) and bool(all_dim)
+    return {"yarn_factor": factor, "yarn_original_max_position_embeddings": int(original),
+            "yarn_beta_fast": float(params.get("beta_fast") or 32),
+            "yarn_beta_slow": float(params.get("beta_slow") or 1),
+            "yarn_mscale": float(mscale) if both else 1.0, "yarn_mscale_all_dim": float(all_dim) if both else 0.0}
 
 
 def _rotary_percent(cfg: dict[str, Any], family: Family, where: str) -> float:
@@ -297,7 +375,12 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     size = {"vocab": arch.vocab_size, "hidden": arch.hidden_size, "ffn": arch.ffn_hidden_size,
             "q": arch.num_attention_heads * arch.kv_channels, "kv": arch.num_query_groups * arch.kv_channels,
             "head": arch.kv_channels, "experts": arch.num_experts, "moe_ffn": arch.moe_ffn_hidden_size,
-            "shared_ffn": arch.moe_shared_expert_ffn_hidden_size, "one": 1}
+            "shared_ffn": arch.moe_shared_expert_ffn_hidden_size, "one": 1,
+            "q_lora": arch.q_lora_rank, "kv_lora": arch.kv_lora_rank,
+            "kv_down": arch.kv_lora_rank + arch.qk_rope_head_dim,
+            "q_up": arch.num_attention_heads * (arch.qk_nope_head_dim + arch.qk_rope_head_dim),
+            "kv_up": arch.num_attention_heads * (arch.qk_nope_head_dim + arch.v_head_dim),
+            "o_in": arch.num_attention_heads * arch.v_head_dim}
     out: dict[str, tuple[int, ...]] = {pm.hf[0]: pm.shapes[0] for pm in arch.vision_params}  # concrete sizes
     for pm in arch.param_maps():
         assert len(pm.shapes) == len(pm.hf), f"registry entry {pm.mcore}: one shape per HF name"

@@ -36,7 +36,6 @@ _NO_FAMILY_HAS = {
     "--rotary-interleaved": "interleaved rotary pairs (it rotates the two halves of each head)",
     "--attention-output-gate": "output gate on attention",
     "--use-gated-attention": "gated attention",
-    "--multi-latent-attention": "multi-latent attention (no kv_lora_rank)",
     "--use-rope-scaling": "RoPE scaling (no rope_scaling: default RoPE)",
     "--moe-router-enable-expert-bias": "expert bias in its routers (e_score_correction_bias)",
 }
@@ -126,7 +125,9 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
         out.append(Mismatch("no --group-query-attention (Megatron-LM builds one key/value head per attention "
                             f"head{unread})", f"num_key_value_heads {groups} (of {heads} heads)"))
     head_key = "head_dim" if text.get("head_dim") else "hidden_size / num_attention_heads"
-    if "--kv-channels" in given:
+    if arch.mla:  # multi-latent attention reads its own widths (below), not --kv-channels
+        pass
+    elif "--kv-channels" in given:
         compare("--kv-channels", given["--kv-channels"], head_key, arch.kv_channels)
     elif whole:
         default = given["--hidden-size"] // given["--num-attention-heads"]
@@ -190,6 +191,7 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
     elif whole and arch.rotary_percent != 1.0:
         compare("--rotary-percent", 1.0, "partial_rotary_factor", arch.rotary_percent,
                 claim="no --rotary-percent (Megatron-LM rotates the whole head)")
+    _compare_mla(given, text, arch, whole, out, compare)
     for flag, what in _NO_FAMILY_HAS.items():
         if flag == "--moe-router-enable-expert-bias" and arch.moe_expert_bias:
             continue
@@ -206,6 +208,46 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
                             + ": the trainer builds no multi-token-prediction layers"))
     _compare_moe(given, text, arch, whole, out, compare)
     return out
+
+
+def _compare_mla(given: dict[str, Any], text: dict[str, Any], arch: ModelArch, whole: bool, out: list[Mismatch],
+                 compare: Any) -> None:
+    """Multi-latent attention's flags against deepseek_v3's config.json (Megatron-LM reads them only with
+    --multi-latent-attention): the latent ranks and head widths, and YaRN's factor and mscales."""
+    mt = repr(arch.model_type)
+    if given.get("--multi-latent-attention") and not arch.mla:
+        out.append(Mismatch("--multi-latent-attention", f"model_type {mt}, which has no multi-latent attention "
+                            "(no kv_lora_rank)"))
+        return
+    if not arch.mla:
+        return
+    if not given.get("--multi-latent-attention"):
+        if whole:
+            out.append(Mismatch("no --multi-latent-attention (Megatron-LM builds standard attention)",
+                                f"kv_lora_rank {arch.kv_lora_rank}: multi-latent attention"))
+        return
+    q_lora = arch.q_lora_rank or None
+    if "--q-lora-rank" in given:
+        compare("--q-lora-rank", given["--q-lora-rank"], "q_lora_rank", q_lora or "null",
+                truth=None if q_lora else "q_lora_rank null: one query projection")
+    elif q_lora and whole:
+        out.append(Mismatch("no --q-lora-rank (Megatron-LM builds one query projection)", f"q_lora_rank {q_lora}"))
+    for flag, key, actual in (("--kv-lora-rank", "kv_lora_rank", arch.kv_lora_rank),
+                              ("--qk-head-dim", "qk_nope_head_dim", arch.qk_nope_head_dim),
+                              ("--qk-pos-emb-head-dim", "qk_rope_head_dim", arch.qk_rope_head_dim),
+                              ("--v-head-dim", "v_head_dim", arch.v_head_dim)):
+        if flag in given:
+            compare(flag, given[flag], key, actual)
+    scaling = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
+    factor = arch.yarn_factor or 1.0
+    if "--rotary-scaling-factor" in given:
+        compare("--rotary-scaling-factor", given["--rotary-scaling-factor"], f"{scaling}.factor", factor,
+                truth=None if arch.yarn_factor else "no YaRN (default RoPE: factor 1)")
+    if arch.yarn_factor:  # the mscales matter only with YaRN (factor 1 makes both 1)
+        for flag, key, actual in (("--mscale", "mscale", arch.yarn_mscale),
+                                  ("--mscale-all-dim", "mscale_all_dim", arch.yarn_mscale_all_dim)):
+            if flag in given:
+                compare(flag, given[flag], f"{scaling}.{key}", actual)
 
 
 def _compare_moe(given: dict[str, Any], text: dict[str, Any], arch: ModelArch, whole: bool, out: list[Mismatch],

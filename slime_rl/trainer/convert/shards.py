@@ -48,6 +48,8 @@ def hf_to_mcore_shard(pm: ParamMap, hf: list[Tensor], arch: ModelArch, tp_rank: 
         return hf[0]
     if pm.layout is Layout.ROW:
         return hf[0].chunk(tp_size, dim=1)[tp_rank]
+    if pm.layout is Layout.COLUMN:
+        return hf[0].chunk(tp_size, dim=0)[tp_rank]
     if pm.layout is Layout.VOCAB:
         full = hf[0]
         if full.shape[0] != arch.vocab_size:
@@ -79,6 +81,8 @@ def mcore_shards_to_hf(pm: ParamMap, shards: list[Tensor], arch: ModelArch) -> l
         return [(pm.hf[0], shards[0])]
     if pm.layout is Layout.ROW:
         return [(pm.hf[0], _cat(shards, dim=1))]
+    if pm.layout is Layout.COLUMN:
+        return [(pm.hf[0], _cat(shards))]
     if pm.layout is Layout.VOCAB:
         return [(pm.hf[0], _cat(shards)[: arch.vocab_size])]
     if pm.layout is Layout.QKV:

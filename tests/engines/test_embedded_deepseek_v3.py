@@ -1,0 +1,64 @@
+"""DeepSeek-V3 (deepseek_v3: multi-latent attention) in the built-in engine, transformers' own modules: every
+checkpoint name a weight update may send reaches the tensor the model computes with (MLA's projections and
+latent norms, the fused experts by their per-expert names, the expert bias), and --enable-return-routed-experts
+answers the experts transformers' sigmoid router picks in float64."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from engine_testlib import prompt_of, start_server
+from safetensors.torch import load_file
+
+from slime_rl.engines.payloads import decode_routed_experts
+
+LAYERS, TOPK = 4, 2  # tests/conftest.py's tiny_deepseek_v3 and tiny_moonlight
+
+
+@pytest.mark.parametrize("folder", ["tiny_deepseek_v3", "tiny_moonlight"])
+def test_every_checkpoint_name_is_served(folder, request):
+    from transformers import AutoModelForCausalLM
+
+    from slime_rl.engines.embedded.weights import WeightSync
+
+    ckpt = request.getfixturevalue(folder)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    saved = load_file(ckpt / "model.safetensors")
+    served = WeightSync(model, engine=None, weight_version="0").params
+    assert set(saved) <= set(served)
+    for name, t in saved.items():
+        assert torch.equal(served[name].detach(), t), name
+    tokens = torch.tensor([prompt_of(12)])
+    with torch.no_grad():
+        before = model(tokens).logits
+        served["model.layers.1.self_attn.kv_a_layernorm.weight"].mul_(2.0)  # an MLA latent norm, by its name
+        after = model(tokens).logits
+    assert not torch.equal(before, after)
+
+
+def test_routed_experts_are_transformers_sigmoid_routing(tiny_deepseek_v3):
+    from transformers import AutoModelForCausalLM
+
+    server = start_server(tiny_deepseek_v3, enable_return_routed_experts=True)
+    try:
+        prompt = prompt_of(7)
+        body = {"input_ids": prompt, "return_routed_experts": True,
+                "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3, "ignore_eos": True}}
+        out = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
+        seq = prompt + out["output_ids"]
+        got = decode_routed_experts(out["meta_info"]["routed_experts"]).reshape(len(seq) - 1, LAYERS, TOPK)
+    finally:
+        server.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(tiny_deepseek_v3, dtype=torch.float32,
+                                                 experts_implementation="eager").double().eval()
+    want = np.zeros((len(seq) - 1, LAYERS, TOPK), dtype=np.int64)
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.register_forward_hook(
+                lambda m, a, o, i=i: want.__setitem__((slice(None), i), np.sort(o[2].numpy(), axis=-1)))
+    with torch.no_grad():
+        model(torch.tensor([seq[:-1]]))
+    np.testing.assert_array_equal(np.sort(got, axis=-1), want)
+    assert not got[:, 0].any() and got[:, 1:].any()
