@@ -260,10 +260,13 @@ _MLA_Q_LORA = (
     ParamMap(_A + "linear_q_up_proj.weight", (_H + "self_attn.q_b_proj.weight",), Layout.COLUMN,
              (("q_up", "q_lora"),)),
 )
+# q_a_proj right before kv_a_proj_with_mqa: weight sync keeps the pair in one bucket, as SGLang's DeepSeek
+# loader needs them in one call (weight_sync/broadcast.py)
 _MLA = (
-    *_MLA_Q_ONE, *_MLA_Q_LORA,
+    *_MLA_Q_ONE, _MLA_Q_LORA[0],
     ParamMap(_A + "linear_kv_down_proj.weight", (_H + "self_attn.kv_a_proj_with_mqa.weight",), Layout.REPLICATED,
              (("kv_down", "hidden"),)),
+    *_MLA_Q_LORA[1:],
     ParamMap(_A + "kv_layernorm.weight", (_H + "self_attn.kv_a_layernorm.weight",), Layout.REPLICATED,
              (("kv_lora",),)),
     ParamMap(_A + "linear_kv_up_proj.weight", (_H + "self_attn.kv_b_proj.weight",), Layout.COLUMN,

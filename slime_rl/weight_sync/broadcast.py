@@ -35,16 +35,30 @@ class EngineTarget:
     api_key: str | None = None
 
 
+# SGLang 0.5.23's DeepSeek loader (deepseek_common/deepseek_weight_loader.py) fuses a layer's q_a_proj and
+# kv_a_proj_with_mqa into one parameter when both arrive in the same load_weights call, and drops one that
+# arrives alone; the registry sends the pair one after the other (config/families.py), and a bucket never
+# ends between them (slime's megatron_to_hf pairs them for the same reason)
+_PAIRED = (".self_attn.q_a_proj.weight", ".self_attn.kv_a_proj_with_mqa.weight")
+
+
+def _pairs_with_last(bucket: list[tuple], name: str) -> bool:
+    first, second = _PAIRED
+    return bool(bucket) and name.endswith(second) and bucket[-1][0] == name[: -len(second)] + first
+
+
 def buckets(named: Iterable[tuple], max_bytes: int) -> Iterator[list[tuple]]:
     """Consecutive groups of tensors of at most max_bytes each (a larger tensor goes alone), one
     dtype per bucket so every tensor of a flattened bucket starts aligned for its dtype. The items
-    are (name, tensor) or (name, tensor, announced shape); only the tensor is looked at."""
+    are (name, tensor) or (name, tensor, announced shape). A DeepSeek layer's kv_a_proj_with_mqa stays in
+    the bucket of the q_a_proj sent just before it (the pair may pass max_bytes; _PAIRED says why)."""
     bucket: list[tuple] = []
     size = 0
     for item in named:
         tensor = item[1]
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and (size + nbytes > max_bytes or tensor.dtype != bucket[0][1].dtype):
+        together = _pairs_with_last(bucket, item[0]) and tensor.dtype == bucket[0][1].dtype
+        if bucket and not together and (size + nbytes > max_bytes or tensor.dtype != bucket[0][1].dtype):
             yield bucket
             bucket, size = [], 0
         bucket.append(item)

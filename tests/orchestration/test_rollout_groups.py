@@ -3,6 +3,7 @@ tests/engines; the full loop in tests/e2e)."""
 
 import asyncio
 
+import pytest
 import torch
 
 from slime_rl.config import RolloutConfig
@@ -57,6 +58,28 @@ def test_groups_scored_balanced_and_batched():
     assert torch.allclose(adv.sum(dim=1), torch.zeros(2), atol=1e-6)
     m = rollout_metrics(groups)
     assert m["rollout/truncated_frac"] == 1.0 and m["rollout/response_len_mean"] == 1.0
+
+
+@pytest.mark.parametrize("max_bytes", [1, 1000, 5000, 20000, 1 << 30])
+def test_buckets_keep_deepseek_q_a_and_kv_a_together(tiny_deepseek_v3, max_bytes):
+    """Weight sync of the tiny DeepSeek-V3, in the order the trainer sends it: whatever the bucket size, every
+    layer's kv_a_proj_with_mqa is in the bucket of its q_a_proj (SGLang's DeepSeek loader fuses the pair only
+    within one load_weights call); every other bucket boundary is where the size alone puts it."""
+    from slime_rl.trainer.convert import hf_shapes, load_arch
+
+    shapes = hf_shapes(load_arch(tiny_deepseek_v3))
+    named = [(n, torch.zeros(shape, dtype=torch.bfloat16)) for n, shape in shapes.items()]
+    out = [[n for n, _ in b] for b in buckets(named, max_bytes=max_bytes)]
+    assert [n for b in out for n in b] == [n for n, _ in named]  # order kept, nothing lost
+    where = {n: i for i, b in enumerate(out) for n in b}
+    pairs = [(n, n.replace("q_a_proj", "kv_a_proj_with_mqa")) for n in shapes
+             if n.endswith("self_attn.q_a_proj.weight")]
+    assert len(pairs) == 4
+    assert all(where[q] == where[kv] for q, kv in pairs)
+    sizes = {n: t.numel() * 2 for n, t in named}
+    for b in out:  # over the cap only a lone tensor or a bucket that the pair completes
+        if sum(sizes[n] for n in b) > max_bytes and len(b) > 1:
+            assert b[-1].endswith("kv_a_proj_with_mqa.weight"), b
 
 
 def test_buckets_respect_size_and_order():
