@@ -6,15 +6,18 @@ flag, file or row, before any actor starts."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
 from slime_rl.config import Config, ConfigError, RewardConfig
+from slime_rl.config.dotted_path import absent_module
 from slime_rl.config.slime_args import slime_args
 from slime_rl.data import DataError, PromptDataset, TokenLimit, num_rollout_for_epochs
 from slime_rl.data.debug_rollouts import read_debug_rollout
@@ -69,19 +72,23 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     if cfg.debug.train_only and cfg.plan.cluster is None and not cfg.checkpoint.load:
         check_replay_files(cfg)  # after --num-epoch became a number of steps
     args = slime_args(cfg)  # what slime-style extension functions get first
-    reward_fn_from_config(cfg.reward, args=args,
-                          generate_sets_reward=cfg.rollout.generate_sets_reward)
+    # extension points load here, so a bad dotted path fails before any actor starts (planned for another
+    # cluster, a module that is not on this machine at all is named as not checked here, as its data files are)
+    with _user_module(cfg, not_here):
+        reward_fn_from_config(cfg.reward, args=args, generate_sets_reward=cfg.rollout.generate_sets_reward)
     for name, _ in cfg.eval.datasets:  # --eval-config: a set's own reward loads now too
         if {"rm_type", "custom_rm_path"} & set(cfg.eval.settings.get(name, {})):
-            try:
-                eval_reward_fn(cfg, name, args)
-            except RewardError as exc:
-                raise RewardError(f"--eval-config dataset {name}: {exc}") from exc
+            with _user_module(cfg, not_here):
+                try:
+                    eval_reward_fn(cfg, name, args)
+                except RewardError as exc:
+                    raise RewardError(f"--eval-config dataset {name}: {exc}") from exc
     if dataset is not None and cfg.reward.custom_rm_path is None and cfg.reward.rm_type is not None:
         check_reward_rows(cfg.reward.rm_type, cfg.data.prompt_data, dataset)
-    # extension points load here, so a bad dotted path fails before any actor starts
-    rollout_generate_function(cfg.rollout, args)
-    load_filter(cfg.rollout.dynamic_sampling_filter_path, args, cfg.rollout.dynamic_sampling_filter_kwargs)
+    with _user_module(cfg, not_here):
+        rollout_generate_function(cfg.rollout, args)
+    with _user_module(cfg, not_here):
+        load_filter(cfg.rollout.dynamic_sampling_filter_path, args, cfg.rollout.dynamic_sampling_filter_kwargs)
     critic_world = cfg.critic.world_size if cfg.critic else 0
     if cfg.plan.cluster is not None:  # --dry-run for another cluster: its GPUs, not this machine's
         nodes, gpus = cfg.plan.cluster.nodes, cfg.plan.cluster.gpus
@@ -96,6 +103,21 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     if cfg.plan.cluster is not None and not_here and cfg.data.num_epoch is not None:
         plan.notes.append(f"--num-epoch {cfg.data.num_epoch}: the number of steps is known once the data is read")
     return cfg, plan
+
+
+@contextlib.contextmanager
+def _user_module(cfg: Config, not_here: list[str]) -> Iterator[None]:
+    """Loading a user function: with --cluster, a module that is not on this machine's path at all (the
+    user's own tree, there) is added to the plan's "not checked here" list instead of refusing the run; a
+    module that is here but fails, or imports something missing, still refuses."""
+    try:
+        yield
+    except Exception as exc:
+        missing = absent_module(exc) if cfg.plan.cluster is not None else None
+        if missing is None:
+            raise
+        not_here.append(f"{str(exc).split(': cannot import module', 1)[0]} (module {missing!r} is not importable "
+                        "here; its functions load on the cluster)")
 
 
 def model_args_note(cfg: Config) -> str:

@@ -57,11 +57,28 @@ def load_by_path(path: str, flag: str, error: type[Exception] = PluginLoadError)
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise error(f"{flag} {path!r}: cannot import module {module_name!r}: {exc}") from exc
+            err = error(f"{flag} {path!r}: cannot import module {module_name!r}: {exc}")
+            missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+            # the named module itself (or a package above it) is not on this machine's path, as opposed to a
+            # module it imports: a dry run for another cluster says so instead of refusing (absent_module)
+            if missing and (module_name == missing or module_name.startswith(missing + ".")):
+                err.absent_module = module_name  # type: ignore[attr-defined]
+            raise err from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise error(f"{flag} {path!r}: module {module_name!r} has no function {attr!r}")
     return fn
+
+
+def absent_module(exc: BaseException) -> str | None:
+    """The user module a flag names that is not importable on this machine (the module itself missing, not one
+    it imports), from a load error or any error raised from one; None otherwise."""
+    while exc is not None:
+        name = getattr(exc, "absent_module", None)
+        if name:
+            return name
+        exc = exc.__cause__  # type: ignore[assignment]
+    return None
 
 
 def json_kwargs(value: str | dict[str, Any] | None, flag: str,

@@ -43,6 +43,7 @@ from slime_rl.rollout.eval import (
 from slime_rl.rollout.health import EngineHealth
 from slime_rl.rollout.options import RolloutOptions
 from slime_rl.rollout.routing import ClientPool
+from slime_rl.rollout.slime_compat import SlimeGenerate
 from slime_rl.rollout.stream import GroupStream
 
 
@@ -347,11 +348,17 @@ class RolloutManager:
         out: dict[str, float] = {}
         groups_by_set = {}
         clients = self._clients(live_only=True)  # eval has no failover: it just skips dead engines
+        # eval samples come from the run's generate function, as slime's eval does (a slime function with an
+        # `evaluation` parameter gets True): a custom or agent rollout that scores its samples scores these too
+        generate_fn = rollout_generate_function(self.options, self.slime_args)
+        if isinstance(generate_fn, SlimeGenerate):
+            generate_fn = generate_fn.for_eval()
         try:
             for name, rows in self.eval_sets.items():
                 reward = self.eval_rewards.get(name, self.reward_fn)
                 groups = await generate_eval(clients, rows, eval_samples_per_prompt(ev, name),
                                              eval_sampling_params(ev, name), reward, self.tokenizer,
+                                             generate_fn=generate_fn,
                                              concurrency_per_engine=self.options.concurrency_per_engine,
                                              sample_seed=self.options.sample_seed, progress=True,
                                              progress_desc=f"eval {name}")

@@ -175,14 +175,19 @@ def from_slime(out: Any, sample: Sample, path: str, reward_key: str | None = Non
 class SlimeGenerate:
     """A slime-style generate function in our convention `(sample, sampling_params, client_pool)`."""
 
-    def __init__(self, fn: Callable, args: Any, path: str) -> None:
+    def __init__(self, fn: Callable, args: Any, path: str, evaluating: bool = False) -> None:
         self.fn, self.args, self.path = fn, args, path
         self.__name__ = getattr(fn, "__name__", "generate")
         try:
             self.evaluation = "evaluation" in inspect.signature(fn).parameters
         except (TypeError, ValueError):
             self.evaluation = False
+        self.evaluating = evaluating  # what an `evaluation` parameter gets: True for eval samples (as slime)
         self._cls = slime_sample_class()
+
+    def for_eval(self) -> SlimeGenerate:
+        """The same function for eval samples: an `evaluation` parameter gets True, as slime's eval passes it."""
+        return SlimeGenerate(self.fn, self.args, self.path, evaluating=True)
 
     async def __call__(self, sample: Sample, sampling_params: dict[str, Any], client_pool: ClientPool) -> Sample:
         host, port = await endpoint_of(client_pool)
@@ -193,7 +198,7 @@ class SlimeGenerate:
         params["max_new_tokens"] = client_pool.budget(sample, params["max_new_tokens"]) + len(sample.response_ids)
         token = CURRENT_SAMPLE.set((sample.group_index, sample.index))
         try:
-            kwargs = {"evaluation": False} if self.evaluation else {}
+            kwargs = {"evaluation": self.evaluating} if self.evaluation else {}
             out = await self.fn(args, to_slime(sample, self._cls), params, **kwargs)
         finally:
             CURRENT_SAMPLE.reset(token)

@@ -23,18 +23,26 @@ digit_data = digit_data_fixture(64, seed=4)
 
 @pytest.mark.slow
 def test_slime_style_reward_generate_and_filter_train_two_steps(ray_session, tiny_qwen2, digit_data, tmp_path):
+    """slime's extension functions train two steps; the eval before each step goes through the same generate
+    function with evaluation=True (as slime's eval does), which scores those samples itself."""
     run = tmp_path / "run"
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text("".join(digit_data.read_text().splitlines(keepends=True)[:3]))
     cfg = build_config(["--hf-checkpoint", str(tiny_qwen2), "--prompt-data", str(digit_data), "--run-dir", str(run),
                         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--rollout-batch-size", "2",
                         "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--micro-batch-size", "4",
                         "--rollout-max-response-len", "6", "--num-rollout", "2", "--lr", "0.003",
                         "--over-sampling-batch-size", "2", "--dump-rollouts",
                         "--custom-rm-path", "tests/plugins/slime_style.py:custom_rm",
-                        "--custom-generate-function-path", "tests.plugins.slime_style:custom_generate",
+                        "--custom-generate-function-path", "tests.plugins.slime_style:eval_aware_generate",
+                        "--eval-prompt-data", "digits", str(evals), "--eval-interval", "1",
+                        "--n-samples-per-eval-prompt", "1",
                         "--dynamic-sampling-filter-path",
                         "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"])
     rows = train(*preflight(cfg))
     assert [r["step"] for r in rows] == [0, 1]
+    assert [r.get("eval/digits/reward_mean") for r in rows if "eval/digits/reward_mean" in r] and all(
+        r["eval/digits/reward_mean"] == 42.0 for r in rows if "eval/digits/reward_mean" in r)
     for r in rows:
         assert r["rollout/groups_kept"] == 2 and np.isfinite(r["train/loss"])
         assert r["rollout/zero_std_group_frac"] == 0.0  # the slime filter dropped every group of equal rewards

@@ -216,3 +216,35 @@ def test_slime_qwen3_4b_script_plans_as_slime_runs_it(tmp_path, capsys):
         assert f"  engine {e}: node 0 GPU {2 * e},{2 * e + 1} | beside trainer ranks {2 * e}..{2 * e + 1}\n" in out
         assert re.search(rf"^engine {e}: CUDA_VISIBLE_DEVICES={2 * e},{2 * e + 1} \S*python -m sglang.launch_server "
                          r".* --tp-size 2 --base-gpu-id 0 ", out, re.M)
+
+
+def test_user_modules_of_another_cluster_are_listed_not_refused(tmp_path, capsys, tiny_qwen2):
+    """Planned with --cluster, a reward or generate module that is not on this machine at all (the user's tree
+    on the cluster, as slime's retool and search-r1 scripts name theirs) is listed as not checked here; one that
+    is here but imports something missing is still refused; without --cluster a missing module is refused."""
+    hf = config_only(tmp_path, "qwen2_5_7b_instruct.json")
+    absent = ["--custom-rm-path", "my_tree_only_there.reward:score",
+              "--custom-generate-function-path", "my_tree_only_there.generate:generate"]
+    code = train_main(recipe_argv("qwen2_5_7b_grpo_math.yaml", hf, "--dry-run", "--cluster", "2x8", *absent))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for flag, path in (("--custom-rm-path", "my_tree_only_there.reward:score"),
+                       ("--custom-generate-function-path", "my_tree_only_there.generate:generate")):
+        assert f"not checked here (--cluster): {flag} '{path}' (module 'my_tree_only_there." in out, out
+    broken = tmp_path / "broken_user_module.py"
+    broken.write_text("import a_dependency_nobody_installed\n\nasync def generate(args, sample, params):\n    pass\n")
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        code = train_main(recipe_argv("qwen2_5_7b_grpo_math.yaml", hf, "--dry-run", "--cluster", "2x8",
+                                      "--custom-generate-function-path", "broken_user_module:generate"))
+    finally:
+        sys.path.remove(str(tmp_path))
+    err = capsys.readouterr().err
+    assert code == 2 and "No module named 'a_dependency_nobody_installed'" in err, err
+    (tmp_path / "d.jsonl").write_text('{"input": "1", "label": "1"}\n')
+    code = train_main(["--hf-checkpoint", str(tiny_qwen2), "--prompt-data", str(tmp_path / "d.jsonl"), "--dry-run",
+                       "--rollout-batch-size", "4", "--num-rollout", "1", *absent])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot import module 'my_tree_only_there" in err, err

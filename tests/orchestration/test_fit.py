@@ -262,7 +262,7 @@ def test_no_gpu_named_no_verdict(tmp_path, capsys):
     assert "fit: not judged (no GPU named): --cluster NODESxGPUS:GPU" in out and "DOES NOT FIT" not in out
 
 
-@pytest.mark.parametrize("model", ["DeepSeek-R1", "GLM-4.7"])
+@pytest.mark.parametrize("model", ["Qwen3-Next-80B-A3B-Thinking", "MiniMax-M2.5"])
 def test_unsupported_family_one_sentence_nonzero(model, tmp_path, capsys):
     hf = tmp_path / model
     hf.mkdir()
@@ -274,6 +274,29 @@ def test_unsupported_family_one_sentence_nonzero(model, tmp_path, capsys):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "which is not a model family this trainer builds" in lines[0], err
     assert "dense" not in err
+
+
+@pytest.mark.parametrize("model,family,experts,moe_layers", [("DeepSeek-R1", "deepseek_v3", 256, 58),
+                                                           ("GLM-4.7", "glm4_moe", 160, 89)])
+def test_flagship_moe_at_ep16_does_not_fit_64_h100s_and_says_what_would(model, family, experts, moe_layers, tmp_path,
+                                                                        capsys):
+    """slime's flagship models (DeepSeek-R1: 671 B, GLM-4.7: 355 B) colocated on 8 x 8 H100 with only EP 16 and
+    TP 1: the planner says the trainer GPU does not fit (exit 1), names its largest term and the closest changes,
+    and the engine GPU does not fit beside the trainer's resident state. The model line comes from config.json
+    (layers less first_k_dense_replace are MoE layers)."""
+    hf = tmp_path / model
+    hf.mkdir()
+    shutil.copy(MIGRATION / model / "config.json", hf / "config.json")
+    code = train_main(["--hf-checkpoint", str(hf), *BASE, "--cluster", "8x8:H100", "--actor-num-nodes", "8",
+                       "--actor-num-gpus-per-node", "8", "--expert-model-parallel-size", "16", "--colocate"])
+    captured = capsys.readouterr()
+    assert code == 1, captured.err
+    out = captured.out
+    assert f"{family}, " in out and f"{experts} experts, top-8, in {moe_layers} layers" in out, out
+    assert re.search(r"trainer GPU: needs [\d.]+ GiB of 79\.65 \(H100\).*DOES NOT FIT.*the largest term: \w+", out)
+    assert "no change of one or two flags fits: closest --" in out
+    assert "engine GPU: DOES NOT FIT" in out
+    assert "the plan does not fit its GPUs" in captured.err
 
 
 def test_uneven_pipeline_split_is_refused(tmp_path, capsys):

@@ -47,6 +47,15 @@ async def custom_generate(args, sample: Sample, sampling_params: dict) -> Sample
     return sample
 
 
+async def eval_aware_generate(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
+    """custom_generate with slime's optional `evaluation` parameter: an eval sample is scored here, 42.0 (a
+    value no reward function of these tests gives), a training sample left to the reward function."""
+    sample = await custom_generate(args, sample, sampling_params)
+    if evaluation:
+        sample.reward = 42.0
+    return sample
+
+
 async def manual_generate(args, sample: Sample, sampling_params: dict) -> Sample:
     """The older hand-written style of slime's examples: every field set by hand, the status by match."""
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
