@@ -43,8 +43,7 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
                           "(pip install slime_rl[router])")
     check_model_features(cfg)
     check_checkpoints(cfg)
-    if cfg.plan.cluster is None or (cfg.model.ref_load and os.path.exists(cfg.model.ref_load)):
-        check_ref_load(cfg)  # with --cluster, a --ref-load that exists only there is not checked here
+    check_ref_load(cfg)  # with --cluster, a --ref-load / --opd-teacher-load that exists only there is not checked here
     labels = label_problem(cfg.reward.rm_type, cfg.reward.custom_rm_path)  # what the reward needs of a label
     not_here = missing_here(cfg)
     if not any(os.path.isfile(os.path.join(cfg.model.hf_checkpoint, f)) for f in TOKENIZER_FILES):
@@ -290,29 +289,38 @@ def check_checkpoints(cfg: Config) -> None:
 
 
 def check_ref_load(cfg: Config) -> None:
-    """--ref-load, before any rank starts: a Megatron checkpoint (its tensors are checked against the
-    model when a rank loads it) or an HF folder whose config.json describes the --hf-checkpoint's
+    """--ref-load and --opd-teacher-load, before any rank starts: a Megatron checkpoint (its tensors are checked
+    against the model when a rank loads it) or an HF folder whose config.json describes the --hf-checkpoint's
     model (same tensors; a different rope base or norm eps would make it another model)."""
-    path = cfg.model.ref_load
-    if path is None or not cfg.algo.use_reference:
-        return
+    def here(path: str | None) -> bool:  # planned for another cluster, a folder that is only there is not checked
+        return path is not None and (cfg.plan.cluster is None or os.path.exists(path))
+
+    if here(cfg.model.ref_load) and cfg.algo.use_reference:
+        check_same_model(cfg, cfg.model.ref_load, "--ref-load", "the reference")
+    if here(cfg.model.opd_teacher_load) and cfg.algo.use_opd:
+        check_same_model(cfg, cfg.model.opd_teacher_load, "--opd-teacher-load",
+                         "the teacher (--use-opd --opd-type megatron)")
+
+
+def check_same_model(cfg: Config, path: str, flag: str, what: str) -> None:
+    """`path` holds weights of the --hf-checkpoint's architecture (a Megatron checkpoint, checked when loaded)."""
     from slime_rl.trainer.checkpoint_layout import is_megatron_checkpoint
     from slime_rl.trainer.convert import load_arch
 
     if is_megatron_checkpoint(path):
         return
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"--ref-load {path}: neither a Megatron checkpoint (latest_checkpointed_iteration.txt, "
+        raise ConfigError(f"{flag} {path}: neither a Megatron checkpoint (latest_checkpointed_iteration.txt, "
                           "iter_*/ or metadata.json) nor an HF folder (config.json + safetensors)")
     try:
         ref, policy = load_arch(path), load_arch(cfg.model.hf_checkpoint)
     except (ValueError, FileNotFoundError) as exc:
-        raise ConfigError(f"--ref-load {path}: {exc}") from exc
+        raise ConfigError(f"{flag} {path}: {exc}") from exc
     differ = [f"{f.name} {getattr(ref, f.name)} vs {getattr(policy, f.name)}" for f in dataclasses.fields(ref)
               if f.name != "max_position_embeddings" and getattr(ref, f.name) != getattr(policy, f.name)]
     if differ:
-        raise ConfigError(f"--ref-load {path}: another model than --hf-checkpoint {cfg.model.hf_checkpoint} "
-                          f"({'; '.join(differ)}); the reference must have the policy's architecture")
+        raise ConfigError(f"{flag} {path}: another model than --hf-checkpoint {cfg.model.hf_checkpoint} "
+                          f"({'; '.join(differ)}); {what} must have the policy's architecture")
 
 
 def check_moe_features(cfg: Config, model_type: str) -> None:

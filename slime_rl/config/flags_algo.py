@@ -85,6 +85,16 @@ ALGO_FLAGS: tuple[Flag, ...] = (
                   "denominator and the advantages' log-probs) instead of the trainer's recomputed ones; the "
                   "trainer's forward still runs for train/entropy and train/rollout_logprob_abs_diff (as slime "
                   "with --get-mismatch-metrics). Not with --use-tis (slime refuses the pair: the weights would be 1)"),
+        Flag('--use-opd', 'algo.use_opd', action="store_true",
+             help="slime's on-policy distillation: each token's advantage less --opd-kl-coef x (the old policy's "
+                  "log-prob - the teacher's), the reverse KL to the teacher (after the advantage estimator); "
+                  "needs --opd-type megatron and --opd-teacher-load"),
+        Flag('--opd-type', 'algo.opd_type', choices=('megatron', 'sglang'),
+             help="megatron: the teacher (--opd-teacher-load, the policy's architecture) runs a forward on the "
+                  "trainer ranks in each step, as the reference does; sglang (the teacher's log-probs from its "
+                  "own server through slime's reward post-process) is refused: not built here"),
+        Flag('--opd-kl-coef', 'algo.opd_kl_coef', default=1.0, type=_nonneg_float,
+             help="--use-opd: the reverse KL's weight in the advantages"),
         Flag('--ref-update-interval', 'algo.ref_update_interval', type=_positive_int,
              help='replace the frozen reference (KL) with the current policy every N rollouts; default: the '
                   'initial policy for the whole run'),

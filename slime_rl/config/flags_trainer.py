@@ -150,6 +150,9 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
         Flag('--ckpt-step', 'checkpoint.ckpt_step', type=_nonneg_int,
              help="with --load of a save folder: resume from its iteration N instead of the newest (Megatron-LM's "
                   'flag)'),
+        Flag('--opd-teacher-load', 'model.opd_teacher_load',
+             help="--use-opd --opd-type megatron: the teacher, a Megatron checkpoint or an HF folder of the policy's "
+                  "architecture (as --ref-load), kept on the host and swapped in for its forward"),
         Flag('--ref-load', 'model.ref_load',
              help='the reference model of the KL terms (--use-kl-loss, --kl-loss-coef, --kl-coef): a Megatron '
                   'checkpoint (torch_dist: tools/convert_hf_to_megatron.py, a --save, Megatron-LM\'s) or an HF '

@@ -127,6 +127,7 @@ class ModelConfig:
     freeze_vision_tower: bool = default_of("--freeze-vision-tower")
     # --ref-load: the KL reference's weights (Megatron checkpoint or HF folder); None: the initial policy
     ref_load: str | None = default_of("--ref-load")
+    opd_teacher_load: str | None = default_of("--opd-teacher-load")  # --use-opd's teacher
     # --sglang-enable-fp32-lm-head: logits in fp32 on the engines (SGLang's flag, the built-in engine's
     # too) and in the trainer alike, so both sides round the logits the same way
     fp32_lm_head: bool = False
@@ -171,6 +172,10 @@ class AlgoConfig:
     # slime's: the engine's log-probs are the old log-probs (the PPO ratio's denominator, the advantages'
     # log-probs); the trainer's own forward still runs, for the entropy and mismatch metrics
     use_rollout_logprobs: bool = default_of("--use-rollout-logprobs")
+    # slime's on-policy distillation: advantages less opd_kl_coef x (old log-prob - teacher log-prob)
+    use_opd: bool = default_of("--use-opd")
+    opd_type: str | None = default_of("--opd-type")
+    opd_kl_coef: float = default_of("--opd-kl-coef")
 
     @property
     def estimator(self) -> EstimatorSpec:

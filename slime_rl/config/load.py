@@ -228,6 +228,17 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            "retries with --router-* flags)")
     _check(a.ref_update_interval is None or a.use_kl_loss or a.kl_loss_coef > 0 or a.kl_coef > 0,
            "--ref-update-interval needs a reference model: --use-kl-loss, --kl-loss-coef or --kl-coef")
+    if a.use_opd or a.opd_type is not None or a.opd_teacher_load is not None:
+        _check(a.use_opd, "--opd-type / --opd-teacher-load need --use-opd (on-policy distillation)")
+        _check(a.opd_type is not None, "--use-opd needs --opd-type megatron (the teacher runs on the trainer ranks, "
+               "from --opd-teacher-load)")
+        _check(a.opd_type != "sglang", "--opd-type sglang: the teacher's log-probs from its own SGLang server through "
+               "slime's reward post-process are not built here; use --opd-type megatron --opd-teacher-load TEACHER "
+               "(the teacher's forward runs on the trainer ranks)")
+        _check(a.opd_teacher_load is not None, "--opd-type megatron needs --opd-teacher-load (the teacher: a Megatron "
+               "checkpoint or an HF folder of the policy's architecture)")
+        _check(os.path.isdir(a.opd_teacher_load) or a.cluster is not None,
+               f"--opd-teacher-load {a.opd_teacher_load}: no such folder")
     if a.ref_load is not None:
         # with --cluster the folder may exist on that cluster only (the plan lists it as not checked here)
         _check(os.path.isdir(a.ref_load) or a.cluster is not None, f"--ref-load {a.ref_load}: no such folder")

@@ -56,10 +56,6 @@ SLIME_ONLY_FLAGS: dict[str, str] = {
     "--custom-config-path": "a custom function's settings go in its own module (or --custom-rm-kwargs for a "
     "reward)",
     # slime's own training modes and transports (slime 624b824's scripts/ and examples/)
-    "--use-opd": "on-policy distillation (a teacher's log-probs in the loss) is not built yet; train with a reward",
-    "--opd-type": "on-policy distillation is not built yet (see --use-opd)",
-    "--opd-kl-coef": "on-policy distillation is not built yet (see --use-opd)",
-    "--opd-teacher-load": "on-policy distillation is not built yet (see --use-opd)",
     "--enable-mtp-training": "multi-token-prediction layers are not built: the trainer builds the decoder of "
     "config.json without MTP heads (MiMo's and DeepSeek's MTP layers are dropped)",
     "--mtp-loss-scaling-factor": "multi-token-prediction layers are not built (see --enable-mtp-training)",

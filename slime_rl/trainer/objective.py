@@ -141,6 +141,31 @@ def token_advantages(algo: AlgoConfig, batch: dict, old_logprobs: list, ref_logp
     return [row[:n] for row, n in zip(adv.tolist(), lens, strict=True)], returns
 
 
+def opd_advantages(algo: AlgoConfig, batch: dict, old_logprobs: list, teacher_logprobs: list,
+                   token_adv: list | None) -> list[list[float]]:
+    """slime's on-policy distillation (--use-opd, loss.py apply_opd_kl_to_advantages): each response token's
+    advantage A_t - opd_kl_coef x (old_logp_t - teacher_logp_t), the reverse KL to the teacher taken as a
+    per-token penalty, after the advantage estimator. `token_adv`: the estimator's per-token advantages, or
+    None for one scalar per sample (batch["advantages"], every token of the sample). In float64."""
+    coef = algo.opd_kl_coef
+    out = []
+    for i, (old, teacher) in enumerate(zip(old_logprobs, teacher_logprobs, strict=True)):
+        base = token_adv[i] if token_adv is not None else [float(batch["advantages"][i])] * len(old)
+        out.append([float(a) - coef * (float(o) - float(t)) for a, o, t in zip(base, old, teacher, strict=True)])
+    return out
+
+
+def opd_sums(batch: dict, old_logprobs: list, teacher_logprobs: list, device: torch.device,
+             group: dist.ProcessGroup | None) -> dict[str, float]:
+    """DP-summed reverse KL old - teacher over the trained tokens, for train/opd_reverse_kl (token mean)."""
+    lens = [int(r) for r in batch["response_lengths"]]
+    width = max(lens)
+    mask = _pad(batch["loss_masks"], width)
+    gap = (_pad(old_logprobs, width) - _pad(teacher_logprobs, width)) * mask
+    total = _all_reduce(torch.stack([gap.sum(), mask.sum()]), device, group).tolist()
+    return {"opd_kl": total[0], "opd_tokens": total[1]}
+
+
 @dataclass
 class StepInputs:
     """What a train step computes once, before its mini-batches (per-sample lists of this rank)."""
@@ -321,7 +346,10 @@ def step_metrics(step: dict[str, float]) -> dict[str, float]:
     n = step["tokens"]
     mean = step["adv"] / max(n, 1.0)
     var = max(step["adv_sq"] / max(n, 1.0) - mean * mean, 0.0) * (n / (n - 1) if n >= 2 else 0.0)
-    return {"train/entropy": step["entropy"] / max(n, 1.0),
-            "train/rollout_logprob_abs_diff": step["abs_diff"] / max(n, 1.0),
-            "train/rollout_logprob_abs_diff_max": step["abs_diff_max"],
-            "train/advantage_mean": mean, "train/advantage_std": math.sqrt(var)}
+    out = {"train/entropy": step["entropy"] / max(n, 1.0),
+           "train/rollout_logprob_abs_diff": step["abs_diff"] / max(n, 1.0),
+           "train/rollout_logprob_abs_diff_max": step["abs_diff_max"],
+           "train/advantage_mean": mean, "train/advantage_std": math.sqrt(var)}
+    if "opd_kl" in step:  # --use-opd: the token mean of old - teacher log-probs (slime's opd_reverse_kl)
+        out["train/opd_reverse_kl"] = step["opd_kl"] / max(step["opd_tokens"], 1.0)
+    return out

@@ -33,6 +33,8 @@ from slime_rl.trainer.objective import (
     combine_stats,
     dp_reduce_stats,
     fused_step_sums,
+    opd_advantages,
+    opd_sums,
     step_metrics,
     step_sums,
     token_advantages,
@@ -57,6 +59,9 @@ class TrainerWorker(MegatronRank):
                 self._load_reference(self.model_cfg.ref_load)
             else:
                 self._refresh_reference()
+        # --use-opd: the teacher's weights, on the host like the reference's, swapped in for its forward
+        self._teacher = self._load_copy(self.model_cfg.opd_teacher_load, "--opd-teacher-load") \
+            if self.algo.use_opd else None
 
     def _refresh_reference(self) -> None:
         """The reference (KL) weights := the current policy, as a CPU copy (swapped in only for the
@@ -64,9 +69,13 @@ class TrainerWorker(MegatronRank):
         self._ref = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
 
     def _load_reference(self, path: str) -> None:
-        """The reference (KL) weights := those of `path` (--ref-load): a Megatron checkpoint (a root
-        or one checkpoint folder; ours, the HF converter's, or Megatron-LM's torch_dist) or an HF
-        folder of the same architecture. Loaded through the policy's own model (so TP/PP sharding
+        """The reference (KL) weights := those of `path` (--ref-load, `_load_copy`)."""
+        self._ref = self._load_copy(path, "--ref-load")
+
+    def _load_copy(self, path: str, flag: str) -> dict[str, torch.Tensor]:
+        """The weights of `path` (--ref-load, --opd-teacher-load) as a CPU copy by parameter name: a Megatron
+        checkpoint (a root or one checkpoint folder; ours, the HF converter's, or Megatron-LM's torch_dist) or
+        an HF folder of the same architecture. Loaded through the policy's own model (so TP/PP sharding
         and the name maps are the policy's), copied to the CPU, then the policy's weights are put
         back exactly. Every rank calls it (the checkpoint load is collective)."""
         params = dict(self.gpt.named_parameters())
@@ -79,9 +88,9 @@ class TrainerWorker(MegatronRank):
             else:
                 raise ValueError("neither a Megatron checkpoint (latest_checkpointed_iteration.txt, iter_*/ or "
                                  "metadata.json) nor an HF folder (config.json + safetensors)")
-            self._ref = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+            return {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
         except (ValueError, FileNotFoundError, AssertionError, KeyError) as e:
-            raise ValueError(f"--ref-load {path}: {e}") from e
+            raise ValueError(f"{flag} {path}: {e}") from e
         finally:
             with torch.no_grad():
                 for n, p in params.items():
@@ -164,11 +173,18 @@ class TrainerWorker(MegatronRank):
         """Swap the reference weights (the initial policy, or the last refresh under
         --ref-update-interval) in for the block, then the current ones back (exactly)."""
         assert self._ref is not None, "no reference copy: the worker was built with algo.use_reference false"
+        with self._swapped(self._ref):
+            yield
+
+    @contextlib.contextmanager
+    def _swapped(self, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+        """`weights` (a host copy by parameter name: the reference's, the teacher's) in the model for the
+        block, then the current ones back, exactly."""
         params = dict(self.gpt.named_parameters())
         backup = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
         with torch.no_grad():
             for n, p in params.items():
-                p.copy_(self._ref[n])
+                p.copy_(weights[n])
         try:
             yield
         finally:
@@ -250,9 +266,16 @@ class TrainerWorker(MegatronRank):
         adv = returns = None
         if self.algo.token_level_advantages:
             adv, returns = token_advantages(self.algo, batch, old, ref, self.info.device, dp_group(), values)
+        teacher = None
+        if self.algo.use_opd:  # on-policy distillation: the teacher's forward, then the reverse KL in the advantages
+            with self._swapped(self._teacher):
+                teacher = self._forward_logprobs(batch, with_entropy=False)[0]
+            adv = opd_advantages(self.algo, batch, old, teacher, adv)
         inputs = StepInputs(old=old, entropy=entropy, ref=ref, advantages=adv, sums={}, returns=returns,
                             routing=routing, recomputed=recomputed)
         inputs.sums = step_sums(batch, inputs, self.info.device, dp_group())
+        if teacher is not None:
+            inputs.sums |= opd_sums(batch, old, teacher, self.info.device, dp_group())
         return inputs
 
     @on_rank_thread
@@ -331,7 +354,8 @@ class TrainerWorker(MegatronRank):
         sync; estimators whose advantages need the old log-probs first (token-level) and
         --separate-old-logprobs keep the separate pass. Every DP rank decides alike (`minis`, from
         _minibatches, has the same length on every DP rank)."""
-        if self.algo.separate_old_logprobs or self.algo.token_level_advantages or self.algo.use_rollout_logprobs:
+        if self.algo.separate_old_logprobs or self.algo.token_level_advantages or self.algo.use_rollout_logprobs \
+                or self.algo.use_opd:  # OPD's advantages need the old log-probs before the update
             return False
         return len(minis) == 1
 

@@ -55,6 +55,10 @@ COMPANIONS = {
     "--cluster": ["--dry-run"],
     "--expert-model-parallel-size": ["--actor-num-gpus-per-node", "2"],
     "--expert-tensor-parallel-size": ["--actor-num-gpus-per-node", "2"],
+    # on-policy distillation: the type and the teacher go together (the teacher's folder on a cluster)
+    "--use-opd": ["--opd-type", "megatron", "--opd-teacher-load", "/teacher", "--dry-run", "--cluster", "1x8"],
+    "--opd-type": ["--use-opd", "--opd-teacher-load", "/teacher", "--dry-run", "--cluster", "1x8"],
+    "--opd-teacher-load": ["--use-opd", "--opd-type", "megatron"],
 }
 OPTIONAL_PACKAGES = {"--use-wandb": "wandb", "--use-tensorboard": "tensorboard", "--use-swanlab": "swanlab"}
 
@@ -65,7 +69,7 @@ def _value(f: Flag, tmp: Path) -> list[str]:
         return []
     if f.name in VALUES:
         return VALUES[f.name]
-    if f.name in ("--load", "--critic-load", "--ref-load"):
+    if f.name in ("--load", "--critic-load", "--ref-load", "--opd-teacher-load"):
         return [str(tmp)]
     if f.choices is not None:
         return [next(str(c) for c in f.choices if c != f.default)]

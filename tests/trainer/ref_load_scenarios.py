@@ -57,4 +57,30 @@ def scenario_ref_load(rank: int, world: int, port: int, ckpts: dict[str, str]) -
     return res
 
 
-SCENARIOS = {"ref_load": scenario_ref_load}
+OPD_COEF = 0.5
+
+
+def scenario_opd(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    """--use-opd --opd-type megatron with the teacher from our Megatron checkpoint of `other`: the policy's and
+    the teacher's log-probs, the step's per-token advantages, then a train step's metrics."""
+    from slime_rl.trainer.worker import TrainerWorker
+
+    batch = make_batch()
+    w = TrainerWorker(rank, world, "127.0.0.1", port,
+                      ParallelConfig(tensor_model_parallel_size=world, actor_num_gpus_per_node=world),
+                      BatchConfig(micro_batch_size=2, global_batch_size=4),
+                      OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.0, lr_decay_style="constant"),
+                      ModelConfig(hf_checkpoint=ckpts["qwen2"], opd_teacher_load=ckpts["other_mcore"]),
+                      AlgoConfig(use_opd=True, opd_type="megatron", opd_kl_coef=OPD_COEF), train_iters=10)
+    res: dict = {"policy_logp": w.compute_logprobs(batch)}
+    with w._swapped(w._teacher):
+        res["teacher_logp"] = w.compute_logprobs(batch)
+    res["policy_logp_after_swap"] = w.compute_logprobs(batch)
+    inputs = w.step_inputs(batch)
+    res["old"], res["advantages"] = inputs.old, inputs.advantages
+    res["metrics"] = w.train_step(batch)
+    w.shutdown()
+    return res
+
+
+SCENARIOS = {"ref_load": scenario_ref_load, "opd": scenario_opd}

@@ -13,6 +13,7 @@ import torch
 from tests.conftest import _load_tool, free_port
 from tests.tools.test_convert_tools import run_tool
 from tests.trainer.algo_ref import kl_est
+from tests.trainer.ref_load_scenarios import OPD_COEF
 from tests.trainer.trainer_ref import hf_logprobs, hf_model, make_batch, masked_token_mean
 from tests.trainer.trainer_scenarios import run_scenario
 
@@ -33,7 +34,8 @@ def records(tiny_qwen2, tmp_path_factory):
     (mlm / "iter_0000000" / "slime_rl_checkpoint.json").unlink()
     ckpts = {"qwen2": tiny_qwen2, "other": other, "other_mcore": tmp / "other_mcore", "other_mlm_root": mlm,
              "wider": wider}
-    return run_scenario("ref_load", 2, free_port(), tmp, ckpts), tiny_qwen2, other
+    return run_scenario("ref_load", 2, free_port(), tmp, ckpts), tiny_qwen2, other, run_scenario("opd", 2, free_port(),
+                                                                                              tmp, ckpts)
 
 
 def _close(got: list, want: list[torch.Tensor]) -> float:
@@ -41,7 +43,7 @@ def _close(got: list, want: list[torch.Tensor]) -> float:
 
 
 def test_reference_from_another_checkpoint(records):
-    ranks, policy, other = records
+    ranks, policy, other, _ = records
     batch = make_batch()
     want_policy, want_ref = hf_logprobs(hf_model(policy), batch), hf_logprobs(hf_model(other), batch)
     want_kl = masked_token_mean([kl_est(p, r, "low_var_kl") for p, r in zip(want_policy, want_ref, strict=True)], batch)
@@ -69,3 +71,22 @@ def test_reference_equal_to_the_policy_gives_zero_kl(records):
 def test_reference_of_another_shape_is_refused_naming_the_flag(records):
     for rec in records[0]:
         assert rec["wider/error"].startswith("--ref-load ") and "wider" in rec["wider/error"]
+
+
+def test_on_policy_distillation_from_a_megatron_teacher(records):
+    """--use-opd --opd-type megatron (slime's on-policy distillation), on two TP ranks with the teacher from our
+    Megatron checkpoint of another tiny model: the teacher's log-probs are that model's (HF float64), the policy
+    is exactly itself after the teacher's forward, each token's advantage is the sample's GRPO advantage less
+    --opd-kl-coef x (policy - teacher log-prob), and train/opd_reverse_kl is the token mean of that gap."""
+    _, policy, other, ranks = records
+    batch = make_batch()
+    want_policy, want_teacher = hf_logprobs(hf_model(policy), batch), hf_logprobs(hf_model(other), batch)
+    gaps = [p - t for p, t in zip(want_policy, want_teacher, strict=True)]
+    assert max(float(g.abs().max()) for g in gaps) > 1e-2  # the teacher is another model
+    want_adv = [float(a) - OPD_COEF * g for a, g in zip(batch["advantages"], gaps, strict=True)]
+    for rec in ranks:
+        assert _close(rec["policy_logp"], want_policy) < TOL and _close(rec["teacher_logp"], want_teacher) < TOL
+        assert rec["policy_logp_after_swap"] == rec["policy_logp"]
+        assert _close(rec["old"], want_policy) < TOL
+        assert _close(rec["advantages"], want_adv) < TOL
+        assert rec["metrics"]["train/opd_reverse_kl"] == pytest.approx(masked_token_mean(gaps, batch), abs=TOL)
