@@ -89,6 +89,11 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
         Flag('--no-pack-sequences', 'trainer.pack_sequences', action="store_false", dest='pack_sequences',
              help='right-padded micro-batches instead of packed (THD) sequences'),
         Flag('--recompute-granularity', 'trainer.recompute_granularity', choices=('full', 'selective')),
+        Flag('--deterministic-mode', 'trainer.deterministic_mode', action="store_true",
+             help="Megatron-LM's (slime's reproducibility script): the trainer ranks run torch's deterministic "
+                  "algorithms (torch.use_deterministic_algorithms, cuDNN deterministic, CUBLAS_WORKSPACE_CONFIG "
+                  ":4096:8 unless set) and megatron's deterministic code paths (TransformerConfig.deterministic_mode); "
+                  "the engines' side is --deterministic-rollout / --sglang-enable-deterministic-inference"),
         Flag('--recompute-method', 'trainer.recompute_method', choices=('uniform', 'block')),
         Flag('--recompute-num-layers', 'trainer.recompute_num_layers', type=_positive_int),
         Flag('--num-steps-per-rollout', derived='batch.global_batch_size', type=_positive_int,

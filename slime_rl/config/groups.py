@@ -79,6 +79,7 @@ class TrainerConfig:
     recompute_granularity: str | None = default_of("--recompute-granularity")
     recompute_method: str | None = default_of("--recompute-method")
     recompute_num_layers: int | None = default_of("--recompute-num-layers")
+    deterministic_mode: bool = default_of("--deterministic-mode")  # torch's and megatron's deterministic paths
     loss_agg_mode: str = default_of("--loss-agg-mode")
     # seq-mean-token-sum-norm (Dr.GRPO) divides by a constant horizon: the response budget
     loss_agg_max_len: int | None = default_of("--rollout-max-response-len")

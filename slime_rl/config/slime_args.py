@@ -72,8 +72,6 @@ SLIME_ONLY_FLAGS: dict[str, str] = {
     "--update-weight-delta-encoding": "delta weight sync is not built (see --update-weight-mode)",
     "--update-weight-disk-dir": "weights never go through files (see --update-weight-mode)",
     "--update-weight-local-checkpoint-dir": "weights never go through files (see --update-weight-mode)",
-    "--deterministic-mode": "no switch for deterministic training kernels: --seed fixes data order and sampling, "
-    "--deterministic-rollout makes the engines batch-invariant",
 }
 
 

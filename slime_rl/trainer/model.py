@@ -139,7 +139,7 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
                        use_cpu_initialization: bool, sequence_parallel: bool = False,
                        recompute_granularity: str | None = None, recompute_method: str | None = None,
                        recompute_num_layers: int | None = None, context_parallel_size: int = 1,
-                       moe: MoEOptions | None = None):
+                       moe: MoEOptions | None = None, deterministic_mode: bool = False):
     """megatron TransformerConfig equal in function to the HF model (dropout off: RL log-probs
     of the trainer must equal the engine's). `sequence_parallel` needs tp_size > 1 (megatron
     asserts it); recompute_* are megatron's activation-recomputation knobs, passed through;
@@ -210,6 +210,7 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
         # packed (THD) micro-batches differ in length: stages exchange shapes before tensors
         variable_seq_lengths=pp_size > 1,
         use_cpu_initialization=use_cpu_initialization,
+        deterministic_mode=deterministic_mode,  # --deterministic-mode: megatron's deterministic code paths
         # weights come from the HF checkpoint right after; skip the random init work
         perform_initialization=False,
         # dense models too: megatron rejects variable_seq_lengths with its default ("allgather")
@@ -222,7 +223,8 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
                     pre_process: bool | None = None, post_process: bool | None = None,
                     sequence_parallel: bool = False, recompute_granularity: str | None = None,
                     recompute_method: str | None = None, recompute_num_layers: int | None = None,
-                    context_parallel_size: int = 1, fp32_lm_head: bool = False, moe: MoEOptions | None = None):
+                    context_parallel_size: int = 1, fp32_lm_head: bool = False, moe: MoEOptions | None = None,
+                    deterministic_mode: bool = False):
     """A GPTModel for this rank (parallel state must be initialized). Its logits are vocab-parallel
     ([b, s, padded_vocab / tp]); its parameters are uninitialized until `hf_io.load_hf_weights`.
     pre_process / post_process default to whether this rank is the first / last pipeline stage;
@@ -240,7 +242,8 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
                                 sequence_parallel=sequence_parallel,
                                 recompute_granularity=recompute_granularity,
                                 recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
-                                context_parallel_size=context_parallel_size, moe=moe)
+                                context_parallel_size=context_parallel_size, moe=moe,
+                                deterministic_mode=deterministic_mode)
     spec = _layer_spec(arch, arch.num_experts or None)
     # every norm ours (engine rounding; SP-capable): trainer/norm.py
     spec = _norm_block_spec(spec, arch, here)

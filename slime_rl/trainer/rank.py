@@ -7,6 +7,7 @@ routing hooks and checkpoints. The same code runs on GPUs (nccl) and on CPU (glo
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,6 +87,10 @@ class MegatronRank:
         # megatron's distributed optimizer reads .grad of its (non-leaf) shard views in zero_grad,
         # which makes torch warn on every step, GPU or CPU: noise, not a problem of ours
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        if trainer.deterministic_mode:  # Megatron-LM's --deterministic-mode (slime's initialize.py does the same)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before the first cuBLAS handle
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+            torch.use_deterministic_algorithms(True)
         self.info = init_parallel(rank, world_size, master_addr, master_port, tp, pp, model.seed, cp_size=cp,
                                   ep_size=ep, etp_size=etp)
         if batch.global_batch_size % self.info.dp_size != 0:
@@ -97,6 +102,7 @@ class MegatronRank:
             decoder_last=parallel.decoder_last_pipeline_num_layers, sequence_parallel=trainer.sequence_parallel,
             recompute_granularity=trainer.recompute_granularity, recompute_method=trainer.recompute_method,
             recompute_num_layers=trainer.recompute_num_layers, context_parallel_size=cp,
+            deterministic_mode=trainer.deterministic_mode,
             fp32_lm_head=model.fp32_lm_head,
             moe=moe)
         hf_io.load_hf_weights(self.gpt, model.hf_checkpoint, self.arch)

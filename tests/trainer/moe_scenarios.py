@@ -165,3 +165,20 @@ def scenario_glm4_moe_bf16(rank: int, world: int, port: int, ckpts: dict[str, st
 
 
 SCENARIOS["glm4_moe_bf16"] = scenario_glm4_moe_bf16
+
+
+def scenario_moe_deterministic(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    """--deterministic-mode on the tiny Qwen3-MoE, EP 2: what the rank switched on, and the base records (whose
+    MoE routing then takes megatron's deterministic index_put path)."""
+    import os
+
+    import torch
+
+    res: dict = {}
+    run_moe(rank, world, port, ckpts["qwen3_moe"], "ep2", res, layouts=("packed",), deterministic_mode=True)
+    res["switches"] = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+                       os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    return res
+
+
+SCENARIOS["moe_deterministic"] = scenario_moe_deterministic

@@ -207,3 +207,16 @@ def _assert_weights_out(ranks: list[dict], name: str, want: dict) -> None:
     assert set(exported) == set(want)
     for n, t in want.items():
         assert torch.equal(exported[n], t), n
+
+
+@pytest.mark.slow
+def test_deterministic_mode_switches_torch_and_keeps_the_numbers(scenario):
+    """--deterministic-mode (Megatron-LM's, in slime's reproducibility script): every rank runs torch's
+    deterministic algorithms with cuBLAS's fixed workspace, and EP=2 still gives one rank's log-probs and
+    gradient (megatron's deterministic routing path builds the same routing map)."""
+    (one,) = scenario("moe1", 1)
+    ranks = scenario("moe_deterministic", 2)
+    for rec in ranks:
+        assert rec["switches"] == (True, True, ":4096:8")
+    diffs = _diffs(one, ranks, "ep2", "packed")
+    assert diffs["logp"] <= TOL["logp"] and diffs["grad"] <= TOL["grad"], diffs
