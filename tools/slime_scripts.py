@@ -568,6 +568,8 @@ def run_script(record: dict[str, Any]) -> dict[str, Any]:
     for pattern, kind in ALLOWED:
         if pattern.search(reason):
             return {"outcome": "refused-allowed", "reason": f"{kind}: {reason}", "output": output}
+    if record.get("sft"):  # a supervised fine-tuning script (--loss-type sft_loss): not an RL run, whatever stops first
+        return {"outcome": "refused-allowed", "reason": f"SFT only (--loss-type sft_loss): {reason}", "output": output}
     return {"outcome": "refused-named", "reason": reason, "output": output}
 
 
