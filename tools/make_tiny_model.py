@@ -3,7 +3,7 @@
     python tools/make_tiny_model.py --out DIR [--arch ARCH] [--seed N]
         [--vocab-size V]
 
-ARCH: qwen2 (default), llama, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v3, qwen2_5_vl. The folder has
+ARCH: qwen2 (default), llama, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v3, kimi_k2, qwen2_5_vl. The folder has
 config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a ChatML chat template),
 generation_config.json. Same seed -> same bytes of weights and the same
 tokenizer. The tokenizer uses Qwen2's pre-tokenizer (NFC, Qwen2's split regex, ByteLevel without
@@ -41,6 +41,9 @@ the query through a rank-24 pair with its norm (`--q-lora-rank 0`: one projectio
 values expanded per head from a rank-16 latent with its norm, 8 + 4 (rotary, interleaved pairs) query/key
 channels and 10 value channels per head, so that no width equals another.
 
+`--arch kimi_k2` writes the deepseek_v3 model under Kimi-K2's model_type (`kimi_k2`; its architecture is
+DeepseekV3ForCausalLM, which transformers has no model_type of its own for).
+
 `--arch qwen2_5_vl` writes a Qwen2_5_VLForConditionalGeneration (a 2-block vision tower, hidden 32,
 patch 14, merge 2, one window block and one full-attention block, over the same tiny decoder), the
 vision special tokens (<|vision_start|>, <|image_pad|>, ...) in the tokenizer, a chat template that
@@ -71,7 +74,10 @@ CHAT_TEMPLATE = (
     "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% endif %}"
 )
-ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "qwen2_5_vl")
+ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "kimi_k2", "qwen2_5_vl")
+# families transformers runs under another model_type (config/families.py transformers_model_type): the tiny
+# model is built as that one and its config.json then names the family's own model_type
+BUILT_AS = {"kimi_k2": "deepseek_v3"}
 VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2.5-VL's template renders an image part as <|vision_start|><|image_pad|><|vision_end|>; the
 # processor then repeats <|image_pad|> once per merged patch. Same rendering here, without tools.
@@ -202,6 +208,7 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     [0]: first_k_dense_replace 1)."""
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
+    family_type, arch = arch, BUILT_AS.get(arch, arch)  # the model_type config.json names; the one built
     first_dense = arch in ("glm4_moe", "deepseek_v3")  # first_k_dense_replace
     if num_layers is None:
         num_layers = 3 if arch == "qwen2_moe" or first_dense else 2
@@ -249,6 +256,9 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
             if name.endswith("e_score_correction_bias"):  # GLM-4.5 / DeepSeek-V3: a bias that changes routing
                 b.copy_(0.05 * torch.randn(b.shape, generator=gen))
     model.save_pretrained(out, safe_serialization=True)
+    if family_type != arch:  # the family's own model_type in config.json (Kimi-K2: kimi_k2)
+        cfg_file = out / "config.json"
+        cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "model_type": family_type}, indent=2))
 
     template = VL_CHAT_TEMPLATE if vl else CHAT_TEMPLATE
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",

@@ -136,6 +136,9 @@ class Family:
     deepseek_moe: bool = False
     # multi-latent attention (DeepSeek-V2/V3): megatron-core's MLASelfAttention under the local spec
     mla: bool = False
+    # the transformers model_type whose classes run this family where transformers has none of its own
+    # (Kimi-K2's config.json says kimi_k2 and names DeepseekV3ForCausalLM); None: model_type itself
+    transformers_model_type: str | None = None
 
     def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
         """config.json's value of `key`, or transformers' default for this family when the file leaves it
@@ -360,6 +363,21 @@ FAMILIES: dict[str, Family] = {
         shared_expert=True, shared_expert_gate=False, deepseek_moe=True, mla=True,
     ),
 }
+
+
+# Kimi-K2 (Instruct, Thinking): DeepSeek-V3's architecture under its own model_type (384 experts, one group)
+FAMILIES["kimi_k2"] = dataclasses.replace(FAMILIES["deepseek_v3"], model_type="kimi_k2",
+                                          transformers_model_type="deepseek_v3")
+
+
+def transformers_config(cfg: dict[str, Any]) -> Any:
+    """transformers' config object of a config.json dict, through the family's transformers_model_type when
+    transformers does not know the file's model_type (Kimi-K2)."""
+    from transformers import AutoConfig
+
+    family = FAMILIES.get(cfg.get("model_type", ""))
+    model_type = (family.transformers_model_type if family else None) or cfg["model_type"]
+    return AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
 
 
 def get_family(model_type: str, where: str = "config.json") -> Family:

@@ -62,3 +62,27 @@ def test_routed_experts_are_transformers_sigmoid_routing(tiny_deepseek_v3):
         model(torch.tensor([seq[:-1]]))
     np.testing.assert_array_equal(np.sort(got, axis=-1), want)
     assert not got[:, 0].any() and got[:, 1:].any()
+
+
+def test_kimi_k2_runs_on_deepseek_v3s_classes(tiny_deepseek_v3, tmp_path):
+    """A Kimi-K2 checkpoint (config.json's model_type kimi_k2, which transformers has no classes for; its
+    architecture is DeepseekV3ForCausalLM) loads in the built-in engine through DeepSeek-V3's classes: the same
+    weights under either model_type give the same greedy tokens and log-probs."""
+    import json
+    import shutil
+
+    kimi = tmp_path / "kimi"
+    shutil.copytree(tiny_deepseek_v3, kimi)
+    cfg = json.loads((kimi / "config.json").read_text())
+    (kimi / "config.json").write_text(json.dumps({**cfg, "model_type": "kimi_k2"}))
+    body = {"input_ids": prompt_of(9), "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}}
+    answers = []
+    for folder in (tiny_deepseek_v3, kimi):
+        server = start_server(folder)
+        try:
+            answers.append(httpx.post(f"{server.url}/generate", json=body, timeout=120).json())
+        finally:
+            server.shutdown()
+    assert answers[0]["output_ids"] == answers[1]["output_ids"]
+    assert answers[0]["meta_info"]["output_token_logprobs"] == answers[1]["meta_info"]["output_token_logprobs"]

@@ -32,9 +32,10 @@ def hf_config(name: str) -> dict:
 def transformers_param_count(cfg: dict) -> int:
     """Parameters of transformers' model class for this config, built on the meta device (no memory)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[cfg["model_type"]](**{k: v for k, v in cfg.items() if k != "model_type"})
+    from slime_rl.config.families import transformers_config
+
+    config = transformers_config(cfg)  # Kimi-K2: DeepSeek-V3's classes
     auto = AutoModelForImageTextToText if cfg["model_type"] == "qwen2_5_vl" else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(config)

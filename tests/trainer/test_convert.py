@@ -36,6 +36,8 @@ CFG = dict(model_type="qwen2", hidden_size=8, intermediate_size=6, num_hidden_la
 # being 1 of CFG's 1 layer)
 FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0},
               # deepseek_v3: multi-latent attention (every head its own key), small latent widths
+              "kimi_k2": {"num_key_value_heads": 4, "first_k_dense_replace": 0, "q_lora_rank": 6, "kv_lora_rank": 4,
+                          "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3, "n_group": 1, "topk_group": 1},
               "deepseek_v3": {"num_key_value_heads": 4, "first_k_dense_replace": 0, "q_lora_rank": 6, "kv_lora_rank": 4,
                               "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3, "n_group": 1,
                               "topk_group": 1}}
@@ -126,12 +128,14 @@ def test_hf_shapes_are_those_of_the_transformers_model(model_type, tied, tmp_pat
     config (the independent reference): same names, same shapes. MoE families: as transformers
     saves it (its module fuses the experts; its checkpoint names them one by one)."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from slime_rl.config.families import transformers_config
 
     cfg = CFG | {"model_type": model_type, "tie_word_embeddings": tied, "head_dim": 3, "num_hidden_layers": 2,
                  "attention_bias": False, "mlp_bias": False, "use_sliding_window": False}
     cfg |= FAMILY_CFG.get(model_type, {})
-    hf_cfg = AutoConfig.for_model(**copy.deepcopy(cfg))  # transformers writes into rope_parameters
+    hf_cfg = transformers_config(copy.deepcopy(cfg))  # transformers writes into rope_parameters
     model = AutoModelForCausalLM.from_config(hf_cfg)
     if FAMILIES[model_type].moe:
         model.save_pretrained(tmp_path)

@@ -26,7 +26,8 @@ def test_unknown_family_names_where_to_add_it():
 @pytest.mark.parametrize("model_type", sorted(t for t, f in FAMILIES.items() if f.hf_rmsnorm))
 def test_named_rmsnorm_is_the_stock_forward(model_type):
     cls_name = FAMILIES[model_type].hf_rmsnorm
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    runs_as = FAMILIES[model_type].transformers_model_type or model_type  # Kimi-K2: DeepSeek-V3's classes
+    module = importlib.import_module(f"transformers.models.{runs_as}.modeling_{runs_as}")
     norm = getattr(module, cls_name)(64, eps=1e-6).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -40,5 +41,5 @@ def test_named_rmsnorm_is_the_stock_forward(model_type):
 def test_engine_moe_types_are_the_moe_families():
     from slime_rl.engines.embedded.experts import MOE_MODEL_TYPES
 
-    assert set(MOE_MODEL_TYPES) == {"qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3"}  # the MoE families today
+    assert set(MOE_MODEL_TYPES) == {"qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "kimi_k2"}  # MoE families
     assert set(MOE_MODEL_TYPES) == {t for t, f in FAMILIES.items() if f.moe}

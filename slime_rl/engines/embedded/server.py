@@ -64,6 +64,23 @@ def decodes_on_slots(device: str, disable_cuda_graph: bool, static_kv_cache: boo
     return (cuda and not disable_cuda_graph) or static_kv_cache or (cuda and deterministic)
 
 
+def _hf_config(model_path: str, auto_config: Any) -> Any:
+    """transformers' config of the checkpoint; a family transformers runs under another model_type (Kimi-K2:
+    DeepSeek-V3's classes, config/families.py transformers_model_type) is read through that one."""
+    import os
+
+    from slime_rl.config.families import FAMILIES, transformers_config
+
+    path = os.path.join(model_path, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            raw = json.load(f)
+        family = FAMILIES.get(raw.get("model_type", ""))
+        if family is not None and family.transformers_model_type:
+            return transformers_config(raw)
+    return auto_config.from_pretrained(model_path)
+
+
 class EmbeddedServer:
     """Loads the model, starts the scheduler and serves HTTP (call `start()` or `serve_forever()`)."""
 
@@ -80,13 +97,14 @@ class EmbeddedServer:
         torch.manual_seed(cfg.random_seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.vision: VisionInputs | None = None
-        hf = AutoConfig.from_pretrained(cfg.model_path)
+        hf = _hf_config(cfg.model_path, AutoConfig)
         if is_vision_config(hf):  # Qwen2.5-VL: the image-text class holds the vision tower
             from transformers import AutoModelForImageTextToText
             self.model = AutoModelForImageTextToText.from_pretrained(cfg.model_path, dtype=dtype).to(cfg.device).eval()
             self.vision = VisionInputs(hf, load_image_processor(cfg.model_path), self.tokenizer)
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype).to(cfg.device).eval()
+            self.model = AutoModelForCausalLM.from_pretrained(cfg.model_path, config=hf,
+                                                              dtype=dtype).to(cfg.device).eval()
         # bf16/fp16: the fp32 islands SGLang and the trainer keep (RMSNorm weight, lm head)
         apply_precision_policy(self.model, fp32_lm_head=cfg.enable_fp32_lm_head)
         if cfg.enable_deterministic_inference and torch.device(cfg.device).type == "cuda":
