@@ -5,6 +5,7 @@ weight sync after every step.
 
     python bench/moe_gpu.py [--steps 3] [--out FILE.json]
     python bench/moe_gpu.py --tiny        # CPU, tiny Qwen3-MoE (fp32): checks that it runs
+    python bench/moe_gpu.py --grouped-gemm  # the experts as grouped products (--moe-grouped-gemm)
 
 The shape is Qwen3-30B-A3B's scaled down: 24 layers of hidden 1024, 16 query / 4 KV heads of 128,
 q/k RMSNorm, 64 routed experts of width 384 per layer, top-8 renormalised (norm_topk_prob), untied
@@ -125,6 +126,8 @@ def main() -> None:
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="the built-in engine decodes eagerly (if capturing transformers' MoE block fails)")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny model: checks that it runs")
+    p.add_argument("--grouped-gemm", action="store_true",
+                   help="--moe-grouped-gemm: the local experts as two grouped products (trainer/experts.py)")
     p.add_argument("--out", default=None, help="raw JSON here")
     a = p.parse_args()
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1"),
@@ -161,6 +164,8 @@ def main() -> None:
         argv += ["--bf16"]
     if a.disable_cuda_graph:
         argv += ["--sglang-disable-cuda-graph"]
+    if a.grouped_gemm:
+        argv += ["--moe-grouped-gemm"]
     ray_init()
     try:
         rows_out = train(*preflight(build_config(argv)))
@@ -183,7 +188,8 @@ def main() -> None:
     gaps = [s["gap"] for s in steps]
     sync = [s["weight_sync_GBps"] for s in steps]
     ok = len(steps) == a.steps and all(x is not None and x > 0 for x in sync) and max(gaps) <= GAP_LIMIT
-    result = {"shape": shape, "config": SHAPES[shape], "params": counts, "prompt_len": prompt_len, "samples": n,
+    result = {"shape": shape, "config": SHAPES[shape], "grouped_gemm": a.grouped_gemm, "params": counts,
+              "prompt_len": prompt_len, "samples": n,
               "response_len_limit": response_len, "peak_tflops": PEAK_TFLOPS, "bf16": cuda, "steps": steps,
               "rows": rows_out, "wall_s": wall, "checkpoint_s": t_ckpt, "pass": ok,
               "device": torch.cuda.get_device_name() if cuda else "cpu"}

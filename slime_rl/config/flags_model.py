@@ -208,9 +208,6 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     _no_effect('--moe-token-drop-policy', 'which tokens an expert over its capacity drops (with '
                "Megatron-LM's --moe-expert-capacity-factor); the trainer's MoE layers are dropless, no token is "
                'dropped either way', choices=('probs', 'position')),
-    _no_effect_switch('--moe-grouped-gemm', "TransformerEngine's grouped GEMM kernel for the experts: the trainer "
-                      "builds megatron-core's local spec, whose SequentialMLP computes the same experts one GEMM "
-                      'each'),
     _no_effect_switch('--moe-permute-fusion', "TransformerEngine's fused token permutation; the local spec "
                       'permutes with torch ops, same result'),
     # ---- kernels and Megatron-LM's own data settings

@@ -66,6 +66,10 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
                   'with a note; allgather: every micro-batch is padded to '
                   'the longest over the EP x expert-TP ranks; not with pipeline or context parallelism, and with '
                   'EP or TP only on packed sequences)'),
+        Flag('--moe-grouped-gemm', 'trainer.moe_grouped_gemm', action="store_true",
+             help="an MoE layer's local experts as two grouped matrix products (torch._grouped_mm: one kernel for "
+                  "all experts; megatron's TEGroupedMLP needs TransformerEngine) instead of one GEMM per expert "
+                  "(SequentialMLP); the same parameters, checkpoints and names; every slime MoE script gives it"),
         Flag('--use-rollout-routing-replay', 'trainer.use_rollout_routing_replay', action="store_true",
              help="slime's R3 (arXiv 2510.11370): the engines return the experts each MoE layer chose per token "
                   "(SGLang's --enable-return-routed-experts) and the trainer's routers use them in every forward "

@@ -86,6 +86,7 @@ class TrainerConfig:
     moe_aux_loss_coeff: float = default_of("--moe-aux-loss-coeff")
     moe_router_load_balancing_type: str = default_of("--moe-router-load-balancing-type")
     moe_token_dispatcher_type: str = default_of("--moe-token-dispatcher-type")
+    moe_grouped_gemm: bool = default_of("--moe-grouped-gemm")  # trainer/experts.py GroupedExperts
     use_rollout_routing_replay: bool = default_of("--use-rollout-routing-replay")
     use_routing_replay: bool = default_of("--use-routing-replay")
 

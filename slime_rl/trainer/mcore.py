@@ -68,6 +68,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -164,8 +165,8 @@ __all__ = [
     "finalize_model_grads",
     "gather_from_sequence_parallel_region", "get_forward_backward_func", "get_gpt_layer_local_spec",
     "get_megatron_optimizer", "get_moe_metrics_tracker", "mpu", "on_rank_thread", "rope_utils", "tensor_parallel",
-    "vocab_parallel_cross_entropy", "RouterReplay", "RouterReplayAction", "TopKRouter", "DuplicatedLinear",
-    "IdentityOp", "LocalMLASelfAttention",
+    "vocab_parallel_cross_entropy", "RouterReplay", "RouterReplayAction", "TopKRouter", "SequentialMLP",
+    "DuplicatedLinear", "IdentityOp", "LocalMLASelfAttention",
 ]
 
 def on_rank_thread[F: Callable[..., Any]](method: F) -> F:

@@ -44,6 +44,7 @@ class MoEOptions:
     moe_aux_loss_coeff: float = 0.0
     moe_router_load_balancing_type: str = "aux_loss"
     moe_token_dispatcher_type: str = "alltoall"
+    moe_grouped_gemm: bool = False  # the local experts as grouped products (trainer/experts.py)
 
 
 def moe_config_kwargs(arch: ModelArch, moe: MoEOptions, tp_size: int) -> dict:
@@ -88,7 +89,7 @@ def moe_config_kwargs(arch: ModelArch, moe: MoEOptions, tp_size: int) -> dict:
         moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
         moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
         moe_token_dispatcher_type=moe.moe_token_dispatcher_type,
-        moe_grouped_gemm=False,  # the local spec's SequentialMLP (--moe-grouped-gemm is accepted, no effect)
+        moe_grouped_gemm=False,  # megatron's TE grouped GEMM; --moe-grouped-gemm is trainer/experts.py's instead
         expert_model_parallel_size=moe.expert_model_parallel_size,
         expert_tensor_parallel_size=moe.expert_tensor_parallel_size or tp_size,
     )
@@ -244,7 +245,7 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
                                 recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
                                 context_parallel_size=context_parallel_size, moe=moe,
                                 deterministic_mode=deterministic_mode)
-    spec = _layer_spec(arch, arch.num_experts or None)
+    spec = _layer_spec(arch, arch.num_experts or None, grouped=bool(moe and moe.moe_grouped_gemm))
     # every norm ours (engine rounding; SP-capable): trainer/norm.py
     spec = _norm_block_spec(spec, arch, here)
     if not all(arch.is_moe_layer(i) for i in range(arch.num_layers)) and arch.num_experts:
@@ -294,12 +295,24 @@ def fp32_output_layer(layer: torch.nn.Module) -> None:
     layer._forward_impl = forward_impl
 
 
-def _layer_spec(arch: ModelArch, num_experts: int | None):
+def _layer_spec(arch: ModelArch, num_experts: int | None, grouped: bool = False):
     """megatron's local layer spec for this arch (multi-latent attention where the family has it) with our
-    core attention: megatron's local DotProductAttention rejects packed (THD) batches; ours handles both."""
+    core attention: megatron's local DotProductAttention rejects packed (THD) batches; ours handles both.
+    `grouped` (--moe-grouped-gemm): the MoE layer's local experts as trainer/experts.py's GroupedExperts."""
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
                                     qk_layernorm=arch.qk_layernorm, multi_latent_attention=arch.mla)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if grouped and num_experts:  # the MoE layer's builder (a partial of MoELayer) with GroupedExperts for experts
+        import dataclasses
+        import functools
+
+        from slime_rl.trainer.experts import GroupedExperts
+
+        moe_layer = spec.submodules.mlp
+        subs = moe_layer.keywords["submodules"]
+        experts = functools.partial(GroupedExperts, *subs.experts.args, **subs.experts.keywords)
+        spec.submodules.mlp = functools.partial(moe_layer.func, *moe_layer.args, **{
+            **moe_layer.keywords, "submodules": dataclasses.replace(subs, experts=experts)})
     if arch.mla:  # the latent down projections whole on every TP rank (mcore.DuplicatedLinear says why)
         spec.submodules.self_attention.module = LocalMLASelfAttention
         spec.submodules.self_attention.submodules.linear_q_down_proj = DuplicatedLinear

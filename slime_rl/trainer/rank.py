@@ -73,7 +73,8 @@ class MegatronRank:
         moe = MoEOptions(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                          moe_aux_loss_coeff=trainer.moe_aux_loss_coeff,
                          moe_router_load_balancing_type=trainer.moe_router_load_balancing_type,
-                         moe_token_dispatcher_type=trainer.moe_token_dispatcher_type)
+                         moe_token_dispatcher_type=trainer.moe_token_dispatcher_type,
+                         moe_grouped_gemm=trainer.moe_grouped_gemm)
         check_mode(trainer.loss_agg_mode, trainer.loss_agg_max_len)
         self.trainer = trainer
         self.loss_agg_mode, self.loss_agg_max_len = trainer.loss_agg_mode, trainer.loss_agg_max_len

@@ -141,7 +141,7 @@ def test_slimes_model_args_describe_their_checkpoints(name, tmp_path):
     kept = cfg.model.megatron_model_args
     # every MODEL_ARGS flag kept as given, under its name (the trainer section's own MoE flags aside)
     assert set(kept) == {t for t in text.split() if t.startswith("--")} - {
-        "--moe-token-dispatcher-type", "--moe-aux-loss-coeff"}
+        "--moe-token-dispatcher-type", "--moe-aux-loss-coeff", "--moe-grouped-gemm"}
     assert kept["--num-layers"] == json.loads((HUB / config).read_text())["num_hidden_layers"]
 
 
@@ -310,7 +310,7 @@ def test_a_shared_expert_model(tmp_path):
     assert "--num-query-groups 4: " in message and "num_key_value_heads 16" in message
 
 
-NO_EFFECT = """--moe-grouped-gemm --moe-permute-fusion --moe-token-drop-policy position --no-rope-fusion
+NO_EFFECT = """--moe-permute-fusion --moe-token-drop-policy position --no-rope-fusion
 --no-masked-softmax-fusion --enable-experimental --seq-length 32768 --make-vocab-size-divisible-by 64 --mscale 1.0
 --mscale-all-dim 1.0 --rotary-scaling-factor 40 --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128
 --qk-pos-emb-head-dim 64 --v-head-dim 128 --moe-router-group-topk 4 --moe-router-bias-update-rate 0"""
@@ -320,7 +320,7 @@ def test_flags_without_shape_meaning_are_accepted_and_kept(tmp_path):
     cfg = _check(tmp_path, "qwen3_30b_a3b.json", QWEN3_30B_A3B.split() + NO_EFFECT.split())
     kept = cfg.model.megatron_model_args
     assert kept["--seq-length"] == 32768 and kept["--moe-token-drop-policy"] == "position"
-    assert kept["--moe-grouped-gemm"] is True and kept["--rotary-scaling-factor"] == 40.0
+    assert kept["--rotary-scaling-factor"] == 40.0
 
 
 def test_the_router_dtype_is_fp32_only(tmp_path):
@@ -447,16 +447,16 @@ def test_a_dry_run_with_the_model_args_plans_and_says_they_agree(tmp_path, capsy
     out = capsys.readouterr().out
     assert code == 0, out
     assert "trainer: 8 ranks" in out and "qwen3_moe" in out
-    # 28 flags in the model file; the trainer section's --moe-token-dispatcher-type and --moe-aux-loss-coeff aside, 26
-    # are MODEL_ARGS, 3 of them kernel or token-dropping choices without effect here
+    # 28 flags in the model file; the trainer section's --moe-token-dispatcher-type, --moe-aux-loss-coeff and
+    # --moe-grouped-gemm aside, 25 are MODEL_ARGS, 2 of them kernel or token-dropping choices without effect here
     assert (f"note: slime's MODEL_ARGS: 23 flags agree with {hf}'s config.json, from which the model is built; "
-            "--moe-token-drop-policy, --moe-grouped-gemm, --moe-permute-fusion accepted without effect") in out, out
+            "--moe-token-drop-policy, --moe-permute-fusion accepted without effect") in out, out
 
 
 def test_a_dry_run_with_only_kernel_flags_says_they_have_no_effect(tmp_path, capsys):
     hf = _checkpoint(tmp_path, "qwen3_30b_a3b.json")
-    assert train_main(_moe_dry_run_argv(hf, "--moe-grouped-gemm", "--moe-permute-fusion")) == 0
-    assert "note: slime's MODEL_ARGS: --moe-grouped-gemm, --moe-permute-fusion accepted without effect here " \
+    assert train_main(_moe_dry_run_argv(hf, "--moe-permute-fusion")) == 0
+    assert "note: slime's MODEL_ARGS: --moe-permute-fusion accepted without effect here " \
            "(docs/flags.md says why)\n" in capsys.readouterr().out
 
 

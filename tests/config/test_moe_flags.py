@@ -32,12 +32,13 @@ def test_moe_flags_reach_the_groups(tiny_qwen3_moe):
     assert (default.moe_aux_loss_coeff, default.moe_token_dispatcher_type) == (0.0, "alltoall")
 
 
-def test_grouped_gemm_is_accepted_without_effect(tiny_qwen3_moe):
-    """slime's MoE model files all pass --moe-grouped-gemm: a kernel choice (TransformerEngine's grouped GEMM),
-    the same experts as the local spec's SequentialMLP computes one GEMM each; accepted, kept as given."""
+def test_grouped_gemm_is_the_trainers_grouped_experts(tiny_qwen3_moe):
+    """slime's MoE model files all pass --moe-grouped-gemm: the trainer then runs the local experts as grouped
+    products (trainer/experts.py; equal to SequentialMLP: tests/trainer/test_moe.py); not a MODEL_ARGS flag."""
     cfg = _cfg(tiny_qwen3_moe, "--moe-grouped-gemm")
     check_model_features(cfg)
-    assert cfg.model.megatron_model_args == {"--moe-grouped-gemm": True}
+    assert cfg.trainer.moe_grouped_gemm and not _cfg(tiny_qwen3_moe).trainer.moe_grouped_gemm
+    assert "--moe-grouped-gemm" not in cfg.model.megatron_model_args
 
 
 def test_expert_parallel_must_divide_the_world(tiny_qwen3_moe):

@@ -182,3 +182,18 @@ def scenario_moe_deterministic(rank: int, world: int, port: int, ckpts: dict[str
 
 
 SCENARIOS["moe_deterministic"] = scenario_moe_deterministic
+
+
+def scenario_moe_grouped(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    """--moe-grouped-gemm (trainer/experts.py) on the tiny Qwen3-MoE: one rank (as moe1, with and without the aux
+    loss) and, on 4 ranks, EP=2 x TP=2 with sequence parallelism; compared with SequentialMLP's records."""
+    res: dict = {}
+    if world == 1:
+        run_moe(rank, world, port, ckpts["qwen3_moe"], "base", res, moe_grouped_gemm=True)
+    else:
+        run_moe(rank, world, port, ckpts["qwen3_moe"], "ep2tp2", res, layouts=("packed",), sequence_parallel=True,
+                moe_grouped_gemm=True)
+    return res
+
+
+SCENARIOS["moe_grouped1"] = SCENARIOS["moe_grouped_ep2tp2"] = scenario_moe_grouped

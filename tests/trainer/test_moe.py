@@ -220,3 +220,25 @@ def test_deterministic_mode_switches_torch_and_keeps_the_numbers(scenario):
         assert rec["switches"] == (True, True, ":4096:8")
     diffs = _diffs(one, ranks, "ep2", "packed")
     assert diffs["logp"] <= TOL["logp"] and diffs["grad"] <= TOL["grad"], diffs
+
+
+@pytest.mark.slow
+def test_grouped_gemm_equals_sequential_experts(scenario, ckpts):
+    """--moe-grouped-gemm: the local experts as two torch._grouped_mm products give SequentialMLP's log-probs and
+    gradient (fp32 on CPU, <= 1e-6) on one rank (8 local experts) and under EP=2 x TP=2 (4 local experts, each
+    fc1 split over expert-TP, sequence parallel); the weights out are the checkpoint's, under the same names."""
+    (one,) = scenario("moe1", 1)
+    (grouped,) = scenario("moe_grouped1", 1)
+    for layout in ("padded", "packed"):
+        logp = max(abs(a - b) for g, w in zip(grouped[f"base/{layout}/logp"], one[f"base/{layout}/logp"], strict=True)
+                   for a, b in zip(g, w, strict=True))
+        assert logp <= 1e-6, (layout, logp)
+        grads = grouped[f"base/{layout}/grad"]
+        assert set(grads) == set(one[f"base/{layout}/grad"])
+        diff = max(float((grads[n] - g).abs().max()) for n, g in one[f"base/{layout}/grad"].items())
+        assert diff <= 1e-6, (layout, diff)
+    ranks = scenario("moe_grouped_ep2tp2", 4)
+    diffs = _diffs(one, ranks, "ep2tp2", "packed")
+    for key, tol in TOL.items():
+        assert diffs[key] <= tol, f"grouped ep2tp2: max {key} diff {diffs[key]:.3g} > {tol}"
+    _assert_weights_out(ranks, "ep2tp2", load_file(ckpts["qwen3_moe"] / "model.safetensors"))
