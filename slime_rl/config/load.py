@@ -383,12 +383,8 @@ def _eval_config(a: argparse.Namespace, check_paths: bool, train_only: bool = Fa
     source = f"--eval-config {a.eval_config}: dataset" if a.eval_config is not None else "--eval-prompt-data"
     for name, path in datasets:
         _check(not check_paths or Path(path).is_file(), f"{source} {name}: file not found: {path}")
-        # eval samples come from the run's generate function (as in slime): a custom one or an agent may score them
-        _check(a.rm_type is not None or a.custom_rm_path is not None
-               or a.custom_generate_function_path is not None or a.agent_env is not None
-               or {"rm_type", "custom_rm_path"} & set(settings.get(name, {})),
-               f"{source} {name} needs a reward: --rm-type or --custom-rm-path (or its own rm_type in --eval-config), "
-               "or a --custom-generate-function-path that scores its samples")
+        # no reward check of its own: eval samples come from the run's generate function and are scored as the
+        # run's (as in slime), whose reward the reward group checks, or by the set's own --eval-config reward
     if datasets and a.eval_interval is None:  # slime's scripts switch eval off by commenting the interval out
         warnings.warn("--eval-prompt-data without --eval-interval: no eval runs (as in slime); add --eval-interval "
                       "N to evaluate every N steps", ConfigNote, stacklevel=2)

@@ -24,7 +24,8 @@ def test_expert_parallel_step_then_engine_holds_every_expert(ray_session, folder
     each expert under its HF name, equals the trainer's bit for bit, and the update moved them.
     Qwen2-MoE: its shared expert, the shared expert's gate and the dense layer too. GLM-4.5: its shared
     experts, the dense layer 0 and the sigmoid router's expert bias, sent as stored and never trained.
-    DeepSeek-V3: the same under multi-latent attention, whose projections and latent norms move too."""
+    DeepSeek-V3: the same under multi-latent attention, whose projections and latent norms move too, with the
+    experts as grouped products (--moe-grouped-gemm)."""
     from slime_rl.orchestration.cluster import Cluster
 
     ckpt = request.getfixturevalue(folder)
@@ -35,8 +36,11 @@ def test_expert_parallel_step_then_engine_holds_every_expert(ray_session, folder
         "--moe-aux-loss-coeff", "0.01", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
         "--global-batch-size", "8", "--micro-batch-size", "4", "--rollout-max-response-len", "6",
         "--num-rollout", "1", "--lr", "0.003", "--rollout-shuffle", "--update-weight-buffer-size", "20000",
-        "--custom-rm-path", "tests.plugins.example_reward:index_reward"])
+        "--custom-rm-path", "tests.plugins.example_reward:index_reward",
+        # DeepSeek-V3's run also takes the grouped experts (trainer/experts.py), as slime's scripts ask for them
+        *(["--moe-grouped-gemm"] if folder == "tiny_deepseek_v3" else [])])
     assert cfg.parallel.expert_model_parallel_size == 2
+    assert cfg.trainer.moe_grouped_gemm == (folder == "tiny_deepseek_v3")
     cluster = Cluster(*preflight(cfg), api_key="test-secret")
     try:
         cluster.start(train_iters=2)

@@ -148,5 +148,6 @@ def test_a_generate_function_that_scores_its_samples_needs_no_reward_flag(tmp_pa
     with pytest.raises(ConfigError,
                        match="or a --custom-generate-function-path or --agent-env that sets each sample's reward"):
         build_config(base)
-    with pytest.raises(ConfigError, match="--eval-prompt-data x needs a reward: --rm-type or --custom-rm-path"):
-        build_config(base + agent + ["--eval-prompt-data", "x", str(tmp_path / "d.jsonl"), "--eval-interval", "1"])
+    # eval samples come from the same generate function (as slime's eval), which scores them too
+    cfg = build_config(base + agent + ["--eval-prompt-data", "x", str(tmp_path / "d.jsonl"), "--eval-interval", "1"])
+    assert cfg.eval.datasets == (("x", str(tmp_path / "d.jsonl")),)
