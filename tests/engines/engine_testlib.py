@@ -31,3 +31,27 @@ def causal_packed_attention(q, k, v, cu, scale: float):
         s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
         out[a:b] = torch.einsum("hts,shd->thd", s.softmax(-1), v[a:b].double()).to(q.dtype)
     return out
+
+
+def assert_served_and_live(ckpt: Path, name: str, change) -> None:
+    """Every tensor of the checkpoint is a weight update target of the built-in engine's model under its
+    checkpoint name, holding the stored values, and changing the one named `name` in place (`change(t)`)
+    changes the model's logits: the engine computes with what a weight update writes."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from slime_rl.engines.embedded.weights import WeightSync
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    saved = load_file(ckpt / "model.safetensors")
+    served = WeightSync(model, engine=None, weight_version="0").params
+    assert set(saved) <= set(served)
+    for n, t in saved.items():
+        assert torch.equal(served[n].detach(), t), n
+    tokens = torch.tensor([prompt_of(12)])
+    with torch.no_grad():
+        before = model(tokens).logits
+        change(served[name])
+        after = model(tokens).logits
+    assert not torch.equal(before, after)

@@ -9,8 +9,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from engine_testlib import prompt_of, start_server
-from safetensors.torch import load_file
+from engine_testlib import assert_served_and_live, prompt_of, start_server
 
 from slime_rl.engines.payloads import decode_routed_experts
 
@@ -19,23 +18,9 @@ LAYERS, TOPK = 4, 2  # tests/conftest.py's tiny_deepseek_v3 and tiny_moonlight
 
 @pytest.mark.parametrize("folder", ["tiny_deepseek_v3", "tiny_moonlight"])
 def test_every_checkpoint_name_is_served(folder, request):
-    from transformers import AutoModelForCausalLM
-
-    from slime_rl.engines.embedded.weights import WeightSync
-
-    ckpt = request.getfixturevalue(folder)
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    saved = load_file(ckpt / "model.safetensors")
-    served = WeightSync(model, engine=None, weight_version="0").params
-    assert set(saved) <= set(served)
-    for name, t in saved.items():
-        assert torch.equal(served[name].detach(), t), name
-    tokens = torch.tensor([prompt_of(12)])
-    with torch.no_grad():
-        before = model(tokens).logits
-        served["model.layers.1.self_attn.kv_a_layernorm.weight"].mul_(2.0)  # an MLA latent norm, by its name
-        after = model(tokens).logits
-    assert not torch.equal(before, after)
+    # an MLA latent norm, by its checkpoint name
+    assert_served_and_live(request.getfixturevalue(folder), "model.layers.1.self_attn.kv_a_layernorm.weight",
+                           lambda t: t.mul_(2.0))
 
 
 def test_routed_experts_are_transformers_sigmoid_routing(tiny_deepseek_v3):

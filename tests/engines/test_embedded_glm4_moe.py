@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import torch
-from engine_testlib import prompt_of, start_server
+from engine_testlib import assert_served_and_live, prompt_of, start_server
 from safetensors.torch import load_file
 
 from slime_rl.engines.embedded.experts import expert_aliases
@@ -21,23 +21,15 @@ LAYERS, TOPK = 4, 2  # tests/conftest.py's tiny_glm4_moe
 def test_every_checkpoint_name_is_served(tiny_glm4_moe):
     from transformers import AutoModelForCausalLM
 
-    from slime_rl.engines.embedded.weights import WeightSync
-
     model = AutoModelForCausalLM.from_pretrained(tiny_glm4_moe, dtype=torch.float32).eval()
-    params = dict(model.named_parameters(remove_duplicate=False))
-    aliases = expert_aliases(params, model.config)
+    aliases = expert_aliases(dict(model.named_parameters(remove_duplicate=False)), model.config)
     saved = load_file(tiny_glm4_moe / "model.safetensors")
     assert set(aliases) == {n for n in saved if ".mlp.experts." in n} and len(aliases) == 3 * 8 * 3
-    served = WeightSync(model, engine=None, weight_version="0").params
-    assert set(saved) <= set(served)
-    for name, t in saved.items():
-        assert torch.equal(served[name].detach(), t), name
-    tokens = torch.tensor([prompt_of(12)])
-    with torch.no_grad():
-        before = model(tokens).logits
-        served["model.layers.2.mlp.gate.e_score_correction_bias"][3] += 1.0  # expert 3 always chosen there
-        after = model(tokens).logits
-    assert not torch.equal(before, after)
+
+    def raise_expert_3(t):  # expert 3 then always chosen in layer 2
+        t[3] += 1.0
+
+    assert_served_and_live(tiny_glm4_moe, "model.layers.2.mlp.gate.e_score_correction_bias", raise_expert_3)
 
 
 def _float64_choices(model_path, seq: list[int]) -> np.ndarray:

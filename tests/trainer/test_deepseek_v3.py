@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.trainer.moe_scenarios import MOE_CP, MOE_LAYOUTS, MOE_RUN_LAYOUTS
-from tests.trainer.test_moe import TOL, _assert_weights_out, _diffs, _per_expert
+from tests.trainer.test_moe import TOL, _assert_weights_out, _diffs, _per_expert, assert_registry_is_the_models
 from tests.trainer.test_trainer_megatron import LOGP_TOL, _assert_grads_close, _max_diff
 from tests.trainer.trainer_ref import hf_logprobs, hf_model, hf_policy_grad, make_batch
 from tests.trainer.trainer_scenarios import scenario_runner
@@ -87,20 +87,14 @@ def test_deepseek_v3_registry_is_transformers(change):
     every tensor's name and shape (fused experts named one by one), the MLA widths, the sparse layers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from slime_rl.trainer.convert import arch_from_hf_config, hf_shapes
+    from slime_rl.trainer.convert import arch_from_hf_config
 
     cfg = {**BASE, **change}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
     arch = arch_from_hf_config(cfg)
     assert arch.moe_layers == tuple(hasattr(layer.mlp, "experts") for layer in model.model.layers)
     assert (arch.q_lora_rank, arch.kv_lora_rank, arch.v_head_dim) == (cfg["q_lora_rank"] or 0, 6, cfg["v_head_dim"])
-    state = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    shapes = hf_shapes(arch)
-    for n, shape in shapes.items():
-        if ".mlp.experts." not in n:
-            assert state[n] == shape, n
-    fused = {n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
-    assert state.keys() - shapes.keys() == fused
+    assert_registry_is_the_models(arch, model)
 
 
 @pytest.mark.parametrize("change,message", [

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.trainer.moe_scenarios import MOE_CP, MOE_LAYOUTS, MOE_RUN_LAYOUTS
-from tests.trainer.test_moe import TOL, _assert_weights_out, _diffs, _per_expert
+from tests.trainer.test_moe import TOL, _assert_weights_out, _diffs, _per_expert, assert_registry_is_the_models
 from tests.trainer.test_trainer_megatron import LOGP_TOL, _assert_grads_close, _max_diff
 from tests.trainer.trainer_ref import hf_logprobs, hf_model, hf_policy_grad, make_batch
 from tests.trainer.trainer_scenarios import scenario_runner
@@ -120,7 +120,7 @@ def test_glm4_moe_registry_is_transformers(change):
     tensor's name and shape (fused experts named one by one)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from slime_rl.trainer.convert import arch_from_hf_config, hf_shapes
+    from slime_rl.trainer.convert import arch_from_hf_config
 
     cfg = {**BASE, **change}
     if cfg["n_group"] == 4:
@@ -131,13 +131,7 @@ def test_glm4_moe_registry_is_transformers(change):
     assert arch.qk_layernorm == cfg["use_qk_norm"] and arch.rotary_percent == 0.5
     assert arch.moe_shared_expert_ffn_hidden_size == cfg["n_shared_experts"] * cfg["moe_intermediate_size"]
     assert (arch.moe_score_function, arch.moe_scaling_factor) == ("sigmoid", 2.5)
-    state = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    shapes = hf_shapes(arch)
-    for n, shape in shapes.items():
-        if ".mlp.experts." not in n:
-            assert state[n] == shape, n
-    fused = {n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
-    assert state.keys() - shapes.keys() == fused
+    assert_registry_is_the_models(arch, model)
 
 
 @pytest.mark.parametrize("change,message", [

@@ -242,3 +242,17 @@ def test_grouped_gemm_equals_sequential_experts(scenario, ckpts):
     for key, tol in TOL.items():
         assert diffs[key] <= tol, f"grouped ep2tp2: max {key} diff {diffs[key]:.3g} > {tol}"
     _assert_weights_out(ranks, "ep2tp2", load_file(ckpts["qwen3_moe"] / "model.safetensors"))
+
+
+def assert_registry_is_the_models(arch, model) -> None:
+    """The registry's tensors (hf_shapes of `arch`) are those of transformers' `model` built from the same config,
+    name for name and shape for shape, its fused experts (gate_up_proj / down_proj) named one by one."""
+    from slime_rl.trainer.convert import hf_shapes
+
+    state = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    shapes = hf_shapes(arch)
+    for n, shape in shapes.items():
+        if ".mlp.experts." not in n:
+            assert state[n] == shape, n
+    fused = {n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert state.keys() - shapes.keys() == fused
