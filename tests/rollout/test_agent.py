@@ -405,3 +405,58 @@ def test_a_trajectory_the_rollout_stops_is_aborted_not_failed(server, tok):
         assert s.metadata[STATUS] == ABORTED and s.reward is None and "agent_error" not in s.metadata
         # its one answer (trained) and the user turn of the request that was cut (not)
         assert s.metadata["agent_turns"] == 1 and s.loss_mask[0] == 1 and s.loss_mask[-1] == 0
+
+
+def test_completions_api_turns_are_recorded_token_for_token(server, tok, tool_model):
+    """/v1/completions (OpenAI's legacy text API, with the openai client): a text prompt, then the same text with
+    the answer and new text; then token ids that extend the sample. The sample is the first prompt tokenized, each
+    answer's ids as the engine gave them, and only the new text (or ids) between them (loss mask 0); every answer
+    log-prob is the model's over the whole trajectory (float64), and the harness got those log-probs."""
+    seen = {}
+
+    async def agent(client, sample):
+        first = "<|im_start|>user\nadd 2 and 3<|im_end|>\n<|im_start|>assistant\n"
+        r1 = await client.completions.create(model="policy", prompt=first, max_tokens=6, logprobs=1,
+                                             extra_body={"return_token_ids": True})
+        second = first + r1.choices[0].text + "\nagain: "
+        r2 = await client.completions.create(model="policy", prompt=second, max_tokens=5, logprobs=1,
+                                             extra_body={"return_token_ids": True})
+        ids = r2.model_extra["prompt_token_ids"] + r2.choices[0].token_ids + [7, 11]
+        r3 = await client.completions.create(model="policy", prompt=ids, max_tokens=4, logprobs=1,
+                                             extra_body={"return_token_ids": True})
+        seen.update(first=first, answers=[r1, r2, r3])
+        return 1.0
+
+    (sample,) = run_agents(server, tok, agent, [new_sample()])
+    assert sample.reward == 1.0 and "agent_branched" not in sample.metadata, sample.metadata
+    r1, r2, r3 = seen["answers"]
+    assert sample.prompt_ids == tok.encode(seen["first"])
+    a1, a2, a3 = (r.choices[0].token_ids for r in (r1, r2, r3))
+    env1 = tok.encode("\nagain: ", add_special_tokens=False)
+    assert sample.response_ids == a1 + env1 + a2 + [7, 11] + a3
+    assert sample.loss_mask == [1] * len(a1) + [0] * len(env1) + [1] * len(a2) + [0, 0] + [1] * len(a3)
+    assert r3.model_extra["prompt_token_ids"] == sample.prompt_ids + a1 + env1 + a2 + [7, 11]
+    ref = reference_logprobs(float64_model(tool_model), sample.prompt_ids, sample.response_ids)
+    got = torch.tensor(sample.rollout_logprobs, dtype=torch.float64)
+    on = torch.tensor(sample.loss_mask, dtype=torch.bool)
+    assert torch.allclose(got[on], ref[on], atol=1e-4), (got[on] - ref[on]).abs().max()
+    assert [x for r in (r1, r2, r3) for x in r.choices[0].logprobs.token_logprobs] == got[on].tolist()
+    assert r1.object == "text_completion" and r1.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completions_that_do_not_extend_branch_and_apis_do_not_mix(server, tok):
+    seen = {}
+
+    async def agent(client, sample):
+        r = await client.completions.create(model="p", prompt="count: 1", max_tokens=4)
+        seen["kept"] = list(sample.response_ids)
+        await client.completions.create(model="p", prompt="count: 2", max_tokens=4)  # another text: a branch
+        try:
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        except openai.BadRequestError as exc:
+            seen["mixed"] = str(exc)
+        return float(len(r.choices[0].text) >= 0)
+
+    (sample,) = run_agents(server, tok, agent, [new_sample()])
+    assert sample.metadata["agent_branched"] is True and sample.response_ids == seen["kept"]
+    assert "one trajectory uses one of the two APIs" in seen["mixed"]

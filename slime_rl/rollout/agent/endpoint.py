@@ -4,6 +4,7 @@ started at the first trajectory, closed with the pool), served by aiohttp on the
 Each trajectory has its own base URL, `http://127.0.0.1:PORT/t/KEY/v1` (KEY: a random token, so one
 agent's requests can never land in another's sample); the same routes answer at `/v1/...` with
 `Authorization: Bearer KEY` for harnesses that keep their own base URL. Routes: `POST /chat/completions`,
+`POST /completions` (the legacy text API: a prompt string or token ids; one trajectory uses one of the two),
 `GET /models`. Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a
 request the trajectory cannot take (naming the field), 404 for an unknown or finished trajectory, 503 when
 the rollout cut the request, 502 when the engines failed.
@@ -39,6 +40,7 @@ class AgentEndpoint:
         app = web.Application(client_max_size=64 << 20)
         for prefix in ("/t/{key}/v1", "/v1"):
             app.router.add_post(prefix + "/chat/completions", self._chat)
+            app.router.add_post(prefix + "/completions", self._completions)
             app.router.add_get(prefix + "/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -73,6 +75,12 @@ class AgentEndpoint:
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "slime_rl"}]})
 
     async def _chat(self, request: Any) -> Any:
+        return await self._serve(request, "chat")
+
+    async def _completions(self, request: Any) -> Any:
+        return await self._serve(request, "complete")
+
+    async def _serve(self, request: Any, method: str) -> Any:
         from aiohttp import web
 
         trajectory = self._trajectory(request)
@@ -87,7 +95,7 @@ class AgentEndpoint:
         if body.get("stream"):
             return _error(400, "streaming is not served (stream: false)", "invalid_request_error", "stream")
         try:
-            return web.json_response(await trajectory.chat(body))
+            return web.json_response(await getattr(trajectory, method)(body))
         except RequestError as exc:
             return _error(400, str(exc), "invalid_request_error", exc.param)
         except RolloutCut as exc:

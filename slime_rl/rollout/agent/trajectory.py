@@ -124,6 +124,10 @@ class Trajectory:
         self._lock = asyncio.Lock()
         self._ids = 0
         self.key = ""  # set by the endpoint that serves it
+        # /v1/completions: the last request's prompt and the answer's text (a text prompt must extend it), and
+        # whether this trajectory speaks that API (one trajectory uses one of the two)
+        self.completion_text: str | None = None
+        self.completions = False
 
     # ---- the request ----
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -133,6 +137,9 @@ class Trajectory:
     async def _chat(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.cut:
             raise RolloutCut("the rollout stopped this trajectory (its step is complete)")
+        if self.completions:
+            raise RequestError("this trajectory speaks /v1/completions: one trajectory uses one of the two APIs",
+                               "messages")
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list", "messages")
@@ -179,6 +186,118 @@ class Trajectory:
         self.messages = messages + [{k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}]
         self.tools = tools
         return answer
+
+    # ---- /v1/completions ----
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's legacy completions: `prompt` a string (or one string in a list) or token ids. The first
+        prompt is the sample's prompt; a later one must extend the trajectory (a text prompt: the last prompt and
+        the answer's text, then new text; token ids: the sample's tokens, then new ids), the new part recorded as
+        environment tokens (loss mask 0). Anything else branches, as for chat."""
+        async with self._lock:
+            return await self._complete(body)
+
+    async def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.cut:
+            raise RolloutCut("the rollout stopped this trajectory (its step is complete)")
+        if self.messages is not None:
+            raise RequestError("this trajectory speaks /v1/chat/completions: one trajectory uses one of the two "
+                               "APIs", "prompt")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        text_prompt = isinstance(prompt, str)
+        ids_prompt = isinstance(prompt, list) and bool(prompt) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        if not (text_prompt and prompt) and not ids_prompt:
+            raise RequestError("'prompt' must be a non-empty string or a non-empty list of token ids (one prompt: "
+                               "one trajectory is one sample)", "prompt")
+        if body.get("n", 1) != 1:
+            raise RequestError("only n=1 is served (one trajectory is one sample)", "n")
+        if body.get("echo"):
+            raise RequestError("echo is not served", "echo")
+        s = self.sample
+        if not self.completions:  # the first request: its prompt is the sample's
+            self.completions = True
+            ids = self.tok.encode(prompt) if text_prompt else list(prompt)
+            s.prompt = prompt if text_prompt else self.tok.decode(ids, skip_special_tokens=False)
+            s.prompt_ids, s.response, s.response_ids, s.rollout_logprobs, s.loss_mask = ids, "", [], [], []
+            s.metadata.pop(STATUS, None)
+            s.metadata.pop(VERSIONS, None)
+        elif not self.branched:
+            new: list[int] | None = None
+            if text_prompt and self.completion_text is not None and prompt.startswith(self.completion_text):
+                new = self.tok.encode(prompt[len(self.completion_text):], add_special_tokens=False)
+            elif ids_prompt and prompt[:len(s.tokens)] == s.tokens:
+                new = list(prompt[len(s.tokens):])
+            if new is None:
+                self.branched = True
+                s.metadata["agent_branched"] = True
+            elif not self.exhausted:
+                room = self.pool.budget(s, self.budget_total, count=False)
+                append_env_tokens(s, new[:room], self.tok)
+                self.exhausted = len(new) > room
+        if self.branched:
+            return await self._untracked_completion(body, prompt)
+        budget = 0 if self.exhausted else self.pool.budget(s, self.budget_total)
+        if budget <= 0:
+            self.exhausted = True
+            mark_truncated(s)
+            self.completion_text = prompt if text_prompt else None
+            return self._completion(body, [], "", {"type": "length"}, s.tokens, [])
+        prompt_ids = s.tokens
+        out = await self.pool.generate(s, prompt_ids, self._params(body, budget))
+        ids = append_model_turn(s, out, self.tok)
+        if status(s) == ABORTED:
+            self.cut = True
+            raise RolloutCut("the rollout stopped this request (its step is complete)")
+        self.turns += 1
+        self.last_turn = ids
+        text = out.get("text") or ""
+        self.completion_text = prompt + text if text_prompt else None
+        finish = (out.get("meta_info") or {}).get("finish_reason") or {}
+        given = s.rollout_logprobs[len(s.rollout_logprobs) - len(ids):]
+        return self._completion(body, ids, text, finish, prompt_ids, given)
+
+    async def _untracked_completion(self, body: dict[str, Any], prompt: str | list[int]) -> dict[str, Any]:
+        ids = self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        room = self.budget_total
+        if self.pool.max_context_len is not None:
+            room = min(room, self.pool.max_context_len - len(ids))
+        if room <= 0:
+            return self._completion(body, [], "", {"type": "length"}, ids, [])
+        out = await self.pool.generate(self.sample, ids, self._params(body, room))
+        meta = out.get("meta_info") or {}
+        finish = meta.get("finish_reason") or {}
+        if finish.get("type") == "abort":
+            self.cut = True
+            self.sample.metadata[STATUS] = ABORTED
+            raise RolloutCut("the rollout stopped this request (its step is complete)")
+        entries = meta.get("output_token_logprobs") or []
+        return self._completion(body, [int(e[1]) for e in entries], out.get("text") or "", finish, ids,
+                                [float(e[0]) for e in entries])
+
+    def _completion(self, body: dict[str, Any], ids: list[int], text: str, finish: dict[str, Any],
+                    prompt_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+        """OpenAI's text_completion object (logprobs when asked: tokens, token_logprobs, text_offset)."""
+        self._ids += 1
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                                  "finish_reason": "length" if finish.get("type") == "length" else "stop"}
+        if body.get("logprobs") is not None and body.get("logprobs") is not False:
+            tokens = [self.tok.decode([t], skip_special_tokens=False) for t in ids]
+            offsets, at = [], 0
+            for t in tokens:
+                offsets.append(at)
+                at += len(t)
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None,
+                                  "text_offset": offsets}
+        out = {"id": f"cmpl-{self.sample.index}-{self._ids}", "object": "text_completion",
+               "created": int(time.time()), "model": body.get("model") or "policy", "choices": [choice],
+               "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                         "total_tokens": len(prompt_ids) + len(ids)}}
+        if body.get("return_token_ids"):  # vLLM's extension, as for chat
+            choice["token_ids"] = list(ids)
+            out["prompt_token_ids"] = list(prompt_ids)
+        return out
 
     def _start(self, messages: list[dict[str, Any]], tools: list[dict] | None, text: str) -> None:
         """The first request: its rendering is the prompt (whatever the data row's prompt was)."""
