@@ -197,3 +197,16 @@ def scenario_moe_grouped(rank: int, world: int, port: int, ckpts: dict[str, str]
 
 
 SCENARIOS["moe_grouped1"] = SCENARIOS["moe_grouped_ep2tp2"] = scenario_moe_grouped
+
+
+def scenario_moe_grouped_layouts(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    """--moe-grouped-gemm under EP=2 x PP=2, CP=2 x EP=2 and EP=2 x TP=2 x ETP=1 (4 ranks, one after the other)."""
+    res: dict = {}
+    for k, name in enumerate(("ep2pp2", "cp2ep2", "ep2tp2etp1")):
+        run_moe(rank, world, port + 10 * k, ckpts["qwen3_moe"], name, res,
+                layouts=MOE_RUN_LAYOUTS.get(name, ("padded", "packed")), moe_grouped_gemm=True,
+                **MOE_KW.get(name, {}))
+    return res
+
+
+SCENARIOS["moe_grouped_layouts"] = scenario_moe_grouped_layouts

@@ -256,3 +256,18 @@ def assert_registry_is_the_models(arch, model) -> None:
             assert state[n] == shape, n
     fused = {n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     assert state.keys() - shapes.keys() == fused
+
+
+@pytest.mark.slow
+def test_grouped_gemm_equals_one_rank_under_pp_cp_and_etp(scenario, ckpts):
+    """--moe-grouped-gemm under EP=2 x PP=2 (each stage's experts grouped), CP=2 x EP=2 and EP=2 x TP=2 x ETP=1
+    (each expert whole on every TP rank) gives one rank's log-probs, gradient, grad norm and aux loss (SequentialMLP's
+    one-rank records), and the checkpoint's weights out."""
+    (one,) = scenario("moe1", 1)
+    ranks = scenario("moe_grouped_layouts", 4)
+    for name in ("ep2pp2", "cp2ep2", "ep2tp2etp1"):
+        for layout in MOE_RUN_LAYOUTS.get(name, ("padded", "packed")):
+            diffs = _diffs(one, ranks, name, layout)
+            for key, tol in TOL.items():
+                assert diffs[key] <= tol, f"grouped {name} {layout}: max {key} diff {diffs[key]:.3g} > {tol}"
+        _assert_weights_out(ranks, name, load_file(ckpts["qwen3_moe"] / "model.safetensors"))
