@@ -148,40 +148,24 @@ class Trajectory:
             raise RequestError("only n=1 is served (one trajectory is one sample)", "n")
         tools = body.get("tools") or None
         text = render(self.tok, messages, tools, True, self.template_kwargs)
-        if self.branched:
-            return await self._untracked(body, messages, text)
         if self.messages is None:
-            self._start(messages, tools, text)
-        else:
+            self._begin(text, self.tok.encode(text, add_special_tokens=False))
+            self.sample.metadata["agent_messages"] = len(messages)
+        elif not self.branched:
             new = self._extension(messages, tools, text)
             if new is None:
-                self.branched = True
-                self.sample.metadata["agent_branched"] = True
-                return await self._untracked(body, messages, text)
-            if not self.exhausted:
-                room = self.pool.budget(self.sample, self.budget_total, count=False)
-                append_env_tokens(self.sample, new[:room], self.tok)
-                self.exhausted = len(new) > room
-        budget = 0 if self.exhausted else self.pool.budget(self.sample, self.budget_total)
-        if budget <= 0:  # nothing more fits: the sample ends here, truncated
-            self.exhausted = True
-            mark_truncated(self.sample)
+                self._branch()
+            else:
+                self._add_env(new)
+        if self.branched:
+            return self._answer(body, *await self._untracked(body, self.tok.encode(text, add_special_tokens=False)))
+        turn = await self._turn(body)
+        if turn is None:  # nothing more fits: the sample ends here, truncated
             self.messages = messages + [{"role": "assistant", "content": ""}]
             self.tools = tools
             self.last_turn = []
             return self._answer(body, [], "", {"type": "length"}, self.sample.tokens)
-        params = self._params(body, budget)
-        prompt_ids = self.sample.tokens
-        out = await self.pool.generate(self.sample, prompt_ids, params)
-        ids = append_model_turn(self.sample, out, self.tok)
-        if status(self.sample) == ABORTED:
-            self.cut = True
-            raise RolloutCut("the rollout stopped this request (its step is complete)")
-        self.turns += 1
-        self.last_turn = ids
-        finish = (out.get("meta_info") or {}).get("finish_reason") or {}
-        answer = self._answer(body, ids, out.get("text") or "", finish, prompt_ids,
-                              self.sample.rollout_logprobs[len(self.sample.rollout_logprobs) - len(ids):])
+        answer = self._answer(body, *turn)
         message = answer["choices"][0]["message"]
         self.messages = messages + [{k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}]
         self.tools = tools
@@ -219,10 +203,7 @@ class Trajectory:
         if not self.completions:  # the first request: its prompt is the sample's
             self.completions = True
             ids = self.tok.encode(prompt) if text_prompt else list(prompt)
-            s.prompt = prompt if text_prompt else self.tok.decode(ids, skip_special_tokens=False)
-            s.prompt_ids, s.response, s.response_ids, s.rollout_logprobs, s.loss_mask = ids, "", [], [], []
-            s.metadata.pop(STATUS, None)
-            s.metadata.pop(VERSIONS, None)
+            self._begin(prompt if text_prompt else self.tok.decode(ids, skip_special_tokens=False), ids)
         elif not self.branched:
             new: list[int] | None = None
             if text_prompt and self.completion_text is not None and prompt.startswith(self.completion_text):
@@ -230,51 +211,58 @@ class Trajectory:
             elif ids_prompt and prompt[:len(s.tokens)] == s.tokens:
                 new = list(prompt[len(s.tokens):])
             if new is None:
-                self.branched = True
-                s.metadata["agent_branched"] = True
-            elif not self.exhausted:
-                room = self.pool.budget(s, self.budget_total, count=False)
-                append_env_tokens(s, new[:room], self.tok)
-                self.exhausted = len(new) > room
+                self._branch()
+            else:
+                self._add_env(new)
         if self.branched:
-            return await self._untracked_completion(body, prompt)
-        budget = 0 if self.exhausted else self.pool.budget(s, self.budget_total)
-        if budget <= 0:
-            self.exhausted = True
-            mark_truncated(s)
+            ids = self.tok.encode(prompt) if text_prompt else list(prompt)
+            return self._completion(body, *await self._untracked(body, ids))
+        turn = await self._turn(body)
+        if turn is None:  # nothing more fits: the sample ends here, truncated
             self.completion_text = prompt if text_prompt else None
             return self._completion(body, [], "", {"type": "length"}, s.tokens, [])
-        prompt_ids = s.tokens
-        out = await self.pool.generate(s, prompt_ids, self._params(body, budget))
-        ids = append_model_turn(s, out, self.tok)
-        if status(s) == ABORTED:
+        self.completion_text = prompt + turn[1] if text_prompt else None
+        return self._completion(body, *turn)
+
+    # ---- what both APIs do with a request ----
+    def _begin(self, prompt: str, prompt_ids: list[int]) -> None:
+        """The first request: its prompt (whatever the data row's prompt was) starts the sample over."""
+        s = self.sample
+        s.prompt, s.prompt_ids = prompt, prompt_ids
+        s.response, s.response_ids, s.rollout_logprobs, s.loss_mask = "", [], [], []
+        s.metadata.pop(STATUS, None)
+        s.metadata.pop(VERSIONS, None)
+
+    def _branch(self) -> None:
+        self.branched = True
+        self.sample.metadata["agent_branched"] = True
+
+    def _add_env(self, new: list[int]) -> None:
+        """A request's new tokens after the last answer, as environment tokens within the response budget."""
+        if not self.exhausted:
+            room = self.pool.budget(self.sample, self.budget_total, count=False)
+            append_env_tokens(self.sample, new[:room], self.tok)
+            self.exhausted = len(new) > room
+
+    async def _turn(self, body: dict[str, Any]) -> tuple | None:
+        """One recorded answer on the sample's tokens: (ids, text, finish_reason, the prompt ids it answered,
+        its log-probs), or None when the budget is spent (the sample marked truncated)."""
+        budget = 0 if self.exhausted else self.pool.budget(self.sample, self.budget_total)
+        if budget <= 0:
+            self.exhausted = True
+            mark_truncated(self.sample)
+            return None
+        prompt_ids = self.sample.tokens
+        out = await self.pool.generate(self.sample, prompt_ids, self._params(body, budget))
+        ids = append_model_turn(self.sample, out, self.tok)
+        if status(self.sample) == ABORTED:
             self.cut = True
             raise RolloutCut("the rollout stopped this request (its step is complete)")
         self.turns += 1
         self.last_turn = ids
-        text = out.get("text") or ""
-        self.completion_text = prompt + text if text_prompt else None
         finish = (out.get("meta_info") or {}).get("finish_reason") or {}
-        given = s.rollout_logprobs[len(s.rollout_logprobs) - len(ids):]
-        return self._completion(body, ids, text, finish, prompt_ids, given)
-
-    async def _untracked_completion(self, body: dict[str, Any], prompt: str | list[int]) -> dict[str, Any]:
-        ids = self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        room = self.budget_total
-        if self.pool.max_context_len is not None:
-            room = min(room, self.pool.max_context_len - len(ids))
-        if room <= 0:
-            return self._completion(body, [], "", {"type": "length"}, ids, [])
-        out = await self.pool.generate(self.sample, ids, self._params(body, room))
-        meta = out.get("meta_info") or {}
-        finish = meta.get("finish_reason") or {}
-        if finish.get("type") == "abort":
-            self.cut = True
-            self.sample.metadata[STATUS] = ABORTED
-            raise RolloutCut("the rollout stopped this request (its step is complete)")
-        entries = meta.get("output_token_logprobs") or []
-        return self._completion(body, [int(e[1]) for e in entries], out.get("text") or "", finish, ids,
-                                [float(e[0]) for e in entries])
+        logprobs = self.sample.rollout_logprobs[len(self.sample.rollout_logprobs) - len(ids):]
+        return ids, out.get("text") or "", finish, prompt_ids, logprobs
 
     def _completion(self, body: dict[str, Any], ids: list[int], text: str, finish: dict[str, Any],
                     prompt_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
@@ -298,15 +286,6 @@ class Trajectory:
             choice["token_ids"] = list(ids)
             out["prompt_token_ids"] = list(prompt_ids)
         return out
-
-    def _start(self, messages: list[dict[str, Any]], tools: list[dict] | None, text: str) -> None:
-        """The first request: its rendering is the prompt (whatever the data row's prompt was)."""
-        s = self.sample
-        s.prompt, s.prompt_ids = text, self.tok.encode(text, add_special_tokens=False)
-        s.response, s.response_ids, s.rollout_logprobs, s.loss_mask = "", [], [], []
-        s.metadata.pop(STATUS, None)
-        s.metadata.pop(VERSIONS, None)
-        s.metadata["agent_messages"] = len(messages)
 
     def _extension(self, messages: list[dict[str, Any]], tools: list[dict] | None, text: str) -> list[int] | None:
         """The environment tokens this request adds after the last answer, or None: it does not extend it."""
@@ -347,14 +326,14 @@ class Trajectory:
             params["stop"] = list(params.get("stop") or []) + stop
         return params
 
-    async def _untracked(self, body: dict[str, Any], messages: list[dict[str, Any]], text: str) -> dict[str, Any]:
-        """A request after a branch: answered, not recorded (the sample keeps the exact part before it)."""
-        ids = self.tok.encode(text, add_special_tokens=False)
+    async def _untracked(self, body: dict[str, Any], ids: list[int]) -> tuple:
+        """A request after a branch, on `ids`: answered, not recorded (the sample keeps the exact part before it).
+        Returns what `_turn` does: (ids, text, finish_reason, the prompt ids, log-probs)."""
         room = self.budget_total
         if self.pool.max_context_len is not None:
             room = min(room, self.pool.max_context_len - len(ids))
         if room <= 0:
-            return self._answer(body, [], "", {"type": "length"}, ids, [])
+            return [], "", {"type": "length"}, ids, []
         out = await self.pool.generate(self.sample, ids, self._params(body, room))
         meta = out.get("meta_info") or {}
         finish = meta.get("finish_reason") or {}
@@ -363,8 +342,7 @@ class Trajectory:
             self.sample.metadata[STATUS] = ABORTED
             raise RolloutCut("the rollout stopped this request (its step is complete)")
         entries = meta.get("output_token_logprobs") or []
-        new = [int(e[1]) for e in entries]
-        return self._answer(body, new, out.get("text") or "", finish, ids, [float(e[0]) for e in entries])
+        return [int(e[1]) for e in entries], out.get("text") or "", finish, ids, [float(e[0]) for e in entries]
 
     # ---- the answer, in OpenAI's shape ----
     def _answer(self, body: dict[str, Any], ids: list[int], text: str, finish: dict[str, Any],
