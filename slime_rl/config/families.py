@@ -145,6 +145,14 @@ class Family:
         out (config_defaults), or `default`."""
         return cfg[key] if cfg.get(key) is not None else self.config_defaults.get(key, default)
 
+    def mla_dims(self, cfg: dict[str, Any]) -> dict[str, int]:
+        """Multi-latent attention's widths as config.json gives them (transformers' defaults for a key the file
+        leaves out; q_lora_rank null, or 0 here: one query projection), unchecked."""
+        q_lora = cfg["q_lora_rank"] if "q_lora_rank" in cfg else self.config_defaults.get("q_lora_rank")
+        return {"q_lora_rank": int(q_lora or 0),
+                **{k: int(self.config_value(cfg, k, 0)) for k in ("kv_lora_rank", "qk_nope_head_dim",
+                                                                  "qk_rope_head_dim", "v_head_dim")}}
+
     def layer_maps(self, moe_layer: bool = True, qk_norm: bool | None = None,
                    q_lora: bool | None = None) -> tuple[ParamMap, ...]:
         """The entries of one layer: an MoE family's dense layers (moe_layer=False) have a dense MLP;

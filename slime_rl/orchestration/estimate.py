@@ -207,12 +207,10 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         if family.shared_expert:
             shared_ffn = int(cfg.get("shared_expert_intermediate_size") or 0)
     mla: dict[str, int] = {}
-    if family.mla:  # transformers' defaults where the file leaves a key out; q_lora_rank null: one q_proj
-        q_lora = cfg["q_lora_rank"] if "q_lora_rank" in cfg else family.config_defaults.get("q_lora_rank")
-        mla = {"q_lora": int(q_lora or 0), "kv_lora": int(family.config_value(cfg, "kv_lora_rank", 0)),
-               "qk_nope": int(family.config_value(cfg, "qk_nope_head_dim", 0)),
-               "qk_rope": int(family.config_value(cfg, "qk_rope_head_dim", 0)),
-               "v_head": int(family.config_value(cfg, "v_head_dim", 0))}
+    if family.mla:  # the widths as config.json gives them (Family.mla_dims), under ModelShape's names
+        dims = family.mla_dims(cfg)
+        mla = {"q_lora": dims["q_lora_rank"], "kv_lora": dims["kv_lora_rank"], "qk_nope": dims["qk_nope_head_dim"],
+               "qk_rope": dims["qk_rope_head_dim"], "v_head": dims["v_head_dim"]}
     vision = None
     if family.vision:
         vc = {**_VISION_DEFAULTS, **(config.get("vision_config") or {})}

@@ -71,13 +71,14 @@ def _split(pm: ParamMap) -> tuple[int, int, dist.ProcessGroup | None]:
     return _etp() if pm.expert else _tp()
 
 
+def registry_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers the registry names (ParamMap.buffer: a router's expert_bias), by Megatron name."""
+    return {n: b for n, b in unwrap(model).named_buffers() if n.endswith(".router.expert_bias")}
+
+
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters and the persistent buffers the registry names (ParamMap.buffer: a
-    router's expert_bias), by Megatron name."""
-    core = unwrap(model)
-    out: dict[str, torch.Tensor] = dict(core.named_parameters())
-    out.update((n, b) for n, b in core.named_buffers() if n.endswith(".router.expert_bias"))
-    return out
+    """The model's parameters and its registry buffers, by Megatron name."""
+    return {**dict(unwrap(model).named_parameters()), **registry_buffers(model)}
 
 
 def stage_param_maps(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0,

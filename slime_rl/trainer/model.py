@@ -63,28 +63,10 @@ def moe_config_kwargs(arch: ModelArch, moe: MoEOptions, tp_size: int) -> dict:
     the engine routes with the same bias, so the trainer must too."""
     if arch.num_experts == 0:
         return {}
-    if arch.moe_score_function == "sigmoid":
-        return dict(
-            num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-            moe_router_topk=arch.moe_topk, moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
-            moe_router_enable_expert_bias=arch.moe_expert_bias, moe_router_bias_update_rate=0.0,
-            moe_router_num_groups=arch.moe_num_groups or None, moe_router_group_topk=arch.moe_group_topk or None,
-            moe_router_topk_scaling_factor=arch.moe_scaling_factor, moe_router_dtype="fp32",
-            moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
-            moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
-            moe_token_dispatcher_type=moe.moe_token_dispatcher_type, moe_grouped_gemm=False,
-            expert_model_parallel_size=moe.expert_model_parallel_size,
-            expert_tensor_parallel_size=moe.expert_tensor_parallel_size or tp_size,
-        )
-    if arch.moe_topk == 1 and arch.moe_norm_topk_prob:
-        raise ValueError("num_experts_per_tok=1 with norm_topk_prob=true: every token's weight is 1 and the "
-                         "router gets no gradient (megatron refuses it: --moe-router-pre-softmax)")
-    return dict(
+    common = dict(
         num_moe_experts=arch.num_experts,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
         moe_router_topk=arch.moe_topk,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
         moe_router_dtype="fp32",
         moe_aux_loss_coeff=moe.moe_aux_loss_coeff,
         moe_router_load_balancing_type=moe.moe_router_load_balancing_type,
@@ -93,6 +75,16 @@ def moe_config_kwargs(arch: ModelArch, moe: MoEOptions, tp_size: int) -> dict:
         expert_model_parallel_size=moe.expert_model_parallel_size,
         expert_tensor_parallel_size=moe.expert_tensor_parallel_size or tp_size,
     )
+    if arch.moe_score_function == "sigmoid":
+        return dict(common, moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+                    moe_router_enable_expert_bias=arch.moe_expert_bias, moe_router_bias_update_rate=0.0,
+                    moe_router_num_groups=arch.moe_num_groups or None,
+                    moe_router_group_topk=arch.moe_group_topk or None,
+                    moe_router_topk_scaling_factor=arch.moe_scaling_factor)
+    if arch.moe_topk == 1 and arch.moe_norm_topk_prob:
+        raise ValueError("num_experts_per_tok=1 with norm_topk_prob=true: every token's weight is 1 and the "
+                         "router gets no gradient (megatron refuses it: --moe-router-pre-softmax)")
+    return dict(common, moe_router_score_function="softmax", moe_router_pre_softmax=not arch.moe_norm_topk_prob)
 
 
 def moe_block_kwargs(arch: ModelArch) -> dict:

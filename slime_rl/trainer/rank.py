@@ -137,7 +137,7 @@ class MegatronRank:
         fp32_buffers = float_buffers(self.gpt.vision_model) if hasattr(self.gpt, "vision_model") else {}
         # a sigmoid router's expert bias (GLM-4.5): the checkpoint's float32 values, which the engines route
         # with (transformers keeps e_score_correction_bias in float32); Float16Module's cast would round them
-        router_bias = {n: b.detach().clone() for n, b in self.gpt.named_buffers() if n.endswith(".router.expert_bias")}
+        router_bias = {n: b.detach().clone() for n, b in hf_io.registry_buffers(self.gpt).items()}
         inner = Float16Module(config, self.gpt) if model.bf16 else self.gpt
         if fp32_buffers:  # the HF vision tower keeps its RoPE frequencies in float32, as the engine does
             restore_buffers(self.gpt.vision_model, fp32_buffers)

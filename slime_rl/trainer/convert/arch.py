@@ -185,7 +185,7 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     elif family.moe:
         moe = _moe_fields(cfg, where, int(cfg["num_hidden_layers"]), family.shared_expert)
     qk_norm = family.qk_layernorm if family.qk_norm_key is None else bool(family.config_value(cfg, family.qk_norm_key))
-    mla = _mla_fields(cfg, family, where, tp_size) if family.mla else {}
+    mla = _mla_fields(cfg, family, where) if family.mla else {}
     return ModelArch(
         model_type=family.model_type,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -237,17 +237,12 @@ def _moe_fields(cfg: dict[str, Any], where: str, num_layers: int = 0, shared_exp
     return out
 
 
-def _mla_fields(cfg: dict[str, Any], family: Family, where: str, tp_size: int) -> dict[str, int]:
+def _mla_fields(cfg: dict[str, Any], family: Family, where: str) -> dict[str, int]:
     """ModelArch's multi-latent attention fields from a DeepSeek-V3 config.json (transformers' defaults for a
     key the file leaves out; q_lora_rank null: one query projection). The up projections split by heads over
     TP (num_key_value_heads = num_attention_heads, checked with the groups); the down projections are whole
     on every rank."""
-    del tp_size  # the heads' split is checked with the query groups
-    value = family.config_value
-    q_lora = cfg["q_lora_rank"] if "q_lora_rank" in cfg else family.config_defaults.get("q_lora_rank")
-    out = {"q_lora_rank": int(q_lora or 0), "kv_lora_rank": int(value(cfg, "kv_lora_rank", 0)),
-           "qk_nope_head_dim": int(value(cfg, "qk_nope_head_dim", 0)),
-           "qk_rope_head_dim": int(value(cfg, "qk_rope_head_dim", 0)), "v_head_dim": int(value(cfg, "v_head_dim", 0))}
+    out = family.mla_dims(cfg)
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         if out[key] <= 0:
             raise ValueError(f"{where}: {key}={out[key]} must be a positive integer (multi-latent attention)")
