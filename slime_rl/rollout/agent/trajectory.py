@@ -278,11 +278,17 @@ class Trajectory:
                 at += len(t)
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None,
                                   "text_offset": offsets}
-        out = {"id": f"cmpl-{self.sample.index}-{self._ids}", "object": "text_completion",
-               "created": int(time.time()), "model": body.get("model") or "policy", "choices": [choice],
-               "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                         "total_tokens": len(prompt_ids) + len(ids)}}
-        if body.get("return_token_ids"):  # vLLM's extension, as for chat
+        return self._envelope(body, f"cmpl-{self.sample.index}-{self._ids}", "text_completion", choice, ids,
+                              prompt_ids)
+
+    @staticmethod
+    def _envelope(body: dict[str, Any], ident: str, kind: str, choice: dict[str, Any], ids: list[int],
+                  prompt_ids: list[int]) -> dict[str, Any]:
+        """The object around one choice, as OpenAI's chat and completions endpoints both write it."""
+        out = {"id": ident, "object": kind, "created": int(time.time()), "model": body.get("model") or "policy",
+               "choices": [choice], "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                                              "total_tokens": len(prompt_ids) + len(ids)}}
+        if body.get("return_token_ids"):  # vLLM's extension: the ids the engine was given and gave back
             choice["token_ids"] = list(ids)
             out["prompt_token_ids"] = list(prompt_ids)
         return out
@@ -363,11 +369,5 @@ class Trajectory:
             choice["logprobs"] = {"content": [
                 {"token": self.tok.decode([t], skip_special_tokens=False), "logprob": lp, "bytes": None,
                  "top_logprobs": []} for t, lp in zip(ids, logprobs or [], strict=True)]}
-        out = {"id": f"chatcmpl-{self.sample.index}-{self._ids}", "object": "chat.completion",
-               "created": int(time.time()), "model": body.get("model") or "policy", "choices": [choice],
-               "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                         "total_tokens": len(prompt_ids) + len(ids)}}
-        if body.get("return_token_ids"):  # vLLM's extension: the ids the engine was given and gave back
-            choice["token_ids"] = list(ids)
-            out["prompt_token_ids"] = list(prompt_ids)
-        return out
+        return self._envelope(body, f"chatcmpl-{self.sample.index}-{self._ids}", "chat.completion", choice, ids,
+                              prompt_ids)
