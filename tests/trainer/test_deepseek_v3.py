@@ -8,14 +8,20 @@ layouts are compared with one rank on the same batch, with test_moe.py's toleran
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.trainer.moe_scenarios import MOE_CP, MOE_LAYOUTS, MOE_RUN_LAYOUTS
-from tests.trainer.test_moe import TOL, _assert_weights_out, _diffs, _per_expert, assert_registry_is_the_models
+from tests.trainer.moe_scenarios import MOE_RUN_LAYOUTS
+from tests.trainer.test_moe import (
+    TOL,
+    _assert_weights_out,
+    _diffs,
+    _per_expert,
+    assert_layout_covered,
+    assert_registry_is_the_models,
+)
 from tests.trainer.test_trainer_megatron import LOGP_TOL, _assert_grads_close, _max_diff
 from tests.trainer.trainer_ref import hf_logprobs, hf_model, hf_policy_grad, make_batch
 from tests.trainer.trainer_scenarios import scenario_runner
@@ -191,11 +197,7 @@ def test_deepseek_v3_parallel_equals_one_rank(dsv3_scenario, tiny_deepseek_v3, t
     folder = {"deepseek_v3": tiny_deepseek_v3, "moonlight": tiny_moonlight, "yarn": tiny_deepseek_v3_yarn}[key]
     (one,) = dsv3_scenario(f"{key}1", 1)
     ranks = dsv3_scenario(f"{key}_{name}", world)
-    tp, pp, ep = MOE_LAYOUTS[name]
-    cp = MOE_CP.get(name, 1)
-    dp = world // (tp * pp * cp)
-    assert sorted({r[f"{name}/ranks"][:2] + (r[f"{name}/ranks"][3], r[f"{name}/cp_etp"][0]) for r in ranks}) == sorted(
-        itertools.product(range(tp), range(pp), range(dp), range(cp)))
+    assert_layout_covered(ranks, name, world)
     diffs = _diffs(one, ranks, name, layout)
     print(f"{key} {name} {layout} fp32 max diffs: {diffs}")
     grads = {n: g for r in ranks for n, g in r[f"{name}/{layout}/grad"].items()}

@@ -10,15 +10,21 @@ parallel layouts are compared with one rank on the same batch, with test_moe.py'
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.moe_scenarios import MOE_CP, MOE_LAYOUTS, MOE_RUN_LAYOUTS
-from tests.trainer.test_moe import TOL, _assert_weights_out, _diffs, _per_expert, assert_registry_is_the_models
+from tests.trainer.moe_scenarios import MOE_RUN_LAYOUTS
+from tests.trainer.test_moe import (
+    TOL,
+    _assert_weights_out,
+    _diffs,
+    _per_expert,
+    assert_layout_covered,
+    assert_registry_is_the_models,
+)
 from tests.trainer.test_trainer_megatron import LOGP_TOL, _assert_grads_close, _max_diff
 from tests.trainer.trainer_ref import hf_logprobs, hf_model, hf_policy_grad, make_batch
 from tests.trainer.trainer_scenarios import scenario_runner
@@ -230,12 +236,7 @@ def test_glm4_moe_expert_parallel_equals_one_rank(glm4_scenario, tiny_glm4_moe, 
     checkpoint's tensors, the expert bias included."""
     (one,) = glm4_scenario("glm4_moe1", 1)
     ranks = glm4_scenario(f"glm4_moe_{name}", world)
-    tp, pp, ep = MOE_LAYOUTS[name]
-    cp = MOE_CP.get(name, 1)
-    dp = world // (tp * pp * cp)
-    assert sorted({r[f"{name}/ranks"][:2] + (r[f"{name}/ranks"][3], r[f"{name}/cp_etp"][0]) for r in ranks}) == sorted(
-        itertools.product(range(tp), range(pp), range(dp), range(cp)))
-    assert sorted({r[f"{name}/ranks"][2] for r in ranks}) == list(range(ep))
+    assert_layout_covered(ranks, name, world)
     diffs = _diffs(one, ranks, name, layout)
     print(f"glm4_moe {name} {layout} fp32 max diffs: {diffs}")
     for key, tol in TOL.items():

@@ -134,6 +134,16 @@ def test_one_rank_moe_equals_hf(scenario, moe_ref):
     assert float((g - g0).abs().max()) > 1e-3 * AUX_COEFF
 
 
+def assert_layout_covered(ranks: list[dict], name: str, world: int) -> None:
+    """The ranks of layout `name` hold every (TP, PP, DP, CP) coordinate once over and every EP rank."""
+    tp, pp, ep = MOE_LAYOUTS[name]
+    cp = MOE_CP.get(name, 1)
+    dp = world // (tp * pp * cp)
+    assert sorted({r[f"{name}/ranks"][:2] + (r[f"{name}/ranks"][3], r[f"{name}/cp_etp"][0]) for r in ranks}) == sorted(
+        itertools.product(range(tp), range(pp), range(dp), range(cp)))
+    assert sorted({r[f"{name}/ranks"][2] for r in ranks}) == list(range(ep))
+
+
 def _diffs(base: dict, ranks: list[dict], name: str, layout: str) -> dict[str, float]:
     want, got = f"base/{layout}", f"{name}/{layout}"
     logp, grads = 0.0, {}
@@ -174,13 +184,8 @@ def test_expert_parallel_equals_one_rank(scenario, ckpts, name, scen, world, lay
     names (experts gathered over EP / ETP)."""
     (one,) = scenario("moe1", 1)
     ranks = scenario(scen, world)
-    tp, pp, ep = MOE_LAYOUTS[name]
-    cp, etp = MOE_CP.get(name, 1), MOE_ETP.get(name, tp)
-    dp = world // (tp * pp * cp)
-    assert sorted({r[f"{name}/ranks"][:2] + (r[f"{name}/ranks"][3], r[f"{name}/cp_etp"][0]) for r in ranks}) == sorted(
-        itertools.product(range(tp), range(pp), range(dp), range(cp)))
-    assert sorted({r[f"{name}/ranks"][2] for r in ranks}) == list(range(ep))
-    assert {r[f"{name}/cp_etp"][1] for r in ranks} == {etp}
+    assert_layout_covered(ranks, name, world)
+    assert {r[f"{name}/cp_etp"][1] for r in ranks} == {MOE_ETP.get(name, MOE_LAYOUTS[name][0])}
     diffs = _diffs(one, ranks, name, layout)
     print(f"{name} {layout} fp32 max diffs: {diffs}")
     for key, tol in TOL.items():
