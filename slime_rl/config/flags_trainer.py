@@ -150,6 +150,28 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
              help="vision-language checkpoints: the vision tower does not train (EasyR1's freeze_vision_tower); "
                   'weight sync sends it once, then only the language model'),
     ),
+    *section('LoRA (PEFT\'s names)',
+        Flag('--lora-rank', 'model.lora_rank', default=0, type=_nonneg_int,
+             help="train LoRA adapters of this rank instead of the whole model (0: off): the base weights frozen, "
+                  "the optimizer over the adapters only, the reference policy of the KL terms the base without "
+                  "adapters; the engines get merged weights (docs/lora.md)"),
+        Flag('--lora-alpha', 'model.lora_alpha', type=_positive_float,
+             help="PEFT's lora_alpha: the adapters' output is scaled by alpha / rank (default: PEFT's, 8)"),
+        Flag('--lora-dropout', 'model.lora_dropout', default=0.0, type=_nonneg_float,
+             check=(lambda v: v < 1, "must be in [0, 1)"),
+             help="PEFT's lora_dropout on the adapters' input, in the training forward only (the log-prob "
+                  "forwards run without it)"),
+        Flag('--lora-target-modules', 'model.lora_target_modules', nargs='+', default=("all-linear",),
+             convert=lambda v: tuple(x for item in v for x in str(item).split(",") if x),
+             metavar='NAME',
+             help="the HF linears to adapt, as PEFT's target_modules: q_proj k_proj v_proj o_proj gate_proj "
+                  "up_proj down_proj (comma- or space-separated), or all-linear (every attention and MLP linear "
+                  "but MoE routers and routed experts, which are refused)"),
+        Flag('--lora-load', 'model.lora_load',
+             help="start from a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) of the "
+                  "--hf-checkpoint model; its r, lora_alpha and target_modules are the run's (a --lora-* flag "
+                  "given too must agree)"),
+    ),
     *section('checkpoints (Megatron names)',
         Flag('--save', 'checkpoint.save'),
         Flag('--load', 'checkpoint.load',

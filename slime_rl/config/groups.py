@@ -130,6 +130,12 @@ class ModelConfig:
     # --ref-load: the KL reference's weights (Megatron checkpoint or HF folder); None: the initial policy
     ref_load: str | None = default_of("--ref-load")
     opd_teacher_load: str | None = default_of("--opd-teacher-load")  # --use-opd's teacher
+    # LoRA (trainer/lora.py): rank 0 = off; alpha None = 2 x rank; the HF linears to adapt (PEFT's names)
+    lora_rank: int = default_of("--lora-rank")
+    lora_alpha: float | None = default_of("--lora-alpha")
+    lora_dropout: float = default_of("--lora-dropout")
+    lora_target_modules: tuple[str, ...] = default_of("--lora-target-modules")
+    lora_load: str | None = default_of("--lora-load")
     # --sglang-enable-fp32-lm-head: logits in fp32 on the engines (SGLang's flag, the built-in engine's
     # too) and in the trainer alike, so both sides round the logits the same way
     fp32_lm_head: bool = False

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from slime_rl.trainer import lora
 from slime_rl.trainer.checkpoint_layout import (  # noqa: F401  (re-exported: the public checkpoint API)
     DIST_CKPT_METADATA,
     HF_SUBDIR,
@@ -351,6 +352,13 @@ def load_checkpoint(path: str | Path, model_chunks: list[torch.nn.Module] | torc
     gpt = _single_chunk(model_chunks)
     metadata = _sharding_metadata(sharding)
     state: dict[str, Any] = {"model": gpt.sharded_state_dict(metadata=metadata)}
+    adapters = sorted(k for k in state["model"] if lora.is_adapter_name(k))
+    base_only = bool(adapters) and not any(lora.is_adapter_name(k) for k in checkpoint_model_shapes(where))
+    if base_only:  # a LoRA run from a checkpoint without adapters (the base's): the adapters keep their start
+        logger.warning("%s: no LoRA adapters in the checkpoint; loading the base weights, adapters as initialised "
+                       "(the optimizer state, if any, is of other parameters and is not loaded)", where)
+        state["model"] = {k: v for k, v in state["model"].items() if k not in adapters}
+        do_optim = False
     check_model_matches(where, state["model"])
     if do_optim:
         _ensure_optimizer_state(optimizer)
@@ -362,7 +370,9 @@ def load_checkpoint(path: str | Path, model_chunks: list[torch.nn.Module] | torc
         logger.warning("%s: saved at %s, running at %s: RNG states not restored", where, info.topology, topo)
     loaded = dist_checkpointing.load(state, str(where))
 
-    gpt.load_state_dict(loaded["model"], strict=True)
+    missing = gpt.load_state_dict(loaded["model"], strict=not base_only).missing_keys
+    if base_only and any(not lora.is_adapter_name(k) for k in missing):
+        raise ValueError(f"{where}: weights missing from the loaded state: {missing}")
     if do_optim:
         # no_grad: in fp32 the optimizer's main params are views of the (requires_grad) model
         # params, and megatron copies into them in place
@@ -374,7 +384,7 @@ def load_checkpoint(path: str | Path, model_chunks: list[torch.nn.Module] | torc
         with torch.no_grad():
             optimizer.reload_model_params()
     # the schedule belongs with the optimizer state: a finetune from model weights starts it afresh
-    if scheduler is not None and "lr_scheduler" in loaded and load_optim is not False:
+    if scheduler is not None and "lr_scheduler" in loaded and load_optim is not False and not base_only:
         scheduler.load_state_dict(loaded["lr_scheduler"])
     if do_rng:
         set_rng_state(loaded["rng_state"])

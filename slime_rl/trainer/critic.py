@@ -116,6 +116,8 @@ class CriticWorker(MegatronRank):
     """One rank of the critic group; built like the policy's TrainerWorker (same arguments: pass
     the critic's ParallelConfig and OptimizerConfig, CriticConfig.parallel / .optimizer)."""
 
+    takes_lora = False  # the value model trains whole (its head is new); --lora-rank adapts the policy
+
     def _prepare_model(self) -> None:
         gpt = self.gpt
         # the head is ours alone: megatron must not tie it to the embedding, nor (with PP) all-reduce

@@ -177,3 +177,29 @@ def save_hf_folder(model: torch.nn.Module, arch: ModelArch, out: str | Path, hf_
         _swap_in(tmp, out)
     dist.barrier()  # nobody reads (or writes the next) before the folder is in place
     return out
+
+
+def save_peft_adapter(model: torch.nn.Module, spec, out: str | Path, hf_dir: str | Path) -> Path:  # noqa: ANN001
+    """A LoRA run's adapters as a PEFT folder at `out` (adapter_config.json + adapter_model.safetensors, PEFT's
+    names, whole tensors; atomic like the HF folder): every rank calls it, global rank 0 writes. `spec`:
+    the run's lora.LoRASpec; `hf_dir`: the base model (adapter_config's base_model_name_or_path)."""
+    from slime_rl.trainer import lora
+
+    out = Path(out)
+    state = lora.peft_state(lora.adapters_of(unwrap(model)), mpu.get_tensor_model_parallel_group())
+    if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
+        stages: list = [None] * mpu.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, state, group=mpu.get_pipeline_model_parallel_group())
+        if dist.get_rank() == 0:
+            tensors = {k: v for stage in stages for k, v in stage.items()}
+            modules = sorted({k.removeprefix("base_model.model.").split(".lora_")[0] for k in tensors})
+            tmp = out.with_name(out.name + TMP_SUFFIX)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            save_file(dict(sorted(tensors.items())), str(tmp / lora.PEFT_WEIGHTS), metadata={"format": "pt"})
+            config = lora.peft_config(spec, modules, str(hf_dir))
+            (tmp / lora.PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+            _swap_in(tmp, out)
+    dist.barrier()
+    return out

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from slime_rl.trainer import lora
 from slime_rl.trainer.convert import Layout, ModelArch, ParamMap, hf_to_mcore_shard, mcore_shards_to_hf
 from slime_rl.trainer.convert.shards import mcore_param_to_hf_views
 from slime_rl.trainer.hf_files import check_hf_weights, read_hf_tensors
@@ -77,8 +78,15 @@ def registry_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters and its registry buffers, by Megatron name."""
-    return {**dict(unwrap(model).named_parameters()), **registry_buffers(model)}
+    """The model's parameters and its registry buffers, by Megatron name (LoRA adapters are not HF tensors:
+    they merge into the weights they adapt, trainer/lora.py)."""
+    params = {n: p for n, p in unwrap(model).named_parameters() if not lora.is_adapter_name(n)}
+    return {**params, **registry_buffers(model)}
+
+
+def rank_param_maps(arch: ModelArch) -> list[tuple[str, ParamMap, bool]]:
+    """`stage_param_maps` of this rank's pipeline stage and expert-parallel rank."""
+    return stage_param_maps(arch, *_pp(), *_ep()[:2])
 
 
 def stage_param_maps(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_rank: int = 0,
@@ -151,7 +159,7 @@ def _emitted(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool,
     params = model_tensors(model)
     return [(local, pm) for local, pm, emit in stage_param_maps(arch, *_pp(), *_ep()[:2])
             if emit and (buffers or not pm.buffer)
-            and not (skip_frozen and (pm.buffer or not params[local].requires_grad))]
+            and not (skip_frozen and (pm.buffer or not lora.trains(params[local])))]
 
 
 _EXPERT_INDEX = re.compile(r"(\.local_experts\.)\d+(\.)")  # Megatron's local expert index
@@ -205,7 +213,7 @@ def iter_hf_weights(model: torch.nn.Module, arch: ModelArch,
     (it runs all-gathers). The tensors are in the model's dtype and on its device. Tied models yield
     only `model.embed_tokens.weight` (from stage 0), as HF's own state dict does. `skip_frozen`
     leaves out parameters that do not train (a --freeze-vision-tower tower: the engine keeps its copy)."""
-    yield from iter_hf_tensors(model, arch, lambda p: p.detach(), skip_frozen, buffers=True)
+    yield from iter_hf_tensors(model, arch, lora.merged, skip_frozen, buffers=True)
 
 
 def iter_hf_tensors(model: torch.nn.Module, arch: ModelArch, get: Callable[[torch.nn.Parameter], torch.Tensor],
@@ -284,7 +292,8 @@ def iter_hf_sources(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool =
     # not decorated with torch.no_grad: on a generator that switches grad mode around every item
     # (~3 us each, most of this function's cost); the views are detached when the plan is built
     # experts spread over EP (or split over ETP) are gathered too: no views of this rank's parameters
-    if _tp()[1] > 1 or _ep()[1] > 1 or _etp()[1] > 1:
+    # LoRA: the adapted weights are sent merged (lora.merged), which a view of the parameter cannot be
+    if _tp()[1] > 1 or _ep()[1] > 1 or _etp()[1] > 1 or lora.adapters_of(unwrap(model)):
         for name, t in iter_hf_weights(model, arch, skip_frozen):
             yield name, t, tuple(t.shape)
         return

@@ -64,7 +64,13 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -73,6 +79,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 
 
@@ -166,7 +173,9 @@ __all__ = [
     "gather_from_sequence_parallel_region", "get_forward_backward_func", "get_gpt_layer_local_spec",
     "get_megatron_optimizer", "get_moe_metrics_tracker", "mpu", "on_rank_thread", "rope_utils", "tensor_parallel",
     "vocab_parallel_cross_entropy", "RouterReplay", "RouterReplayAction", "TopKRouter", "SequentialMLP",
-    "DuplicatedLinear", "IdentityOp", "LocalMLASelfAttention",
+    "DuplicatedLinear", "IdentityOp", "LocalMLASelfAttention", "copy_to_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+    "set_tensor_model_parallel_attributes", "make_sharded_tensors_for_checkpoint",
 ]
 
 def on_rank_thread[F: Callable[..., Any]](method: F) -> F:

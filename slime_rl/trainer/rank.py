@@ -23,7 +23,7 @@ from slime_rl.config.groups import (
     ParallelConfig,
     TrainerConfig,
 )
-from slime_rl.trainer import checkpoint, hf_io
+from slime_rl.trainer import checkpoint, hf_io, lora
 from slime_rl.trainer.batching import MicroBatch, chunks
 from slime_rl.trainer.equal_tokens import equalize_tokens
 from slime_rl.trainer.loss_agg import check_mode
@@ -61,6 +61,9 @@ class MegatronRank:
     recompute and a mixture-of-experts model's options (the expert parallel sizes come with
     `parallel`). A new trainer setting is a TrainerConfig field read here, nothing in between.
     """
+
+    # --lora-rank / --lora-load adapt this group's model (the policy's); PPO's critic trains whole
+    takes_lora = True
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
                  parallel: ParallelConfig, batch: BatchConfig, optim: OptimizerConfig, model: ModelConfig,
@@ -107,6 +110,14 @@ class MegatronRank:
             fp32_lm_head=model.fp32_lm_head,
             moe=moe)
         hf_io.load_hf_weights(self.gpt, model.hf_checkpoint, self.arch)
+        self.lora: list[lora.Adapter] = []
+        self.lora_spec = lora_spec(model) if self.takes_lora else None
+        if self.lora_spec is not None:
+            self.lora = lora.attach(self.gpt, self.arch, hf_io.rank_param_maps(self.arch), self.lora_spec,
+                                    model.seed, (self.info.tp_rank, tp), trainer.sequence_parallel)
+            if model.lora_load:
+                lora.load_peft_state(self.lora, lora.read_peft_folder(model.lora_load)[1],
+                                     f"--lora-load {model.lora_load}")
         vision = None
         if self.arch.vision is not None:
             if model.freeze_vision_tower:
@@ -300,6 +311,18 @@ class MegatronRank:
     @on_rank_thread
     def shutdown(self) -> None:
         teardown_parallel()
+
+
+def lora_spec(model: ModelConfig) -> lora.LoRASpec | None:
+    """The run's adapters: --lora-rank and friends, or --lora-load's adapter_config.json (its r, lora_alpha and
+    dropout; the modules its tensors adapt); None without LoRA. The flags' agreement with the folder is
+    checked before launch (preflight)."""
+    if model.lora_load:
+        return lora.spec_of_folder(model.lora_load)
+    if not model.lora_rank:
+        return None
+    return lora.LoRASpec(rank=model.lora_rank, alpha=model.lora_alpha or 8.0, dropout=model.lora_dropout,
+                         targets=model.lora_target_modules)
 
 
 def moe_metrics(stats: list[dict[str, float]]) -> dict[str, float]:

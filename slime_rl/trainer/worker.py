@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from slime_rl.observability.debug_data import save_debug_data
-from slime_rl.trainer import checkpoint, hf_export, hf_io
+from slime_rl.trainer import checkpoint, hf_export, hf_io, lora
 from slime_rl.trainer.batching import validate_batch
 from slime_rl.trainer.debug_data import FUSED, SEPARATE, TrainDataDump, train_data, writes_train_data
 from slime_rl.trainer.loss_agg import GlobalCounts, local_counts, token_weights
@@ -46,6 +46,8 @@ from slime_rl.trainer.routing_replay import BATCH_KEY as ROUTING_KEY
 from slime_rl.trainer.routing_replay import sample_routing
 from slime_rl.trainer.steps import STAT_KEYS, LossScale, forward_only_step, policy_loss_step
 
+LORA_ADAPTER_DIR = "lora_adapter"  # --save-hf's folder of a LoRA run holds the adapters here
+
 
 class TrainerWorker(MegatronRank):
     """The policy's rank: log-probs, the reference copy, the RL train step, weights out."""
@@ -58,15 +60,23 @@ class TrainerWorker(MegatronRank):
             if self.model_cfg.ref_load:
                 self._load_reference(self.model_cfg.ref_load)
             else:
-                self._refresh_reference()
+                self._refresh_reference(base=bool(self.lora))
         # --use-opd: the teacher's weights, on the host like the reference's, swapped in for its forward
         self._teacher = self._load_copy(self.model_cfg.opd_teacher_load, "--opd-teacher-load") \
             if self.algo.use_opd else None
 
-    def _refresh_reference(self) -> None:
+    def _refresh_reference(self, base: bool = False) -> None:
         """The reference (KL) weights := the current policy, as a CPU copy (swapped in only for the
-        reference forward, so it costs host memory, not device memory)."""
-        self._ref = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
+        reference forward, so it costs host memory, not device memory). With LoRA only the adapters are
+        copied (the base weights never change), and `base` zeroes their B: the reference is the base model
+        without adapters, with no second copy of it."""
+        if not self.lora:
+            self._ref = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
+            return
+        self._ref = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()
+                     if lora.is_adapter_name(n)}
+        if base:
+            self._ref = _without_adapters(self._ref)
 
     def _load_reference(self, path: str) -> None:
         """The reference (KL) weights := those of `path` (--ref-load, `_load_copy`)."""
@@ -88,7 +98,8 @@ class TrainerWorker(MegatronRank):
             else:
                 raise ValueError("neither a Megatron checkpoint (latest_checkpointed_iteration.txt, iter_*/ or "
                                  "metadata.json) nor an HF folder (config.json + safetensors)")
-            return {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+            # with LoRA: the checkpoint's base model, without adapters (a LoRA run's own checkpoint holds them)
+            return _without_adapters({n: p.detach().to("cpu", copy=True) for n, p in params.items()})
         except (ValueError, FileNotFoundError, AssertionError, KeyError) as e:
             raise ValueError(f"{flag} {path}: {e}") from e
         finally:
@@ -180,7 +191,7 @@ class TrainerWorker(MegatronRank):
     def _swapped(self, weights: dict[str, torch.Tensor]) -> Iterator[None]:
         """`weights` (a host copy by parameter name: the reference's, the teacher's) in the model for the
         block, then the current ones back, exactly."""
-        params = dict(self.gpt.named_parameters())
+        params = {n: p for n, p in self.gpt.named_parameters() if n in weights}
         backup = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
         with torch.no_grad():
             for n, p in params.items():
@@ -408,4 +419,17 @@ class TrainerWorker(MegatronRank):
         """The model as an HF folder at `path` (atomic; config, tokenizer, generation config copied
         from --hf-checkpoint; vocab padding removed), through the weight-sync gather path; every
         rank calls it, global rank 0 writes."""
-        return str(hf_export.save_hf_folder(self.gpt, self.arch, path, self.model_cfg.hf_checkpoint))
+        out = hf_export.save_hf_folder(self.gpt, self.arch, path, self.model_cfg.hf_checkpoint)
+        if self.lora:  # the merged model above, and the adapters PEFT loads onto the base (verl's layout)
+            hf_export.save_peft_adapter(self.gpt, self.lora_spec, out / LORA_ADAPTER_DIR, self.model_cfg.hf_checkpoint)
+        return str(out)
+
+    @on_rank_thread
+    def save_peft(self, path: str) -> str:
+        """The LoRA adapters as a PEFT folder at `path` (hf_export.save_peft_adapter); every rank calls it."""
+        return str(hf_export.save_peft_adapter(self.gpt, self.lora_spec, path, self.model_cfg.hf_checkpoint))
+
+
+def _without_adapters(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A host copy with every LoRA B zeroed: the adapters add exactly nothing (the base model)."""
+    return {n: torch.zeros_like(t) if lora.is_adapter_name(n) and ".lora.B." in n else t for n, t in weights.items()}
