@@ -236,9 +236,59 @@ def check_model_features(cfg: Config) -> None:
         raise ConfigError(f"--context-parallel-size {cfg.parallel.context_parallel_size}: context parallelism "
                           f"is not supported for vision-language models ({model_type})")
     check_moe_features(cfg, model_type)
+    check_lora(cfg, arch, model_type)
     if vision and cfg.critic is not None:
         raise ConfigError(f"--advantage-estimator {cfg.algo.advantage_estimator}: a critic for vision-language "
                           f"models ({model_type}) is not supported yet; use grpo, dapo, gspo, rloo or reinforce++")
+
+
+def check_lora(cfg: Config, arch: Any, model_type: str) -> None:
+    """--lora-*: a family the adapters cover, --lora-load a PEFT folder that agrees with the --lora-* flags
+    given, targets that name linears of this model (trainer/convert/lora_targets.py)."""
+    import warnings
+
+    from slime_rl.config.checks import ConfigNote
+    from slime_rl.trainer.convert import FAMILIES
+    from slime_rl.trainer.convert import lora_targets as lt
+
+    m = cfg.model
+    if not (m.lora_rank or m.lora_load):
+        return
+    family = FAMILIES[model_type]
+    if family.mla or family.vision:
+        what = "multi-latent attention" if family.mla else "vision-language models"
+        raise ConfigError(f"--lora-rank: LoRA on {what} ({model_type}) is not built yet; train it whole "
+                          "(drop the --lora-* flags)")
+    targets = tuple(m.lora_target_modules)
+    if m.lora_load:
+        if not os.path.isdir(m.lora_load):
+            if cfg.plan.cluster is not None:
+                return  # a path on the cluster's nodes: checked when the ranks start
+            raise ConfigError(f"--lora-load {m.lora_load}: no such folder")
+        try:
+            spec = lt.spec_of_folder(m.lora_load)
+        except (ValueError, KeyError, OSError) as exc:
+            raise ConfigError(str(exc) if str(exc).startswith("--lora-load") else f"--lora-load {m.lora_load}: "
+                              f"{exc}") from exc
+        for flag, given, saved in (("--lora-rank", m.lora_rank or None, spec.rank),
+                                   ("--lora-alpha", m.lora_alpha, spec.alpha),
+                                   ("--lora-dropout", m.lora_dropout or None, spec.dropout)):
+            if given is not None and given != saved:
+                raise ConfigError(f"{flag} {given} disagrees with --lora-load {m.lora_load} "
+                                  f"({lt.PEFT_CONFIG}: {saved}); drop the flag or give the folder's value")
+        if targets != (lt.ALL_LINEAR,) and set(targets) != set(spec.targets):
+            raise ConfigError(f"--lora-target-modules {','.join(targets)} disagrees with --lora-load "
+                              f"{m.lora_load}, whose tensors adapt {','.join(spec.targets)}")
+        targets = spec.targets
+    maps = [pm for i in range(arch.num_layers) for pm in arch.layer_maps(i)]
+    try:
+        lt.choose(maps, targets)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if arch.num_experts and lt.ALL_LINEAR in targets:
+        warnings.warn("--lora-target-modules all-linear on a mixture-of-experts model adapts the attention and any "
+                      "shared or dense MLP; the routers and the routed experts train neither (LoRA on routed "
+                      "experts is not built)", ConfigNote, stacklevel=2)
 
 
 def check_model_args(cfg: Config, hf: dict, arch: Any) -> None:

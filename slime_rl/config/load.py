@@ -113,6 +113,12 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            "(drop --no-pack-sequences)")
     _check(not a.use_dynamic_batch_size or a.max_tokens_per_gpu is not None,
            "--use-dynamic-batch-size needs --max-tokens-per-gpu")
+    if not (a.lora_rank or a.lora_load):
+        given = [f for f, v in (("--lora-alpha", a.lora_alpha), ("--lora-dropout", a.lora_dropout or None),
+                                ("--lora-target-modules", a.lora_target_modules != ["all-linear"]
+                                 and a.lora_target_modules != ("all-linear",) or None)) if v is not None]
+        _check(not given, f"{', '.join(given)} set LoRA's adapters, which are on only with --lora-rank N (or "
+               "--lora-load ADAPTER_FOLDER)")
 
     seed = run_seed(a.seed, a.rollout_seed)  # config/seeds.py: both flags enter every rollout-side choice
     if a.rollout_function_path == SLIME_FULLY_ASYNC_ROLLOUT:  # slime's examples/fully_async

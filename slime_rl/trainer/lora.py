@@ -193,7 +193,7 @@ def _sharded_state_dict_with(linear: nn.Module, adapter: Adapter):
             self._modules["lora"] = own
         out.update(make_sharded_tensors_for_checkpoint(
             own.state_dict(prefix="", keep_vars=True), f"{prefix}lora.", own.tp_axes(), sharded_offsets,
-            dp_cp_group=(metadata or {}).get("dp_cp_group")))
+            tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group")))
         return out
 
     return types.MethodType(sharded_state_dict, linear)

@@ -101,6 +101,51 @@ def scenario_lora_one(rank: int, world: int, port: int, ckpts: dict[str, str]) -
     lora.load_peft_state(w.lora, res["state"], "test")  # the pre-step adapters, whose log-probs are res["logp"]
     res["export"] = w.save_peft(ckpts["out"] + "/adapter")
     w.shutdown()
+    # --lora-load of the export: the same adapters, so the same log-probs
+    w = lora_worker(rank, world, port + 1, ckpts["qwen2"], lora_load=res["export"])
+    res["loaded/logp"] = w.compute_logprobs(make_batch())
+    res["loaded/spec"] = w.lora_spec
+    w.shutdown()
+    return res
+
+
+def _steps(w, n: int) -> list[dict]:
+    from slime_rl.trainer import lora
+    from slime_rl.trainer.parallel import tp_group
+
+    out = []
+    for i in range(n):
+        metrics = w.train_step(make_batch(seed=i))
+        out.append({"metrics": metrics, "state": lora.peft_state(w.lora, tp_group())})
+    return out
+
+
+def scenario_lora_resume(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    """4 steps unbroken, saving after step 2; a new trainer resumed from that save runs steps 3-4. Then a
+    LoRA trainer loading a checkpoint without adapters (the base's, tools/convert_hf_to_megatron.py)."""
+    from slime_rl.trainer import lora
+    from slime_rl.trainer.parallel import tp_group
+
+    root = ckpts["out"] + "/resume"
+    w = lora_worker(rank, world, port, ckpts["qwen2"], tp=world)
+    res: dict = {"unbroken": _steps(w, 2)}
+    w.save_checkpoint(root, 2, {"rollout_id": 1})
+    res["unbroken"] += [{"metrics": w.train_step(make_batch(seed=i)), "state": lora.peft_state(w.lora, tp_group())}
+                        for i in (2, 3)]
+    w.shutdown()
+    w = lora_worker(rank, world, port + 1, ckpts["qwen2"], tp=world)
+    res["extra"] = w.load_latest_checkpoint(root)
+    res["resumed"] = [{"metrics": w.train_step(make_batch(seed=i)), "state": lora.peft_state(w.lora, tp_group())}
+                      for i in (2, 3)]
+    w.shutdown()
+    w = lora_worker(rank, world, port + 2, ckpts["qwen2"], tp=world)
+    res["fresh/logp"] = w.compute_logprobs(make_batch())
+    res["fresh/state"] = lora.peft_state(w.lora, tp_group())
+    w.load_latest_checkpoint(ckpts["base_mcore"])
+    res["base_ckpt/logp"] = w.compute_logprobs(make_batch())
+    res["base_ckpt/state"] = lora.peft_state(w.lora, tp_group())
+    res["base_ckpt/metrics"] = w.train_step(make_batch())
+    w.shutdown()
     return res
 
 
@@ -118,5 +163,6 @@ def scenario_lora_dp2(rank: int, world: int, port: int, ckpts: dict[str, str]) -
     return _layout(rank, world, port, ckpts)
 
 
-SCENARIOS = {"lora_one": scenario_lora_one, "lora_tp2": scenario_lora_tp2, "lora_pp2": scenario_lora_pp2,
+SCENARIOS = {"lora_one": scenario_lora_one, "lora_resume": scenario_lora_resume, "lora_tp2": scenario_lora_tp2,
+             "lora_pp2": scenario_lora_pp2,
              "lora_dp2": scenario_lora_dp2}

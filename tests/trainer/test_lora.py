@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port
+from tests.tools.test_convert_tools import run_tool
 from tests.trainer.lora_scenarios import ALPHA, RANK
 from tests.trainer.trainer_ref import hf_logprobs, hf_model, make_batch
 from tests.trainer.trainer_scenarios import run_scenario
@@ -33,6 +34,8 @@ def runs(tiny_qwen2, tmp_path_factory):
     out = {"one": run_scenario("lora_one", 1, free_port(), tmp, ckpts)[0], "tmp": tmp, "hf": tiny_qwen2}
     for name in ("tp2", "pp2", "dp2"):
         out[name] = run_scenario(f"lora_{name}", 2, free_port(), tmp, ckpts)
+    run_tool("convert_hf_to_megatron", ["--hf-checkpoint", str(tiny_qwen2), "--save", str(tmp / "base_mcore")])
+    out["resume"] = run_scenario("lora_resume", 2, free_port(), tmp, {**ckpts, "base_mcore": tmp / "base_mcore"})
     return out
 
 
@@ -126,3 +129,32 @@ def test_layout_equals_one_rank(runs, layout):
     for key in ("train/loss", "train/grad_norm"):
         assert abs(recs[0]["metrics"][key] - one["metrics"][key]) < LAYOUT_TOL, key
     assert all(r["base_unchanged"] for r in recs)
+
+
+def test_lora_load_starts_from_the_exported_adapters(runs):
+    one = runs["one"]
+    assert torch.equal(torch.as_tensor(one["loaded/logp"][0]), torch.as_tensor(one["logp"][0]))
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(one["loaded/logp"], one["logp"],
+                                                                                     strict=True))
+    spec = one["loaded/spec"]  # LoRASpec, as a dict in the record
+    assert (spec["rank"], spec["alpha"], set(spec["targets"])) == (RANK, ALPHA, {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                        "gate_proj", "up_proj", "down_proj"})
+
+
+def test_resume_continues_bit_identically(runs):
+    """TP2: saved after step 2 of 4, a new trainer resumed there runs steps 3-4 as the unbroken one did."""
+    for rank in runs["resume"]:
+        assert rank["extra"] == {"rollout_id": 1}
+        for unbroken, resumed in zip(rank["unbroken"][2:], rank["resumed"], strict=True):
+            assert unbroken["metrics"] == resumed["metrics"]
+            assert set(unbroken["state"]) == set(resumed["state"])
+            assert all(torch.equal(unbroken["state"][k], resumed["state"][k]) for k in unbroken["state"])
+        # the steps did move the adapters (the comparison is not of constants)
+        assert _dict_diff(rank["unbroken"][1]["state"], rank["unbroken"][3]["state"]) > 1e-5
+
+
+def test_a_checkpoint_without_adapters_loads_the_base_and_keeps_the_adapters_start(runs):
+    for rank in runs["resume"]:
+        assert all(torch.equal(rank["fresh/state"][k], rank["base_ckpt/state"][k]) for k in rank["fresh/state"])
+        assert _max_diff(rank["base_ckpt/logp"], rank["fresh/logp"]) == 0.0
+        assert rank["base_ckpt/metrics"]["train/grad_norm"] > 0
