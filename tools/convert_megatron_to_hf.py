@@ -14,6 +14,9 @@ The architecture comes from an HF config: --hf-config-dir, else the copy saved i
 model.safetensors.index.json above --max-shard-size), and the tokenizer / generation config files
 of that folder. Vocab padding is removed. The tensors come from the trainer's own
 `hf_io.iter_hf_weights` (the registry's maps), so export and weight sync cannot disagree.
+
+A LoRA run's checkpoint (--lora-rank) holds the frozen base and the adapters: --merge-lora writes the merged
+model (W + B A alpha / r, as weight sync sends it) and the adapters as PEFT's folder in OUT/lora_adapter/.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-shard-size", default="5GB", help="split model.safetensors above this size (e.g. 2GB)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: the checkpoint's dtype")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA run's checkpoint: write the base with the adapters merged in, and the adapters as "
+                        "PEFT's folder in OUT/lora_adapter/")
     return p.parse_args(argv)
 
 
@@ -64,6 +70,27 @@ def _hf_dir(args: argparse.Namespace, ckpt: Path) -> Path:
         raise SystemExit(f"no HF config: {hf}/config.json is missing; pass --hf-config-dir (the original HF "
                          "folder of the model)")
     return hf
+
+
+def _lora_spec(ckpt: Path, shapes: dict, merge: bool):  # noqa: ANN202 - a lora.LoRASpec or None
+    """The adapters a LoRA run's checkpoint holds (their spec from its marker), None for a whole model; refuses
+    a LoRA checkpoint without --merge-lora, and --merge-lora without adapters."""
+    from slime_rl.trainer.checkpoint_layout import read_checkpoint_info
+    from slime_rl.trainer.convert.lora_targets import CHECKPOINT_KEY, is_adapter_name, spec_from_record
+
+    has = any(is_adapter_name(k) for k in shapes)
+    if has and not merge:
+        raise SystemExit(f"--load {ckpt}: a LoRA run's checkpoint (base + adapters); add --merge-lora to write the "
+                         "merged model (and the adapters as PEFT's folder in OUT/lora_adapter/)")
+    if not has:
+        if merge:
+            raise SystemExit(f"--merge-lora: {ckpt} holds no LoRA adapters (a whole model: drop the flag)")
+        return None
+    record = read_checkpoint_info(ckpt).extra.get(CHECKPOINT_KEY)
+    if record is None:
+        raise SystemExit(f"--load {ckpt}: LoRA adapters without their spec (r, lora_alpha) in the checkpoint's "
+                         "marker; it was not written by slime_rl's trainer")
+    return spec_from_record(record)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -107,11 +134,20 @@ def main(argv: list[str] | None = None) -> Path:
         ckpt_bf16 = checkpoint.checkpoint_model_dtype(ckpt) == torch.bfloat16
         gpt = build_gpt_model(arch, bf16=ckpt_bf16, tp_size=tp, pp_size=pp,
                               moe=MoEOptions(expert_model_parallel_size=ep))
+        spec = _lora_spec(ckpt, shapes, args.merge_lora)
+        if spec is not None:  # the adapters on the model as the trainer put them, so the checkpoint loads whole
+            from slime_rl.trainer import hf_io, lora
+            from slime_rl.trainer.mcore import mpu
+
+            lora.attach(gpt, arch, hf_io.rank_param_maps(arch), spec, 0,
+                        (mpu.get_tensor_model_parallel_rank(), tp), False)
         # names the mismatched tensors (and both shapes) when the config does not match the weights
         checkpoint.load_checkpoint(ckpt, [gpt], load_rng=False)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
         out = hf_export.save_hf_folder(gpt, arch, args.save, hf, dtype=dtype,
                                        max_shard_bytes=parse_size(args.max_shard_size), progress=True)
+        if spec is not None:
+            hf_export.save_peft_adapter(gpt, spec, Path(out) / "lora_adapter", hf)
         if rank == 0:
             print(f"wrote {out}: {hf_export.hf_tensor_count(arch)} tensors, {arch.model_type}, from {ckpt} "
                   f"at TP={tp} PP={pp} EP={ep} in {time.perf_counter() - t0:.1f} s")

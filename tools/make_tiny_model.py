@@ -202,8 +202,12 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                     hidden_size: int = 64, num_layers: int | None = None, num_heads: int = 4,
                     num_kv_heads: int = 2, num_experts: int = 8, moe_topk: int = 2,
                     moe_intermediate_size: int = 32, shared_expert_intermediate_size: int = 48,
-                    mlp_only_layers: list[int] | None = None, q_lora_rank: int = 24) -> Path:
-    """num_layers: 3 for qwen2_moe and glm4_moe, 2 otherwise; mlp_only_layers (MoE archs): [1] for
+                    mlp_only_layers: list[int] | None = None, q_lora_rank: int = 24,
+                    embed_std: float | None = None) -> Path:
+    """embed_std: the word embeddings and LM head drawn with this std instead of initializer_range's 0.02 (a
+    trained model's scale: with frozen 0.02-std ones the tiny model's logits stay within about +-1.3, which LoRA,
+    training only the adapters, cannot widen; the LoRA quickstart's untied llama takes 0.3).
+    num_layers: 3 for qwen2_moe and glm4_moe, 2 otherwise; mlp_only_layers (MoE archs): [1] for
     qwen2_moe, none for qwen3_moe; glm4_moe's dense layers are the first len(mlp_only_layers) (default
     [0]: first_k_dense_replace 1)."""
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
@@ -252,6 +256,8 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("mlp.shared_expert_gate.weight"):  # Qwen2-MoE: a gate that varies by token
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif embed_std is not None and name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                p.copy_(embed_std * torch.randn(p.shape, generator=gen))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # GLM-4.5 / DeepSeek-V3: a bias that changes routing
                 b.copy_(0.05 * torch.randn(b.shape, generator=gen))
@@ -319,12 +325,15 @@ def main(argv: list[str] | None = None) -> None:
                         "for glm4_moe and deepseek_v3, whose dense layers come first)")
     p.add_argument("--q-lora-rank", type=int, default=24,
                    help="deepseek_v3: the query's low rank (0: one query projection, as Moonlight)")
+    p.add_argument("--embed-std", type=float, default=None,
+                   help="the word embeddings' and LM head's std (default: initializer_range, 0.02); the LoRA "
+                        "quickstart's model takes 0.3, a trained model's scale, as they do not train")
     a = p.parse_args(argv)
     vocab = a.vocab_size or (128 if a.arch == "qwen2_5_vl" else 64)
     dense = None if a.mlp_only_layers is None else [int(x) for x in a.mlp_only_layers.split(",") if x.strip()]
     out = make_tiny_model(a.out, a.arch, a.seed, vocab, a.hidden_size, a.num_layers, a.num_heads,
                           a.num_kv_heads, a.num_experts, a.moe_topk, a.moe_intermediate_size,
-                          a.shared_expert_intermediate_size, dense, a.q_lora_rank)
+                          a.shared_expert_intermediate_size, dense, a.q_lora_rank, a.embed_std)
     print(f"wrote {out}")
 
 

@@ -160,6 +160,24 @@ class ModelShape:
             return 0, 0
         return 3 * self.hidden * self.shared_ffn, self.hidden if self.shared_gate else 0
 
+    def lora_params(self, rank: int, targets: tuple[str, ...], moe_layer: bool = False) -> tuple[int, int]:
+        """(TP-split, replicated) LoRA adapter parameters of one layer (trainer/lora.py): a column-parallel
+        linear (q/k/v/gate/up) keeps A [r, in] whole and splits B [out, r]; a row-parallel one (o/down) splits
+        A [r, in] and keeps B [out, r] whole. MoE layers: the attention and the shared expert (routed experts
+        take no adapters)."""
+        every = "all-linear" in targets
+        h, q, kv, r = self.hidden, self.q, self.kv, rank
+        ffn = self.shared_ffn if moe_layer else self.ffn
+        linears = {"q_proj": (h, q, True), "k_proj": (h, kv, True), "v_proj": (h, kv, True), "o_proj": (q, h, False),
+                   **({"gate_proj": (h, ffn, True), "up_proj": (h, ffn, True), "down_proj": (ffn, h, False)}
+                      if ffn else {})}
+        split = rep = 0
+        for name, (fan_in, fan_out, column) in linears.items():
+            if every or name in targets:
+                split += r * fan_out if column else r * fan_in
+                rep += r * fan_in if column else r * fan_out
+        return split, rep
+
     @property
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
@@ -261,6 +279,8 @@ class TrainerLayout:
     optimizer_offload: float = 0.0  # --optimizer-cpu-offload's --optimizer-offload-fraction (0: none)
     # each stage's layers under --decoder-first/last-pipeline-num-layers (config/pipeline.py); (): even split
     pipeline_layers: tuple[int, ...] = ()
+    lora_rank: int = 0  # --lora-rank (0: the whole model trains)
+    lora_targets: tuple[str, ...] = ("all-linear",)  # --lora-target-modules
 
     def stage_layers(self, num_layers: int, stage: int) -> tuple[int, int]:
         """(first layer, layer count) of pipeline stage `stage`."""
@@ -353,6 +373,18 @@ def _stage_params(shape: ModelShape, lay: TrainerLayout, stage: int) -> tuple[in
     return dense, expert
 
 
+def stage_lora_params(shape: ModelShape, lay: TrainerLayout, stage: int) -> int:
+    """LoRA adapter parameters on one GPU of pipeline stage `stage` (0 without LoRA)."""
+    if not lay.lora_rank:
+        return 0
+    first, per_stage = lay.stage_layers(shape.layers, stage)
+    total = 0
+    for i in range(first, first + per_stage):
+        split, rep = shape.lora_params(lay.lora_rank, lay.lora_targets, moe_layer=i in shape.moe_layers)
+        total += split // lay.tp + rep
+    return total
+
+
 def estimate_memory(shape: ModelShape, lay: TrainerLayout) -> MemoryEstimate:
     """Trainer bytes per GPU (module docstring), for the stage whose total is largest."""
     if shape.layers % lay.pp and not lay.pipeline_layers:
@@ -372,10 +404,15 @@ def estimate_memory(shape: ModelShape, lay: TrainerLayout) -> MemoryEstimate:
     for stage in range(lay.pp):
         dense, expert = _stage_params(shape, lay, stage)
         in_flight = lay.micro_batches_in_flight or (lay.pp - stage)
+        # LoRA: the base is frozen (its weights only: no gradient buffer, master copy or optimizer state); the
+        # adapters are the trained parameters, all of them dense (over DP x CP)
+        adapters = stage_lora_params(shape, lay, stage)
+        trained_dense, trained_expert = (adapters, 0) if lay.lora_rank else (dense, expert)
         est = MemoryEstimate(
-            stage=stage, params=dense + expert, weights=(dense + expert) * weight_bytes, grads=(dense + expert) * 4,
-            optimizer=int((1 - off) * opt_bytes * (dense / (lay.dp * lay.cp) + expert / expert_dp)),
-            host_optimizer=int(off * host_bytes * (dense / (lay.dp * lay.cp) + expert / expert_dp)),
+            stage=stage, params=dense + expert + adapters, weights=(dense + expert + adapters) * weight_bytes,
+            grads=(trained_dense + trained_expert) * 4,
+            optimizer=int((1 - off) * opt_bytes * (trained_dense / (lay.dp * lay.cp) + trained_expert / expert_dp)),
+            host_optimizer=int(off * host_bytes * (trained_dense / (lay.dp * lay.cp) + trained_expert / expert_dp)),
             activations=int(min(in_flight, lay.pp - stage) * stage_activation_bytes(shape, lay, stage)),
             logits=int(LOGITS_BYTES * lay.tokens_per_micro_batch / lay.cp * (-(-shape.vocab // lay.tp)))
             if stage == lay.pp - 1 else 0)

@@ -69,8 +69,24 @@ def trainer_layout(cfg: Config, gqa_expanded: bool = False) -> tuple[TrainerLayo
         micro_batches_in_flight=in_flight, recompute_granularity=t.recompute_granularity,
         recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers, gqa_expanded=gqa_expanded,
         optimizer_offload=cfg.optimizer.offload_fraction if cfg.optimizer.cpu_offload else 0.0,
-        pipeline_layers=pipeline_split(cfg))
+        pipeline_layers=pipeline_split(cfg), lora_rank=_lora_rank(cfg),
+        lora_targets=tuple(cfg.model.lora_target_modules))
     return lay, why
+
+
+def _lora_rank(cfg: Config) -> int:
+    """--lora-rank, or the r of --lora-load's adapter_config.json (0 when neither, or the folder is not here)."""
+    if cfg.model.lora_rank or not cfg.model.lora_load:
+        return cfg.model.lora_rank
+    import json
+    import os
+
+    path = os.path.join(cfg.model.lora_load, "adapter_config.json")
+    try:
+        with open(path) as f:
+            return int(json.load(f)["r"])
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 def pipeline_split(cfg: Config) -> tuple[int, ...]:
@@ -184,7 +200,8 @@ def estimate_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...]
         f"trainer memory per GPU, estimated (pipeline stage {mem.stage} of {lay.pp}: "
         f"{_count(mem.params)} parameters on each of its GPUs):",
         f"  weights      {mem.weights / GiB:7.2f} GiB  ({dtype})",
-        f"  grads        {mem.grads / GiB:7.2f} GiB  (fp32 gradient buffer)",
+        f"  grads        {mem.grads / GiB:7.2f} GiB  (fp32 gradient buffer"
+        + (f" of the LoRA adapters only: rank {lay.lora_rank}, the base frozen)" if lay.lora_rank else ")"),
         f"  optimizer    {mem.optimizer / GiB:7.2f} GiB  ({'fp32 master + ' if lay.bf16 else ''}{opt}, distributed "
         f"over DP x CP = {lay.dp * lay.cp}" + (f"; --optimizer-cpu-offload: {lay.optimizer_offload:g} of it in host "
                                                f"memory, {mem.host_optimizer / GiB:.2f} GiB per rank: fp32 params, "

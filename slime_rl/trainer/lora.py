@@ -42,6 +42,7 @@ from torch import nn
 from slime_rl.config.families import Layout, ParamMap
 from slime_rl.trainer.convert import ModelArch
 from slime_rl.trainer.convert.lora_targets import (  # noqa: F401  (re-exported: the trainer's LoRA API)
+    CHECKPOINT_KEY,
     COLUMN_LAYOUTS,
     PEFT_CONFIG,
     PEFT_WEIGHTS,
@@ -54,7 +55,9 @@ from slime_rl.trainer.convert.lora_targets import (  # noqa: F401  (re-exported:
     peft_key,
     read_peft_folder,
     short_name,
+    spec_from_record,
     spec_of_folder,
+    spec_record,
 )
 from slime_rl.trainer.mcore import (
     copy_to_tensor_model_parallel_region,

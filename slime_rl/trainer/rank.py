@@ -294,6 +294,8 @@ class MegatronRank:
     def save_checkpoint(self, root: str, step: int, extra: dict) -> str:
         """Megatron torch_dist checkpoint of model, optimizer, scheduler and RNG (+ `extra`), atomic;
         every rank calls it. Returns the folder."""
+        if self.lora_spec is not None:  # what the adapters are (alpha is in no tensor): for resume and the converter
+            extra = {**extra, lora.CHECKPOINT_KEY: lora.spec_record(self.lora_spec)}
         path = checkpoint.save_checkpoint(root, step, [self.model], self.optimizer, self.scheduler, extra,
                                           hf_dir=self.model_cfg.hf_checkpoint)
         return str(path)

@@ -214,3 +214,30 @@ def test_sync_counts_the_expert_gather_to_the_source_rank():
     split = 48 * (2 * 2048 * 4096 + 2 * 2048 * 512) + 2 * 151936 * 2048
     tp2 = estimate_sync(shape, bf16=True, link="intra-node", gbps=300.0, tp=2, ep=4)
     assert tp2.gathered_bytes == round(2 * (split / 2 + experts * 7 / 8))  # expert TP = TP: 8 expert shards
+
+
+def test_lora_memory_of_the_1_5b_shape_is_its_adapters_only():
+    """--lora-rank 8 on every linear of Qwen2.5-1.5B: the trained parameters counted by hand from config.json
+    (A [r, in] and B [out, r] of q, k, v, o, gate, up, down per layer); the gradient buffer and the optimizer's
+    fp32 master + Adam m, v hold those only, under 2 % of full fine-tuning's optimizer state."""
+    import json
+    from pathlib import Path
+
+    from slime_rl.orchestration.estimate import TrainerLayout, estimate_memory, model_shape
+
+    cfg = json.loads((Path(__file__).parent / "hf_configs" / "qwen2_5_1_5b_instruct.json").read_text())
+    shape = model_shape(cfg)
+    h, f, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q = h  # 12 heads x 128
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    r = 8
+    adapters = layers * r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + f) + (f + h))
+    full = estimate_memory(shape, TrainerLayout(bf16=True))
+    lora = estimate_memory(shape, TrainerLayout(bf16=True, lora_rank=r))
+    assert lora.grads == adapters * 4
+    assert lora.optimizer == adapters * 12  # fp32 master + m + v, one DP rank
+    assert lora.weights == full.weights + adapters * 2  # the frozen bf16 base and the bf16 adapters
+    assert lora.optimizer / full.optimizer < 0.02
+    two = estimate_memory(shape, TrainerLayout(bf16=True, lora_rank=r, tp=2, dp=2))
+    split = layers * r * (q + 2 * kv + f * 2 + q + f)  # B of column linears, A of row linears: halved by TP 2
+    assert two.optimizer == (adapters - split // 2) * 12 // 2

@@ -144,7 +144,8 @@ def test_lora_load_starts_from_the_exported_adapters(runs):
 def test_resume_continues_bit_identically(runs):
     """TP2: saved after step 2 of 4, a new trainer resumed there runs steps 3-4 as the unbroken one did."""
     for rank in runs["resume"]:
-        assert rank["extra"] == {"rollout_id": 1}
+        assert rank["extra"] == {"rollout_id": 1, "lora": {"r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0,
+                                                           "target_modules": ["all-linear"]}}
         for unbroken, resumed in zip(rank["unbroken"][2:], rank["resumed"], strict=True):
             assert unbroken["metrics"] == resumed["metrics"]
             assert set(unbroken["state"]) == set(resumed["state"])
@@ -153,8 +154,44 @@ def test_resume_continues_bit_identically(runs):
         assert _dict_diff(rank["unbroken"][1]["state"], rank["unbroken"][3]["state"]) > 1e-5
 
 
+def test_converter_merges_a_lora_checkpoint(runs):
+    """tools/convert_megatron_to_hf.py --merge-lora of the TP2 LoRA run's checkpoint (after step 4): the merged
+    folder is base + alpha/r B A of the adapter folder it writes beside it, whose tensors are the trainer's."""
+    from safetensors.torch import load_file
+
+    root, tmp = runs["tmp"] / "resume", runs["tmp"]
+    with pytest.raises(RuntimeError, match="add --merge-lora"):
+        run_tool("convert_megatron_to_hf", ["--load", str(root), "--save", str(tmp / "merged_refused")])
+    run_tool("convert_megatron_to_hf", ["--load", str(root), "--save", str(tmp / "merged"), "--merge-lora"])
+    merged = load_file(str(tmp / "merged" / "model.safetensors"))
+    adapter = load_file(str(tmp / "merged" / "lora_adapter" / "adapter_model.safetensors"))
+    saved = runs["resume"][0]["unbroken"][1]["state"]  # the trainer's adapters when it saved (after step 2)
+    assert set(adapter) == set(saved) and all(torch.equal(adapter[k], saved[k]) for k in saved)
+    base = load_file(str(runs["hf"] / "model.safetensors"))
+    for name, t in merged.items():
+        module = name.removesuffix(".weight")
+        key = f"base_model.model.{module}.lora_A.weight"
+        if key not in adapter:
+            assert torch.equal(t, base[name]), name
+            continue
+        a, b = adapter[key].double(), adapter[key.replace("lora_A", "lora_B")].double()
+        want = base[name].double() + (ALPHA / RANK) * b @ a
+        assert float((t.double() - want).abs().max()) < LAYOUT_TOL, name
+
+
 def test_a_checkpoint_without_adapters_loads_the_base_and_keeps_the_adapters_start(runs):
     for rank in runs["resume"]:
         assert all(torch.equal(rank["fresh/state"][k], rank["base_ckpt/state"][k]) for k in rank["fresh/state"])
         assert _max_diff(rank["base_ckpt/logp"], rank["fresh/logp"]) == 0.0
         assert rank["base_ckpt/metrics"]["train/grad_norm"] > 0
+
+
+def test_planner_counts_the_trainers_adapters(runs):
+    """The --dry-run estimate's adapter count (orchestration/estimate.py, from config.json) is the trainer's own
+    count of trainable parameters, on one rank and on each of two TP ranks."""
+    from slime_rl.orchestration.estimate import TrainerLayout, model_shape, stage_lora_params
+
+    shape = model_shape(json.loads((runs["hf"] / "config.json").read_text()))
+    assert stage_lora_params(shape, TrainerLayout(lora_rank=RANK), 0) == runs["one"]["trainable"]
+    for rank in runs["tp2"]:
+        assert stage_lora_params(shape, TrainerLayout(lora_rank=RANK, tp=2), 0) == rank["tp2/trainable"]

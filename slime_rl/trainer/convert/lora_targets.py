@@ -150,3 +150,17 @@ def spec_of_folder(folder: str) -> LoRASpec:
     return LoRASpec(rank=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", 8)),
                     dropout=float(cfg.get("lora_dropout") or 0.0),
                     targets=tuple(sorted({m.rsplit(".", 1)[-1] for m in peft_modules(tensors)})))
+
+
+CHECKPOINT_KEY = "lora"  # a LoRA run's checkpoint keeps `spec_record` under this key of its marker's extra
+
+
+def spec_record(spec: LoRASpec) -> dict:
+    """The JSON a checkpoint keeps of its adapters (PEFT's keys)."""
+    return {"r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
+            "target_modules": list(spec.targets)}
+
+
+def spec_from_record(record: dict) -> LoRASpec:
+    return LoRASpec(rank=int(record["r"]), alpha=float(record["lora_alpha"]),
+                    dropout=float(record.get("lora_dropout", 0.0)), targets=tuple(record["target_modules"]))
