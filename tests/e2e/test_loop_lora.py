@@ -28,20 +28,24 @@ def _engines_hold(cluster, trainer: dict, version: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("folder", ["tiny_qwen2", "tiny_qwen3_moe"])
-def test_lora_steps_send_merged_weights(ray_session, folder, digit_data, tmp_path, request):
+@pytest.mark.parametrize("folder, colocate", [("tiny_qwen2", False), ("tiny_qwen2", True), ("tiny_qwen3_moe", False)])
+def test_lora_steps_send_merged_weights(ray_session, folder, colocate, digit_data, tmp_path, request):
     """Two steps. Step 0's log-probs agree with the engine's (B = 0: the base); after each update and sync
     every engine tensor equals the trainer's merged one bit for bit, the next step's log-probs agree again
-    (the engine generates with base + B A alpha / r), and exactly the adapted linears moved."""
+    (the engine generates with base + B A alpha / r), and exactly the adapted linears moved. Colocated: an
+    engine beside each of the TP-2 trainer's two ranks, the merged tensors handed over in place."""
     from slime_rl.orchestration.cluster import Cluster
 
     ckpt = request.getfixturevalue(folder)
     moe = folder == "tiny_qwen3_moe"
     layout = (["--expert-model-parallel-size", "2", "--lora-target-modules", ",".join(ATTENTION)] if moe
               else ["--tensor-model-parallel-size", "2"])
+    if colocate:
+        layout += ["--colocate", "--rollout-num-gpus", "2"]
     cfg = build_config([
         "--hf-checkpoint", str(ckpt), "--prompt-data", str(digit_data), "--run-dir", str(tmp_path / "run"),
-        *layout, "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", "--lora-rank", "8",
+        *layout, "--actor-num-gpus-per-node", "2", *([] if colocate else ["--rollout-num-gpus", "1"]),
+        "--lora-rank", "8",
         "--lora-alpha", "16", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
         "--micro-batch-size", "4", "--rollout-max-response-len", "6", "--num-rollout", "2", "--lr", "0.01",
         "--rollout-shuffle", "--update-weight-buffer-size", "20000",
