@@ -162,7 +162,8 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
              help="PEFT's lora_dropout on the adapters' input, in the training forward only (the log-prob "
                   "forwards run without it)"),
         Flag('--lora-target-modules', 'model.lora_target_modules', nargs='+', default=("all-linear",),
-             convert=lambda v: tuple(x for item in v for x in str(item).split(",") if x),
+             convert=lambda v: tuple(x.strip() for item in ([v] if isinstance(v, str) else v)
+                                     for x in str(item).split(",") if x.strip()),
              metavar='NAME',
              help="the HF linears to adapt, as PEFT's target_modules: q_proj k_proj v_proj o_proj gate_proj "
                   "up_proj down_proj (comma- or space-separated), or all-linear (every attention and MLP linear "
