@@ -78,13 +78,27 @@ def map_actor(ctx: EasyR1Context) -> None:
     na("worker.actor.model.trust_remote_code", "models are built from known architectures")
     to("worker.actor.model.freeze_vision_tower", "freeze_vision_tower", bool)
 
+    lora_on = int(get("worker.actor.model.lora.rank") or 0) > 0
+
     def lora_rank(v: Any) -> None:
         if int(v or 0) > 0:
-            fail("worker.actor.model.lora.rank", f"{v}: LoRA is not supported (full-parameter training only)")
-        m.na("worker.actor.model.lora.rank", "0: LoRA off")
+            m.set("worker.actor.model.lora.rank", "lora_rank", int(v), "")
+        else:
+            m.na("worker.actor.model.lora.rank", "0: LoRA off")
     rule("worker.actor.model.lora.rank", lora_rank)
-    for k in ("alpha", "target_modules", "exclude_modules"):
-        na(f"worker.actor.model.lora.{k}", "LoRA is off (rank 0)")
+    if lora_on:  # EasyR1's LoraConfig: alpha 16, target_modules "all-linear" or a comma-separated list
+        if get("worker.actor.model.lora.alpha") is None:
+            m.set("worker.actor.model.lora.alpha", "lora_alpha", 16.0, "EasyR1's default")
+        to("worker.actor.model.lora.alpha", "lora_alpha", float)
+        to("worker.actor.model.lora.target_modules", "lora_target_modules",
+           lambda v: [v] if isinstance(v, str) else list(v))
+        only("worker.actor.model.lora.exclude_modules", _excludes_no_decoder_linear,
+             "a pattern of vision-tower modules (the adapters are on the decoder's linears only)",
+             "it would exclude decoder linears, which PEFT's exclude_modules is not taken for here: name the "
+             "linears to adapt in target_modules")
+    else:
+        for k in ("alpha", "target_modules", "exclude_modules"):
+            na(f"worker.actor.model.lora.{k}", "LoRA is off (rank 0)")
     to("worker.actor.optim.lr", "lr", float)
 
     def betas(v: Any) -> None:
@@ -229,3 +243,21 @@ def map_reward(ctx: EasyR1Context) -> None:
     only("worker.reward.skip_special_tokens", bool, "responses are decoded without special tokens",
          "false is not supported: responses are decoded without special tokens")
     na("worker.reward.num_cpus", "rewards run in the rollout's thread pool")
+
+
+# decoder linears' module names as PEFT sees them (text and vision-language layouts)
+_DECODER_LINEARS = tuple(f"{p}layers.0.{m}" for p in ("model.", "model.language_model.")
+                         for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+
+
+def _excludes_no_decoder_linear(v: Any) -> bool:
+    """EasyR1's exclude_modules (PEFT's: one regex matched whole, or a list of name suffixes) leaves every decoder
+    linear adapted (e.g. geo3k's `.*visual.*`): the adapters here never go on the vision tower anyway."""
+    import re
+
+    if not v:
+        return True
+    if isinstance(v, str):
+        return not any(re.fullmatch(v, name) for name in _DECODER_LINEARS)
+    return not any(name == x or name.endswith(f".{x}") for x in v for name in _DECODER_LINEARS)

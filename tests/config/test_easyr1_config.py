@@ -101,7 +101,8 @@ def test_command_line_wins(tmp_path):
 
 
 @pytest.mark.parametrize("edit, named", [
-    ({"worker.actor.model.lora.rank": 8}, "worker.actor.model.lora.rank"),
+    ({"worker.actor.model.lora.rank": 8, "worker.actor.model.lora.exclude_modules": ["q_proj"]},
+     "worker.actor.model.lora.exclude_modules"),
     ({"algorithm.kl_type": "adaptive"}, "algorithm.kl_type"),
     ({"algorithm.adv_estimator": "remax"}, "algorithm.adv_estimator"),
     ({"worker.actor.loss_type": "vespo"}, "worker.actor.loss_type"),
@@ -205,3 +206,17 @@ def test_easyr1_loss_types_with_grpo_are_our_estimators(tmp_path, loss_type):
     assert (cfg.algo.eps_clip, cfg.algo.eps_clip_high) == (0.2, 0.3)  # the fixture's clip ratios
     want = (0.5, 2.0) if loss_type == "sapo" else (1.0, 1.05)  # the taus are SAPO's only
     assert (cfg.algo.sapo_tau_pos, cfg.algo.sapo_tau_neg) == want
+
+
+@pytest.mark.parametrize("edit, want", [
+    ({"worker.actor.model.lora.rank": 8}, (8, 64.0, ("all-linear",))),  # geo3k's alpha 64, `.*visual.*` excluded
+    ({"worker.actor.model.lora.rank": 8, "worker.actor.model.lora.alpha": None,
+      "worker.actor.model.lora.target_modules": None}, (8, 16.0, ("all-linear",))),  # EasyR1's LoraConfig defaults
+    ({"worker.actor.model.lora.rank": 16, "worker.actor.model.lora.alpha": 32,
+      "worker.actor.model.lora.target_modules": "q_proj,v_proj"}, (16, 32.0, ("q_proj", "v_proj"))),
+    ({"worker.actor.model.lora.rank": 4, "worker.actor.model.lora.target_modules": ["o_proj", "down_proj"]},
+     (4, 64.0, ("o_proj", "down_proj"))),
+])
+def test_lora_maps_to_the_lora_flags(tmp_path, edit, want):
+    cfg = build_config(["--config", str(write_config(tmp_path, edit=edit))], check_paths=False)
+    assert (cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_target_modules) == want
