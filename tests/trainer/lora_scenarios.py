@@ -19,12 +19,12 @@ RANK, ALPHA = 4, 8.0  # scale 2
 
 
 def lora_worker(rank: int, world: int, port: int, ckpt: str, tp: int = 1, pp: int = 1, sp: bool = False,
-                targets: tuple[str, ...] = ("all-linear",), **model):
+                targets: tuple[str, ...] = ("all-linear",), cp: int = 1, **model):
     from slime_rl.trainer.worker import TrainerWorker
 
     return TrainerWorker(rank, world, "127.0.0.1", port,
                          ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                        actor_num_gpus_per_node=world),
+                                        actor_num_gpus_per_node=world, context_parallel_size=cp),
                          BatchConfig(micro_batch_size=2, global_batch_size=4),
                          OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.0, lr_decay_style="constant"),
                          ModelConfig(hf_checkpoint=ckpt, lora_rank=RANK, lora_alpha=ALPHA,
@@ -49,7 +49,7 @@ def _grads(w) -> dict[str, torch.Tensor]:
     from slime_rl.trainer.parallel import tp_group
     from tests.trainer.trainer_scenarios import _gather_dp_grad_shards
 
-    if w.dp_size > 1:
+    if w.dp_size * w.info.cp_size > 1:  # the distributed optimizer's grad shards over DP x CP
         _gather_dp_grad_shards(w)
     return lora.peft_state(w.lora, tp_group(), get=lambda p: p.main_grad.detach().float())
 
@@ -106,6 +106,13 @@ def scenario_lora_one(rank: int, world: int, port: int, ckpts: dict[str, str]) -
     res["loaded/logp"] = w.compute_logprobs(make_batch())
     res["loaded/spec"] = w.lora_spec
     w.shutdown()
+    # --lora-dropout 0.5 with the same adapters: the log-prob forward runs without it, the training forward with it
+    w = lora_worker(rank, world, port + 2, ckpts["qwen2"], lora_dropout=0.5)
+    lora.load_peft_state(w.lora, res["state"], "test")
+    res["dropout/logp"] = w.compute_logprobs(make_batch())
+    w.forward_backward(make_batch(), res["dropout/logp"])
+    res["dropout/grads"] = _grads(w)
+    w.shutdown()
     return res
 
 
@@ -152,6 +159,7 @@ def scenario_lora_resume(rank: int, world: int, port: int, ckpts: dict[str, str]
 def scenario_lora_tp2(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
     res = {f"tp2/{k}": v for k, v in _layout(rank, world, port, ckpts, tp=2).items()}
     res |= {f"tp2sp/{k}": v for k, v in _layout(rank, world, port + 1, ckpts, tp=2, sp=True).items()}
+    res |= {f"cp2/{k}": v for k, v in _layout(rank, world, port + 2, ckpts, cp=2).items()}
     return res
 
 

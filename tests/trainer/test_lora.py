@@ -4,7 +4,7 @@ References, each independent of the trainer's adapter code: PEFT 0.2x's own Lora
 in float64, loaded from the trainer's export (log-probs); the merged weights as W + alpha/r * B A in float64
 from the HF checkpoint and the exported A, B; the number of trainable values from config.json's widths;
 one rank for TP2, TP2 with sequence parallelism, PP2 and DP2 (log-probs, adapter gradients, the adapters
-after an optimizer step)."""
+after an optimizer step); CP2 too."""
 
 from __future__ import annotations
 
@@ -109,12 +109,12 @@ def test_only_the_adapters_train(runs):
 
 
 def _layout_records(runs, name: str) -> list[dict]:
-    if name in ("tp2", "tp2sp"):
+    if name in ("tp2", "tp2sp", "cp2"):
         return [{k.split("/", 1)[1]: v for k, v in r.items() if k.startswith(f"{name}/")} for r in runs["tp2"]]
     return runs[name]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "cp2", "pp2", "dp2"])
 def test_layout_equals_one_rank(runs, layout):
     one, recs = runs["one"], _layout_records(runs, layout)
     if layout == "dp2":  # each DP rank holds its shard's log-probs; gradients and adapters are the whole batch's
@@ -195,3 +195,10 @@ def test_planner_counts_the_trainers_adapters(runs):
     assert stage_lora_params(shape, TrainerLayout(lora_rank=RANK), 0) == runs["one"]["trainable"]
     for rank in runs["tp2"]:
         assert stage_lora_params(shape, TrainerLayout(lora_rank=RANK, tp=2), 0) == rank["tp2/trainable"]
+
+
+def test_dropout_is_in_the_training_forward_only(runs):
+    one = runs["one"]
+    assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(one["dropout/logp"], one["logp"],
+                                                                                     strict=True))
+    assert _dict_diff(one["dropout/grads"], one["grads"]) > 1e-3  # the masks changed the training forward
