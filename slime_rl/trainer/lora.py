@@ -108,9 +108,9 @@ class Adapter(nn.Module):
             a_full = torch.empty(r, in_full).uniform_(-bound, bound, generator=gen)
             a = a_full if self.column else a_full.chunk(self.tp_size, dim=1)[self.tp_rank]
             assert a.shape[1] == in_local, (name, a.shape, in_local)
-            b_rows = rows if self.column else rows  # row-parallel: the output is whole on every rank
+            # B's rows: the part's local output rows (row-parallel: the whole output, as every rank has it)
             self.A[name] = nn.Parameter(a.to(dtype=dtype, device=device).contiguous())
-            self.B[name] = nn.Parameter(torch.zeros(b_rows, r, dtype=dtype, device=device))
+            self.B[name] = nn.Parameter(torch.zeros(rows, r, dtype=dtype, device=device))
             split = self.B[name] if self.column else self.A[name]
             whole = self.A[name] if self.column else self.B[name]
             if self.tp_size > 1:
@@ -208,9 +208,9 @@ def attach(model: nn.Module, arch: ModelArch, stage_maps: list[tuple[str, ParamM
     Megatron name, map with global HF names), every other parameter frozen. Returns the adapters."""
     tp_rank, tp_size = tp
     local_of = {pm.mcore: local for local, pm, _ in stage_maps}
-    chosen = choose([pm for _, pm, _ in stage_maps], spec.targets)
-    if not chosen and any(adaptable(pm) for _, pm, _ in stage_maps):
-        raise ValueError(f"--lora-target-modules {','.join(spec.targets)}: adapts no linear of this model")
+    # a stage may hold none of the targets (GLM-4.5's dense gate_proj is on the first stage only); preflight
+    # checks that the targets adapt something over the whole model
+    chosen = choose([pm for _, pm, _ in stage_maps], spec.targets, check=False)
     for p in model.parameters():
         p.requires_grad_(False)
     adapters = []

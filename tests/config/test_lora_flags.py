@@ -82,3 +82,21 @@ def test_lora_load_sets_the_adapters_and_must_agree_with_the_flags(tiny_qwen2, t
     dora = _adapter(tmp_path / "dora", ["model.layers.0.self_attn.q_proj"], use_dora=True)
     with pytest.raises(ConfigError, match="use_dora is True; only plain LoRA"):
         check_model_features(_cfg(tiny_qwen2, "--lora-load", str(dora)))
+
+
+def test_a_pipeline_stage_may_hold_none_of_the_targets(tiny_qwen2_moe):
+    """Qwen2-MoE's layer 1 is dense: gate_proj names its MLP and its MoE layers' shared expert (adapted) and the
+    routed experts (not). One MoE layer alone (a stage's share) is selected without the whole model's checks."""
+    from slime_rl.trainer.convert import load_arch
+    from slime_rl.trainer.convert.lora_targets import choose
+
+    arch = load_arch(tiny_qwen2_moe)
+    every = [pm for i in range(arch.num_layers) for pm in arch.layer_maps(i)]
+    chosen = choose(every, ("gate_proj",))
+    assert sorted(chosen) == ["decoder.layers.{i}.mlp.linear_fc1.weight",
+                              "decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight"]
+    assert all(flags == (True, False) for flags in chosen.values())  # gate of [gate; up]
+    attention_only = [pm for pm in arch.layer_maps(0) if "experts" not in pm.mcore and "mlp" not in pm.mcore]
+    assert choose(attention_only, ("gate_proj",), check=False) == {}
+    with pytest.raises(ValueError, match="--lora-target-modules gate_proj: no linear of this model"):
+        choose(attention_only, ("gate_proj",))

@@ -59,14 +59,15 @@ def adaptable(pm: ParamMap) -> bool:
     return pm.mcore.endswith(".weight") and pm.layout in _ADAPTED_LAYOUTS and not pm.buffer
 
 
-def choose(maps: Iterable[ParamMap], targets: tuple[str, ...]) -> dict[str, tuple[bool, ...]]:
+def choose(maps: Iterable[ParamMap], targets: tuple[str, ...], check: bool = True) -> dict[str, tuple[bool, ...]]:
     """Which HF linears of these layer entries the targets adapt: {megatron name: one flag per HF part}.
-    ValueError naming the target when it adapts nothing here, or names a routed expert's linear (LoRA on
-    routed experts is not built) or a linear of another layout (MLA's down projections)."""
+    `check` (the whole model's entries): ValueError naming the target when it adapts nothing there, or names a
+    routed expert's linear (LoRA on routed experts is not built) or a linear of another layout (MLA's down
+    projections)."""
     maps = [pm for pm in maps if pm.mcore.endswith(".weight") and not pm.buffer]
     names = {short_name(h) for pm in maps for h in pm.hf}
     every = ALL_LINEAR in targets
-    for t in targets:
+    for t in targets if check else ():  # check=False: one pipeline stage's layers, which may lack a target
         if t == ALL_LINEAR:
             continue
         if t not in names:
