@@ -59,6 +59,9 @@ COMPANIONS = {
     "--use-opd": ["--opd-type", "megatron", "--opd-teacher-load", "/teacher", "--dry-run", "--cluster", "1x8"],
     "--opd-type": ["--use-opd", "--opd-teacher-load", "/teacher", "--dry-run", "--cluster", "1x8"],
     "--opd-teacher-load": ["--use-opd", "--opd-type", "megatron"],
+    # the adapters' settings need adapters
+    "--lora-alpha": ["--lora-rank", "8"], "--lora-dropout": ["--lora-rank", "8"],
+    "--lora-target-modules": ["--lora-rank", "8"],
 }
 OPTIONAL_PACKAGES = {"--use-wandb": "wandb", "--use-tensorboard": "tensorboard", "--use-swanlab": "swanlab"}
 
