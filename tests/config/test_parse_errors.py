@@ -98,11 +98,13 @@ def test_eval_requests_take_eval_top_k_else_the_rollouts(tmp_path):
 
 
 def test_slimes_runtime_flags_that_change_nothing_here_are_accepted_and_change_nothing(tmp_path, capsys):
-    base = build_config(base_argv(tmp_path))
-    same = build_config(base_argv(tmp_path) + ["--log-probs-chunk-size", "1024", "--allgather-cp"])
+    # a fixed --run-dir: the default is named by the second the config is built, which may differ between builds
+    argv = base_argv(tmp_path) + ["--run-dir", str(tmp_path / "run")]
+    base = build_config(argv)
+    same = build_config(argv + ["--log-probs-chunk-size", "1024", "--allgather-cp"])
     assert same == base, {k: (v, base.to_dict()[k]) for k, v in same.to_dict().items() if v != base.to_dict()[k]}
     with pytest.warns(UserWarning, match="--sequence-parallel with --tensor-model-parallel-size 1: off"):
-        tp1 = build_config(base_argv(tmp_path) + ["--sequence-parallel"])
+        tp1 = build_config(argv + ["--sequence-parallel"])
     assert tp1 == base and not tp1.trainer.sequence_parallel, tp1.trainer
     tp2 = build_config(base_argv(tmp_path) + ["--sequence-parallel", "--tensor-model-parallel-size", "2",
                                               "--actor-num-gpus-per-node", "2"])
