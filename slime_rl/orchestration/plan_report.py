@@ -78,13 +78,10 @@ def _lora_rank(cfg: Config) -> int:
     """--lora-rank, or the r of --lora-load's adapter_config.json (0 when neither, or the folder is not here)."""
     if cfg.model.lora_rank or not cfg.model.lora_load:
         return cfg.model.lora_rank
-    import json
-    import os
+    from slime_rl.trainer.convert.lora_targets import read_peft_config
 
-    path = os.path.join(cfg.model.lora_load, "adapter_config.json")
     try:
-        with open(path) as f:
-            return int(json.load(f)["r"])
+        return int(read_peft_config(cfg.model.lora_load)["r"])
     except (OSError, ValueError, KeyError):
         return 0
 

@@ -136,6 +136,15 @@ def _finish_folder(tmp: Path, hf_dir: str | Path, dtype: torch.dtype) -> None:
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _fresh_tmp(out: Path) -> Path:
+    """The empty `<out>.tmp/` a folder is written into before `_swap_in` (one left by an interrupted write removed)."""
+    tmp = out.with_name(out.name + TMP_SUFFIX)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
 def _swap_in(tmp: Path, out: Path) -> None:
     old = out.with_name(out.name + ".old")
     if out.exists():  # a re-save of the same path: swap, then delete the old folder
@@ -158,10 +167,7 @@ def save_hf_folder(model: torch.nn.Module, arch: ModelArch, out: str | Path, hf_
     tmp = out.with_name(out.name + TMP_SUFFIX)
     writer = None
     if dist.get_rank() == 0:
-        if tmp.exists():  # left by an interrupted write
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        writer = ShardWriter(tmp, max_shard_bytes)
+        writer = ShardWriter(_fresh_tmp(out), max_shard_bytes)
     written = None
     with tqdm(total=hf_tensor_count(arch), desc="megatron->hf", unit="tensor", file=sys.stderr,
               disable=not progress or writer is None) as bar:
@@ -192,11 +198,8 @@ def save_peft_adapter(model: torch.nn.Module, spec, out: str | Path, hf_dir: str
         dist.all_gather_object(stages, state, group=mpu.get_pipeline_model_parallel_group())
         if dist.get_rank() == 0:
             tensors = {k: v for stage in stages for k, v in stage.items()}
-            modules = sorted({k.removeprefix("base_model.model.").split(".lora_")[0] for k in tensors})
-            tmp = out.with_name(out.name + TMP_SUFFIX)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
+            modules = sorted(lora.peft_modules(tensors))
+            tmp = _fresh_tmp(out)
             save_file(dict(sorted(tensors.items())), str(tmp / lora.PEFT_WEIGHTS), metadata={"format": "pt"})
             config = lora.peft_config(spec, modules, str(hf_dir))
             (tmp / lora.PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

@@ -53,6 +53,8 @@ from slime_rl.trainer.convert.lora_targets import (  # noqa: F401  (re-exported:
     is_adapter_name,
     peft_config,
     peft_key,
+    peft_modules,
+    read_peft_config,
     read_peft_folder,
     short_name,
     spec_from_record,
@@ -98,6 +100,9 @@ class Adapter(nn.Module):
         self.tp_rank, self.tp_size = tp
         self.sp = sequence_parallel and self.tp_size > 1
         self.column = layout in COLUMN_LAYOUTS
+        # which of A and B is split over TP, and on which axis: B by output rows (column-parallel), A by input
+        # columns (row-parallel), as the linear's weight is
+        self.split, self.split_dim = ("B", 0) if self.column else ("A", 1)
         self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
         r = spec.rank
         for name, rows, adapted in parts:
@@ -111,17 +116,16 @@ class Adapter(nn.Module):
             # B's rows: the part's local output rows (row-parallel: the whole output, as every rank has it)
             self.A[name] = nn.Parameter(a.to(dtype=dtype, device=device).contiguous())
             self.B[name] = nn.Parameter(torch.zeros(rows, r, dtype=dtype, device=device))
-            split = self.B[name] if self.column else self.A[name]
-            whole = self.A[name] if self.column else self.B[name]
+            split, whole = (self.B[name], self.A[name]) if self.column else (self.A[name], self.B[name])
             if self.tp_size > 1:
-                set_tensor_model_parallel_attributes(split, True, 0 if self.column else 1, 1)
+                set_tensor_model_parallel_attributes(split, True, self.split_dim, 1)
             if self.sp:  # partial per sequence chunk: summed over TP in finalize_model_grads
                 whole.sequence_parallel = True
         self.enabled = True
 
     def tp_axes(self) -> dict[str, int]:
         """Checkpoint axes of the split parameters (state-dict key -> axis)."""
-        return {f"{'B' if self.column else 'A'}.{n}": 0 if self.column else 1 for n in self.A}
+        return {f"{self.split}.{n}": self.split_dim for n in self.A}
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.spec.dropout
@@ -156,15 +160,15 @@ class Adapter(nn.Module):
         if not self.column:
             (n,) = list(self.A)
             return (self.B[n].to(dtype) @ self.A[n].to(dtype)) * self.spec.scale
-        in_features = next(iter(self.A.values())).shape[1]
+        first = next(iter(self.A.values()))  # any adapted part's A: the input width and the device
         outs = [(self.B[n].to(dtype) @ self.A[n].to(dtype)) * self.spec.scale if adapted
-                else torch.zeros(rows, in_features, dtype=dtype, device=self.A[next(iter(self.A))].device)
+                else torch.zeros(rows, first.shape[1], dtype=dtype, device=first.device)
                 for n, rows, adapted in self.parts]
         return _fuse(self.layout, outs, 0, self.groups)
 
 
 def _part_rows(pm: ParamMap, weight: torch.Tensor, arch: ModelArch, tp_size: int) -> list[int]:
-    """The local output rows of each HF part of a column-parallel weight (QKV: q, k, v; FC1: gate, up)."""
+    """The local output rows of each HF part of a weight (QKV: q, k, v; FC1: gate, up; else its rows)."""
     if pm.layout is Layout.QKV:
         groups = arch.num_query_groups // tp_size
         d = arch.kv_channels
@@ -207,20 +211,18 @@ def attach(model: nn.Module, arch: ModelArch, stage_maps: list[tuple[str, ParamM
     """Adapters on this rank's targeted linears (`stage_maps`: hf_io.stage_param_maps of the rank: local
     Megatron name, map with global HF names), every other parameter frozen. Returns the adapters."""
     tp_rank, tp_size = tp
-    local_of = {pm.mcore: local for local, pm, _ in stage_maps}
     # a stage may hold none of the targets (GLM-4.5's dense gate_proj is on the first stage only); preflight
     # checks that the targets adapt something over the whole model
     chosen = choose([pm for _, pm, _ in stage_maps], spec.targets, check=False)
     for p in model.parameters():
         p.requires_grad_(False)
     adapters = []
-    for _, pm, _ in stage_maps:
+    for local, pm, _ in stage_maps:
         if pm.mcore not in chosen:
             continue
-        local = local_of[pm.mcore]
         linear = model.get_submodule(local.rsplit(".", 1)[0])
         weight = linear.weight
-        rows = _part_rows(pm, weight, arch, tp_size) if pm.layout in COLUMN_LAYOUTS else [weight.shape[0]]
+        rows = _part_rows(pm, weight, arch, tp_size)
         in_local = weight.shape[1]
         in_full = in_local * tp_size if pm.layout is Layout.ROW else in_local
         names = [short_name(h) for h in pm.hf]
@@ -265,26 +267,18 @@ def peft_state(adapters: list[Adapter], tp_group, get=None) -> dict[str, torch.T
     """This rank's adapters under PEFT's names (lora_A [r, in], lora_B [out, r], whole: the TP slices
     gathered), as CPU tensors; every TP rank of the stage must call it. `get(parameter)`: what to take of
     each (default its value; e.g. its main_grad)."""
-    get = get or (lambda p: p.detach())
-    import torch.distributed as dist
+    from slime_rl.trainer.hf_io import _gather_tp  # hf_io imports this module
 
-    def gather(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-        if size == 1:
-            return t
-        parts = [torch.empty_like(t) for _ in range(size)]
-        dist.all_gather(parts, t.contiguous(), group=tp_group)
-        return torch.cat(parts, dim=dim)
+    get = get or (lambda p: p.detach())
 
     out = {}
     for a in adapters:
         for n in a.A:
-            A, B = get(a.A[n]), get(a.B[n])
-            if a.column:
-                B = gather(B, 0, a.tp_size)
-            else:
-                A = gather(A, 1, a.tp_size)
-            out[peft_key(a.hf[n], "A")] = A.to("cpu", copy=True).contiguous()
-            out[peft_key(a.hf[n], "B")] = B.to("cpu", copy=True).contiguous()
+            for which, param in (("A", a.A[n]), ("B", a.B[n])):
+                t = get(param)
+                if which == a.split:  # the TP slices, whole
+                    t = torch.cat(_gather_tp(t, a.tp_size, tp_group), dim=a.split_dim)
+                out[peft_key(a.hf[n], which)] = t.to("cpu", copy=True).contiguous()
     return out
 
 
@@ -300,9 +294,8 @@ def load_peft_state(adapters: list[Adapter], tensors: dict[str, torch.Tensor], s
                 if t is None:
                     raise ValueError(f"{source}: no {key} (the adapter does not cover {a.hf[n]}; its "
                                      "target_modules must be the run's)")
-                split = (which == "B") if a.column else (which == "A")
-                if split and a.tp_size > 1:
-                    t = t.chunk(a.tp_size, dim=0 if a.column else 1)[a.tp_rank]
+                if which == a.split:
+                    t = t.chunk(a.tp_size, dim=a.split_dim)[a.tp_rank]
                 if tuple(t.shape) != tuple(param.shape):
                     raise ValueError(f"{source}: {key} has shape {tuple(t.shape)}, this rank's slice is "
                                      f"{tuple(param.shape)} (another rank r or another model?)")

@@ -72,7 +72,7 @@ def choose(maps: Iterable[ParamMap], targets: tuple[str, ...], check: bool = Tru
             continue
         if t not in names:
             raise ValueError(f"--lora-target-modules {t}: no linear of this model is named so (its linears: "
-                             f"{', '.join(sorted(n for n in names if n not in ('weight',)))}, or all-linear)")
+                             f"{', '.join(sorted(names))}, or all-linear)")
         hits = [pm for pm in maps if any(short_name(h) == t for h in pm.hf)]
         if all(pm.expert for pm in hits):
             raise ValueError(f"--lora-target-modules {t}: only the routed experts have it, and LoRA on routed "
@@ -91,7 +91,6 @@ def choose(maps: Iterable[ParamMap], targets: tuple[str, ...], check: bool = Tru
     return out
 
 
-
 _LAYER = re.compile(r"\.(\d+)\.")
 
 
@@ -100,7 +99,6 @@ def peft_target_regex(modules: Iterable[str]) -> str:
     linears (any layer index), so a vision tower's linears of the same short name stay untouched."""
     shapes = sorted({_LAYER.sub(".#.", m, count=1) for m in modules})
     return "^(" + "|".join(re.escape(s).replace(r"\#", r"\d+").replace("#", r"\d+") for s in shapes) + ")$"
-
 
 
 # ---- PEFT's files
@@ -116,11 +114,9 @@ def peft_config(spec: LoRASpec, modules: Iterable[str], base_model: str) -> dict
             "inference_mode": True}
 
 
-def read_peft_folder(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter_config.json, tensors) of a PEFT adapter folder; ValueError naming the file when it is not one
-    this trainer can start from (another PEFT type, rsLoRA, DoRA, biases)."""
-    from safetensors.torch import load_file
-
+def read_peft_config(folder: str) -> dict:
+    """adapter_config.json of a PEFT adapter folder; ValueError naming the file when the folder is not one this
+    trainer can start from (a file missing, another PEFT type, rsLoRA, DoRA, biases)."""
     root = Path(folder)
     cfg_path, weights = root / PEFT_CONFIG, root / PEFT_WEIGHTS
     for path in (cfg_path, weights):
@@ -132,7 +128,14 @@ def read_peft_folder(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
         if cfg.get(key, want) != want:
             raise ValueError(f"--lora-load {cfg_path}: {key} is {cfg.get(key)!r}; only plain LoRA ({key} "
                              f"{want!r}) is trained here")
-    return cfg, load_file(str(weights))
+    return cfg
+
+
+def read_peft_folder(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, tensors) of a PEFT adapter folder (`read_peft_config`'s checks)."""
+    from safetensors.torch import load_file
+
+    return read_peft_config(folder), load_file(str(Path(folder) / PEFT_WEIGHTS))
 
 
 def peft_key(module: str, which: str) -> str:
@@ -146,11 +149,14 @@ def peft_modules(tensors: Iterable[str]) -> set[str]:
 
 
 def spec_of_folder(folder: str) -> LoRASpec:
-    """The LoRASpec of a PEFT folder (--lora-load): its r, lora_alpha and dropout, the modules its tensors adapt."""
-    cfg, tensors = read_peft_folder(folder)
-    return LoRASpec(rank=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", 8)),
-                    dropout=float(cfg.get("lora_dropout") or 0.0),
-                    targets=tuple(sorted({m.rsplit(".", 1)[-1] for m in peft_modules(tensors)})))
+    """The LoRASpec of a PEFT folder (--lora-load): its r, lora_alpha and dropout, the modules its tensors adapt
+    (their names read from the file's header, no tensor loaded)."""
+    from safetensors import safe_open
+
+    cfg = read_peft_config(folder)
+    with safe_open(str(Path(folder) / PEFT_WEIGHTS), framework="pt") as f:
+        modules = peft_modules(f.keys())
+    return spec_from_record({**cfg, "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules})})
 
 
 CHECKPOINT_KEY = "lora"  # a LoRA run's checkpoint keeps `spec_record` under this key of its marker's extra
@@ -163,5 +169,7 @@ def spec_record(spec: LoRASpec) -> dict:
 
 
 def spec_from_record(record: dict) -> LoRASpec:
-    return LoRASpec(rank=int(record["r"]), alpha=float(record["lora_alpha"]),
-                    dropout=float(record.get("lora_dropout", 0.0)), targets=tuple(record["target_modules"]))
+    """The LoRASpec of PEFT's keys (a checkpoint's record, an adapter_config.json with its targets); an absent
+    lora_alpha is PEFT's default, 8."""
+    return LoRASpec(rank=int(record["r"]), alpha=float(record.get("lora_alpha", 8)),
+                    dropout=float(record.get("lora_dropout") or 0.0), targets=tuple(record["target_modules"]))
