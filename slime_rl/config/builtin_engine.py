@@ -29,6 +29,10 @@ from typing import Any
 API_KEY_ENV = "SLIME_RL_ENGINE_API_KEY"
 # default of its --debug-routing-select-round (tests and measurements only); the driver passes it on
 ROUTING_SELECT_ROUND_ENV = "SLIME_RL_DEBUG_ROUTING_SELECT_ROUND"
+# a socket the engine's launcher bound to --host:--port and handed over (the number of the inherited fd):
+# the engine listens on it instead of binding the port itself, so that nothing else on the node can take
+# the port between the launcher's pick and the engine's listen (its model loads in between)
+LISTEN_FD_ENV = "SLIME_RL_ENGINE_LISTEN_FD"
 # how a switch may be written as a value (YAML, --sglang-x VALUE); engines/cli_args.py reads the same
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")

@@ -105,6 +105,7 @@ class Cluster:
             self.trainers = self._trainer_group()
             visible = colocated_visible_devices(self.plan, self.trainers.nodes_and_gpus())
         urls, targets, started = [], [], []
+        embedded = self.cfg.engine.backend == "embedded"  # listens on the port its actor holds for it
         for slot in self.plan.engines:
             # all N GPUs of the engine's bundle (SGLang --tp-size N); 0.5 when colocated: shared with a trainer rank
             # (an engine of N GPUs then sees the GPUs of the N ranks it runs beside, not only its bundle's)
@@ -114,7 +115,7 @@ class Cluster:
                 num_cpus=1, num_gpus=self.plan.engine_actor_gpu(slot), runtime_env=noset,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, slot.bundles[0]),
             ).remote(slot.engine_id)
-            host, port = ray.get([actor.node_ip.remote(), actor.pick_port.remote()])
+            host, port = ray.get([actor.node_ip.remote(), actor.pick_port.remote(hold=embedded)])
             cmd = engine_command(self.cfg, slot, host, port, self.api_key, self.plan.use_gpu)
             self.engines.append(actor)
             urls.append(f"http://{host}:{port}")
@@ -333,9 +334,10 @@ class Cluster:
         if not dead:
             return 0
         restarts = []
+        embedded = self.cfg.engine.backend == "embedded"
         for k in sorted(dead):
             slot, actor = self.plan.engines[k], self.engines[k]
-            host, port = ray.get([actor.node_ip.remote(), actor.pick_port.remote()])
+            host, port = ray.get([actor.node_ip.remote(), actor.pick_port.remote(hold=embedded)])
             url = f"http://{host}:{port}"
             print(f"[slime_rl] restarting engine {k} ({dead[k]}) at {url}", flush=True)
             cmd = engine_command(self.cfg, slot, host, port, self.api_key, self.plan.use_gpu)

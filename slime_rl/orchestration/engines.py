@@ -7,6 +7,7 @@ device, on a fresh port; the cluster then re-creates the weight-update group and
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import socket
@@ -17,7 +18,13 @@ import threading
 import ray
 
 from slime_rl.config import Config
-from slime_rl.config.builtin_engine import API_KEY_ENV, ROUTING_SELECT_ROUND_ENV, ServerConfig, from_sglang_args
+from slime_rl.config.builtin_engine import (
+    API_KEY_ENV,
+    LISTEN_FD_ENV,
+    ROUTING_SELECT_ROUND_ENV,
+    ServerConfig,
+    from_sglang_args,
+)
 from slime_rl.config.seeds import engine_seed, run_seed
 from slime_rl.engines.launch import embedded_command, sglang_command, wait_healthy
 from slime_rl.orchestration.placement import EngineSlot
@@ -41,6 +48,8 @@ def terminate(process: subprocess.Popen, timeout_s: float = 20.0) -> int:
 # connection: a port picked there (bind to port 0) can be taken by one of those (Ray's, an HTTP client's)
 # between the pick and the server's bind, "Address already in use" (seen in CI)
 PORT_FLOOR = 20000
+# how many of an engine's last log lines a launch error carries
+LOG_TAIL_LINES = 50
 
 
 def _ephemeral_low() -> int:
@@ -51,21 +60,29 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free on `host` now, below the kernel's ephemeral range when there is room (random
-    in [PORT_FLOOR, its start), so that two pickers rarely meet); else one the OS hands out."""
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A socket bound (not listening: a connection to it is refused) to a port that was free on `host`,
+    below the kernel's ephemeral range when there is room (random in [PORT_FLOOR, its start), so that
+    two pickers rarely meet); else one the OS hands out. While it is open no other socket can bind
+    that port, SO_REUSEADDR or not (Linux lets two sockets share a port only when both set it)."""
     low = _ephemeral_low()
     rng = random.Random()  # the OS's entropy: not the run's seeded streams
-    for _ in range(64 if low - PORT_FLOOR >= 1000 else 0):
-        port = rng.randrange(PORT_FLOOR, low)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
+    for port in [rng.randrange(PORT_FLOOR, low) for _ in range(64 if low - PORT_FLOOR >= 1000 else 0)] + [0]:
+        s = socket.socket()
+        try:
+            s.bind((host, port))
+        except OSError:
+            s.close()
+            if port == 0:
+                raise
+            continue
+        return s
+    raise AssertionError("unreachable: the last try binds port 0")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on `host` now (`reserve_port`'s, released): for a server that binds it itself."""
+    with reserve_port(host) as s:
         return s.getsockname()[1]
 
 
@@ -146,21 +163,44 @@ class EngineActor:
         self.engine_id = engine_id
         self.process: subprocess.Popen | None = None
         self.url: str | None = None
+        self._held: socket.socket | None = None  # pick_port(hold=True)'s socket, until start hands it over
+        self._lines: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._pump_thread: threading.Thread | None = None
 
     def start(self, cmd: list[str], url: str, timeout: float = 300.0, env: dict[str, str] | None = None) -> str:
+        """Run `cmd` and wait until its /health answers. A port held by `pick_port(hold=True)` goes to the
+        process as an inherited socket (LISTEN_FD_ENV). An engine that exits first, or is not healthy in
+        `timeout` seconds, raises EngineLaunchError with its last log lines."""
         self._env = dict(env or {})
         env = dict(os.environ) | self._env
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-        threading.Thread(target=self._pump, daemon=True).start()
-        wait_healthy(url, timeout=timeout, process=self.process)
+        held, self._held = self._held, None
+        if held is not None:
+            env[LISTEN_FD_ENV] = str(held.fileno())
+        try:
+            self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                            text=True, pass_fds=() if held is None else (held.fileno(),))
+        finally:
+            if held is not None:
+                held.close()  # the engine's copy stays open
+        self._lines.clear()
+        self._pump_thread = threading.Thread(target=self._pump, args=(self.process,), daemon=True)
+        self._pump_thread.start()
+        wait_healthy(url, timeout=timeout, process=self.process, recent_logs=self._recent_lines)
         self.url = url
         return url
 
-    def _pump(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        for line in self.process.stdout:
+    def _pump(self, process: subprocess.Popen) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            self._lines.append(line.rstrip("\n"))
             sys.stdout.write(f"[engine {self.engine_id}] {line}")
             sys.stdout.flush()
+
+    def _recent_lines(self) -> list[str]:
+        """The engine's last log lines; after its exit, once the pump has read what it wrote last."""
+        if self._pump_thread is not None and self.process is not None and self.process.poll() is not None:
+            self._pump_thread.join(timeout=5.0)
+        return list(self._lines)
 
     def restart(self, cmd: list[str], url: str, timeout: float = 300.0) -> str:
         """A fresh process in this actor's placement (same bundle/device), after the old one is gone."""
@@ -190,8 +230,18 @@ class EngineActor:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
-    def pick_port(self) -> int:
-        return free_port(self.node_ip())  # the address the engine will bind, not every interface
+    def pick_port(self, hold: bool = False) -> int:
+        """A free port on the address the engine will bind (not every interface). `hold`: for the built-in
+        engine, which listens on a socket handed over: the port stays bound by this actor until `start`
+        passes it on, so nothing else on the node can take it while the engine loads its model. SGLang
+        binds its port itself: it is only checked free."""
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+        if not hold:
+            return free_port(self.node_ip())
+        self._held = reserve_port(self.node_ip())
+        return self._held.getsockname()[1]
 
     def stop(self) -> None:
         if self.process is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 import threading
 from collections.abc import Awaitable
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import h11
+
+from slime_rl.config.builtin_engine import LISTEN_FD_ENV
 
 logger = logging.getLogger(__name__)
 _MAX_HEAD_BYTES = 64 << 10  # request line + headers (h11's default is 16 KiB)
@@ -76,14 +79,37 @@ def _raw_answer(status: int, reason: str, message: str) -> bytes:
             f"Connection: close\r\n\r\n").encode() + body
 
 
+def inherited_socket() -> socket.socket | None:
+    """The listening socket the launcher handed over (LISTEN_FD_ENV: its fd number, inherited), or None
+    (the engine binds --host:--port itself). Taken out of the environment: the engine's own children
+    do not inherit the fd."""
+    fd = os.environ.pop(LISTEN_FD_ENV, None)
+    if not fd:
+        return None
+    try:
+        return socket.socket(fileno=int(fd))
+    except (ValueError, OSError) as e:
+        raise ValueError(f"${LISTEN_FD_ENV}={fd}: not the fd of a socket this process inherited ({e})") from e
+
+
 class HttpServer:
     """Binds at construction (so the port is known at once); `serve_forever()` runs the loop in the calling
     thread until `shutdown()` (from another thread)."""
 
-    def __init__(self, host: str, port: int, app: Application, limits: HttpLimits) -> None:
+    def __init__(self, host: str, port: int, app: Application, limits: HttpLimits,
+                 sock: socket.socket | None = None) -> None:
+        """`sock`: a socket already bound to (host, port) (handed over by the launcher): listened on
+        instead of binding the port here."""
         self.app, self.limits = app, limits
         # a rollout opens hundreds of connections at once: a long accept backlog
-        self.sock = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
+        if sock is None:
+            self.sock = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
+        else:
+            bound = sock.getsockname()[:2]
+            if bound[1] != port or (host not in ("", "0.0.0.0") and bound[0] != host):
+                raise ValueError(f"the socket handed over is bound to {bound[0]}:{bound[1]}, not {host}:{port}")
+            sock.listen(LISTEN_BACKLOG)
+            self.sock = sock
         self.server_address = self.sock.getsockname()
         self.pool = ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="embedded-http")
         self.connections = 0

@@ -33,7 +33,7 @@ import torch
 from slime_rl.config.builtin_engine import ServerConfig
 from slime_rl.data.images import load_image_processor
 from slime_rl.engines.embedded.engine import Engine
-from slime_rl.engines.embedded.http import HttpLimits, HttpServer
+from slime_rl.engines.embedded.http import HttpLimits, HttpServer, inherited_socket
 from slime_rl.engines.embedded.memory import MemoryOccupation
 from slime_rl.engines.embedded.precision import apply_deterministic_attention, apply_precision_policy
 from slime_rl.engines.embedded.protocol import build_response, parse_generate, seed_generator
@@ -145,7 +145,8 @@ class EmbeddedServer:
         self._seed_warned = False
         self.http = HttpServer(cfg.host, cfg.port, self, HttpLimits(
             max_request_bytes=cfg.max_request_bytes, read_timeout_s=cfg.read_timeout_s,
-            idle_timeout_s=cfg.idle_timeout_s, max_connections=cfg.max_connections, workers=cfg.http_workers))
+            idle_timeout_s=cfg.idle_timeout_s, max_connections=cfg.max_connections, workers=cfg.http_workers),
+            sock=inherited_socket())
         self._thread: threading.Thread | None = None
 
     @property
