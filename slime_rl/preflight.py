@@ -91,17 +91,39 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     critic_world = cfg.critic.world_size if cfg.critic else 0
     if cfg.plan.cluster is not None:  # --dry-run for another cluster: its GPUs, not this machine's
         nodes, gpus = cfg.plan.cluster.nodes, cfg.plan.cluster.gpus
-        plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=nodes * gpus, critic_world=critic_world)
-        assign_devices(plan, nodes, gpus)  # an engine that fits on no node fails here
+        plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=nodes * gpus, critic_world=critic_world,
+                              gpus_per_node=gpus)
     else:
-        plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=torch.cuda.device_count(),
-                              cluster_cpus=os.cpu_count(), critic_world=critic_world)
+        nodes, gpus = cluster_shape()
+        plan = plan_placement(cfg.parallel, cfg.engine, cluster_gpus=nodes * gpus, cluster_cpus=os.cpu_count(),
+                              critic_world=critic_world, gpus_per_node=gpus or None)
+    if plan.use_gpu:
+        assign_devices(plan, nodes, gpus)  # an engine that fits on no node fails here
+    spanning = next((e for e in plan.engines if e.nodes > 1), None)
+    if spanning is not None and cfg.fault.use_fault_tolerance:
+        raise ConfigError(f"--use-fault-tolerance restarts a dead engine's one process; an engine over "
+                          f"{spanning.nodes} nodes (--rollout-num-gpus-per-engine {spanning.num_gpus} on nodes of "
+                          f"{spanning.gpus_per_node} GPUs) is not restarted (not built): drop --use-fault-tolerance, "
+                          "or give engines of at most one node")
     if cfg.model.megatron_model_args:
         plan.notes.append(model_args_note(cfg))
     plan.notes.extend(f"not checked here (--cluster): {what}" for what in not_here)
     if cfg.plan.cluster is not None and not_here and cfg.data.num_epoch is not None:
         plan.notes.append(f"--num-epoch {cfg.data.num_epoch}: the number of steps is known once the data is read")
     return cfg, plan
+
+
+def cluster_shape() -> tuple[int, int]:
+    """(nodes, GPUs per node) a run here is planned for: the GPU nodes of the Ray cluster RAY_ADDRESS names
+    (the launch scripts' `ray start`; joined now, before any actor starts), else this machine. (1, 0)
+    without GPUs."""
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        return 1, torch.cuda.device_count()
+    from slime_rl.orchestration.nodes import alive_nodes, gpu_shape, join_cluster
+
+    join_cluster(address)
+    return gpu_shape(alive_nodes())
 
 
 @contextlib.contextmanager

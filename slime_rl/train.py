@@ -17,8 +17,6 @@ import traceback
 import warnings
 from collections.abc import Sequence
 
-import torch
-
 from slime_rl.config import Config, ConfigError, build_config
 from slime_rl.config.checks import ConfigNote
 from slime_rl.data import DataError
@@ -53,8 +51,8 @@ def dry_run(cfg: Config, plan: PlacementPlan, argv: Sequence[str] = ()) -> bool:
 
     if cfg.plan.cluster is not None:
         devices = assign_devices(plan, cfg.plan.cluster.nodes, cfg.plan.cluster.gpus)
-    else:  # this machine: one node
-        devices = assign_devices(plan, 1, torch.cuda.device_count()) if plan.use_gpu else None
+    else:  # this machine, or the Ray cluster of RAY_ADDRESS: the shape preflight planned for
+        devices = assign_devices(plan, *plan.shape) if plan.use_gpu and plan.shape else None
     text, fits = plan_report(cfg, plan, devices, read_hf_config(cfg.model.hf_checkpoint))
     print(text)
     if not plan.use_gpu and cfg.plan.cluster is None:

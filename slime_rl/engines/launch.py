@@ -39,6 +39,8 @@ SGLANG_OWNED = {
     "port": "a free port on the engine's node",
     "nccl_port": "a free port on the engine's node",
     "dist_init_addr": "the engine's first node, from the placement",
+    "nnodes": "--rollout-num-gpus-per-engine over the GPUs of a node",
+    "node_rank": "the engine's node part, from the placement",
     "base_gpu_id": "the engine's GPUs, from the placement",
     "random_seed": "--seed and --rollout-seed, plus the engine's index",
     "api_key": "a secret drawn per run",
@@ -96,13 +98,19 @@ def embedded_command(cfg: ServerConfig, python: str = sys.executable) -> list[st
 def sglang_command(model_path: str | Path, host: str, port: int, tp_size: int = 1, nccl_port: int | None = None,
                    dist_init_addr: str | None = None, base_gpu_id: int = 0, random_seed: int | None = None,
                    api_key: str | None = None, extra: Mapping[str, Any] | None = None,
-                   python: str = sys.executable) -> list[str]:
-    """argv of a real SGLang server (`python -m sglang.launch_server ...`)."""
+                   python: str = sys.executable, nnodes: int = 1, node_rank: int = 0) -> list[str]:
+    """argv of a real SGLang server (`python -m sglang.launch_server ...`). `nnodes` > 1: one node part of an
+    engine over several nodes (`--nnodes --node-rank --dist-init-addr`, the address of node rank 0's part,
+    where the TP ranks meet; only node rank 0 serves HTTP)."""
     passthrough = sglang_extra_args(extra)  # first: a bad flag fails before anything else is computed
+    if nnodes > 1 and dist_init_addr is None:
+        raise ValueError("an engine over several nodes needs --dist-init-addr (node rank 0's host:port)")
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
             "--port", str(port), "--tp-size", str(tp_size), "--base-gpu-id", str(base_gpu_id)]
     if nccl_port is not None:
         argv += ["--nccl-port", str(nccl_port)]
+    if nnodes > 1:
+        argv += ["--nnodes", str(nnodes), "--node-rank", str(node_rank)]
     if dist_init_addr is not None:
         argv += ["--dist-init-addr", dist_init_addr]
     if random_seed is not None:

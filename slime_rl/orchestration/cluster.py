@@ -20,6 +20,7 @@ from slime_rl.engines.client import EngineClient
 from slime_rl.orchestration.buffer import Buffer
 from slime_rl.orchestration.engines import EngineActor, engine_command, engine_env
 from slime_rl.orchestration.failures import root_cause
+from slime_rl.orchestration.nodes import join_cluster
 from slime_rl.orchestration.placement import PlacementPlan
 from slime_rl.orchestration.rollout_manager import RolloutManager
 from slime_rl.orchestration.trainer_group import CRITIC, RankGroup, TrainerRankError
@@ -33,39 +34,44 @@ def init_ray(plan: PlacementPlan) -> None:
     """Join the cluster of RAY_ADDRESS (the launch scripts' `ray start`), or start a local one sized for the plan."""
     if ray.is_initialized():
         return
+    if os.environ.get("RAY_ADDRESS"):
+        join_cluster(os.environ["RAY_ADDRESS"])
+        return
     # ray.init installs a crash handler for SIGTERM in the driver (it prints "*** SIGTERM received" and
     # aborts, exit 134): the driver's own handler (train.main: unwind, one sentence, exit 143) goes back
     main = threading.current_thread() is threading.main_thread()
     sigterm = signal.getsignal(signal.SIGTERM) if main else None
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"])
-    else:
-        # Ray's CPU slots are logical: a 2-core laptop still gets one slot per bundle.
-        cpus = int(sum(b.get("CPU", 1.0) for b in plan.bundles))  # colocated bundles hold two actors
-        ray.init(num_cpus=max(cpus + 1, os.cpu_count() or 1), include_dashboard=False,
-                 log_to_driver=True)
+    # Ray's CPU slots are logical: a 2-core laptop still gets one slot per bundle.
+    cpus = int(sum(b.get("CPU", 1.0) for b in plan.bundles))  # colocated bundles hold two actors
+    ray.init(num_cpus=max(cpus + 1, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
     if main and callable(sigterm):
         signal.signal(signal.SIGTERM, sigterm)
 
 
-def colocated_visible_devices(plan: PlacementPlan, ranks: list[tuple[str, str | None]]) -> dict[int, str]:
-    """--colocate on GPUs, engines of N > 1 GPUs: each such engine's CUDA_VISIBLE_DEVICES, the GPUs of the
-    trainer ranks it runs beside (`ranks[r]`: rank r's node and visible GPUs) in its TP order, so its
-    TP rank i runs on the GPU of the rank in its bundle i. Raises when those ranks are on several nodes."""
+def colocated_visible_devices(plan: PlacementPlan, ranks: list[tuple[str, str | None]]) -> dict[tuple[int, int], str]:
+    """--colocate on GPUs, engines of more than one GPU per node part: CUDA_VISIBLE_DEVICES of each such part
+    (keyed by engine id and node part), the GPUs of the trainer ranks it runs beside (`ranks[r]`: rank r's
+    node and visible GPUs) in its TP order, so its TP rank i runs on the GPU of the rank in its bundle i.
+    Raises when one part's ranks are on several nodes."""
     out = {}
     for slot in plan.engines:
-        if slot.num_gpus == 1:
+        if slot.gpus_per_node == 1:
             continue
-        mine = [ranks[plan.trainer_bundles.index(b)] for b in slot.bundles]
-        nodes = sorted({node for node, _ in mine})
-        if len(nodes) > 1:
-            raise RuntimeError(f"--colocate: engine {slot.engine_id} runs beside trainer ranks on nodes "
-                               f"{', '.join(nodes)}; its --rollout-num-gpus-per-engine {slot.num_gpus} GPUs must be on "
-                               "one node (give a number that divides --actor-num-gpus-per-node)")
-        if any(not gpus or "," in gpus for _, gpus in mine):
-            raise RuntimeError(f"--colocate: the trainer ranks beside engine {slot.engine_id} do not each see one GPU "
-                               f"(CUDA_VISIBLE_DEVICES {[g for _, g in mine]})")
-        out[slot.engine_id] = ",".join(gpus for _, gpus in mine)
+        for k in range(slot.nodes):
+            mine = [ranks[plan.trainer_bundles.index(b)] for b in slot.part(k)]
+            nodes = sorted({node for node, _ in mine})
+            if len(nodes) > 1:
+                raise RuntimeError(f"--colocate: engine {slot.engine_id} runs beside trainer ranks on nodes "
+                                   f"{', '.join(nodes)}; its --rollout-num-gpus-per-engine {slot.num_gpus} GPUs must "
+                                   "be on one node (give a number that divides --actor-num-gpus-per-node)"
+                                   if slot.nodes == 1 else
+                                   f"--colocate: node part {k} of engine {slot.engine_id} runs beside trainer ranks on "
+                                   f"nodes {', '.join(nodes)}; each part's {slot.gpus_per_node} GPUs must be on one "
+                                   "node")
+            if any(not gpus or "," in gpus for _, gpus in mine):
+                raise RuntimeError(f"--colocate: the trainer ranks beside engine {slot.engine_id} do not each see one "
+                                   f"GPU (CUDA_VISIBLE_DEVICES {[g for _, g in mine]})")
+            out[slot.engine_id, k] = ",".join(gpus for _, gpus in mine)
     return out
 
 
@@ -79,7 +85,8 @@ class Cluster:
     def __init__(self, cfg: Config, plan: PlacementPlan, api_key: str | None) -> None:
         self.cfg, self.plan, self.api_key = cfg, plan, api_key
         self.pg = None
-        self.engines: list = []
+        self.engines: list = []  # each engine's actor (of its node part 0, which serves HTTP)
+        self.engine_parts: list[list] = []  # each engine's actors of its node parts 1.. (an engine over nodes)
         self.engine_urls: list[str] = []
         self._released = False  # --colocate: the engines' memory is released since the last sync
         self.router = None  # --use-sglang-router: the RouterActor, and router_url its address
@@ -99,31 +106,43 @@ class Cluster:
         init_ray(self.plan)
         self.pg = placement_group(list(self.plan.bundles), strategy="PACK")
         ray.get(self.pg.ready())
-        visible: dict[int, str] = {}
-        if self.plan.colocated and self.plan.use_gpu and any(s.num_gpus > 1 for s in self.plan.engines):
+        visible: dict[tuple[int, int], str] = {}
+        if self.plan.colocated and self.plan.use_gpu and any(s.gpus_per_node > 1 for s in self.plan.engines):
             # the ranks' actors first (their build starts below): an engine's process sees their GPUs
             self.trainers = self._trainer_group()
             visible = colocated_visible_devices(self.plan, self.trainers.nodes_and_gpus())
         urls, targets, started = [], [], []
         embedded = self.cfg.engine.backend == "embedded"  # listens on the port its actor holds for it
         for slot in self.plan.engines:
-            # all N GPUs of the engine's bundle (SGLang --tp-size N); 0.5 when colocated: shared with a trainer rank
-            # (an engine of N GPUs then sees the GPUs of the N ranks it runs beside, not only its bundle's)
-            noset = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if slot.engine_id in visible \
-                else None
-            actor = EngineActor.options(
-                num_cpus=1, num_gpus=self.plan.engine_actor_gpu(slot), runtime_env=noset,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, slot.bundles[0]),
-            ).remote(slot.engine_id)
-            host, port = ray.get([actor.node_ip.remote(), actor.pick_port.remote(hold=embedded)])
-            cmd = engine_command(self.cfg, slot, host, port, self.api_key, self.plan.use_gpu)
-            self.engines.append(actor)
+            # one actor per node part (one unless the engine spans nodes), each in its part's first bundle, with
+            # all of its part's GPUs (SGLang --tp-size N over them); 0.5 when colocated: shared with a trainer
+            # rank (a part of several GPUs then sees the GPUs of the ranks it runs beside, not only its bundle's)
+            parts = [EngineActor.options(
+                num_cpus=1, num_gpus=self.plan.engine_actor_gpu(slot),
+                runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+                if (slot.engine_id, k) in visible else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, slot.part(k)[0]),
+            ).remote(slot.engine_id) for k in range(slot.nodes)]
+            host, port = ray.get([parts[0].node_ip.remote(), parts[0].pick_port.remote(hold=embedded)])
+            self.engines.append(parts[0])
+            self.engine_parts.append(parts[1:])
             urls.append(f"http://{host}:{port}")
             targets.append(EngineTarget(urls[-1], slot.rank_offset, self.api_key))
             env = engine_env(self.cfg, self.api_key)
-            if slot.engine_id in visible:
-                env["CUDA_VISIBLE_DEVICES"] = visible[slot.engine_id]
-            started.append(actor.start.remote(cmd, urls[-1], env=env))
+            # an engine over several nodes: its TP ranks meet at a port of node part 0; parts 1.. serve no HTTP
+            dist_init = f"{host}:{ray.get(parts[0].spare_port.remote())}" if slot.nodes > 1 else None
+            for k, actor in enumerate(parts):
+                part_env = env | ({"CUDA_VISIBLE_DEVICES": visible[slot.engine_id, k]}
+                                  if (slot.engine_id, k) in visible else {})
+                if k == 0:
+                    cmd = engine_command(self.cfg, slot, host, port, self.api_key, self.plan.use_gpu,
+                                         dist_init_addr=dist_init)
+                    started.append(actor.start.remote(cmd, urls[-1], env=part_env))
+                else:
+                    part_host, part_port = ray.get([actor.node_ip.remote(), actor.spare_port.remote()])
+                    cmd = engine_command(self.cfg, slot, part_host, part_port, self.api_key, self.plan.use_gpu,
+                                         node_rank=k, dist_init_addr=dist_init)
+                    started.append(actor.start_part.remote(cmd, env=part_env))
         # the rollout side (its imports, tokenizer, prompt data, reward function) and the trainer ranks
         # (Megatron) build while the engines load; the router, started once they are healthy, is
         # handed to the RolloutManager then
@@ -367,5 +386,8 @@ class Cluster:
             attempt("router stop", lambda: ray.get(self.router.stop.remote()))
         for k, engine in enumerate(self.engines):
             attempt(f"engine {k} stop", lambda e=engine: ray.get(e.stop.remote()))
+        for k, parts in enumerate(self.engine_parts):
+            for n, part in enumerate(parts, start=1):
+                attempt(f"engine {k} node part {n} stop", lambda e=part: ray.get(e.stop.remote()))
         if self.pg is not None:
             attempt("placement group removal", lambda: remove_placement_group(self.pg))

@@ -26,7 +26,7 @@ from slime_rl.config.builtin_engine import (
     from_sglang_args,
 )
 from slime_rl.config.seeds import engine_seed, run_seed
-from slime_rl.engines.launch import embedded_command, sglang_command, wait_healthy
+from slime_rl.engines.launch import EngineLaunchError, embedded_command, sglang_command, wait_healthy
 from slime_rl.orchestration.placement import EngineSlot
 
 
@@ -87,12 +87,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key: str | None, use_gpu: bool,
-                   nccl_port: int | None = None) -> list[str]:
+                   nccl_port: int | None = None, node_rank: int = 0, dist_init_addr: str | None = None) -> list[str]:
     """The launch command of one engine: what the actor runs and what --dry-run prints. The built-in
     engine gets its key through `engine_env` instead (argv is world-readable); SGLang only through
     --api-key. `nccl_port` None: SGLang picks its own on its node, checked free and below the
     kernel's ephemeral range (so no outgoing connection takes it before it binds): port + 1 was
-    neither checked nor safe from the ephemeral range."""
+    neither checked nor safe from the ephemeral range. An engine over several nodes (`slot.nodes` > 1):
+    the command of its node part `node_rank`, all parts meeting at `dist_init_addr` (node rank 0's
+    host:port); `host` and `port` are that part's own."""
     seed = engine_seed(run_seed(cfg.model.seed, cfg.rollout.seed), slot.engine_id)
     # --deterministic-rollout seeds every request; SGLang honours sampling_seed only with this switch
     deterministic = cfg.rollout.sample_seed is not None
@@ -105,8 +107,8 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
         # base GPU 0: the actor holds exactly the engine's devices (Ray sets CUDA_VISIBLE_DEVICES to them)
         return sglang_command(model_path=cfg.model.hf_checkpoint, host=host, port=port,
                               tp_size=slot.num_gpus, nccl_port=nccl_port,
-                              dist_init_addr=None, base_gpu_id=0, random_seed=seed, api_key=api_key,
-                              extra=extra)
+                              dist_init_addr=dist_init_addr, base_gpu_id=0, random_seed=seed, api_key=api_key,
+                              extra=extra, nnodes=slot.nodes, node_rank=node_rank)
     # the --sglang-* flags the built-in engine shares with SGLang (config/builtin_engine.py SGLANG_ARGS)
     shared = from_sglang_args(cfg.engine.sglang_args)
     # rows decoding together: --sglang-max-running-requests, else as many as the rollout client keeps
@@ -189,6 +191,25 @@ class EngineActor:
         self.url = url
         return url
 
+    def start_part(self, cmd: list[str], env: dict[str, str] | None = None, settle_s: float = 2.0) -> int:
+        """Run node part 1.. of an engine over several nodes (SGLang --node-rank k): it serves no HTTP, so
+        nothing answers /health; its TP ranks join node part 0's at --dist-init-addr, and part 0's /health
+        answers once they all have. Returns its pid; EngineLaunchError when it exits within `settle_s`
+        seconds (a bad flag, a missing model), with its last log lines."""
+        self._env = dict(env or {})
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        env=dict(os.environ) | self._env, text=True)
+        self._lines.clear()
+        self._pump_thread = threading.Thread(target=self._pump, args=(self.process,), daemon=True)
+        self._pump_thread.start()
+        try:
+            code = self.process.wait(timeout=settle_s)
+        except subprocess.TimeoutExpired:
+            return self.process.pid
+        tail = "\n".join(self._recent_lines())
+        raise EngineLaunchError(f"engine {self.engine_id}'s node part on {self.node_ip()} exited with code {code}"
+                                + (f"; last log lines:\n{tail}" if tail else ""))
+
     def _pump(self, process: subprocess.Popen) -> None:
         assert process.stdout is not None
         for line in process.stdout:
@@ -229,6 +250,11 @@ class EngineActor:
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
+
+    def spare_port(self) -> int:
+        """Another free port on this node (an engine's --dist-init-addr, a node part's --port), checked free
+        like `pick_port`'s; a port `pick_port(hold=True)` holds stays held."""
+        return free_port(self.node_ip())
 
     def pick_port(self, hold: bool = False) -> int:
         """A free port on the address the engine will bind (not every interface). `hold`: for the built-in

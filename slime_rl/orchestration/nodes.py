@@ -64,6 +64,32 @@ def alive_nodes() -> list[dict]:
     return [n for n in ray.nodes() if n.get("Alive")]
 
 
+def gpu_shape(nodes: list[dict]) -> tuple[int, int]:
+    """(nodes with GPUs, GPUs of each) of a Ray cluster's alive nodes (`ray.nodes()` entries): what a run on
+    that cluster is planned for. Nodes without GPUs (a CPU-only head) hold no bundle of a GPU plan; nodes of
+    unequal GPU counts count as the smallest. (1, 0) for a cluster without GPUs."""
+    gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
+    gpus = [g for g in gpus if g > 0]
+    return (len(gpus), min(gpus)) if gpus else (1, 0)
+
+
+def join_cluster(address: str) -> None:
+    """ray.init(address=...), keeping the driver's SIGTERM handler (ray.init installs a crash handler for
+    SIGTERM: it prints "*** SIGTERM received" and aborts, exit 134). Nothing when Ray is initialized."""
+    import signal
+    import threading
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main else None
+    ray.init(address=address)
+    if main and callable(sigterm):
+        signal.signal(signal.SIGTERM, sigterm)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

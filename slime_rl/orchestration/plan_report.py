@@ -23,7 +23,7 @@ from slime_rl.orchestration.fit import (
     engine_verdict,
     trainer_verdict,
 )
-from slime_rl.orchestration.placement import Device, PlacementPlan, engine_device, rank_coords
+from slime_rl.orchestration.placement import Device, PlacementPlan, engine_devices, rank_coords
 
 
 def _count(n: int) -> str:
@@ -124,7 +124,7 @@ def sync_link(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] | No
     # the source of each pipeline stage: its rank with tp = cp = dp = 0 (TrainerWorker.is_weight_source)
     sources = {devices[b].node for r, b in enumerate(plan.trainer_bundles)
                if all(v == 0 for axis, v in rank_coords(r, cfg.parallel).items() if axis != "pp")}
-    engines = {devices[e.bundles[0]].node for e in plan.engines}
+    engines = {devices[b].node for e in plan.engines for b in e.bundles}
     return "intra-node" if len(sources | engines) == 1 else "inter-node"
 
 
@@ -144,8 +144,10 @@ def placement_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...
     else:
         lines.append(f"engines: {len(plan.engines)} ({kind}{', colocated' if plan.colocated else ''})")
     for e in plan.engines:
-        where = str(engine_device(plan, devices, e)) if devices else \
+        where = " + ".join(map(str, engine_devices(plan, devices, e))) if devices else \
             f"bundle{'s' if len(e.bundles) > 1 else ''} {', '.join(map(str, e.bundles))}"
+        if e.nodes > 1:
+            where += f" (over {e.nodes} nodes: SGLang --nnodes {e.nodes}, node rank 0 serves HTTP)"
         beside = ""
         if plan.colocated:
             first, last = plan.trainer_bundles.index(e.bundles[0]), plan.trainer_bundles.index(e.bundles[-1])
@@ -323,26 +325,32 @@ def engine_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] |
     variables = {key: KEY_VAR}
     lines = []
     if plan.engines:
-        nodes = sorted({engine_device(plan, devices, e).node for e in plan.engines}) if devices else []
+        nodes = sorted({d.node for e in plan.engines for d in engine_devices(plan, devices, e)}) if devices else []
         hosts = ", ".join([f"NODE{n}_IP" for n in nodes] or ["ENGINE_HOST"]
                           + (["HEAD_IP"] if cfg.engine.use_router else []))
         lines.append(f"engines by hand (set {KEY_VAR} to one secret and {hosts} to the nodes' addresses; the "
                      "job starts them itself):")
     urls = []
     for slot in plan.engines:
-        where = engine_device(plan, devices, slot) if devices else None
-        host_var = f"NODE{where.node}_IP" if where else "ENGINE_HOST"
-        host = _MARK.format(host_var)
-        variables[host] = host_var
+        parts = engine_devices(plan, devices, slot) if devices else [None] * slot.nodes
         port = 30000 + 10 * slot.engine_id
-        cmd = engine_command(cfg, slot, host=host, port=port, api_key=key, use_gpu=plan.use_gpu)
-        if cfg.plan.cluster is not None:
-            cmd[0] = "python"  # the interpreter of the cluster's nodes, not this machine's path
-        env = engine_env(cfg, key)
-        if plan.use_gpu and where is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, where.gpus))
-        lines.append(f"engine {slot.engine_id}: {_shell(cmd, env, variables)}")
-        urls.append(f"http://{host}:{port}")
+        dist_init = None
+        for k, where in enumerate(parts):
+            host_var = f"NODE{where.node}_IP" if where else "ENGINE_HOST" if slot.nodes == 1 else f"ENGINE_HOST{k}"
+            host = _MARK.format(host_var)
+            variables[host] = host_var
+            if k == 0:
+                urls.append(f"http://{host}:{port}")
+                dist_init = f"{host}:{port + 5}" if slot.nodes > 1 else None
+            cmd = engine_command(cfg, slot, host=host, port=port, api_key=key, use_gpu=plan.use_gpu, node_rank=k,
+                                 dist_init_addr=dist_init)
+            if cfg.plan.cluster is not None:
+                cmd[0] = "python"  # the interpreter of the cluster's nodes, not this machine's path
+            env = engine_env(cfg, key)
+            if plan.use_gpu and where is not None:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, where.gpus))
+            name = f"engine {slot.engine_id}" + (f" node rank {k}" if slot.nodes > 1 else "")
+            lines.append(f"{name}: {_shell(cmd, env, variables)}")
     if cfg.engine.use_router and plan.engines:
         from slime_rl.orchestration.router import router_launch_command
 

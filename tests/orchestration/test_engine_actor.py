@@ -94,3 +94,21 @@ def test_a_socket_handed_over_must_be_the_one_bound_to_the_engines_port(monkeypa
     monkeypatch.setenv(LISTEN_FD_ENV, "not-a-number")
     with pytest.raises(ValueError, match=LISTEN_FD_ENV):
         inherited_socket()
+
+
+def test_a_node_part_that_serves_no_http_is_started_and_one_that_dies_at_once_is_named(actor):
+    """Node parts 1.. of an engine over several nodes (SGLang --node-rank k) answer no /health: started, their
+    pid back; one that exits in its first seconds fails the start with its log lines."""
+    import ray
+
+    from slime_rl.engines.launch import EngineLaunchError
+
+    pid = ray.get(actor.start_part.remote([sys.executable, "-c", "import time; time.sleep(60)"]))
+    assert pid == ray.get(actor.pid.remote())
+    ray.get(actor.kill.remote())
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(actor.start_part.remote([sys.executable, "-c", "print('dist init 10.0.0.2:31555 refused'); "
+                                                              "raise SystemExit(4)"], settle_s=30))
+    err = info.value.as_instanceof_cause()
+    assert isinstance(err, EngineLaunchError) and "exited with code 4" in str(err)
+    assert "dist init 10.0.0.2:31555 refused" in str(err)

@@ -134,7 +134,7 @@ def test_an_engine_of_two_gpus_sees_the_gpus_of_the_two_trainer_ranks_it_runs_be
     plan = plan_placement(ParallelConfig(2, 1, 1, 4), EngineConfig(num_gpus=4, num_gpus_per_engine=2, colocate=True),
                           cluster_gpus=4)
     ranks = [("10.0.0.1", "3"), ("10.0.0.1", "5"), ("10.0.0.1", "0"), ("10.0.0.1", "1")]
-    assert cluster_mod.colocated_visible_devices(plan, ranks) == {0: "3,5", 1: "0,1"}
+    assert cluster_mod.colocated_visible_devices(plan, ranks) == {(0, 0): "3,5", (1, 0): "0,1"}  # (engine, node part)
     one = plan_placement(ParallelConfig(2, 1, 1, 4), EngineConfig(num_gpus=4, colocate=True), cluster_gpus=4)
     assert cluster_mod.colocated_visible_devices(one, ranks) == {}  # one GPU each: Ray's own assignment
     with pytest.raises(RuntimeError, match=r"engine 1 runs beside trainer ranks on nodes 10\.0\.0\.1, 10\.0\.0\.2; "
