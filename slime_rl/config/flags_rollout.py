@@ -99,6 +99,10 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
         Flag('--agent-turn-max-tokens', 'rollout.agent_turn_max_tokens', type=_positive_int,
              help='--agent-env: the most tokens of one answer (default: what is left of --rollout-max-response-len, '
                   'which covers the whole episode)'),
+        Flag('--agent-timeout-s', 'rollout.agent_timeout_s', type=_positive_float,
+             help='an agent run (an --agent-env episode, or an agent function of --custom-generate-function-path) '
+                  'longer than this fails its own sample: cancelled with the request it waits on (aborted on its '
+                  'engine), loss mask 0, counted in rollout/agent_timeout_frac; default: no limit'),
         Flag('--async', 'rollout.async_mode', action="store_true", dest='async_mode',
              help='one-step off-policy: generate step k+1 while training step k'),
         Flag('--fully-async', 'rollout.fully_async', action="store_true",

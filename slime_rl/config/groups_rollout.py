@@ -62,6 +62,7 @@ class RolloutConfig:
     agent_env: str | None = default_of("--agent-env")
     agent_max_turns: int = default_of("--agent-max-turns")
     agent_turn_max_tokens: int | None = default_of("--agent-turn-max-tokens")
+    agent_timeout_s: float | None = default_of("--agent-timeout-s")
     dynamic_sampling_filter_kwargs: str | None = default_of("--dynamic-sampling-filter-kwargs")  # JSON object
     sample_seed: int | None = None  # --deterministic-rollout: the run seed of --seed and --rollout-seed
 

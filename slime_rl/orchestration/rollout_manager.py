@@ -153,7 +153,8 @@ def agent_metrics(flat: list[Sample]) -> dict[str, float]:
     return {"rollout/agent_turns_mean": sum(s.metadata.get("agent_turns", 0) for s in runs) / n,
             "rollout/agent_tool_calls_mean": sum(s.metadata.get("agent_tool_calls", 0) for s in runs) / n,
             "rollout/agent_failed_frac": sum("agent_error" in s.metadata for s in runs) / n,
-            "rollout/agent_branched_frac": sum(bool(s.metadata.get("agent_branched")) for s in runs) / n}
+            "rollout/agent_branched_frac": sum(bool(s.metadata.get("agent_branched")) for s in runs) / n,
+            "rollout/agent_timeout_frac": sum(bool(s.metadata.get("agent_timed_out")) for s in runs) / n}
 
 
 # one rollout may draw the data this many times over before its filter is called hopeless

@@ -167,6 +167,7 @@ class ClientPool:
         self._n = itertools.count()
         # group -> {rid: engine index} of the requests sent and not yet answered: what an abort names
         self._live: dict[int, dict[str, int]] = {}
+        self._aborts: set[asyncio.Future] = set()  # aborts of cancelled requests, in flight
         self._closers: list[Any] = []  # async callables `aclose` awaits (e.g. an HTTP endpoint's shutdown)
         self.attachments: dict[str, Any] = {}  # what callers keep per pool (e.g. that endpoint)
 
@@ -278,6 +279,11 @@ class ClientPool:
                                        f"{expanded} tokens, the trainer holds {len(x)}: the engine's image "
                                        "processor sizes images unlike the data side (--min-pixels/--max-pixels)")
             return outs
+        except asyncio.CancelledError:
+            # the caller gave up (an agent's timeout): the engine stops these requests too rather than decode
+            # them to the end for nobody (shielded from this cancellation, not awaited)
+            self._abort_later(i, rids)
+            raise
         finally:
             self.balancer.release(i, k)
             for s, rid in zip(samples, rids, strict=True):
@@ -350,9 +356,12 @@ class ClientPool:
         self._closers.append(closer)
 
     async def aclose(self) -> None:
-        """Run the closers (`on_close`), newest first; the engine clients are the caller's to close."""
+        """Run the closers (`on_close`), newest first, and let the aborts of cancelled requests reach their
+        engines; the engine clients are the caller's to close."""
         while self._closers:
             await self._closers.pop()()
+        if self._aborts:
+            await asyncio.gather(*list(self._aborts), return_exceptions=True)
 
     def _vision_ids(self) -> tuple[int, int]:
         """(<|image_pad|>, <|vision_start|>) ids of the tokenizer."""
@@ -389,6 +398,19 @@ class ClientPool:
     def live_rids(self, group_index: int) -> dict[str, int]:
         """{rid: engine index} of this group's requests sent and not yet answered."""
         return dict(self._live.get(group_index, {}))
+
+    def _abort_later(self, i: int, rids: Sequence[str]) -> None:
+        if self.health is not None and not self.health.is_alive(i):
+            return
+        def done(task: asyncio.Future) -> None:
+            self._aborts.discard(task)
+            if not task.cancelled():
+                task.exception()  # retrieved: an engine gone meanwhile has nothing left to stop
+
+        for rid in rids:
+            task = asyncio.ensure_future(self.clients[i].abort_request(rid=rid))
+            self._aborts.add(task)
+            task.add_done_callback(done)
 
     async def abort_groups(self, group_indices: Sequence[int]) -> int:
         """Abort every in-flight request of these groups by its exact rid, on the engine that has

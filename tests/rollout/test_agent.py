@@ -71,12 +71,12 @@ def tok(tool_model):
     return AutoTokenizer.from_pretrained(tool_model)
 
 
-def run_agents(server, tok, agent, samples, max_new_tokens=160):
+def run_agents(server, tok, agent, samples, max_new_tokens=160, timeout_s=None):
     async def main():
         client = AsyncEngineClient(server.url, timeout=120)
         pool = ClientPool([client], tok, per_engine=64)
         gen = load_generate_function(f"{agent.__module__}:{agent.__name__}") if isinstance(agent, str) else None
-        gen = gen or _as_generate(agent)
+        gen = gen or _as_generate(agent, timeout_s)
         params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new_tokens}
         try:
             return await asyncio.gather(*(gen(s, params, pool) for s in samples))
@@ -86,10 +86,10 @@ def run_agents(server, tok, agent, samples, max_new_tokens=160):
     return asyncio.run(main())
 
 
-def _as_generate(fn):
+def _as_generate(fn, timeout_s=None):
     from slime_rl.rollout.agent.runner import AgentGenerate
 
-    return AgentGenerate(fn, fn.__name__)
+    return AgentGenerate(fn, fn.__name__, timeout_s)
 
 
 def new_sample(i=0, prompt="add 2 and 3"):
@@ -237,10 +237,11 @@ def test_endpoint_errors_are_openai_errors(server, tok):
             models = await http.get(base + "/models")
             assert models.json()["data"][0]["id"] == "policy"
         for bad, param in (({"messages": []}, "messages"), ({"n": 2}, "n"), ({"stop": 3}, "stop"),
-                           ({"max_tokens": 0}, "max_tokens"), ({"stream": True}, "stream")):
-            body = {"messages": [{"role": "user", "content": "x"}], **bad}
+                           ({"max_tokens": 0}, "max_tokens"), ({"stream": "yes"}, "stream"),
+                           ({"stream_options": 1}, "stream_options")):
             with pytest.raises(openai.BadRequestError) as err:
-                await client.chat.completions.create(model="p", **body)
+                await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}],
+                                                     extra_body=bad)
             assert err.value.param == param, err.value.body
         r = await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], max_tokens=2)
         return float(len(r.choices[0].message.content or "") >= 0)
@@ -365,6 +366,15 @@ def test_agent_env_flags_are_checked_before_anything_starts(tmp_path):
         rollout_generate_function(cfg.rollout)
     with pytest.raises(ConfigError, match="--agent-max-turns"):
         build_config(base + ["--agent-env", "textarena:X", "--agent-max-turns", "0"], check_paths=False)
+    with pytest.raises(ConfigError, match="--agent-timeout-s"):
+        build_config(base + ["--agent-env", "textarena:X", "--agent-timeout-s", "0"], check_paths=False)
+    # the timeout reaches the runner, for an --agent-env episode and for an agent function alike
+    timed = build_config(base + ["--agent-env", "textarena:GuessTheNumber-v0", "--agent-timeout-s", "90"],
+                         check_paths=False)
+    assert rollout_generate_function(timed.rollout).timeout_s == 90.0
+    timed = build_config(base + ["--custom-generate-function-path", "tests.plugins.openai_agent:agent",
+                                 "--agent-timeout-s", "30", "--rm-type", "digit"], check_paths=False)
+    assert rollout_generate_function(timed.rollout).timeout_s == 30.0
 
 
 def test_a_trajectory_the_rollout_stops_is_aborted_not_failed(server, tok):
@@ -460,3 +470,98 @@ def test_completions_that_do_not_extend_branch_and_apis_do_not_mix(server, tok):
     (sample,) = run_agents(server, tok, agent, [new_sample()])
     assert sample.metadata["agent_branched"] is True and sample.response_ids == seen["kept"]
     assert "one trajectory uses one of the two APIs" in seen["mixed"]
+
+
+def test_streamed_answers_join_to_the_recorded_turns(server, tok, tool_model):
+    """stream: true, chat and completions: the chunks, joined by the openai SDK's own stream accumulator,
+    give the content, token ids and log-probs the sample recorded for that turn; usage comes last when asked."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    streamed = {}
+
+    async def chat_agent(client, sample):
+        state, usage, chunks = ChatCompletionStreamState(), None, []
+        stream = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": sample.prompt}], max_tokens=10, stream=True,
+            logprobs=True, stream_options={"include_usage": True}, extra_body={"return_token_ids": True})
+        async for chunk in stream:
+            chunks.append(chunk)
+            if chunk.choices:
+                state.handle_chunk(chunk)
+            usage = chunk.usage or usage
+        # the snapshot: get_final_completion refuses a "length" finish (the tiny model rarely ends a turn itself)
+        streamed["chat"] = (state.current_completion_snapshot, usage, chunks)
+        return 1.0
+
+    async def text_agent(client, sample):
+        stream = await client.completions.create(model="policy", prompt=sample.prompt, max_tokens=10, stream=True,
+                                                 logprobs=1)
+        streamed["text"] = [chunk async for chunk in stream]
+        return 1.0
+
+    chat_sample, text_sample = run_agents(server, tok, chat_agent, [new_sample(0)]) + run_agents(
+        server, tok, text_agent, [new_sample(1, "count: 1 2 3")])
+    final, usage, chunks = streamed["chat"]
+    n = len(chat_sample.response_ids)
+    assert n > 0 and chat_sample.loss_mask == [1] * n
+    assert final.choices[0].message.content == tok.decode(chat_sample.response_ids, skip_special_tokens=True)
+    assert [c.logprob for c in final.choices[0].logprobs.content] == pytest.approx(chat_sample.rollout_logprobs)
+    assert chunks[0].choices[0].model_extra["token_ids"] == chat_sample.response_ids
+    assert final.choices[0].finish_reason in ("stop", "length")
+    assert usage.completion_tokens == n and usage.prompt_tokens == len(chat_sample.prompt_ids)
+    assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == final.choices[0].finish_reason
+    text = streamed["text"]
+    m = len(text_sample.response_ids)
+    assert m > 0 and "".join(c.choices[0].text for c in text) == tok.decode(text_sample.response_ids,
+                                                                            skip_special_tokens=True)
+    assert [lp for c in text if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs] == \
+        pytest.approx(text_sample.rollout_logprobs)
+    assert text[-1].choices[0].finish_reason in ("stop", "length") and text[0].choices[0].finish_reason is None
+
+
+def test_streamed_tool_calls_are_rebuilt_by_the_sdk():
+    """A chat answer with tool calls as chunks (`stream_chunks`): the openai SDK's accumulator gives back the
+    same message, tool calls (ids, names, arguments) and finish reason."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from slime_rl.rollout.agent.endpoint import stream_chunks
+
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": '{"a": 5, "b": 1}'}}]
+    answer = {"id": "chatcmpl-1", "object": "chat.completion", "created": 7, "model": "policy",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "adding", "tool_calls": calls},
+                           "finish_reason": "tool_calls", "logprobs": None}],
+              "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}}
+    state = ChatCompletionStreamState()
+    for chunk in stream_chunks(answer):
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    final = state.get_final_completion()
+    message = final.choices[0].message
+    assert message.content == "adding" and final.choices[0].finish_reason == "tool_calls"
+    assert [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def test_an_agent_over_its_timeout_fails_alone_and_its_request_is_aborted(server, tok):
+    """--agent-timeout-s: an agent whose request the engine does not answer in time (generation paused in place,
+    so the request waits in the engine's queue) fails its own sample, with nothing of that turn recorded, and
+    the engine is told to drop the request; the next agent, in time, is trained as usual."""
+    async def agent(client, sample):
+        r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": sample.prompt}],
+                                                 max_tokens=6)
+        return float(r.choices[0].finish_reason in ("stop", "length"))
+
+    aborted = server.engine.stats["requests_aborted"]
+    server.engine.pause("in_place")
+    try:
+        (late,) = run_agents(server, tok, agent, [new_sample(0)], timeout_s=1.0)
+        assert server.engine.load()["num_waiting_reqs"] == 0  # the abort reached the engine before the pool closed
+    finally:
+        server.engine.resume()
+    assert server.engine.stats["requests_aborted"] == aborted + 1
+    assert late.finish_reason == "failed" and late.metadata["agent_timed_out"] is True
+    assert "--agent-timeout-s 1" in late.metadata["agent_error"]
+    assert late.response_ids == [] and late.loss_mask == [] and late.reward == 0.0
+    (ok,) = run_agents(server, tok, agent, [new_sample(1)], timeout_s=60.0)
+    assert ok.reward == 1.0 and "agent_error" not in ok.metadata and ok.loss_mask == [1] * len(ok.response_ids)

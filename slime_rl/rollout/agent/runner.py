@@ -12,13 +12,16 @@ trajectory recorded (`trajectory.Trajectory`): exact tokens, loss mask on the mo
 
 A function that raises fails its own sample only: the sample keeps what it had, its loss mask goes to
 zero (an environment's failure is not the model's), `finish_reason` "failed", its error in
-`metadata["agent_error"]`, counted in `rollout/agent_failed_frac`. A sample aborted by the rollout (over
+`metadata["agent_error"]`, counted in `rollout/agent_failed_frac`. So does a run longer than
+`--agent-timeout-s`: it is cancelled, with the request it was waiting on (aborted on its engine), and
+counted in `rollout/agent_timeout_frac` too. A sample aborted by the rollout (over
 sampling, a deadline) is started again from its prompt if it is continued: an agent run cannot be
 resumed in the middle.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -44,8 +47,8 @@ def _http_client() -> Any:
 class AgentGenerate:
     """`agent(client, sample)` in our generate convention `(sample, sampling_params, client_pool)`."""
 
-    def __init__(self, fn: AgentFn, path: str) -> None:
-        self.fn, self.path = fn, path
+    def __init__(self, fn: AgentFn, path: str, timeout_s: float | None = None) -> None:
+        self.fn, self.path, self.timeout_s = fn, path, timeout_s
         self.__name__ = getattr(fn, "__name__", "agent")
 
     async def __call__(self, sample: Sample, sampling_params: dict[str, Any], client_pool: ClientPool) -> Sample:
@@ -57,12 +60,19 @@ class AgentGenerate:
         http = _http_client()
         client = openai.AsyncOpenAI(base_url=base_url, api_key="trajectory", max_retries=0, http_client=http)
         try:
-            reward = await self.fn(client, sample)
+            reward = await asyncio.wait_for(self.fn(client, sample), self.timeout_s)
+        except TimeoutError:  # --agent-timeout-s: the run is cancelled, its request in flight too (close below)
+            trajectory.close()
+            if trajectory.cut:
+                return sample
+            sample.metadata["agent_timed_out"] = True
+            return _failed(sample, f"{self.path}: the agent run took more than --agent-timeout-s {self.timeout_s:g}")
         except Exception as exc:  # the environment's failure fails this sample alone
             if trajectory.cut:  # not a failure: the rollout aborted it (continued, it starts over)
                 return sample
             return _failed(sample, f"{type(exc).__name__}: {exc}"[:500])
         finally:
+            trajectory.close()
             endpoint.unregister(trajectory)
             await http.aclose()
             sample.metadata.update({"agent_turns": trajectory.turns, "agent_tool_calls": trajectory.tool_calls})

@@ -55,6 +55,10 @@ class RequestError(ValueError):
         self.param = param
 
 
+class TrajectoryClosed(RuntimeError):
+    """A request for a trajectory whose agent run is over (OpenAI's 404)."""
+
+
 class RolloutCut(RuntimeError):
     """The rollout stopped this trajectory's request (the step's batch is full, or a weight update's pause
     with partial rollout off): the agent's request fails; the trajectory is not trained."""
@@ -121,6 +125,8 @@ class Trajectory:
         self.branched = False
         self.exhausted = False  # the response budget is spent: every later answer is "length"
         self.cut = False  # the rollout aborted a request: the sample is ABORTED, whatever the agent does next
+        self.closed = False  # the agent run is over (it returned, failed or timed out): no request is recorded
+        self._serving: asyncio.Task | None = None  # the task answering the current request
         self._lock = asyncio.Lock()
         self._ids = 0
         self.key = ""  # set by the endpoint that serves it
@@ -132,7 +138,23 @@ class Trajectory:
     # ---- the request ----
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         async with self._lock:
-            return await self._chat(body)
+            return await self._serve(self._chat, body)
+
+    async def _serve(self, method: Any, body: dict[str, Any]) -> dict[str, Any]:
+        if self.closed:
+            raise TrajectoryClosed("this trajectory is finished (its agent run returned or timed out)")
+        self._serving = asyncio.current_task()
+        try:
+            return await method(body)
+        finally:
+            self._serving = None
+
+    def close(self) -> None:
+        """The agent run is over: a request being answered is cancelled (its engine request aborted; the sample
+        keeps nothing of it) and later ones are refused."""
+        self.closed = True
+        if self._serving is not None and self._serving is not asyncio.current_task():
+            self._serving.cancel()
 
     async def _chat(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.cut:
@@ -178,7 +200,7 @@ class Trajectory:
         the answer's text, then new text; token ids: the sample's tokens, then new ids), the new part recorded as
         environment tokens (loss mask 0). Anything else branches, as for chat."""
         async with self._lock:
-            return await self._complete(body)
+            return await self._serve(self._complete, body)
 
     async def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.cut:
