@@ -74,6 +74,14 @@ def tiny_moonlight(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm4_moe_lite(tmp_path_factory) -> Path:
+    """Tiny GLM-4.7-Flash (glm4_moe_lite): tiny_deepseek_v3's multi-latent attention and MoE widths (4 layers, layer 0
+    dense, 8 experts in one group, scaling 1.8), its dense layer named by mlp_layer_types and first_k_dense_replace."""
+    out = tmp_path_factory.mktemp("tiny_glm4_moe_lite")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="glm4_moe_lite", seed=19, num_layers=4)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """Tiny Llama (untied embeddings, no bias), vocab 64, hidden 64, 2 layers, GQA 4/2."""
     out = tmp_path_factory.mktemp("tiny_llama")

@@ -41,6 +41,10 @@ the query through a rank-24 pair with its norm (`--q-lora-rank 0`: one projectio
 values expanded per head from a rank-16 latent with its norm, 8 + 4 (rotary, interleaved pairs) query/key
 channels and 10 value channels per head, so that no width equals another.
 
+`--arch glm4_moe_lite` writes a Glm4MoeLiteForCausalLM (as GLM-4.7-Flash): deepseek_v3's model (its attention
+and MoE widths, one group, scaling 1.8) with its dense layers named twice, as mlp_layer_types (transformers)
+and first_k_dense_replace (SGLang).
+
 `--arch kimi_k2` writes the deepseek_v3 model under Kimi-K2's model_type (`kimi_k2`; its architecture is
 DeepseekV3ForCausalLM, which transformers has no model_type of its own for).
 
@@ -74,7 +78,8 @@ CHAT_TEMPLATE = (
     "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% endif %}"
 )
-ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "kimi_k2", "qwen2_5_vl")
+ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "kimi_k2",
+         "qwen2_5_vl")
 # families transformers runs under another model_type (config/families.py transformers_model_type): the tiny
 # model is built as that one and its config.json then names the family's own model_type
 BUILT_AS = {"kimi_k2": "deepseek_v3"}
@@ -170,6 +175,20 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
                                 norm_topk_prob=True, routed_scaling_factor=2.5, n_group=2, topk_group=1,
                                 first_k_dense_replace=len(args.mlp_only_layers or []), num_nextn_predict_layers=0,
                                 **common)
+    if arch == "glm4_moe_lite":
+        from transformers import Glm4MoeLiteConfig
+        common = {k: v for k, v in common.items() if k not in ("rope_theta", "num_key_value_heads")}
+        dense = len(args.mlp_only_layers or [])
+        cfg = Glm4MoeLiteConfig(tie_word_embeddings=False, attention_bias=False, rope_interleave=True,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                q_lora_rank=args.q_lora_rank or None, kv_lora_rank=16, qk_nope_head_dim=8,
+                                qk_rope_head_dim=4, v_head_dim=10, num_key_value_heads=args.num_heads,
+                                n_routed_experts=args.num_experts, num_experts_per_tok=args.moe_topk,
+                                moe_intermediate_size=args.moe_intermediate_size, n_shared_experts=1,
+                                norm_topk_prob=True, routed_scaling_factor=1.8, n_group=1, topk_group=1,
+                                mlp_layer_types=["dense"] * dense + ["sparse"] * (args.num_layers - dense), **common)
+        cfg.first_k_dense_replace = dense  # SGLang's name of the same (transformers' class has no such field)
+        return cfg
     if arch == "qwen2_5_vl":
         return build_vl_config(common, args)
     raise SystemExit(f"--arch {arch}: unsupported ({', '.join(ARCHS)})")
@@ -213,7 +232,7 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     family_type, arch = arch, BUILT_AS.get(arch, arch)  # the model_type config.json names; the one built
-    first_dense = arch in ("glm4_moe", "deepseek_v3")  # first_k_dense_replace
+    first_dense = arch in ("glm4_moe", "deepseek_v3", "glm4_moe_lite")  # first_k_dense_replace
     if num_layers is None:
         num_layers = 3 if arch == "qwen2_moe" or first_dense else 2
     if mlp_only_layers is None:
@@ -312,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="default 64 (128 for qwen2_5_vl)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=None,
-                   help="default 3 for qwen2_moe, glm4_moe and deepseek_v3, 2 otherwise")
+                   help="default 3 for qwen2_moe, glm4_moe, deepseek_v3 and glm4_moe_lite, 2 otherwise")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--num-experts", type=int, default=8, help="MoE archs: routed experts per layer")

@@ -373,6 +373,18 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# GLM-4.7-Flash (30B-A3B): GLM-4.5's MoE under DeepSeek-V3's multi-latent attention (transformers'
+# Glm4MoeLite: DeepseekV3Attention in Glm4Moe's layers; SGLang's glm4_moe_lite: DeepseekV2AttentionMLA). Its
+# dense layers: transformers reads mlp_layer_types (default: the first), SGLang first_k_dense_replace
+# (arch.py takes the file's and refuses a file where the two disagree)
+FAMILIES["glm4_moe_lite"] = dataclasses.replace(
+    FAMILIES["deepseek_v3"], model_type="glm4_moe_lite", hf_rmsnorm="Glm4MoeLiteRMSNorm",
+    # transformers' Glm4MoeLiteConfig defaults, for a config.json that leaves a key out
+    config_defaults={"first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                     "routed_scaling_factor": 1.8, "norm_topk_prob": True, "rope_interleave": True,
+                     "q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+                     "v_head_dim": 256, "attention_bias": False})
+
 # Kimi-K2 (Instruct, Thinking): DeepSeek-V3's architecture under its own model_type (384 experts, one group)
 FAMILIES["kimi_k2"] = dataclasses.replace(FAMILIES["deepseek_v3"], model_type="kimi_k2",
                                           transformers_model_type="deepseek_v3")

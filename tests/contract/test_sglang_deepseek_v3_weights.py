@@ -44,14 +44,18 @@ def _sglang_param_names(sparse: tuple[bool, ...], q_lora: bool) -> list[str]:
 def _probe(arch, names):
     config = types.SimpleNamespace(n_routed_experts=arch.num_experts, num_hidden_layers=arch.num_layers,
                                    q_lora_rank=arch.q_lora_rank or None, num_nextn_predict_layers=0)
-    probe = recording_probe(deepseek_v2.DeepseekV3ForCausalLM, config, names, arch.num_layers)
+    if arch.family.model_type == "glm4_moe_lite":  # GLM-4.7-Flash: SGLang's own class (models/glm4_moe_lite.py)
+        from sglang.srt.models.glm4_moe_lite import Glm4MoeLiteForCausalLM as cls
+    else:
+        cls = deepseek_v2.DeepseekV3ForCausalLM
+    probe = recording_probe(cls, config, names, arch.num_layers)
     probe.quant_config, probe.num_fused_shared_experts = None, 0
     probe.pp_group = types.SimpleNamespace(is_last_rank=True)
     probe.post_load_weights = lambda *a, **k: None  # the kv_b_proj absorption needs real weights
     return probe
 
 
-@pytest.mark.parametrize("folder", ["tiny_deepseek_v3", "tiny_moonlight"])
+@pytest.mark.parametrize("folder", ["tiny_deepseek_v3", "tiny_moonlight", "tiny_glm4_moe_lite"])
 def test_sglang_maps_every_deepseek_v3_name_we_send(folder, request):
     from slime_rl.trainer.convert import hf_shapes, load_arch
 

@@ -17,7 +17,8 @@ digit_data = digit_data_fixture(64, seed=1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("folder", ["tiny_qwen3_moe", "tiny_qwen2_moe", "tiny_glm4_moe", "tiny_deepseek_v3"])
+@pytest.mark.parametrize("folder", ["tiny_qwen3_moe", "tiny_qwen2_moe", "tiny_glm4_moe", "tiny_deepseek_v3",
+                                    "tiny_glm4_moe_lite"])
 def test_expert_parallel_step_then_engine_holds_every_expert(ray_session, folder, digit_data, tmp_path, request):
     """Step 0: the engine (HF transformers, experts fused) and the trainer (Megatron, EP=2) see the
     same weights, so their log-probs agree; after the update and the sync every engine tensor,
@@ -25,7 +26,8 @@ def test_expert_parallel_step_then_engine_holds_every_expert(ray_session, folder
     Qwen2-MoE: its shared expert, the shared expert's gate and the dense layer too. GLM-4.5: its shared
     experts, the dense layer 0 and the sigmoid router's expert bias, sent as stored and never trained.
     DeepSeek-V3: the same under multi-latent attention, whose projections and latent norms move too, with the
-    experts as grouped products (--moe-grouped-gemm)."""
+    experts as grouped products (--moe-grouped-gemm). GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's layers under
+    GLM's model_type, served by transformers' Glm4MoeLiteForCausalLM."""
     from slime_rl.orchestration.cluster import Cluster
 
     ckpt = request.getfixturevalue(folder)
@@ -65,10 +67,10 @@ def test_expert_parallel_step_then_engine_holds_every_expert(ray_session, folder
             assert any(".mlp.shared_expert_gate." in n for n in moved)
             assert any(".mlp.shared_expert." in n for n in moved)
             assert "model.layers.2.mlp.down_proj.weight" in moved  # the dense layer
-        if folder == "tiny_deepseek_v3":
+        if folder in ("tiny_deepseek_v3", "tiny_glm4_moe_lite"):
             assert {f"model.layers.1.self_attn.{n}.weight" for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
                                                                      "kv_b_proj", "kv_a_layernorm")} <= set(moved)
-        if folder in ("tiny_glm4_moe", "tiny_deepseek_v3"):
+        if folder in ("tiny_glm4_moe", "tiny_deepseek_v3", "tiny_glm4_moe_lite"):
             assert any(".mlp.shared_experts." in n for n in moved)
             assert "model.layers.0.mlp.down_proj.weight" in moved  # the dense layer (first_k_dense_replace 1)
             biases = [n for n in trainer if n.endswith("e_score_correction_bias")]

@@ -16,7 +16,7 @@ from slime_rl.engines.payloads import decode_routed_experts
 LAYERS, TOPK = 4, 2  # tests/conftest.py's tiny_deepseek_v3 and tiny_moonlight
 
 
-@pytest.mark.parametrize("folder", ["tiny_deepseek_v3", "tiny_moonlight"])
+@pytest.mark.parametrize("folder", ["tiny_deepseek_v3", "tiny_moonlight", "tiny_glm4_moe_lite"])
 def test_every_checkpoint_name_is_served(folder, request):
     # an MLA latent norm, by its checkpoint name
     assert_served_and_live(request.getfixturevalue(folder), "model.layers.1.self_attn.kv_a_layernorm.weight",

@@ -145,6 +145,7 @@ SCENARIOS.update({"qwen2_moe1": _qwen2_moe("base", noaux=True), "qwen2_moe_ep2":
                   "moonlight_ep2tp2": _qwen2_moe("ep2tp2", key="moonlight"),
                   # DeepSeek-V3's YaRN on the rotary channels
                   "yarn1": _qwen2_moe("base", noaux=True, key="yarn"),
+                  "glm4_moe_lite1": _qwen2_moe("base", noaux=True, key="glm4_moe_lite"),
                   "yarn_cp2ep2": _qwen2_moe("cp2ep2", key="yarn"), "yarn_ep2tp2": _qwen2_moe("ep2tp2", key="yarn")})
 
 

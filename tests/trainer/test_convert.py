@@ -40,7 +40,19 @@ FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0},
                           "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3, "n_group": 1, "topk_group": 1},
               "deepseek_v3": {"num_key_value_heads": 4, "first_k_dense_replace": 0, "q_lora_rank": 6, "kv_lora_rank": 4,
                               "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3, "n_group": 1,
-                              "topk_group": 1}}
+                              "topk_group": 1},
+              # glm4_moe_lite: deepseek_v3's, every layer sparse by both of its fields (`_family_cfg`)
+              "glm4_moe_lite": {"num_key_value_heads": 4, "first_k_dense_replace": 0, "q_lora_rank": 6,
+                                "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3}}
+
+
+def _family_cfg(cfg: dict) -> dict:
+    """`cfg` with FAMILY_CFG's keys of its model_type (glm4_moe_lite: mlp_layer_types for its layer count)."""
+    out = cfg | FAMILY_CFG.get(cfg["model_type"], {})
+    if cfg["model_type"] == "glm4_moe_lite":  # its head_dim is an alias of qk_rope_head_dim (transformers)
+        out["mlp_layer_types"] = ["sparse"] * out["num_hidden_layers"]
+        out.pop("head_dim", None)
+    return out
 
 
 TEXT_FAMILIES = sorted(k for k, f in FAMILIES.items() if not f.vision)
@@ -92,7 +104,7 @@ def test_fc1_each_rank_holds_its_gate_then_its_up():
 @pytest.mark.parametrize("model_type", TEXT_FAMILIES)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_round_trip_every_param_bit_exact(model_type, tp):
-    cfg = CFG | {"model_type": model_type, "tie_word_embeddings": False, "head_dim": 3} | FAMILY_CFG.get(model_type, {})
+    cfg = _family_cfg(CFG | {"model_type": model_type, "tie_word_embeddings": False, "head_dim": 3})
     arch = arch_from_hf_config(cfg, tp_size=tp, pad_vocab_multiple=3)
     g = torch.Generator().manual_seed(0)
     shapes = {"q_proj": (4 * 3, 8), "k_proj": (2 * 3, 8), "v_proj": (2 * 3, 8), "o_proj": (8, 4 * 3),
@@ -134,7 +146,7 @@ def test_hf_shapes_are_those_of_the_transformers_model(model_type, tied, tmp_pat
 
     cfg = CFG | {"model_type": model_type, "tie_word_embeddings": tied, "head_dim": 3, "num_hidden_layers": 2,
                  "attention_bias": False, "mlp_bias": False, "use_sliding_window": False}
-    cfg |= FAMILY_CFG.get(model_type, {})
+    cfg = _family_cfg(cfg)
     hf_cfg = transformers_config(copy.deepcopy(cfg))  # transformers writes into rope_parameters
     model = AutoModelForCausalLM.from_config(hf_cfg)
     if FAMILIES[model_type].moe:

@@ -1,5 +1,6 @@
 """deepseek_v3 (DeepSeek-V3 / R1, Moonlight, Kimi-K2's architecture): multi-latent attention (megatron-core's
-MLASelfAttention under the local spec) over GLM-4.5's MoE layout (tests/trainer/test_glm4_moe.py).
+MLASelfAttention under the local spec) over GLM-4.5's MoE layout (tests/trainer/test_glm4_moe.py); and
+glm4_moe_lite (GLM-4.7-Flash), the same model under GLM's own model_type and dense-layer field.
 
 Expected values: the module classes and tensor names come from transformers' own DeepseekV3 model built from
 the config; log-probs and gradients from HF transformers in float64 (trainer_ref.hf_model); the parallel
@@ -54,10 +55,10 @@ def tiny_deepseek_v3_yarn(tiny_deepseek_v3, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def dsv3_scenario(tiny_deepseek_v3, tiny_moonlight, tiny_deepseek_v3_yarn, tmp_path_factory):
+def dsv3_scenario(tiny_deepseek_v3, tiny_moonlight, tiny_deepseek_v3_yarn, tiny_glm4_moe_lite, tmp_path_factory):
     return scenario_runner(tmp_path_factory.mktemp("deepseek_v3_scenarios"),
                            {"deepseek_v3": tiny_deepseek_v3, "moonlight": tiny_moonlight,
-                            "yarn": tiny_deepseek_v3_yarn})
+                            "yarn": tiny_deepseek_v3_yarn, "glm4_moe_lite": tiny_glm4_moe_lite})
 
 
 def _ref(folder):
@@ -117,6 +118,45 @@ def test_deepseek_v3_configs_refused_naming_the_field(change, message):
         arch_from_hf_config({**BASE, **change}, where="ckpt/config.json")
 
 
+LITE = {**BASE, "model_type": "glm4_moe_lite", "routed_scaling_factor": 1.8,
+        "mlp_layer_types": ["dense", "sparse", "sparse"]}
+
+
+@pytest.mark.parametrize("change", [{}, {"q_lora_rank": None},
+                                    {"first_k_dense_replace": 2, "mlp_layer_types": ["dense", "dense", "sparse"]},
+                                    {"first_k_dense_replace": 1, "mlp_layer_types": None}])
+def test_glm4_moe_lite_registry_is_transformers(change):
+    """GLM-4.7-Flash's family against transformers' Glm4MoeLiteForCausalLM built from the same config: every
+    tensor's name and shape, and the sparse layers as transformers builds them (mlp_layer_types, or its default:
+    the first layer dense)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from slime_rl.trainer.convert import arch_from_hf_config
+
+    cfg = {k: v for k, v in {**LITE, **change}.items() if v is not None or k == "q_lora_rank"}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    assert type(model).__name__ == "Glm4MoeLiteForCausalLM"
+    arch = arch_from_hf_config(cfg)
+    assert arch.moe_layers == tuple(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+    assert arch.family.model_type == "glm4_moe_lite" and arch.moe_scaling_factor == 1.8
+    assert_registry_is_the_models(arch, model)
+
+
+def test_glm4_moe_lite_dense_layers_named_twice_must_agree():
+    """transformers builds GLM-4.7-Flash's dense layers from mlp_layer_types, SGLang from first_k_dense_replace:
+    a file where they differ would train one model and serve another."""
+    from slime_rl.trainer.convert import arch_from_hf_config
+
+    with pytest.raises(ValueError, match=r"mlp_layer_types \['dense', 'sparse', 'sparse'\] \(what transformers "
+                                         r"builds\) and first_k_dense_replace=2 \(what SGLang builds\)"):
+        arch_from_hf_config({**LITE, "first_k_dense_replace": 2}, where="ckpt/config.json")
+    with pytest.raises(ValueError, match="mlp_layer_types=.*must name 'dense' or 'sparse' for each of the 3 layers"):
+        arch_from_hf_config({**LITE, "mlp_layer_types": ["dense", "sparse"]}, where="ckpt/config.json")
+    # transformers' Glm4MoeLiteConfig maps head_dim onto qk_rope_head_dim: two values would be two models
+    with pytest.raises(ValueError, match="head_dim=8 differs from qk_rope_head_dim=2"):
+        arch_from_hf_config({**LITE, "head_dim": 8}, where="ckpt/config.json")
+
+
 def test_mla_heads_must_split_over_tp():
     from slime_rl.trainer.convert import arch_from_hf_config
 
@@ -161,13 +201,15 @@ def test_yarn_for_attention_other_than_mla_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", ["deepseek_v3", "moonlight", "yarn"])
-def test_one_rank_deepseek_v3_equals_hf(dsv3_scenario, tiny_deepseek_v3, tiny_moonlight, tiny_deepseek_v3_yarn, key):
+@pytest.mark.parametrize("key", ["deepseek_v3", "moonlight", "yarn", "glm4_moe_lite"])
+def test_one_rank_deepseek_v3_equals_hf(dsv3_scenario, tiny_deepseek_v3, tiny_moonlight, tiny_deepseek_v3_yarn,
+                                        tiny_glm4_moe_lite, key):
     """Megatron's MLASelfAttention (the query's low-rank pair and its norm, or one q_proj; the key/value
     latent and its norm; interleaved RoPE on the rotary channels; value heads narrower than query heads)
     with the sigmoid-routed experts: HF's float64 log-probs and, without the aux loss, HF's gradient of
-    every tensor."""
-    folder = {"deepseek_v3": tiny_deepseek_v3, "moonlight": tiny_moonlight, "yarn": tiny_deepseek_v3_yarn}[key]
+    every tensor. glm4_moe_lite: against transformers' Glm4MoeLiteForCausalLM."""
+    folder = {"deepseek_v3": tiny_deepseek_v3, "moonlight": tiny_moonlight, "yarn": tiny_deepseek_v3_yarn,
+              "glm4_moe_lite": tiny_glm4_moe_lite}[key]
     ref = _ref(folder)
     (one,) = dsv3_scenario(f"{key}1", 1)
     for layout in ("padded", "packed"):

@@ -329,12 +329,25 @@ def _deepseek_moe_fields(cfg: dict[str, Any], family: Family, where: str, num_la
                          f"num_hidden_layers={num_layers}) (transformers' default for {family.model_type}: "
                          f"{family.config_defaults.get('first_k_dense_replace', 0)}); a model without MoE layers is "
                          "a dense family")
+    layers = tuple(i >= dense for i in range(num_layers))
+    if mt == "glm4_moe_lite" and "head_dim" in cfg and cfg["head_dim"] != cfg.get("qk_rope_head_dim"):
+        raise ValueError(f"{where}: head_dim={cfg['head_dim']} differs from qk_rope_head_dim="
+                         f"{cfg.get('qk_rope_head_dim')}: transformers' Glm4MoeLiteConfig reads head_dim as "
+                         "qk_rope_head_dim; give one value")
+    if mt == "glm4_moe_lite":  # transformers builds from mlp_layer_types (default: the first dense), SGLang as above
+        types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
+        if len(types) != num_layers or set(types) - {"dense", "sparse"}:
+            raise ValueError(f"{where}: mlp_layer_types={types!r} must name 'dense' or 'sparse' for each of the "
+                             f"{num_layers} layers")
+        if tuple(t == "sparse" for t in types) != layers:
+            raise ValueError(f"{where}: mlp_layer_types {types} (what transformers builds) and first_k_dense_replace="
+                             f"{dense} (what SGLang builds) give different dense layers; make them agree")
     scaling = float(value(cfg, "routed_scaling_factor", 1.0))
     if topk == 1:
         raise ValueError(f"{where}: num_experts_per_tok=1 with a sigmoid router: megatron-core skips the "
                          "renormalisation transformers does (norm_topk_prob) for a single expert")
     return {"num_experts": experts, "moe_topk": topk, "moe_ffn_hidden_size": width, "moe_norm_topk_prob": True,
-            "moe_layers": tuple(i >= dense for i in range(num_layers)),
+            "moe_layers": layers,
             "moe_shared_expert_ffn_hidden_size": shared * width,
             "moe_score_function": "sigmoid", "moe_expert_bias": True,
             "moe_num_groups": groups if groups > 1 else 0, "moe_group_topk": group_topk if groups > 1 else 0,
