@@ -69,21 +69,24 @@ def trainer_layout(cfg: Config, gqa_expanded: bool = False) -> tuple[TrainerLayo
         micro_batches_in_flight=in_flight, recompute_granularity=t.recompute_granularity,
         recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers, gqa_expanded=gqa_expanded,
         optimizer_offload=cfg.optimizer.offload_fraction if cfg.optimizer.cpu_offload else 0.0,
-        pipeline_layers=pipeline_split(cfg), lora_rank=_lora_rank(cfg),
-        lora_targets=tuple(cfg.model.lora_target_modules))
+        pipeline_layers=pipeline_split(cfg), **_lora_layout(cfg))
     return lay, why
 
 
-def _lora_rank(cfg: Config) -> int:
-    """--lora-rank, or the r of --lora-load's adapter_config.json (0 when neither, or the folder is not here)."""
-    if cfg.model.lora_rank or not cfg.model.lora_load:
-        return cfg.model.lora_rank
-    from slime_rl.trainer.convert.lora_targets import read_peft_config
+def _lora_layout(cfg: Config) -> dict:
+    """TrainerLayout's lora_rank and lora_targets: --lora-load's adapters (the r of its adapter_config.json, the
+    modules its tensors adapt: what the trainer will train), else --lora-rank and --lora-target-modules; a
+    --lora-load folder that is not here counts with the flags (its rank 0: unknown, when --lora-rank is not given)."""
+    rank, targets = cfg.model.lora_rank, tuple(cfg.model.lora_target_modules)
+    if cfg.model.lora_load:
+        from slime_rl.trainer.convert.lora_targets import spec_of_folder
 
-    try:
-        return int(read_peft_config(cfg.model.lora_load)["r"])
-    except (OSError, ValueError, KeyError):
-        return 0
+        try:
+            spec = spec_of_folder(cfg.model.lora_load)
+        except (OSError, ValueError, KeyError):
+            return {"lora_rank": rank, "lora_targets": targets}
+        return {"lora_rank": spec.rank, "lora_targets": tuple(spec.targets)}
+    return {"lora_rank": rank, "lora_targets": targets}
 
 
 def pipeline_split(cfg: Config) -> tuple[int, ...]:

@@ -100,3 +100,22 @@ def test_a_pipeline_stage_may_hold_none_of_the_targets(tiny_qwen2_moe):
     assert choose(attention_only, ("gate_proj",), check=False) == {}
     with pytest.raises(ValueError, match="--lora-target-modules gate_proj: no linear of this model"):
         choose(attention_only, ("gate_proj",))
+
+
+def test_the_plan_counts_the_adapters_of_the_lora_load_folder(tiny_qwen2, tmp_path):
+    """--dry-run with --lora-load: the estimate counts the folder's adapters (its r, the modules its tensors adapt),
+    not the --lora-target-modules default (all-linear)."""
+    from slime_rl.orchestration.estimate import model_shape, stage_lora_params
+    from slime_rl.orchestration.plan_report import trainer_layout
+
+    folder = _adapter(tmp_path / "a", ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"])
+    lay, _ = trainer_layout(_cfg(tiny_qwen2, "--lora-load", str(folder)))
+    assert (lay.lora_rank, set(lay.lora_targets)) == (4, {"q_proj", "v_proj"})
+    whole, _ = trainer_layout(_cfg(tiny_qwen2, "--lora-rank", "4"))
+    assert whole.lora_targets == ("all-linear",)
+    shape = model_shape(json.loads((tiny_qwen2 / "config.json").read_text()))
+    hidden, heads, kv_heads = shape.hidden, shape.heads, shape.kv_heads
+    head_dim = shape.head_dim
+    # r x (in + out) per adapted linear, for q_proj and v_proj of each layer (the planner counts every layer)
+    want = shape.layers * 4 * ((hidden + heads * head_dim) + (hidden + kv_heads * head_dim))
+    assert stage_lora_params(shape, lay, 0) == want < stage_lora_params(shape, whole, 0)
