@@ -74,7 +74,8 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     # extension points load here, so a bad dotted path fails before any actor starts (planned for another
     # cluster, a module that is not on this machine at all is named as not checked here, as its data files are)
     with _user_module(cfg, not_here):
-        reward_fn_from_config(cfg.reward, args=args, generate_sets_reward=cfg.rollout.generate_sets_reward)
+        reward_fn_from_config(cfg.reward, args=args, generate_sets_reward=cfg.rollout.generate_sets_reward,
+                              opd_teacher_url=cfg.reward.rm_url if cfg.algo.opd_type == "sglang" else None)
     for name, _ in cfg.eval.datasets:  # --eval-config: a set's own reward loads now too
         if {"rm_type", "custom_rm_path"} & set(cfg.eval.settings.get(name, {})):
             with _user_module(cfg, not_here):

@@ -88,11 +88,13 @@ ALGO_FLAGS: tuple[Flag, ...] = (
         Flag('--use-opd', 'algo.use_opd', action="store_true",
              help="slime's on-policy distillation: each token's advantage less --opd-kl-coef x (the old policy's "
                   "log-prob - the teacher's), the reverse KL to the teacher (after the advantage estimator); "
-                  "needs --opd-type megatron and --opd-teacher-load"),
+                  "needs --opd-type (megatron with --opd-teacher-load, or sglang with --rm-url)"),
         Flag('--opd-type', 'algo.opd_type', choices=('megatron', 'sglang'),
              help="megatron: the teacher (--opd-teacher-load, the policy's architecture) runs a forward on the "
-                  "trainer ranks in each step, as the reference does; sglang (the teacher's log-probs from its "
-                  "own server through slime's reward post-process) is refused: not built here"),
+                  "trainer ranks in each step, as the reference does; sglang: the teacher is a server at --rm-url "
+                  "(its /generate: SGLang, or the built-in engine; any model of the policy's tokenizer), asked for "
+                  "the log-prob of each token of each finished sample (max_new_tokens 0, logprob_start_len 0), as "
+                  "slime's on_policy_distillation example"),
         Flag('--opd-kl-coef', 'algo.opd_kl_coef', default=1.0, type=_nonneg_float,
              help="--use-opd: the reverse KL's weight in the advantages"),
         Flag('--ref-update-interval', 'algo.ref_update_interval', type=_positive_int,

@@ -37,6 +37,14 @@ _TIS_FN = ("must be slime's vanilla_tis_function or icepop_function (slime.backe
            "--tis-level token / sequence / geometric (slime's mismatch helper mis.yaml: tis_level), --tis-mode mask "
            "(tis_mode mask), --tis-clip / --tis-clip-low (tis_upper_bound / tis_lower_bound), --rollout-rs with "
            "--rollout-rs-threshold (use_rs, rs_level and its bounds; verl's syntax); docs/off_policy.md")
+# slime's on-policy distillation through a teacher server (examples/on_policy_distillation/run-qwen3-8B-opd.sh:
+# --opd-type sglang): its reward function posts each sample to the teacher at --rm-url, its post-process keeps
+# the teacher's log-probs of the response and scores every sample 0.0; here --opd-type sglang does both
+SLIME_OPD_REWARD = "slime.rollout.on_policy_distillation.reward_func"
+SLIME_OPD_POST_PROCESS = "slime.rollout.on_policy_distillation.post_process_rewards"
+_OPD_POST = (f"must be {SLIME_OPD_POST_PROCESS} (slime's on-policy distillation, --opd-type sglang here): another "
+             "post-process of the rewards has no counterpart; advantages come from --advantage-estimator "
+             "(--disable-grpo-std-normalization for Dr.GRPO)")
 _TRAIN_BACKEND = "must be megatron: the trainer is megatron-core (slime's FSDP backend has no counterpart here)"
 _REFUSED_SWITCHES = (
     ('--disable-compute-advantages-and-returns', "is refused: it belongs to slime's SFT scripts (--loss-type "
@@ -101,6 +109,9 @@ FROM_SLIME_FLAGS: tuple[Flag, ...] = (
              help="slime's two rollout functions only: " + _ROLLOUT_FN.split(": ", 1)[1]),
         Flag('--custom-tis-function-path', check=(lambda v: v in SLIME_TIS_FUNCTIONS, _TIS_FN),
              help="slime's two built-in functions only: " + _TIS_FN.split(": ", 1)[1]),
+        Flag('--custom-reward-post-process-path', check=(lambda v: v == SLIME_OPD_POST_PROCESS, _OPD_POST),
+             help=f"{SLIME_OPD_POST_PROCESS} only, with --opd-type sglang (the teacher's log-probs kept, every "
+                  "reward 0.0, as slime's on-policy distillation example): " + _OPD_POST.split(": ", 1)[1]),
         # refused: given at all, the run stops with the reason (check) before anything starts
         *(Flag(name, action="store_true", check=(operator.not_, why), help=why[len('is refused: '):])
           for name, why in _REFUSED_SWITCHES),

@@ -37,7 +37,7 @@ from slime_rl.config.checks import (
 )
 from slime_rl.config.estimators import ESTIMATOR_SPECS, estimator_spec
 from slime_rl.config.flags import EMBEDDED_SGLANG_ARGS, FLAGS, default_of
-from slime_rl.config.flags_from_slime import SLIME_FULLY_ASYNC_ROLLOUT, SLIME_TIS_FUNCTIONS
+from slime_rl.config.flags_from_slime import SLIME_FULLY_ASYNC_ROLLOUT, SLIME_OPD_REWARD, SLIME_TIS_FUNCTIONS
 from slime_rl.config.flags_model import megatron_model_args
 from slime_rl.config.groups import GROUPS, Config, CriticConfig, EngineConfig, EvalConfig, ParallelConfig
 from slime_rl.config.parse import ROUTER_KEY, parse_flags, split_router_args
@@ -236,15 +236,26 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            "--ref-update-interval needs a reference model: --use-kl-loss, --kl-loss-coef or --kl-coef")
     if a.use_opd or a.opd_type is not None or a.opd_teacher_load is not None:
         _check(a.use_opd, "--opd-type / --opd-teacher-load need --use-opd (on-policy distillation)")
-        _check(a.opd_type is not None, "--use-opd needs --opd-type megatron (the teacher runs on the trainer ranks, "
-               "from --opd-teacher-load)")
-        _check(a.opd_type != "sglang", "--opd-type sglang: the teacher's log-probs from its own SGLang server through "
-               "slime's reward post-process are not built here; use --opd-type megatron --opd-teacher-load TEACHER "
-               "(the teacher's forward runs on the trainer ranks)")
+        _check(a.opd_type is not None, "--use-opd needs --opd-type: megatron (the teacher runs on the trainer ranks, "
+               "from --opd-teacher-load) or sglang (the teacher's own server at --rm-url scores each sample's tokens)")
+    if a.use_opd and a.opd_type == "megatron":
         _check(a.opd_teacher_load is not None, "--opd-type megatron needs --opd-teacher-load (the teacher: a Megatron "
                "checkpoint or an HF folder of the policy's architecture)")
         _check(os.path.isdir(a.opd_teacher_load) or a.cluster is not None,
                f"--opd-teacher-load {a.opd_teacher_load}: no such folder")
+    if a.use_opd and a.opd_type == "sglang":
+        _check(a.rm_url is not None, "--opd-type sglang needs --rm-url: the teacher server's /generate URL (slime's "
+               "place for it), which returns the teacher's log-prob of each sample token")
+        _check(a.opd_teacher_load is None, f"--opd-teacher-load {a.opd_teacher_load} is --opd-type megatron's teacher; "
+               "--opd-type sglang asks the server at --rm-url: give one")
+        _check(a.rm_type != "remote_rm", "--rm-type remote_rm with --opd-type sglang: --rm-url is the teacher's "
+               "/generate URL here, not a reward model")
+    _check(a.custom_reward_post_process_path is None or (a.use_opd and a.opd_type == "sglang"),
+           f"--custom-reward-post-process-path {a.custom_reward_post_process_path} is slime's on-policy distillation "
+           "through a teacher server: it needs --use-opd --opd-type sglang")
+    _check(a.custom_rm_path != SLIME_OPD_REWARD or (a.use_opd and a.opd_type == "sglang"),
+           f"--custom-rm-path {SLIME_OPD_REWARD} posts each sample to a teacher server: it is --use-opd --opd-type "
+           "sglang here (with --rm-url the teacher's /generate URL)")
     if a.ref_load is not None:
         # with --cluster the folder may exist on that cluster only (the plan lists it as not checked here)
         _check(os.path.isdir(a.ref_load) or a.cluster is not None, f"--ref-load {a.ref_load}: no such folder")

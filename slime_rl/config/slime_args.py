@@ -38,8 +38,6 @@ SLIME_ONLY_FLAGS: dict[str, str] = {
     "(slime_rl.algo.losses)",
     "--custom-pg-loss-reducer-function-path": "--loss-agg-mode chooses the reduction (Dr.GRPO: "
     "seq-mean-token-sum-norm)",
-    "--custom-reward-post-process-path": "advantages come from --advantage-estimator "
-    "(--disable-grpo-std-normalization for Dr.GRPO)",
     "--custom-advantage-function-path": "advantages come from --advantage-estimator (slime_rl.algo.estimators)",
     "--custom-convert-samples-to-train-data-path": "samples become the trainer's batch in one fixed way "
     "(orchestration.rollout_manager.samples_to_batch)",

@@ -81,6 +81,11 @@ def samples_to_batch(groups: list[list[Sample]], algo: AlgoConfig | None = None,
         "rollout_logprobs": [s.rollout_logprobs for s in flat],
         "rewards": rewards.flatten().tolist(),
     }
+    if algo.use_opd and algo.opd_type == "sglang":  # the teacher server's log-probs (without them: not trained)
+        batch["teacher_logprobs"] = [list(s.teacher_logprobs) if s.teacher_logprobs is not None
+                                     else [0.0] * s.response_length for s in flat]
+        batch["loss_masks"] = [m if s.teacher_logprobs is not None else [0] * len(m)
+                               for s, m in zip(flat, batch["loss_masks"], strict=True)]
     if any(s.rollout_routed_experts is not None for s in flat):  # MoE: the engines' routing (routing replay)
         missing = [s.index for s in flat if s.rollout_routed_experts is None and s.response_ids]
         if missing:
@@ -171,9 +176,11 @@ class RolloutManager:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
         self.slime_args = slime_args(cfg)  # what slime-style extension functions get as `args`
+        opd_teacher = cfg.reward.rm_url if cfg.algo.use_opd and cfg.algo.opd_type == "sglang" else None
         self.reward_fn = reward_fn_from_config(
             cfg.reward, failure_value=cfg.reward.reward_failure_value, args=self.slime_args,
-            generate_sets_reward=cfg.rollout.generate_sets_reward)
+            generate_sets_reward=cfg.rollout.generate_sets_reward, opd_teacher_url=opd_teacher,
+            opd_temperature=cfg.rollout.temperature)
         self.dead: dict[int, str] = {}  # engine -> why it was declared dead; until it is revived
         self.options = RolloutOptions.from_config(
             cfg.rollout, return_routed_experts=cfg.trainer.use_rollout_routing_replay or None)

@@ -67,10 +67,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime_rl.config.dotted_path import choose_form, json_kwargs, load_by_path
+from slime_rl.config.flags_from_slime import SLIME_OPD_REWARD
 from slime_rl.data import Sample
 from slime_rl.data.slime_compat import slime_sample_class, to_slime
 from slime_rl.rewards.builtin import BUILTIN
 from slime_rl.rewards.remote import RemoteRewardModel
+from slime_rl.rollout.teacher import fetch_teacher_logprobs
 
 RewardFn = Callable[[Sample], object]
 GroupRewardFn = Callable[[list[Sample]], object]
@@ -359,6 +361,12 @@ def load_custom_reward(path: str, *, group_rm: bool = False, args: Any = None,
     return _named(slime_one, fn), False, reward_key
 
 
+def _zero_reward(sample: Sample) -> float:
+    """slime's on-policy distillation scores every sample 0.0 (its post_process_rewards): the teacher's reverse KL
+    in the advantages is the whole signal."""
+    return 0.0
+
+
 # slime's reward types that are not built here, and why
 NOT_BUILT = {"ifbench": "slime's IFBench scorer is not built here (slime clones allenai/IFBench and its "
                         "requirements at run time); score that set with --custom-rm-path"}
@@ -369,7 +377,8 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
                    rm_max_retries: int = 3, rm_backoff_s: float = 0.5,
                    failure_value: float | None = None, args: Any = None,
                    rm_kwargs: str | dict[str, Any] | None = None,
-                   timeout_s: float | None = None, generate_sets_reward: bool = False) -> RewardFn | GroupReward:
+                   timeout_s: float | None = None, generate_sets_reward: bool = False,
+                   opd_teacher_url: str | None = None, opd_temperature: float = 1.0) -> RewardFn | GroupReward:
     """The run's reward function, checked now (unknown names, a missing URL, a bad path raise
     `RewardError` naming the flag) rather than at the first sample.
 
@@ -387,9 +396,19 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
       (RewardTimeout: `failure_value`, counted also in `failures.timeouts`). None: no limit.
     - `generate_sets_reward`: without `rm_type` and `custom_rm_path`, the custom generate function scores each
       sample itself (slime's agent examples); one it left unscored is a failure naming that.
+    - `opd_teacher_url`: --opd-type sglang's teacher (--rm-url): each sample's teacher log-probs are fetched
+      before it is scored (`rollout/teacher.py`; a failure is the sample's reward failure, and the sample is
+      not trained). slime's OPD reward function (`--custom-rm-path` SLIME_OPD_REWARD) scores 0.0, as its
+      post-process does.
     """
     if group_rm and not custom_rm_path:
         raise RewardError("--group-rm needs --custom-rm-path (a function of a list of samples)")
+    distillation_only = custom_rm_path == SLIME_OPD_REWARD
+    if distillation_only:  # slime's teacher call: --opd-type sglang fetches the log-probs, the reward is 0.0
+        if opd_teacher_url is None:
+            raise RewardError(f"--custom-rm-path {SLIME_OPD_REWARD} is slime's on-policy distillation: it needs "
+                              "--use-opd --opd-type sglang and --rm-url (the teacher)")
+        custom_rm_path = None
     custom = (load_custom_reward(custom_rm_path, group_rm=group_rm, args=args, rm_kwargs=rm_kwargs,
                                  reward_key=reward_key) if custom_rm_path else None)
     if custom is not None and custom[1]:  # --group-rm, or an EasyR1 batch file: one call per group
@@ -410,6 +429,8 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
 
     if custom is not None:
         default = (custom[0], custom[2])
+    elif distillation_only:
+        default = (_zero_reward, BUILTIN_KEY)
     elif rm_type:
         default = resolve(rm_type, "--rm-type")
     elif generate_sets_reward:
@@ -427,6 +448,10 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
     async def reward(sample: Sample) -> RewardResult:
         failures.calls += 1
         try:
+            if opd_teacher_url is not None:  # the teacher's log-probs first: a sample without them is not trained
+                sample.teacher_logprobs = None
+                sample.teacher_logprobs = await fetch_teacher_logprobs(opd_teacher_url, sample, opd_temperature,
+                                                                       rm_timeout_s)
             override = sample.metadata.get("rm_type") if isinstance(sample.metadata, dict) else None
             fn, key = resolve(override, f"sample {sample.index}: metadata['rm_type']") if override else default
             score, metrics = await call_reward_full(fn, sample, key, timeout_s)

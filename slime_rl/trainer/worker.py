@@ -63,7 +63,7 @@ class TrainerWorker(MegatronRank):
                 self._refresh_reference(base=bool(self.lora))
         # --use-opd: the teacher's weights, on the host like the reference's, swapped in for its forward
         self._teacher = self._load_copy(self.model_cfg.opd_teacher_load, "--opd-teacher-load") \
-            if self.algo.use_opd else None
+            if self.algo.use_opd and self.algo.opd_type != "sglang" else None
 
     def _refresh_reference(self, base: bool = False) -> None:
         """The reference (KL) weights := the current policy, as a CPU copy (swapped in only for the
@@ -278,9 +278,12 @@ class TrainerWorker(MegatronRank):
         if self.algo.token_level_advantages:
             adv, returns = token_advantages(self.algo, batch, old, ref, self.info.device, dp_group(), values)
         teacher = None
-        if self.algo.use_opd:  # on-policy distillation: the teacher's forward, then the reverse KL in the advantages
-            with self._swapped(self._teacher):
-                teacher = self._forward_logprobs(batch, with_entropy=False)[0]
+        if self.algo.use_opd:  # on-policy distillation: the teacher's log-probs, then the reverse KL in the advantages
+            if self.algo.opd_type == "sglang":  # from the teacher's own server, with the rollout (rollout/teacher.py)
+                teacher = [[float(x) for x in row] for row in batch["teacher_logprobs"]]
+            else:
+                with self._swapped(self._teacher):
+                    teacher = self._forward_logprobs(batch, with_entropy=False)[0]
             adv = opd_advantages(self.algo, batch, old, teacher, adv)
         inputs = StepInputs(old=old, entropy=entropy, ref=ref, advantages=adv, sums={}, returns=returns,
                             routing=routing, recomputed=recomputed)

@@ -26,13 +26,34 @@ def test_megatron_teacher_is_taken(tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--use-opd"], "--use-opd needs --opd-type megatron"),
+    (["--use-opd"], "--use-opd needs --opd-type: megatron .* or sglang"),
     (["--opd-type", "megatron"], "--opd-type / --opd-teacher-load need --use-opd"),
     (["--use-opd", "--opd-type", "megatron"], "--opd-type megatron needs --opd-teacher-load"),
-    (["--use-opd", "--opd-type", "sglang"], "--opd-type sglang: the teacher's log-probs from its own SGLang server"),
+    (["--use-opd", "--opd-type", "sglang"], "--opd-type sglang needs --rm-url: the teacher server's /generate URL"),
+    (["--use-opd", "--opd-type", "sglang", "--rm-url", "http://t/generate", "--opd-teacher-load", "x"],
+     "--opd-teacher-load x is --opd-type megatron's teacher"),
+    (["--custom-reward-post-process-path", "slime.rollout.on_policy_distillation.post_process_rewards"],
+     "--custom-reward-post-process-path .* needs --use-opd --opd-type sglang"),
+    (["--custom-reward-post-process-path", "my.post_process"],
+     "--custom-reward-post-process-path .*must be slime.rollout.on_policy_distillation.post_process_rewards"),
     (["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/nowhere"],
      "--opd-teacher-load /nowhere: no such folder"),
 ])
 def test_incomplete_or_unbuilt_distillation_is_refused_naming_the_flag(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
         build_config(_base(tmp_path) + extra)
+
+
+def test_slimes_teacher_server_distillation_is_taken(tmp_path):
+    """slime's examples/on_policy_distillation/run-qwen3-8B-opd.sh: its reward function and post-process name the
+    teacher call; here they are --opd-type sglang with the teacher at --rm-url (tests/rollout/test_opd_teacher.py)."""
+    base = [a for a in _base(tmp_path) if a not in ("--rm-type", "digit")]
+    cfg = build_config(base + ["--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "1.0",
+                               "--rm-url", "http://10.0.0.5:13141/generate",
+                               "--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func",
+                               "--custom-reward-post-process-path",
+                               "slime.rollout.on_policy_distillation.post_process_rewards"])
+    assert (cfg.algo.opd_type, cfg.reward.rm_url) == ("sglang", "http://10.0.0.5:13141/generate")
+    with pytest.raises(ConfigError, match="reward_func posts each sample to a teacher server: it is --use-opd "
+                                          "--opd-type sglang here"):
+        build_config(base + ["--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"])

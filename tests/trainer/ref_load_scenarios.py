@@ -7,6 +7,8 @@ Megatron-LM-style root (tracker file, no slime_rl marker), or from the policy's 
 
 from __future__ import annotations
 
+import dataclasses
+
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from tests.trainer.trainer_ref import make_batch
 
@@ -78,6 +80,12 @@ def scenario_opd(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dic
     res["policy_logp_after_swap"] = w.compute_logprobs(batch)
     inputs = w.step_inputs(batch)
     res["old"], res["advantages"] = inputs.old, inputs.advantages
+    # --opd-type sglang: the same teacher's log-probs arriving with the batch (from the teacher's server) instead of
+    # the teacher's forward here
+    w.algo = dataclasses.replace(w.algo, opd_type="sglang")
+    served = dict(batch, teacher_logprobs=[[float(x) for x in row] for row in res["teacher_logp"]])
+    res["served/advantages"] = w.step_inputs(served).advantages
+    w.algo = dataclasses.replace(w.algo, opd_type="megatron")
     res["metrics"] = w.train_step(batch)
     w.shutdown()
     return res

@@ -90,3 +90,6 @@ def test_on_policy_distillation_from_a_megatron_teacher(records):
         assert _close(rec["old"], want_policy) < TOL
         assert _close(rec["advantages"], want_adv) < TOL
         assert rec["metrics"]["train/opd_reverse_kl"] == pytest.approx(masked_token_mean(gaps, batch), abs=TOL)
+        # --opd-type sglang: the teacher's log-probs from the batch (its server's) give the same advantages
+        served = [torch.tensor(a, dtype=torch.float64) for a in rec["advantages"]]
+        assert _close(rec["served/advantages"], served) < 1e-9

@@ -38,13 +38,18 @@ class EngineSteps:
                                            "the other requests of its batch continue", 500, "InternalServerError"))
 
     def _prefill(self, reqs: list[GenRequest]) -> None:
-        ready = []
+        ready, scored = [], []
         for req in reqs:
             if req.params.max_new_tokens - len(req.output_ids) <= 0:
+                if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+                    scored.append(req)  # SGLang's prompt scoring: the prompt's log-probs, nothing generated
+                    continue
                 with self._cond:
                     self._finish(req, {"type": "length", "length": req.params.max_new_tokens})
             else:
                 ready.append(req)
+        if scored:
+            self._score_prompts(scored)
         groups = []
         try:
             if ready:
@@ -75,6 +80,28 @@ class EngineSteps:
         with self._cond:
             self._admitting = []
             self._cond.notify_all()
+
+    def _score_prompts(self, reqs: list[GenRequest]) -> None:
+        """max_new_tokens 0 with return_logprob (a teacher's or a reward model's scoring of given tokens, as
+        slime's on-policy distillation asks SGLang): one prefill forward for the prompt log-probs, no token
+        sampled, no row kept; the requests finish as SGLang's do ("length", 0 tokens)."""
+        try:
+            self._prefill_forward(reqs)
+        except Exception as e:
+            if device_wide(e):
+                raise
+            for req in reqs:  # one request's fault: score each alone to find it
+                if not req.input_logprobs:
+                    try:
+                        self._prefill_forward([req])
+                    except Exception as e1:
+                        if device_wide(e1):
+                            raise
+                        self._fail_one(req, "prefill", e1)
+        with self._cond:
+            for req in reqs:
+                if not req.done.is_set():
+                    self._finish(req, {"type": "length", "length": req.params.max_new_tokens})
 
     def _prefill_forward(self, ready: list[GenRequest]) -> tuple[list[Row], torch.Tensor, object, torch.Tensor]:
         """One prefill forward of `ready` (and their prompt log-probs); returns their rows, mask, KV cache
