@@ -173,35 +173,33 @@ class EngineActor:
         """Run `cmd` and wait until its /health answers. A port held by `pick_port(hold=True)` goes to the
         process as an inherited socket (LISTEN_FD_ENV). An engine that exits first, or is not healthy in
         `timeout` seconds, raises EngineLaunchError with its last log lines."""
-        self._env = dict(env or {})
-        env = dict(os.environ) | self._env
         held, self._held = self._held, None
-        if held is not None:
-            env[LISTEN_FD_ENV] = str(held.fileno())
         try:
-            self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                            text=True, pass_fds=() if held is None else (held.fileno(),))
+            self._spawn(cmd, env, held)
         finally:
             if held is not None:
                 held.close()  # the engine's copy stays open
-        self._lines.clear()
-        self._pump_thread = threading.Thread(target=self._pump, args=(self.process,), daemon=True)
-        self._pump_thread.start()
         wait_healthy(url, timeout=timeout, process=self.process, recent_logs=self._recent_lines)
         self.url = url
         return url
+
+    def _spawn(self, cmd: list[str], env: dict[str, str] | None, held: socket.socket | None = None) -> None:
+        """Start `cmd` (this actor's environment plus `env`; `held`: a socket it inherits, named in LISTEN_FD_ENV)
+        with its output pumped to this actor's, the last lines kept for a launch error."""
+        self._env = dict(env or {})
+        full = dict(os.environ) | self._env | ({LISTEN_FD_ENV: str(held.fileno())} if held is not None else {})
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full, text=True,
+                                        pass_fds=() if held is None else (held.fileno(),))
+        self._lines.clear()
+        self._pump_thread = threading.Thread(target=self._pump, args=(self.process,), daemon=True)
+        self._pump_thread.start()
 
     def start_part(self, cmd: list[str], env: dict[str, str] | None = None, settle_s: float = 2.0) -> int:
         """Run node part 1.. of an engine over several nodes (SGLang --node-rank k): it serves no HTTP, so
         nothing answers /health; its TP ranks join node part 0's at --dist-init-addr, and part 0's /health
         answers once they all have. Returns its pid; EngineLaunchError when it exits within `settle_s`
         seconds (a bad flag, a missing model), with its last log lines."""
-        self._env = dict(env or {})
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        env=dict(os.environ) | self._env, text=True)
-        self._lines.clear()
-        self._pump_thread = threading.Thread(target=self._pump, args=(self.process,), daemon=True)
-        self._pump_thread.start()
+        self._spawn(cmd, env)
         try:
             code = self.process.wait(timeout=settle_s)
         except subprocess.TimeoutExpired:
