@@ -42,7 +42,7 @@ class Sample:
     # the last request, int32 [rows, layers * top_k], one row per position of `tokens` fed to the
     # engine's model (rows <= len(tokens) - 1); None when not asked
     rollout_routed_experts: Any = None
-    # --opd-type sglang: the teacher server's log-prob of each response token (rollout/teacher.py)
+    # --opd-type sglang: the teacher server's log-prob of each response token (rewards/teacher.py)
     teacher_logprobs: list[float] | None = None
 
     @property

@@ -72,7 +72,7 @@ from slime_rl.data import Sample
 from slime_rl.data.slime_compat import slime_sample_class, to_slime
 from slime_rl.rewards.builtin import BUILTIN
 from slime_rl.rewards.remote import RemoteRewardModel
-from slime_rl.rollout.teacher import fetch_teacher_logprobs
+from slime_rl.rewards.teacher import fetch_teacher_logprobs
 
 RewardFn = Callable[[Sample], object]
 GroupRewardFn = Callable[[list[Sample]], object]
@@ -397,7 +397,7 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
     - `generate_sets_reward`: without `rm_type` and `custom_rm_path`, the custom generate function scores each
       sample itself (slime's agent examples); one it left unscored is a failure naming that.
     - `opd_teacher_url`: --opd-type sglang's teacher (--rm-url): each sample's teacher log-probs are fetched
-      before it is scored (`rollout/teacher.py`; a failure is the sample's reward failure, and the sample is
+      before it is scored (`rewards/teacher.py`; a failure is the sample's reward failure, and the sample is
       not trained). slime's OPD reward function (`--custom-rm-path` SLIME_OPD_REWARD) scores 0.0, as its
       post-process does.
     """

@@ -279,7 +279,7 @@ class TrainerWorker(MegatronRank):
             adv, returns = token_advantages(self.algo, batch, old, ref, self.info.device, dp_group(), values)
         teacher = None
         if self.algo.use_opd:  # on-policy distillation: the teacher's log-probs, then the reverse KL in the advantages
-            if self.algo.opd_type == "sglang":  # from the teacher's own server, with the rollout (rollout/teacher.py)
+            if self.algo.opd_type == "sglang":  # from the teacher's own server, with the rollout (rewards/teacher.py)
                 teacher = [[float(x) for x in row] for row in batch["teacher_logprobs"]]
             else:
                 with self._swapped(self._teacher):

@@ -14,7 +14,7 @@ from rollout_testlib import float64_model, reference_logprobs, start_server
 from slime_rl.config.flags_from_slime import SLIME_OPD_REWARD
 from slime_rl.data import Sample
 from slime_rl.rewards.loader import make_reward_fn
-from slime_rl.rollout.teacher import TeacherError, response_logprobs
+from slime_rl.rewards.teacher import TeacherError, response_logprobs
 
 
 @pytest.fixture(scope="module")
