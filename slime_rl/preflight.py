@@ -23,7 +23,7 @@ from slime_rl.data import DataError, PromptDataset, TokenLimit, num_rollout_for_
 from slime_rl.data.debug_rollouts import read_debug_rollout
 from slime_rl.engines.launch import check_engine_config
 from slime_rl.orchestration.placement import PlacementPlan, assign_devices, plan_placement
-from slime_rl.rewards import RewardError, eval_reward_fn, reward_fn_from_config
+from slime_rl.rewards import RewardError, eval_reward_fn, opd_teacher_url, reward_fn_from_config
 from slime_rl.rewards.builtin import REWARDS
 from slime_rl.rewards.labels import label_problem
 from slime_rl.rollout.custom import load_filter, rollout_generate_function
@@ -75,7 +75,7 @@ def preflight(cfg: Config) -> tuple[Config, PlacementPlan]:
     # cluster, a module that is not on this machine at all is named as not checked here, as its data files are)
     with _user_module(cfg, not_here):
         reward_fn_from_config(cfg.reward, args=args, generate_sets_reward=cfg.rollout.generate_sets_reward,
-                              opd_teacher_url=cfg.reward.rm_url if cfg.algo.opd_type == "sglang" else None)
+                              opd_teacher_url=opd_teacher_url(cfg))
     for name, _ in cfg.eval.datasets:  # --eval-config: a set's own reward loads now too
         if {"rm_type", "custom_rm_path"} & set(cfg.eval.settings.get(name, {})):
             with _user_module(cfg, not_here):

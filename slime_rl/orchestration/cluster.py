@@ -6,8 +6,6 @@ is read back from its file by the RolloutManager."""
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -20,7 +18,7 @@ from slime_rl.engines.client import EngineClient
 from slime_rl.orchestration.buffer import Buffer
 from slime_rl.orchestration.engines import EngineActor, engine_command, engine_env
 from slime_rl.orchestration.failures import root_cause
-from slime_rl.orchestration.nodes import join_cluster
+from slime_rl.orchestration.nodes import join_cluster, ray_init
 from slime_rl.orchestration.placement import PlacementPlan
 from slime_rl.orchestration.rollout_manager import RolloutManager
 from slime_rl.orchestration.trainer_group import CRITIC, RankGroup, TrainerRankError
@@ -32,20 +30,12 @@ from slime_rl.weight_sync.colocated import MEMORY_TAGS, RESUME_AFTER_SYNC, RESUM
 
 def init_ray(plan: PlacementPlan) -> None:
     """Join the cluster of RAY_ADDRESS (the launch scripts' `ray start`), or start a local one sized for the plan."""
-    if ray.is_initialized():
-        return
     if os.environ.get("RAY_ADDRESS"):
         join_cluster(os.environ["RAY_ADDRESS"])
         return
-    # ray.init installs a crash handler for SIGTERM in the driver (it prints "*** SIGTERM received" and
-    # aborts, exit 134): the driver's own handler (train.main: unwind, one sentence, exit 143) goes back
-    main = threading.current_thread() is threading.main_thread()
-    sigterm = signal.getsignal(signal.SIGTERM) if main else None
     # Ray's CPU slots are logical: a 2-core laptop still gets one slot per bundle.
     cpus = int(sum(b.get("CPU", 1.0) for b in plan.bundles))  # colocated bundles hold two actors
-    ray.init(num_cpus=max(cpus + 1, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
-    if main and callable(sigterm):
-        signal.signal(signal.SIGTERM, sigterm)
+    ray_init(num_cpus=max(cpus + 1, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
 
 
 def colocated_visible_devices(plan: PlacementPlan, ranks: list[tuple[str, str | None]]) -> dict[tuple[int, int], str]:

@@ -38,6 +38,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class NodesMissing(RuntimeError):
@@ -73,9 +74,10 @@ def gpu_shape(nodes: list[dict]) -> tuple[int, int]:
     return (len(gpus), min(gpus)) if gpus else (1, 0)
 
 
-def join_cluster(address: str) -> None:
-    """ray.init(address=...), keeping the driver's SIGTERM handler (ray.init installs a crash handler for
-    SIGTERM: it prints "*** SIGTERM received" and aborts, exit 134). Nothing when Ray is initialized."""
+def ray_init(**kwargs: Any) -> None:
+    """ray.init(**kwargs), keeping the driver's SIGTERM handler: ray.init installs a crash handler for SIGTERM
+    (it prints "*** SIGTERM received" and aborts, exit 134); the driver's own (train.main: unwind, one
+    sentence, exit 143) goes back. Nothing when Ray is initialized."""
     import signal
     import threading
 
@@ -85,9 +87,14 @@ def join_cluster(address: str) -> None:
         return
     main = threading.current_thread() is threading.main_thread()
     sigterm = signal.getsignal(signal.SIGTERM) if main else None
-    ray.init(address=address)
+    ray.init(**kwargs)
     if main and callable(sigterm):
         signal.signal(signal.SIGTERM, sigterm)
+
+
+def join_cluster(address: str) -> None:
+    """Join the Ray cluster at `address` (`ray_init`: the driver keeps its SIGTERM handler)."""
+    ray_init(address=address)
 
 
 def pid_alive(pid: int) -> bool:

@@ -83,9 +83,9 @@ def _lora_layout(cfg: Config) -> dict:
 
         try:
             spec = spec_of_folder(cfg.model.lora_load)
+            rank, targets = spec.rank, tuple(spec.targets)
         except (OSError, ValueError, KeyError):
-            return {"lora_rank": rank, "lora_targets": targets}
-        return {"lora_rank": spec.rank, "lora_targets": tuple(spec.targets)}
+            pass  # not here: the flags'
     return {"lora_rank": rank, "lora_targets": targets}
 
 
@@ -339,7 +339,7 @@ def engine_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] |
         port = 30000 + 10 * slot.engine_id
         dist_init = None
         for k, where in enumerate(parts):
-            host_var = f"NODE{where.node}_IP" if where else "ENGINE_HOST" if slot.nodes == 1 else f"ENGINE_HOST{k}"
+            host_var = f"NODE{where.node}_IP" if where else "ENGINE_HOST"  # no devices: a CPU plan, one node
             host = _MARK.format(host_var)
             variables[host] = host_var
             if k == 0:

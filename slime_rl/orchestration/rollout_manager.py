@@ -29,7 +29,7 @@ from slime_rl.data.sample import TOKEN_VERSIONS_KEY
 from slime_rl.engines.client import AsyncEngineClient, AsyncRouterClient, EngineError
 from slime_rl.observability.debug_data import save_debug_data
 from slime_rl.orchestration.failures import EngineFailure, RolloutStarved
-from slime_rl.rewards import eval_reward_fn, reward_fn_from_config, reward_metric_means
+from slime_rl.rewards import eval_reward_fn, opd_teacher_url, reward_fn_from_config, reward_metric_means
 from slime_rl.rollout.custom import load_filter, rollout_generate_function
 from slime_rl.rollout.dynamic import generate_filtered_groups
 from slime_rl.rollout.eval import (
@@ -176,10 +176,9 @@ class RolloutManager:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
         self.slime_args = slime_args(cfg)  # what slime-style extension functions get as `args`
-        opd_teacher = cfg.reward.rm_url if cfg.algo.use_opd and cfg.algo.opd_type == "sglang" else None
         self.reward_fn = reward_fn_from_config(
             cfg.reward, failure_value=cfg.reward.reward_failure_value, args=self.slime_args,
-            generate_sets_reward=cfg.rollout.generate_sets_reward, opd_teacher_url=opd_teacher,
+            generate_sets_reward=cfg.rollout.generate_sets_reward, opd_teacher_url=opd_teacher_url(cfg),
             opd_temperature=cfg.rollout.temperature)
         self.dead: dict[int, str] = {}  # engine -> why it was declared dead; until it is revived
         self.options = RolloutOptions.from_config(

@@ -8,7 +8,7 @@ from slime_rl.rewards.builtin import (
     math_reward,
     token_f1,
 )
-from slime_rl.rewards.from_config import eval_reward_fn, reward_fn_from_config
+from slime_rl.rewards.from_config import eval_reward_fn, opd_teacher_url, reward_fn_from_config
 from slime_rl.rewards.loader import (
     GroupReward,
     GroupRewardFn,
@@ -54,6 +54,7 @@ __all__ = [
     "reward_metric_means",
     "resolve_reward",
     "eval_reward_fn",
+    "opd_teacher_url",
     "reward_fn_from_config",
     "score_samples",
     "token_f1",

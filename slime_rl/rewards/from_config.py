@@ -10,6 +10,11 @@ from slime_rl.config import Config, RewardConfig
 from slime_rl.rewards.loader import GroupReward, RewardFn, make_reward_fn
 
 
+def opd_teacher_url(cfg: Config) -> str | None:
+    """--use-opd --opd-type sglang's teacher: the /generate URL at --rm-url, or None."""
+    return cfg.reward.rm_url if cfg.algo.use_opd and cfg.algo.opd_type == "sglang" else None
+
+
 def reward_fn_from_config(reward: RewardConfig, failure_value: float | None = None,
                           args: Any = None, generate_sets_reward: bool = False,
                           opd_teacher_url: str | None = None, opd_temperature: float = 1.0) -> RewardFn | GroupReward:

@@ -330,11 +330,11 @@ def _deepseek_moe_fields(cfg: dict[str, Any], family: Family, where: str, num_la
                          f"{family.config_defaults.get('first_k_dense_replace', 0)}); a model without MoE layers is "
                          "a dense family")
     layers = tuple(i >= dense for i in range(num_layers))
-    if mt == "glm4_moe_lite" and "head_dim" in cfg and cfg["head_dim"] != cfg.get("qk_rope_head_dim"):
-        raise ValueError(f"{where}: head_dim={cfg['head_dim']} differs from qk_rope_head_dim="
-                         f"{cfg.get('qk_rope_head_dim')}: transformers' Glm4MoeLiteConfig reads head_dim as "
-                         "qk_rope_head_dim; give one value")
     if mt == "glm4_moe_lite":  # transformers builds from mlp_layer_types (default: the first dense), SGLang as above
+        if "head_dim" in cfg and cfg["head_dim"] != cfg.get("qk_rope_head_dim"):
+            raise ValueError(f"{where}: head_dim={cfg['head_dim']} differs from qk_rope_head_dim="
+                             f"{cfg.get('qk_rope_head_dim')}: transformers' Glm4MoeLiteConfig reads head_dim as "
+                             "qk_rope_head_dim; give one value")
         types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
         if len(types) != num_layers or set(types) - {"dense", "sparse"}:
             raise ValueError(f"{where}: mlp_layer_types={types!r} must name 'dense' or 'sparse' for each of the "
