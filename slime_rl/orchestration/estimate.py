@@ -385,6 +385,14 @@ def stage_lora_params(shape: ModelShape, lay: TrainerLayout, stage: int) -> int:
     return total
 
 
+def lora_params(shape: ModelShape, lay: TrainerLayout) -> int:
+    """The whole model's LoRA adapter parameters, unsharded (what --lora-sync adapter sends); 0 without LoRA."""
+    if not lay.lora_rank:
+        return 0
+    return sum(sum(shape.lora_params(lay.lora_rank, lay.lora_targets, moe_layer=i in shape.moe_layers))
+               for i in range(shape.layers))
+
+
 def estimate_memory(shape: ModelShape, lay: TrainerLayout) -> MemoryEstimate:
     """Trainer bytes per GPU (module docstring), for the stage whose total is largest."""
     if shape.layers % lay.pp and not lay.pipeline_layers:

@@ -14,6 +14,7 @@ from slime_rl.orchestration.estimate import (
     TrainerLayout,
     estimate_memory,
     estimate_sync,
+    lora_params,
     model_shape,
 )
 from slime_rl.orchestration.fit import (
@@ -230,6 +231,12 @@ def estimate_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...]
                  f"-> {sync.seconds:.3f} s per sync (every --update-weights-interval "
                  f"{cfg.weight_sync.update_weights_interval} step(s))")
     per_engine = cfg.engine.num_gpus_per_engine
+    if cfg.model.lora_sync == "adapter" and lay.lora_rank:
+        adapters = lora_params(shape, lay)
+        nbytes = adapters * (2 if lay.bf16 else 4)
+        lines.append(f"--lora-sync adapter: that sync once (the base), then {nbytes / 1e6:.1f} MB of adapters per "
+                     f"sync ({_count(adapters)} {dtype} parameters), in each engine's request once per TP rank as "
+                     f"base64: {nbytes * 4 / 3 * per_engine / 1e6:.1f} MB per engine")
     lines.append(f"weights per engine GPU: {sync.bytes / per_engine / GiB:.2f} GiB (TP {per_engine}); the KV cache "
                  "gets the rest of --sglang-mem-fraction-static")
     return lines

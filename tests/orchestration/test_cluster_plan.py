@@ -248,3 +248,19 @@ def test_user_modules_of_another_cluster_are_listed_not_refused(tmp_path, capsys
                        "--rollout-batch-size", "4", "--num-rollout", "1", *absent])
     err = capsys.readouterr().err
     assert code == 2 and "cannot import module 'my_tree_only_there" in err, err
+
+
+def test_the_plan_of_an_adapter_sync_counts_the_adapters(tmp_path, capsys):
+    """--lora-rank 8 --lora-sync adapter on the 7B recipe: the adapters A [8, in] and B [out, 8] of q, k, v, o,
+    gate, up, down in each of 28 layers, counted by hand from config.json (hidden 3584, 512 of k/v, MLP 18944),
+    bf16; each engine's request carries them base64 (4/3) once per TP rank (2)."""
+    hf = config_only(tmp_path, "qwen2_5_7b_instruct.json")
+    code = train_main(recipe_argv("qwen2_5_7b_grpo_math.yaml", hf, "--dry-run", "--cluster", "2x8",
+                                  "--lora-rank", "8", "--lora-sync", "adapter"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    h, kv, f = 3584, 512, 18944
+    nbytes = 2 * 28 * 8 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + f) + (f + h))
+    assert (f"--lora-sync adapter: that sync once (the base), then {nbytes / 1e6:.1f} MB of adapters per sync"
+            in out), out
+    assert f"base64: {nbytes * 4 / 3 * 2 / 1e6:.1f} MB per engine" in out
