@@ -276,6 +276,9 @@ def check_lora(cfg: Config, arch: Any, model_type: str) -> None:
 
     m = cfg.model
     if not (m.lora_rank or m.lora_load):
+        if m.lora_sync != "merged":
+            raise ConfigError(f"--lora-sync {m.lora_sync}: there are no adapters to send without --lora-rank or "
+                              "--lora-load")
         return
     family = FAMILIES[model_type]
     if family.mla or family.vision:
@@ -285,7 +288,7 @@ def check_lora(cfg: Config, arch: Any, model_type: str) -> None:
     targets = tuple(m.lora_target_modules)
     if m.lora_load:
         if not os.path.isdir(m.lora_load):
-            if cfg.plan.cluster is not None:
+            if cfg.plan.cluster is not None and m.lora_sync == "merged":
                 return  # a path on the cluster's nodes: checked when the ranks start
             raise ConfigError(f"--lora-load {m.lora_load}: no such folder")
         try:
@@ -305,13 +308,47 @@ def check_lora(cfg: Config, arch: Any, model_type: str) -> None:
         targets = spec.targets
     maps = [pm for i in range(arch.num_layers) for pm in arch.layer_maps(i)]
     try:
-        lt.choose(maps, targets)
+        chosen = lt.choose(maps, targets)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if m.lora_sync == "adapter":
+        adapted = {lt.short_name(h) for pm in maps if pm.mcore in chosen
+                   for h, on in zip(pm.hf, chosen[pm.mcore], strict=True) if on}
+        check_lora_adapter_sync(cfg, adapted, bool(arch.num_experts))
     if arch.num_experts and lt.ALL_LINEAR in targets:
         warnings.warn("--lora-target-modules all-linear on a mixture-of-experts model adapts the attention and any "
                       "shared or dense MLP; the routers and the routed experts train neither (LoRA on routed "
                       "experts is not built)", ConfigNote, stacklevel=2)
+
+
+ATTENTION_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+
+
+def check_lora_adapter_sync(cfg: Config, adapted: set[str], moe: bool) -> None:
+    """--lora-sync adapter: what the engines can take as adapters. SGLang 0.5.23 stacks a layer's q/k/v
+    adapters into its fused qkv_proj from q_proj's and v_proj's (k_proj may be missing: zeros), and gate/up
+    into gate_up_proj from gate_proj's (srt/lora/lora.py normalize_qkv_proj, normalize_gate_up_proj); its
+    LoRA on MoE models' shared experts is not checked here (tests/contract/test_sglang_lora_adapter.py covers
+    dense layers and attention)."""
+    flag = "--lora-sync adapter"
+    if cfg.fault.use_fault_tolerance:
+        raise ConfigError(f"{flag} with --use-fault-tolerance: a restarted engine would serve the base without "
+                          "the adapters until the next sync; use --lora-sync merged (the default)")
+    if cfg.engine.backend != "sglang":
+        return  # the built-in engine merges any adapted linear into its weights
+    qkv = adapted & {"q_proj", "k_proj", "v_proj"}
+    if qkv and not {"q_proj", "v_proj"} <= adapted:
+        raise ConfigError(f"{flag}: SGLang builds a layer's q/k/v adapter from q_proj's and v_proj's, and this run "
+                          f"adapts {', '.join(sorted(qkv))} only; add q_proj and v_proj to --lora-target-modules, "
+                          "or use --lora-sync merged")
+    if "up_proj" in adapted and "gate_proj" not in adapted:
+        raise ConfigError(f"{flag}: SGLang builds a layer's gate/up adapter from gate_proj's, and this run adapts "
+                          "up_proj without it; add gate_proj to --lora-target-modules, or use --lora-sync merged")
+    if moe and adapted - ATTENTION_LINEARS:
+        raise ConfigError(f"{flag} on a mixture-of-experts model: SGLang's LoRA on its shared or dense MLPs "
+                          f"({', '.join(sorted(adapted - ATTENTION_LINEARS))}) is not checked here; adapt the "
+                          "attention only (--lora-target-modules q_proj,k_proj,v_proj,o_proj), or use --lora-sync "
+                          "merged")
 
 
 def check_model_args(cfg: Config, hf: dict, arch: Any) -> None:

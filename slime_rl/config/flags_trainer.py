@@ -154,7 +154,7 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
         Flag('--lora-rank', 'model.lora_rank', default=0, type=_nonneg_int,
              help="train LoRA adapters of this rank instead of the whole model (0: off): the base weights frozen, "
                   "the optimizer over the adapters only, the reference policy of the KL terms the base without "
-                  "adapters; the engines get merged weights (docs/lora.md)"),
+                  "adapters; the engines get merged weights, or the adapters alone (--lora-sync; docs/lora.md)"),
         Flag('--lora-alpha', 'model.lora_alpha', type=_positive_float,
              help="PEFT's lora_alpha: the adapters' output is scaled by alpha / rank (default: PEFT's, 8)"),
         Flag('--lora-dropout', 'model.lora_dropout', default=0.0, type=_nonneg_float,
@@ -172,6 +172,11 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
              help="start from a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) of the "
                   "--hf-checkpoint model; its r, lora_alpha and target_modules are the run's (a --lora-* flag "
                   "given too must agree)"),
+        Flag('--lora-sync', 'model.lora_sync', default="merged", choices=("merged", "adapter"),
+             help="what each weight sync sends the engines: merged (every adapted weight as W + B A alpha / r, "
+                  "through the usual paths) or adapter (the first sync sends the base, every sync the adapters "
+                  "alone as PEFT's tensors through SGLang's /load_lora_adapter_from_tensors; the requests name "
+                  "the newest; SGLang serves them unmerged, the built-in engine merges them)"),
     ),
     *section('checkpoints (Megatron names)',
         Flag('--save', 'checkpoint.save'),

@@ -136,6 +136,7 @@ class ModelConfig:
     lora_dropout: float = default_of("--lora-dropout")
     lora_target_modules: tuple[str, ...] = default_of("--lora-target-modules")
     lora_load: str | None = default_of("--lora-load")
+    lora_sync: str = default_of("--lora-sync")  # merged | adapter: what a weight sync sends
     # --sglang-enable-fp32-lm-head: logits in fp32 on the engines (SGLang's flag, the built-in engine's
     # too) and in the trainer alike, so both sides round the logits the same way
     fp32_lm_head: bool = False

@@ -32,8 +32,11 @@ from slime_rl.engines.payloads import (
     generate_payload,
     get_weights_by_name_payload,
     init_weights_update_group_payload,
+    load_lora_adapter_from_tensors_payload,
+    load_lora_adapter_payload,
     memory_occupation_payload,
     pause_generation_payload,
+    unload_lora_adapter_payload,
     update_weight_version_payload,
     update_weights_from_distributed_payload,
     update_weights_from_tensor_payload,
@@ -48,12 +51,22 @@ class EngineError(RuntimeError):
                          else f"engine {where} unreachable: {message}")
 
 
+class AdapterChoice:
+    """The LoRA adapter a rollout's /generate requests name (`lora_path`, --lora-sync adapter): one object
+    shared by the rollout's clients, set after each weight sync; `name` None: the base model (no field)."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name
+
+
 class _Endpoints:
     """Endpoint methods shared by both clients; `_call` sends (sync) or returns a coroutine (async)."""
 
     # /generate takes SGLang's batch form (lists of input_ids, sampling_params, rid, image_data):
     # GenerateReqInput.normalize_batch_and_arguments, answered as a list in the same order
     batch_generate = True
+    # every /generate names this adapter unless its body names one (set by the rollout's owner)
+    adapter: AdapterChoice | None = None
 
     def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
         raise NotImplementedError
@@ -61,12 +74,18 @@ class _Endpoints:
     def generate(self, input_ids: Any = None, sampling_params: dict[str, Any] | None = None,
                  return_logprob: bool = True, rid: Any = None, image_data: Any = None, **kwargs: Any) -> Any:
         """POST /generate: one response dict, or a list of them for a batch of prompts."""
-        return self._call("POST", "/generate", generate_payload(input_ids, sampling_params or {}, return_logprob,
-                                                                rid, image_data, **kwargs))
+        return self._call("POST", "/generate", self._with_adapter(generate_payload(
+            input_ids, sampling_params or {}, return_logprob, rid, image_data, **kwargs)))
 
     def generate_body(self, body: dict[str, Any]) -> Any:
         """POST /generate with a body built elsewhere (a user's function, SGLang's field names)."""
-        return self._call("POST", "/generate", dict(body))
+        return self._call("POST", "/generate", self._with_adapter(dict(body)))
+
+    def _with_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = self.adapter.name if self.adapter is not None else None
+        if name is not None and body.get("lora_path") is None:
+            body["lora_path"] = name  # one name for every prompt of a batch body (SGLang repeats it)
+        return body
 
     def get_model_info(self) -> Any:
         """GET /model_info (SGLang 0.5.23 logs /get_model_info as deprecated; both answer the same)."""
@@ -120,6 +139,17 @@ class _Endpoints:
 
     def end_weight_update(self) -> Any:
         return self._call("POST", "/end_weight_update", end_weight_update_payload())
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict[str, Any],
+                                       serialized_named_tensors: Sequence[str], pinned: bool = False) -> Any:
+        return self._call("POST", "/load_lora_adapter_from_tensors", load_lora_adapter_from_tensors_payload(
+            lora_name, config_dict, serialized_named_tensors, pinned))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> Any:
+        return self._call("POST", "/load_lora_adapter", load_lora_adapter_payload(lora_name, lora_path, pinned))
+
+    def unload_lora_adapter(self, lora_name: str) -> Any:
+        return self._call("POST", "/unload_lora_adapter", unload_lora_adapter_payload(lora_name))
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
         return self._call("POST", "/release_memory_occupation", memory_occupation_payload(tags))

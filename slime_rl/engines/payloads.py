@@ -151,6 +151,30 @@ def end_weight_update_payload() -> dict[str, Any]:
     return {}
 
 
+def lora_adapter_name(version: str) -> str:
+    """The name the engines serve a LoRA run's adapters of weight version `version` under (--lora-sync
+    adapter); a request names it in `lora_path`."""
+    return f"policy_v{version}"
+
+
+def load_lora_adapter_from_tensors_payload(lora_name: str, config_dict: dict[str, Any],
+                                           serialized_named_tensors: Sequence[str],
+                                           pinned: bool = False) -> dict[str, Any]:
+    """LoadLoRAAdapterFromTensorsReqInput: PEFT's adapter_config as a dict and one serialized_named_tensors
+    entry per engine TP rank, each the whole adapter (SGLang's LoRA layers slice A and B themselves)."""
+    return {"lora_name": lora_name, "config_dict": dict(config_dict),
+            "serialized_named_tensors": list(serialized_named_tensors), "pinned": pinned}
+
+
+def load_lora_adapter_payload(lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, Any]:
+    """LoadLoRAAdapterReqInput: a PEFT folder the engine reads."""
+    return {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+
+
+def unload_lora_adapter_payload(lora_name: str) -> dict[str, Any]:
+    return {"lora_name": lora_name}
+
+
 def decode_routed_experts(value: Any, where: str = "routed_experts") -> np.ndarray:
     """meta_info["routed_experts"] -> a flat int32 array (the caller knows its shape)."""
     if not isinstance(value, str):

@@ -18,7 +18,8 @@ The sender must keep the tensors alive until the engine has answered (the engine
 parameters before answering).
 
 Decoding never runs a plain `pickle.loads` on what came over HTTP: `RestrictedUnpickler` resolves only
-torch's rebuild functions, its storage classes, `torch.Size`, `torch.Tensor`, `torch.device` and dtypes;
+torch's rebuild functions, its storage classes, `torch.Size`, `torch.Tensor`, `torch.device` and dtypes
+(and a storage's bytes, read by `torch.load(weights_only=True)`, for `serialize_by_value`'s entries);
 any other global is refused with `UnsafePayloadError`.
 """
 
@@ -29,6 +30,7 @@ import binascii
 import importlib
 import io
 import pickle
+import types
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 
@@ -48,6 +50,9 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset({
     ("torch", "Size"),
     ("torch", "Tensor"),
     ("torch", "device"),
+    # tensors BY VALUE (`serialize_by_value`): a plain pickle carries each storage's bytes
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("collections", "OrderedDict"),             # _rebuild_tensor_v2's (empty) backward hooks
 })
 
 
@@ -90,12 +95,58 @@ class RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> object:
         if (module, name) == (_REDUCTIONS, "rebuild_cuda_tensor"):
             return _rebuild_cuda_tensor_by_uuid
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _storage_from_bytes
         if (module, name) in ALLOWED_GLOBALS:
             return getattr(importlib.import_module(module), name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafePayloadError(f"serialized_named_tensors: global {module}.{name} is not allowed (only torch's "
                                  "tensor/storage rebuild functions, storage classes, Size, device and dtypes)")
+
+
+def _storage_from_bytes(data: bytes) -> torch.UntypedStorage | torch.TypedStorage:
+    """torch.storage._load_from_bytes without its plain `torch.load`: weights_only, and a storage or nothing."""
+    storage = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(storage, (torch.UntypedStorage, torch.TypedStorage)):
+        raise UnsafePayloadError(f"serialized_named_tensors: a storage's bytes hold a {type(storage).__name__}")
+    return storage
+
+
+def _load_from_bytes(data: bytes) -> object:  # pickled by name as torch.storage._load_from_bytes
+    raise AssertionError("a marker for _ByValuePickler, never called")
+
+
+class _ByValuePickler(pickle._Pickler):
+    """A plain pickle of tensors whose storages are named `torch.storage._load_from_bytes`, as torch pickles
+    them, whoever replaced that function in this process: megatron-core does (its `safe_load_from_bytes`, a
+    global no receiver allows). The pure-Python pickler: its dispatch table can be told the name."""
+
+    def reducer_override(self, obj: object) -> object:
+        if isinstance(obj, torch.storage.TypedStorage):  # what a tensor's reduce hands over
+            buf = io.BytesIO()
+            torch.save(obj, buf, _use_new_zipfile_serialization=False)  # as TypedStorage.__reduce__ does
+            return _load_from_bytes, (buf.getvalue(),)
+        return NotImplemented
+
+    def _save_function(self, obj: object) -> None:
+        if obj is _load_from_bytes:
+            self.write(pickle.GLOBAL + b"torch.storage\n_load_from_bytes\n")
+            self.memoize(obj)
+            return
+        self.save_global(obj)
+
+    dispatch = {**pickle._Pickler.dispatch, types.FunctionType: _save_function}
+
+
+def serialize_by_value(named: dict[str, torch.Tensor]) -> str:
+    """One entry of serialized_named_tensors that carries the tensors' bytes (a plain pickle of {name: CPU
+    tensor}): any host decodes it, SGLang's SafeUnpickler and `deserialize_named_tensors` alike. For what is
+    small enough to copy (LoRA adapters); the weights go by reference."""
+    buf = io.BytesIO()
+    _ByValuePickler(buf, pickle.HIGHEST_PROTOCOL).dump(
+        {str(n): t.detach().to("cpu").contiguous() for n, t in named.items()})
+    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def use_file_system_sharing() -> None:

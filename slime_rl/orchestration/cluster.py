@@ -15,8 +15,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime_rl.config import Config
 from slime_rl.engines.client import EngineClient
+from slime_rl.engines.payloads import lora_adapter_name
 from slime_rl.orchestration.buffer import Buffer
-from slime_rl.orchestration.engines import EngineActor, engine_command, engine_env
+from slime_rl.orchestration.engines import EngineActor, engine_command, engine_env, engines_back_up_weights
 from slime_rl.orchestration.failures import root_cause
 from slime_rl.orchestration.nodes import join_cluster, ray_init
 from slime_rl.orchestration.placement import PlacementPlan
@@ -223,7 +224,14 @@ class Cluster:
 
     def resume(self) -> int:
         """--load: restore the newest complete checkpoint and push its weights to the engines.
-        Returns the first step to run (0 when there is nothing to resume)."""
+        Returns the first step to run (0 when there is nothing to resume). A fresh start with --lora-load
+        pushes the loaded adapters (the engines loaded the base alone)."""
+        step = self._resume()
+        if step == 0 and self.cfg.model.lora_load and not self.train_only:
+            self.sync_weights(version=self.weight_version)
+        return step
+
+    def _resume(self) -> int:
         if not self.cfg.checkpoint.load:
             return 0
         from slime_rl.trainer.checkpoint_layout import choose_checkpoint
@@ -319,7 +327,12 @@ class Cluster:
             t = time.perf_counter()
             self._on_engines("resume_memory_occupation", RESUME_BEFORE_SYNC)
             resumed["perf/resume_weights_s"] = time.perf_counter() - t
-        metrics = self.trainers.sync_weights(version, weights_dropped=released)
+        # a release drops the engines' weights unless they keep a host copy, which the resume puts back
+        dropped = released and not engines_back_up_weights(self.cfg)
+        metrics = self.trainers.sync_weights(version, weights_dropped=dropped)
+        if self.cfg.model.lora_sync == "adapter" and (self.cfg.model.lora_rank or self.cfg.model.lora_load):
+            # the rollout's requests name the adapters just loaded (the previous ones unload once theirs end)
+            ray.get(self.rollout_manager.use_adapter.remote(lora_adapter_name(version)))
         if released:
             t = time.perf_counter()
             self._on_engines("resume_memory_occupation", RESUME_AFTER_SYNC)

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import ray
 
@@ -86,6 +87,32 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def sglang_lora_args(cfg: Config) -> dict[str, Any]:
+    """--lora-sync adapter: SGLang serves adapters only with --enable-lora, and one loaded after the start
+    (/load_lora_adapter_from_tensors) only within --max-lora-rank and --lora-target-modules (its "all" for
+    all-linear). The adapter's rank: --lora-rank, else --lora-load's (preflight checked the folder)."""
+    m = cfg.model
+    if not (m.lora_sync == "adapter" and (m.lora_rank or m.lora_load)):
+        return {}
+    rank = m.lora_rank
+    targets = tuple(m.lora_target_modules)
+    if m.lora_load:
+        from slime_rl.trainer.convert.lora_targets import spec_of_folder
+
+        spec = spec_of_folder(m.lora_load)
+        rank, targets = spec.rank, spec.targets
+    return {"enable_lora": True, "max_lora_rank": int(rank),
+            "lora_target_modules": ["all"] if "all-linear" in targets else sorted(targets)}
+
+
+def engines_back_up_weights(cfg: Config) -> bool:
+    """Whether a colocated release keeps the engines' weights on the host (SGLang's and the built-in engine's
+    --enable-weights-cpu-backup): given by the user, or chosen for --lora-sync adapter, whose syncs send the
+    adapters alone and so need the base to come back by itself after each release."""
+    adapters = cfg.model.lora_sync == "adapter" and bool(cfg.model.lora_rank or cfg.model.lora_load)
+    return bool(cfg.engine.sglang_args.get("enable_weights_cpu_backup")) or (adapters and cfg.engine.colocate)
+
+
 def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key: str | None, use_gpu: bool,
                    nccl_port: int | None = None, node_rank: int = 0, dist_init_addr: str | None = None) -> list[str]:
     """The launch command of one engine: what the actor runs and what --dry-run prints. The built-in
@@ -104,6 +131,10 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
             extra.setdefault("enable_deterministic_inference", True)
         if cfg.trainer.use_rollout_routing_replay:  # SGLang returns routed_experts only with this switch
             extra["enable_return_routed_experts"] = True
+        for name, value in sglang_lora_args(cfg).items():  # a --sglang-max-lora-rank etc. of the user's stays
+            extra.setdefault(name, value)
+        if engines_back_up_weights(cfg):
+            extra["enable_weights_cpu_backup"] = True
         # base GPU 0: the actor holds exactly the engine's devices (Ray sets CUDA_VISIBLE_DEVICES to them)
         return sglang_command(model_path=cfg.model.hf_checkpoint, host=host, port=port,
                               tp_size=slot.num_gpus, nccl_port=nccl_port,
@@ -118,6 +149,7 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
     # SGLang's own switch passed through (--sglang-enable-deterministic-inference) gives the
     # batch-invariant kernels without per-request seeds, as in SGLang
     shared["enable_deterministic_inference"] = deterministic or shared.get("enable_deterministic_inference", False)
+    shared["enable_weights_cpu_backup"] = engines_back_up_weights(cfg)
     return embedded_command(ServerConfig(
         model_path=str(cfg.model.hf_checkpoint), host=host, port=port, random_seed=seed,
         device="cuda" if use_gpu else "cpu", dtype="bfloat16" if cfg.model.bf16 else "float32",

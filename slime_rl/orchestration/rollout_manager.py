@@ -26,7 +26,7 @@ from slime_rl.config.slime_args import slime_args
 from slime_rl.data import PromptDataset, Sample
 from slime_rl.data.debug_rollouts import read_debug_rollout
 from slime_rl.data.sample import TOKEN_VERSIONS_KEY
-from slime_rl.engines.client import AsyncEngineClient, AsyncRouterClient, EngineError
+from slime_rl.engines.client import AdapterChoice, AsyncEngineClient, AsyncRouterClient, EngineError
 from slime_rl.observability.debug_data import save_debug_data
 from slime_rl.orchestration.failures import EngineFailure, RolloutStarved
 from slime_rl.rewards import eval_reward_fn, opd_teacher_url, reward_fn_from_config, reward_metric_means
@@ -172,6 +172,7 @@ class RolloutManager:
         self.cfg = cfg
         self.engine_urls = engine_urls
         self.router_url: str | None = None  # --use-sglang-router: /generate goes through it (use_router)
+        self.adapter = AdapterChoice()  # --lora-sync adapter: what /generate names (use_adapter); None: the base
         self.api_key = api_key
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
@@ -206,8 +207,17 @@ class RolloutManager:
     def _clients(self, live_only: bool = False) -> list[AsyncEngineClient]:
         urls = [url for k, url in enumerate(self.engine_urls) if not (live_only and k in self.dead)]
         if self.router_url is not None:  # /generate through the router, control calls to every engine
-            return [AsyncRouterClient(self.router_url, urls, api_key=self.api_key)]
-        return [AsyncEngineClient(url, api_key=self.api_key) for url in urls]
+            clients = [AsyncRouterClient(self.router_url, urls, api_key=self.api_key)]
+        else:
+            clients = [AsyncEngineClient(url, api_key=self.api_key) for url in urls]
+        for c in clients:
+            c.adapter = self.adapter
+        return clients
+
+    def use_adapter(self, name: str) -> None:
+        """--lora-sync adapter: from now on every /generate names the adapters loaded as `name` (also the
+        requests of a rollout already running: its clients share this choice)."""
+        self.adapter.name = name
 
     async def generate(self, step: int, buffer) -> dict[str, float]:
         """Fill the step's groups (filter, over-sampling and partial rollout per the flags), put the

@@ -23,6 +23,7 @@ from slime_rl.config import Config
 from slime_rl.orchestration.engines import free_port
 from slime_rl.orchestration.placement import balanced_dp_shard, dp_shard
 from slime_rl.trainer.debug_data import TrainDataDump  # plain Python, no megatron: the driver may import it
+from slime_rl.weight_sync.adapter import AdapterSender
 from slime_rl.weight_sync.broadcast import GROUP_NAME, EngineTarget, WeightBroadcaster, in_stage_order
 from slime_rl.weight_sync.colocated import ColocatedUpdater, EngineShare, PipelineStages
 
@@ -93,6 +94,7 @@ class RankActor:
         self.broadcaster: WeightBroadcaster | ColocatedUpdater | None = None
         self.rejoins = 0  # groups re-created after an engine restart (--use-fault-tolerance)
         self._synced_once = False  # a frozen vision tower is sent by the first sync only
+        self.adapters: AdapterSender | None = None  # --lora-sync adapter, on global rank 0
         self._critic_step: tuple[int, list[int], dict[str, Any], list] | None = None  # compute_values -> train_critic
         # Ray gives each actor its own GPU as cuda:0; on CPU one thread per rank avoids oversubscription
         os.environ["LOCAL_RANK"] = "0"
@@ -199,6 +201,14 @@ class RankActor:
         self.broadcaster = WeightBroadcaster(targets, self.cfg.weight_sync, self.worker.is_weight_source,
                                              master_addr, master_port, world_size, backend, group_name=name)
         self.broadcaster.connect()
+        self._connect_adapters(targets)
+
+    def _connect_adapters(self, targets: list[EngineTarget]) -> None:
+        """--lora-sync adapter: global rank 0 sends the adapters to every engine (weight_sync/adapter.py)."""
+        if self.rank == 0 and self.cfg.model.lora_sync == "adapter" and self.worker.lora:
+            if self.adapters is not None:
+                self.adapters.close()
+            self.adapters = AdapterSender(targets, self.cfg.engine.num_gpus_per_engine)
 
     def connect_colocated(self, targets: list[EngineTarget], spans: list[list[int]]) -> None:
         """--colocate: engine e runs beside trainer ranks spans[e] (its TP rank i on spans[e][i]'s GPU);
@@ -206,8 +216,30 @@ class RankActor:
         share = EngineShare.create(self.rank, spans)
         self.broadcaster = ColocatedUpdater(targets, [e for e, ranks in enumerate(spans) if self.rank in ranks],
                                             self.cfg.weight_sync, share)
+        self._connect_adapters(targets)
 
     def sync_weights(self, version: str, weights_dropped: bool = False) -> dict[str, float]:
+        """All ranks. --lora-sync adapter: the base by the first sync (and after a release that dropped the
+        engines' weights), adapters off; then the adapters alone, from global rank 0 (`AdapterSender`,
+        without pausing the engines). Otherwise every weight, merged with its adapter in a LoRA run."""
+        if not (self.cfg.model.lora_sync == "adapter" and self.worker.lora):
+            return self._sync_weights(version, weights_dropped)
+        metrics: dict[str, float] = {}
+        if not self._synced_once or weights_dropped:
+            self.worker.set_adapters_enabled(False)
+            try:
+                metrics = self._sync_weights(version, weights_dropped)
+            finally:
+                self.worker.set_adapters_enabled(True)
+        state = self.worker.peft_adapter_state()
+        if state is None:  # only global rank 0 holds the whole adapters
+            return metrics
+        sent = self.adapters.send(*state, version)
+        for k in ("weight_sync/bytes", "weight_sync/seconds"):  # with the base's, when it went too
+            sent[k] += metrics.get(k, 0.0)
+        return metrics | sent
+
+    def _sync_weights(self, version: str, weights_dropped: bool = False) -> dict[str, float]:
         """All ranks: rank 0 pauses the engines and opens their weight-update session (SGLang
         0.5.23 refuses updates outside one); the stages' sources send their layers one stage after
         another (in_stage_order: stages sending at once deadlock two engines); rank 0 closes the
@@ -259,6 +291,8 @@ class RankActor:
         return self.worker.load_latest_checkpoint(root)
 
     def shutdown(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
         if self.broadcaster is not None:
             self.broadcaster.close()
         if self.worker is not None:
@@ -331,8 +365,11 @@ class RankGroup:
         phases = {f"perf/weight_sync_{k[len('weight_sync/'):-len('_seconds')]}_s": slowest[k]
                   for k in ("weight_sync/build_seconds", "weight_sync/fill_seconds", "weight_sync/http_wait_seconds",
                             "weight_sync/device_wait_seconds") if k in slowest}
+        # --lora-sync adapter (global rank 0): the adapters' tensor bytes and the seconds their loads took
+        adapter = {k: r[k] for r in results for k in ("weight_sync/adapter_bytes", "perf/weight_sync_adapter_s")
+                   if k in r}
         return {"weight_sync/bytes": total, "perf/weight_sync_GBps": total / seconds / 1e9,
-                "perf/weight_sync_send_s": slowest["weight_sync/seconds"], **phases}
+                "perf/weight_sync_send_s": slowest["weight_sync/seconds"], **phases, **adapter}
 
     def save_hf(self, path: str) -> str:
         """--save-hf: every rank takes part (gathers), rank 0 writes the folder."""

@@ -185,6 +185,20 @@ def save_hf_folder(model: torch.nn.Module, arch: ModelArch, out: str | Path, hf_
     return out
 
 
+def gather_peft_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """A LoRA run's adapters whole under PEFT's names (CPU tensors), on global rank 0; None on the other
+    ranks. Every rank calls it: the TP slices are gathered, the pipeline stages' adapters all-gathered by
+    the ranks of TP and DP rank 0."""
+    from slime_rl.trainer import lora
+
+    state = lora.peft_state(lora.adapters_of(unwrap(model)), mpu.get_tensor_model_parallel_group())
+    if mpu.get_tensor_model_parallel_rank() != 0 or mpu.get_data_parallel_rank() != 0:
+        return None
+    stages: list = [None] * mpu.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, state, group=mpu.get_pipeline_model_parallel_group())
+    return {k: v for stage in stages for k, v in stage.items()} if dist.get_rank() == 0 else None
+
+
 def save_peft_adapter(model: torch.nn.Module, spec, out: str | Path, hf_dir: str | Path) -> Path:  # noqa: ANN001
     """A LoRA run's adapters as a PEFT folder at `out` (adapter_config.json + adapter_model.safetensors, PEFT's
     names, whole tensors; atomic like the HF folder): every rank calls it, global rank 0 writes. `spec`:
@@ -192,17 +206,13 @@ def save_peft_adapter(model: torch.nn.Module, spec, out: str | Path, hf_dir: str
     from slime_rl.trainer import lora
 
     out = Path(out)
-    state = lora.peft_state(lora.adapters_of(unwrap(model)), mpu.get_tensor_model_parallel_group())
-    if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
-        stages: list = [None] * mpu.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(stages, state, group=mpu.get_pipeline_model_parallel_group())
-        if dist.get_rank() == 0:
-            tensors = {k: v for stage in stages for k, v in stage.items()}
-            modules = sorted(lora.peft_modules(tensors))
-            tmp = _fresh_tmp(out)
-            save_file(dict(sorted(tensors.items())), str(tmp / lora.PEFT_WEIGHTS), metadata={"format": "pt"})
-            config = lora.peft_config(spec, modules, str(hf_dir))
-            (tmp / lora.PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-            _swap_in(tmp, out)
+    tensors = gather_peft_state(model)
+    if tensors is not None:
+        modules = sorted(lora.peft_modules(tensors))
+        tmp = _fresh_tmp(out)
+        save_file(dict(sorted(tensors.items())), str(tmp / lora.PEFT_WEIGHTS), metadata={"format": "pt"})
+        config = lora.peft_config(spec, modules, str(hf_dir))
+        (tmp / lora.PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        _swap_in(tmp, out)
     dist.barrier()
     return out

@@ -56,6 +56,7 @@ from slime_rl.trainer.convert.lora_targets import (  # noqa: F401  (re-exported:
     peft_modules,
     read_peft_config,
     read_peft_folder,
+    sglang_adapter_config,
     short_name,
     spec_from_record,
     spec_of_folder,

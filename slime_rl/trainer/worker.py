@@ -428,6 +428,20 @@ class TrainerWorker(MegatronRank):
         return str(out)
 
     @on_rank_thread
+    def peft_adapter_state(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """--lora-sync adapter: the adapters whole under PEFT's names and their adapter_config, on global rank 0
+        (None elsewhere); every rank calls it (TP gathers, an all-gather over the pipeline stages)."""
+        tensors = hf_export.gather_peft_state(self.gpt)
+        if tensors is None:
+            return None
+        return tensors, lora.sglang_adapter_config(self.lora_spec, lora.peft_modules(tensors),
+                                                   str(self.model_cfg.hf_checkpoint))
+
+    def set_adapters_enabled(self, on: bool) -> None:
+        """Off: the model is the base (what a base weight sync sends); on: base + adapters."""
+        lora.set_enabled(self.gpt, on)
+
+    @on_rank_thread
     def save_peft(self, path: str) -> str:
         """The LoRA adapters as a PEFT folder at `path` (hf_export.save_peft_adapter); every rank calls it."""
         return str(hf_export.save_peft_adapter(self.gpt, self.lora_spec, path, self.model_cfg.hf_checkpoint))

@@ -119,3 +119,31 @@ def test_the_plan_counts_the_adapters_of_the_lora_load_folder(tiny_qwen2, tmp_pa
     # r x (in + out) per adapted linear, for q_proj and v_proj of each layer (the planner counts every layer)
     want = shape.layers * 4 * ((hidden + heads * head_dim) + (hidden + kv_heads * head_dim))
     assert stage_lora_params(shape, lay, 0) == want < stage_lora_params(shape, whole, 0)
+
+
+@pytest.mark.parametrize("model, extra, message", [
+    ("tiny_qwen2", ["--lora-sync", "adapter"], "no adapters to send without --lora-rank"),
+    ("tiny_qwen2", ["--lora-rank", "4", "--lora-sync", "adapter", "--use-fault-tolerance"], "--use-fault-tolerance"),
+    ("tiny_qwen2", ["--lora-rank", "4", "--lora-sync", "adapter", "--rollout-backend", "sglang",
+                    "--lora-target-modules", "k_proj,o_proj"], "add q_proj and v_proj"),
+    ("tiny_qwen2", ["--lora-rank", "4", "--lora-sync", "adapter", "--rollout-backend", "sglang",
+                    "--lora-target-modules", "q_proj,v_proj,up_proj"], "add gate_proj"),
+    ("tiny_qwen2_moe", ["--lora-rank", "4", "--lora-sync", "adapter", "--rollout-backend", "sglang"],
+     "adapt the attention only"),
+])
+def test_adapter_sync_refuses_what_the_engines_cannot_take(model, extra, message, request):
+    """--lora-sync adapter: SGLang stacks q/k/v from q_proj's and v_proj's adapters and gate/up from gate_proj's
+    (tests/contract/test_sglang_lora_adapter.py); each refusal names the fix."""
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        check_model_features(_cfg(request.getfixturevalue(model), *extra))
+
+
+def test_adapter_sync_takes_what_sglang_stacks(tiny_qwen2, tiny_qwen2_moe):
+    for model, targets in ((tiny_qwen2, "q_proj,v_proj,down_proj"), (tiny_qwen2, "all-linear"),
+                           (tiny_qwen2_moe, "q_proj,k_proj,v_proj,o_proj")):
+        cfg = _cfg(model, "--lora-rank", "4", "--lora-sync", "adapter", "--rollout-backend", "sglang",
+                   "--lora-target-modules", targets)
+        check_model_features(cfg)
+        assert cfg.model.lora_sync == "adapter"
+    check_model_features(_cfg(tiny_qwen2, "--lora-rank", "4", "--lora-sync", "adapter",  # built-in: any linear
+                              "--lora-target-modules", "k_proj"))

@@ -69,11 +69,44 @@ class FakeUpdater:
 def _actor(monkeypatch, log, kind, pp_rank=0, pp_size=1, rank=0):
     monkeypatch.setattr("torch.distributed.barrier", lambda *a, **k: log.append("barrier"))
     actor = object.__new__(tg.RankActor.__ray_actor_class__)
-    actor.rank, actor._synced_once = rank, False
-    actor.worker = SimpleNamespace(pp_rank=pp_rank, pp_size=pp_size,
+    actor.rank, actor._synced_once, actor.adapters = rank, False, None
+    actor.cfg = build_config(BASE, check_paths=False)
+    actor.worker = SimpleNamespace(pp_rank=pp_rank, pp_size=pp_size, lora=[],
                                    iter_hf_sources=lambda skip_frozen: f"skip={skip_frozen}")
     actor.broadcaster = FakeUpdater(log, kind)
     return actor
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_adapter_sync_sends_the_base_once_then_the_adapters_alone(monkeypatch, rank):
+    """--lora-sync adapter: the base (adapters off) by the first sync and after a release that dropped the
+    engines' weights, inside the usual pause/session; the adapters by every sync, gathered by every rank
+    (collective) and sent by global rank 0 alone, with no pause."""
+    log: list = []
+    actor = _actor(monkeypatch, log, ColocatedUpdater, rank=rank)
+    actor.cfg = build_config(BASE + ["--lora-rank", "4", "--lora-sync", "adapter"], check_paths=False)
+    actor.worker.lora = ["an adapter"]
+    actor.worker.set_adapters_enabled = lambda on: log.append(("adapters on", on))
+    actor.worker.peft_adapter_state = lambda: log.append("gather") or (({"t": 1}, {"r": 4}) if rank == 0 else None)
+    if rank == 0:
+        actor.adapters = SimpleNamespace(send=lambda tensors, config, version: log.append(("send", version)) or {
+            "weight_sync/bytes": 2.0, "weight_sync/seconds": 0.5, "weight_sync/adapter_bytes": 1.0})
+    results = [actor.sync_weights(v, weights_dropped=dropped) for v, dropped in (("1", False), ("2", False),
+                                                                                ("3", True))]
+    base = [("adapters on", False), "pause", "begin", "barrier", ("sync", "skip=False", False), "barrier", "end",
+            "continue", ("adapters on", True), "gather"]
+    if rank:  # not the session's owner, not the sender
+        base = [e for e in base if e not in ("pause", "begin", "end", "continue")]
+
+    def send(v: str) -> list:
+        return [("send", v)] if rank == 0 else []
+
+    assert log == [*base, *send("1"), "gather", *send("2"), *base, *send("3")]
+    if rank == 0:  # the base's bytes and seconds with the adapters'
+        assert results[0]["weight_sync/bytes"] == 3.0 and results[1]["weight_sync/bytes"] == 2.0
+        assert results[0]["weight_sync/adapter_bytes"] == 1.0
+    else:
+        assert results[1] == {}
 
 
 def test_rank0_holds_one_session_around_the_stages_in_turn(monkeypatch):
@@ -100,6 +133,7 @@ def test_cluster_colocated_order_of_tags(monkeypatch):
     calls: list = []
     c = object.__new__(cluster_mod.Cluster)
     c._released, c._revived, c.plan = False, {}, SimpleNamespace(colocated=True)
+    c.cfg = build_config(BASE + ["--colocate"], check_paths=False)
     c._on_engines = lambda endpoint, tags: calls.append((endpoint, tags))
     c.trainers = SimpleNamespace(sync_weights=lambda v, weights_dropped: calls.append(("sync", weights_dropped)) or {})
     c.rollout_manager = None

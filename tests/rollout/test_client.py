@@ -35,6 +35,10 @@ PAYLOADS = {
         ["AAAA"], "direct", False, True, "3"),
     "ReleaseMemoryOccupationReqInput": payloads.memory_occupation_payload(["weights"]),
     "ResumeMemoryOccupationReqInput": payloads.memory_occupation_payload(["kv_cache"]),
+    "LoadLoRAAdapterFromTensorsReqInput": payloads.load_lora_adapter_from_tensors_payload(
+        "policy_v1", {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}, ["QUJD"], True),
+    "LoadLoRAAdapterReqInput": payloads.load_lora_adapter_payload("policy_v1", "/runs/x/lora_adapter", True),
+    "UnloadLoRAAdapterReqInput": payloads.unload_lora_adapter_payload("policy_v1"),
 }
 REQUIRED = {"InitWeightsUpdateGroupReqInput": {"master_address", "master_port", "rank_offset", "world_size"},
             "UpdateWeightsFromDistributedReqInput": {"names", "dtypes", "shapes"},

@@ -27,7 +27,7 @@ from slime_rl.engines.embedded.vision import VisionInputs, per_request_images
 HANDLED = frozenset({
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "return_text_in_logprobs",
     "stream", "rid", "log_metrics", "top_logprobs_num", "image_data", "return_routed_experts",
-    "routed_experts_start_len",
+    "routed_experts_start_len", "lora_path",  # lora_path: checked by the server (adapters.py)
 })
 
 

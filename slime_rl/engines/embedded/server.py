@@ -32,6 +32,7 @@ import torch
 
 from slime_rl.config.builtin_engine import ServerConfig
 from slime_rl.data.images import load_image_processor
+from slime_rl.engines.embedded.adapters import EngineAdapters
 from slime_rl.engines.embedded.engine import Engine
 from slime_rl.engines.embedded.http import HttpLimits, HttpServer, inherited_socket
 from slime_rl.engines.embedded.memory import MemoryOccupation
@@ -51,6 +52,8 @@ DEPRECATED = {"/get_model_info": "/model_info", "/get_server_info": "/server_inf
 WEIGHT_UPDATE_CALLS = frozenset({"/init_weights_update_group", "/destroy_weights_update_group",
                                  "/update_weights_from_distributed", "/update_weights_from_tensor",
                                  "/begin_weight_update", "/end_weight_update"})
+# SGLang's LoRA endpoints (adapters.py): one at a time with the calls above, outside any session
+LORA_CALLS = frozenset({"/load_lora_adapter_from_tensors", "/load_lora_adapter", "/unload_lora_adapter"})
 
 
 def decodes_on_slots(device: str, disable_cuda_graph: bool, static_kv_cache: bool, deterministic: bool) -> bool:
@@ -139,6 +142,7 @@ class EmbeddedServer:
                                   cfg.weight_group_timeout_s)
         self.memory = self.weights.memory = MemoryOccupation(self.engine, self.weights.params,
                                                              cpu_backup=cfg.enable_weights_cpu_backup)
+        self.adapters = self.weights.adapters = EngineAdapters(self.engine, self.weights.params)
         self.session = WeightUpdateSession()
         self._weight_calls: asyncio.Lock | None = None  # made on the server's loop (handle)
         self._rid_counter = itertools.count()
@@ -181,6 +185,9 @@ class EmbeddedServer:
         return self._generate_result(reqs, is_batch, body)
 
     def _prepare_generate(self, body: Any) -> tuple[list[GenRequest], bool]:
+        refused = self.adapters.refusal(body)
+        if refused is not None:
+            raise RequestError(refused)
         reqs, is_batch = parse_generate(body, self.tokenizer, self.vocab_size, self.context_len, self.next_rid,
                                         self.vision)
         for r in reqs:
@@ -223,7 +230,9 @@ class EmbeddedServer:
             return 503, None
         if self.engine.paused is not None or self.engine.load()["num_running_reqs"]:
             return 200, None  # SGLang: a busy (or paused) server is not probed with a generation
-        status, _ = self.generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        active = self.adapters.active
+        status, _ = self.generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                                   "lora_path": active.name if active is not None else None})
         return status, None
 
     def model_info(self) -> dict:
@@ -307,6 +316,11 @@ class EmbeddedServer:
             w.weight_version = version
             return 200, {"success": True, "message": f"Weight version updated to {version}",
                          "new_version": version}
+        lora = {"/load_lora_adapter_from_tensors": self.adapters.load_from_tensors,
+                "/load_lora_adapter": self.adapters.load_from_path, "/unload_lora_adapter": self.adapters.unload}
+        if path in lora:
+            ok, message = lora[path](body if isinstance(body, dict) else {})
+            return (200 if ok else 400), self.adapters.answer(ok, message)
         # the calls of WEIGHT_UPDATE_CALLS (handle queues them on the loop first)
         ops = {"/init_weights_update_group": w.init_group, "/destroy_weights_update_group": w.destroy_group,
                "/update_weights_from_distributed": w.update_from_distributed,
@@ -344,7 +358,7 @@ class EmbeddedServer:
             return (200 if self.engine.is_alive() else 503), None
         if path == "/generate" and method in ("POST", "PUT"):
             return await self._generate_async(raw)
-        if path in WEIGHT_UPDATE_CALLS:
+        if path in WEIGHT_UPDATE_CALLS or path in LORA_CALLS:
             # one at a time (SGLang's lock): the others wait here, on the loop, not on the pool's threads,
             # which /generate and /health_generate need (a call blocked for minutes, e.g. a group set-up
             # whose peer never comes, with callers queued behind it, used to take every thread)

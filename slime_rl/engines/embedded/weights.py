@@ -66,6 +66,7 @@ class WeightSync:
         self._lock = threading.Lock()  # one group operation at a time
         self._copy_stream: torch.cuda.Stream | None = None
         self.memory = None  # memory.MemoryOccupation, set by the server: refills are reported to it
+        self.adapters = None  # adapters.EngineAdapters, set by the server: a written base is merged again
         # a flattened bucket's request seen before (the trainer sends the same buckets every sync)
         # -> what its validation found: skips ~5 us of Python per tensor (checks, views) per bucket
         self._plans: dict[tuple, _FlatPlan] = {}
@@ -172,6 +173,8 @@ class WeightSync:
     def _loaded(self, names: list[str], version: str | None) -> tuple[bool, str]:
         if self.memory is not None:
             self.memory.note_loaded(names)
+        if self.adapters is not None:  # an adapted weight's new base: its adapter merged again
+            self.adapters.base_written(names)
         message = "Succeeded to update parameter online."
         if version is not None:
             message += f" Weight version updated to {version}."

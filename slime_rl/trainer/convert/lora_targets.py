@@ -114,6 +114,12 @@ def peft_config(spec: LoRASpec, modules: Iterable[str], base_model: str) -> dict
             "inference_mode": True}
 
 
+def sglang_adapter_config(spec: LoRASpec, modules: Iterable[str], base_model: str) -> dict:
+    """`peft_config` as SGLang's /load_lora_adapter_from_tensors takes it: target_modules the adapted modules'
+    short names (its LoRAConfig refuses a regex string: only a list of names, or all-linear)."""
+    return {**peft_config(spec, modules, base_model), "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules})}
+
+
 def read_peft_config(folder: str) -> dict:
     """adapter_config.json of a PEFT adapter folder; ValueError naming the file when the folder is not one this
     trainer can start from (a file missing, another PEFT type, rsLoRA, DoRA, biases)."""
