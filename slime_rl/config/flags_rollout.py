@@ -103,6 +103,11 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
              help='an agent run (an --agent-env episode, or an agent function of --custom-generate-function-path) '
                   'longer than this fails its own sample: cancelled with the request it waits on (aborted on its '
                   'engine), loss mask 0, counted in rollout/agent_timeout_frac; default: no limit'),
+        Flag('--agent-host', 'rollout.agent_host', default="127.0.0.1",
+             help="the address the agents' OpenAI endpoint listens on: 127.0.0.1 (agents on the rollout's own "
+                  "node), 0.0.0.0 (every interface: each trajectory's base URL names this node's address, so a "
+                  "harness on another node or in a sandbox reaches it), or one address of this node; a "
+                  "trajectory's URL holds its own random key, the only way to its sample"),
         Flag('--async', 'rollout.async_mode', action="store_true", dest='async_mode',
              help='one-step off-policy: generate step k+1 while training step k'),
         Flag('--fully-async', 'rollout.fully_async', action="store_true",

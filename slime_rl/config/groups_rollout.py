@@ -63,6 +63,7 @@ class RolloutConfig:
     agent_max_turns: int = default_of("--agent-max-turns")
     agent_turn_max_tokens: int | None = default_of("--agent-turn-max-tokens")
     agent_timeout_s: float | None = default_of("--agent-timeout-s")
+    agent_host: str = default_of("--agent-host")  # the agents' endpoint: its listening address
     dynamic_sampling_filter_kwargs: str | None = default_of("--dynamic-sampling-filter-kwargs")  # JSON object
     sample_seed: int | None = None  # --deterministic-rollout: the run seed of --seed and --rollout-seed
 

@@ -83,11 +83,12 @@ async def generate_group_default(samples: Sequence[Sample], sampling_params: dic
     return list(samples)
 
 
-def load_generate_function(path: str | None, args: Any = None, agent_timeout_s: float | None = None) -> GenerateFn:
+def load_generate_function(path: str | None, args: Any = None, agent_timeout_s: float | None = None,
+                           agent_host: str = "127.0.0.1") -> GenerateFn:
     """The function `--custom-generate-function-path` names (an `async def`, ours or slime's), in our
     convention, or the built-in one. `args`: what a slime-style function gets first
-    (`config.slime_args.slime_args(cfg)`; default: `slime_compat.default_args()`). `agent_timeout_s`: an
-    agent function's --agent-timeout-s."""
+    (`config.slime_args.slime_args(cfg)`; default: `slime_compat.default_args()`). `agent_timeout_s`,
+    `agent_host`: an agent function's --agent-timeout-s and --agent-host."""
     if not path:
         return generate_default
     fn = load_by_path(path, GENERATE_FLAG)
@@ -102,7 +103,7 @@ def load_generate_function(path: str | None, args: Any = None, agent_timeout_s: 
     if form == "agent":
         from slime_rl.rollout.agent.runner import AgentGenerate
 
-        return AgentGenerate(fn, path, agent_timeout_s)
+        return AgentGenerate(fn, path, agent_timeout_s, agent_host)
     return fn if form == "ours" else SlimeGenerate(fn, args if args is not None else default_args(), path)
 
 
@@ -115,9 +116,10 @@ def rollout_generate_function(rollout: Any, args: Any = None) -> GenerateFn:
 
         return AgentGenerate(env_agent(load_env_factory(rollout.agent_env), rollout.agent_max_turns,
                                        rollout.agent_turn_max_tokens), rollout.agent_env,
-                             getattr(rollout, "agent_timeout_s", None))
+                             getattr(rollout, "agent_timeout_s", None), getattr(rollout, "agent_host", "127.0.0.1"))
     return load_generate_function(rollout.custom_generate_function_path, args,
-                                  agent_timeout_s=getattr(rollout, "agent_timeout_s", None))
+                                  agent_timeout_s=getattr(rollout, "agent_timeout_s", None),
+                                  agent_host=getattr(rollout, "agent_host", "127.0.0.1"))
 
 
 def load_filter(path: str | None, args: Any = None, kwargs: str | dict[str, Any] | None = None) -> FilterFn | None:

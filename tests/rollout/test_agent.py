@@ -565,3 +565,42 @@ def test_an_agent_over_its_timeout_fails_alone_and_its_request_is_aborted(server
     assert late.response_ids == [] and late.loss_mask == [] and late.reward == 0.0
     (ok,) = run_agents(server, tok, agent, [new_sample(1)], timeout_s=60.0)
     assert ok.reward == 1.0 and "agent_error" not in ok.metadata and ok.loss_mask == [1] * len(ok.response_ids)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1"])
+def test_the_endpoint_listens_where_agent_host_says(server, tok, host):
+    """--agent-host 0.0.0.0: the endpoint takes connections on every interface and each base URL names this
+    node's address (a harness on another node reaches it); the default 127.0.0.1 stays on loopback: the same
+    request to the node's address is refused."""
+    import ipaddress
+    from urllib.parse import urlparse
+
+    import httpx
+    import ray
+
+    from slime_rl.rollout.agent.endpoint import endpoint_of
+    from slime_rl.rollout.agent.trajectory import Trajectory
+
+    node = ray.util.get_node_ip_address()
+    assert not ipaddress.ip_address(node).is_loopback  # the machine has an address another node could use
+
+    async def main():
+        client = AsyncEngineClient(server.url, timeout=120)
+        pool = ClientPool([client], tok, per_engine=4)
+        try:
+            endpoint = await endpoint_of(pool, host)
+            url = endpoint.register(Trajectory(new_sample(), {"max_new_tokens": 4}, pool))
+            assert urlparse(url).hostname == (node if host == "0.0.0.0" else "127.0.0.1")
+            on_node = url.replace(f"//{urlparse(url).hostname}:", f"//{node}:")
+            async with httpx.AsyncClient(timeout=30) as h:
+                if host == "0.0.0.0":
+                    r = await h.get(on_node + "/models")
+                    assert r.status_code == 200 and r.json()["data"][0]["id"] == "policy"
+                else:
+                    with pytest.raises(httpx.ConnectError):
+                        await h.get(on_node + "/models")
+                    assert (await h.get(url + "/models")).status_code == 200
+        finally:
+            await pool.aclose()
+            await client.aclose()
+    asyncio.run(main())

@@ -1,7 +1,8 @@
-"""OpenAI's chat API on 127.0.0.1 for the agents of one rollout (one `AgentEndpoint` per `ClientPool`,
-started at the first trajectory, closed with the pool), served by aiohttp on the rollout's event loop.
+"""OpenAI's chat API for the agents of one rollout (one `AgentEndpoint` per `ClientPool`, started at the
+first trajectory, closed with the pool), served by aiohttp on the rollout's event loop, on 127.0.0.1 or the
+address --agent-host names (0.0.0.0: every interface, the URLs naming this node's address).
 
-Each trajectory has its own base URL, `http://127.0.0.1:PORT/t/KEY/v1` (KEY: a random token, so one
+Each trajectory has its own base URL, `http://HOST:PORT/t/KEY/v1` (KEY: a random token, so one
 agent's requests can never land in another's sample); the same routes answer at `/v1/...` with
 `Authorization: Bearer KEY` for harnesses that keep their own base URL. Routes: `POST /chat/completions`,
 `POST /completions` (the legacy text API: a prompt string or token ids; one trajectory uses one of the two),
@@ -29,10 +30,26 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> An
                              status=status)
 
 
+def advertised_host(host: str) -> str:
+    """The address a trajectory's base URL names for an endpoint listening on `host`: itself, or for every
+    interface (0.0.0.0, ::) this node's address as Ray knows it (what the other nodes reach it by)."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001  (no Ray here: the address the host name resolves to)
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
+
+
 class AgentEndpoint:
-    def __init__(self, pool: ClientPool, model_name: str = "policy") -> None:
+    def __init__(self, pool: ClientPool, model_name: str = "policy", host: str = "127.0.0.1") -> None:
         self.pool, self.model_name = pool, model_name
-        self.host, self.port = "127.0.0.1", 0
+        self.listen, self.port = host, 0  # --agent-host
+        self.host = advertised_host(host)
         self.trajectories: dict[str, Trajectory] = {}
         self._runner: Any = None
 
@@ -46,7 +63,7 @@ class AgentEndpoint:
             app.router.add_get(prefix + "/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, 0, backlog=4096)
+        site = web.TCPSite(self._runner, self.listen or None, 0, backlog=4096)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
 
@@ -159,6 +176,7 @@ def stream_chunks(answer: dict[str, Any], include_usage: bool = False) -> list[d
     return chunks
 
 
-async def endpoint_of(pool: ClientPool) -> AgentEndpoint:
-    """The pool's `AgentEndpoint`, started on first use and closed by `pool.aclose()`."""
-    return await pool.attach("agent_endpoint", lambda: AgentEndpoint(pool))
+async def endpoint_of(pool: ClientPool, host: str = "127.0.0.1") -> AgentEndpoint:
+    """The pool's `AgentEndpoint` (listening on `host`, --agent-host), started on first use and closed by
+    `pool.aclose()`."""
+    return await pool.attach("agent_endpoint", lambda: AgentEndpoint(pool, host=host))

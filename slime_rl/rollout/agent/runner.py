@@ -47,14 +47,14 @@ def _http_client() -> Any:
 class AgentGenerate:
     """`agent(client, sample)` in our generate convention `(sample, sampling_params, client_pool)`."""
 
-    def __init__(self, fn: AgentFn, path: str, timeout_s: float | None = None) -> None:
-        self.fn, self.path, self.timeout_s = fn, path, timeout_s
+    def __init__(self, fn: AgentFn, path: str, timeout_s: float | None = None, host: str = "127.0.0.1") -> None:
+        self.fn, self.path, self.timeout_s, self.host = fn, path, timeout_s, host  # host: --agent-host
         self.__name__ = getattr(fn, "__name__", "agent")
 
     async def __call__(self, sample: Sample, sampling_params: dict[str, Any], client_pool: ClientPool) -> Sample:
         import openai
 
-        endpoint = await endpoint_of(client_pool)
+        endpoint = await endpoint_of(client_pool, self.host)
         trajectory = Trajectory(sample, sampling_params, client_pool)
         base_url = endpoint.register(trajectory)
         http = _http_client()
