@@ -32,13 +32,14 @@ there is none.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from slime_rl.engines import addresses
 
 
 class NodesMissing(RuntimeError):
@@ -211,21 +212,6 @@ def until_released(address: str, poll_s: float = 2.0, alive: Callable[[], bool] 
         time.sleep(poll_s)
 
 
-def _usable(ip: str) -> bool:
-    a = ipaddress.ip_address(ip)
-    return a.version == 4 and not (a.is_loopback or a.is_link_local or a.is_unspecified or a.is_multicast)
-
-
-def _route_source() -> str | None:
-    """The source address of this machine's default route (a UDP socket's connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-        except OSError:
-            return None
-
-
 def _interface_ipv4() -> list[str]:
     import psutil
 
@@ -238,7 +224,7 @@ def _is_this_host(host: str) -> bool:
 
 
 def node_ipv4(host: str, resolve: Callable[[str], list[str]] | None = None, this_host: bool | None = None,
-              route_source: Callable[[], str | None] = _route_source,
+              route_source: Callable[[], str | None] = addresses.route_source,
               interfaces: Callable[[], list[str]] = _interface_ipv4) -> tuple[str, str]:
     """A non-loopback IPv4 address of `host` and how it was found. Raises NoAddress naming what was seen."""
     if resolve is None:
@@ -249,17 +235,17 @@ def node_ipv4(host: str, resolve: Callable[[str], list[str]] | None = None, this
                 return []
     resolved = resolve(host)
     for ip in resolved:
-        if _usable(ip):
+        if addresses.usable(ip):
             return ip, f"{host} resolves to it"
     skipped = f"{host} resolves to {', '.join(resolved)}" if resolved else f"{host} does not resolve"
     if this_host is None:
         this_host = _is_this_host(host)
     if this_host:
         src = route_source()
-        if src and _usable(src):
+        if src and addresses.usable(src):
             return src, f"{skipped}: this machine's default-route address"
         for ip in interfaces():
-            if _usable(ip):
+            if addresses.usable(ip):
                 return ip, f"{skipped}: this machine's first non-loopback interface address"
     raise NoAddress(f"no non-loopback IPv4 address for the head node {host} ({skipped}"
                     f"{'' if this_host else '; it is not this machine'}); set MASTER_ADDR=<head ip>")

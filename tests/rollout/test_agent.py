@@ -581,7 +581,7 @@ def test_the_endpoint_listens_where_agent_host_says(server, tok, host):
     from slime_rl.rollout.agent.endpoint import endpoint_of
     from slime_rl.rollout.agent.trajectory import Trajectory
 
-    node = ray.util.get_node_ip_address()
+    node = ray.util.get_node_ip_address()  # the node's address as Ray finds it, independently of ours
     assert not ipaddress.ip_address(node).is_loopback  # the machine has an address another node could use
 
     async def main():

@@ -18,6 +18,7 @@ import json
 import secrets
 from typing import Any
 
+from slime_rl.engines.addresses import route_source, usable
 from slime_rl.engines.client import EngineError
 from slime_rl.rollout.agent.trajectory import RequestError, RolloutCut, Trajectory, TrajectoryClosed
 from slime_rl.rollout.routing import ClientPool
@@ -32,17 +33,12 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> An
 
 def advertised_host(host: str) -> str:
     """The address a trajectory's base URL names for an endpoint listening on `host`: itself, or for every
-    interface (0.0.0.0, ::) this node's address as Ray knows it (what the other nodes reach it by)."""
+    interface (0.0.0.0, ::) the source address of this node's default route (what Ray calls the node's
+    address; other nodes reach it by it), else 127.0.0.1."""
     if host not in ("0.0.0.0", "::", ""):
         return host
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001  (no Ray here: the address the host name resolves to)
-        import socket
-
-        return socket.gethostbyname(socket.gethostname())
+    src = route_source()
+    return src if src and usable(src) else "127.0.0.1"
 
 
 class AgentEndpoint:
