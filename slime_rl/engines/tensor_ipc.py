@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import importlib
 import io
 import pickle
-import types
+import threading
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 
@@ -113,39 +114,64 @@ def _storage_from_bytes(data: bytes) -> torch.UntypedStorage | torch.TypedStorag
     return storage
 
 
-def _load_from_bytes(data: bytes) -> object:  # pickled by name as torch.storage._load_from_bytes
-    raise AssertionError("a marker for _ByValuePickler, never called")
+def _storage_loader(data: bytes) -> object:
+    """torch.storage._load_from_bytes, weights_only (megatron-core's replacement of it does the same); pickled
+    under torch's name (`serialize_by_value`)."""
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
-class _ByValuePickler(pickle._Pickler):
-    """A plain pickle of tensors whose storages are named `torch.storage._load_from_bytes`, as torch pickles
-    them, whoever replaced that function in this process: megatron-core does (its `safe_load_from_bytes`, a
-    global no receiver allows). The pure-Python pickler: its dispatch table can be told the name."""
+_storage_loader.__module__, _storage_loader.__name__ = "torch.storage", "_load_from_bytes"
+_storage_loader.__qualname__ = "_load_from_bytes"
+_NAMING = threading.Lock()  # serialize_by_value's moment of naming torch.storage._load_from_bytes
+
+
+class _ByValuePickler(pickle.Pickler):
+    """A plain pickle of CPU tensors carrying their bytes: a tensor as torch's `_rebuild_tensor_v2` of its
+    storage, the views of one storage sharing one copy of its bytes (one wrapper object per storage, so the
+    memo answers the later ones), a storage as `torch.storage._load_from_bytes` of its legacy torch.save
+    bytes, as torch pickles one."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._storages: dict[tuple[int, torch.dtype], torch.storage.TypedStorage] = {}
 
     def reducer_override(self, obj: object) -> object:
-        if isinstance(obj, torch.storage.TypedStorage):  # what a tensor's reduce hands over
+        if type(obj) is torch.Tensor and obj.layout == torch.strided and obj.device.type == "cpu":
+            key = (obj.untyped_storage().data_ptr(), obj.dtype)
+            storage = self._storages.setdefault(key, obj._typed_storage())
+            return torch._utils._rebuild_tensor_v2, (storage, obj.storage_offset(), tuple(obj.size()), obj.stride(),
+                                                     False, collections.OrderedDict())
+        if isinstance(obj, torch.storage.TypedStorage):
             buf = io.BytesIO()
             torch.save(obj, buf, _use_new_zipfile_serialization=False)  # as TypedStorage.__reduce__ does
-            return _load_from_bytes, (buf.getvalue(),)
+            return _storage_loader, (buf.getvalue(),)
         return NotImplemented
-
-    def _save_function(self, obj: object) -> None:
-        if obj is _load_from_bytes:
-            self.write(pickle.GLOBAL + b"torch.storage\n_load_from_bytes\n")
-            self.memoize(obj)
-            return
-        self.save_global(obj)
-
-    dispatch = {**pickle._Pickler.dispatch, types.FunctionType: _save_function}
 
 
 def serialize_by_value(named: dict[str, torch.Tensor]) -> str:
     """One entry of serialized_named_tensors that carries the tensors' bytes (a plain pickle of {name: CPU
     tensor}): any host decodes it, SGLang's SafeUnpickler and `deserialize_named_tensors` alike. For what is
     small enough to copy (LoRA adapters); the weights go by reference."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for n, t in named.items():
+        by_dtype.setdefault(t.dtype, []).append((str(n), t.detach()))
+    views: dict[str, torch.Tensor] = {}
+    for group in by_dtype.values():  # one buffer per dtype, the tensors views of it: one storage's bytes each
+        flat = torch.empty(sum(t.numel() for _, t in group), dtype=group[0][1].dtype)
+        offset = 0
+        for n, t in group:
+            views[n] = flat[offset:offset + t.numel()].view(t.shape)
+            views[n].copy_(t)
+            offset += t.numel()
     buf = io.BytesIO()
-    _ByValuePickler(buf, pickle.HIGHEST_PROTOCOL).dump(
-        {str(n): t.detach().to("cpu").contiguous() for n, t in named.items()})
+    # pickle names a function by its module's attribute, which must be the function itself: torch's name
+    # holds ours while the dump runs (megatron-core replaced it with its own, a global receivers refuse)
+    with _NAMING:
+        kept, torch.storage._load_from_bytes = torch.storage._load_from_bytes, _storage_loader
+        try:
+            _ByValuePickler(buf, pickle.HIGHEST_PROTOCOL).dump({n: views[n] for n in named})
+        finally:
+            torch.storage._load_from_bytes = kept
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

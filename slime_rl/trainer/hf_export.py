@@ -194,6 +194,8 @@ def gather_peft_state(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     state = lora.peft_state(lora.adapters_of(unwrap(model)), mpu.get_tensor_model_parallel_group())
     if mpu.get_tensor_model_parallel_rank() != 0 or mpu.get_data_parallel_rank() != 0:
         return None
+    if mpu.get_pipeline_model_parallel_world_size() == 1:  # no stage to hear from: no pickled round trip
+        return state if dist.get_rank() == 0 else None
     stages: list = [None] * mpu.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(stages, state, group=mpu.get_pipeline_model_parallel_group())
     return {k: v for stage in stages for k, v in stage.items()} if dist.get_rank() == 0 else None

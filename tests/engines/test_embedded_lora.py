@@ -170,3 +170,29 @@ def test_the_sender_keeps_the_newest_two_versions(engine, tiny_qwen2):
         sender.close()
         for name in list(engine.adapters.loaded):
             engine.adapters.unload({"lora_name": name})
+
+
+def test_by_value_entries_carry_one_storage_per_dtype():
+    """serialize_by_value in a process where megatron-core replaced torch's storage loader (as in a trainer
+    rank): every tensor comes back equal (dtype, shape, values; a transposed one too), the bytes of each dtype
+    travel once (the tensors are views of one buffer), the pickle names torch's loader, and the process's own
+    loader is left as it was."""
+    import base64
+
+    import megatron.core  # noqa: F401
+    import torch.storage
+
+    from slime_rl.engines.tensor_ipc import deserialize_named_tensors
+
+    before = torch.storage._load_from_bytes
+    g = torch.Generator().manual_seed(0)
+    sent = {f"w{i}": torch.randn(3 + i, 4, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
+            for i in range(6)} | {"t": torch.randn(4, 5, generator=g).t(), "s": torch.tensor(7.0)}
+    entry = serialize_by_value(sent)
+    raw = base64.b64decode(entry)
+    assert b"torch.storage" in raw and b"_load_from_bytes" in raw and b"megatron" not in raw
+    got = dict(deserialize_named_tensors(entry))
+    assert list(got) == list(sent)
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 2  # float32 and bfloat16
+    assert all(got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v) for k, v in sent.items())
+    assert torch.storage._load_from_bytes is before
