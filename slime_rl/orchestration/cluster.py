@@ -331,7 +331,7 @@ class Cluster:
         dropped = released and not engines_back_up_weights(self.cfg)
         metrics = self.trainers.sync_weights(version, weights_dropped=dropped)
         if self.cfg.model.lora_sync == "adapter" and (self.cfg.model.lora_rank or self.cfg.model.lora_load):
-            # the rollout's requests name the adapters just loaded (the previous ones unload once theirs end)
+            # the rollout's requests name the adapters just loaded (the version before unloads at the next sync)
             ray.get(self.rollout_manager.use_adapter.remote(lora_adapter_name(version)))
         if released:
             t = time.perf_counter()
