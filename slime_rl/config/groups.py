@@ -144,6 +144,11 @@ class ModelConfig:
     # config.json; preflight compares these with it (trainer/convert/model_args.py)
     megatron_model_args: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def adapter_sync(self) -> bool:
+        """A LoRA run whose weight syncs send the adapters alone (--lora-sync adapter)."""
+        return self.lora_sync == "adapter" and bool(self.lora_rank or self.lora_load)
+
 
 @dataclass(frozen=True)
 class AlgoConfig:

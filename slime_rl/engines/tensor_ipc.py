@@ -107,21 +107,16 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 def _storage_from_bytes(data: bytes) -> torch.UntypedStorage | torch.TypedStorage:
-    """torch.storage._load_from_bytes without its plain `torch.load`: weights_only, and a storage or nothing."""
+    """torch.storage._load_from_bytes without its plain `torch.load`: weights_only, and a storage or nothing.
+    What `RestrictedUnpickler` reads that name as, and what `serialize_by_value` pickles under it."""
     storage = torch.load(io.BytesIO(data), weights_only=True)
     if not isinstance(storage, (torch.UntypedStorage, torch.TypedStorage)):
         raise UnsafePayloadError(f"serialized_named_tensors: a storage's bytes hold a {type(storage).__name__}")
     return storage
 
 
-def _storage_loader(data: bytes) -> object:
-    """torch.storage._load_from_bytes, weights_only (megatron-core's replacement of it does the same); pickled
-    under torch's name (`serialize_by_value`)."""
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-_storage_loader.__module__, _storage_loader.__name__ = "torch.storage", "_load_from_bytes"
-_storage_loader.__qualname__ = "_load_from_bytes"
+_storage_from_bytes.__module__, _storage_from_bytes.__name__ = "torch.storage", "_load_from_bytes"
+_storage_from_bytes.__qualname__ = "_load_from_bytes"
 _NAMING = threading.Lock()  # serialize_by_value's moment of naming torch.storage._load_from_bytes
 
 
@@ -144,7 +139,7 @@ class _ByValuePickler(pickle.Pickler):
         if isinstance(obj, torch.storage.TypedStorage):
             buf = io.BytesIO()
             torch.save(obj, buf, _use_new_zipfile_serialization=False)  # as TypedStorage.__reduce__ does
-            return _storage_loader, (buf.getvalue(),)
+            return _storage_from_bytes, (buf.getvalue(),)
         return NotImplemented
 
 
@@ -167,7 +162,7 @@ def serialize_by_value(named: dict[str, torch.Tensor]) -> str:
     # pickle names a function by its module's attribute, which must be the function itself: torch's name
     # holds ours while the dump runs (megatron-core replaced it with its own, a global receivers refuse)
     with _NAMING:
-        kept, torch.storage._load_from_bytes = torch.storage._load_from_bytes, _storage_loader
+        kept, torch.storage._load_from_bytes = torch.storage._load_from_bytes, _storage_from_bytes
         try:
             _ByValuePickler(buf, pickle.HIGHEST_PROTOCOL).dump({n: views[n] for n in named})
         finally:

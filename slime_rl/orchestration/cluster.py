@@ -330,7 +330,7 @@ class Cluster:
         # a release drops the engines' weights unless they keep a host copy, which the resume puts back
         dropped = released and not engines_back_up_weights(self.cfg)
         metrics = self.trainers.sync_weights(version, weights_dropped=dropped)
-        if self.cfg.model.lora_sync == "adapter" and (self.cfg.model.lora_rank or self.cfg.model.lora_load):
+        if self.cfg.model.adapter_sync:
             # the rollout's requests name the adapters just loaded (the version before unloads at the next sync)
             ray.get(self.rollout_manager.use_adapter.remote(lora_adapter_name(version)))
         if released:

@@ -90,17 +90,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 def sglang_lora_args(cfg: Config) -> dict[str, Any]:
     """--lora-sync adapter: SGLang serves adapters only with --enable-lora, and one loaded after the start
     (/load_lora_adapter_from_tensors) only within --max-lora-rank and --lora-target-modules (its "all" for
-    all-linear). The adapter's rank: --lora-rank, else --lora-load's (preflight checked the folder)."""
+    all-linear). The adapter's rank and targets: --lora-load's, else the flags' (preflight checked the folder)."""
     m = cfg.model
-    if not (m.lora_sync == "adapter" and (m.lora_rank or m.lora_load)):
+    if not m.adapter_sync:
         return {}
-    rank = m.lora_rank
-    targets = tuple(m.lora_target_modules)
-    if m.lora_load:
-        from slime_rl.trainer.convert.lora_targets import spec_of_folder
+    from slime_rl.trainer.convert.lora_targets import run_rank_and_targets
 
-        spec = spec_of_folder(m.lora_load)
-        rank, targets = spec.rank, spec.targets
+    rank, targets = run_rank_and_targets(m.lora_rank, m.lora_target_modules, m.lora_load)
     return {"enable_lora": True, "max_lora_rank": int(rank),
             "lora_target_modules": ["all"] if "all-linear" in targets else sorted(targets)}
 
@@ -109,8 +105,8 @@ def engines_back_up_weights(cfg: Config) -> bool:
     """Whether a colocated release keeps the engines' weights on the host (SGLang's and the built-in engine's
     --enable-weights-cpu-backup): given by the user, or chosen for --lora-sync adapter, whose syncs send the
     adapters alone and so need the base to come back by itself after each release."""
-    adapters = cfg.model.lora_sync == "adapter" and bool(cfg.model.lora_rank or cfg.model.lora_load)
-    return bool(cfg.engine.sglang_args.get("enable_weights_cpu_backup")) or (adapters and cfg.engine.colocate)
+    return bool(cfg.engine.sglang_args.get("enable_weights_cpu_backup")) or (cfg.model.adapter_sync
+                                                                            and cfg.engine.colocate)
 
 
 def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key: str | None, use_gpu: bool,

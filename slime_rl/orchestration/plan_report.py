@@ -75,18 +75,11 @@ def trainer_layout(cfg: Config, gqa_expanded: bool = False) -> tuple[TrainerLayo
 
 
 def _lora_layout(cfg: Config) -> dict:
-    """TrainerLayout's lora_rank and lora_targets: --lora-load's adapters (the r of its adapter_config.json, the
-    modules its tensors adapt: what the trainer will train), else --lora-rank and --lora-target-modules; a
-    --lora-load folder that is not here counts with the flags (its rank 0: unknown, when --lora-rank is not given)."""
-    rank, targets = cfg.model.lora_rank, tuple(cfg.model.lora_target_modules)
-    if cfg.model.lora_load:
-        from slime_rl.trainer.convert.lora_targets import spec_of_folder
+    """TrainerLayout's lora_rank and lora_targets (lora_targets.run_rank_and_targets)."""
+    from slime_rl.trainer.convert.lora_targets import run_rank_and_targets
 
-        try:
-            spec = spec_of_folder(cfg.model.lora_load)
-            rank, targets = spec.rank, tuple(spec.targets)
-        except (OSError, ValueError, KeyError):
-            pass  # not here: the flags'
+    m = cfg.model
+    rank, targets = run_rank_and_targets(m.lora_rank, m.lora_target_modules, m.lora_load)
     return {"lora_rank": rank, "lora_targets": targets}
 
 
@@ -231,7 +224,7 @@ def estimate_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...]
                  f"-> {sync.seconds:.3f} s per sync (every --update-weights-interval "
                  f"{cfg.weight_sync.update_weights_interval} step(s))")
     per_engine = cfg.engine.num_gpus_per_engine
-    if cfg.model.lora_sync == "adapter" and lay.lora_rank:
+    if cfg.model.adapter_sync and lay.lora_rank:
         adapters = lora_params(shape, lay)
         nbytes = adapters * (2 if lay.bf16 else 4)
         lines.append(f"--lora-sync adapter: that sync once (the base), then {nbytes / 1e6:.1f} MB of adapters per "

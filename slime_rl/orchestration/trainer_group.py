@@ -205,7 +205,7 @@ class RankActor:
 
     def _connect_adapters(self, targets: list[EngineTarget]) -> None:
         """--lora-sync adapter: global rank 0 sends the adapters to every engine (weight_sync/adapter.py)."""
-        if self.rank == 0 and self.cfg.model.lora_sync == "adapter" and self.worker.lora:
+        if self.rank == 0 and self.cfg.model.adapter_sync:
             if self.adapters is not None:
                 self.adapters.close()
             self.adapters = AdapterSender(targets, self.cfg.engine.num_gpus_per_engine)
@@ -222,7 +222,7 @@ class RankActor:
         """All ranks. --lora-sync adapter: the base by the first sync (and after a release that dropped the
         engines' weights), adapters off; then the adapters alone, from global rank 0 (`AdapterSender`,
         without pausing the engines). Otherwise every weight, merged with its adapter in a LoRA run."""
-        if not (self.cfg.model.lora_sync == "adapter" and self.worker.lora):
+        if not self.cfg.model.adapter_sync:
             return self._sync_weights(version, weights_dropped)
         metrics: dict[str, float] = {}
         if not self._synced_once or weights_dropped:

@@ -154,6 +154,19 @@ def peft_modules(tensors: Iterable[str]) -> set[str]:
     return {k.removeprefix("base_model.model.").split(".lora_")[0] for k in tensors}
 
 
+def run_rank_and_targets(rank: int, targets: Iterable[str], load: str | None) -> tuple[int, tuple[str, ...]]:
+    """A run's adapter rank and targets: --lora-load's (the r of its adapter_config.json, the modules its
+    tensors adapt: what the trainer will train), else --lora-rank and --lora-target-modules; a --lora-load
+    folder that cannot be read here counts with the flags (rank 0: unknown, when --lora-rank is not given)."""
+    if load:
+        try:
+            spec = spec_of_folder(load)
+            return spec.rank, tuple(spec.targets)
+        except (OSError, ValueError, KeyError):
+            pass  # not here: the flags'
+    return rank, tuple(targets)
+
+
 def spec_of_folder(folder: str) -> LoRASpec:
     """The LoRASpec of a PEFT folder (--lora-load): its r, lora_alpha and dropout, the modules its tensors adapt
     (their names read from the file's header, no tensor loaded)."""
