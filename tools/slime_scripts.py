@@ -53,6 +53,8 @@ CORPUS = REPO / "tests" / "migration" / "slime_scripts.json"
 HF_CONFIGS = REPO / "tests" / "migration" / "hf_configs"
 # the --eval-config files the scripts name (slime's own YAML, its sets and settings), by file name
 EVAL_CONFIGS = REPO / "tests" / "migration" / "eval_configs"
+# the --custom-config-path files they name (slime's mismatch helper's mis.yaml), by file name
+CUSTOM_CONFIGS = REPO / "tests" / "migration" / "custom_configs"
 # where slime's docker image keeps the repository: the unpacked tree is written back as this path
 SLIME_ROOT = "/root/slime"
 # the environment a user of these scripts sets
@@ -500,7 +502,8 @@ def hf_config(name: str) -> dict[str, Any]:
 
 def dry_run_argv(record: dict[str, Any], workdir: Path) -> list[str]:
     """The script's argv with paths substituted: each --hf-checkpoint a folder holding its model's config.json,
-    the checkpoint flags temporary paths, an --eval-config the corpus's copy of that file (EVAL_CONFIGS); then
+    the checkpoint flags temporary paths, an --eval-config or --custom-config-path the corpus's copy of that file
+    (EVAL_CONFIGS, CUSTOM_CONFIGS); then
     `--dry-run --cluster NODESxGPUS`."""
     argv = list(record["argv"])
     for i, tok in enumerate(argv[:-1]):
@@ -515,6 +518,8 @@ def dry_run_argv(record: dict[str, Any], workdir: Path) -> list[str]:
             argv[i + 1] = str(workdir / "ckpt" / tok.lstrip("-"))
         elif tok == "--eval-config" and (EVAL_CONFIGS / Path(argv[i + 1]).name).is_file():
             argv[i + 1] = str(EVAL_CONFIGS / Path(argv[i + 1]).name)
+        elif tok == "--custom-config-path" and (CUSTOM_CONFIGS / Path(argv[i + 1]).name).is_file():
+            argv[i + 1] = str(CUSTOM_CONFIGS / Path(argv[i + 1]).name)
     return [*argv, "--dry-run", "--cluster", record["gpus"]["cluster"]]
 
 

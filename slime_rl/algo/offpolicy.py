@@ -24,6 +24,11 @@ k1 = -lr, k2 = lr^2 / 2, k3 = e^lr - 1 - lr; options token_k{1,2,3}, seq_sum_k{1
 seq_max_k{2,3} (k1 bounds are ratio bounds "lower_upper" on pi_rollout / pi_old, compared in log space; k2/k3
 take an upper bound). Several options: a token is kept when every one keeps it.
 
+Veto (--rollout-rs-veto-threshold T; `veto_keep`): a sample with a trained token of r_t < T gets weight 0 on
+every token. Batch normalization (--tis-batch-normalize; `batch_norm_factor`): each micro-batch's weights are
+divided by their mean there (slime's mismatch helper does it per call of its loss, a micro-batch; verl over
+the whole batch), the rejections applied after.
+
 Rejected or masked tokens keep their place in the loss denominator (the loss-agg mode's counts are of the
 loss mask), as slime's and AReaL's do; verl divides by the kept tokens instead.
 """
@@ -38,7 +43,8 @@ import torch
 from torch import Tensor
 
 from slime_rl.config.flag_spec import IS_LEVELS, TIS_MODES
-from slime_rl.config.rollout_corr import RejectionRule
+from slime_rl.config.groups import AlgoConfig
+from slime_rl.config.rollout_corr import RejectionRule, parse_rejection
 
 SAFETY_BOUND = 20.0  # exp(+-20): verl's and slime's bound on an importance log-ratio before exp
 
@@ -109,6 +115,75 @@ def rejection_keep(old: Tensor, rollout: Tensor, mask: Tensor, rules: Sequence[R
             ok = v <= rule.upper
         keep = keep * ok.to(lr.dtype)
     return keep
+
+
+@torch.no_grad()
+def veto_keep(old: Tensor, rollout: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """[B, T] float: 0 on every token of a sample that has a trained token with r_t < threshold (the raw
+    log r_t, unclamped, against log threshold), else 1 (--rollout-rs-veto-threshold; slime's mismatch helper
+    rs_veto_threshold)."""
+    bad = ((old - rollout) < math.log(threshold)) & (mask > 0)
+    return (~bad.any(dim=-1, keepdim=True)).to(old.dtype).expand_as(old)
+
+
+@torch.no_grad()
+def batch_norm_factor(w: ISWeights, mask: Tensor, level: str, mode: str) -> Tensor:
+    """The mean that --tis-batch-normalize divides this micro-batch's weights by (a 0-d tensor; 1 where the mean
+    is not above 1e-8), as slime's mismatch helper (tis_batch_normalize): the bounded weights (in mask mode the
+    weights before masking: the helper masks the loss, not the weight) averaged over the trained tokens at level
+    token, or each sample's weight averaged over the samples with a trained token at level sequence."""
+    m = mask.to(w.raw.dtype)
+    bounded = w.weight if mode == "truncate" else w.raw
+    if level == "token":
+        mean = (bounded * m).sum() / m.sum().clamp(min=1)
+    elif level == "sequence":
+        has = m.sum(dim=-1) > 0
+        mean = _row_mean(bounded, m).squeeze(-1)[has].sum() / has.sum().clamp(min=1)
+    else:
+        raise ValueError(f"--tis-batch-normalize takes --tis-level token or sequence, not {level!r}")
+    return torch.where(mean > 1e-8, mean, torch.ones_like(mean))
+
+
+@dataclass
+class Correction:
+    weight: Tensor  # [B, T] each pg term's multiplier (detached): the bounded, normalized weight, times the rejections
+    out_of_bounds: Tensor  # [B, T] float: trained tokens whose raw weight is outside the bounds (--use-tis)
+    is_masked: Tensor  # [B, T] float: those whose weight --tis-mode mask set to 0
+    rejected: Tensor  # [B, T] float: trained tokens --rollout-rs or its veto rejected
+    rejected_seqs: Tensor  # 0-d: samples with a rejected token
+    vetoed_seqs: Tensor  # 0-d: samples the veto rejected
+    norm: Tensor  # 0-d: --tis-batch-normalize's factor (0 without it)
+
+
+@torch.no_grad()
+def correction(old: Tensor, rollout: Tensor, mask: Tensor, algo: AlgoConfig) -> Correction | None:
+    """The off-policy correction of one micro-batch (module docstring) that algo's flags ask for, or None."""
+    rejects = bool(algo.rollout_rs) or algo.rollout_rs_veto_threshold is not None
+    if not (algo.use_tis or rejects):
+        return None
+    m = mask.to(old.dtype)
+    zeros, zero = torch.zeros_like(m), m.new_zeros(())
+    weight, out, masked, norm = torch.ones_like(m), zeros, zeros, zero
+    if algo.use_tis:
+        w = is_weights(old, rollout, mask, algo.tis_level, algo.tis_mode, algo.tis_clip, algo.tis_clip_low)
+        weight, out = w.weight, w.out_of_bounds
+        masked = out if algo.tis_mode == "mask" else zeros
+        if algo.tis_batch_normalize:
+            norm = batch_norm_factor(w, mask, algo.tis_level, algo.tis_mode)
+            weight = weight / norm
+    rejected, rejected_seqs, vetoed_seqs = zeros, zero, zero
+    if rejects:
+        keep = torch.ones_like(m)
+        if algo.rollout_rs:
+            keep = rejection_keep(old, rollout, mask, parse_rejection(algo.rollout_rs, algo.rollout_rs_threshold))
+        if algo.rollout_rs_veto_threshold is not None:
+            vetoed = veto_keep(old, rollout, mask, algo.rollout_rs_veto_threshold)
+            vetoed_seqs = (((1 - vetoed) * m).sum(dim=-1) > 0).sum().to(m.dtype)
+            keep = keep * vetoed
+        rejected = (1 - keep) * m
+        rejected_seqs = (rejected.sum(dim=-1) > 0).sum().to(m.dtype)
+        weight = weight * keep
+    return Correction(weight, out, masked, rejected, rejected_seqs, vetoed_seqs, norm)
 
 
 # Mismatch metric sums over trained tokens / samples with a trained token (`mismatch_sums`); the *_max keys

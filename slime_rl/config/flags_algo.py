@@ -71,6 +71,15 @@ ALGO_FLAGS: tuple[Flag, ...] = (
         Flag('--rollout-rs-threshold', 'algo.rollout_rs_threshold', type=str,
              help="--rollout-rs's bounds, verl's syntax: one for all options or one per option (comma-separated); "
                   "k1 options 'lower_upper' or 'upper' (ratio bounds, lower 1/upper), k2 / k3 an upper bound"),
+        Flag('--rollout-rs-veto-threshold', 'algo.rollout_rs_veto_threshold', type=float,
+             check=(lambda v: v > 0, "must be > 0"),
+             help="a sample with any trained token whose pi_old / pi_engine is below this is rejected whole (its pg "
+                  "terms 0): slime's mismatch helper rs_veto_threshold (verl's former "
+                  "rollout_token_veto_threshold); with or without --rollout-rs"),
+        Flag('--tis-batch-normalize', 'algo.tis_batch_normalize', action="store_true",
+             help="--use-tis: divide the weights by their mean in each micro-batch (over its trained tokens at "
+                  "--tis-level token, over its samples at sequence), as slime's mismatch helper "
+                  "(tis_batch_normalize); verl's rollout_is_batch_normalize takes the mean over the whole batch"),
         Flag('--get-mismatch-metrics', 'algo.get_mismatch_metrics', action="store_true",
              help="slime's: log train/rollout_corr/* (KL k1 / k3, perplexities, chi^2, ratio stats between the "
                   "trainer's old policy and the engine; verl's names) without changing the loss; on with "

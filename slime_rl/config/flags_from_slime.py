@@ -12,6 +12,7 @@ from slime_rl.config.flag_spec import (
     Flag,
     section,
 )
+from slime_rl.config.slime_mis import MIS_FUNCTION
 
 FROM_SLIME_SECTION = "from slime and Megatron-LM: accepted with this trainer's one value, or refused"
 SLIME_DEFAULT_ROLLOUT = "slime.rollout.sglang_rollout.generate_rollout"
@@ -31,12 +32,13 @@ _ROLLOUT_FN = (f"must be {SLIME_DEFAULT_ROLLOUT} (slime's default, the built-in 
 # slime's built-in TIS functions (slime/backends/megatron_utils/loss.py) -> the --tis-mode that is the same
 # weight: vanilla clamps exp(old - rollout) to [--tis-clip-low, --tis-clip], icepop zeroes it outside
 SLIME_TIS_FUNCTIONS = {"slime.backends.megatron_utils.loss.vanilla_tis_function": "truncate",
-                       "slime.backends.megatron_utils.loss.icepop_function": "mask"}
-_TIS_FN = ("must be slime's vanilla_tis_function or icepop_function (slime.backends.megatron_utils.loss): "
-           "they are --tis-mode truncate and mask here (with --use-tis), and other corrections are flags: "
-           "--tis-level token / sequence / geometric (slime's mismatch helper mis.yaml: tis_level), --tis-mode mask "
-           "(tis_mode mask), --tis-clip / --tis-clip-low (tis_upper_bound / tis_lower_bound), --rollout-rs with "
-           "--rollout-rs-threshold (use_rs, rs_level and its bounds; verl's syntax); docs/off_policy.md")
+                       "slime.backends.megatron_utils.loss.icepop_function": "mask",
+                       MIS_FUNCTION: None}  # the mismatch helper: its --custom-config-path says (slime_mis.py)
+_TIS_FN = ("must be slime's vanilla_tis_function or icepop_function (slime.backends.megatron_utils.loss), "
+           "--tis-mode truncate and mask here (with --use-tis), or its mismatch helper " + MIS_FUNCTION + " with "
+           "the --custom-config-path it reads (mis.yaml); another function has no counterpart, and the corrections "
+           "are flags: --tis-level, --tis-mode, --tis-clip / --tis-clip-low, --rollout-rs with "
+           "--rollout-rs-threshold, --rollout-rs-veto-threshold, --tis-batch-normalize; docs/off_policy.md")
 # slime's on-policy distillation through a teacher server (examples/on_policy_distillation/run-qwen3-8B-opd.sh:
 # --opd-type sglang): its reward function posts each sample to the teacher at --rm-url, its post-process keeps
 # the teacher's log-probs of the response and scores every sample 0.0; here --opd-type sglang does both
@@ -107,8 +109,12 @@ FROM_SLIME_FLAGS: tuple[Flag, ...] = (
         Flag('--rollout-function-path', check=(lambda v: v in (SLIME_DEFAULT_ROLLOUT, SLIME_FULLY_ASYNC_ROLLOUT),
                                                _ROLLOUT_FN),
              help="slime's two rollout functions only: " + _ROLLOUT_FN.split(": ", 1)[1]),
+        Flag('--custom-config-path', metavar='FILE',
+             help="slime's YAML of settings set over the command line: the mismatch helper's keys (use_tis, "
+                  "tis_mode, use_rs, ... with --custom-tis-function-path " + MIS_FUNCTION + ") become the "
+                  "off-policy flags (config/slime_mis.py says how); any other key is a flag under its own name"),
         Flag('--custom-tis-function-path', check=(lambda v: v in SLIME_TIS_FUNCTIONS, _TIS_FN),
-             help="slime's two built-in functions only: " + _TIS_FN.split(": ", 1)[1]),
+             help=_TIS_FN[len("must be "):]),
         Flag('--custom-reward-post-process-path', check=(lambda v: v == SLIME_OPD_POST_PROCESS, _OPD_POST),
              help=f"{SLIME_OPD_POST_PROCESS} only, with --opd-type sglang (the teacher's log-probs kept, every "
                   "reward 0.0, as slime's on-policy distillation example): " + _OPD_POST.split(": ", 1)[1]),

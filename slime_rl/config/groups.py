@@ -178,6 +178,8 @@ class AlgoConfig:
     tis_mode: str = default_of("--tis-mode")
     rollout_rs: str | None = default_of("--rollout-rs")  # verl's rejection options (algo.offpolicy)
     rollout_rs_threshold: str | None = default_of("--rollout-rs-threshold")
+    rollout_rs_veto_threshold: float | None = default_of("--rollout-rs-veto-threshold")
+    tis_batch_normalize: bool = default_of("--tis-batch-normalize")
     get_mismatch_metrics: bool = default_of("--get-mismatch-metrics")
     # rollouts between reference refreshes; None: frozen
     ref_update_interval: int | None = default_of("--ref-update-interval")

@@ -176,8 +176,9 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
            "loss does not take the PPO minimum; drop it")
     _check(not (a.use_rollout_logprobs and a.use_tis), "--use-rollout-logprobs with --use-tis: the old log-probs "
            "would be the engine's, so every importance weight is 1 (slime refuses the pair too); drop one")
-    _check(not (a.use_rollout_logprobs and a.rollout_rs), "--use-rollout-logprobs with --rollout-rs: the old "
-           "log-probs would be the engine's, so no token could be rejected; drop one")
+    for flag, on in (("--rollout-rs", a.rollout_rs), ("--rollout-rs-veto-threshold", a.rollout_rs_veto_threshold)):
+        _check(not (a.use_rollout_logprobs and on), f"--use-rollout-logprobs with {flag}: the old log-probs would "
+               "be the engine's, so no token could be rejected; drop one")
     if a.rollout_rs is not None or a.rollout_rs_threshold is not None:
         _check(a.rollout_rs is not None, "--rollout-rs-threshold without --rollout-rs: name the rejection options "
                "(e.g. --rollout-rs token_k1)")
@@ -187,9 +188,18 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
             raise ConfigError(str(e)) from None
     if a.custom_tis_function_path is not None:  # slime's built-in functions are modes here
         mode = SLIME_TIS_FUNCTIONS[a.custom_tis_function_path]
-        _check(a.tis_mode in ("truncate", mode), f"--custom-tis-function-path {a.custom_tis_function_path} is "
-               f"--tis-mode {mode}; it contradicts --tis-mode {a.tis_mode}: give one")
-        a.tis_mode = mode
+        if mode is None:  # its mismatch helper: the file's settings are the flags (parse.py, slime_mis.py)
+            _check(a.custom_config_path is not None, f"--custom-tis-function-path {a.custom_tis_function_path} "
+                   "reads its settings (use_tis, tis_mode, tis_upper_bound, use_rs, ...) from --custom-config-path: "
+                   "give the file (slime's examples/train_infer_mismatch_helper/mis.yaml)")
+        else:
+            _check(a.tis_mode in ("truncate", mode), f"--custom-tis-function-path {a.custom_tis_function_path} is "
+                   f"--tis-mode {mode}; it contradicts --tis-mode {a.tis_mode}: give one")
+            a.tis_mode = mode
+    _check(not a.tis_batch_normalize or a.use_tis, "--tis-batch-normalize normalizes --use-tis's weights, which "
+           "are off: add --use-tis or drop it")
+    _check(not a.tis_batch_normalize or a.tis_level != "geometric", "--tis-batch-normalize with --tis-level "
+           "geometric: the weights are normalized at token or sequence level (as slime's helper and verl); drop one")
     for flag, value, default in (("--tis-level", a.tis_level, "token"), ("--tis-mode", a.tis_mode, "truncate")):
         _check(a.use_tis or value == default, f"{flag} {value} shapes --use-tis's weights, which are off: add "
                "--use-tis or drop it")

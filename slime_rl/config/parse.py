@@ -1,6 +1,7 @@
 """argv (+ the YAML file of --config) -> the flat namespace of `slime-rl train` and the pass-through.
 
-Order of precedence: parser defaults < YAML file (`--config`) < command line. The `--sglang-<name>`
+Order of precedence: parser defaults < YAML file (`--config`) < command line < slime's
+`--custom-config-path` file (slime sets its keys over the parsed flags; config/slime_mis.py). The `--sglang-<name>`
 and `--router-<name>` flags are taken out of argv first and returned as a dict (router names keyed
 `router:<name>`, `split_router_args` separates them). An EasyR1 YAML is mapped to these flags first
 (config/easyr1.py); slime's flags this trainer does not have are refused by name (config/slime_args.py);
@@ -26,6 +27,7 @@ from slime_rl.config.easyr1 import describe, is_easyr1, map_easyr1
 from slime_rl.config.flags import OWN_SGLANG_FLAGS, ROUTER_PREFIX, SGLANG_PREFIX, build_parser
 from slime_rl.config.sglang_changes import modernize
 from slime_rl.config.slime_args import refuse_slime_only
+from slime_rl.config.slime_mis import MIS_FUNCTION, MIS_KEYS, mis_flags
 
 # how parse_flags keys a `--router-<name>` in its pass-through dict: `--sglang-router-ip` (slime's
 # external-router flag) stays the SGLang name `router_ip` and cannot be taken for a router flag
@@ -159,18 +161,22 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _read_yaml(flag: str, path: str) -> Any:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{flag}: file not found: {path}")
+    try:
+        return yaml.load(file.read_text(), Loader=UniqueKeyLoader) or {}  # a SafeLoader: no object tags
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{flag} {path}: not valid YAML: {exc}") from exc
+
+
 def _yaml_overlay(parser: argparse.ArgumentParser, path: str,
                   backend: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The --config file as flag defaults and --sglang-* pass-through; EasyR1's nested layout is
     mapped first (config/easyr1.py) and the mapping printed. `backend`: --rollout-backend from the
     command line (the EasyR1 mapping depends on it)."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--config: file not found: {path}")
-    try:
-        data = yaml.load(file.read_text(), Loader=UniqueKeyLoader) or {}  # a SafeLoader: no object tags
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path}: not valid YAML: {exc}") from exc
+    data = _read_yaml("--config", path)
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: top level must be a mapping of flag names to values")
     if is_easyr1(data):
@@ -181,6 +187,13 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str,
     else:
         refuse_slime_only([str(k) for k in data], f"--config {path}: ", ConfigError)
         items = [(k, k, v) for k, v in data.items()]
+    return _flag_values(parser, items, f"--config {path}: ")
+
+
+def _flag_values(parser: argparse.ArgumentParser, items: list[tuple[Any, Any, Any]],
+                 where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(how errors name the key, the flag key, the value) of a YAML file -> ({dest: typed value}, --sglang-*
+    pass-through); `where` starts each error."""
     dests = {a.dest: a for a in parser._actions}
     # a key may also be the flag's own name where it differs from its dest: `no-pack-sequences: true`
     # (store_false, dest pack_sequences) says what `--no-pack-sequences` says; `pack-sequences: false` too
@@ -199,35 +212,35 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str,
         if key not in dests and key in flags and flags[key].nargs == 0:  # a switch by its flag name
             action = flags[key]
             if not isinstance(value, bool):
-                raise ConfigError(f"--config {path}: key '{raw_key}': expected true or false, got {value!r:.40}")
+                raise ConfigError(f"{where}key '{raw_key}': expected true or false, got {value!r:.40}")
             if value:  # true: as if the switch were given; false: as if it were not
                 defaults[action.dest] = action.const
             continue
         if key in ("config", "help") or key not in dests:
-            raise ConfigError(f"--config {path}: unknown key '{raw_key}' (not a flag of slime-rl train)")
+            raise ConfigError(f"{where}unknown key '{raw_key}' (not a flag of slime-rl train)")
         action = dests[key]
         if value is None:  # `key:` or `key: null` leaves the flag at its default (None would bypass its type)
             continue
         if action.nargs == 0 and value is not None and not isinstance(value, bool):  # store_true/false
-            raise ConfigError(f"--config {path}: key '{raw_key}': expected true or false, got {value!r:.40}")
+            raise ConfigError(f"{where}key '{raw_key}': expected true or false, got {value!r:.40}")
         many = action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 0)
         if many and value is not None:  # a list flag: one value is a list of one
             value = list(value) if isinstance(value, list) else [value]
         elif isinstance(value, (list, dict)):
-            raise ConfigError(f"--config {path}: key '{raw_key}': expected one value, got {type(value).__name__}")
+            raise ConfigError(f"{where}key '{raw_key}': expected one value, got {type(value).__name__}")
         if not many and action.type is None and action.nargs != 0:  # a string flag (a path, a name)
             if isinstance(value, bool):
-                raise ConfigError(f"--config {path}: key '{raw_key}': expected a string, got {value!r}")
+                raise ConfigError(f"{where}key '{raw_key}': expected a string, got {value!r}")
             value = str(value)  # a number written without quotes (a folder named 2024)
         if value is not None and action.type is not None:  # a bool for a number is refused here too
             try:
                 value = [action.type(str(v)) for v in value] if many else action.type(str(value))
             except (argparse.ArgumentTypeError, ValueError) as exc:
-                raise ConfigError(f"--config {path}: key '{raw_key}': {exc}") from exc
+                raise ConfigError(f"{where}key '{raw_key}': {exc}") from exc
         if many and value is not None:
             value = [str(v) if action.type is None else v for v in value]
         if action.choices is not None and value is not None and value not in action.choices:
-            raise ConfigError(f"--config {path}: key '{raw_key}': {value!r} is not one of {list(action.choices)}")
+            raise ConfigError(f"{where}key '{raw_key}': {value!r} is not one of {list(action.choices)}")
         defaults[key] = value
     return defaults, sglang
 
@@ -252,10 +265,43 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]
         parser.set_defaults(**defaults)
     args = parser.parse_args(rest)
     sglang = _current_names(sglang) | _current_names(sglang_cli)  # each source alone: the command line wins
+    if args.custom_config_path:  # slime sets its keys after parsing: over the command line
+        sglang |= _current_names(_custom_config(parser, args))
     explicit = known.rollout_backend is not None or (known.config is not None and "rollout_backend" in defaults)
     if not explicit:
         _backend_from_flags(args, sglang)
     return args, sglang
+
+
+def _custom_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """slime's --custom-config-path: the mismatch helper's keys as the off-policy flags (config/slime_mis.py,
+    the mapping said in a note), every other key as the flag of its name; set on `args` over the command
+    line, as slime sets them on its args. A helper key without the helper, or one that contradicts a flag the
+    command line gave, is refused. Returns the file's --sglang-* pass-through."""
+    path = args.custom_config_path
+    where = f"--custom-config-path {path}: "
+    data = _read_yaml("--custom-config-path", path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}top level must be a mapping of settings to values")
+    helper = {k: v for k, v in data.items() if k in MIS_KEYS}
+    if helper:
+        if args.custom_tis_function_path != MIS_FUNCTION:
+            raise ConfigError(f"{where}key '{next(iter(helper))}' is a setting of slime's mismatch helper: it takes "
+                              f"effect with --custom-tis-function-path {MIS_FUNCTION} (slime ignores it without)")
+        flags, said = mis_flags(helper, where, ConfigError)
+        for dest, value in flags.items():
+            given = getattr(args, dest)
+            if given != parser.get_default(dest) and given != value:
+                raise ConfigError(f"{where}the mismatch helper's settings give --{dest.replace('_', '-')} "
+                                  f"{value}; the command line gives {given}: give one")
+            setattr(args, dest, value)
+        warnings.warn(f"{where}slime's mismatch helper: {said}", ConfigNote, stacklevel=3)
+    rest = [k for k in data if k not in MIS_KEYS]
+    refuse_slime_only([str(k) for k in rest], where, ConfigError)
+    values, sglang = _flag_values(parser, [(k, k, data[k]) for k in rest], where)
+    for dest, value in values.items():
+        setattr(args, dest, value)
+    return sglang
 
 
 def _current_names(passthrough: dict[str, Any]) -> dict[str, Any]:

@@ -51,8 +51,6 @@ SLIME_ONLY_FLAGS: dict[str, str] = {
     "--custom-model-provider-path": "the model is built from the --hf-checkpoint architecture",
     "--custom-update-weight-post-write-path": "weights go to the engines by broadcast or CUDA IPC, never through "
     "files",
-    "--custom-config-path": "a custom function's settings go in its own module (or --custom-rm-kwargs for a "
-    "reward)",
     # slime's own training modes and transports (slime 624b824's scripts/ and examples/)
     "--enable-mtp-training": "multi-token-prediction layers are not built: the trainer builds the decoder of "
     "config.json without MTP heads (MiMo's and DeepSeek's MTP layers are dropped)",

@@ -43,13 +43,12 @@ from slime_rl.algo import estimator_for, kl_penalty, masked_moments, masked_sum,
 from slime_rl.algo.offpolicy import (
     MISMATCH_KEYS,
     MISMATCH_MAX_KEYS,
-    is_weights,
+    Correction,
+    correction,
     mismatch_metrics,
     mismatch_sums,
-    rejection_keep,
 )
 from slime_rl.config.groups import AlgoConfig
-from slime_rl.config.rollout_corr import parse_rejection
 from slime_rl.trainer.batching import MicroBatch
 
 # per-micro-batch sums (summed over micro-batches and DP); every one is a masked token sum except
@@ -59,11 +58,13 @@ from slime_rl.trainer.batching import MicroBatch
 # "abs_diff_max" (the largest |old - rollout| of a trained token) is the one that is not a sum: it is
 # combined by max over micro-batches and DP ranks (MAX_STAT_KEYS: `combine_stats`, `dp_reduce_stats`)
 # "is_masked" / "rs_masked": trained tokens whose weight --tis-mode mask / --rollout-rs set to 0; "rs_seqs" /
-# "seqs": samples with a token --rollout-rs rejected / with a trained token; the MISMATCH_KEYS (algo.offpolicy)
+# "seqs": samples with a token --rollout-rs (or its veto) rejected / with a trained token; "veto_seqs": samples
+# --rollout-rs-veto-threshold rejected; "tis_norm" / "micro_batches": --tis-batch-normalize's factors and the
+# micro-batches they are of (a sum and a count, 1 each); the MISMATCH_KEYS (algo.offpolicy)
 # are filled only on the fused path, like "entropy_old" (step_sums computes them otherwise)
 STAT_KEYS = ("pg", "kl", "clipped", "clip_high", "clip_low", "k1_old_new", "entropy_agg", "tis_w",
              "tis_clipped", "tokens", "loss", "clip_dual", "entropy_old", "abs_diff", "abs_diff_max",
-             "is_masked", "rs_masked", "rs_seqs", "seqs", *MISMATCH_KEYS)
+             "is_masked", "rs_masked", "rs_seqs", "seqs", "veto_seqs", "tis_norm", "micro_batches", *MISMATCH_KEYS)
 MAX_STAT_KEYS = ("abs_diff_max", *MISMATCH_MAX_KEYS)
 _MAX_INDEX = [STAT_KEYS.index(k) for k in MAX_STAT_KEYS]
 
@@ -91,7 +92,8 @@ def uses_kl_loss(algo: AlgoConfig) -> bool:
 
 def uses_mismatch_metrics(algo: AlgoConfig) -> bool:
     """Whether a step logs train/rollout_corr/* (algo.offpolicy.mismatch_metrics)."""
-    return algo.get_mismatch_metrics or algo.use_tis or bool(algo.rollout_rs)
+    return (algo.get_mismatch_metrics or algo.use_tis or bool(algo.rollout_rs)
+            or algo.rollout_rs_veto_threshold is not None)
 
 
 # ---- advantages (once per train step)
@@ -239,20 +241,14 @@ def policy_objective(algo: AlgoConfig, logp: Tensor, mb: MicroBatch, entropy: Te
     weight = mb.per_token["loss_weight"]
     pg, clipped, frac = estimator_for(algo).policy_loss(logp, old, adv, mask, algo)
     zeros = torch.zeros_like(pg).detach()
-    tis_w, tis_clipped, is_masked, rs_masked, rs_seqs = torch.ones_like(zeros), zeros, zeros, zeros, zeros.sum()
     rollout = mb.per_token["rollout_logp"]
-    if algo.use_tis:  # the behaviour correction (algo.offpolicy): pi_old / pi_engine, bounded
-        w = is_weights(old, rollout, mask, algo.tis_level, algo.tis_mode, algo.tis_clip, algo.tis_clip_low)
-        tis_w, tis_clipped = w.weight, w.out_of_bounds
-        if algo.tis_mode == "mask":
-            is_masked = w.out_of_bounds
-    if algo.rollout_rs:
-        keep = rejection_keep(old, rollout, mask, parse_rejection(algo.rollout_rs, algo.rollout_rs_threshold))
-        rs_masked = (1 - keep) * mask
-        rs_seqs = (rs_masked.sum(dim=-1) > 0).sum().to(zeros.dtype)
-        tis_w = tis_w * keep
-    if algo.use_tis or algo.rollout_rs:
-        pg = pg * tis_w
+    fix = correction(old, rollout, mask, algo)  # the behaviour correction (algo.offpolicy), or None
+    if fix is None:
+        z = zeros.sum()
+        fix = Correction(torch.ones_like(zeros), zeros, zeros, zeros, z, z, z)
+    else:
+        pg = pg * fix.weight.to(pg.dtype)
+    tis_w = fix.weight
     per_token = pg
     kl = zeros
     if "ref_logp" in mb.per_token:
@@ -276,9 +272,10 @@ def policy_objective(algo: AlgoConfig, logp: Tensor, mb: MicroBatch, entropy: Te
     sums = torch.stack([masked_sum(pg, mask), masked_sum(kl, mask), masked_sum(clipped, mask),
                         masked_sum(frac.high, mask), masked_sum(frac.low, mask),
                         masked_sum(old - logp, mask), entropy_agg, masked_sum(tis_w, mask),
-                        masked_sum(tis_clipped, mask), mask.sum(), share, masked_sum(frac.dual, mask),
-                        ent_old, abs_diff, abs_diff_max, masked_sum(is_masked, mask), masked_sum(rs_masked, mask),
-                        rs_seqs, (mask.sum(dim=-1) > 0).sum().to(zeros.dtype)]).detach().float()
+                        masked_sum(fix.out_of_bounds, mask), mask.sum(), share, masked_sum(frac.dual, mask),
+                        ent_old, abs_diff, abs_diff_max, masked_sum(fix.is_masked, mask),
+                        masked_sum(fix.rejected, mask), fix.rejected_seqs, (mask.sum(dim=-1) > 0).sum().to(zeros.dtype),
+                        fix.vetoed_seqs, fix.norm, torch.ones_like(fix.norm)]).detach().float()
     return share, torch.cat([sums, mismatch.detach().float()])
 
 
@@ -331,10 +328,15 @@ def train_metrics(algo: AlgoConfig, step: dict[str, float], stats: list[dict[str
         out["train/tis_clipfrac"] = frac("tis_clipped")
         if algo.tis_mode == "mask":
             out["train/rollout_corr/is_masked_fraction"] = frac("is_masked")
-    if algo.rollout_rs:
+    seqs = max(sum(s["seqs"] for s in stats), 1.0)
+    if algo.rollout_rs or algo.rollout_rs_veto_threshold is not None:
         out["train/rollout_corr/rs_masked_fraction"] = frac("rs_masked")
-        out["train/rollout_corr/rs_seq_masked_fraction"] = sum(s["rs_seqs"] for s in stats) / max(
-            sum(s["seqs"] for s in stats), 1.0)
+        out["train/rollout_corr/rs_seq_masked_fraction"] = sum(s["rs_seqs"] for s in stats) / seqs
+    if algo.rollout_rs_veto_threshold is not None:
+        out["train/rollout_corr/rs_veto_seq_fraction"] = sum(s["veto_seqs"] for s in stats) / seqs
+    if algo.use_tis and algo.tis_batch_normalize:  # the mean factor over the step's micro-batches
+        out["train/rollout_corr/batch_norm_factor"] = sum(s["tis_norm"] for s in stats) / max(
+            sum(s["micro_batches"] for s in stats), 1.0)
     if uses_mismatch_metrics(algo):
         out |= mismatch_metrics(step)
     return out

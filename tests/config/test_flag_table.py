@@ -48,6 +48,7 @@ COMPANIONS = {
     "--ref-update-interval": ["--use-kl-loss"],
     "--tis-level": ["--use-tis"], "--tis-mode": ["--use-tis"], "--max-staleness": ["--fully-async"],
     "--rollout-rs": ["--rollout-rs-threshold", "2"], "--rollout-rs-threshold": ["--rollout-rs", "token_k1"],
+    "--tis-batch-normalize": ["--use-tis"],
     "--critic-lr-warmup-iters": ["--advantage-estimator", "ppo"],
     "--critic-save": ["--advantage-estimator", "ppo", "--save", "ckpt"],
     "--num-critic-only-steps": ["--advantage-estimator", "ppo"],

@@ -139,8 +139,15 @@ OTHER_SCRIPTS: list[tuple[list[str], tuple[str, object] | str]] = [
     (["--fully-async", "--mask-offpolicy-in-partial-rollout"], ("rollout.mask_offpolicy_in_partial_rollout", True)),
     (["--use-tis", "--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function"],
      ("algo.tis_mode", "mask")),
+    (["--custom-tis-function-path", "slime.my_tis.fn"], "--tis-level, --tis-mode"),
     (["--custom-tis-function-path", "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"],
-     "--tis-level token / sequence / geometric"),
+     "reads its settings (use_tis, tis_mode, tis_upper_bound, use_rs, ...) from --custom-config-path"),
+    (["--rollout-rs-veto-threshold", "0.001"], ("algo.rollout_rs_veto_threshold", 0.001)),
+    (["--rollout-rs-veto-threshold", "0"], "must be > 0"),
+    (["--use-rollout-logprobs", "--rollout-rs-veto-threshold", "0.001"], "no token could be rejected"),
+    (["--use-tis", "--tis-batch-normalize"], ("algo.tis_batch_normalize", True)),
+    (["--tis-batch-normalize"], "--tis-batch-normalize normalizes --use-tis's weights, which are off"),
+    (["--tis-batch-normalize", "--use-tis", "--tis-level", "geometric"], "at token or sequence level"),
     (["--use-tis", "--tis-mode", "mask", "--tis-level", "geometric"], ("algo.tis_mode", "mask")),
     (["--tis-mode", "mask"], "--tis-mode mask shapes --use-tis's weights, which are off"),
     (["--rollout-rs", "token_k1,seq_max_k3", "--rollout-rs-threshold", "0.5_2.0,0.1"],
@@ -187,7 +194,8 @@ def test_common_flags_of_slimes_other_scripts(tokens, expected, tmp_path):
 
 
 # ---- the section of flags this trainer has one value for
-ONE_VALUE = [f for f in FLAGS if f.section == FROM_SLIME_SECTION]
+# --custom-config-path reads a file, with every value its keys take (tests/config/test_slime_mis.py)
+ONE_VALUE = [f for f in FLAGS if f.section == FROM_SLIME_SECTION and f.name != "--custom-config-path"]
 
 
 def _accepted_and_refused(f) -> tuple[list[str] | None, list[str] | None]:

@@ -30,6 +30,11 @@ CASES: dict[str, tuple[dict, str, bool]] = {
     # masked importance weights at the sample level (geometric mean) plus verl's token_k1 rejection
     "mis_rs": ({"use_tis": True, "tis_level": "geometric", "tis_mode": "mask", "tis_clip": 1.1, "tis_clip_low": 0.85,
                 "rollout_rs": "token_k1", "rollout_rs_threshold": "0.29_3.0"}, "token-mean", True),
+    # slime's mismatch helper (mis.yaml's tis_mode mask with rs_veto_threshold and tis_batch_normalize): masked
+    # token weights in [0.5, 2], each micro-batch's (here: each sample's, mbs 1) divided by the mean of its
+    # weights before the masking, and a sample with a token of ratio below e^-2 rejected whole
+    "mis_helper": ({"use_tis": True, "tis_mode": "mask", "tis_clip": 2.0, "tis_clip_low": 0.5,
+                    "tis_batch_normalize": True, "rollout_rs_veto_threshold": math.exp(-2.0)}, "token-mean", True),
     "entropy": ({"entropy_coef": 0.5}, "seq-mean-token-mean", True),
     "kl_loss": ({"use_kl_loss": True, "kl_loss_coef": 0.2, "kl_loss_type": "low_var_kl"}, "token-mean", True),
 }
@@ -39,6 +44,7 @@ ABLATION = {"rpp": {"kl_coef": 0.0}, "rpp_baseline": {"kl_coef": 0.0}, "gspo": {
             "cispo": {"advantage_estimator": "grpo"}, "sapo": {"advantage_estimator": "grpo"},
             "dual_clip": {"eps_clip_c": None}, "tis": {"use_tis": False}, "entropy": {"entropy_coef": 0.0},
             "mis_rs": {"use_tis": False, "tis_level": "token", "tis_mode": "truncate", "rollout_rs": None},
+            "mis_helper": {"tis_batch_normalize": False, "rollout_rs_veto_threshold": None},
             "kl_loss": {"use_kl_loss": False, "kl_loss_coef": 0.0}}
 
 # old_logp = current logp + OLD_DELTA (ratio exp(-delta)); sample advantages are (1, -1, 0.5, -0.25)
@@ -158,6 +164,12 @@ def reference_step(model, ref_model, batch: dict, kw: dict, mode: str, old: list
                 raw_w = torch.exp(log_w)
             out = (raw_w > hi) | (raw_w < lo)
             w = torch.where(out, 0.0, raw_w) if kw.get("tis_mode") == "mask" else raw_w.clamp(lo, hi)
+            if kw.get("tis_batch_normalize"):  # one sample per micro-batch: its weights over their mean, taken
+                # over its trained tokens of the weights before the mask (slime's helper masks the loss instead)
+                before = raw_w if kw.get("tis_mode") == "mask" else w
+                w = w / ((before * m).sum() / m.sum())
+            if kw.get("rollout_rs_veto_threshold"):  # a trained token below the threshold rejects the sample
+                w = w * float(not bool(((log_w < math.log(kw["rollout_rs_veto_threshold"])) & (m > 0)).any()))
             if kw.get("rollout_rs"):  # token_k1 "lo_hi": keep pi_engine / pi_old within [lo, hi]
                 assert kw["rollout_rs"] == "token_k1"
                 rs_lo, rs_hi = (float(v) for v in kw["rollout_rs_threshold"].split("_"))

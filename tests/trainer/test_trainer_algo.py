@@ -107,7 +107,8 @@ def test_gradient_and_sums_match_reference(scenario, algo_expected, world, case)
 
 @pytest.mark.slow
 def test_clipping_is_active_where_it_should_be(algo_expected):
-    sums = {case: algo_expected(1, case)["grad_run"]["sums"] for case in ("dual_clip", "gspo", "tis", "mis_rs")}
+    sums = {case: algo_expected(1, case)["grad_run"]["sums"]
+            for case in ("dual_clip", "gspo", "tis", "mis_rs", "mis_helper")}
     assert sums["dual_clip"]["clip_high"] == 2 and sums["dual_clip"]["clip_low"] == 3
     assert sums["dual_clip"]["clip_dual"] == 3  # ratios 4.5, 3.7, 3.3 > c = 3 with A < 0
     assert sums["gspo"]["clip_high"] == 2  # sample 2 (2 tokens), s = 1.22 > 1.2
@@ -116,6 +117,14 @@ def test_clipping_is_active_where_it_should_be(algo_expected):
     # tokens after the rejection at exp(0.05 / 3), sample 2 both at exp(-0.1)
     assert sums["mis_rs"]["tis_clipped"] == 7
     assert sums["mis_rs"]["tis_w"] == pytest.approx(2 * math.exp(0.05 / 3) + 2 * math.exp(-0.1), rel=1e-9)
+    # mis_helper, log ratios OLD_DELTA - TIS_DELTA on trained tokens: sample 1 has -2.5 < -2 (vetoed); in [log 0.5,
+    # log 2] stay -0.3 of sample 0, 0.6 of sample 2, -0.45 and 0.5 of sample 3; each over its sample's mean of e^x
+    h = sums["mis_helper"]
+    assert h["tis_clipped"] == 7  # trained tokens out of [0.5, 2]: 2 + 3 + 1 + 1
+    mean0, mean2, mean3 = (sum(map(math.exp, xs)) / len(xs) for xs in ([-0.3, -0.95, 1.3], [0.6, -0.8],
+                                                                        [-0.45, -0.7, 0.5]))
+    assert h["tis_w"] == pytest.approx(math.exp(-0.3) / mean0 + math.exp(0.6) / mean2
+                                       + (math.exp(-0.45) + math.exp(0.5)) / mean3, rel=1e-9)
 
 
 @pytest.mark.slow
@@ -151,8 +160,12 @@ def test_train_step_metrics(scenario, algo_expected, world, case):
         keys |= {"train/tis_weight_mean", "train/tis_clipfrac"} | {f"train/rollout_corr/{k}" for k in MISMATCH}
     if kw.get("tis_mode") == "mask":
         keys.add("train/rollout_corr/is_masked_fraction")
-    if kw.get("rollout_rs"):
+    if kw.get("rollout_rs") or kw.get("rollout_rs_veto_threshold"):
         keys |= {"train/rollout_corr/rs_masked_fraction", "train/rollout_corr/rs_seq_masked_fraction"}
+    if kw.get("rollout_rs_veto_threshold"):
+        keys.add("train/rollout_corr/rs_veto_seq_fraction")
+    if kw.get("tis_batch_normalize"):
+        keys.add("train/rollout_corr/batch_norm_factor")
     if kw.get("eps_clip_c") is not None:
         keys.add("train/pg_clipfrac_dual")
     assert set(m) == keys and all(math.isfinite(v) for v in m.values())
