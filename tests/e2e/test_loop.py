@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from slime_rl.config import build_config
 from slime_rl.observability import REQUIRED_KEYS
 from slime_rl.train import preflight, train
-from tests.loop_checks import digit_data_fixture, one_step_then_compare_weights
+from tests.loop_checks import compare_engine_weights, digit_data_fixture
 
 
 def argv(model, data, run_dir, steps):
@@ -85,20 +85,58 @@ def check_logging_backends(run_dir, rows):
     assert logged == [(r["step"], pytest.approx(r["rollout/reward_mean"], rel=1e-6)) for r in rows]
 
 
+# The ways the loop feeds the loss, one whole-loop run each, folded into runs that check something else of
+# the same loop (the algorithm changes nothing of what those check): token-level advantages built by the trainer
+# with the reference model (REINFORCE++; reinforce_plus_plus_baseline takes the same path) in the TP=2 weights
+# test, GRPO's scalar advantages (rloo's path too) with every per-token term on (dual clip, the off-policy
+# corrections, entropy bonus, KL loss) in the PP=2 one, and a sequence-level ratio (GSPO) in the resume test
+# (the corrections read the engine's log-probs, whose last bits depend on how the engine batched the requests,
+# so a run with them does not repeat bit for bit: the resume test runs without them). Each
+# family's math, rloo and reinforce_plus_plus_baseline included, is checked against float64 references in
+# tests/algo and, on real Megatron ranks, tests/trainer/test_trainer_algo.py.
+REINFORCE_PP = ["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.01", "--gamma", "0.99"]
+GSPO = ["--advantage-estimator", "gspo", "--loss-agg-mode", "seq-mean-token-mean"]
+EVERY_TERM = ["--eps-clip-c", "3", "--use-tis", "--tis-mode", "mask", "--tis-level", "geometric", "--tis-clip-low",
+              "0.5", "--rollout-rs", "token_k1,seq_max_k3", "--rollout-rs-threshold", "0.2_5.0,1.0", "--entropy-coef",
+              "0.01", "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl"]
+
+
+def check_algorithm_rows(rows: list[dict], algo: list[str]) -> None:
+    """The family's steps trained: finite, non-zero gradients (the rewards differ in every group) and the
+    family's metric keys; with the off-policy corrections on, a synchronous step rejects nothing (the engine
+    sampled with the trainer's weights)."""
+    for row in rows:
+        assert np.isfinite(row["train/loss"]) and np.isfinite(row["train/grad_norm"]) and row["train/grad_norm"] > 0
+        assert {"train/ppo_kl", "train/pg_clipfrac_high", "train/advantage_mean", "train/advantage_std"} <= set(row)
+    if "--use-tis" in algo:
+        assert {"train/tis_weight_mean", "train/entropy_loss", "train/rollout_corr/k3_kl"} <= set(rows[0])
+        assert rows[0]["train/kl"] >= 0
+        for row in rows:
+            assert row["train/rollout_corr/rs_masked_fraction"] == 0 == row["train/rollout_corr/is_masked_fraction"]
+            assert abs(row["train/rollout_corr/kl"]) < 1e-4
+            assert row["train/tis_weight_mean"] == pytest.approx(1, abs=1e-3)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]],
-                         ids=["tp2", "pp2"])
-def test_engine_weights_equal_trainer_after_sync(ray_session, tiny_qwen2, digit_data, tmp_path, layout):
+@pytest.mark.parametrize("layout, algo", [
+    ([], REINFORCE_PP), (["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"], EVERY_TERM)],
+    ids=["tp2", "pp2"])
+def test_engine_weights_equal_trainer_after_sync(ray_session, tiny_qwen2, digit_data, tmp_path, layout, algo):
     """TP=2: one source gathers the shards. PP=2: each stage's source sends its own layers through
-    its own group; either way the engine ends with every tensor of the trainer, bit for bit."""
+    its own group; either way the engine ends with every tensor of the trainer, bit for bit. The step trains
+    by REINFORCE++ (TP=2) and by GRPO with every per-token term on (PP=2): check_algorithm_rows."""
     from slime_rl.orchestration.cluster import Cluster
 
     # a reward that always differs within a group: the update must move the weights
-    cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1) + layout
+    cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=1) + layout + algo
                        + ["--custom-rm-path", "tests.plugins.example_reward:index_reward"])
     cluster = Cluster(*preflight(cfg), api_key="test-secret")
     try:
-        trainer = one_step_then_compare_weights(cluster, api_key="test-secret")
+        cluster.start(train_iters=2)
+        cluster.generate(0)
+        check_algorithm_rows([cluster.train(0)], algo)
+        cluster.sync_weights(version="1")
+        trainer = compare_engine_weights(cluster, "test-secret", "1")
         initial = load_file(str(tiny_qwen2 / "model.safetensors"))
         changed = sum(not np.array_equal(initial[name].numpy(), t) for name, t in trainer.items())
         assert set(trainer) == set(initial)
@@ -187,17 +225,19 @@ def test_resume_continues_exactly(ray_session, tiny_qwen2, digit_data, tmp_path)
     --save folder, 2 more steps: steps 2-3 match the first run's, and its folder is not touched. Rollouts
     repeat because every request is seeded from the sample index (--deterministic-rollout); the trainer
     state (weights, Adam, scheduler, RNG) and the data position come from the checkpoint. The same folder
-    as --save, where the first run's steps 2 and 3 would be overwritten, is refused before anything starts."""
+    as --save, where the first run's steps 2 and 3 would be overwritten, is refused before anything starts.
+    Both runs train GSPO (a sequence-level ratio: check_algorithm_rows)."""
     import hashlib
 
     from slime_rl.config import ConfigError
     from slime_rl.trainer.checkpoint import latest_checkpoint
 
-    det = ["--deterministic-rollout", "--custom-rm-path", "tests.plugins.example_reward:index_reward"]
+    det = ["--deterministic-rollout", "--custom-rm-path", "tests.plugins.example_reward:index_reward", *GSPO]
     ckpt = tmp_path / "ckpt"
     straight = train(*_cfg_plan(argv(tiny_qwen2, digit_data, tmp_path / "b", steps=4) + det
                                 + ["--save", str(ckpt), "--save-interval", "1", "--keep-last", "3"]))
     assert [r["step"] for r in straight] == [0, 1, 2, 3]
+    check_algorithm_rows(straight, GSPO)
     assert latest_checkpoint(ckpt).name == "iter_0000003" and not (ckpt / "iter_0000000").exists()  # keep-last 3
 
     def checksums() -> dict[str, str]:
@@ -221,36 +261,6 @@ def test_resume_continues_exactly(ray_session, tiny_qwen2, digit_data, tmp_path)
 
 def _cfg_plan(args):
     return preflight(build_config(args))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("algo", [
-    ["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.01", "--gamma", "0.99"],
-    ["--advantage-estimator", "gspo", "--loss-agg-mode", "seq-mean-token-mean"],
-    ["--eps-clip-c", "3", "--use-tis", "--tis-mode", "mask", "--tis-level", "geometric", "--tis-clip-low", "0.5",
-     "--rollout-rs", "token_k1,seq_max_k3", "--rollout-rs-threshold", "0.2_5.0,1.0", "--entropy-coef", "0.01",
-     "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl"],
-], ids=["reinforce_pp", "gspo", "grpo_dualclip_mis_rs_entropy_kl"])
-def test_algorithm_families_train(ray_session, tiny_qwen2, digit_data, tmp_path, algo):
-    """Two loop steps per family: finite, non-zero gradients and the family's metric keys. One run per way the
-    loop feeds the loss: token-level advantages built by the trainer with the reference model (reinforce_pp;
-    reinforce_plus_plus_baseline takes the same path), a sequence-level ratio (gspo), and GRPO's scalar
-    advantages (rloo's path too) with every per-token term on (dual clip, the off-policy corrections, entropy
-    bonus, KL loss). Each family's math, rloo and reinforce_plus_plus_baseline included, is checked against
-    float64 references in tests/algo and, on real Megatron ranks, tests/trainer/test_trainer_algo.py."""
-    args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + algo + [
-        "--custom-rm-path", "tests.plugins.example_reward:index_reward"]  # rewards always differ in a group
-    rows = train(*preflight(build_config(args)))
-    for row in rows:
-        assert np.isfinite(row["train/loss"]) and np.isfinite(row["train/grad_norm"]) and row["train/grad_norm"] > 0
-        assert {"train/ppo_kl", "train/pg_clipfrac_high", "train/advantage_mean", "train/advantage_std"} <= set(row)
-    if "--use-tis" in algo:
-        assert {"train/tis_weight_mean", "train/entropy_loss", "train/rollout_corr/k3_kl"} <= set(rows[0])
-        assert rows[0]["train/kl"] >= 0
-        for row in rows:  # synchronous: the engine sampled with the trainer's weights, so nothing is rejected
-            assert row["train/rollout_corr/rs_masked_fraction"] == 0 == row["train/rollout_corr/is_masked_fraction"]
-            assert abs(row["train/rollout_corr/kl"]) < 1e-4
-            assert row["train/tis_weight_mean"] == pytest.approx(1, abs=1e-3)
 
 
 EASYR1_REWARD = Path(__file__).resolve().parents[1] / "rewards" / "plugins" / "easyr1_reward.py"
