@@ -4,6 +4,8 @@
   every group, every sample id exactly once; the engine comes back (new process, same actor) with
   the trainer's weights (per-tensor sha256, /weights_checksum) and takes requests next step.
 - a hung engine (SIGSTOP): its /health times out, its requests go to the other engine.
+- both engines back: the rollout's own routing (no router) sends requests to both, each sample once, and
+  both hold every weight update (tests/rollout/test_two_engines_cluster.py: the same behind sglang-router).
 - a trainer rank that raises mid-run: the run stops with a message naming the rank and the
   checkpoint to resume from; --load resumes from it.
 """
@@ -138,7 +140,16 @@ def test_killed_and_hung_engines_lose_no_sample_and_come_back_with_the_weights(
         cluster.sync_weights(version="2")
         m2 = cluster.generate(2)
         assert m2["rollout/engines_dead"] == 0
+        # ---- step 2, both engines healthy (the rollout's own routing, no router): the requests reach both, each
+        # sample once; by each engine's own count too (engine 0's process is new since the second update: its
+        # count is step 2's); both hold the second update
         assert m2["rollout/engine0_requests"] > 0 and m2["rollout/engine1_requests"] > 0
+        assert m2["rollout/engine0_requests"] + m2["rollout/engine1_requests"] == PROMPTS * N
+        for k, url in enumerate(cluster.engine_urls):
+            with EngineClient(url, api_key=KEY) as c:
+                assert c.get_model_info()["weight_version"] == "2"
+                finished = c.get_server_info()["internal_states"][0]["requests_finished"]
+            assert finished == m2["rollout/engine0_requests"] if k == 0 else finished > 0, (k, finished)
     finally:
         cluster.shutdown()
     assert assert_key_nowhere(KEY, run, ray_logs()) > 0
