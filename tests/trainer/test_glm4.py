@@ -137,11 +137,12 @@ def test_megatron_interleaved_partial_rope_is_transformers(monkeypatch):
     """megatron-core's RotaryEmbedding (rotary_percent 0.5, rotary_interleaved) and its unfused
     _apply_rotary_pos_emb_bshd, as the trainer runs them, against transformers' Glm4 rotation on the same queries
     (float64 queries): equal up to float32 cos/sin; the halves' rotation (rotary_interleaved off) is not."""
-    import slime_rl.trainer.mcore  # noqa: F401  (megatron behind its CPU layer)
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from transformers import AutoConfig
     from transformers.models.glm4 import modeling_glm4
+
+    import slime_rl.trainer.mcore  # noqa: F401  (megatron behind its CPU layer)
 
     cfg = AutoConfig.for_model(**{**BASE, "head_dim": 16})
     seq, heads, d = 11, 4, 16
