@@ -137,12 +137,14 @@ def test_megatron_interleaved_partial_rope_is_transformers(monkeypatch):
     """megatron-core's RotaryEmbedding (rotary_percent 0.5, rotary_interleaved) and its unfused
     _apply_rotary_pos_emb_bshd, as the trainer runs them, against transformers' Glm4 rotation on the same queries
     (float64 queries): equal up to float32 cos/sin; the halves' rotation (rotary_interleaved off) is not."""
-    from megatron.core.models.common.embeddings import rope_utils
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from transformers import AutoConfig
     from transformers.models.glm4 import modeling_glm4
 
-    import slime_rl.trainer.mcore  # noqa: F401  (megatron behind its CPU layer)
+    from slime_rl.trainer.mcore import rope_utils  # megatron behind the trainer's CPU layer, before any other
+
+    # get_emb moves its frequencies to the current CUDA device (the trainer's CPU layer maps that to the CPU)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     cfg = AutoConfig.for_model(**{**BASE, "head_dim": 16})
     seq, heads, d = 11, 4, 16
@@ -150,8 +152,6 @@ def test_megatron_interleaved_partial_rope_is_transformers(monkeypatch):
     cos, sin = modeling_glm4.Glm4RotaryEmbedding(cfg)(q, torch.arange(seq)[None])
     want, _ = modeling_glm4.apply_rotary_pos_emb(q, q, cos.double(), sin.double())
     t = q.permute(2, 0, 1, 3)  # megatron's [s, b, h, d]
-    # get_emb moves its frequencies to the current CUDA device (the trainer's CPU layer maps that to the CPU)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     for interleaved in (True, False):
         rope = RotaryEmbedding(d, rotary_percent=0.5, rotary_interleaved=interleaved, rotary_base=10000,
                                use_cpu_initialization=True)
