@@ -445,8 +445,8 @@ def test_glm4_9b_model_file_agrees_and_plans(tmp_path, capsys):
     """slime's scripts/models/glm4-9B.sh (as run-glm4-9B.sh gives it, with its spec function) against GLM-Z1-9B-0414's
     published config.json: every flag agrees (the norms after attention and the MLP, interleaved rotary pairs on
     half of each head, q/k/v biases, 2 query groups, head width 4096 / 32 = head_dim 128) and the dry run plans it."""
-    hf = _checkpoint(tmp_path, "glm_z1_9b.json", UNSUPPORTED)
-    cfg = _check(tmp_path, "glm_z1_9b.json", GLM4_9B.split(), UNSUPPORTED)
+    hf = _checkpoint(tmp_path, "glm_z1_9b.json")
+    cfg = _check(tmp_path, "glm_z1_9b.json", GLM4_9B.split())
     assert cfg.model.megatron_model_args["--spec"] == ["slime_plugins.models.glm4", "get_glm_spec"]
     argv = ["--hf-checkpoint", str(hf), "--prompt-data", "/data/not-here.jsonl", "--rollout-batch-size", "16",
             "--num-rollout", "1", "--rm-type", "math", "--rollout-backend", "sglang", "--actor-num-nodes", "1",
@@ -469,7 +469,7 @@ def test_glm4_9b_model_file_agrees_and_plans(tmp_path, capsys):
 def test_glm4_9b_model_file_without_a_glm4_switch_is_named(flag, claim, truth, tmp_path):
     """Left out of glm4-9B.sh's whole MODEL_ARGS, each GLM-4 switch is Megatron-LM's other model (no post norms,
     halves rotated, no q/k/v bias): refused naming it and what GLM-Z1-9B's config.json says."""
-    message = _refused(tmp_path, "glm_z1_9b.json", _without(GLM4_9B.split(), flag), UNSUPPORTED)
+    message = _refused(tmp_path, "glm_z1_9b.json", _without(GLM4_9B.split(), flag))
     assert message.startswith(claim) and f"config.json says {truth}" in message, message
 
 
@@ -478,9 +478,9 @@ def test_glm4_spec_function_is_glm4s_only(tmp_path):
     function is not; on another family the GLM-4 one is refused (test_spec_local_only)."""
     tokens = GLM4_9B.split()
     assert tokens[:3] == ["--spec", "slime_plugins.models.glm4", "get_glm_spec"]
-    _check(tmp_path, "glm_z1_9b.json", tokens[3:] + ["--spec", "local"], UNSUPPORTED)
+    _check(tmp_path, "glm_z1_9b.json", tokens[3:] + ["--spec", "local"])
     tokens = tokens[3:] + ["--spec", "slime_plugins.models.qwen3_next", "get_qwen3_next_spec"]
-    message = _refused(tmp_path, "glm_z1_9b.json", tokens, UNSUPPORTED)
+    message = _refused(tmp_path, "glm_z1_9b.json", tokens)
     assert message.startswith("--spec slime_plugins.models.qwen3_next get_qwen3_next_spec: "), message
 
 
