@@ -250,3 +250,17 @@ def test_glm4_parallel_layouts_equal_one_rank(glm4_scenario, tiny_glm4, name, sc
         assert set(out) == set(want)
         for n, t in want.items():
             assert torch.equal(out[n], t), (name, n)
+
+
+def test_lora_all_linear_leaves_the_one_tensor_gate_up_proj_and_naming_it_is_refused():
+    """LoRA's adapters cover a fused linear of separate HF parts (q/k/v, gate/up), not GLM-4's one-tensor
+    gate_up_proj: all-linear adapts the attention and down_proj, and naming gate_up_proj is refused naming it."""
+    from slime_rl.trainer.convert import arch_from_hf_config
+    from slime_rl.trainer.convert.lora_targets import choose
+
+    maps = arch_from_hf_config({**BASE, "num_hidden_layers": 1}).param_maps()
+    assert choose(maps, ("all-linear",)) == {"decoder.layers.0.self_attention.linear_qkv.weight": (True, True, True),
+                                             "decoder.layers.0.self_attention.linear_proj.weight": (True,),
+                                             "decoder.layers.0.mlp.linear_fc2.weight": (True,)}
+    with pytest.raises(ValueError, match="--lora-target-modules gate_up_proj: .*GLM-4's one-tensor gate_up_proj"):
+        choose(maps, ("q_proj", "gate_up_proj"))
