@@ -55,7 +55,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from slime_rl.config.families import FAMILIES
+from slime_rl.config.families import FAMILIES, Layout
 
 GiB = 2**30
 # fixed per-sync cost of the disaggregated path (pause, continue, the engines' answers), measured on
@@ -127,6 +127,7 @@ class ModelShape:
     qk_rope: int = 0
     v_head: int = 0
     post_norms: bool = False  # GLM-4: an RMSNorm after attention and one after the MLP in every layer
+    fused_gate_up: bool = False  # GLM-4: the MLP's gate and up are one HF linear (gate_up_proj), which LoRA leaves
 
     @property
     def q(self) -> int:
@@ -175,6 +176,8 @@ class ModelShape:
         linears = {"q_proj": (h, q, True), "k_proj": (h, kv, True), "v_proj": (h, kv, True), "o_proj": (q, h, False),
                    **({"gate_proj": (h, ffn, True), "up_proj": (h, ffn, True), "down_proj": (ffn, h, False)}
                       if ffn else {})}
+        if self.fused_gate_up:  # one gate_up_proj: no adapter (convert/lora_targets.py)
+            linears = {k: v for k, v in linears.items() if k not in ("gate_proj", "up_proj")}
         split = rep = 0
         for name, (fan_in, fan_out, column) in linears.items():
             if every or name in targets:
@@ -256,7 +259,8 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
                  else bool(family.config_value(cfg, family.qk_norm_key))),
         experts=experts, expert_ffn=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
         top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0, moe_layers=moe_layers, vision=vision,
-        shared_ffn=shared_ffn, shared_gate=family.shared_expert_gate, post_norms=family.post_norms, **mla)
+        shared_ffn=shared_ffn, shared_gate=family.shared_expert_gate, post_norms=family.post_norms,
+        fused_gate_up=any(pm.layout is Layout.FC1_FUSED for pm in family.layer_params), **mla)
 
 
 # ---------------------------------------------------------------------------------------- memory

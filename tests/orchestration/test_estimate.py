@@ -100,6 +100,16 @@ def test_param_count_of_the_tiny_glm4_is_its_weights(tiny_glm4):
     assert model_shape(cfg).params == stored == sum(p.numel() for p in model.parameters())
 
 
+def test_lora_params_of_glm4_leave_its_gate_up_proj():
+    """--lora-rank 8 on all-linear of GLM-Z1-9B, by hand: q, k, v, o and down_proj per layer take adapters, the
+    one-tensor gate_up_proj none (convert/lora_targets.py leaves it)."""
+    shape = model_shape(hf_config("glm_z1_9b.json"))
+    h, f, q, kv, r = 4096, 13696, 4096, 256, 8
+    split, rep = shape.lora_params(r, ("all-linear",))
+    assert split == r * (q + 2 * kv) + r * q + r * f  # column B [out, r] split, row A [r, in] split
+    assert rep == r * 3 * h + r * h + r * h  # column A [r, in] whole, row B [out, r] whole
+
+
 def test_unknown_model_type_names_the_file():
     with pytest.raises(ValueError, match=r"m/config.json: model_type 'gpt2' cannot be estimated"):
         model_shape({"model_type": "gpt2"}, where="m/config.json")
