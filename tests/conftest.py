@@ -30,6 +30,15 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm4(tmp_path_factory) -> Path:
+    """Tiny GLM-4 dense (glm4): q/k/v biases, GQA 4/2, head_dim 16 of which the first 8 channels rotate in
+    interleaved pairs, random norms after attention and after the MLP, the MLP's gate and up in one tensor,
+    untied embeddings; vocab 64, hidden 64, 2 layers."""
+    out = tmp_path_factory.mktemp("tiny_glm4")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="glm4", seed=19)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory) -> Path:
     """Tiny Qwen3-MoE: 8 experts of width 32, top-2 renormalised, vocab 64, hidden 64, 2 layers, GQA 4/2."""
     out = tmp_path_factory.mktemp("tiny_qwen3_moe")

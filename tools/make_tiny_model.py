@@ -3,7 +3,7 @@
     python tools/make_tiny_model.py --out DIR [--arch ARCH] [--seed N]
         [--vocab-size V]
 
-ARCH: qwen2 (default), llama, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v3, kimi_k2, qwen2_5_vl. The folder has
+ARCH: qwen2 (default), llama, glm4, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v3, kimi_k2, qwen2_5_vl. The folder has
 config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a ChatML chat template),
 generation_config.json. Same seed -> same bytes of weights and the same
 tokenizer. The tokenizer uses Qwen2's pre-tokenizer (NFC, Qwen2's split regex, ByteLevel without
@@ -12,6 +12,11 @@ rebuilds the pre-tokenizer, gives the same ids as the trained `tokenizers` objec
 
 Norm weights and q/k/v biases are drawn at random rather than left at 1 and 0: a loader that maps
 them wrongly must change the log-probs, or the layout tests would not see it.
+
+`--arch glm4` writes a Glm4ForCausalLM (as GLM-4-9B-0414 / GLM-Z1-9B-0414): q/k/v biases, GQA, half of each
+head rotated in interleaved pairs (partial_rotary_factor 0.5), the norms after attention and after the MLP
+(post_self_attn_layernorm, post_mlp_layernorm, drawn at random as the other norms), the MLP's gate and up in one
+tensor (gate_up_proj), untied embeddings.
 
 `--arch qwen3_moe` writes a Qwen3MoeForCausalLM: every layer a sparse MoE block of
 `--num-experts` (8) SwiGLU experts of width `--moe-intermediate-size` (32), top-`--moe-topk` (2)
@@ -78,7 +83,7 @@ CHAT_TEMPLATE = (
     "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% endif %}"
 )
-ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "kimi_k2",
+ARCHS = ("qwen2", "llama", "glm4", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "kimi_k2",
          "qwen2_5_vl")
 # families transformers runs under another model_type (config/families.py transformers_model_type): the tiny
 # model is built as that one and its config.json then names the family's own model_type
@@ -131,6 +136,13 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
     if arch == "llama":
         from transformers import LlamaConfig
         return LlamaConfig(tie_word_embeddings=False, attention_bias=False, mlp_bias=False, **common)
+    if arch == "glm4":
+        from transformers import Glm4Config
+        common = {k: v for k, v in common.items() if k != "rope_theta"}
+        return Glm4Config(tie_word_embeddings=False, attention_bias=True, hidden_act="silu",
+                          head_dim=args.hidden_size // args.num_heads,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 0.5}, **common)
     if arch == "qwen3_moe":
         from transformers import Qwen3MoeConfig
         common = {k: v for k, v in common.items() if k != "rope_theta"}

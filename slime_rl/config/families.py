@@ -40,6 +40,13 @@ MLASelfAttention under the local spec, the query one projection or a low-rank pa
 (q_lora_rank), keys and values expanded per head from a latent with its norm, interleaved RoPE (or YaRN) on
 the rotary channels. Its projections are Layout.COLUMN (split on the output rows) or, for the down
 projections, whole on every TP rank (trainer/mcore.py's DuplicatedLinear says why).
+
+GLM-4 dense (`glm4`: GLM-4-9B-0414, GLM-Z1-9B-0414) is Qwen2's layer with two more norms (`Family.post_norms`): an
+RMSNorm on the attention's output and one on the MLP's, each before its residual add (HF's
+`post_self_attn_layernorm` / `post_mlp_layernorm`; Megatron: the same names on each TransformerLayer,
+trainer/post_norms.py), half of each head rotated in interleaved pairs (`Family.rotary_interleaved`: megatron's
+rotary_interleaved), and its MLP's gate and up projections one HF tensor (`gate_up_proj`, [gate; up]:
+Layout.FC1_FUSED).
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "moe_ffn", "shar
         # multi-latent attention (deepseek_v3): q_lora / kv_lora the latent widths, kv_down = kv_lora + the
         # rotary key width, q_up = heads x (nope + rope) query width, kv_up = heads x (nope key + value)
         # width, o_in = heads x value width
-        "q_lora", "kv_lora", "kv_down", "q_up", "kv_up", "o_in")
+        "q_lora", "kv_lora", "kv_down", "q_up", "kv_up", "o_in",
+        # gate_up = 2 x ffn: one HF tensor holding the gate's and the up projection's rows (GLM-4's gate_up_proj)
+        "gate_up")
 
 
 class Layout(Enum):
@@ -64,6 +73,8 @@ class Layout(Enum):
     VOCAB = "vocab"  # embedding / output layer: rows padded to the padded vocab, split on dim 0
     QKV = "qkv"  # fused [q; k; v] per query group, split by whole groups on dim 0 (weight or bias)
     FC1 = "fc1"  # fused [gate; up], each half split on dim 0 (SwiGLU)
+    # FC1 from one HF tensor already [gate; up] (GLM-4's gate_up_proj): each half split on dim 0, as FC1
+    FC1_FUSED = "fc1_fused"
     ROW = "row"  # row-parallel linear (linear_proj, linear_fc2): split on dim 1
     COLUMN = "column"  # column-parallel linear of one output (MLA's projections): split on dim 0
 
@@ -139,6 +150,15 @@ class Family:
     # the transformers model_type whose classes run this family where transformers has none of its own
     # (Kimi-K2's config.json says kimi_k2 and names DeepseekV3ForCausalLM); None: model_type itself
     transformers_model_type: str | None = None
+    # GLM-4's norms on the attention's and the MLP's outputs before their residual adds (post_self_attn_layernorm,
+    # post_mlp_layernorm): trainer/post_norms.py adds them to megatron's TransformerLayer
+    post_norms: bool = False
+    # the rotary channels rotate in interleaved pairs (x[0::2], x[1::2]; GLM-4), not the two halves (megatron's
+    # rotary_interleaved; multi-latent attention interleaves its own way, `mla`)
+    rotary_interleaved: bool = False
+    # slime's Megatron-LM spec function of this family (--spec MODULE FUNCTION), which builds the same model as
+    # the local spec here does (flags_model.py accepts it for this family)
+    slime_spec: tuple[str, ...] = ()
 
     def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
         """config.json's value of `key`, or transformers' default for this family when the file leaves it
@@ -242,6 +262,15 @@ _SHARED_EXPERT = (
     ParamMap(_L + "mlp.shared_experts.gate_weight", (_H + "mlp.shared_expert_gate.weight",), Layout.REPLICATED,
              (("one", "hidden"),)),
 )
+
+# GLM-4 dense: the norms after attention and after the MLP, the MLP's gate and up in one HF tensor
+_POST_NORMS = (
+    ParamMap(_L + "post_self_attn_layernorm.weight", (_H + "post_self_attn_layernorm.weight",), Layout.REPLICATED,
+             _VEC),
+    ParamMap(_L + "post_mlp_layernorm.weight", (_H + "post_mlp_layernorm.weight",), Layout.REPLICATED, _VEC),
+)
+_MLP_GATE_UP = ParamMap(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_up_proj.weight",), Layout.FC1_FUSED,
+                        (("gate_up", "hidden"),))
 
 # GLM-4.5's shared experts: megatron's SharedExpertMLP without a gate (HF: mlp.shared_experts, plural)
 _G = _H + "mlp.shared_experts."
@@ -352,6 +381,20 @@ FAMILIES: dict[str, Family] = {
         moe=True,
         dense_layer_params=(_NORMS[0], _QKV_W, _QKV_B, *_QK_NORM, _PROJ, _NORMS[1], *_MLP),
         shared_expert=True, shared_expert_gate=False, deepseek_moe=True,
+    ),
+    # GLM-4-9B-0414 / GLM-Z1-9B-0414 / GLM-Z1-Rumination: qwen2's layer (q/k/v biases, GQA) with a norm after
+    # attention and after the MLP (each before its residual add), half of each head rotated in interleaved pairs,
+    # the MLP's gate and up as one tensor
+    "glm4": Family(
+        model_type="glm4", global_params=_GLOBAL, hf_rmsnorm="Glm4RMSNorm",
+        layer_params=(_NORMS[0], _QKV_W, _QKV_B, _PROJ, _POST_NORMS[0], _NORMS[1], _MLP_GATE_UP, _MLP[1],
+                      _POST_NORMS[1]),
+        qkv_bias=True, qk_layernorm=False, default_tied=False,
+        required_config={**_SWIGLU, "attention_bias": True},
+        # transformers' Glm4Config defaults, for a config.json that leaves a key out
+        config_defaults={"attention_bias": True, "partial_rotary_factor": 0.5, "head_dim": 128,
+                         "num_key_value_heads": 2, "rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072},
+        post_norms=True, rotary_interleaved=True, slime_spec=("slime_plugins.models.glm4", "get_glm_spec"),
     ),
     # DeepSeek-V3 / R1, Moonlight (q_lora_rank null), Kimi-K2's architecture: multi-latent attention (no q/k/v
     # bias), the first first_k_dense_replace layers dense, then GLM-4.5's routing (sigmoid + expert bias, groups,

@@ -116,7 +116,7 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     _switch('--swiglu', 'hidden_act silu (gated SiLU MLP)'),
     _switch('--disable-bias-linear', "the family's linear layers without bias (every family here; q/k/v biases are "
             "--add-qkv-bias)"),
-    _switch('--add-qkv-bias', "the family's q/k/v bias (qwen2, qwen2_moe, qwen2_5_vl, glm4_moe have it)"
+    _switch('--add-qkv-bias', "the family's q/k/v bias (qwen2, qwen2_moe, qwen2_5_vl, glm4, glm4_moe have it)"
             + _ABSENT.format(default="no q/k/v bias, under --disable-bias-linear")),
     # ---- norms
     Flag('--normalization', derived=MODEL_ARGS_FIELD, choices=('LayerNorm', 'RMSNorm'),
@@ -125,8 +125,10 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     _switch('--qk-layernorm', "the family's q/k norm (qwen3, qwen3_moe have it; glm4_moe where use_qk_norm)"
             + _ABSENT.format(default="no q/k norm")),
     _refused_switch('--apply-layernorm-1p', "zero-centred norm weights (1 + w)"),
-    _refused_switch('--post-self-attn-layernorm', "a norm after attention (slime's GLM-4 patch)"),
-    _refused_switch('--post-mlp-layernorm', "a norm after the MLP (slime's GLM-4 patch)"),
+    _switch('--post-self-attn-layernorm', "the family's norm of the attention's output before its residual add "
+            "(glm4 has it: post_self_attn_layernorm)" + _ABSENT.format(default="no norm after attention")),
+    _switch('--post-mlp-layernorm', "the family's norm of the MLP's output before its residual add (glm4 has it: "
+            "post_mlp_layernorm)" + _ABSENT.format(default="no norm after the MLP")),
     # ---- positions
     Flag('--position-embedding-type', derived=MODEL_ARGS_FIELD,
          choices=('learned_absolute', 'rope', 'yarn', 'mrope', 'relative', 'none'),
@@ -138,9 +140,11 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     _shape('--rotary-base', 'rope_theta (or rope_parameters.rope_theta)'
            + _ABSENT.format(default="10000 (slime's own config.json check compares it too)"),
            type=_positive_int),
-    _shape('--rotary-percent', "partial_rotary_factor (absent: 1.0, the whole head rotates; glm4_moe's "
+    _shape('--rotary-percent', "partial_rotary_factor (absent: 1.0, the whole head rotates; glm4's and glm4_moe's "
            "transformers default 0.5)" + _ABSENT.format(default="1.0"), type=_positive_float),
-    _refused_switch('--rotary-interleaved', "interleaved rotary pairs (they rotate the two halves of a head)"),
+    _switch('--rotary-interleaved', "the family's rotary pairs: interleaved (x[0::2], x[1::2]; glm4) or the two "
+            "halves of each head (the other families; multi-latent attention interleaves its own way, and "
+            "Megatron-LM refuses this flag with it)" + _ABSENT.format(default="the two halves")),
     _refused_switch('--use-rope-scaling', "llama3.x's RoPE scaling: the trainer builds default RoPE (a config.json "
                     "with rope_scaling is refused as such)"),
     _shape('--rotary-scaling-factor', _MLA.format(what="YaRN factor: rope_scaling.factor (1 without YaRN); "
@@ -160,9 +164,10 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     _refused_switch('--attention-output-gate', "an output gate on attention"),
     _refused_switch('--use-gated-attention', "gated attention (slime's Qwen3-Next patch)"),
     Flag('--spec', derived=MODEL_ARGS_FIELD, nargs='*', metavar='MODULE FUNCTION',
-         help="local only: the trainer builds megatron-core's local layer spec of the family config.json names "
-              "(config/families.py); slime's spec functions (slime_plugins.models.*) build families not supported "
-              "here"),
+         help="local, or slime's spec function of the family config.json names (glm4: slime_plugins.models.glm4 "
+              "get_glm_spec): the trainer builds megatron-core's local layer spec of that family "
+              "(config/families.py), the same model; slime's other spec functions (slime_plugins.models.*) build "
+              "families not supported here"),
     Flag('--mtp-num-layers', derived=MODEL_ARGS_FIELD, type=_nonneg_int,
          help='0 only: the trainer builds no multi-token-prediction layers (num_nextn_predict_layers)'),
     # ---- mixture of experts (the trainer's own MoE flags are in the section above)

@@ -5,7 +5,8 @@ process or touches a device, so a folder holding only config.json is enough, and
 for a cluster one is not on (`--cluster NODESxGPUS`).
 
 **Parameters** are counted from the config's sizes by the formulas of the HF modules (embedding,
-attention with GQA and its biases, q/k norms, SwiGLU MLP or MoE experts and router, RMSNorms, the LM
+attention with GQA and its biases, q/k norms, SwiGLU MLP or MoE experts and router, RMSNorms (GLM-4's two
+more per layer, after attention and after the MLP), the LM
 head unless tied, the Qwen2.5-VL vision tower); tests/orchestration/test_estimate.py checks the count
 against transformers' own model built from the same config on the meta device.
 
@@ -26,6 +27,7 @@ and t_sp = t under --sequence-parallel (else 1):
     attention output (= linear_proj input)               2q / t
     softmax log-sum-exp (fp32 per head)                  4a / t
     q/k norm inputs (Qwen3)                              2(q + kv) / t
+    post-attention and post-MLP norm inputs (GLM-4)      4h / t_sp
     SwiGLU: fc1 output [2f], silu(gate), fc2 input       8f / t
     (MoE layers: f -> top-k x expert ffn; router logits 4E)
 
@@ -53,7 +55,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from slime_rl.config.families import FAMILIES
+from slime_rl.config.families import FAMILIES, Layout
 
 GiB = 2**30
 # fixed per-sync cost of the disaggregated path (pause, continue, the engines' answers), measured on
@@ -124,6 +126,8 @@ class ModelShape:
     qk_nope: int = 0
     qk_rope: int = 0
     v_head: int = 0
+    post_norms: bool = False  # GLM-4: an RMSNorm after attention and one after the MLP in every layer
+    fused_gate_up: bool = False  # GLM-4: the MLP's gate and up are one HF linear (gate_up_proj), which LoRA leaves
 
     @property
     def q(self) -> int:
@@ -134,7 +138,8 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     def attention_params(self) -> tuple[int, int]:
-        """(TP-split, replicated) parameters of one layer's attention block and its two RMSNorms."""
+        """(TP-split, replicated) parameters of one layer's attention block and its two RMSNorms (four with
+        GLM-4's post norms)."""
         h, q, kv = self.hidden, self.q, self.kv
         if self.kv_lora:  # MLA: up projections split over TP, the down projections and latent norms whole
             n, qk = self.heads, self.qk_nope + self.qk_rope
@@ -144,7 +149,7 @@ class ModelShape:
             return split, replicated + h * (self.kv_lora + self.qk_rope) + self.kv_lora
         split = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         replicated = 2 * h + (2 * self.head_dim if self.qk_norm else 0) + (h if self.o_bias else 0)
-        return split, replicated
+        return split, replicated + (2 * h if self.post_norms else 0)
 
     def dense_mlp_params(self) -> int:
         h, f = self.hidden, self.ffn
@@ -171,6 +176,8 @@ class ModelShape:
         linears = {"q_proj": (h, q, True), "k_proj": (h, kv, True), "v_proj": (h, kv, True), "o_proj": (q, h, False),
                    **({"gate_proj": (h, ffn, True), "up_proj": (h, ffn, True), "down_proj": (ffn, h, False)}
                       if ffn else {})}
+        if self.fused_gate_up:  # one gate_up_proj: no adapter (convert/lora_targets.py)
+            linears = {k: v for k, v in linears.items() if k not in ("gate_proj", "up_proj")}
         split = rep = 0
         for name, (fan_in, fan_out, column) in linears.items():
             if every or name in targets:
@@ -210,7 +217,7 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
     cfg = {**config, **(config.get("text_config") or {})} if family.vision else config
     hidden, heads = _need(cfg, "hidden_size", where), _need(cfg, "num_attention_heads", where)
     layers = _need(cfg, "num_hidden_layers", where)
-    attention_bias = bool(cfg.get("attention_bias", False))
+    attention_bias = bool(family.config_value(cfg, "attention_bias", False))
     # hub configs say num_experts (DeepSeek-style: n_routed_experts); transformers 5 writes num_local_experts
     experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0) \
         if family.moe else 0
@@ -238,8 +245,9 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
                              out_hidden=int(vc["out_hidden_size"]))
     return ModelShape(
         model_type=model_type, layers=layers, hidden=hidden, ffn=_need(cfg, "intermediate_size", where),
-        heads=heads, kv_heads=heads if mla else int(cfg.get("num_key_value_heads") or heads),
-        head_dim=mla["qk_nope"] + mla["qk_rope"] if mla else int(cfg.get("head_dim") or hidden // heads),
+        heads=heads, kv_heads=heads if mla else int(family.config_value(cfg, "num_key_value_heads") or heads),
+        head_dim=(mla["qk_nope"] + mla["qk_rope"] if mla
+                  else int(family.config_value(cfg, "head_dim") or hidden // heads)),
         vocab=_need(cfg, "vocab_size", where),
         tied=bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
         # Qwen2 families always have q/k/v biases (Qwen2-MoE's config may say qkv_bias); in the others
@@ -251,7 +259,8 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
                  else bool(family.config_value(cfg, family.qk_norm_key))),
         experts=experts, expert_ffn=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
         top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0, moe_layers=moe_layers, vision=vision,
-        shared_ffn=shared_ffn, shared_gate=family.shared_expert_gate, **mla)
+        shared_ffn=shared_ffn, shared_gate=family.shared_expert_gate, post_norms=family.post_norms,
+        fused_gate_up=any(pm.layout is Layout.FC1_FUSED for pm in family.layer_params), **mla)
 
 
 # ---------------------------------------------------------------------------------------- memory
@@ -315,6 +324,8 @@ def activation_bytes_per_token(shape: ModelShape, lay: TrainerLayout, layer: int
     out += (2 * (shape.q + 2 * kv) + 2 * shape.q + 4 * shape.heads) / t
     if shape.qk_norm:
         out += 2 * (shape.q + shape.kv) / t
+    if shape.post_norms:  # each post norm keeps its input (the projection's output) for its backward
+        out += 4 * shape.hidden / t_sp
     if layer in shape.moe_layers:
         out += 8 * shape.top_k * shape.expert_ffn / t + 4 * shape.experts
         out += 8 * shape.shared_ffn / t  # the shared expert's SwiGLU (0 without one)

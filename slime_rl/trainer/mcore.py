@@ -79,6 +79,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 
@@ -168,7 +169,7 @@ __all__ = [
     "DistributedDataParallel", "DistributedDataParallelConfig", "Float16Module", "GPTModel",
     "MegatronModule", "MegatronOptimizerConfig", "OptimizerParamScheduler", "PackedSeqParams",
     "ProcessGroupCollection", "ShardedObject", "ShardedTensor", "ShardedTensorFactory",
-    "TransformerBlockSubmodules", "TransformerConfig", "MLATransformerConfig", "dist_checkpointing",
+    "TransformerBlockSubmodules", "TransformerConfig", "TransformerLayer", "MLATransformerConfig", "dist_checkpointing",
     "finalize_model_grads",
     "gather_from_sequence_parallel_region", "get_forward_backward_func", "get_gpt_layer_local_spec",
     "get_megatron_optimizer", "get_moe_metrics_tracker", "mpu", "on_rank_thread", "rope_utils", "tensor_parallel",

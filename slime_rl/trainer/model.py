@@ -31,6 +31,7 @@ from slime_rl.trainer.mcore import (
     mpu,
 )
 from slime_rl.trainer.norm import TrainerRMSNorm
+from slime_rl.trainer.post_norms import PostNormTransformerLayer
 from slime_rl.trainer.vision import attach_vision_tower
 
 
@@ -186,6 +187,7 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
+        rotary_interleaved=arch.rotary_interleaved,  # GLM-4: pairs (x[0::2], x[1::2]) as transformers' Glm4 rotates
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
@@ -317,6 +319,8 @@ def _norm_block_spec(spec, arch: ModelArch, layers_here: int):
     block spec so the final norm is ours too."""
     spec.submodules.input_layernorm = TrainerRMSNorm
     spec.submodules.pre_mlp_layernorm = TrainerRMSNorm
+    if arch.post_norms:  # GLM-4's norms after attention and after the MLP (trainer/post_norms.py)
+        spec.module = PostNormTransformerLayer
     if arch.mla:  # the query's and the key/value latent's norms (q_layernorm only with q_lora_rank)
         spec.submodules.self_attention.submodules.q_layernorm = TrainerRMSNorm if arch.q_lora_rank else IdentityOp
         spec.submodules.self_attention.submodules.kv_layernorm = TrainerRMSNorm

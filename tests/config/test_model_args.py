@@ -80,6 +80,12 @@ GLM4_5_AIR = """--disable-bias-linear --group-query-attention --num-attention-he
 --moe-router-bias-update-rate 0 --moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall
 --moe-router-topk 8 --moe-layer-freq [0]*1+[1]*45 --num-experts 128 --moe-grouped-gemm --moe-router-dtype fp32
 --moe-permute-fusion --moe-aux-loss-coeff 0"""
+# scripts/models/glm4-9B.sh (GLM-4-9B-0414 / GLM-Z1-9B-0414), with the spec function slime's run-glm4-9B.sh gives
+GLM4_9B = """--spec slime_plugins.models.glm4 get_glm_spec --swiglu --num-layers 40 --hidden-size 4096
+--ffn-hidden-size 13696 --num-attention-heads 32 --group-query-attention --num-query-groups 2
+--use-rotary-position-embeddings --disable-bias-linear --add-qkv-bias --normalization RMSNorm --norm-epsilon 1e-5
+--rotary-base 10000 --vocab-size 151552 --post-self-attn-layernorm --post-mlp-layernorm --rotary-interleaved
+--rotary-percent 0.5 --no-rope-fusion --untie-embeddings-and-output-weights"""
 
 SCRIPTS = {"qwen3-4B": (QWEN3_4B, "qwen3_4b.json"), "qwen3-30B-A3B": (QWEN3_30B_A3B, "qwen3_30b_a3b.json"),
            "qwen2.5-0.5B": (QWEN2_5_0_5B, "qwen2_5_0_5b.json"), "qwen2.5-3B": (QWEN2_5_3B, "qwen2_5_3b.json")}
@@ -218,7 +224,9 @@ def test_a_switch_every_model_file_gives_is_compared_only_when_given(flag, tmp_p
     ("qwen3-4B", "--apply-layernorm-1p", "zero-centred"),
     ("qwen3-4B", "--attention-output-gate", "output gate"),
     ("qwen3-4B", "--use-gated-attention", "gated attention"),
-    ("qwen3-4B", "--rotary-interleaved", "interleaved"),
+    ("qwen3-4B", "--rotary-interleaved", "which rotates the two halves of each head's rotary channels"),
+    ("qwen3-4B", "--post-self-attn-layernorm", "without norms after attention and the MLP"),
+    ("qwen2.5-0.5B", "--post-mlp-layernorm", "without norms after attention and the MLP"),
     ("qwen3-4B", "--use-rope-scaling", "RoPE scaling"),
     ("qwen3-30B-A3B", "--moe-router-enable-expert-bias", "expert bias"),
 ])
@@ -431,6 +439,54 @@ def test_glm4_5_air_model_file_that_differs_is_named(change, claim, truth, tmp_p
     tokens = _replace(tokens, change[0], change[1]) if change[0] in tokens else tokens + list(change)
     message = _refused(tmp_path, "glm4_5_air.json", tokens, UNSUPPORTED)
     assert f"{claim}: " in message and truth in message, message
+
+
+def test_glm4_9b_model_file_agrees_and_plans(tmp_path, capsys):
+    """slime's scripts/models/glm4-9B.sh (as run-glm4-9B.sh gives it, with its spec function) against GLM-Z1-9B-0414's
+    published config.json: every flag agrees (the norms after attention and the MLP, interleaved rotary pairs on
+    half of each head, q/k/v biases, 2 query groups, head width 4096 / 32 = head_dim 128) and the dry run plans it."""
+    hf = _checkpoint(tmp_path, "glm_z1_9b.json")
+    cfg = _check(tmp_path, "glm_z1_9b.json", GLM4_9B.split())
+    assert cfg.model.megatron_model_args["--spec"] == ["slime_plugins.models.glm4", "get_glm_spec"]
+    argv = ["--hf-checkpoint", str(hf), "--prompt-data", "/data/not-here.jsonl", "--rollout-batch-size", "16",
+            "--num-rollout", "1", "--rm-type", "math", "--rollout-backend", "sglang", "--actor-num-nodes", "1",
+            "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "4", "--dry-run", "--cluster", "1x8",
+            *GLM4_9B.split()]
+    rc, captured = train_main(argv), capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "glm4" in captured.out and "flags agree" in captured.out, captured.out
+
+
+@pytest.mark.parametrize("flag, claim, truth", [
+    ("--post-self-attn-layernorm", "no --post-self-attn-layernorm (Megatron-LM builds no norm after attention)",
+     "model_type 'glm4', with a norm of the attention's and of the MLP's output"),
+    ("--post-mlp-layernorm", "no --post-mlp-layernorm (Megatron-LM builds no norm after the MLP)",
+     "model_type 'glm4', with a norm of the attention's and of the MLP's output"),
+    ("--rotary-interleaved", "no --rotary-interleaved (Megatron-LM rotates the two halves of each head)",
+     "model_type 'glm4', whose rotary channels rotate in interleaved pairs"),
+    ("--add-qkv-bias", "no --add-qkv-bias (with --disable-bias-linear", "attention_bias true"),
+])
+def test_glm4_9b_model_file_without_a_glm4_switch_is_named(flag, claim, truth, tmp_path):
+    """Left out of glm4-9B.sh's whole MODEL_ARGS, each GLM-4 switch is Megatron-LM's other model (no post norms,
+    halves rotated, no q/k/v bias): refused naming it and what GLM-Z1-9B's config.json says."""
+    message = _refused(tmp_path, "glm_z1_9b.json", _without(GLM4_9B.split(), flag))
+    assert message.startswith(claim) and f"config.json says {truth}" in message, message
+
+
+def test_glm4_spec_function_is_glm4s_only(tmp_path):
+    """slime's GLM-4 spec function is accepted for glm4 (the local spec builds the same model), another spec
+    function is not; on another family the GLM-4 one is refused (test_spec_local_only)."""
+    tokens = GLM4_9B.split()
+    assert tokens[:3] == ["--spec", "slime_plugins.models.glm4", "get_glm_spec"]
+    _check(tmp_path, "glm_z1_9b.json", tokens[3:] + ["--spec", "local"])
+    tokens = tokens[3:] + ["--spec", "slime_plugins.models.qwen3_next", "get_qwen3_next_spec"]
+    message = _refused(tmp_path, "glm_z1_9b.json", tokens)
+    assert message.startswith("--spec slime_plugins.models.qwen3_next get_qwen3_next_spec: "), message
+
+
+def test_rotary_interleaved_on_multi_latent_attention_is_named(tmp_path):
+    message = _refused(tmp_path, "deepseek_v3.json", DEEPSEEK_V3.split() + ["--rotary-interleaved"], UNSUPPORTED)
+    assert message.startswith("--rotary-interleaved: ") and "multi-latent attention" in message, message
 
 
 # ---- the whole dry run from a folder that holds only config.json

@@ -1,5 +1,6 @@
 """The static KV cache path (the one CUDA graphs capture) for every text family of the registry:
-Llama, Qwen2 (= Qwen2.5's model_type), Qwen3, and the real SmolLM2-135M-Instruct checkpoint.
+Llama, Qwen2 (= Qwen2.5's model_type), Qwen3, GLM-4 (its post norms, interleaved half-head RoPE and fused
+gate_up_proj), and the real SmolLM2-135M-Instruct checkpoint.
 
 The step passes a 4-D slot mask to the HF forward; Llama's forward hands it straight to
 `create_causal_mask`, Qwen2/Qwen3's accept a per-layer-type dict, so a family-specific mistake shows
@@ -70,12 +71,12 @@ def _tiny_qwen3(path) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def family(request, tiny_llama, tiny_qwen2, tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "glm4"])
+def family(request, tiny_llama, tiny_qwen2, tiny_glm4, tmp_path_factory):
     if request.param == "qwen3":
         path = _tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))
     else:
-        path = {"llama": tiny_llama, "qwen2": tiny_qwen2}[request.param]
+        path = {"llama": tiny_llama, "qwen2": tiny_qwen2, "glm4": tiny_glm4}[request.param]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert model.config.model_type == request.param
     return path, model, AutoTokenizer.from_pretrained(tiny_qwen2)

@@ -76,6 +76,40 @@ def test_param_count_tiny_llama_by_hand():
     assert model_shape({**cfg, "tie_word_embeddings": False}).params == 2 * per_layer + 8 + 2 * 10 * 8
 
 
+def test_param_count_glm_z1_9b_by_hand():
+    """GLM-Z1-9B-0414's published config.json, counted by hand: per layer q 4096x4096 + k, v 4096x256 each, their
+    biases, o 4096x4096, gate_up_proj 2x13696x4096, down 4096x13696 and four norms (input, post-attention, the
+    pre-MLP one HF calls post_attention_layernorm, post-MLP); 40 layers, the final norm, untied embedding and LM
+    head of 151552 x 4096: 9.40e9, the "9B" of its name (its model card: 9.4B)."""
+    h, f, q, kv, vocab = 4096, 13696, 32 * 128, 2 * 128, 151552
+    per_layer = h * q + q + 2 * (h * kv + kv) + q * h + 2 * f * h + h * f + 4 * h
+    total = 40 * per_layer + h + 2 * vocab * h
+    assert total == 9_400_279_040
+    assert model_shape(hf_config("glm_z1_9b.json")).params == total
+
+
+def test_param_count_of_the_tiny_glm4_is_its_weights(tiny_glm4):
+    """The tiny GLM-4 folder (tools/make_tiny_model.py --arch glm4): the estimate from its config.json equals the
+    elements of its model.safetensors, and of transformers' model loaded from it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((tiny_glm4 / "config.json").read_text())
+    stored = sum(t.numel() for t in load_file(tiny_glm4 / "model.safetensors").values())
+    model = AutoModelForCausalLM.from_pretrained(tiny_glm4)
+    assert model_shape(cfg).params == stored == sum(p.numel() for p in model.parameters())
+
+
+def test_lora_params_of_glm4_leave_its_gate_up_proj():
+    """--lora-rank 8 on all-linear of GLM-Z1-9B, by hand: q, k, v, o and down_proj per layer take adapters, the
+    one-tensor gate_up_proj none (convert/lora_targets.py leaves it)."""
+    shape = model_shape(hf_config("glm_z1_9b.json"))
+    h, f, q, kv, r = 4096, 13696, 4096, 256, 8
+    split, rep = shape.lora_params(r, ("all-linear",))
+    assert split == r * (q + 2 * kv) + r * q + r * f  # column B [out, r] split, row A [r, in] split
+    assert rep == r * 3 * h + r * h + r * h  # column A [r, in] whole, row B [out, r] whole
+
+
 def test_unknown_model_type_names_the_file():
     with pytest.raises(ValueError, match=r"m/config.json: model_type 'gpt2' cannot be estimated"):
         model_shape({"model_type": "gpt2"}, where="m/config.json")
@@ -97,6 +131,15 @@ def test_activation_bytes_per_token_by_hand():
     assert activation_bytes_per_token(shape, TrainerLayout(tp=2, sequence_parallel=True)) == (1936) / 2
     # k/v expanded to the query heads (torch without varlen GQA): k, v take 2*64 each instead of 2*32
     assert activation_bytes_per_token(shape, TrainerLayout(gqa_expanded=True)) == 1936 + 2 * 2 * (64 - 32)
+
+
+def test_activation_bytes_of_glm4_post_norms_by_hand():
+    """SMALL as a GLM-4 (q/k/v biases as qwen2): its two post norms keep their inputs, 2 x 2 x 64 bytes a token,
+    split over TP only under sequence parallelism, as the other norms."""
+    shape = model_shape({**SMALL, "model_type": "glm4", "head_dim": 16, "attention_bias": True})
+    assert activation_bytes_per_token(shape, TrainerLayout()) == 512 + 256 + 128 + 16 + 1024 + 256
+    assert activation_bytes_per_token(shape, TrainerLayout(tp=2)) == 512 + 256 + (256 + 128 + 16 + 1024) / 2
+    assert activation_bytes_per_token(shape, TrainerLayout(tp=2, sequence_parallel=True)) == (1936 + 256) / 2
 
 
 def test_recompute_by_hand():

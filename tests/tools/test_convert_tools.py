@@ -1,7 +1,7 @@
 """tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py.
 
 Round trips HF -> Megatron (TP=2, PP=2: four gloo processes with torchrun's environment
-variables) -> HF at TP=2, PP=2 (tied Qwen2) and at TP=1, PP=2 (untied Llama): every tensor
+variables) -> HF at TP=2, PP=2 (tied Qwen2), at TP=1, PP=2 (untied Llama) and at TP=1, PP=1 (GLM-4): every tensor
 torch.equal (same dtype), the same config and tokenizer files. The qwen2 case pads the vocab
 (64 -> 96) so that the export must strip the padding. Error paths that need no megatron run in
 this process (the tools check before importing it).
@@ -93,6 +93,19 @@ def test_round_trip_tp2_pp2_untied_llama(tiny_llama, tmp_path):
                        rf"64\) vs model \(2, {4 * ffn}, 64\)"):
         run_tool("convert_megatron_to_hf", ["--load", str(mcore), "--save", str(tmp_path / "bad"),
                                             "--hf-config-dir", str(bad)])
+
+
+@pytest.mark.slow
+def test_round_trip_glm4_tp2_pp2_to_tp1(tiny_glm4, tmp_path):
+    """GLM-4 (glm4): HF -> Megatron (TP=2, PP=2) -> HF at TP=1, PP=1 (resharded on load): gate_up_proj through
+    megatron's SwiGLU-split linear_fc1 (each TP rank's [gate_r; up_r]) and back whole, the post norms on both
+    stages, the untied LM head; every tensor bit for bit."""
+    mcore, out = tmp_path / "mcore", tmp_path / "hf"
+    _convert(tiny_glm4, mcore, tp=2, pp=2, pad=1)
+    run_tool("convert_megatron_to_hf", ["--load", str(mcore), "--save", str(out), "--tp", "1", "--pp", "1"])
+    _assert_same_hf(tiny_glm4, out)
+    assert {"model.layers.1.post_mlp_layernorm.weight", "model.layers.0.mlp.gate_up_proj.weight"} <= set(
+        load_file(out / "model.safetensors"))
 
 
 @pytest.mark.slow

@@ -35,6 +35,8 @@ CFG = dict(model_type="qwen2", hidden_size=8, intermediate_size=6, num_hidden_la
 # what a family needs beyond CFG (glm4_moe: GLM-4.5's q/k/v biases; no dense layer, transformers' default
 # being 1 of CFG's 1 layer)
 FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0},
+              # glm4: q/k/v biases; Glm4Config's default pad id (151329) lies outside CFG's vocabulary
+              "glm4": {"attention_bias": True, "pad_token_id": 0},
               # deepseek_v3: multi-latent attention (every head its own key), small latent widths
               "kimi_k2": {"num_key_value_heads": 4, "first_k_dense_replace": 0, "q_lora_rank": 6, "kv_lora_rank": 4,
                           "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3, "n_group": 1, "topk_group": 1},

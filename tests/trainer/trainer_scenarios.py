@@ -219,6 +219,7 @@ def main() -> None:
     from tests.trainer import (
         algo_scenarios,
         critic_scenarios,
+        glm4_scenarios,
         lora_scenarios,
         moe_scenarios,
         parallel_scenarios,
@@ -230,7 +231,8 @@ def main() -> None:
     func = SCENARIOS.get(name) or {**parallel_scenarios.SCENARIOS, **algo_scenarios.SCENARIOS,
                                    **critic_scenarios.SCENARIOS, **vl_scenarios.SCENARIOS,
                                    **ref_load_scenarios.SCENARIOS, **moe_scenarios.SCENARIOS,
-                                   **routing_replay_scenarios.SCENARIOS, **lora_scenarios.SCENARIOS}[name]
+                                   **routing_replay_scenarios.SCENARIOS, **lora_scenarios.SCENARIOS,
+                                   **glm4_scenarios.SCENARIOS}[name]
     res = func(int(rank), int(world), int(port), json.loads(ckpt_json))
     res = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in res.items()}
     torch.save(_to_cpu(res), Path(out) / f"{name}_rank{rank}.pt")

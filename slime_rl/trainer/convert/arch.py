@@ -57,6 +57,10 @@ class ModelArch:
     moe_scaling_factor: float | None = None
     # the share of each head's channels that rotate (partial_rotary_factor; GLM-4.5: 0.5)
     rotary_percent: float = 1.0
+    # the rotary channels rotate in interleaved pairs (GLM-4: Family.rotary_interleaved), and the layers carry a
+    # norm after attention and one after the MLP (GLM-4: Family.post_norms)
+    rotary_interleaved: bool = False
+    post_norms: bool = False
     # multi-latent attention (Family.mla; 0: none): the query's low-rank width (0: one q_proj), the key/value
     # latent's width, each head's query/key width without and with rotary positions, each head's value width
     q_lora_rank: int = 0
@@ -168,7 +172,7 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
             raise ValueError(f"{where}: {said} is not supported for model_type "
                              f"{family.model_type!r} (needs {allowed!r})")
     heads = int(cfg["num_attention_heads"])
-    groups = int(cfg.get("num_key_value_heads") or heads)
+    groups = int(family.config_value(cfg, "num_key_value_heads") or heads)
     hidden = int(cfg["hidden_size"])
     if family.mla and groups != heads:
         raise ValueError(f"{where}: num_key_value_heads={groups} must equal num_attention_heads={heads} for "
@@ -195,16 +199,18 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         num_query_groups=groups,
         # multi-latent attention: a query/key head's width (megatron's MLA reads its own fields)
         kv_channels=(mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"] if mla
-                     else int(cfg.get("head_dim") or hidden // heads)),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                     else int(family.config_value(cfg, "head_dim") or hidden // heads)),
+        norm_eps=float(family.config_value(cfg, "rms_norm_eps", 1e-6)),
         rotary_base=_rope_theta(cfg, where, yarn=family.mla),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=int(family.config_value(cfg, "max_position_embeddings", 4096)),
         vocab_size=vocab,
         padded_vocab_size=-(-vocab // multiple) * multiple,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.default_tied)),
         qkv_bias=family.qkv_bias,
         qk_layernorm=qk_norm,
         rotary_percent=_rotary_percent(cfg, family, where),
+        rotary_interleaved=family.rotary_interleaved,
+        post_norms=family.post_norms,
         mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
         **mla,
         **(_yarn_fields(cfg, where) if family.mla else {}),
@@ -282,13 +288,13 @@ def _yarn_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _rotary_percent(cfg: dict[str, Any], family: Family, where: str) -> float:
-    """partial_rotary_factor (top level or in rope_parameters); transformers' Glm4MoeConfig sets 0.5 when
-    the file has none. Other families rotate whole heads and refuse a factor below 1."""
+    """partial_rotary_factor (top level or in rope_parameters); transformers' Glm4MoeConfig and Glm4Config set 0.5
+    when the file has none. Other families rotate whole heads and refuse a factor below 1."""
     factor = cfg.get("partial_rotary_factor", _rope_params(cfg).get("partial_rotary_factor"))
     factor = float(factor if factor is not None else family.config_defaults.get("partial_rotary_factor", 1.0))
     if not 0 < factor <= 1:
         raise ValueError(f"{where}: partial_rotary_factor={factor} must be in (0, 1]")
-    if factor != 1.0 and family.model_type != "glm4_moe":
+    if factor != 1.0 and "partial_rotary_factor" not in family.config_defaults:
         raise ValueError(f"{where}: partial_rotary_factor={factor} is not supported for model_type "
                          f"{family.model_type!r} (its heads rotate whole)")
     return factor
@@ -383,7 +389,7 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     size = {"vocab": arch.vocab_size, "hidden": arch.hidden_size, "ffn": arch.ffn_hidden_size,
             "q": arch.num_attention_heads * arch.kv_channels, "kv": arch.num_query_groups * arch.kv_channels,
             "head": arch.kv_channels, "experts": arch.num_experts, "moe_ffn": arch.moe_ffn_hidden_size,
-            "shared_ffn": arch.moe_shared_expert_ffn_hidden_size, "one": 1,
+            "shared_ffn": arch.moe_shared_expert_ffn_hidden_size, "one": 1, "gate_up": 2 * arch.ffn_hidden_size,
             "q_lora": arch.q_lora_rank, "kv_lora": arch.kv_lora_rank,
             "kv_down": arch.kv_lora_rank + arch.qk_rope_head_dim,
             "q_up": arch.num_attention_heads * (arch.qk_nope_head_dim + arch.qk_rope_head_dim),

@@ -3,8 +3,10 @@ launch (preflight) both read, importable without Megatron.
 
 PEFT's target_modules match module names by their last part (q_proj, ...); `all-linear` here is every
 attention and MLP linear of the decoder layers, less MoE routers and routed experts (refused when named:
-LoRA on routed experts is not built). An adapter folder is PEFT's: adapter_config.json (peft_type LORA, r,
-lora_alpha, lora_dropout, target_modules) and adapter_model.safetensors with
+LoRA on routed experts is not built) and the linears of a layout the adapters do not cover (multi-latent
+attention's down projections, GLM-4's one-tensor gate_up_proj: refused when named). An adapter folder is
+PEFT's: adapter_config.json (peft_type LORA, r, lora_alpha, lora_dropout, target_modules) and
+adapter_model.safetensors with
 `base_model.model.<module>.lora_A.weight` [r, in] and `...lora_B.weight` [out, r].
 """
 
@@ -80,7 +82,8 @@ def choose(maps: Iterable[ParamMap], targets: tuple[str, ...], check: bool = Tru
                              "any shared or dense MLP")
         if any(not adaptable(pm) and not pm.expert for pm in hits):
             raise ValueError(f"--lora-target-modules {t}: a linear of a layout the adapters do not cover "
-                             "(multi-latent attention's down projections); leave it out")
+                             "(multi-latent attention's down projections, GLM-4's one-tensor gate_up_proj); leave it "
+                             "out")
     out = {}
     for pm in maps:
         if pm.expert or not adaptable(pm):

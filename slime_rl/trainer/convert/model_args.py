@@ -11,9 +11,10 @@ whole MODEL_ARGS (--num-layers, --hidden-size and --num-attention-heads given: w
 needs to build a model) and only where slime's model files rely on Megatron-LM's default by leaving
 the flag out (tied embeddings, no q/k/v bias, no q/k norm, one key/value head per query head, a
 dense MLP, no shared expert, softmax after the top-k, head width hidden / heads, norm epsilon
-1e-05) or slime's own config.json check compares the default (rotary base 10000,
-slime/backends/megatron_utils/arguments.py). Switches every slime model file gives (--swiglu,
---disable-bias-linear, the position embedding, --normalization) are compared only when given.
+1e-05, no norms after attention and the MLP, the two halves of each head rotating) or slime's own
+config.json check compares the default (rotary base 10000, slime/backends/megatron_utils/arguments.py).
+Switches every slime model file gives (--swiglu, --disable-bias-linear, the position embedding,
+--normalization) are compared only when given.
 Flags Megatron-LM reads only together with another (--num-query-groups without
 --group-query-attention, MoE settings on a dense model without --num-experts) are read the same way.
 """
@@ -31,9 +32,6 @@ WHOLE = ("--num-layers", "--hidden-size", "--num-attention-heads")
 # the switches no family here has: flag -> what the family lacks
 _NO_FAMILY_HAS = {
     "--apply-layernorm-1p": "zero-centred norm weights (1 + w)",
-    "--post-self-attn-layernorm": "norm after attention",
-    "--post-mlp-layernorm": "norm after the MLP",
-    "--rotary-interleaved": "interleaved rotary pairs (it rotates the two halves of each head)",
     "--attention-output-gate": "output gate on attention",
     "--use-gated-attention": "gated attention",
     "--use-rope-scaling": "RoPE scaling (no rope_scaling: default RoPE)",
@@ -168,6 +166,14 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
         out.append(Mismatch("--qk-layernorm", qk_norm))
     elif not has("--qk-layernorm") and whole and arch.qk_layernorm:
         out.append(Mismatch("no --qk-layernorm (Megatron-LM builds no q/k norm)", qk_norm))
+    post = f"model_type {mt}, " + ("with a norm of the attention's and of the MLP's output before each residual add "
+                                   "(post_self_attn_layernorm, post_mlp_layernorm)" if arch.post_norms else
+                                   "without norms after attention and the MLP")
+    for flag, where in (("--post-self-attn-layernorm", "attention"), ("--post-mlp-layernorm", "the MLP")):
+        if has(flag) and not arch.post_norms:
+            out.append(Mismatch(flag, post))
+        elif not has(flag) and whole and arch.post_norms:
+            out.append(Mismatch(f"no {flag} (Megatron-LM builds no norm after {where})", post))
     # ---- positions
     position = "rope" if has("--use-rotary-position-embeddings") else given.get("--position-embedding-type")
     want = "mrope" if fam.vision else "rope"
@@ -191,6 +197,14 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
     elif whole and arch.rotary_percent != 1.0:
         compare("--rotary-percent", 1.0, "partial_rotary_factor", arch.rotary_percent,
                 claim="no --rotary-percent (Megatron-LM rotates the whole head)")
+    pairs = f"model_type {mt}, " + (
+        "whose rotary channels rotate in interleaved pairs (x[0::2], x[1::2])" if arch.rotary_interleaved else
+        "with multi-latent attention, which interleaves its own way (Megatron-LM refuses --rotary-interleaved with "
+        "--multi-latent-attention)" if arch.mla else "which rotates the two halves of each head's rotary channels")
+    if has("--rotary-interleaved") and not arch.rotary_interleaved:
+        out.append(Mismatch("--rotary-interleaved", pairs))
+    elif not has("--rotary-interleaved") and whole and arch.rotary_interleaved:
+        out.append(Mismatch("no --rotary-interleaved (Megatron-LM rotates the two halves of each head)", pairs))
     _compare_mla(given, text, arch, whole, out, compare)
     for flag, what in _NO_FAMILY_HAS.items():
         if flag == "--moe-router-enable-expert-bias" and arch.moe_expert_bias:
@@ -198,7 +212,7 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
         if has(flag):
             out.append(Mismatch(flag, f"model_type {mt}, which has no {what}"))
     spec = given.get("--spec")
-    if spec is not None and spec not in ([], ["local"]):
+    if spec is not None and spec not in ([], ["local"]) and (not fam.slime_spec or spec != list(fam.slime_spec)):
         out.append(Mismatch(f"--spec {' '.join(spec)}", f"model_type {mt}, which the trainer builds with "
                             "megatron-core's local layer spec (config/families.py); a spec function is not loaded"))
     if given.get("--mtp-num-layers"):

@@ -9,7 +9,9 @@ each head being kv_channels rows. A TP rank owns G / tp whole groups, i.e. a con
 rows, so the global layout is the plain concatenation of the shards.
 
 fc1 is [gate; up] *per rank*: MLP splits its local output in two halves (act(first) * second),
-so rank r holds [gate_r; up_r] and the concatenation of shards is NOT [gate; up].
+so rank r holds [gate_r; up_r] and the concatenation of shards is NOT [gate; up]. GLM-4's HF
+checkpoint holds the two as one tensor (`gate_up_proj`, [gate; up], chunked in two by its forward):
+Layout.FC1_FUSED, the same shards from the halves of that one tensor.
 """
 
 from __future__ import annotations
@@ -60,8 +62,11 @@ def hf_to_mcore_shard(pm: ParamMap, hf: list[Tensor], arch: ModelArch, tp_rank: 
         return torch.cat([full, pad]).chunk(tp_size, dim=0)[tp_rank]
     if pm.layout is Layout.QKV:
         return _fuse_qkv(*hf, arch).chunk(tp_size, dim=0)[tp_rank]
-    if pm.layout is Layout.FC1:
-        gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in hf)
+    if pm.layout in (Layout.FC1, Layout.FC1_FUSED):
+        halves = hf if pm.layout is Layout.FC1 else hf[0].chunk(2, dim=0)
+        if tp_size == 1 and pm.layout is Layout.FC1_FUSED:
+            return hf[0]
+        gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in halves)
         return torch.cat([gate, up])
     raise AssertionError(pm.layout)
 
@@ -90,6 +95,11 @@ def mcore_shards_to_hf(pm: ParamMap, shards: list[Tensor], arch: ModelArch) -> l
     if pm.layout is Layout.FC1:
         halves = [s.chunk(2, dim=0) for s in shards]
         return [(pm.hf[0], _cat([h[0] for h in halves])), (pm.hf[1], _cat([h[1] for h in halves]))]
+    if pm.layout is Layout.FC1_FUSED:  # [gate; up] whole: at TP=1 the shard itself
+        if len(shards) == 1:
+            return [(pm.hf[0], shards[0])]
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [(pm.hf[0], torch.cat([h[0] for h in halves] + [h[1] for h in halves]))]
     raise AssertionError(pm.layout)
 
 
