@@ -27,7 +27,8 @@ def _grad(fn: Callable[[torch.Tensor], torch.Tensor], logp: torch.Tensor) -> dic
 def verl_is_weights(c: dict) -> dict:
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
     w, metrics = compute_rollout_correction_weights(c["log_ratio"], c["mask"], rollout_is=c["level"],
-                                                    rollout_is_threshold=c["threshold"])
+                                                    rollout_is_threshold=c["threshold"],
+                                                    rollout_is_batch_normalize=c.get("batch_normalize", False))
     return {"weights": w, **metrics}
 
 

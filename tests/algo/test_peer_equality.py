@@ -16,6 +16,7 @@ from slime_rl.algo.cispo import cispo_loss
 from slime_rl.algo.offpolicy import (
     MISMATCH_KEYS,
     MISMATCH_MAX_KEYS,
+    batch_norm_factor,
     is_weights,
     mismatch_metrics,
     mismatch_sums,
@@ -54,6 +55,8 @@ def peers(tmp_path_factory):
     x = _inputs(0)
     calls = [{"fn": "verl_is_weights", "log_ratio": x["old"] - x["rollout"], "mask": x["mask"], "level": level,
               "threshold": spec} for level, spec in IS_CASES]
+    calls += [{"fn": "verl_is_weights", "log_ratio": x["old"] - x["rollout"], "mask": x["mask"], "level": level,
+               "threshold": "2.0", "batch_normalize": True} for level in ("token", "sequence")]
     calls += [{"fn": "verl_rejection", "log_ratio": x["old"] - x["rollout"], "mask": x["mask"], "options": opts,
                "threshold": spec} for opts, spec in RS_CASES]
     calls.append({"fn": "verl_offpolicy_metrics", "old": x["old"], "rollout": x["rollout"], "mask": x["mask"]})
@@ -79,7 +82,7 @@ def test_importance_weights_equal_verls(peers):
     """verl's rollout_is token / sequence with threshold "upper" (TIS) and "lower_upper" (IcePop) are our
     --tis-level token / sequence with --tis-mode truncate (--tis-clip-low 0) and mask."""
     x = peers[0]
-    got_cases = _results(peers, "verl_is_weights")
+    got_cases = [(c, r) for c, r in _results(peers, "verl_is_weights") if not c.get("batch_normalize")]
     assert len(got_cases) == len(IS_CASES)
     for c, r in got_cases:
         lower, _, upper = c["threshold"].rpartition("_")
@@ -92,6 +95,24 @@ def test_importance_weights_equal_verls(peers):
         raw = is_weights(x["old"], x["rollout"], x["mask"], c["level"], "truncate", 1e30).weight
         cut = ((raw - r["weights"]).abs() > 1e-12) & (x["mask"] > 0)
         assert 0 < cut.sum() < x["mask"].sum(), c
+
+
+def test_batch_normalized_weights_equal_verls(peers):
+    """--tis-batch-normalize over one micro-batch that is the whole batch, --tis-mode truncate: verl's
+    rollout_is_batch_normalize (token: the mean over the trained tokens; sequence: over the samples with one)
+    divides by the same mean, and the weights are equal. (verl takes the mean over the whole batch; slime's
+    helper, and this flag, over each micro-batch; in mask mode the helper's mean is of the weights before the
+    masking, verl's after: tests/config/test_slime_mis.py checks the helper's.)"""
+    x = peers[0]
+    cases = [(c, r) for c, r in _results(peers, "verl_is_weights") if c.get("batch_normalize")]
+    assert [c["level"] for c, _ in cases] == ["token", "sequence"]
+    for c, r in cases:
+        w = is_weights(x["old"], x["rollout"], x["mask"], c["level"], "truncate", 2.0, 0.0)
+        norm = batch_norm_factor(w, x["mask"], c["level"], "truncate")
+        # verl's masked_mean divides by the count + 1e-8 (verl.utils.torch_functional): apart by 1e-8 / count
+        assert float(norm) == pytest.approx(r["rollout_is_batch_norm_factor"], rel=1e-8, abs=0), c
+        assert abs(float(norm) - 1.0) > 1e-3, c  # the normalization changes the weights here
+        assert torch.allclose(w.weight / norm, r["weights"] * x["mask"], rtol=1e-8, atol=1e-9), c
 
 
 def test_rejection_masks_equal_verls(peers):
