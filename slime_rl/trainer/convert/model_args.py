@@ -103,6 +103,15 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
     def has(flag: str) -> bool:
         return bool(given.get(flag))
 
+    def switch(flag: str, model_has: bool, truth: str, absent: str, read_absent: bool = whole) -> None:
+        """A Megatron-LM switch against the model: given where the model lacks what it builds, or left out
+        (where its absence is read: a whole MODEL_ARGS) where the model has it (`absent`: what Megatron-LM
+        builds then)."""
+        if has(flag) and not model_has:
+            out.append(Mismatch(flag, truth))
+        elif not has(flag) and read_absent and model_has:
+            out.append(Mismatch(f"no {flag} ({absent})", truth))
+
     # ---- sizes
     for flag, key, actual in (("--num-layers", "num_hidden_layers", arch.num_layers),
                               ("--hidden-size", "hidden_size", arch.hidden_size),
@@ -137,20 +146,14 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
         compare("--max-position-embeddings", given["--max-position-embeddings"], "max_position_embeddings",
                 arch.max_position_embeddings)
     tied = arch.tie_word_embeddings
-    if has("--untie-embeddings-and-output-weights") and tied:
-        out.append(Mismatch("--untie-embeddings-and-output-weights", "tie_word_embeddings true"))
-    elif not has("--untie-embeddings-and-output-weights") and whole and not tied:
-        out.append(Mismatch("no --untie-embeddings-and-output-weights (Megatron-LM ties the output layer to the "
-                            "embedding)", "tie_word_embeddings false"))
+    switch("--untie-embeddings-and-output-weights", not tied, f"tie_word_embeddings {fmt(tied)}",
+           "Megatron-LM ties the output layer to the embedding")
     if has("--swiglu"):
         compare("--swiglu", "silu", "hidden_act", text.get("hidden_act", "silu"), claim="--swiglu (SiLU)")
     qkv = (f"attention_bias {fmt(text['attention_bias'])}" if "attention_bias" in text else f"model_type {mt}") + \
         (": q/k/v projections with bias" if fam.qkv_bias else ": q/k/v projections without bias")
-    if has("--add-qkv-bias") and not fam.qkv_bias:
-        out.append(Mismatch("--add-qkv-bias", qkv))
-    elif not has("--add-qkv-bias") and whole and has("--disable-bias-linear") and fam.qkv_bias:
-        out.append(Mismatch("no --add-qkv-bias (with --disable-bias-linear Megatron-LM builds q/k/v without bias)",
-                            qkv))
+    switch("--add-qkv-bias", fam.qkv_bias, qkv, "with --disable-bias-linear Megatron-LM builds q/k/v without bias",
+           read_absent=whole and has("--disable-bias-linear"))
     # ---- norms
     if "--normalization" in given:
         compare("--normalization", given["--normalization"], "", "RMSNorm", truth=f"model_type {mt}, whose norms "
@@ -162,18 +165,12 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
                 claim="no --norm-epsilon (Megatron-LM's default 1e-05)")
     qk_norm = (f"{fam.qk_norm_key} {fmt(arch.qk_layernorm)}" if fam.qk_norm_key else f"model_type {mt}") + ", " + (
         "with q_norm / k_norm (an RMSNorm of each query and key head)" if arch.qk_layernorm else "without q/k norm")
-    if has("--qk-layernorm") and not arch.qk_layernorm:
-        out.append(Mismatch("--qk-layernorm", qk_norm))
-    elif not has("--qk-layernorm") and whole and arch.qk_layernorm:
-        out.append(Mismatch("no --qk-layernorm (Megatron-LM builds no q/k norm)", qk_norm))
+    switch("--qk-layernorm", arch.qk_layernorm, qk_norm, "Megatron-LM builds no q/k norm")
     post = f"model_type {mt}, " + ("with a norm of the attention's and of the MLP's output before each residual add "
                                    "(post_self_attn_layernorm, post_mlp_layernorm)" if arch.post_norms else
                                    "without norms after attention and the MLP")
     for flag, where in (("--post-self-attn-layernorm", "attention"), ("--post-mlp-layernorm", "the MLP")):
-        if has(flag) and not arch.post_norms:
-            out.append(Mismatch(flag, post))
-        elif not has(flag) and whole and arch.post_norms:
-            out.append(Mismatch(f"no {flag} (Megatron-LM builds no norm after {where})", post))
+        switch(flag, arch.post_norms, post, f"Megatron-LM builds no norm after {where}")
     # ---- positions
     position = "rope" if has("--use-rotary-position-embeddings") else given.get("--position-embedding-type")
     want = "mrope" if fam.vision else "rope"
@@ -201,10 +198,7 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
         "whose rotary channels rotate in interleaved pairs (x[0::2], x[1::2])" if arch.rotary_interleaved else
         "with multi-latent attention, which interleaves its own way (Megatron-LM refuses --rotary-interleaved with "
         "--multi-latent-attention)" if arch.mla else "which rotates the two halves of each head's rotary channels")
-    if has("--rotary-interleaved") and not arch.rotary_interleaved:
-        out.append(Mismatch("--rotary-interleaved", pairs))
-    elif not has("--rotary-interleaved") and whole and arch.rotary_interleaved:
-        out.append(Mismatch("no --rotary-interleaved (Megatron-LM rotates the two halves of each head)", pairs))
+    switch("--rotary-interleaved", arch.rotary_interleaved, pairs, "Megatron-LM rotates the two halves of each head")
     _compare_mla(given, text, arch, whole, out, compare)
     for flag, what in _NO_FAMILY_HAS.items():
         if flag == "--moe-router-enable-expert-bias" and arch.moe_expert_bias:
