@@ -36,3 +36,12 @@ def recording_probe(model_cls: type, config, param_names: list[str], num_layers:
             return load
 
     return Probe()
+
+
+def calls_by_target(probe: torch.nn.Module) -> dict[str, list[tuple]]:
+    """`probe.calls` grouped by the SGLang parameter each loaded: name -> [(shape, args, kwargs), ...], in call
+    order."""
+    out: dict[str, list[tuple]] = {}
+    for param, shape, args, kwargs in probe.calls:
+        out.setdefault(param, []).append((shape, args, kwargs))
+    return out

@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from tests.contract.sglang_probe import recording_probe
+from tests.contract.sglang_probe import calls_by_target, recording_probe
 
 deepseek_v2 = pytest.importorskip("sglang.srt.models.deepseek_v2",
                                   reason="sglang 0.5.23 is not importable here (pip install --no-deps sglang)")
@@ -64,9 +64,7 @@ def test_sglang_maps_every_deepseek_v3_name_we_send(folder, request):
     names = _sglang_param_names(arch.moe_layers, bool(arch.q_lora_rank))
     probe = _probe(arch, names)
     probe.load_weights([(name, torch.zeros(shape)) for name, shape in sent.items()])
-    by_target: dict = {}
-    for param, shape, args, kwargs in probe.calls:
-        by_target.setdefault(param, []).append((shape, args, kwargs))
+    by_target = calls_by_target(probe)
     assert set(by_target) == set(names)
     h, heads, n_q = arch.hidden_size, arch.num_attention_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
     for i, moe in enumerate(arch.moe_layers):

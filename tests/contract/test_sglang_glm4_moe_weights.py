@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from tests.contract.sglang_probe import recording_probe
+from tests.contract.sglang_probe import calls_by_target, recording_probe
 
 glm4_moe = pytest.importorskip("sglang.srt.models.glm4_moe",
                                reason="sglang 0.5.23 is not importable here (pip install --no-deps sglang)")
@@ -56,9 +56,7 @@ def test_sglang_maps_every_glm4_moe_name_we_send(tiny_glm4_moe, fused_shared):
     probe.num_fused_shared_experts = int(fused_shared)
     probe.load_weights([(name, torch.zeros(shape)) for name, shape in sent.items()])
     assert len(probe.calls) == len(sent)  # one load per tensor sent: none skipped
-    by_target: dict = {}
-    for param, shape, args, kwargs in probe.calls:
-        by_target.setdefault(param, []).append((shape, args, kwargs))
+    by_target = calls_by_target(probe)
     assert set(by_target) == set(names)
     h, ffn, width, experts = arch.hidden_size, arch.ffn_hidden_size, arch.moe_ffn_hidden_size, arch.num_experts
     shared = arch.moe_shared_expert_ffn_hidden_size

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from tests.contract.sglang_probe import recording_probe
+from tests.contract.sglang_probe import calls_by_target, recording_probe
 
 glm4 = pytest.importorskip("sglang.srt.models.glm4",
                            reason="sglang 0.5.23 is not importable here (pip install --no-deps sglang)")
@@ -46,9 +46,7 @@ def test_sglang_maps_every_glm4_name_we_send(tiny_glm4):
     probe = recording_probe(glm4.Glm4ForCausalLM, config, names, arch.num_layers)
     probe.load_weights([(name, torch.zeros(shape)) for name, shape in sent.items()])
     assert len(probe.calls) == len(sent)  # one load per tensor sent: none skipped
-    by_target: dict = {}
-    for param, shape, args, kwargs in probe.calls:
-        by_target.setdefault(param, []).append((shape, args, kwargs))
+    by_target = calls_by_target(probe)
     assert set(by_target) == set(names)
     h, ffn = arch.hidden_size, arch.ffn_hidden_size
     for i in range(arch.num_layers):

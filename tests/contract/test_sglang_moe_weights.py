@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from tests.contract.sglang_probe import recording_probe
+from tests.contract.sglang_probe import calls_by_target, recording_probe
 
 qwen3_moe = pytest.importorskip("sglang.srt.models.qwen3_moe",
                                 reason="sglang 0.5.23 is not importable here (pip install --no-deps sglang)")
@@ -46,9 +46,7 @@ def test_sglang_maps_every_name_we_send(tiny_qwen3_moe):
                             _sglang_param_names(arch.num_layers, arch.tie_word_embeddings), arch.num_layers)
     probe.load_weights([(name, torch.zeros(shape)) for name, shape in sent.items()])
     assert len(probe.calls) == len(sent)  # one load per tensor sent: none skipped
-    by_target: dict = {}
-    for param, shape, args, kwargs in probe.calls:
-        by_target.setdefault(param, []).append((shape, args, kwargs))
+    by_target = calls_by_target(probe)
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         assert [c[1] for c in by_target[p + "self_attn.qkv_proj.weight"]] == [("q",), ("k",), ("v",)]

@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 
-from tests.contract.sglang_probe import recording_probe
+from tests.contract.sglang_probe import calls_by_target, recording_probe
 
 qwen2_moe = pytest.importorskip("sglang.srt.models.qwen2_moe",
                                 reason="sglang 0.5.23 is not importable here (pip install --no-deps sglang)")
@@ -52,9 +52,7 @@ def test_sglang_maps_every_qwen2_moe_name_we_send(tiny_qwen2_moe):
                             _sglang_param_names(arch.moe_layers, arch.tie_word_embeddings), len(arch.moe_layers))
     probe.load_weights([(name, torch.zeros(shape)) for name, shape in sent.items()])
     assert len(probe.calls) == len(sent)  # one load per tensor sent: none skipped
-    by_target: dict = {}
-    for param, shape, args, kwargs in probe.calls:
-        by_target.setdefault(param, []).append((shape, args, kwargs))
+    by_target = calls_by_target(probe)
     assert set(by_target) == set(_sglang_param_names(arch.moe_layers, arch.tie_word_embeddings))
     h, shared, ffn = arch.hidden_size, arch.moe_shared_expert_ffn_hidden_size, arch.ffn_hidden_size
     for i, moe in enumerate(arch.moe_layers):
