@@ -9,13 +9,7 @@ sources) and, with more than one rank, --save-hf's folder.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
-from safetensors.torch import load_file
-
-from tests.trainer.parallel_scenarios import _equiv_worker, record_layouts
+from tests.trainer.parallel_scenarios import _equiv_worker, record_export, record_layouts
 from tests.trainer.trainer_ref import make_batch, select
 from tests.trainer.trainer_scenarios import weights
 
@@ -44,12 +38,7 @@ def run_glm4(rank: int, world: int, port: int, ckpt: str, name: str, res: dict) 
     res[f"{name}/metadata"] = w.hf_weight_metadata()
     res[f"{name}/sources"] = {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()}
     if world > 1:  # --save-hf's gather (hf_export.py): global rank 0 writes the folder, reads it back
-        out = Path(tempfile.gettempdir(), f"slime_rl_glm4_export_{port}_{name}")
-        w.save_hf(str(out))
-        if rank == 0:
-            res[f"{name}/exported"] = {k: v.clone() for f in sorted(out.glob("*.safetensors"))
-                                       for k, v in load_file(f).items()}
-            shutil.rmtree(out)
+        record_export(w, rank, f"glm4_{port}", name, res)
     record_layouts(w, select(batch, ids), GLM4_RUN_LAYOUTS.get(name, ("padded", "packed")), name, res)
     w.shutdown()
 

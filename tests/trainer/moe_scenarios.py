@@ -10,14 +10,8 @@ the aux loss, so its gradient can be compared with HF's own (float64, no aux los
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
-from safetensors.torch import load_file
-
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
-from tests.trainer.parallel_scenarios import record_layouts
+from tests.trainer.parallel_scenarios import record_export, record_layouts
 from tests.trainer.trainer_ref import make_batch, select
 from tests.trainer.trainer_scenarios import weights
 
@@ -59,12 +53,7 @@ def run_moe(rank: int, world: int, port: int, ckpt: str, name: str, res: dict, a
     res[f"{name}/metadata"] = w.hf_weight_metadata()
     res[f"{name}/sources"] = {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()}
     if world > 1:  # --save-hf's gather (hf_export.py): global rank 0 writes the folder, reads it back
-        out = Path(tempfile.gettempdir(), f"slime_rl_moe_export_{port}_{name}")
-        w.save_hf(str(out))
-        if rank == 0:
-            res[f"{name}/exported"] = {k: v.clone() for f in sorted(out.glob("*.safetensors"))
-                                       for k, v in load_file(f).items()}
-            shutil.rmtree(out)
+        record_export(w, rank, f"moe_{port}", name, res)
     record_layouts(w, shard, layouts, name, res)
     w.shutdown()
 

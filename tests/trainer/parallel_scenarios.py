@@ -8,7 +8,12 @@ World-2 checks share one process pair ("par2") because each process pays ~10 s o
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 import time
+from pathlib import Path
+
+from safetensors.torch import load_file
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from tests.trainer.trainer_ref import make_batch, select
@@ -143,6 +148,17 @@ def _equiv_worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int,
                          OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.0, lr_decay_style="constant"),
                          ModelConfig(hf_checkpoint=ckpt, bf16=bf16),
                          AlgoConfig(), train_iters=10, trainer=TrainerConfig(**kw))
+
+
+def record_export(w, rank: int, tag: str, name: str, res: dict) -> None:
+    """`{name}/exported` on global rank 0: the folder --save-hf's gather (hf_export.py) writes from every rank,
+    read back (a temporary folder named by `tag`, removed after)."""
+    out = Path(tempfile.gettempdir(), f"slime_rl_{tag}_export_{name}")
+    w.save_hf(str(out))
+    if rank == 0:
+        res[f"{name}/exported"] = {k: v.clone() for f in sorted(out.glob("*.safetensors"))
+                                   for k, v in load_file(f).items()}
+        shutil.rmtree(out)
 
 
 def record_layouts(w, shard: dict, layouts: tuple[str, ...], name: str, res: dict) -> None:
