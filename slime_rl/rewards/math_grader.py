@@ -15,21 +15,20 @@ call it without its timeout; the fallback guards itself by refusing long express
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 import threading
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import sympy
-from sympy.parsing.sympy_parser import implicit_multiplication, parse_expr, standard_transformations
+if TYPE_CHECKING:
+    import sympy
 
-try:
-    import math_verify
-
-    HAVE_MATH_VERIFY = True
-except ImportError:  # an optional speed/quality upgrade; the fallback below is complete on its own
-    math_verify = None
-    HAVE_MATH_VERIFY = False
+# sympy and math-verify are imported at the first comparison, not with the module: every rollout process
+# imports the reward registry, most never grade math, and the two cost ~2 s of CPU to import
+# math-verify is an optional speed/quality upgrade; the fallback below is complete on its own
+HAVE_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
 
 # math-verify logs a warning on every timeout-less call; our callers know (see the module docstring)
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -41,11 +40,24 @@ _ANSWER_IS = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*:?\s*(.+)", re.IG
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
 _SAFE_EXPR = re.compile(r"^[0-9a-z.+\-*/()^ ]+$")
 _ALLOWED_NAMES = {"sqrt", "pi", "E"}
-_TRANSFORMS = (*standard_transformations, implicit_multiplication)  # '2x' -> 2*x, '2(x+1)' -> 2*(x+1)
 # math-verify evaluates what it parses; without its alarm (off the main thread) these never finish:
 # an exponent that holds another power (9^9^9), a long exponent ((1+x)^{1000}), a big factorial
 _RISKY_POWER = re.compile(r"(\^|\*\*)\s*[{(]?[^{}()\s]*(\^|\*\*)|(\^|\*\*)\s*[{(]?\s*\d{3,}|\d{3,}\s*!")
 MAX_VERIFY_CHARS = 2000  # math-verify reads answers from the end; the reasoning above is not needed
+
+
+def _sympy():
+    """sympy, imported at first use."""
+    import sympy
+
+    return sympy
+
+
+def _parse(plain: str, evaluate: bool):
+    """sympy's parse_expr with implicit multiplication ('2x' -> 2*x, '2(x+1)' -> 2*(x+1))."""
+    from sympy.parsing.sympy_parser import implicit_multiplication, parse_expr, standard_transformations
+
+    return parse_expr(plain, transformations=(*standard_transformations, implicit_multiplication), evaluate=evaluate)
 
 
 def answer_region(text: str) -> str:
@@ -120,6 +132,7 @@ def _latex_to_plain(s: str) -> str:
 
 def _small_powers(expr: sympy.Basic) -> bool:
     """True when every power has a plain exponent of at most MAX_EXPONENT (10^{10^{10}} never finishes)."""
+    sympy = _sympy()
     for node in sympy.preorder_traversal(expr):
         if isinstance(node, sympy.Pow) and node.exp != -1:  # unevaluated a/b is Mul(a, Pow(b, -1))
             exp = node.exp
@@ -139,6 +152,7 @@ def _to_sympy(s: str) -> sympy.Expr | None:
     """
     if not s or len(s) > MAX_EXPR_CHARS:
         return None
+    sympy = _sympy()
     plain = _latex_to_plain(s)
     if not _SAFE_EXPR.match(plain.lower()) or "__" in plain:
         return None
@@ -146,10 +160,10 @@ def _to_sympy(s: str) -> sympy.Expr | None:
     if any(len(n) > 1 and n not in _ALLOWED_NAMES for n in names):
         return None
     try:
-        if not _small_powers(parse_expr(plain, transformations=_TRANSFORMS, evaluate=False)):
+        if not _small_powers(_parse(plain, evaluate=False)):
             return None
         # rational=True keeps 0.5 exact (1/2), so decimals and fractions compare without tolerance
-        expr = parse_expr(plain, transformations=_TRANSFORMS, evaluate=True)
+        expr = _parse(plain, evaluate=True)
         return sympy.nsimplify(expr, rational=True) if expr.has(sympy.Float) else expr
     except (SyntaxError, TypeError, ValueError, ZeroDivisionError, AttributeError, sympy.SympifyError):
         return None
@@ -163,6 +177,7 @@ def sympy_equal(pred: str, gold: str) -> bool:
     x, y = _to_sympy(a), _to_sympy(b)
     if x is None or y is None:
         return False
+    sympy = _sympy()
     try:
         if x.free_symbols != y.free_symbols:
             return False
@@ -178,6 +193,8 @@ def sympy_equal(pred: str, gold: str) -> bool:
 
 def _math_verify_equal(response: str, gold: str) -> bool | None:
     """math-verify's verdict; None when it cannot parse the label."""
+    import math_verify
+
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     configs = [math_verify.LatexExtractionConfig(), math_verify.ExprExtractionConfig()]
     # a label is read as LaTeX math first: a bare '1+2x+x^2' would otherwise parse as its first number
