@@ -210,7 +210,14 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_fp32(smollm2_gguf, tmp_path_factory) -> Path:
+def smollm2_gguf_loaded(smollm2_gguf):
+    """(model, tokenizer) transformers reads from the GGUF (tools/import_gguf.py's `load_gguf` is that one
+    call of its loader), once per session: the import below and tests/tools/test_import_gguf.py's references."""
+    return _load_tool("import_gguf").load_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_gguf, smollm2_gguf_loaded, tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct imported once per session as an fp32 HF folder (tools/import_gguf.py)."""
     out = tmp_path_factory.mktemp("smollm2_fp32")
-    return _load_tool("import_gguf").import_gguf(out, smollm2_gguf, dtype="fp32")
+    return _load_tool("import_gguf").import_gguf(out, smollm2_gguf, dtype="fp32", loaded=smollm2_gguf_loaded)

@@ -22,12 +22,12 @@ def test_config_is_smollm2_135m(smollm2_fp32):
     assert "quantization_config" not in cfg and cfg["dtype"] == "float32"
 
 
-def test_saved_folder_gives_the_gguf_models_logits(smollm2_gguf, smollm2_fp32):
+def test_saved_folder_gives_the_gguf_models_logits(smollm2_gguf_loaded, smollm2_fp32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # the reference is transformers' own GGUF loader, not the tool's code path
-    ref = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
-                                               dtype=torch.float32).eval()
+    # the reference is transformers' own GGUF loader (its model, fp32), not the tool's copy and save
+    ref = smollm2_gguf_loaded[0].eval()
+    assert getattr(ref.config, "quantization_config", None) is not None  # the import left it as read
     saved = AutoModelForCausalLM.from_pretrained(str(smollm2_fp32), dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(str(smollm2_fp32))(PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
@@ -36,10 +36,10 @@ def test_saved_folder_gives_the_gguf_models_logits(smollm2_gguf, smollm2_fp32):
     assert saved.lm_head.weight.data_ptr() == saved.model.embed_tokens.weight.data_ptr()  # still tied
 
 
-def test_tokenizer_and_chat_template_round_trip(smollm2_gguf, smollm2_fp32):
+def test_tokenizer_and_chat_template_round_trip(smollm2_gguf_loaded, smollm2_fp32):
     from transformers import AutoTokenizer
 
-    ref = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    ref = smollm2_gguf_loaded[1]  # transformers' tokenizer read from the GGUF
     tok = AutoTokenizer.from_pretrained(str(smollm2_fp32))
     text = "Héllo, wörld! 123 + 456 = 579\n  tabs\tand <|im_start|> specials"
     assert tok(text)["input_ids"] == ref(text)["input_ids"]
