@@ -41,8 +41,9 @@ def tok(tiny_qwen2):
     return AutoTokenizer.from_pretrained(tiny_qwen2)
 
 
-def run_episodes(server, tok, gen, samples, max_new_tokens=200):
-    """`gen` on `samples`; also every engine call the trajectories made, per sample index, in order."""
+def run_episodes(server, tok, runs, max_new_tokens=200):
+    """Each (generate function, sample) of `runs`, all at once; also every engine call the trajectories made,
+    per sample index, in order."""
     calls: dict[int, list[tuple[list[int], dict]]] = {}
 
     async def main():
@@ -58,9 +59,10 @@ def run_episodes(server, tok, gen, samples, max_new_tokens=200):
         pool.generate = recorded
         params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new_tokens}
         try:
-            return await asyncio.gather(*(gen(s, params, pool) for s in samples))
+            return await asyncio.gather(*(gen(s, params, pool) for gen, s in runs))
         finally:
-            await gen.fn.close()
+            for gen in {id(gen): gen for gen, _ in runs}.values():
+                await gen.fn.close()
             await pool.aclose()
             await client.aclose()
 
@@ -68,7 +70,7 @@ def run_episodes(server, tok, gen, samples, max_new_tokens=200):
 
 
 def test_a_verifiers_environment_plays_through_the_endpoint(server, tok):
-    """Four samples, two groups: each sample is one episode of one task (a group's samples share it); two
+    """Three samples, two groups: each sample is one episode of one task (a group's samples share it); two
     model turns with the environment's user turn between; the sample's tokens are the first request's
     rendering, each answer's ids as the engine sampled them, the template's text between; loss mask 1
     exactly on the sampled ids; the reward is the task's `@vf.reward` (weight 0.5) on the last answer."""
@@ -76,10 +78,19 @@ def test_a_verifiers_environment_plays_through_the_endpoint(server, tok):
 
     from slime_rl.rollout.custom import rollout_generate_function
 
-    gen = rollout_generate_function(SimpleNamespace(agent_env=SPEC, agent_max_turns=16, agent_turn_max_tokens=8,
-                                                    custom_generate_function_path=None))
-    samples = [Sample(index=i, group_index=i // 2, prompt="", prompt_ids=[]) for i in range(4)]
-    samples, calls = run_episodes(server, tok, gen, samples)
+    def generate(spec):
+        return rollout_generate_function(SimpleNamespace(agent_env=spec, agent_max_turns=16, agent_turn_max_tokens=8,
+                                                         custom_generate_function_path=None))
+
+    gen = generate(SPEC)
+    # beside them, an episode whose rubric raises: verifiers records the error, the sample fails alone
+    failing = generate('verifiers:vf_two_turns:{"agent":{"harness":{"id":"null"}},"taskset":{"reward_raises":true}}')
+    runs = [(gen, Sample(index=i, group_index=i // 2, prompt="", prompt_ids=[])) for i in range(3)]
+    results, calls = run_episodes(server, tok, runs + [(failing, Sample(index=9, group_index=0, prompt="",
+                                                                        prompt_ids=[]))])
+    *samples, failed = results
+    assert failed.finish_reason == "failed" and failed.reward == 0.0 and set(failed.loss_mask) == {0}
+    assert "the rubric failed" in failed.metadata["agent_error"] and failed.metadata["agent_turns"] == 2
     for s in samples:
         word = vf_two_turns.WORDS[s.group_index]
         assert "agent_error" not in s.metadata, s.metadata.get("agent_error")
@@ -114,7 +125,7 @@ def test_a_verifiers_environment_plays_through_the_endpoint(server, tok):
         assert s.reward == score * weight
         assert s.metadata[STATUS] in (COMPLETED, TRUNCATED)
     keys = [s.metadata["verifiers_task"]["key"] for s in samples]
-    assert keys[0] == keys[1] != keys[2] == keys[3]  # a group plays one task, another group another
+    assert keys[0] == keys[1] != keys[2]  # a group plays one task, another group another
 
 
 def test_a_data_rows_task_idx_names_the_task():
@@ -149,6 +160,10 @@ def test_verifiers_specs_are_checked_before_anything_starts(tmp_path, monkeypatc
     refused("verifiers:vf_two_turns:[1]", "must be a JSON object")
     refused('verifiers:vf_two_turns:{"taskset":{"id":"other"}}', "the config's taskset.id 'other' is not "
                                                                   "'vf_two_turns'")
+    refused('verifiers:vf_two_turns:{"taskset":{"fail_to_load":true}}',
+            "the taskset's first task does not load: LookupError: the data is not there")
+    refused('verifiers:vf_two_turns:{"taskset":{"no_such_knob":1}}',
+            "--agent-env verifiers:vf_two_turns:.*no_such_knob")
     refused('verifiers:vf_two_turns:{"agent":{"harness":{"id":"no_such_harness"}}}',
             "--agent-env verifiers:vf_two_turns.*harness 'no_such_harness' not found")
     # a harness in a remote sandbox cannot reach the rollout's endpoint: refused

@@ -112,6 +112,13 @@ class VerifiersAgent:
         # loop, and the future that says they are up
         self._serving: dict[asyncio.AbstractEventLoop, tuple[asyncio.Task, asyncio.Future]] = {}
         self.__name__ = "verifiers_agent"
+        try:  # the taskset loads (its data, what it downloads) here, before any sample
+            self.task(0)
+        except Exception as exc:
+            if str(exc).startswith(AGENT_ENV_FLAG):
+                raise
+            raise ValueError(f"{AGENT_ENV_FLAG} {spec}: the taskset's first task does not load: "
+                             f"{type(exc).__name__}: {' '.join(str(exc).replace('*', ' ').split())[:500]}") from exc
 
     def task(self, index: int) -> Any:
         """The taskset's task at `index` (modulo its size when it is finite)."""
