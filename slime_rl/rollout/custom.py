@@ -114,10 +114,10 @@ def rollout_generate_function(rollout: Any, args: Any = None) -> GenerateFn:
     if getattr(rollout, "agent_env", None):
         from slime_rl.rollout.agent.envs import env_agent, load_env_factory
         from slime_rl.rollout.agent.runner import AgentGenerate
-        from slime_rl.rollout.agent.verifiers_env import VerifiersAgent, is_verifiers_spec
+        from slime_rl.rollout.agent.verifiers_env import is_verifiers_spec, verifiers_agent
 
         if is_verifiers_spec(rollout.agent_env):  # a verifiers environment, its own harness and rewards
-            agent = VerifiersAgent(rollout.agent_env, rollout.agent_turn_max_tokens)
+            agent = verifiers_agent(rollout.agent_env, rollout.agent_turn_max_tokens)
         else:
             agent = env_agent(load_env_factory(rollout.agent_env), rollout.agent_max_turns,
                               rollout.agent_turn_max_tokens)

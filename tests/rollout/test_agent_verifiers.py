@@ -129,9 +129,14 @@ def test_a_verifiers_environment_plays_through_the_endpoint(server, tok):
 
 
 def test_a_data_rows_task_idx_names_the_task():
-    from slime_rl.rollout.agent.verifiers_env import VerifiersAgent
+    from slime_rl.rollout.custom import rollout_generate_function
 
-    agent = VerifiersAgent(SPEC)
+    def generate():
+        return rollout_generate_function(SimpleNamespace(agent_env=SPEC, agent_max_turns=16, agent_turn_max_tokens=8,
+                                                         custom_generate_function_path=None))
+
+    agent = generate().fn
+    assert generate().fn is agent  # the rollout's and each eval's generate function share one env
     by_group = Sample(index=0, group_index=4, prompt="", prompt_ids=[])
     by_row = Sample(index=0, group_index=4, prompt="", prompt_ids=[], metadata={"task_idx": 2})
     assert agent.task(agent.task_index(by_group)).data.name == "river"  # 4 % 3 tasks

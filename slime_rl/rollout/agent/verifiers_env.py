@@ -189,3 +189,15 @@ class VerifiersAgent:
 
 def is_verifiers_spec(spec: str | None) -> bool:
     return bool(spec) and spec.startswith(PREFIX)
+
+
+_AGENTS: dict[tuple[str, int | None], VerifiersAgent] = {}
+
+
+def verifiers_agent(spec: str, turn_max_tokens: int | None = None) -> VerifiersAgent:
+    """The process's one `VerifiersAgent` of `spec`: the rollout's generate function and its eval's (built at
+    each eval) share one env and its serving resources."""
+    key = (spec, turn_max_tokens)
+    if key not in _AGENTS:
+        _AGENTS[key] = VerifiersAgent(spec, turn_max_tokens)
+    return _AGENTS[key]
