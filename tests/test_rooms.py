@@ -17,7 +17,7 @@ ORDER = ["config", "observability", "algo", "data", "rewards", "engines", "rollo
 BOTTOM = {"train", "preflight", "cli"}
 # third-party packages and the one room (or module) allowed to import them
 CONFINED = {"ray": ("orchestration",), "megatron": ("trainer/mcore.py", "trainer/cpu_compat.py"),
-            "sglang": ("engines",), "sglang_router": ("engines",)}
+            "sglang": ("engines",), "sglang_router": ("engines",), "verifiers": ("rollout/agent/verifiers_env.py",)}
 
 
 def _room(module: str) -> str | None:

@@ -90,12 +90,15 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
                   "(args, sample, sampling_params) -> Sample, or an agent (client: openai.AsyncOpenAI, sample) -> "
                   'reward or None, which talks to the model through an OpenAI endpoint (docs/agents.md)'),
         Flag('--agent-env', 'rollout.agent_env',
-             help='each sample plays one episode of a text environment through the OpenAI endpoint (docs/agents.md): '
+             help='each sample plays one episode of an environment through the OpenAI endpoint (docs/agents.md): '
                   'textarena:GAME (a TextArena single-player game, e.g. textarena:GuessTheNumber-v0) or '
                   'module:factory, factory(sample) -> env with reset() -> str and step(text) -> (observation, '
-                  'reward, done); the reward is the sum of the step rewards'),
+                  'reward, done), the reward the sum of the step rewards; or verifiers:TASKSET_ID[:CONFIG_JSON], '
+                  "a verifiers 0.4.0 environment run unchanged (its harness, its rubric's reward; CONFIG_JSON: "
+                  "verifiers' [env] block, e.g. verifiers:my_taskset:"
+                  '{"agent":{"harness":{"id":"null"}}})'),
         Flag('--agent-max-turns', 'rollout.agent_max_turns', default=16, type=_positive_int,
-             help='--agent-env: the most model answers per episode'),
+             help="--agent-env: the most model answers per episode (a verifiers environment: its roles' max_turns)"),
         Flag('--agent-turn-max-tokens', 'rollout.agent_turn_max_tokens', type=_positive_int,
              help='--agent-env: the most tokens of one answer (default: what is left of --rollout-max-response-len, '
                   'which covers the whole episode)'),

@@ -109,14 +109,20 @@ def load_generate_function(path: str | None, args: Any = None, agent_timeout_s: 
 
 def rollout_generate_function(rollout: Any, args: Any = None) -> GenerateFn:
     """The generate function of a run's rollout settings (a `RolloutConfig` or `RolloutOptions`): the
-    --agent-env episode runner, or what --custom-generate-function-path names, or the built-in one."""
+    --agent-env episode runner (a text environment's or a verifiers environment's), or what
+    --custom-generate-function-path names, or the built-in one."""
     if getattr(rollout, "agent_env", None):
         from slime_rl.rollout.agent.envs import env_agent, load_env_factory
         from slime_rl.rollout.agent.runner import AgentGenerate
+        from slime_rl.rollout.agent.verifiers_env import is_verifiers_spec, verifiers_agent
 
-        return AgentGenerate(env_agent(load_env_factory(rollout.agent_env), rollout.agent_max_turns,
-                                       rollout.agent_turn_max_tokens), rollout.agent_env,
-                             getattr(rollout, "agent_timeout_s", None), getattr(rollout, "agent_host", "127.0.0.1"))
+        if is_verifiers_spec(rollout.agent_env):  # a verifiers environment, its own harness and rewards
+            agent = verifiers_agent(rollout.agent_env, rollout.agent_turn_max_tokens)
+        else:
+            agent = env_agent(load_env_factory(rollout.agent_env), rollout.agent_max_turns,
+                              rollout.agent_turn_max_tokens)
+        return AgentGenerate(agent, rollout.agent_env, getattr(rollout, "agent_timeout_s", None),
+                             getattr(rollout, "agent_host", "127.0.0.1"))
     return load_generate_function(rollout.custom_generate_function_path, args,
                                   agent_timeout_s=getattr(rollout, "agent_timeout_s", None),
                                   agent_host=getattr(rollout, "agent_host", "127.0.0.1"))
