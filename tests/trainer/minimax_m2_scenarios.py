@@ -6,10 +6,17 @@ parallelism (the q/k norms gather the two ranks' heads; the experts split over E
 rank). Each records, on the fixed batch at temperature 1, the log-probs of its DP shard, a forward-backward's stats,
 the full gradient in HF names (gathered over TP, EP, DP), the grad norm megatron's optimizer computes, the attention's
 class and its q/k norm weights' shapes and flags, the HF tensors weight sync would send (iter_hf_weights and the
-cached sources) and --save-hf's folder.
+cached sources) and --save-hf's folder; TP=2 also takes an optimizer step, saves a checkpoint, spoils the
+q/k norms and loads it back.
 """
 
 from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
 from tests.trainer.parallel_scenarios import record_export, record_layouts
@@ -51,6 +58,21 @@ def run_minimax(rank: int, world: int, port: int, ckpt: str, name: str, res: dic
     res[f"{name}/sources"] = {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()}
     record_export(w, rank, f"minimax_m2_{port}", name, res)
     record_layouts(w, select(batch, ids), MINIMAX_RUN_LAYOUTS[name], name, res)
+    if name == "tp2sp":  # the checkpoint (megatron's torch_dist) holds the whole-width norms: step, save, spoil, load
+        root = Path(tempfile.gettempdir(), f"slime_rl_minimax_m2_ckpt_{port}")
+        w.train_step(select(batch, ids))
+        res[f"{name}/stepped"] = weights(w)
+        w.save_checkpoint(str(root), 1, {"rollout_id": 1})
+        with torch.no_grad():
+            for a in attn:
+                a.q_norm.weight.mul_(2.0)
+                a.k_norm.weight.add_(1.0)
+        res[f"{name}/spoilt"] = weights(w)
+        res[f"{name}/resumed_extra"] = w.load_latest_checkpoint(str(root))
+        res[f"{name}/resumed"] = weights(w)
+        torch.distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(root)
     w.shutdown()
 
 

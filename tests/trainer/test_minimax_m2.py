@@ -170,7 +170,8 @@ def test_minimax_m2_trainer_equals_hf_at_dp2_tp2_ep2(minimax_scenario, tiny_mini
     ranks' heads; experts split over ETP) and EP=2 give HF's float64 log-probs, loss and gradient of every tensor (the
     whole-width q/k norms' weights whole on each rank, not summed over TP); the attention is WholeQKNormSelfAttention
     with megatron's per-head norms off, the router sigmoid with the expert bias and no scaling, 8 of 16 channels
-    rotated; every rank's weights out, weight sync's sources and --save-hf's folder are the checkpoint's tensors."""
+    rotated; every rank's weights out, weight sync's sources and --save-hf's folder are the checkpoint's tensors, and
+    under TP=2 the checkpoint of a stepped model (megatron's torch_dist) restores q/k norms spoilt after the save."""
     ranks = minimax_scenario("minimax_m2", 2)
     model, batch = hf_model(tiny_minimax_m2), make_batch()
     want_logp = hf_logprobs(model, batch)
@@ -190,6 +191,17 @@ def test_minimax_m2_trainer_equals_hf_at_dp2_tp2_ep2(minimax_scenario, tiny_mini
             _assert_grads_close(grad, want_grad)
             for r in ranks:
                 assert abs(r[f"{name}/{layout}/stats"]["loss"] - want_loss) < 1e-6
+        if name == "tp2sp":  # the checkpoint of the stepped model brings back the q/k norms spoilt after the save
+            for r in ranks:
+                assert r[f"{name}/resumed_extra"]["rollout_id"] == 1
+                stepped = r[f"{name}/stepped"]
+                for norm in ("q_norm", "k_norm"):
+                    key = f"model.layers.1.self_attn.{norm}.weight"
+                    assert not torch.equal(stepped[key], stored[key])  # the step moved them
+                    assert not torch.equal(r[f"{name}/spoilt"][key], stepped[key])
+                assert set(r[f"{name}/resumed"]) == set(stepped)
+                for n, t in stepped.items():
+                    assert torch.equal(r[f"{name}/resumed"][n], t), n
         (exported,) = [r[f"{name}/exported"] for r in ranks if f"{name}/exported" in r]
         for r in ranks:
             assert [n for n, _, _ in r[f"{name}/metadata"]] == list(r[f"{name}/weights"])
