@@ -42,3 +42,38 @@ def test_minimax_m2_rmsnorm_is_the_stock_one_the_compiled_step_replaces(tiny_min
     assert norms == {FAMILIES["minimax_m2"].hf_rmsnorm} == {"MiniMaxM2RMSNorm"}
     assert {tuple(m.weight.shape) for n, m in model.named_modules() if n.endswith(("q_norm", "k_norm"))} == {
         (64,), (32,)}
+
+
+def test_routed_experts_are_transformers_sigmoid_routing(tiny_minimax_m2):
+    """--enable-return-routed-experts answers, for every layer (each an MoE layer), the experts transformers' own
+    MiniMaxM2TopKRouter picks in float64 (sigmoid + the block's e_score_correction_bias) over prompt + output."""
+    import httpx
+    import numpy as np
+    from engine_testlib import prompt_of, start_server
+    from transformers import AutoModelForCausalLM
+
+    from slime_rl.engines.payloads import decode_routed_experts
+
+    layers, topk = 2, 2
+    model = AutoModelForCausalLM.from_pretrained(tiny_minimax_m2, dtype=torch.float32,
+                                                 experts_implementation="eager").double().eval()
+    server = start_server(tiny_minimax_m2, enable_return_routed_experts=True)
+    try:
+        prompt = prompt_of(7)
+        sp = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True}
+        r = httpx.post(f"{server.url}/generate", json={"input_ids": prompt, "sampling_params": sp,
+                                                         "return_routed_experts": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        seq = prompt + out["output_ids"]
+        got = decode_routed_experts(out["meta_info"]["routed_experts"]).reshape(len(seq) - 1, layers, topk)
+    finally:
+        server.shutdown()
+    want = np.zeros((len(seq) - 1, layers, topk), dtype=np.int64)
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.gate.register_forward_hook(
+            lambda m, a, o, i=i: want.__setitem__((slice(None), i), np.sort(o[2].numpy(), axis=-1)))
+    with torch.no_grad():
+        model(torch.tensor([seq[:-1]]))
+    np.testing.assert_array_equal(np.sort(got, axis=-1), want)
+    assert len({tuple(row) for row in want[:, 0]}) > 1  # the choice varies by token
