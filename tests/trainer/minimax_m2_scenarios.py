@@ -1,13 +1,13 @@
 """MiniMax-M2 (minimax_m2) scenarios, run like trainer_scenarios.py (`python -m tests.trainer.trainer_scenarios NAME
 ...` finds them here), on the tiny checkpoint ckpts["minimax_m2"].
 
-One launch of two ranks runs three layouts in turn: DP=2 (each rank one rank's whole model), TP=2 with sequence
-parallelism (the q/k norms gather the two ranks' heads; the experts split over ETP=2) and EP=2 (four experts per
-rank). Each records, on the fixed batch at temperature 1, the log-probs of its DP shard, a forward-backward's stats,
-the full gradient in HF names (gathered over TP, EP, DP), the grad norm megatron's optimizer computes, the attention's
-class and its q/k norm weights' shapes and flags, the HF tensors weight sync would send (iter_hf_weights and the
-cached sources) and --save-hf's folder; TP=2 also takes an optimizer step, saves a checkpoint, spoils the
-q/k norms and loads it back.
+One launch of two ranks runs four layouts in turn: DP=2 (each rank one rank's whole model), TP=2 with sequence
+parallelism (the q/k norms gather the two ranks' heads; the experts split over ETP=2), PP=2 (one layer per stage)
+and EP=2 (four experts per rank). Each records, on the fixed batch at temperature 1, the log-probs of its DP shard,
+a forward-backward's stats, the full gradient in HF names (gathered over TP, EP, DP), the grad norm megatron's
+optimizer computes, the attention's class and its q/k norm weights' shapes and flags, the HF tensors weight sync
+would send (iter_hf_weights and the cached sources) and --save-hf's folder; TP=2 also takes an optimizer step, saves
+a checkpoint, spoils the q/k norms and loads it back.
 """
 
 from __future__ import annotations
@@ -23,19 +23,20 @@ from tests.trainer.parallel_scenarios import record_export, record_layouts
 from tests.trainer.trainer_ref import make_batch, select
 from tests.trainer.trainer_scenarios import weights
 
-MINIMAX_LAYOUTS = {"dp2": (1, 1), "tp2sp": (2, 1), "ep2": (1, 2)}  # name: (tp, ep); DP is what is left of the world
+# name: (tp, pp, ep); DP is what is left of the world
+MINIMAX_LAYOUTS = {"dp2": (1, 1, 1), "tp2sp": (2, 1, 1), "pp2": (1, 2, 1), "ep2": (1, 1, 2)}
 MINIMAX_KW = {"tp2sp": {"sequence_parallel": True}}
-MINIMAX_RUN_LAYOUTS = {"dp2": ("padded", "packed"), "tp2sp": ("packed",), "ep2": ("padded",)}
+MINIMAX_RUN_LAYOUTS = {"dp2": ("padded", "packed"), "tp2sp": ("packed",), "pp2": ("packed",), "ep2": ("padded",)}
 
 
 def run_minimax(rank: int, world: int, port: int, ckpt: str, name: str, res: dict) -> None:
     from slime_rl.trainer.worker import TrainerWorker
 
-    tp, ep = MINIMAX_LAYOUTS[name]
+    tp, pp, ep = MINIMAX_LAYOUTS[name]
     batch = make_batch()
     w = TrainerWorker(rank, world, "127.0.0.1", port,
-                      ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                     actor_num_gpus_per_node=world),
+                      ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep, actor_num_gpus_per_node=world),
                       BatchConfig(micro_batch_size=2, global_batch_size=4),
                       OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.0, lr_decay_style="constant"),
                       ModelConfig(hf_checkpoint=ckpt), AlgoConfig(), train_iters=10,
@@ -43,7 +44,7 @@ def run_minimax(rank: int, world: int, port: int, ckpt: str, name: str, res: dic
     n = len(batch["tokens"]) // w.dp_size
     ids = list(range(w.dp_rank * n, (w.dp_rank + 1) * n))
     res[f"{name}/ids"] = ids
-    res[f"{name}/ranks"] = (w.tp_rank, w.info.ep_rank, w.dp_rank)
+    res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.ep_rank, w.dp_rank)
     config = w.gpt.config
     res[f"{name}/config"] = (config.sequence_parallel, config.qk_layernorm, config.moe_router_score_function,
                              config.moe_router_enable_expert_bias, config.moe_router_topk_scaling_factor,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.minimax_m2_scenarios import MINIMAX_RUN_LAYOUTS
+from tests.trainer.minimax_m2_scenarios import MINIMAX_LAYOUTS, MINIMAX_RUN_LAYOUTS
 from tests.trainer.test_trainer_megatron import LOGP_TOL, _assert_grads_close, _max_diff
 from tests.trainer.trainer_ref import hf_logprobs, hf_model, hf_policy_grad, make_batch
 from tests.trainer.trainer_scenarios import scenario_runner
@@ -165,13 +165,14 @@ def test_hf_logprobs_see_the_whole_width_norms_and_the_bias(tiny_minimax_m2):
 
 
 @pytest.mark.slow
-def test_minimax_m2_trainer_equals_hf_at_dp2_tp2_ep2(minimax_scenario, tiny_minimax_m2):
+def test_minimax_m2_trainer_equals_hf_at_dp2_tp2_pp2_ep2(minimax_scenario, tiny_minimax_m2):
     """One launch of two ranks: DP=2 (padded and packed), TP=2 with sequence parallelism (the q/k norms gather the
-    ranks' heads; experts split over ETP) and EP=2 give HF's float64 log-probs, loss and gradient of every tensor (the
-    whole-width q/k norms' weights whole on each rank, not summed over TP); the attention is WholeQKNormSelfAttention
-    with megatron's per-head norms off, the router sigmoid with the expert bias and no scaling, 8 of 16 channels
-    rotated; every rank's weights out, weight sync's sources and --save-hf's folder are the checkpoint's tensors, and
-    under TP=2 the checkpoint of a stepped model (megatron's torch_dist) restores q/k norms spoilt after the save."""
+    ranks' heads; experts split over ETP), PP=2 (one layer per stage) and EP=2 give HF's float64 log-probs, loss and
+    gradient of every tensor (the whole-width q/k norms' weights whole on each rank, not summed over TP); the
+    attention is WholeQKNormSelfAttention with megatron's per-head norms off, the router sigmoid with the expert
+    bias and no scaling, 8 of 16 channels rotated; every rank's weights out, weight sync's sources and --save-hf's
+    folder are the checkpoint's tensors, and under TP=2 the checkpoint of a stepped model (megatron's torch_dist)
+    restores q/k norms spoilt after the save."""
     ranks = minimax_scenario("minimax_m2", 2)
     model, batch = hf_model(tiny_minimax_m2), make_batch()
     want_logp = hf_logprobs(model, batch)
@@ -179,12 +180,16 @@ def test_minimax_m2_trainer_equals_hf_at_dp2_tp2_ep2(minimax_scenario, tiny_mini
     want_grad = hub_names(want_grad)
     stored = load_file(tiny_minimax_m2 / "model.safetensors")
     for name, layouts in MINIMAX_RUN_LAYOUTS.items():
+        tp, pp, ep = MINIMAX_LAYOUTS[name]
+        assert sorted(r[f"{name}/ranks"][:3] for r in ranks) == sorted(
+            (t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)) or tp * pp * ep == 1
         for r in ranks:
             assert r[f"{name}/attention"] == ["WholeQKNormSelfAttention"]
             assert r[f"{name}/qk_norms"] == [((64,), (32,), False, "NoneType")]
             assert r[f"{name}/config"] == (name == "tp2sp", False, "sigmoid", True, 1.0, 8)
         for layout in layouts:
-            logp = {i: row for r in ranks for i, row in zip(r[f"{name}/ids"], r[f"{name}/{layout}/logp"], strict=True)}
+            last = [r for r in ranks if r[f"{name}/ranks"][1] == MINIMAX_LAYOUTS[name][1] - 1]  # the logits' stage
+            logp = {i: row for r in last for i, row in zip(r[f"{name}/ids"], r[f"{name}/{layout}/logp"], strict=True)}
             assert sorted(logp) == [0, 1, 2, 3]
             assert _max_diff([logp[i] for i in range(4)], want_logp) < LOGP_TOL, (name, layout)
             grad = {k: v for r in ranks for k, v in r[f"{name}/{layout}/grad"].items()}
@@ -205,7 +210,11 @@ def test_minimax_m2_trainer_equals_hf_at_dp2_tp2_ep2(minimax_scenario, tiny_mini
         (exported,) = [r[f"{name}/exported"] for r in ranks if f"{name}/exported" in r]
         for r in ranks:
             assert [n for n, _, _ in r[f"{name}/metadata"]] == list(r[f"{name}/weights"])
-            for out in (r[f"{name}/weights"], r[f"{name}/sources"], exported):
-                assert set(out) == set(stored)
-                for n, t in stored.items():
-                    assert torch.equal(out[n], t), (name, n)
+        # each rank sends its pipeline stage's tensors (every one, under PP=1), the stages together the checkpoint
+        sent = [{k: v for r in ranks for k, v in r[f"{name}/{key}"].items()} for key in ("weights", "sources")]
+        for out in (*sent, exported):
+            assert set(out) == set(stored)
+            for n, t in stored.items():
+                assert torch.equal(out[n], t), (name, n)
+        if MINIMAX_LAYOUTS[name][1] == 1:
+            assert all(set(r[f"{name}/weights"]) == set(stored) for r in ranks)
