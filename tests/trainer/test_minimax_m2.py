@@ -80,20 +80,22 @@ def _transformers_tensors(cfg: dict, tmp_path) -> dict[str, tuple[int, ...]]:
         return {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
 
 
-@pytest.mark.parametrize("change", [{}, {"num_key_value_heads": 4, "rotary_dim": 8}, {"num_local_experts": 6}])
+@pytest.mark.parametrize("change", [{}, {"num_key_value_heads": 4, "rotary_dim": 8}, {"num_local_experts": 6},
+                                    {"num_local_experts": None, "num_experts": 6}])
 def test_minimax_m2_registry_is_transformers(change, tmp_path):
     """ModelArch and the registry's tensors against what transformers' MiniMaxM2 model of the same config writes:
     every tensor's name and shape (q_norm [heads x head_dim], k_norm [kv heads x head_dim], the router's bias, each
     expert's w1/w3/w2) and nothing else."""
     from slime_rl.trainer.convert import arch_from_hf_config, hf_shapes
 
-    cfg = {**BASE, **change}
+    cfg = {k: v for k, v in {**BASE, **change}.items() if v is not None}
     arch = arch_from_hf_config(cfg)
     assert (arch.qk_norm_whole, arch.qkv_bias, arch.moe_score_function, arch.moe_expert_bias) == (
         True, False, "sigmoid", True)
     assert (arch.moe_norm_topk_prob, arch.moe_scaling_factor, arch.moe_shared_expert_ffn_hidden_size) == (True, 1.0, 0)
     assert arch.rotary_percent == cfg["rotary_dim"] / cfg["head_dim"]
-    assert (arch.num_experts, arch.moe_ffn_hidden_size) == (cfg["num_local_experts"], cfg["intermediate_size"])
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))  # transformers reads either
+    assert (arch.num_experts, arch.moe_ffn_hidden_size) == (experts, cfg["intermediate_size"])
     assert hf_shapes(arch) == _transformers_tensors(cfg, tmp_path)
 
 

@@ -399,7 +399,8 @@ def _minimax_moe_fields(cfg: dict[str, Any], family: Family, where: str, num_lay
     """ModelArch's MoE fields from a MiniMax-M2 config.json: every layer num_local_experts experts of
     intermediate_size, top num_experts_per_tok chosen by sigmoid + e_score_correction_bias, the chosen sigmoid
     scores renormalised, no scaling, no groups, no shared expert (shared_intermediate_size 0)."""
-    experts = int(family.config_value(cfg, "num_local_experts"))
+    # transformers' MiniMaxM2Config reads num_experts as num_local_experts (its attribute map)
+    experts = int(cfg.get("num_experts") or family.config_value(cfg, "num_local_experts"))
     topk = int(family.config_value(cfg, "num_experts_per_tok"))
     width = int(cfg["intermediate_size"])
     if not 1 <= topk <= experts:
