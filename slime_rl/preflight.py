@@ -246,8 +246,9 @@ def check_model_features(cfg: Config) -> None:
 
         from slime_rl.config.checks import ConfigNote
 
+        key = "num_mtp_modules" if model_type == "minimax_m2" else "num_nextn_predict_layers"
         warnings.warn(f"--hf-checkpoint {cfg.model.hf_checkpoint}: its {arch.mtp_layers} multi-token-prediction "
-                      f"layer(s) (num_nextn_predict_layers; tensors model.layers.{arch.num_layers}.*) are not "
+                      f"layer(s) ({key}; tensors model.layers.{arch.num_layers}.*) are not "
                       "trained: the trainer builds the decoder, weight sync leaves the engines' copy as loaded (an "
                       "engine's MTP speculative decoding then drafts with the initial weights: correct tokens, a "
                       "lower acceptance rate as the policy moves)", ConfigNote, stacklevel=2)

@@ -39,6 +39,15 @@ def tiny_glm4(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_minimax_m2(tmp_path_factory) -> Path:
+    """Tiny MiniMax-M2 (minimax_m2): GQA 4/2, head_dim 16 of which the first 8 channels rotate, q/k norms over all
+    heads' channels (q_norm [64], k_norm [32]), every layer 8 experts of width 32, top-2 by sigmoid + a random
+    e_score_correction_bias, renormalised; untied embeddings; vocab 64, hidden 64, 2 layers."""
+    out = tmp_path_factory.mktemp("tiny_minimax_m2")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="minimax_m2", seed=23)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory) -> Path:
     """Tiny Qwen3-MoE: 8 experts of width 32, top-2 renormalised, vocab 64, hidden 64, 2 layers, GQA 4/2."""
     out = tmp_path_factory.mktemp("tiny_qwen3_moe")

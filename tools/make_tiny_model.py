@@ -53,6 +53,14 @@ and first_k_dense_replace (SGLang).
 `--arch kimi_k2` writes the deepseek_v3 model under Kimi-K2's model_type (`kimi_k2`; its architecture is
 DeepseekV3ForCausalLM, which transformers has no model_type of its own for).
 
+`--arch minimax_m2` writes a MiniMaxM2ForCausalLM (as MiniMax-M2.5): GQA without biases, q/k RMSNorms over all
+heads' channels together (q_norm [heads x head_dim], k_norm [kv heads x head_dim]), the first rotary_dim 8 of
+each head's 16 channels rotated, every layer 8 routed experts of width `--moe-intermediate-size` (config.json's
+intermediate_size) chosen by sigmoid scores plus a random e_score_correction_bias (std 0.05), top-2, the chosen
+scores renormalised, untied embeddings; config.json carries what SGLang reads (use_qk_norm, qk_norm_type
+per_layer, scoring_func sigmoid, use_routing_bias, rotary_dim) and transformers 5 writes the checkpoint under
+the hub's names (block_sparse_moe, experts.{e}.w1 / w3 / w2).
+
 `--arch qwen2_5_vl` writes a Qwen2_5_VLForConditionalGeneration (a 2-block vision tower, hidden 32,
 patch 14, merge 2, one window block and one full-attention block, over the same tiny decoder), the
 vision special tokens (<|vision_start|>, <|image_pad|>, ...) in the tokenizer, a chat template that
@@ -84,7 +92,7 @@ CHAT_TEMPLATE = (
     "{% endif %}"
 )
 ARCHS = ("qwen2", "llama", "glm4", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "kimi_k2",
-         "qwen2_5_vl")
+         "minimax_m2", "qwen2_5_vl")
 # families transformers runs under another model_type (config/families.py transformers_model_type): the tiny
 # model is built as that one and its config.json then names the family's own model_type
 BUILT_AS = {"kimi_k2": "deepseek_v3"}
@@ -201,6 +209,16 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
                                 mlp_layer_types=["dense"] * dense + ["sparse"] * (args.num_layers - dense), **common)
         cfg.first_k_dense_replace = dense  # SGLang's name of the same (transformers' class has no such field)
         return cfg
+    if arch == "minimax_m2":
+        from transformers import MiniMaxM2Config
+        head_dim = args.hidden_size // args.num_heads
+        common = {k: v for k, v in common.items() if k not in ("rope_theta", "intermediate_size")}
+        return MiniMaxM2Config(tie_word_embeddings=False, head_dim=head_dim, rotary_dim=head_dim // 2,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                               intermediate_size=args.moe_intermediate_size, num_local_experts=args.num_experts,
+                               num_experts_per_tok=args.moe_topk, use_qk_norm=True, qk_norm_type="per_layer",
+                               scoring_func="sigmoid", use_routing_bias=True, router_aux_loss_coef=0.001,
+                               output_router_logits=False, **common)
     if arch == "qwen2_5_vl":
         return build_vl_config(common, args)
     raise SystemExit(f"--arch {arch}: unsupported ({', '.join(ARCHS)})")

@@ -481,7 +481,7 @@ MODELS: dict[str, tuple[str, str | None]] = {
     "GLM-5": ("GLM-5", None),
     "GLM-5.2-FP8": ("GLM-5.2-FP8", None),
     "MiMo-7B-RL": ("MiMo-7B-RL", None),
-    "MiniMax-M2.5": ("MiniMax-M2.5", None),
+    "MiniMax-M2.5": ("minimax_m2_5.json", None),
 }
 # the checkpoint flags that become temporary paths (none of them exists there)
 CHECKPOINT_FLAGS = ("--load", "--save", "--ref-load", "--save-hf", "--critic-load", "--critic-save")

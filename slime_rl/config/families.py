@@ -47,6 +47,15 @@ RMSNorm on the attention's output and one on the MLP's, each before its residual
 trainer/post_norms.py), half of each head rotated in interleaved pairs (`Family.rotary_interleaved`: megatron's
 rotary_interleaved), and its MLP's gate and up projections one HF tensor (`gate_up_proj`, [gate; up]:
 Layout.FC1_FUSED).
+
+MiniMax-M2 (`minimax_m2`: MiniMax-M2, M2.1, M2.5) is Qwen3-MoE's layout with three differences: its q/k norms
+are RMSNorms over all query heads' channels together and over all key heads' (`Family.qk_norm_whole`: weights
+[heads x head_dim] and [kv heads x head_dim], trainer/whole_qk_norm.py), the first rotary_dim channels of each
+head rotate (rotary_dim / head_dim: megatron's rotary_percent), and its router is sigmoid scores plus
+e_score_correction_bias for the choice, the chosen scores renormalised and not scaled (transformers'
+MiniMaxM2TopKRouter; SGLang's TopK with renormalize and routed_scaling_factor 1: megatron's sigmoid router with
+the expert bias). Its checkpoint names the MoE block `block_sparse_moe` and each expert's projections w1 (gate),
+w3 (up), w2 (down); each expert's width is config.json's intermediate_size (`Family.moe_ffn_key`).
 """
 
 from __future__ import annotations
@@ -159,6 +168,13 @@ class Family:
     # slime's Megatron-LM spec function of this family (--spec MODULE FUNCTION), which builds the same model as
     # the local spec here does (flags_model.py accepts it for this family)
     slime_spec: tuple[str, ...] = ()
+    # the q/k norms normalize each token's query over all heads' channels together (and its key over all key
+    # heads'), not each head alone (MiniMax-M2's qk_norm_type per_layer): weights [heads x head_dim], [kv heads x
+    # head_dim], which trainer/whole_qk_norm.py applies to the gathered heads under tensor parallelism
+    qk_norm_whole: bool = False
+    # the config.json key of one routed expert's width (MiniMax-M2: intermediate_size; the others
+    # moe_intermediate_size)
+    moe_ffn_key: str = "moe_intermediate_size"
 
     def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
         """config.json's value of `key`, or transformers' default for this family when the file leaves it
@@ -284,6 +300,24 @@ _SHARED_EXPERTS_UNGATED = (
 # HF's e_score_correction_bias; fp32 in both
 _EXPERT_BIAS = ParamMap(_L + "mlp.router.expert_bias", (_H + "mlp.gate.e_score_correction_bias",),
                         Layout.REPLICATED, (("experts",),), buffer=True)
+
+# MiniMax-M2: the q/k norms over all heads' channels (Family.qk_norm_whole), whole on every TP rank; the MoE block
+# under the checkpoint's names (block_sparse_moe; w1 gate, w3 up, w2 down), its router's selection bias a buffer
+_QK_NORM_WHOLE = (
+    ParamMap(_L + "self_attention.q_norm.weight", (_H + "self_attn.q_norm.weight",), Layout.REPLICATED, (("q",),)),
+    ParamMap(_L + "self_attention.k_norm.weight", (_H + "self_attn.k_norm.weight",), Layout.REPLICATED, (("kv",),)),
+)
+_B = _H + "block_sparse_moe."
+_BLOCK_SPARSE_MOE = (
+    ParamMap(_L + "mlp.router.weight", (_B + "gate.weight",), Layout.REPLICATED, (("experts", "hidden"),)),
+    ParamMap(_L + "mlp.router.expert_bias", (_B + "e_score_correction_bias",), Layout.REPLICATED, (("experts",),),
+             buffer=True),
+    ParamMap(_L + "mlp.experts.local_experts.{e}.linear_fc1.weight", (_B + "experts.{e}.w1.weight",
+                                                                      _B + "experts.{e}.w3.weight"),
+             Layout.FC1, (("moe_ffn", "hidden"), ("moe_ffn", "hidden")), expert=True),
+    ParamMap(_L + "mlp.experts.local_experts.{e}.linear_fc2.weight", (_B + "experts.{e}.w2.weight",), Layout.ROW,
+             (("hidden", "moe_ffn"),), expert=True),
+)
 
 # multi-latent attention (DeepSeek-V3): megatron's MLASelfAttention (local spec) against HF's DeepseekV3Attention.
 # The up projections (and one q_proj) are column-parallel linears split on their output rows, the down
@@ -412,6 +446,25 @@ FAMILIES: dict[str, Family] = {
         moe=True,
         dense_layer_params=(_NORMS[0], *_MLA, _NORMS[1], *_MLP),
         shared_expert=True, shared_expert_gate=False, deepseek_moe=True, mla=True,
+    ),
+    # MiniMax-M2 / M2.1 / M2.5 (230B-A10B): GQA without biases, q/k norms over all heads' channels, the first
+    # rotary_dim channels of each head rotated, every layer 256 routed experts (no shared expert) chosen by sigmoid
+    # scores plus e_score_correction_bias, weighted by the renormalised scores. SGLang reads use_qk_norm,
+    # qk_norm_type, scoring_func and use_routing_bias from config.json (absent: no q/k norm, no bias), transformers
+    # builds all of them whatever the file says: the file must say what both run
+    "minimax_m2": Family(
+        model_type="minimax_m2", global_params=_GLOBAL, hf_rmsnorm="MiniMaxM2RMSNorm",
+        layer_params=(_NORMS[0], _QKV_W, *_QK_NORM_WHOLE, _PROJ, _NORMS[1], *_BLOCK_SPARSE_MOE),
+        qkv_bias=False, qk_layernorm=True, default_tied=False,
+        required_config={**_SWIGLU, "use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
+                         "use_routing_bias": True},
+        # transformers' MiniMaxM2Config defaults and SGLang's reading of an absent key (use_qk_norm,
+        # use_routing_bias: off; scoring_func: none, SGLang fails without it)
+        config_defaults={"use_qk_norm": False, "qk_norm_type": "per_layer", "scoring_func": None,
+                         "use_routing_bias": False, "head_dim": 128, "num_key_value_heads": 8, "rms_norm_eps": 1e-6,
+                         "max_position_embeddings": 196608, "num_local_experts": 256, "num_experts_per_tok": 8},
+        moe=True, qk_norm_whole=True, moe_ffn_key="intermediate_size",
+        slime_spec=("slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"),
     ),
 }
 

@@ -122,7 +122,8 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     Flag('--normalization', derived=MODEL_ARGS_FIELD, choices=('LayerNorm', 'RMSNorm'),
          help=_TO + "the family's norm (RMSNorm for every family here)"),
     _shape('--norm-epsilon', 'rms_norm_eps' + _ABSENT.format(default="1e-05"), type=_positive_float),
-    _switch('--qk-layernorm', "the family's q/k norm (qwen3, qwen3_moe have it; glm4_moe where use_qk_norm)"
+    _switch('--qk-layernorm', "the family's q/k norm (qwen3, qwen3_moe have it; glm4_moe where use_qk_norm; "
+            "minimax_m2's spans all heads' channels, as slime's MiniMax-M2 spec function builds it)"
             + _ABSENT.format(default="no q/k norm")),
     _refused_switch('--apply-layernorm-1p', "zero-centred norm weights (1 + w)"),
     _switch('--post-self-attn-layernorm', "the family's norm of the attention's output before its residual add "
@@ -141,7 +142,8 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
            + _ABSENT.format(default="10000 (slime's own config.json check compares it too)"),
            type=_positive_int),
     _shape('--rotary-percent', "partial_rotary_factor (absent: 1.0, the whole head rotates; glm4's and glm4_moe's "
-           "transformers default 0.5)" + _ABSENT.format(default="1.0"), type=_positive_float),
+           "transformers default 0.5; minimax_m2: rotary_dim / head_dim)" + _ABSENT.format(default="1.0"),
+           type=_positive_float),
     _switch('--rotary-interleaved', "the family's rotary pairs: interleaved (x[0::2], x[1::2]; glm4) or the two "
             "halves of each head (the other families; multi-latent attention interleaves its own way, and "
             "Megatron-LM refuses this flag with it)" + _ABSENT.format(default="the two halves")),
@@ -165,16 +167,16 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     _refused_switch('--use-gated-attention', "gated attention (slime's Qwen3-Next patch)"),
     Flag('--spec', derived=MODEL_ARGS_FIELD, nargs='*', metavar='MODULE FUNCTION',
          help="local, or slime's spec function of the family config.json names (glm4: slime_plugins.models.glm4 "
-              "get_glm_spec): the trainer builds megatron-core's local layer spec of that family "
-              "(config/families.py), the same model; slime's other spec functions (slime_plugins.models.*) build "
-              "families not supported here"),
+              "get_glm_spec; minimax_m2: slime_plugins.models.minimax_m2 get_minimax_m2_layer_spec): the trainer "
+              "builds megatron-core's local layer spec of that family (config/families.py), the same model; slime's "
+              "other spec functions (slime_plugins.models.*) build families not supported here"),
     Flag('--mtp-num-layers', derived=MODEL_ARGS_FIELD, type=_nonneg_int,
          help='0 only: the trainer builds no multi-token-prediction layers (num_nextn_predict_layers)'),
     # ---- mixture of experts (the trainer's own MoE flags are in the section above)
     _shape('--num-experts', 'num_experts (0: a dense model, as in Megatron-LM)'
            + _ABSENT.format(default="a dense model"), type=_nonneg_int),
     _shape('--moe-router-topk', 'num_experts_per_tok', type=_positive_int),
-    _shape('--moe-ffn-hidden-size', 'moe_intermediate_size', type=_positive_int),
+    _shape('--moe-ffn-hidden-size', 'moe_intermediate_size (minimax_m2: intermediate_size)', type=_positive_int),
     _shape('--moe-shared-expert-intermediate-size', 'shared_expert_intermediate_size (qwen2_moe) or n_shared_experts x '
            'moe_intermediate_size (glm4_moe); absent: no shared expert' + _ABSENT.format(default="no shared expert"),
            type=_positive_int),
@@ -186,17 +188,17 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
               "layer when i mod N is 0; a list expression such as ([0]*1+[1]*47): 1 per MoE layer, as Megatron-LM "
               "parses it)"),
     Flag('--moe-router-score-function', derived=MODEL_ARGS_FIELD, choices=('softmax', 'sigmoid', 'sqrtsoftplus'),
-         help=_TO + "the family's router: softmax (qwen3_moe, qwen2_moe) or sigmoid (glm4_moe)"),
+         help=_TO + "the family's router: softmax (qwen3_moe, qwen2_moe) or sigmoid (glm4_moe, minimax_m2)"),
     _switch('--moe-router-pre-softmax', 'norm_topk_prob false (softmax over all experts, then the top-k; without '
             'it Megatron-LM takes the softmax over the top-k logits, i.e. norm_topk_prob true); a sigmoid router '
-            '(glm4_moe) does not read it' + _ABSENT.format(default="the softmax after the top-k")),
+            '(glm4_moe, minimax_m2) does not read it' + _ABSENT.format(default="the softmax after the top-k")),
     _shape('--moe-router-topk-scaling-factor', 'routed_scaling_factor (glm4_moe; 1 for the Qwen MoE families)'
            + _ABSENT.format(default="1"), type=_positive_float),
     _shape('--moe-router-num-groups', 'n_group (glm4_moe; 1 for the Qwen MoE families: all experts at once)'
            + _ABSENT.format(default="1"), type=_positive_int),
     _shape('--moe-router-group-topk', 'topk_group where n_group > 1 (with one group it chooses nothing)',
            type=_positive_int),
-    _switch('--moe-router-enable-expert-bias', "the router's e_score_correction_bias (glm4_moe has it)"
+    _switch('--moe-router-enable-expert-bias', "the router's e_score_correction_bias (glm4_moe, minimax_m2 have it)"
             + _ABSENT.format(default="no expert bias")),
     Flag('--moe-router-bias-update-rate', derived=MODEL_ARGS_FIELD, type=_nonneg_float,
          check=(lambda v: v == 0, "must be 0: the trainer keeps the checkpoint's expert bias "

@@ -5,9 +5,9 @@ process or touches a device, so a folder holding only config.json is enough, and
 for a cluster one is not on (`--cluster NODESxGPUS`).
 
 **Parameters** are counted from the config's sizes by the formulas of the HF modules (embedding,
-attention with GQA and its biases, q/k norms, SwiGLU MLP or MoE experts and router, RMSNorms (GLM-4's two
-more per layer, after attention and after the MLP), the LM
-head unless tied, the Qwen2.5-VL vision tower); tests/orchestration/test_estimate.py checks the count
+attention with GQA and its biases, q/k norms (per head, or MiniMax-M2's over all heads), SwiGLU MLP or MoE
+experts and router, RMSNorms (GLM-4's two more per layer, after attention and after the MLP), the LM head unless
+tied, the Qwen2.5-VL vision tower); tests/orchestration/test_estimate.py checks the count
 against transformers' own model built from the same config on the meta device.
 
 **Trainer memory per GPU** follows the trainer's settings (trainer/worker.py): bf16 parameters (fp32
@@ -26,7 +26,7 @@ and t_sp = t under --sequence-parallel (else 1):
     q, k, v after RoPE (kept by flash attention)         2(q + 2kv) / t       (kv -> q if k/v are expanded)
     attention output (= linear_proj input)               2q / t
     softmax log-sum-exp (fp32 per head)                  4a / t
-    q/k norm inputs (Qwen3)                              2(q + kv) / t
+    q/k norm inputs (Qwen3)                              2(q + kv) / t        (MiniMax-M2 gathers the heads: 2(q + kv))
     post-attention and post-MLP norm inputs (GLM-4)      4h / t_sp
     SwiGLU: fc1 output [2f], silu(gate), fc2 input       8f / t
     (MoE layers: f -> top-k x expert ffn; router logits 4E)
@@ -127,6 +127,9 @@ class ModelShape:
     qk_rope: int = 0
     v_head: int = 0
     post_norms: bool = False  # GLM-4: an RMSNorm after attention and one after the MLP in every layer
+    # MiniMax-M2: the q/k norms span all heads' channels (weights q and kv wide, whole on every TP rank; each TP rank
+    # normalizes the gathered heads, so their inputs are kept whole)
+    qk_norm_whole: bool = False
     fused_gate_up: bool = False  # GLM-4: the MLP's gate and up are one HF linear (gate_up_proj), which LoRA leaves
 
     @property
@@ -148,7 +151,8 @@ class ModelShape:
             replicated = 2 * h + (h * self.q_lora + self.q_lora if self.q_lora else 0)
             return split, replicated + h * (self.kv_lora + self.qk_rope) + self.kv_lora
         split = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        replicated = 2 * h + (2 * self.head_dim if self.qk_norm else 0) + (h if self.o_bias else 0)
+        qk_norm = (q + kv if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
+        replicated = 2 * h + qk_norm + (h if self.o_bias else 0)
         return split, replicated + (2 * h if self.post_norms else 0)
 
     def dense_mlp_params(self) -> int:
@@ -219,8 +223,8 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
     layers = _need(cfg, "num_hidden_layers", where)
     attention_bias = bool(family.config_value(cfg, "attention_bias", False))
     # hub configs say num_experts (DeepSeek-style: n_routed_experts); transformers 5 writes num_local_experts
-    experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0) \
-        if family.moe else 0
+    experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or family.config_value(cfg, "num_local_experts")
+                  or 0) if family.moe else 0
     moe_layers: tuple[int, ...] = ()
     shared_ffn = 0
     if experts and family.deepseek_moe:  # the first first_k_dense_replace layers dense; n_shared_experts
@@ -257,9 +261,11 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         mlp_bias=bool(cfg.get("mlp_bias", False)),  # only Llama's config has the key
         qk_norm=(family.qk_layernorm if family.qk_norm_key is None
                  else bool(family.config_value(cfg, family.qk_norm_key))),
-        experts=experts, expert_ffn=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
-        top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0, moe_layers=moe_layers, vision=vision,
+        experts=experts, expert_ffn=int(cfg.get(family.moe_ffn_key) or 0) if experts else 0,
+        top_k=int(family.config_value(cfg, "num_experts_per_tok") or 0) if experts else 0, moe_layers=moe_layers,
+        vision=vision,
         shared_ffn=shared_ffn, shared_gate=family.shared_expert_gate, post_norms=family.post_norms,
+        qk_norm_whole=family.qk_norm_whole,
         fused_gate_up=any(pm.layout is Layout.FC1_FUSED for pm in family.layer_params), **mla)
 
 
@@ -322,8 +328,8 @@ def activation_bytes_per_token(shape: ModelShape, lay: TrainerLayout, layer: int
     kv = shape.q if lay.gqa_expanded else shape.kv
     out = 8 * shape.hidden / t_sp
     out += (2 * (shape.q + 2 * kv) + 2 * shape.q + 4 * shape.heads) / t
-    if shape.qk_norm:
-        out += 2 * (shape.q + shape.kv) / t
+    if shape.qk_norm:  # MiniMax-M2's whole-width norms keep the TP-gathered heads
+        out += 2 * (shape.q + shape.kv) / (1 if shape.qk_norm_whole else t)
     if shape.post_norms:  # each post norm keeps its input (the projection's output) for its backward
         out += 4 * shape.hidden / t_sp
     if layer in shape.moe_layers:

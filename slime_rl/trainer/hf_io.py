@@ -163,7 +163,8 @@ def _emitted(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool,
 
 
 _EXPERT_INDEX = re.compile(r"(\.local_experts\.)\d+(\.)")  # Megatron's local expert index
-_HF_EXPERT_INDEX = re.compile(r"(\.mlp\.experts\.)\d+(\.)")  # HF's global expert index
+# HF's global expert index: mlp.experts.{e}. (Qwen-MoE, GLM-4.5, DeepSeek-V3), block_sparse_moe.experts.{e}. (MiniMax)
+_HF_EXPERT_INDEX = re.compile(r"(\.(?:mlp|block_sparse_moe)\.experts\.)\d+(\.)")
 
 
 def _runs(emitted: list[tuple[str, ParamMap]]) -> Iterator[list[tuple[str, ParamMap]]]:

@@ -71,6 +71,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
@@ -169,7 +170,8 @@ __all__ = [
     "DistributedDataParallel", "DistributedDataParallelConfig", "Float16Module", "GPTModel",
     "MegatronModule", "MegatronOptimizerConfig", "OptimizerParamScheduler", "PackedSeqParams",
     "ProcessGroupCollection", "ShardedObject", "ShardedTensor", "ShardedTensorFactory",
-    "TransformerBlockSubmodules", "TransformerConfig", "TransformerLayer", "MLATransformerConfig", "dist_checkpointing",
+    "SelfAttention", "TransformerBlockSubmodules", "TransformerConfig", "TransformerLayer", "MLATransformerConfig",
+    "dist_checkpointing",
     "finalize_model_grads",
     "gather_from_sequence_parallel_region", "get_forward_backward_func", "get_gpt_layer_local_spec",
     "get_megatron_optimizer", "get_moe_metrics_tracker", "mpu", "on_rank_thread", "rope_utils", "tensor_parallel",

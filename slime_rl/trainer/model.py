@@ -33,6 +33,7 @@ from slime_rl.trainer.mcore import (
 from slime_rl.trainer.norm import TrainerRMSNorm
 from slime_rl.trainer.post_norms import PostNormTransformerLayer
 from slime_rl.trainer.vision import attach_vision_tower
+from slime_rl.trainer.whole_qk_norm import WholeQKNormSelfAttention
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,8 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_layernorm,
+        # MiniMax-M2's whole-width q/k norms are their own modules (trainer/whole_qk_norm.py), not megatron's
+        qk_layernorm=arch.qk_layernorm and not arch.qk_norm_whole,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # the fused kernels are CUDA-only (and the unfused path is what the CPU tests check)
@@ -294,8 +296,11 @@ def _layer_spec(arch: ModelArch, num_experts: int | None, grouped: bool = False)
     core attention: megatron's local DotProductAttention rejects packed (THD) batches; ours handles both.
     `grouped` (--moe-grouped-gemm): the MoE layer's local experts as trainer/experts.py's GroupedExperts."""
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
-                                    qk_layernorm=arch.qk_layernorm, multi_latent_attention=arch.mla)
+                                    qk_layernorm=arch.qk_layernorm and not arch.qk_norm_whole,
+                                    multi_latent_attention=arch.mla)
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if arch.qk_norm_whole:  # MiniMax-M2: q/k norms over all heads' channels (trainer/whole_qk_norm.py)
+        spec.submodules.self_attention.module = WholeQKNormSelfAttention
     if grouped and num_experts:  # the MoE layer's builder (a partial of MoELayer) with GroupedExperts for experts
         import dataclasses
         import functools
@@ -324,7 +329,7 @@ def _norm_block_spec(spec, arch: ModelArch, layers_here: int):
     if arch.mla:  # the query's and the key/value latent's norms (q_layernorm only with q_lora_rank)
         spec.submodules.self_attention.submodules.q_layernorm = TrainerRMSNorm if arch.q_lora_rank else IdentityOp
         spec.submodules.self_attention.submodules.kv_layernorm = TrainerRMSNorm
-    elif arch.qk_layernorm:  # q/k norms see the gathered sequence; megatron sums their grads anyway
+    elif arch.qk_layernorm and not arch.qk_norm_whole:  # see the gathered sequence; megatron sums their grads anyway
         spec.submodules.self_attention.submodules.q_layernorm = TrainerRMSNorm
         spec.submodules.self_attention.submodules.k_layernorm = TrainerRMSNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * layers_here, layer_norm=TrainerRMSNorm)

@@ -86,6 +86,16 @@ GLM4_9B = """--spec slime_plugins.models.glm4 get_glm_spec --swiglu --num-layers
 --use-rotary-position-embeddings --disable-bias-linear --add-qkv-bias --normalization RMSNorm --norm-epsilon 1e-5
 --rotary-base 10000 --vocab-size 151552 --post-self-attn-layernorm --post-mlp-layernorm --rotary-interleaved
 --rotary-percent 0.5 --no-rope-fusion --untie-embeddings-and-output-weights"""
+# scripts/models/minimax-m2.sh (MiniMax-M2.5), with its spec function
+MINIMAX_M2 = """--spec slime_plugins.models.minimax_m2 get_minimax_m2_layer_spec --disable-bias-linear --num-layers 62
+--hidden-size 3072 --ffn-hidden-size 1536 --num-attention-heads 48 --kv-channels 128 --num-query-groups 8
+--normalization RMSNorm --position-embedding-type rope --norm-epsilon 1e-6 --swiglu
+--untie-embeddings-and-output-weights --vocab-size 200064 --group-query-attention --rotary-percent 0.5
+--rotary-base 5000000 --qk-layernorm --no-rope-fusion --attention-softmax-in-fp32 --num-experts 256
+--moe-ffn-hidden-size 1536 --moe-router-topk 8 --moe-layer-freq [1]*62 --moe-router-pre-softmax
+--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-load-balancing-type none
+--moe-token-dispatcher-type alltoall --moe-router-dtype fp32 --moe-aux-loss-coeff 0 --moe-grouped-gemm
+--moe-permute-fusion"""
 
 SCRIPTS = {"qwen3-4B": (QWEN3_4B, "qwen3_4b.json"), "qwen3-30B-A3B": (QWEN3_30B_A3B, "qwen3_30b_a3b.json"),
            "qwen2.5-0.5B": (QWEN2_5_0_5B, "qwen2_5_0_5b.json"), "qwen2.5-3B": (QWEN2_5_3B, "qwen2_5_3b.json")}
@@ -482,6 +492,57 @@ def test_glm4_spec_function_is_glm4s_only(tmp_path):
     tokens = tokens[3:] + ["--spec", "slime_plugins.models.qwen3_next", "get_qwen3_next_spec"]
     message = _refused(tmp_path, "glm_z1_9b.json", tokens)
     assert message.startswith("--spec slime_plugins.models.qwen3_next get_qwen3_next_spec: "), message
+
+
+def test_minimax_m2_model_file_agrees_and_plans(tmp_path, capsys):
+    """slime's scripts/models/minimax-m2.sh (with its spec function) against MiniMax-M2.5's published config.json:
+    every flag agrees (head width 128, rotary_dim 64 of 128 = --rotary-percent 0.5, the q/k norms, a sigmoid router
+    with the expert bias, 256 experts of intermediate_size 1536 in all 62 layers) and the dry run plans it with EP 8."""
+    hf = _checkpoint(tmp_path, "minimax_m2_5.json")
+    cfg = _check(tmp_path, "minimax_m2_5.json", MINIMAX_M2.split())
+    assert cfg.model.megatron_model_args["--spec"] == ["slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"]
+    rc, captured = train_main(_moe_dry_run_argv(hf, *MINIMAX_M2.split())), capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "minimax_m2" in captured.out and "256 experts, top-8, in 62 layers" in captured.out, captured.out
+    # use_mtp with num_mtp_modules 3: the MTP modules after the 62 decoder layers are named as not trained
+    assert "3 multi-token-prediction layer(s) (num_mtp_modules" in captured.err, captured.err
+
+
+@pytest.mark.parametrize("change, claim, truth", [
+    (("--rotary-percent", "1.0"), "--rotary-percent 1", "rotary_dim / head_dim 0.5"),
+    (("--moe-ffn-hidden-size", "3072"), "--moe-ffn-hidden-size 3072", "intermediate_size 1536"),
+    (("--moe-router-score-function", "softmax"), "--moe-router-score-function softmax",
+     "model_type 'minimax_m2', whose router is a sigmoid"),
+    (("--moe-router-topk-scaling-factor", "2.5"), "--moe-router-topk-scaling-factor 2.5",
+     "model_type 'minimax_m2', which scales no routing weight"),
+    (("--moe-router-num-groups", "8"), "--moe-router-num-groups 8", "model_type 'minimax_m2', which routes over all "
+     "experts at once"),
+    (("--moe-shared-expert-intermediate-size", "1536"), "--moe-shared-expert-intermediate-size 1536",
+     "model_type 'minimax_m2', without a shared expert"),
+    (("--spec", "slime_plugins.models.glm4"), "--spec slime_plugins.models.glm4 get_minimax_m2_layer_spec",
+     "model_type 'minimax_m2', which the trainer builds with megatron-core's local layer spec"),
+])
+def test_minimax_m2_model_file_that_differs_is_named(change, claim, truth, tmp_path):
+    """Each flag of minimax-m2.sh changed is refused naming the flag, its value and the config.json key with its
+    value (worked out from the published file: rotary_dim 64 / head_dim 128, intermediate_size 1536, no
+    routed_scaling_factor, no groups, no shared expert)."""
+    tokens = MINIMAX_M2.split()
+    tokens = _replace(tokens, change[0], change[1]) if change[0] in tokens else tokens + list(change)
+    message = _refused(tmp_path, "minimax_m2_5.json", tokens)
+    assert f"{claim}: " in message and f"config.json says {truth}" in message, message
+
+
+@pytest.mark.parametrize("flag, claim, truth", [
+    ("--qk-layernorm", "no --qk-layernorm (Megatron-LM builds no q/k norm)",
+     "model_type 'minimax_m2', with q_norm / k_norm over all heads' channels together"),
+    ("--moe-router-enable-expert-bias", "no --moe-router-enable-expert-bias (Megatron-LM's router adds no expert bias)",
+     "model_type 'minimax_m2', whose router chooses by score + e_score_correction_bias"),
+    ("--rotary-percent", "no --rotary-percent (Megatron-LM rotates the whole head)", "rotary_dim / head_dim 0.5"),
+    ("--untie-embeddings-and-output-weights", "no --untie-embeddings-and-output-weights", "tie_word_embeddings false"),
+])
+def test_minimax_m2_model_file_without_a_switch_is_named(flag, claim, truth, tmp_path):
+    message = _refused(tmp_path, "minimax_m2_5.json", _without(MINIMAX_M2.split(), flag))
+    assert message.startswith(claim) and f"config.json says {truth}" in message, message
 
 
 def test_rotary_interleaved_on_multi_latent_attention_is_named(tmp_path):

@@ -284,3 +284,33 @@ def test_lora_memory_of_the_1_5b_shape_is_its_adapters_only():
     two = estimate_memory(shape, TrainerLayout(bf16=True, lora_rank=r, tp=2, dp=2))
     split = layers * r * (q + 2 * kv + f * 2 + q + f)  # B of column linears, A of row linears: halved by TP 2
     assert two.optimizer == (adapters - split // 2) * 12 // 2
+
+
+def test_param_count_minimax_m2_5_by_hand():
+    """MiniMax-M2.5's published config.json, counted by hand: per layer q 3072x6144 + k, v 3072x1024 each, o
+    6144x3072, the q/k norms over all heads (6144 and 1024 wide, not 2 x head_dim), two RMSNorms, the router
+    256x3072 and 256 experts of 3 x 3072 x 1536 (intermediate_size is each expert's width; no shared expert, no
+    dense layer); 62 layers, the final norm, untied embedding and LM head of 200064 x 3072: 228.7e9, the "229B" of
+    its model card. The router's e_score_correction_bias is a buffer, not a parameter."""
+    h, q, kv, experts, f, vocab = 3072, 48 * 128, 8 * 128, 256, 1536, 200064
+    per_layer = h * q + 2 * h * kv + q * h + (q + kv) + 2 * h + experts * h + experts * 3 * h * f
+    total = 62 * per_layer + h + 2 * vocab * h
+    assert total == 228_689_748_992
+    shape = model_shape(hf_config("minimax_m2_5.json"))
+    assert (shape.experts, shape.expert_ffn, shape.top_k, len(shape.moe_layers), shape.shared_ffn) == (256, 1536, 8,
+                                                                                                       62, 0)
+    assert shape.params == total
+
+
+def test_activation_bytes_of_minimax_m2_whole_qk_norms_by_hand():
+    """SMALL as a MiniMax-M2 (every layer 4 experts of 128, top-2): the q/k norms keep the TP-gathered heads, 2(q + kv)
+    = 2 x (64 + 32) bytes a token whatever the TP size; Qwen3's per-head norms split that over TP."""
+    cfg = {**SMALL, "model_type": "minimax_m2", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "rotary_dim": 8, "use_qk_norm": True}
+    shape = model_shape(cfg)
+    # norms 512, q/k/v 256, attention out 128, lse 16, q/k norm inputs 192, top-2 experts' SwiGLU 8*2*128 = 2048,
+    # router logits 4*4 = 16
+    assert activation_bytes_per_token(shape, TrainerLayout()) == 512 + 256 + 128 + 16 + 192 + 2048 + 16
+    assert activation_bytes_per_token(shape, TrainerLayout(tp=2)) == 512 + 192 + 16 + (256 + 128 + 16 + 2048) / 2
+    per_head = model_shape({**cfg, "model_type": "qwen3_moe", "moe_intermediate_size": 128})
+    assert activation_bytes_per_token(per_head, TrainerLayout(tp=2)) == 512 + 16 + (256 + 128 + 16 + 192 + 2048) / 2

@@ -45,7 +45,11 @@ FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0},
                               "topk_group": 1},
               # glm4_moe_lite: deepseek_v3's, every layer sparse by both of its fields (`_family_cfg`)
               "glm4_moe_lite": {"num_key_value_heads": 4, "first_k_dense_replace": 0, "q_lora_rank": 6,
-                                "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3}}
+                                "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3},
+              # minimax_m2: what SGLang reads (q/k norms over all heads, sigmoid + bias), 4 experts of
+              # intermediate_size 6, 2 channels of each head rotated
+              "minimax_m2": {"use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
+                             "use_routing_bias": True, "num_local_experts": 4, "rotary_dim": 2}}
 
 
 def _family_cfg(cfg: dict) -> dict:
@@ -111,7 +115,8 @@ def test_round_trip_every_param_bit_exact(model_type, tp):
     g = torch.Generator().manual_seed(0)
     shapes = {"q_proj": (4 * 3, 8), "k_proj": (2 * 3, 8), "v_proj": (2 * 3, 8), "o_proj": (8, 4 * 3),
               "q_norm": (3,), "k_norm": (3,), "gate_proj": (6, 8), "up_proj": (6, 8), "down_proj": (8, 6),
-              "embed_tokens": (10, 8), "lm_head": (10, 8)}
+              "embed_tokens": (10, 8), "lm_head": (10, 8),
+              "w1": (6, 8), "w3": (6, 8), "w2": (8, 6)}  # MiniMax-M2's names of an expert's gate, up, down
     for pm in arch.family.param_maps(arch.num_layers, tied=False, num_experts=arch.num_experts):
         hf = [torch.randn(shapes.get(n.split(".")[-2], (8,))[: (1 if n.endswith("bias") else 2)],
                           generator=g) for n in pm.hf]

@@ -1,4 +1,5 @@
-"""Routed experts of a Qwen-MoE or GLM-4.5 model in the built-in engine: SGLang's `--enable-return-routed-experts`.
+"""Routed experts of a Qwen-MoE, GLM-4.5 or MiniMax-M2 model in the built-in engine: SGLang's
+`--enable-return-routed-experts`.
 
 SGLang 0.5.23 (state_capturer/routed_experts.py, managers/scheduler_components/batch_result_processor.py,
 managers/tokenizer_manager.py): with the server flag, a request's `return_routed_experts` answers
@@ -18,7 +19,9 @@ its choices far from ties: bf16 rounding flipped none of 192 (token, layer) choi
 mantissa bits) 3-10 % of them, so the tests use fp8_e5m2.
 
 A GLM-4.5 router (transformers' Glm4MoeTopkRouter: sigmoid scores plus e_score_correction_bias, groups,
-routed_scaling_factor) keeps transformers' own forward and only records its choice (no select_round).
+routed_scaling_factor) keeps transformers' own forward and only records its choice (no select_round); so does
+MiniMax-M2's (MiniMaxM2TopKRouter: sigmoid scores plus the MoE block's e_score_correction_bias, which its block
+passes in).
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ def _router_forward(capture: RoutingCapture, layer: int):
 def _recording_forward(capture: RoutingCapture, layer: int, inner):
     """A DeepSeek-style router (transformers' Glm4MoeTopkRouter: sigmoid scores, e_score_correction_bias,
     groups, routed_scaling_factor) keeps its own forward; its chosen experts are recorded."""
-    def forward(self, hidden_states: torch.Tensor):
-        logits, weights, idx = inner(hidden_states)
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):  # MiniMax-M2's block passes its bias
+        logits, weights, idx = inner(hidden_states, *args, **kwargs)
         capture.record(layer, idx)
         return logits, weights, idx
 
@@ -84,9 +87,10 @@ class RoutingCapture:
         self.layers: list[int] = []
         for name, mod in model.named_modules():
             m = _GATE.search(name)
-            if m and hasattr(mod, "top_k") and hasattr(mod, "weight") and hasattr(mod, "norm_topk_prob"):
+            minimax = type(mod).__name__ == "MiniMaxM2TopKRouter"  # sigmoid; the bias is its block's
+            if m and hasattr(mod, "top_k") and hasattr(mod, "weight") and (hasattr(mod, "norm_topk_prob") or minimax):
                 layer = int(m.group(1))
-                if hasattr(mod, "e_score_correction_bias"):
+                if hasattr(mod, "e_score_correction_bias") or minimax:
                     if self.select_round is not None:
                         raise ValueError(f"routing select_round {select_round!r}: only for softmax routers "
                                          f"(Qwen-MoE), not {type(mod).__name__}")
@@ -96,7 +100,7 @@ class RoutingCapture:
                 self.layers.append(layer)
         if not self.layers:
             raise ValueError(f"--enable-return-routed-experts: {type(model).__name__} has no MoE router "
-                             "(Qwen-MoE and GLM-4.5 models only)")
+                             "(Qwen-MoE, GLM-4.5, DeepSeek-V3 and MiniMax-M2 models only)")
 
     def record(self, layer: int, idx: torch.Tensor) -> None:
         self._cur[layer] = idx

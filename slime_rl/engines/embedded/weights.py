@@ -56,9 +56,10 @@ class WeightSync:
         # model.embed_tokens.weight): updating either one updates the shared storage.
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.params.update(checkpoint_aliases(self.params, model.config))  # Qwen2.5-VL: HF checkpoint names
-        self.params.update(expert_aliases(self.params, model.config))  # Qwen-MoE: one name per expert
         # checkpoint tensors that are buffers, not parameters (GLM-4.5's e_score_correction_bias)
         self.params.update((n, b) for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias"))
+        # MoE: one name per expert (and MiniMax-M2's block_sparse_moe names of its router and bias)
+        self.params.update(expert_aliases(self.params, model.config))
         # (aliases and tied names count twice: a generous bound on what one update can announce)
         self._held_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.groups: dict[str, object] = {}

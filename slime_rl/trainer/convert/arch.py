@@ -61,6 +61,8 @@ class ModelArch:
     # norm after attention and one after the MLP (GLM-4: Family.post_norms)
     rotary_interleaved: bool = False
     post_norms: bool = False
+    # the q/k norms span all heads' channels together (MiniMax-M2: Family.qk_norm_whole), not each head's
+    qk_norm_whole: bool = False
     # multi-latent attention (Family.mla; 0: none): the query's low-rank width (0: one q_proj), the key/value
     # latent's width, each head's query/key width without and with rotary positions, each head's value width
     q_lora_rank: int = 0
@@ -168,7 +170,7 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     for key, allowed in family.required_config.items():
         value = cfg.get(key, family.config_defaults.get(key, allowed))
         if value != allowed:
-            said = f"{key}={value!r}" if key in cfg else f"{key} absent (transformers' default {value!r})"
+            said = f"{key}={value!r}" if key in cfg else f"{key} absent (read as {value!r})"
             raise ValueError(f"{where}: {said} is not supported for model_type "
                              f"{family.model_type!r} (needs {allowed!r})")
     heads = int(cfg["num_attention_heads"])
@@ -186,6 +188,8 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     moe = {}
     if family.deepseek_moe:
         moe = _deepseek_moe_fields(cfg, family, where, int(cfg["num_hidden_layers"]))
+    elif family.model_type == "minimax_m2":
+        moe = _minimax_moe_fields(cfg, family, where, int(cfg["num_hidden_layers"]))
     elif family.moe:
         moe = _moe_fields(cfg, where, int(cfg["num_hidden_layers"]), family.shared_expert)
     qk_norm = family.qk_layernorm if family.qk_norm_key is None else bool(family.config_value(cfg, family.qk_norm_key))
@@ -211,7 +215,8 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         rotary_percent=_rotary_percent(cfg, family, where),
         rotary_interleaved=family.rotary_interleaved,
         post_norms=family.post_norms,
-        mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+        qk_norm_whole=family.qk_norm_whole,
+        mtp_layers=_mtp_layers(cfg, family),
         **mla,
         **(_yarn_fields(cfg, where) if family.mla else {}),
         mrope_section=tuple(int(x) for x in mrope) if mrope else None,
@@ -287,9 +292,39 @@ def _yarn_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
             "yarn_mscale": float(mscale) if both else 1.0, "yarn_mscale_all_dim": float(all_dim) if both else 0.0}
 
 
+def _mtp_layers(cfg: dict[str, Any], family: Family) -> int:
+    """The multi-token-prediction layers after the decoder: num_nextn_predict_layers, or MiniMax-M2's
+    num_mtp_modules under use_mtp."""
+    if family.model_type == "minimax_m2":
+        return int(cfg.get("num_mtp_modules") or 0) if cfg.get("use_mtp") else 0
+    return int(cfg.get("num_nextn_predict_layers") or 0)
+
+
+def _minimax_rotary_percent(cfg: dict[str, Any], family: Family, where: str) -> float:
+    """MiniMax-M2 rotates the first rotary_dim channels of each head: SGLang reads rotary_dim (absent: the whole
+    head), transformers rotary_dim / head_dim unless rope_parameters gives partial_rotary_factor; a file where the
+    two would differ is refused."""
+    head_dim = int(family.config_value(cfg, "head_dim"))
+    rotary_dim = cfg.get("rotary_dim")
+    if rotary_dim is not None and (not isinstance(rotary_dim, int) or not 0 < rotary_dim <= head_dim
+                                   or rotary_dim % 2):
+        raise ValueError(f"{where}: rotary_dim={rotary_dim!r} must be an even integer in (0, head_dim={head_dim}]")
+    factor = rotary_dim / head_dim if rotary_dim is not None else 1.0
+    stated = cfg.get("partial_rotary_factor", _rope_params(cfg).get("partial_rotary_factor"))
+    if stated is not None and float(stated) != factor:
+        raise ValueError(f"{where}: partial_rotary_factor={stated} (what transformers rotates) differs from "
+                         + (f"rotary_dim / head_dim = {rotary_dim} / {head_dim}" if rotary_dim is not None else
+                            "no rotary_dim (SGLang rotates the whole head)")
+                         + " (what SGLang rotates); make them agree")
+    return factor
+
+
 def _rotary_percent(cfg: dict[str, Any], family: Family, where: str) -> float:
     """partial_rotary_factor (top level or in rope_parameters); transformers' Glm4MoeConfig and Glm4Config set 0.5
-    when the file has none. Other families rotate whole heads and refuse a factor below 1."""
+    when the file has none; MiniMax-M2's rotary_dim (_minimax_rotary_percent). Other families rotate whole heads
+    and refuse a factor below 1."""
+    if family.model_type == "minimax_m2":
+        return _minimax_rotary_percent(cfg, family, where)
     factor = cfg.get("partial_rotary_factor", _rope_params(cfg).get("partial_rotary_factor"))
     factor = float(factor if factor is not None else family.config_defaults.get("partial_rotary_factor", 1.0))
     if not 0 < factor <= 1:
@@ -358,6 +393,27 @@ def _deepseek_moe_fields(cfg: dict[str, Any], family: Family, where: str, num_la
             "moe_score_function": "sigmoid", "moe_expert_bias": True,
             "moe_num_groups": groups if groups > 1 else 0, "moe_group_topk": group_topk if groups > 1 else 0,
             "moe_scaling_factor": scaling}
+
+
+def _minimax_moe_fields(cfg: dict[str, Any], family: Family, where: str, num_layers: int) -> dict[str, Any]:
+    """ModelArch's MoE fields from a MiniMax-M2 config.json: every layer num_local_experts experts of
+    intermediate_size, top num_experts_per_tok chosen by sigmoid + e_score_correction_bias, the chosen sigmoid
+    scores renormalised, no scaling, no groups, no shared expert (shared_intermediate_size 0)."""
+    # transformers' MiniMaxM2Config reads num_experts as num_local_experts (its attribute map)
+    experts = int(cfg.get("num_experts") or family.config_value(cfg, "num_local_experts"))
+    topk = int(family.config_value(cfg, "num_experts_per_tok"))
+    width = int(cfg["intermediate_size"])
+    if not 1 <= topk <= experts:
+        raise ValueError(f"{where}: num_experts_per_tok={topk} must be in [1, num_local_experts={experts}]")
+    if topk == 1:
+        raise ValueError(f"{where}: num_experts_per_tok=1 with a sigmoid router: megatron-core skips the "
+                         "renormalisation transformers and SGLang do for a single expert")
+    if cfg.get("shared_intermediate_size"):
+        raise ValueError(f"{where}: shared_intermediate_size={cfg['shared_intermediate_size']}: MiniMax-M2 has no "
+                         "shared expert (transformers and SGLang build none); 0 is the only value supported")
+    return {"num_experts": experts, "moe_topk": topk, "moe_ffn_hidden_size": width, "moe_norm_topk_prob": True,
+            "moe_layers": tuple(True for _ in range(num_layers)), "moe_score_function": "sigmoid",
+            "moe_expert_bias": True, "moe_scaling_factor": 1.0}
 
 
 def _moe_layer_pattern(cfg: dict[str, Any], where: str, num_layers: int) -> tuple[bool, ...]:

@@ -164,7 +164,9 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
         compare("--norm-epsilon", 1e-5, "rms_norm_eps", arch.norm_eps,
                 claim="no --norm-epsilon (Megatron-LM's default 1e-05)")
     qk_norm = (f"{fam.qk_norm_key} {fmt(arch.qk_layernorm)}" if fam.qk_norm_key else f"model_type {mt}") + ", " + (
-        "with q_norm / k_norm (an RMSNorm of each query and key head)" if arch.qk_layernorm else "without q/k norm")
+        ("with q_norm / k_norm over all heads' channels together (one RMSNorm of the query's heads x head_dim, one "
+         "of the key's)" if arch.qk_norm_whole else "with q_norm / k_norm (an RMSNorm of each query and key head)")
+        if arch.qk_layernorm else "without q/k norm")
     switch("--qk-layernorm", arch.qk_layernorm, qk_norm, "Megatron-LM builds no q/k norm")
     post = f"model_type {mt}, " + ("with a norm of the attention's and of the MLP's output before each residual add "
                                    "(post_self_attn_layernorm, post_mlp_layernorm)" if arch.post_norms else
@@ -186,13 +188,15 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
     elif whole:
         compare("--rotary-base", 10000, theta_key, arch.rotary_base, claim="no --rotary-base (Megatron-LM's default "
                 "10000)")
+    # MiniMax-M2 says rotary_dim (arch.py: rotary_dim / head_dim)
+    rotary_key, stated = (("rotary_dim / head_dim", "rotary_dim" in text) if fam.model_type == "minimax_m2" else
+                          ("partial_rotary_factor", "partial_rotary_factor" in {**text, **params}))
     if "--rotary-percent" in given:
-        stated = "partial_rotary_factor" in text or "partial_rotary_factor" in params
-        compare("--rotary-percent", given["--rotary-percent"], "partial_rotary_factor", arch.rotary_percent,
+        compare("--rotary-percent", given["--rotary-percent"], rotary_key, arch.rotary_percent,
                 truth=None if stated or arch.rotary_percent != 1.0 else
-                "no partial_rotary_factor: the whole head rotates (1.0)")
+                f"no {rotary_key.split(' ')[0]}: the whole head rotates (1.0)")
     elif whole and arch.rotary_percent != 1.0:
-        compare("--rotary-percent", 1.0, "partial_rotary_factor", arch.rotary_percent,
+        compare("--rotary-percent", 1.0, rotary_key, arch.rotary_percent,
                 claim="no --rotary-percent (Megatron-LM rotates the whole head)")
     pairs = f"model_type {mt}, " + (
         "whose rotary channels rotate in interleaved pairs (x[0::2], x[1::2])" if arch.rotary_interleaved else
@@ -275,7 +279,7 @@ def _compare_moe(given: dict[str, Any], text: dict[str, Any], arch: ModelArch, w
     if not arch.num_experts:
         return
     for flag, cfg_key, actual in (("--moe-router-topk", "num_experts_per_tok", arch.moe_topk),
-                                  ("--moe-ffn-hidden-size", "moe_intermediate_size", arch.moe_ffn_hidden_size)):
+                                  ("--moe-ffn-hidden-size", fam.moe_ffn_key, arch.moe_ffn_hidden_size)):
         if flag in given:
             compare(flag, given[flag], cfg_key, actual)
     shared = arch.moe_shared_expert_ffn_hidden_size
@@ -309,7 +313,7 @@ def _compare_moe(given: dict[str, Any], text: dict[str, Any], arch: ModelArch, w
     if "--moe-router-score-function" in given:
         compare("--moe-router-score-function", given["--moe-router-score-function"], "", arch.moe_score_function,
                 truth=f"model_type {mt}, whose router is a {arch.moe_score_function}")
-    if deepseek and not given.get("--moe-router-enable-expert-bias") and whole:
+    if arch.moe_expert_bias and not given.get("--moe-router-enable-expert-bias") and whole:
         out.append(Mismatch("no --moe-router-enable-expert-bias (Megatron-LM's router adds no expert bias)",
                             f"model_type {mt}, whose router chooses by score + e_score_correction_bias"))
     # with a sigmoid router megatron reads no --moe-router-pre-softmax (slime's GLM and DeepSeek files give it)
@@ -323,7 +327,7 @@ def _compare_moe(given: dict[str, Any], text: dict[str, Any], arch: ModelArch, w
     scaling = arch.moe_scaling_factor
     if "--moe-router-topk-scaling-factor" in given:
         compare("--moe-router-topk-scaling-factor", given["--moe-router-topk-scaling-factor"], "routed_scaling_factor",
-                1.0 if scaling is None else scaling, truth=None if scaling is not None else
+                1.0 if scaling is None else scaling, truth=None if deepseek else
                 f"model_type {mt}, which scales no routing weight (no routed_scaling_factor)")
     elif whole and scaling not in (None, 1.0):
         out.append(Mismatch("no --moe-router-topk-scaling-factor (Megatron-LM scales no routing weight)",
