@@ -214,6 +214,8 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         raise ValueError(f"{where}: model_type {model_type!r} cannot be estimated; supported: {list(FAMILIES)}")
     # what the family implies beyond config.json's sizes (its biases, norms, experts, vision tower)
     family = FAMILIES[model_type]
+    if family.plan_refusal:
+        raise ValueError(f"{where}: model_type {model_type!r} cannot be estimated: {family.plan_refusal}")
     cfg = {**config, **(config.get("text_config") or {})} if family.vision else config
     hidden, heads = _need(cfg, "hidden_size", where), _need(cfg, "num_attention_heads", where)
     layers = _need(cfg, "num_hidden_layers", where)

@@ -72,6 +72,9 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -177,6 +180,7 @@ __all__ = [
     "DuplicatedLinear", "IdentityOp", "LocalMLASelfAttention", "copy_to_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "set_tensor_model_parallel_attributes", "make_sharded_tensors_for_checkpoint",
+    "ModuleSpec", "ColumnParallelLinear", "RowParallelLinear", "GatedDeltaNet", "GatedDeltaNetSubmodules",
 ]
 
 def on_rank_thread[F: Callable[..., Any]](method: F) -> F:

@@ -45,7 +45,8 @@ def transformers_param_count(cfg: dict) -> int:
 def test_every_registry_family_has_a_config_here():
     from slime_rl.trainer.convert import FAMILIES
 
-    assert set(FAMILIES) <= {hf_config(f)["model_type"] for f in FILES}
+    planned = {t for t, f in FAMILIES.items() if not f.plan_refusal}  # a family whose runs are refused: no estimate
+    assert planned <= {hf_config(f)["model_type"] for f in FILES}
 
 
 @pytest.mark.parametrize("name", FILES)

@@ -272,7 +272,9 @@ def test_unsupported_family_one_sentence_nonzero(model, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "which is not a model family this trainer builds" in lines[0], err
+    said = "whose runs are not planned yet" if model.startswith("Qwen3-Next") else \
+        "which is not a model family this trainer builds"
+    assert len(lines) == 1 and said in lines[0], err
     assert "dense" not in err
 
 

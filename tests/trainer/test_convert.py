@@ -45,7 +45,10 @@ FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0},
                               "topk_group": 1},
               # glm4_moe_lite: deepseek_v3's, every layer sparse by both of its fields (`_family_cfg`)
               "glm4_moe_lite": {"num_key_value_heads": 4, "first_k_dense_replace": 0, "q_lora_rank": 6,
-                                "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3}}
+                                "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3},
+              # qwen3_next: a Gated DeltaNet layer then a gated-attention one, small linear-attention widths
+              "qwen3_next": {"num_hidden_layers": 2, "full_attention_interval": 2, "linear_num_key_heads": 2,
+                             "linear_num_value_heads": 4, "linear_key_head_dim": 2, "linear_value_head_dim": 3}}
 
 
 def _family_cfg(cfg: dict) -> dict:
@@ -112,9 +115,13 @@ def test_round_trip_every_param_bit_exact(model_type, tp):
     shapes = {"q_proj": (4 * 3, 8), "k_proj": (2 * 3, 8), "v_proj": (2 * 3, 8), "o_proj": (8, 4 * 3),
               "q_norm": (3,), "k_norm": (3,), "gate_proj": (6, 8), "up_proj": (6, 8), "down_proj": (8, 6),
               "embed_tokens": (10, 8), "lm_head": (10, 8)}
-    for pm in arch.family.param_maps(arch.num_layers, tied=False, num_experts=arch.num_experts):
-        hf = [torch.randn(shapes.get(n.split(".")[-2], (8,))[: (1 if n.endswith("bias") else 2)],
-                          generator=g) for n in pm.hf]
+    hybrid = arch.family.gated_delta_net  # its layers differ by kind: the arch's own maps and shapes
+    sized = hf_shapes(arch) if hybrid else {}
+    maps = arch.param_maps() if hybrid else arch.family.param_maps(arch.num_layers, tied=False,
+                                                                   num_experts=arch.num_experts)
+    for pm in maps:
+        hf = [torch.randn(sized[n] if n in sized else shapes.get(n.split(".")[-2], (8,))[
+            : (1 if n.endswith("bias") else 2)], generator=g) for n in pm.hf]
         shards = [hf_to_mcore_shard(pm, hf, arch, r, tp) for r in range(tp)]
         if pm.layout is Layout.VOCAB:
             assert sum(s.shape[0] for s in shards) == arch.padded_vocab_size
