@@ -38,8 +38,9 @@ def _sglang_param_names(linear: tuple[bool, ...]) -> list[str]:
         else:
             names += [p + "qkv_proj.weight", p + "o_proj.weight", p + "q_norm.weight", p + "k_norm.weight"]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight", p + "mlp.gate.weight",
-                  p + "mlp.experts.w13_weight", p + "mlp.experts.w2_weight", p + "mlp.shared_expert.gate_up_proj.weight",
-                  p + "mlp.shared_expert.down_proj.weight", p + "mlp.shared_expert_gate.weight"]
+                  p + "mlp.experts.w13_weight", p + "mlp.experts.w2_weight",
+                  p + "mlp.shared_expert.gate_up_proj.weight", p + "mlp.shared_expert.down_proj.weight",
+                  p + "mlp.shared_expert_gate.weight"]
     return names
 
 
