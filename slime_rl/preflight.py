@@ -227,15 +227,14 @@ def check_model_features(cfg: Config) -> None:
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(f"--hf-checkpoint: {exc}") from exc
     model_type = hf.get("model_type", "")
-    planned = sorted(t for t, f in FAMILIES.items() if not f.plan_refusal)
     if model_type not in FAMILIES:  # before any check that reads the model's features from its family
         named = f"model_type {model_type!r}" if model_type else "no model_type"
         raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: its config.json names {named}, which is not "
-                          f"a model family this trainer builds (supported: {', '.join(planned)})")
-    if FAMILIES[model_type].plan_refusal:  # built by the trainer, not yet planned: what is missing, one sentence
-        raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: its config.json names model_type "
-                          f"{model_type!r}, whose runs are not planned yet: {FAMILIES[model_type].plan_refusal} "
-                          f"(supported: {', '.join(planned)})")
+                          f"a model family this trainer builds (supported: {', '.join(sorted(FAMILIES))})")
+    if FAMILIES[model_type].gated_delta_net and cfg.engine.backend == "embedded":  # engines/embedded/server.py
+        raise ConfigError(f"--rollout-backend embedded: --hf-checkpoint {cfg.model.hf_checkpoint} is model_type "
+                          f"{model_type!r}, whose Gated DeltaNet (linear attention) layers the built-in engine does "
+                          "not serve; use --rollout-backend sglang")
     try:  # every check a rank's model build makes of config.json, before any process starts
         arch = arch_from_hf_config(hf, where=f"{cfg.model.hf_checkpoint}/config.json")
     except ValueError as exc:

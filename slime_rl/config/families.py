@@ -192,8 +192,6 @@ class Family:
     linear_attention_params: tuple[ParamMap, ...] = ()
     # the decoder's RMSNorms store w and scale by 1 + w (megatron's layernorm_zero_centered_gamma)
     zero_centered_norms: bool = False
-    # a family the trainer builds whose run plan is still refused: the sentence that says what is missing
-    plan_refusal: str | None = None
 
     def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
         """config.json's value of `key`, or transformers' default for this family when the file leaves it
@@ -493,8 +491,6 @@ FAMILIES: dict[str, Family] = {
         gated_delta_net=True, full_attention_params=_GATED_ATTENTION, linear_attention_params=_GDN,
         zero_centered_norms=True,
         slime_spec=("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"),
-        plan_refusal="the trainer builds it (Gated DeltaNet layers included), but its memory estimate and the check "
-                     "of slime's MODEL_ARGS against config.json are not written yet",
     ),
 }
 

@@ -65,7 +65,7 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            **_unused) -> tuple[Tensor, None]:
     """fla's chunk_gated_delta_rule by megatron's torch_chunk_gated_delta_rule: q/k [b, s, h, dk], v [b, s, h, dv],
     g/beta [b, s, h] -> ([b, s, h, dv], None); each packed sequence (cu_seqlens, b = 1) on its own."""
-    from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+    from slime_rl.trainer.mcore import torch_chunk_gated_delta_rule
 
     if initial_state is not None or output_final_state:
         raise NotImplementedError("chunk_gated_delta_rule on torch: no recurrent state (whole sequences)")
@@ -86,7 +86,8 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 def install() -> bool:
     """Give megatron's GatedDeltaNet the torch functions above where `fla` does not import; True when installed
     (False: fla is there and megatron uses it)."""
-    from megatron.core.ssm.gated_delta_net import common, gdn
+    from slime_rl.trainer.mcore import gated_delta_net_common as common
+    from slime_rl.trainer.mcore import gated_delta_net_module as gdn
 
     if common.HAVE_FLA and common.chunk_gated_delta_rule is not chunk_gated_delta_rule:
         return False
