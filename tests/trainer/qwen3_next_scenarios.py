@@ -35,8 +35,34 @@ def run_qwen3_next(rank: int, world: int, port: int, ckpt: str, name: str, res: 
     res[f"{name}/sources"] = {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()}
     if world > 1:  # --save-hf's gather (hf_export.py): global rank 0 writes the folder, reads it back
         record_export(w, rank, f"qwen3_next_{port}", name, res)
+        record_checkpoint_round_trip(w, port, name, res)
     record_layouts(w, select(batch, ids), QWEN3_NEXT_RUN_LAYOUTS[name], name, res)
     w.shutdown()
+
+
+def record_checkpoint_round_trip(w, port: int, name: str, res: dict) -> None:
+    """`{name}/reloaded`: the HF tensors after a model-only --save (megatron's sharded_state_dict: GatedDeltaNet's
+    in_proj and conv1d split into their q/k/v/z/b/a sections per TP rank), every parameter zeroed, and the load."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from slime_rl.trainer import checkpoint as ck
+
+    root = Path(tempfile.gettempdir(), f"slime_rl_qwen3_next_{port}_ckpt")
+    path = ck.save_checkpoint(root, 1, [w.model], save_rng=False)
+    with torch.no_grad():
+        for p in w.gpt.parameters():
+            p.zero_()
+    res[f"{name}/zeroed"] = float(sum(float(t.abs().sum()) for _, t in w.iter_hf_weights()))
+    ck.load_checkpoint(path, [w.model], w.optimizer, load_optim=False, load_rng=False)
+    res[f"{name}/reloaded"] = weights(w)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root)
 
 
 def _qwen3_next(*names: str):

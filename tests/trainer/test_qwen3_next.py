@@ -203,8 +203,8 @@ def test_one_rank_qwen3_next_equals_hf(qwen3_next_scenario, qwen3_next_ref, tiny
 def test_qwen3_next_tp2_equals_one_rank(qwen3_next_scenario, tiny_qwen3_next):
     """TP=2 with sequence parallelism (megatron's MoE layers under TP need it; packed micro-batches): each rank one
     Gated DeltaNet key head and its two value heads, one query group of the gated attention, the output norm's
-    gradient summed over the ranks; one rank's log-probs, gradient, grad norm and loss; every rank's weights out and
-    --save-hf's folder are the checkpoint's tensors."""
+    gradient summed over the ranks; one rank's log-probs, gradient, grad norm and loss; every rank's weights out,
+    --save-hf's folder and a model-only --save loaded back into zeroed parameters are the checkpoint's tensors."""
     layout = "packed"
     (one,) = qwen3_next_scenario("qwen3_next_1", 1)
     ranks = qwen3_next_scenario("qwen3_next_tp2", 2)
@@ -216,7 +216,10 @@ def test_qwen3_next_tp2_equals_one_rank(qwen3_next_scenario, tiny_qwen3_next):
     want = load_file(tiny_qwen3_next / "model.safetensors")
     got = {k: v for r in ranks for k, v in r["tp2/weights"].items()}
     (exported,) = [r["tp2/exported"] for r in ranks if "tp2/exported" in r]
-    for out in (got, exported):
+    # a model-only checkpoint (megatron's sharded_state_dict) saved, the parameters zeroed, loaded back
+    reloaded = {k: v for r in ranks for k, v in r["tp2/reloaded"].items()}
+    assert all(r["tp2/zeroed"] == 0 for r in ranks)
+    for out in (got, exported, reloaded):
         assert set(out) == set(want)
         for n, t in want.items():
             assert torch.equal(out[n], t), n
