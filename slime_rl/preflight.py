@@ -285,8 +285,9 @@ def check_lora(cfg: Config, arch: Any, model_type: str) -> None:
                               "--lora-load")
         return
     family = FAMILIES[model_type]
-    if family.mla or family.vision:
-        what = "multi-latent attention" if family.mla else "vision-language models"
+    if family.mla or family.vision or family.gated_delta_net:
+        what = ("multi-latent attention" if family.mla else "vision-language models" if family.vision
+                else "Gated DeltaNet (linear attention) models")
         raise ConfigError(f"--lora-rank: LoRA on {what} ({model_type}) is not built yet; train it whole "
                           "(drop the --lora-* flags)")
     targets = tuple(m.lora_target_modules)

@@ -419,7 +419,8 @@ def test_qwen3_next_model_file_agrees_and_plans(tmp_path, capsys):
 def test_qwen3_next_model_file_that_differs_is_named(change, claim, truth, tmp_path):
     """Each Qwen3-Next flag compared with what config.json (and the family) says: zero-centred norms, the attention's
     output gate, partial_rotary_factor 0.25, head_dim 256, the shared expert's sigmoid gate; slime's own file as
-    written passes the same check, and --apply-layernorm-1p on a family without zero-centred norms is named."""
+    written passes the same check, and --apply-layernorm-1p on a family without zero-centred norms is named; LoRA,
+    not built for its Gated DeltaNet layers, is refused in one sentence."""
     tokens = QWEN3_NEXT.split() + ["--rollout-backend", "sglang"]  # the built-in engine does not serve it
     _check(tmp_path, "qwen3_next.json", tokens, UNSUPPORTED)
     flag, value = change
@@ -429,6 +430,10 @@ def test_qwen3_next_model_file_that_differs_is_named(change, claim, truth, tmp_p
         tokens = _replace(tokens, flag, value)
     message = _refused(tmp_path, "qwen3_next.json", tokens, UNSUPPORTED)
     assert f"{claim}: " in message and truth in message, message
+    lora = _refused(tmp_path, "qwen3_next.json", QWEN3_NEXT.split() + ["--rollout-backend", "sglang", "--lora-rank",
+                                                                         "8"], UNSUPPORTED)
+    assert lora == ("--lora-rank: LoRA on Gated DeltaNet (linear attention) models (qwen3_next) is not built yet; "
+                    "train it whole (drop the --lora-* flags)"), lora
     message = _refused(tmp_path, "glm4_5_air.json", GLM4_5_AIR.split() + ["--apply-layernorm-1p"], UNSUPPORTED)
     assert "--apply-layernorm-1p: " in message and "whose RMSNorms scale by w" in message, message
 
