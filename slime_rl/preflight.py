@@ -259,6 +259,10 @@ def check_model_features(cfg: Config) -> None:
     if cfg.model.freeze_vision_tower and not vision:
         raise ConfigError(f"--freeze-vision-tower needs a vision-language checkpoint; --hf-checkpoint "
                           f"{cfg.model.hf_checkpoint} is model_type {model_type!r}")
+    if FAMILIES[model_type].gated_delta_net and cfg.parallel.context_parallel_size > 1:  # trainer/model.py
+        raise ConfigError(f"--context-parallel-size {cfg.parallel.context_parallel_size}: context parallelism is not "
+                          f"supported for Gated DeltaNet (linear attention) models ({model_type}): the trainer's "
+                          "context parallelism splits attention only")
     if vision and cfg.parallel.context_parallel_size > 1:
         raise ConfigError(f"--context-parallel-size {cfg.parallel.context_parallel_size}: context parallelism "
                           f"is not supported for vision-language models ({model_type})")

@@ -2,8 +2,9 @@
 ...` finds them here), on the tiny checkpoint ckpts["qwen3_next"].
 
 Each layout records, on the fixed batch at temperature 1, the log-probs of its DP shard, a forward-backward's stats,
-the full gradient in HF names (gathered over TP), the grad norm, each layer's attention class, the model config's
-hybrid fields, the HF tensors weight sync would send and, with more than one rank, --save-hf's folder.
+the full gradient in HF names (gathered over TP), the grad norm, each layer's attention class and global number, the
+model config's hybrid fields, the HF tensors weight sync would send and, at TP=2, --save-hf's folder and a model-only
+--save loaded back.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from tests.trainer.parallel_scenarios import _equiv_worker, record_export, recor
 from tests.trainer.trainer_ref import make_batch, select
 from tests.trainer.trainer_scenarios import weights
 
-QWEN3_NEXT_LAYOUTS = {"base": (1, 1, 1), "tp2": (2, 1, 1)}  # name: (tp, pp, cp); DP is what is left of the world
+# name: (tp, pp, cp); DP is what is left of the world
+QWEN3_NEXT_LAYOUTS = {"base": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1)}
 # megatron's MoE layers under TP need sequence parallelism, which needs packed micro-batches
 QWEN3_NEXT_KW = {"tp2": {"sequence_parallel": True}}
-QWEN3_NEXT_RUN_LAYOUTS = {"base": ("padded", "packed"), "tp2": ("packed",)}
+QWEN3_NEXT_RUN_LAYOUTS = {"base": ("padded", "packed"), "tp2": ("packed",), "pp2": ("padded", "packed")}
 
 
 def run_qwen3_next(rank: int, world: int, port: int, ckpt: str, name: str, res: dict) -> None:
@@ -31,9 +33,10 @@ def run_qwen3_next(rank: int, world: int, port: int, ckpt: str, name: str, res: 
                              c.layernorm_zero_centered_gamma, w.gpt.rotary_pos_emb.inv_freq.numel() * 2)
     res[f"{name}/sequence_parallel"] = c.sequence_parallel
     res[f"{name}/attention_classes"] = [type(layer.self_attention).__name__ for layer in w.gpt.decoder.layers]
+    res[f"{name}/layer_numbers"] = [layer.layer_number for layer in w.gpt.decoder.layers]  # global, from 1
     res[f"{name}/weights"] = weights(w)
     res[f"{name}/sources"] = {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()}
-    if world > 1:  # --save-hf's gather (hf_export.py): global rank 0 writes the folder, reads it back
+    if name == "tp2":  # --save-hf's gather (hf_export.py): global rank 0 writes the folder, reads it back
         record_export(w, rank, f"qwen3_next_{port}", name, res)
         record_checkpoint_round_trip(w, port, name, res)
     record_layouts(w, select(batch, ids), QWEN3_NEXT_RUN_LAYOUTS[name], name, res)
@@ -75,4 +78,4 @@ def _qwen3_next(*names: str):
     return scenario
 
 
-SCENARIOS = {"qwen3_next_1": _qwen3_next("base"), "qwen3_next_tp2": _qwen3_next("tp2")}
+SCENARIOS = {"qwen3_next_1": _qwen3_next("base"), "qwen3_next_tp2": _qwen3_next("tp2", "pp2")}

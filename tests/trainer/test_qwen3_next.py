@@ -225,6 +225,23 @@ def test_qwen3_next_tp2_equals_one_rank(qwen3_next_scenario, tiny_qwen3_next):
             assert torch.equal(out[n], t), n
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_qwen3_next_pp2_equals_one_rank(qwen3_next_scenario, layout):
+    """PP=2: each stage builds its own layers' kinds (the first a Gated DeltaNet and a gated attention layer, layers
+    1 and 2; the second layers 3 and 4 alike), and gives one rank's log-probs, gradient, grad norm and loss."""
+    (one,) = qwen3_next_scenario("qwen3_next_1", 1)
+    ranks = qwen3_next_scenario("qwen3_next_tp2", 2)
+    by_stage = {r["pp2/ranks"][1]: r for r in ranks}
+    assert sorted(by_stage) == [0, 1]
+    for stage, numbers in ((0, [1, 2]), (1, [3, 4])):
+        assert by_stage[stage]["pp2/layer_numbers"] == numbers
+        assert by_stage[stage]["pp2/attention_classes"] == ["GatedDeltaNet", "SelfAttention"]
+    diffs = equiv_diffs([one], ranks, "pp2", layout)
+    for key, tol in EQUIV_TOL.items():
+        assert diffs[key] <= tol, f"pp2 {layout}: max {key} diff {diffs[key]:.3g} > {tol}"
+
+
 def test_builtin_engine_refuses_gated_delta_net_in_one_sentence():
     """The built-in engine's left-padded key/value batches hold no recurrent state: a qwen3_next checkpoint is
     refused at engine start, naming the family and the backend that serves it; the other families pass."""
