@@ -259,10 +259,12 @@ def check_model_features(cfg: Config) -> None:
     if cfg.model.freeze_vision_tower and not vision:
         raise ConfigError(f"--freeze-vision-tower needs a vision-language checkpoint; --hf-checkpoint "
                           f"{cfg.model.hf_checkpoint} is model_type {model_type!r}")
-    if FAMILIES[model_type].gated_delta_net and cfg.parallel.context_parallel_size > 1:  # trainer/model.py
-        raise ConfigError(f"--context-parallel-size {cfg.parallel.context_parallel_size}: context parallelism is not "
-                          f"supported for Gated DeltaNet (linear attention) models ({model_type}): the trainer's "
-                          "context parallelism splits attention only")
+    tp_cp = cfg.parallel.tensor_model_parallel_size * cfg.parallel.context_parallel_size
+    if arch.linear_layers and arch.linear_num_key_heads % tp_cp:  # megatron's GatedDeltaNet splits key heads by both
+        raise ConfigError(f"--tensor-model-parallel-size {cfg.parallel.tensor_model_parallel_size} x "
+                          f"--context-parallel-size {cfg.parallel.context_parallel_size} = {tp_cp} must divide "
+                          f"linear_num_key_heads {arch.linear_num_key_heads} of {cfg.model.hf_checkpoint}'s "
+                          "config.json: each rank runs whole Gated DeltaNet key heads (their value heads with them)")
     if vision and cfg.parallel.context_parallel_size > 1:
         raise ConfigError(f"--context-parallel-size {cfg.parallel.context_parallel_size}: context parallelism "
                           f"is not supported for vision-language models ({model_type})")

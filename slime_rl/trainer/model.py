@@ -173,9 +173,6 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
                        mscale_all_dim=arch.yarn_mscale_all_dim)
     hybrid = {}
     if arch.linear_layers:  # Qwen3-Next: megatron's GatedDeltaNet in the linear-attention layers (the layer spec's)
-        if context_parallel_size > 1:
-            raise ValueError("--context-parallel-size > 1 with Gated DeltaNet layers (Qwen3-Next) is not supported: "
-                             "the trainer's context parallelism splits attention only")
         hybrid = dict(experimental_attention_variant="gated_delta_net",
                       linear_attention_freq=[int(x) for x in arch.linear_layers],
                       linear_conv_kernel_dim=arch.linear_conv_kernel_dim,

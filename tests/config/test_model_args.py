@@ -420,7 +420,7 @@ def test_qwen3_next_model_file_that_differs_is_named(change, claim, truth, tmp_p
     """Each Qwen3-Next flag compared with what config.json (and the family) says: zero-centred norms, the attention's
     output gate, partial_rotary_factor 0.25, head_dim 256, the shared expert's sigmoid gate; slime's own file as
     written passes the same check, and --apply-layernorm-1p on a family without zero-centred norms is named; LoRA,
-    not built for its Gated DeltaNet layers, and context parallelism are refused in one sentence each."""
+    not built for its Gated DeltaNet layers, is refused in one sentence, as is a TP x CP that splits its key heads."""
     tokens = QWEN3_NEXT.split() + ["--rollout-backend", "sglang"]  # the built-in engine does not serve it
     _check(tmp_path, "qwen3_next.json", tokens, UNSUPPORTED)
     flag, value = change
@@ -434,10 +434,10 @@ def test_qwen3_next_model_file_that_differs_is_named(change, claim, truth, tmp_p
                                                                          "8"], UNSUPPORTED)
     assert lora == ("--lora-rank: LoRA on Gated DeltaNet (linear attention) models (qwen3_next) is not built yet; "
                     "train it whole (drop the --lora-* flags)"), lora
-    cp = _refused(tmp_path, "qwen3_next.json", QWEN3_NEXT.split() + ["--rollout-backend", "sglang",
-                                                                       "--context-parallel-size", "2",
-                                                                       "--actor-num-gpus-per-node", "2"], UNSUPPORTED)
-    assert cp.startswith("--context-parallel-size 2: context parallelism is not supported for Gated DeltaNet"), cp
+    heads = _refused(tmp_path, "qwen3_next.json", QWEN3_NEXT.split() + [
+        "--rollout-backend", "sglang", "--context-parallel-size", "32", "--actor-num-gpus-per-node", "32"], UNSUPPORTED)
+    assert heads.startswith("--tensor-model-parallel-size 1 x --context-parallel-size 32 = 32 must divide "
+                            "linear_num_key_heads 16 of "), heads
     message = _refused(tmp_path, "glm4_5_air.json", GLM4_5_AIR.split() + ["--apply-layernorm-1p"], UNSUPPORTED)
     assert "--apply-layernorm-1p: " in message and "whose RMSNorms scale by w" in message, message
 

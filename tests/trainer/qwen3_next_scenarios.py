@@ -14,10 +14,11 @@ from tests.trainer.trainer_ref import make_batch, select
 from tests.trainer.trainer_scenarios import weights
 
 # name: (tp, pp, cp); DP is what is left of the world
-QWEN3_NEXT_LAYOUTS = {"base": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1)}
+QWEN3_NEXT_LAYOUTS = {"base": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2)}
 # megatron's MoE layers under TP need sequence parallelism, which needs packed micro-batches
 QWEN3_NEXT_KW = {"tp2": {"sequence_parallel": True}}
-QWEN3_NEXT_RUN_LAYOUTS = {"base": ("padded", "packed"), "tp2": ("packed",), "pp2": ("padded", "packed")}
+QWEN3_NEXT_RUN_LAYOUTS = {"base": ("padded", "packed"), "tp2": ("packed",), "pp2": ("padded", "packed"),
+                          "cp2": ("padded", "packed")}
 
 
 def run_qwen3_next(rank: int, world: int, port: int, ckpt: str, name: str, res: dict) -> None:
@@ -78,4 +79,4 @@ def _qwen3_next(*names: str):
     return scenario
 
 
-SCENARIOS = {"qwen3_next_1": _qwen3_next("base"), "qwen3_next_tp2": _qwen3_next("tp2", "pp2")}
+SCENARIOS = {"qwen3_next_1": _qwen3_next("base"), "qwen3_next_tp2": _qwen3_next("tp2", "pp2", "cp2")}

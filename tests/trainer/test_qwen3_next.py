@@ -227,6 +227,20 @@ def test_qwen3_next_tp2_equals_one_rank(qwen3_next_scenario, tiny_qwen3_next):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_qwen3_next_cp2_equals_one_rank(qwen3_next_scenario, layout):
+    """CP=2: the gated attention layers in the trainer's context-parallel core attention, the Gated DeltaNet layers
+    by megatron's own all-to-all (each rank the whole sequence of one key head and its value heads, then back to its
+    two chunks of the sequence); one rank's log-probs, gradient, grad norm and loss."""
+    (one,) = qwen3_next_scenario("qwen3_next_1", 1)
+    ranks = qwen3_next_scenario("qwen3_next_tp2", 2)
+    assert sorted(r["cp2/ranks"][2] for r in ranks) == [0, 1]
+    diffs = equiv_diffs([one], ranks, "cp2", layout)
+    for key, tol in EQUIV_TOL.items():
+        assert diffs[key] <= tol, f"cp2 {layout}: max {key} diff {diffs[key]:.3g} > {tol}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_qwen3_next_pp2_equals_one_rank(qwen3_next_scenario, layout):
     """PP=2: each stage builds its own layers' kinds (the first a Gated DeltaNet and a gated attention layer, layers
     1 and 2; the second layers 3 and 4 alike), and gives one rank's log-probs, gradient, grad norm and loss."""
