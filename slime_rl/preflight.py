@@ -231,6 +231,10 @@ def check_model_features(cfg: Config) -> None:
         named = f"model_type {model_type!r}" if model_type else "no model_type"
         raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: its config.json names {named}, which is not "
                           f"a model family this trainer builds (supported: {', '.join(sorted(FAMILIES))})")
+    if FAMILIES[model_type].gated_delta_net and cfg.engine.backend == "embedded":  # engines/embedded/server.py
+        raise ConfigError(f"--rollout-backend embedded: --hf-checkpoint {cfg.model.hf_checkpoint} is model_type "
+                          f"{model_type!r}, whose Gated DeltaNet (linear attention) layers the built-in engine does "
+                          "not serve; use --rollout-backend sglang")
     try:  # every check a rank's model build makes of config.json, before any process starts
         arch = arch_from_hf_config(hf, where=f"{cfg.model.hf_checkpoint}/config.json")
     except ValueError as exc:
@@ -256,6 +260,12 @@ def check_model_features(cfg: Config) -> None:
     if cfg.model.freeze_vision_tower and not vision:
         raise ConfigError(f"--freeze-vision-tower needs a vision-language checkpoint; --hf-checkpoint "
                           f"{cfg.model.hf_checkpoint} is model_type {model_type!r}")
+    tp_cp = cfg.parallel.tensor_model_parallel_size * cfg.parallel.context_parallel_size
+    if arch.linear_layers and arch.linear_num_key_heads % tp_cp:  # megatron's GatedDeltaNet splits key heads by both
+        raise ConfigError(f"--tensor-model-parallel-size {cfg.parallel.tensor_model_parallel_size} x "
+                          f"--context-parallel-size {cfg.parallel.context_parallel_size} = {tp_cp} must divide "
+                          f"linear_num_key_heads {arch.linear_num_key_heads} of {cfg.model.hf_checkpoint}'s "
+                          "config.json: each rank runs whole Gated DeltaNet key heads (their value heads with them)")
     if vision and cfg.parallel.context_parallel_size > 1:
         raise ConfigError(f"--context-parallel-size {cfg.parallel.context_parallel_size}: context parallelism "
                           f"is not supported for vision-language models ({model_type})")
@@ -282,8 +292,9 @@ def check_lora(cfg: Config, arch: Any, model_type: str) -> None:
                               "--lora-load")
         return
     family = FAMILIES[model_type]
-    if family.mla or family.vision:
-        what = "multi-latent attention" if family.mla else "vision-language models"
+    if family.mla or family.vision or family.gated_delta_net:
+        what = ("multi-latent attention" if family.mla else "vision-language models" if family.vision
+                else "Gated DeltaNet (linear attention) models")
         raise ConfigError(f"--lora-rank: LoRA on {what} ({model_type}) is not built yet; train it whole "
                           "(drop the --lora-* flags)")
     targets = tuple(m.lora_target_modules)

@@ -48,6 +48,15 @@ def tiny_minimax_m2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_next(tmp_path_factory) -> Path:
+    """Tiny Qwen3-Next: 4 layers, every second full attention (output gate, q/k norms, a quarter of each 16-wide head
+    rotated), the others Gated DeltaNet (2 key heads of 8, 4 value heads of 12, conv width 4); every layer 8 experts
+    of width 32, top-2 renormalised, a gated shared expert of width 48; zero-centred norms; GQA 4/2."""
+    out = tmp_path_factory.mktemp("tiny_qwen3_next")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen3_next", seed=23)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory) -> Path:
     """Tiny Qwen3-MoE: 8 experts of width 32, top-2 renormalised, vocab 64, hidden 64, 2 layers, GQA 4/2."""
     out = tmp_path_factory.mktemp("tiny_qwen3_moe")

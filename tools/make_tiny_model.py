@@ -3,8 +3,8 @@
     python tools/make_tiny_model.py --out DIR [--arch ARCH] [--seed N]
         [--vocab-size V]
 
-ARCH: qwen2 (default), llama, glm4, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v3, kimi_k2, qwen2_5_vl. The folder has
-config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a ChatML chat template),
+ARCH: qwen2 (default), llama, glm4, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v3, kimi_k2, qwen3_next, qwen2_5_vl.
+The folder has config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a ChatML chat template),
 generation_config.json. Same seed -> same bytes of weights and the same
 tokenizer. The tokenizer uses Qwen2's pre-tokenizer (NFC, Qwen2's split regex, ByteLevel without
 its own regex) so that `AutoTokenizer`, which returns `Qwen2Tokenizer` for model_type=qwen2 and
@@ -61,6 +61,14 @@ scores renormalised, untied embeddings; config.json carries what SGLang reads (u
 per_layer, scoring_func sigmoid, use_routing_bias, rotary_dim) and transformers 5 writes the checkpoint under
 the hub's names (block_sparse_moe, experts.{e}.w1 / w3 / w2).
 
+`--arch qwen3_next` writes a Qwen3NextForCausalLM (as Qwen3-Next-80B-A3B): 4 layers by default, every second
+one full attention (full_attention_interval 2, so that each pipeline stage of two holds both kinds) with its
+sigmoid output gate, q/k norms and a quarter of each 16-wide head rotated, the others Gated DeltaNet linear
+attention of 2 key heads of width 8 and 4 value heads of width 12 (no width equals another) with a 4-wide
+convolution; every layer an MoE block of 8 experts, top-2 renormalised, plus a shared expert of width 48 with its
+sigmoid gate. Its RMSNorms are zero-centred (stored w, applied as 1 + w): drawn as 0.1 x N(0, 1); the linear
+attention's gated output norm (applied as w) and its dt_bias are drawn around 1 and A_log as transformers does.
+
 `--arch qwen2_5_vl` writes a Qwen2_5_VLForConditionalGeneration (a 2-block vision tower, hidden 32,
 patch 14, merge 2, one window block and one full-attention block, over the same tiny decoder), the
 vision special tokens (<|vision_start|>, <|image_pad|>, ...) in the tokenizer, a chat template that
@@ -92,7 +100,7 @@ CHAT_TEMPLATE = (
     "{% endif %}"
 )
 ARCHS = ("qwen2", "llama", "glm4", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "kimi_k2",
-         "minimax_m2", "qwen2_5_vl")
+         "minimax_m2", "qwen3_next", "qwen2_5_vl")
 # families transformers runs under another model_type (config/families.py transformers_model_type): the tiny
 # model is built as that one and its config.json then names the family's own model_type
 BUILT_AS = {"kimi_k2": "deepseek_v3"}
@@ -219,6 +227,20 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
                                num_experts_per_tok=args.moe_topk, use_qk_norm=True, qk_norm_type="per_layer",
                                scoring_func="sigmoid", use_routing_bias=True, router_aux_loss_coef=0.001,
                                output_router_logits=False, **common)
+    if arch == "qwen3_next":
+        from transformers import Qwen3NextConfig
+        common = {k: v for k, v in common.items() if k != "rope_theta"}
+        return Qwen3NextConfig(tie_word_embeddings=False, attention_bias=False,
+                               head_dim=args.hidden_size // args.num_heads,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.25},
+                               full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                               linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+                               num_experts=args.num_experts, num_experts_per_tok=args.moe_topk,
+                               moe_intermediate_size=args.moe_intermediate_size, norm_topk_prob=True,
+                               shared_expert_intermediate_size=args.shared_expert_intermediate_size,
+                               decoder_sparse_step=1, mlp_only_layers=list(args.mlp_only_layers or []),
+                               router_aux_loss_coef=0.001, output_router_logits=False, **common)
     if arch == "qwen2_5_vl":
         return build_vl_config(common, args)
     raise SystemExit(f"--arch {arch}: unsupported ({', '.join(ARCHS)})")
@@ -256,7 +278,7 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     """embed_std: the word embeddings and LM head drawn with this std instead of initializer_range's 0.02 (a
     trained model's scale: with frozen 0.02-std ones the tiny model's logits stay within about +-1.3, which LoRA,
     training only the adapters, cannot widen; the LoRA quickstart's untied llama takes 0.3).
-    num_layers: 3 for qwen2_moe and glm4_moe, 2 otherwise; mlp_only_layers (MoE archs): [1] for
+    num_layers: 3 for qwen2_moe and glm4_moe, 4 for qwen3_next, 2 otherwise; mlp_only_layers (MoE archs): [1] for
     qwen2_moe, none for qwen3_moe; glm4_moe's dense layers are the first len(mlp_only_layers) (default
     [0]: first_k_dense_replace 1)."""
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
@@ -264,7 +286,7 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     family_type, arch = arch, BUILT_AS.get(arch, arch)  # the model_type config.json names; the one built
     first_dense = arch in ("glm4_moe", "deepseek_v3", "glm4_moe_lite")  # first_k_dense_replace
     if num_layers is None:
-        num_layers = 3 if arch == "qwen2_moe" or first_dense else 2
+        num_layers = 3 if arch == "qwen2_moe" or first_dense else 4 if arch == "qwen3_next" else 2
     if mlp_only_layers is None:
         mlp_only_layers = [1] if arch == "qwen2_moe" else [0] if first_dense else []
     if first_dense and mlp_only_layers != list(range(len(mlp_only_layers))):
@@ -296,8 +318,13 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
+        zero_centred = arch == "qwen3_next"  # Qwen3NextRMSNorm: stored w, applied as 1 + w
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("ln_q.weight"):
+            if zero_centred and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("linear_attn.dt_bias"):  # per head, so that a head mapped wrongly shows
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("norm.weight") or name.endswith("ln_q.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
@@ -361,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="default 64 (128 for qwen2_5_vl)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=None,
-                   help="default 3 for qwen2_moe, glm4_moe, deepseek_v3 and glm4_moe_lite, 2 otherwise")
+                   help="default 3 for qwen2_moe, glm4_moe, deepseek_v3 and glm4_moe_lite, 4 for qwen3_next, 2 "
+                        "otherwise")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--num-experts", type=int, default=8, help="MoE archs: routed experts per layer")

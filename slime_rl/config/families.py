@@ -56,6 +56,18 @@ e_score_correction_bias for the choice, the chosen scores renormalised and not s
 MiniMaxM2TopKRouter; SGLang's TopK with renormalize and routed_scaling_factor 1: megatron's sigmoid router with
 the expert bias). Its checkpoint names the MoE block `block_sparse_moe` and each expert's projections w1 (gate),
 w3 (up), w2 (down); each expert's width is config.json's intermediate_size (`Family.moe_ffn_key`).
+Qwen3-Next (`qwen3_next`, Qwen3-Next-80B-A3B) is hybrid (`Family.gated_delta_net`): config.json's layer_types (or
+full_attention_interval, default 4: every fourth layer full attention) make most layers Gated DeltaNet linear
+attention (megatron-core 0.19's GatedDeltaNet under the trainer's local spec: HF `linear_attn.*`, Megatron
+`self_attention.in_proj / conv1d / A_log / dt_bias / out_norm / out_proj`, `Family.linear_attention_params` in place
+of `Family.full_attention_params`), the others full attention with a sigmoid output gate (megatron's
+attention_output_gate) and q/k norms. HF's q_proj holds each head's query rows then its gate rows; megatron's
+linear_qkv holds per query group its queries, their gates, the key and the value (Layout.QKV_GATED). HF's
+in_proj_qkvz is grouped per key head ([q, k, v, z] of that head and its value heads) and in_proj_ba likewise ([b, a]
+per key head); megatron's in_proj holds, on each TP rank, that rank's heads' [q; k; v; z; b; a] (Layout.GDN_IN_PROJ),
+and its conv1d that rank's [q; k; v] channels where HF's holds all q, then all k, then all v (Layout.GDN_CONV). Its
+RMSNorms store w and scale by 1 + w (`Family.zero_centered_norms`: megatron's layernorm_zero_centered_gamma), except
+the GatedDeltaNet's gated output norm, which scales by w as HF's Qwen3NextRMSNormGated does.
 """
 
 from __future__ import annotations
@@ -74,7 +86,12 @@ DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "moe_ffn", "shar
         # width, o_in = heads x value width
         "q_lora", "kv_lora", "kv_down", "q_up", "kv_up", "o_in",
         # gate_up = 2 x ffn: one HF tensor holding the gate's and the up projection's rows (GLM-4's gate_up_proj)
-        "gate_up")
+        "gate_up",
+        # Qwen3-Next: q_gate = heads x head_dim x 2 (q_proj's query and gate rows); GatedDeltaNet: gdn_qkvz = 2 x key
+        # heads x key head width + 2 x value heads x value head width (in_proj_qkvz), gdn_ba = 2 x value heads,
+        # gdn_conv = 2 x key width + value width (the convolved q, k, v channels), gdn_heads = value heads,
+        # gdn_vhead = one value head's width, gdn_v = value heads x its width, conv_kernel = the convolution's width
+        "q_gate", "gdn_qkvz", "gdn_ba", "gdn_conv", "gdn_heads", "gdn_vhead", "gdn_v", "conv_kernel")
 
 
 class Layout(Enum):
@@ -86,6 +103,14 @@ class Layout(Enum):
     FC1_FUSED = "fc1_fused"
     ROW = "row"  # row-parallel linear (linear_proj, linear_fc2): split on dim 1
     COLUMN = "column"  # column-parallel linear of one output (MLA's projections): split on dim 0
+    # Qwen3-Next's gated attention: HF q_proj (per head [query; gate]), k_proj, v_proj -> per query group
+    # [queries; gates; key; value], split by whole groups on dim 0 (megatron's attention_output_gate)
+    QKV_GATED = "qkv_gated"
+    # GatedDeltaNet's in_proj: HF in_proj_qkvz and in_proj_ba (grouped per key head) -> each TP rank's heads'
+    # [q; k; v; z; b; a]
+    GDN_IN_PROJ = "gdn_in_proj"
+    # GatedDeltaNet's conv1d [channels, 1, kernel]: HF's [q; k; v] channels -> each TP rank's [q_r; k_r; v_r]
+    GDN_CONV = "gdn_conv"
 
 
 @dataclass(frozen=True)
@@ -175,6 +200,13 @@ class Family:
     # the config.json key of one routed expert's width (MiniMax-M2: intermediate_size; the others
     # moe_intermediate_size)
     moe_ffn_key: str = "moe_intermediate_size"
+    # hybrid linear attention (Qwen3-Next): the layers config.json's layer_types name linear_attention hold
+    # `linear_attention_params` (megatron's GatedDeltaNet) in place of `full_attention_params`
+    gated_delta_net: bool = False
+    full_attention_params: tuple[ParamMap, ...] = ()
+    linear_attention_params: tuple[ParamMap, ...] = ()
+    # the decoder's RMSNorms store w and scale by 1 + w (megatron's layernorm_zero_centered_gamma)
+    zero_centered_norms: bool = False
 
     def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
         """config.json's value of `key`, or transformers' default for this family when the file leaves it
@@ -190,11 +222,12 @@ class Family:
                                                                   "qk_rope_head_dim", "v_head_dim")}}
 
     def layer_maps(self, moe_layer: bool = True, qk_norm: bool | None = None,
-                   q_lora: bool | None = None) -> tuple[ParamMap, ...]:
+                   q_lora: bool | None = None, linear: bool = False) -> tuple[ParamMap, ...]:
         """The entries of one layer: an MoE family's dense layers (moe_layer=False) have a dense MLP;
         qk_norm=False drops the q/k norms of a family whose config switches them (qk_norm_key); for
         multi-latent attention q_lora says whether the query goes through its low-rank pair (q_lora_rank)
-        or one projection (q_lora_rank null)."""
+        or one projection (q_lora_rank null); linear=True: a hybrid family's linear-attention layer (its
+        GatedDeltaNet's entries where the full attention's are, right after the input norm)."""
         if self.moe and not moe_layer:
             if not self.dense_layer_params:
                 raise ValueError(f"model_type {self.model_type!r}: no dense layers in this family")
@@ -206,20 +239,27 @@ class Family:
         if self.mla:
             drop = _MLA_Q_ONE if q_lora is not False else _MLA_Q_LORA
             maps = tuple(p for p in maps if p not in drop)
+        if linear:
+            if not self.gated_delta_net:
+                raise ValueError(f"model_type {self.model_type!r}: no linear-attention layers in this family")
+            rest = tuple(p for p in maps if p not in self.full_attention_params)
+            maps = (rest[0], *self.linear_attention_params, *rest[1:])
         return maps
 
     def param_maps(self, num_layers: int, tied: bool, num_experts: int = 0,
                    moe_layers: tuple[bool, ...] = (), qk_norm: bool | None = None,
-                   q_lora: bool | None = None) -> list[ParamMap]:
+                   q_lora: bool | None = None, linear_layers: tuple[bool, ...] = ()) -> list[ParamMap]:
         """Every parameter of the model, embedding first, in layer order, output layer last (an
         MoE family's experts in expert order, as if one rank held them all). `moe_layers`: per
         layer whether its MLP is an MoE block (empty: every layer's is, for an MoE family);
-        `qk_norm`: the config's q/k norm switch (qk_norm_key); `q_lora`: MLA's query low-rank pair."""
+        `qk_norm`: the config's q/k norm switch (qk_norm_key); `q_lora`: MLA's query low-rank pair;
+        `linear_layers`: per layer whether it is linear attention (empty: none is)."""
         first = [p for p in self.global_params if p.mcore.startswith("embedding.")]
         last = [p for p in self.global_params if not p.mcore.startswith("embedding.")]
         maps = list(first)
         for i in range(num_layers):
-            layer = self.layer_maps(moe_layers[i] if moe_layers else True, qk_norm, q_lora)
+            layer = self.layer_maps(moe_layers[i] if moe_layers else True, qk_norm, q_lora,
+                                    bool(linear_layers) and linear_layers[i])
             maps += [e for p in layer for e in p.at_layer(i).expand_experts(num_experts)]
         maps += last
         return [p for p in maps if not (p.untied_only and tied)]
@@ -348,6 +388,23 @@ _MLA = (
     ParamMap(_A + "linear_proj.weight", (_H + "self_attn.o_proj.weight",), Layout.ROW, (("hidden", "o_in"),)),
 )
 
+# Qwen3-Next: full attention with a sigmoid output gate (q_proj's rows per head: query, then gate), and
+# megatron's GatedDeltaNet in the linear-attention layers
+_QKV_GATED = ParamMap(_L + "self_attention.linear_qkv.weight",
+                      tuple(_H + f"self_attn.{x}_proj.weight" for x in "qkv"), Layout.QKV_GATED,
+                      (("q_gate", "hidden"), ("kv", "hidden"), ("kv", "hidden")))
+_GATED_ATTENTION = (_QKV_GATED, *_QK_NORM, _PROJ)
+_N = _H + "linear_attn."
+_GDN = (
+    ParamMap(_A + "in_proj.weight", (_N + "in_proj_qkvz.weight", _N + "in_proj_ba.weight"), Layout.GDN_IN_PROJ,
+             (("gdn_qkvz", "hidden"), ("gdn_ba", "hidden"))),
+    ParamMap(_A + "conv1d.weight", (_N + "conv1d.weight",), Layout.GDN_CONV, (("gdn_conv", "one", "conv_kernel"),)),
+    ParamMap(_A + "dt_bias", (_N + "dt_bias",), Layout.COLUMN, (("gdn_heads",),)),
+    ParamMap(_A + "A_log", (_N + "A_log",), Layout.COLUMN, (("gdn_heads",),)),
+    ParamMap(_A + "out_norm.weight", (_N + "norm.weight",), Layout.REPLICATED, (("gdn_vhead",),)),
+    ParamMap(_A + "out_proj.weight", (_N + "out_proj.weight",), Layout.ROW, (("hidden", "gdn_v"),)),
+)
+
 FAMILIES: dict[str, Family] = {
     "qwen2": Family(
         model_type="qwen2", global_params=_GLOBAL, hf_rmsnorm="Qwen2RMSNorm",
@@ -465,6 +522,27 @@ FAMILIES: dict[str, Family] = {
                          "max_position_embeddings": 196608, "num_local_experts": 256, "num_experts_per_tok": 8},
         moe=True, qk_norm_whole=True, moe_ffn_key="intermediate_size",
         slime_spec=("slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec"),
+    ),
+    # Qwen3-Next-80B-A3B (Instruct, Thinking): hybrid layers (Gated DeltaNet linear attention, every
+    # full_attention_interval-th layer full attention with an output gate, q/k norms, a quarter of each head rotated),
+    # zero-centred RMSNorms, every layer's MLP a softmax top-k MoE block (renormalised) with a sigmoid-gated shared
+    # expert; dense layers (mlp_only_layers) as qwen2_moe's
+    "qwen3_next": Family(
+        model_type="qwen3_next", global_params=_GLOBAL,
+        layer_params=(_NORMS[0], *_GATED_ATTENTION, _NORMS[1], *_MOE, *_SHARED_EXPERT),
+        qkv_bias=False, qk_layernorm=True, default_tied=False,
+        required_config={**_SWIGLU, "attention_bias": False, "norm_topk_prob": True},
+        # transformers' Qwen3NextConfig defaults, for a config.json that leaves a key out
+        config_defaults={"attention_bias": False, "partial_rotary_factor": 0.25, "head_dim": 256,
+                         "num_key_value_heads": 2, "norm_topk_prob": True, "full_attention_interval": 4,
+                         "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                         "linear_num_key_heads": 16, "linear_num_value_heads": 32, "rms_norm_eps": 1e-6},
+        moe=True,
+        dense_layer_params=(_NORMS[0], *_GATED_ATTENTION, _NORMS[1], *_MLP),
+        shared_expert=True,
+        gated_delta_net=True, full_attention_params=_GATED_ATTENTION, linear_attention_params=_GDN,
+        zero_centered_norms=True,
+        slime_spec=("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"),
     ),
 }
 

@@ -31,6 +31,14 @@ and t_sp = t under --sequence-parallel (else 1):
     SwiGLU: fc1 output [2f], silu(gate), fc2 input       8f / t
     (MoE layers: f -> top-k x expert ffn; router logits 4E)
 
+and a Gated DeltaNet layer (Qwen3-Next's linear attention, megatron's GatedDeltaNet) in place of the attention
+rows, with kd = key heads x key width, vd = value heads x value width, nv = value heads:
+
+    convolution input and its pre-activation output      4(2kd + vd) / t
+    q, k before (l2 norm inputs) and after, expanded      (4kd + 4 nv dk) / t  (each value head its key head's)
+    v, the decay g (fp32), beta                          (2vd + 6nv) / t
+    gated output norm: input, gate, norm output, product  8vd / t
+
 where q = heads x head_dim, kv = kv heads x head_dim, f = ffn size. Recompute (Megatron's flags):
 `full` + `uniform` + N keeps each chunk of N layers' input (2h / t_sp) and recomputes one chunk at a time
 during backward; `full` + `block` + N keeps only the input of the first N layers of a stage; `selective`
@@ -130,6 +138,15 @@ class ModelShape:
     # MiniMax-M2: the q/k norms span all heads' channels (weights q and kv wide, whole on every TP rank; each TP rank
     # normalizes the gathered heads, so their inputs are kept whole)
     qk_norm_whole: bool = False
+    # Qwen3-Next: the full attention's q_proj twice as wide (each head's query and its output gate), and the
+    # Gated DeltaNet layers (their indices) with their key/value heads and widths and the convolution's width
+    output_gate: bool = False
+    linear_layers: tuple[int, ...] = ()
+    lin_key_heads: int = 0
+    lin_value_heads: int = 0
+    lin_key_dim: int = 0
+    lin_value_dim: int = 0
+    lin_conv: int = 0
     fused_gate_up: bool = False  # GLM-4: the MLP's gate and up are one HF linear (gate_up_proj), which LoRA leaves
 
     @property
@@ -150,10 +167,24 @@ class ModelShape:
             split += n * self.v_head * h
             replicated = 2 * h + (h * self.q_lora + self.q_lora if self.q_lora else 0)
             return split, replicated + h * (self.kv_lora + self.qk_rope) + self.kv_lora
-        split = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        split = h * q * (2 if self.output_gate else 1) + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         qk_norm = (q + kv if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
         replicated = 2 * h + qk_norm + (h if self.o_bias else 0)
         return split, replicated + (2 * h if self.post_norms else 0)
+
+    def linear_attention_params(self) -> tuple[int, int]:
+        """(TP-split, replicated) parameters of one Gated DeltaNet layer's token mixer and its two RMSNorms:
+        in_proj_qkvz [2kd + 2vd, h], in_proj_ba [2nv, h], the depthwise conv1d [2kd + vd, 1, width], dt_bias and
+        A_log [nv], out_proj [h, vd] split over TP; the two layer norms and the gated output norm [value width]
+        whole."""
+        h, nv = self.hidden, self.lin_value_heads
+        kd, vd = self.lin_key_heads * self.lin_key_dim, nv * self.lin_value_dim
+        split = h * (2 * kd + 2 * vd) + h * 2 * nv + (2 * kd + vd) * self.lin_conv + 2 * nv + vd * h
+        return split, 2 * h + self.lin_value_dim
+
+    def mixer_params(self, layer: int) -> tuple[int, int]:
+        """(TP-split, replicated) parameters of layer `layer`'s attention (or Gated DeltaNet) and its norms."""
+        return self.linear_attention_params() if layer in self.linear_layers else self.attention_params()
 
     def dense_mlp_params(self) -> int:
         h, f = self.hidden, self.ffn
@@ -196,8 +227,7 @@ class ModelShape:
     @property
     def params(self) -> int:
         """Every parameter of the HF model (the LM head once when tied, the vision tower included)."""
-        split, rep = self.attention_params()
-        total = self.layers * (split + rep) + self.hidden  # + final norm
+        total = sum(sum(self.mixer_params(i)) for i in range(self.layers)) + self.hidden  # + final norm
         n_moe = len(self.moe_layers)
         total += (self.layers - n_moe) * self.dense_mlp_params() + n_moe * sum(self.moe_params())
         total += n_moe * sum(self.shared_expert_params())
@@ -235,6 +265,16 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
         if family.shared_expert:
             shared_ffn = int(cfg.get("shared_expert_intermediate_size") or 0)
+    linear: dict[str, Any] = {}
+    if family.gated_delta_net:  # Qwen3-Next: which layers are Gated DeltaNet (convert/arch.py reads it the same way)
+        from slime_rl.trainer.convert.arch import arch_from_hf_config
+
+        arch = arch_from_hf_config(cfg, where=where)
+        linear = {"output_gate": arch.attention_output_gate,
+                  "linear_layers": tuple(i for i in range(layers) if arch.is_linear_layer(i)),
+                  "lin_key_heads": arch.linear_num_key_heads, "lin_value_heads": arch.linear_num_value_heads,
+                  "lin_key_dim": arch.linear_key_head_dim, "lin_value_dim": arch.linear_value_head_dim,
+                  "lin_conv": arch.linear_conv_kernel_dim}
     mla: dict[str, int] = {}
     if family.mla:  # the widths as config.json gives them (Family.mla_dims), under ModelShape's names
         dims = family.mla_dims(cfg)
@@ -266,7 +306,7 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         vision=vision,
         shared_ffn=shared_ffn, shared_gate=family.shared_expert_gate, post_norms=family.post_norms,
         qk_norm_whole=family.qk_norm_whole,
-        fused_gate_up=any(pm.layout is Layout.FC1_FUSED for pm in family.layer_params), **mla)
+        fused_gate_up=any(pm.layout is Layout.FC1_FUSED for pm in family.layer_params), **mla, **linear)
 
 
 # ---------------------------------------------------------------------------------------- memory
@@ -327,9 +367,16 @@ def activation_bytes_per_token(shape: ModelShape, lay: TrainerLayout, layer: int
     t, t_sp = lay.tp, lay.tp if lay.sequence_parallel else 1
     kv = shape.q if lay.gqa_expanded else shape.kv
     out = 8 * shape.hidden / t_sp
-    out += (2 * (shape.q + 2 * kv) + 2 * shape.q + 4 * shape.heads) / t
-    if shape.qk_norm:  # MiniMax-M2's whole-width norms keep the TP-gathered heads
-        out += 2 * (shape.q + shape.kv) / (1 if shape.qk_norm_whole else t)
+    if layer in shape.linear_layers:  # a Gated DeltaNet in place of the attention (module docstring)
+        nv = shape.lin_value_heads
+        kd, vd = shape.lin_key_heads * shape.lin_key_dim, nv * shape.lin_value_dim
+        out += (4 * (2 * kd + vd) + 4 * kd + 4 * nv * shape.lin_key_dim + 2 * vd + 6 * nv + 8 * vd) / t
+    else:
+        out += (2 * (shape.q + 2 * kv) + 2 * shape.q + 4 * shape.heads) / t
+        if shape.qk_norm:  # MiniMax-M2's whole-width norms keep the TP-gathered heads
+            out += 2 * (shape.q + shape.kv) / (1 if shape.qk_norm_whole else t)
+        if shape.output_gate:  # the gate's rows of q_proj, kept for the sigmoid's backward
+            out += 2 * shape.q / t
     if shape.post_norms:  # each post norm keeps its input (the projection's output) for its backward
         out += 4 * shape.hidden / t_sp
     if layer in shape.moe_layers:
@@ -356,7 +403,8 @@ def stage_activation_bytes(shape: ModelShape, lay: TrainerLayout, stage: int) ->
         rest = layer_bytes[n:]
         held = n * layer_input + (sum(rest) if rest else max(layer_bytes))
     elif lay.recompute_granularity == "selective":  # the core attention: only its log-sum-exp goes
-        held = sum(layer_bytes) - per_stage * 4 * shape.heads / lay.tp * tokens
+        attention = sum(1 for i in range(first, first + per_stage) if i not in shape.linear_layers)
+        held = sum(layer_bytes) - attention * 4 * shape.heads / lay.tp * tokens
     else:
         held = sum(layer_bytes)
     if stage == lay.pp - 1:  # final norm: input and output (the LM head's input)
@@ -369,9 +417,9 @@ def _stage_params(shape: ModelShape, lay: TrainerLayout, stage: int) -> tuple[in
     t = lay.tp
     first, per_stage = lay.stage_layers(shape.layers, stage)
     padded_vocab = -(-shape.vocab // t) * t
-    split, rep = shape.attention_params()
     dense = expert = 0
     for i in range(first, first + per_stage):
+        split, rep = shape.mixer_params(i)
         dense += split // t + rep
         if i in shape.moe_layers:
             experts, router = shape.moe_params()
@@ -475,8 +523,9 @@ def gathered_params(shape: ModelShape, tp: int, ep: int = 1, etp: int | None = N
     expert-parallel ranks. Norms, routers and the vision tower are whole on every rank."""
     etp = tp if etp is None else etp
     n_moe = len(shape.moe_layers)
-    split = (shape.layers * shape.attention_params()[0] + (shape.layers - n_moe) * shape.dense_mlp_params()
-             + n_moe * shape.shared_expert_params()[0] + shape.embedding_params * (1 if shape.tied else 2))
+    split = (sum(shape.mixer_params(i)[0] for i in range(shape.layers))
+             + (shape.layers - n_moe) * shape.dense_mlp_params() + n_moe * shape.shared_expert_params()[0]
+             + shape.embedding_params * (1 if shape.tied else 2))
     experts = n_moe * shape.moe_params()[0]
     return round(split * (tp - 1) / tp + experts * (ep * etp - 1) / (ep * etp))
 

@@ -13,7 +13,8 @@ the GPU; without the flag SGLang takes (GPU - reserved) / GPU with reserved = 51
 chunked-prefill token (8192 tokens on 60-160 GiB GPUs, 16384 above, 4096 below) + TP x PP / 8 GiB +
 2 MiB per decode CUDA-graph batch size (256, or 512 from TP 4 and on GPUs above 160 GiB), at least
 10 GiB on GPUs above 60 GiB. The KV cache gets the pool less the weights of one TP rank; one token
-costs 2 (K and V) x layers x KV heads per rank (at least 1) x head_dim x the KV dtype's bytes. A
+costs 2 (K and V) x attention layers x KV heads per rank (at least 1) x head_dim x the KV dtype's bytes
+(Qwen3-Next's Gated DeltaNet layers keep a state per sequence instead, not counted). A
 sample of prompt + response tokens that the cache cannot hold never runs: does not fit; a group of
 --n-samples-per-prompt such samples that it cannot hold at once runs in turns (a note).
 
@@ -87,7 +88,8 @@ def trainer_changes(shape: ModelShape, lay: TrainerLayout, world: int, sample_to
     if not lay.bf16:
         out.append(Change("--bf16", dataclasses.replace(lay, bf16=True)))
     tp2 = lay.tp * 2  # DP ranks give way to a larger TP or PP
-    if lay.dp % 2 == 0 and shape.heads % tp2 == 0 and shape.kv_heads % tp2 == 0 and tp2 <= 8:
+    if lay.dp % 2 == 0 and shape.heads % tp2 == 0 and shape.kv_heads % tp2 == 0 and tp2 <= 8 and \
+            (shape.lin_key_heads or tp2) % tp2 == 0:  # Qwen3-Next: whole Gated DeltaNet key heads per rank too
         out.append(Change(f"--tensor-model-parallel-size {tp2}" + ("" if lay.sequence_parallel
                                                                      else " --sequence-parallel"),
                           dataclasses.replace(lay, tp=tp2, dp=lay.dp // 2, sequence_parallel=True)))
@@ -178,8 +180,10 @@ def sglang_default_fraction(gpu: GpuMemory, tp: int, pp: int = 1, chunked_prefil
 
 
 def kv_bytes_per_token(shape: ModelShape, tp: int, dtype_bytes: int) -> int:
-    """K and V of every layer for one token on one TP rank (KV heads replicated when TP > KV heads)."""
-    return 2 * shape.layers * max(1, shape.kv_heads // tp) * shape.head_dim * dtype_bytes
+    """K and V of every attention layer for one token on one TP rank (KV heads replicated when TP > KV heads);
+    Qwen3-Next's Gated DeltaNet layers hold no per-token cache (their state is per sequence, not counted)."""
+    layers = shape.layers - len(shape.linear_layers)
+    return 2 * layers * max(1, shape.kv_heads // tp) * shape.head_dim * dtype_bytes
 
 
 def _arg(args: dict, key: str) -> str | None:

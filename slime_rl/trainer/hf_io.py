@@ -22,6 +22,7 @@ rank per stage, and the HF export see the whole model).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import weakref
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from slime_rl.trainer import lora
 from slime_rl.trainer.convert import Layout, ModelArch, ParamMap, hf_to_mcore_shard, mcore_shards_to_hf
-from slime_rl.trainer.convert.shards import mcore_param_to_hf_views
+from slime_rl.trainer.convert.shards import COPIED_AT_TP1, mcore_param_to_hf_views
 from slime_rl.trainer.hf_files import check_hf_weights, read_hf_tensors
 from slime_rl.trainer.mcore import mpu
 from slime_rl.trainer.model import unwrap
@@ -246,7 +247,8 @@ class _ViewPlan:
     # per Megatron parameter of the stage: (owning module's _parameters, leaf name, the parameter,
     # its data_ptr, shape, dtype, requires_grad) -- what the views depend on
     signature: list[tuple]
-    sources: list[HFSource]
+    sources: list[HFSource]  # a source of a layout no view gives (COPIED_AT_TP1): a function that converts it
+    copies: bool = False
 
     def valid(self, arch: ModelArch, pp: tuple[int, int]) -> bool:
         return (self.arch is arch or self.arch == arch) and self.pp == pp and all(
@@ -272,11 +274,19 @@ def _build_view_plan(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool)
         signature.append((owner, leaf, p, p.data_ptr(), p.shape, p.dtype, p.requires_grad))
         if local not in emitted:
             continue
-        for name, view, shape in mcore_param_to_hf_views(pm, p.detach(), arch):
+        for k, (name, view, shape) in enumerate(mcore_param_to_hf_views(pm, p.detach(), arch)):
+            if (pm.layout, k) in COPIED_AT_TP1:  # no view gives it: converted again on every call
+                sources.append((name, functools.partial(_hf_copy, pm, p.detach(), arch, k), shape))
+                continue
             if view.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
                 raise AssertionError(f"{local} -> {name}: the TP=1 conversion copied instead of viewing")
             sources.append((name, view, shape))
-    return _ViewPlan(arch, pp, signature, sources)
+    return _ViewPlan(arch, pp, signature, sources, any(callable(src) for _, src, _ in sources))
+
+
+def _hf_copy(pm: ParamMap, param: torch.Tensor, arch: ModelArch, k: int) -> torch.Tensor:
+    """The k-th HF tensor of `param` at TP=1, converted now (a layout that no view gives: COPIED_AT_TP1)."""
+    return mcore_shards_to_hf(pm, [param], arch)[k][1]
 
 
 def iter_hf_sources(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool = False) -> Iterator[HFSource]:
@@ -302,7 +312,11 @@ def iter_hf_sources(model: torch.nn.Module, arch: ModelArch, skip_frozen: bool =
     plan = plans.get(skip_frozen)
     if plan is None or not plan.valid(arch, _pp()):
         plan = plans[skip_frozen] = _build_view_plan(model, arch, skip_frozen)
-    yield from plan.sources
+    if not plan.copies:
+        yield from plan.sources
+        return
+    for name, src, shape in plan.sources:  # a layout no view gives (COPIED_AT_TP1): converted now (detached)
+        yield name, (src() if callable(src) else src), shape
 
 
 def hf_weight_metadata(model: torch.nn.Module, arch: ModelArch,

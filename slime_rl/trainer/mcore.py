@@ -73,6 +73,12 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.ssm.gated_delta_net import common as gated_delta_net_common
+from megatron.core.ssm.gated_delta_net import gdn as gated_delta_net_module
+from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -179,6 +185,8 @@ __all__ = [
     "DuplicatedLinear", "IdentityOp", "LocalMLASelfAttention", "copy_to_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "set_tensor_model_parallel_attributes", "make_sharded_tensors_for_checkpoint",
+    "ModuleSpec", "ColumnParallelLinear", "RowParallelLinear", "GatedDeltaNet", "GatedDeltaNetSubmodules",
+    "gated_delta_net_common", "gated_delta_net_module", "torch_chunk_gated_delta_rule",
 ]
 
 def on_rank_thread[F: Callable[..., Any]](method: F) -> F:

@@ -18,12 +18,19 @@ from slime_rl.config.pipeline import stage_layer_counts
 from slime_rl.trainer import packed_rope
 from slime_rl.trainer.attention import SDPACoreAttention
 from slime_rl.trainer.convert import ModelArch, load_arch
+from slime_rl.trainer.gated_delta_net import GatedDeltaNetOutNorm
+from slime_rl.trainer.gated_delta_net import install as install_gated_delta_net
 from slime_rl.trainer.mcore import (
+    ColumnParallelLinear,
     DuplicatedLinear,
+    GatedDeltaNet,
+    GatedDeltaNetSubmodules,
     GPTModel,
     IdentityOp,
     LocalMLASelfAttention,
     MLATransformerConfig,
+    ModuleSpec,
+    RowParallelLinear,
     TransformerBlockSubmodules,
     TransformerConfig,
     get_gpt_layer_local_spec,
@@ -165,9 +172,21 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
                        original_max_position_embeddings=arch.yarn_original_max_position_embeddings,
                        beta_fast=arch.yarn_beta_fast, beta_slow=arch.yarn_beta_slow, mscale=arch.yarn_mscale,
                        mscale_all_dim=arch.yarn_mscale_all_dim)
+    hybrid = {}
+    if arch.linear_layers:  # Qwen3-Next: megatron's GatedDeltaNet in the linear-attention layers (the layer spec's)
+        hybrid = dict(experimental_attention_variant="gated_delta_net",
+                      linear_attention_freq=[int(x) for x in arch.linear_layers],
+                      linear_conv_kernel_dim=arch.linear_conv_kernel_dim,
+                      linear_key_head_dim=arch.linear_key_head_dim, linear_value_head_dim=arch.linear_value_head_dim,
+                      linear_num_key_heads=arch.linear_num_key_heads,
+                      linear_num_value_heads=arch.linear_num_value_heads)
     return config_class(
         **uneven,
         **mla,
+        **hybrid,
+        # Qwen3-Next: the full attention's sigmoid output gate, RMSNorms that scale by 1 + w
+        attention_output_gate=arch.attention_output_gate,
+        layernorm_zero_centered_gamma=arch.zero_centered_norms,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -246,6 +265,9 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
     spec = _norm_block_spec(spec, arch, here)
     if not all(arch.is_moe_layer(i) for i in range(arch.num_layers)) and arch.num_experts:
         spec = _mixed_block_spec(spec, arch, first_layer, here)
+    if arch.linear_layers:  # Qwen3-Next: GatedDeltaNet in the linear-attention layers
+        install_gated_delta_net()  # torch in place of flash-linear-attention where fla is not installed
+        spec = _hybrid_block_spec(spec, arch, first_layer)
     if arch.mrope_section is not None:  # vision-language: 3-D positions (trainer/vision.py)
         config.mrope_section = list(arch.mrope_section)
     model = GPTModel(
@@ -345,6 +367,20 @@ def _mixed_block_spec(moe_spec, arch: ModelArch, first: int, layers_here: int):
     dense = _norm_block_spec(dense, arch, 1).layer_specs[0]
     specs = [moe_layer if arch.is_moe_layer(first + i) else dense for i in range(layers_here)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)
+
+
+def _hybrid_block_spec(block, arch: ModelArch, first: int):
+    """The block spec with megatron's GatedDeltaNet as the attention of the linear-attention layers (config.json's
+    layer_types), under the local spec: its in_proj column-parallel, its out_proj row-parallel, its output norm
+    gated_delta_net.GatedDeltaNetOutNorm; the input norm stays the layer's own (TE's spec fuses it into in_proj)."""
+    gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=GatedDeltaNetOutNorm, out_proj=RowParallelLinear))
+    specs = []
+    for i, layer in enumerate(block.layer_specs):
+        if arch.is_linear_layer(first + i):
+            layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=gdn))
+        specs.append(layer)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=block.layer_norm)
 
 
 def build_from_checkpoint(hf_checkpoint: str | Path, *, bf16: bool = False, tp_size: int = 1,

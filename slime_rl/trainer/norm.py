@@ -22,24 +22,26 @@ import torch
 from torch import Tensor
 
 
-def rmsnorm_engine_rounding(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def rmsnorm_engine_rounding(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> tuple[Tensor, Tensor]:
     """(output, rstd): the engine's RMSNorm (fp32 normalization, times the weight in fp32, one
-    rounding to x's dtype) and the per-row 1 / rms [..., 1] in fp32 (float64 stays float64)."""
+    rounding to x's dtype) and the per-row 1 / rms [..., 1] in fp32 (float64 stays float64).
+    offset 1: a zero-centred weight (Qwen3-Next's norms: times 1 + w, the sum in fp32)."""
     acc = torch.promote_types(x.dtype, torch.float32)
     h = x.to(acc)
     rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * rstd * weight.to(acc)).to(x.dtype), rstd
+    return (h * rstd * (weight.to(acc) + offset)).to(x.dtype), rstd
 
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        out, rstd = rmsnorm_engine_rounding(x, weight, eps)
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+        out, rstd = rmsnorm_engine_rounding(x, weight, eps, offset)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         # y = w * n, n = x * r, r = (mean(x^2) + eps)^-1/2:
         # dL/dx = r * (g*w - n * mean(g*w*n)), dL/dw = sum over rows of g*n
         x, weight, rstd = ctx.saved_tensors
@@ -47,28 +49,31 @@ class _RMSNormFunction(torch.autograd.Function):
         n = x.to(rstd.dtype) * rstd
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            gn = g * weight.to(rstd.dtype)
+            gn = g * (weight.to(rstd.dtype) + ctx.offset)
             grad_x = (rstd * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = (g * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dim with the engine's rounding (module docstring); differentiable."""
-    return _RMSNormFunction.apply(x, weight, eps)
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    """RMSNorm over the last dim with the engine's rounding (module docstring); differentiable. offset 1: the
+    weight is zero-centred (scales by 1 + w)."""
+    return _RMSNormFunction.apply(x, weight, eps, offset)
 
 
 class TrainerRMSNorm(torch.nn.RMSNorm):
     """The decoder's norms (input, pre-MLP, q/k, final), built as megatron's WrappedTorchNorm builds
     torch's (config, hidden_size, eps), computed by `rms_norm`. Under sequence parallelism each TP
     rank normalizes its own slice of the sequence, so the weight's grad is partial:
-    `sequence_parallel = True` makes finalize_model_grads sum it over the TP group."""
+    `sequence_parallel = True` makes finalize_model_grads sum it over the TP group. Under megatron's
+    layernorm_zero_centered_gamma (Qwen3-Next) the weight is stored as w and scales by 1 + w."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
         super().__init__(normalized_shape=hidden_size, eps=eps)
         if config.sequence_parallel:
             self.weight.sequence_parallel = True
+        self.offset = 1.0 if getattr(config, "layernorm_zero_centered_gamma", False) else 0.0
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.offset)

@@ -24,6 +24,7 @@ from slime_rl.train import main as train_main
 HUB = Path(__file__).resolve().parents[1] / "orchestration" / "hf_configs"
 UNSUPPORTED = Path(__file__).parent / "hf_configs"
 SUPPORTED = ", ".join(sorted(FAMILIES))  # the families config/families.py lists, as the refusal names them
+MIGRATION = Path(__file__).parents[1] / "migration" / "hf_configs"
 
 # scripts/models/qwen3-4B.sh (MODEL_ARGS_ROTARY_BASE unset: 1000000)
 QWEN3_4B = """--swiglu --num-layers 36 --hidden-size 2560 --ffn-hidden-size 9728 --num-attention-heads 32
@@ -231,9 +232,9 @@ def test_a_switch_every_model_file_gives_is_compared_only_when_given(flag, tmp_p
     ("qwen3-30B-A3B", "--moe-router-pre-softmax", "norm_topk_prob true"),
     ("qwen3-30B-A3B", "--moe-shared-expert-gate", "without a shared expert"),
     ("qwen3-4B", "--multi-latent-attention", "no multi-latent attention"),
-    ("qwen3-4B", "--apply-layernorm-1p", "zero-centred"),
-    ("qwen3-4B", "--attention-output-gate", "output gate"),
-    ("qwen3-4B", "--use-gated-attention", "gated attention"),
+    ("qwen3-4B", "--apply-layernorm-1p", "model_type 'qwen3', whose RMSNorms scale by w"),
+    ("qwen3-4B", "--attention-output-gate", "without an output gate on attention"),
+    ("qwen3-4B", "--use-gated-attention", "without an output gate on attention"),
     ("qwen3-4B", "--rotary-interleaved", "which rotates the two halves of each head's rotary channels"),
     ("qwen3-4B", "--post-self-attn-layernorm", "without norms after attention and the MLP"),
     ("qwen2.5-0.5B", "--post-mlp-layernorm", "without norms after attention and the MLP"),
@@ -381,34 +382,74 @@ def test_every_flag_of_slimes_model_files_is_read(tmp_path):
 
 
 # ---- model families this trainer does not build: one sentence naming model_type, before any other check
-@pytest.mark.parametrize("config, model_type", [("qwen3_next.json", "qwen3_next")])
+@pytest.mark.parametrize("model, model_type", [("Qwen3.5-35B-A3B", "qwen3_5_moe")])
 @pytest.mark.parametrize("extra", [[], ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8",
                                         "--expert-model-parallel-size", "16", "--rollout-batch-size", "16"]],
                          ids=["no-EP", "EP16"])
-def test_an_unsupported_family_is_refused_naming_its_model_type(config, model_type, extra, tmp_path):
-    message = _refused(tmp_path, config, extra, UNSUPPORTED)
+def test_an_unsupported_family_is_refused_naming_its_model_type(model, model_type, extra, tmp_path):
+    (tmp_path / "hub").mkdir()
+    shutil.copy(MIGRATION / model / "config.json", tmp_path / "hub" / f"{model_type}.json")
+    message = _refused(tmp_path, f"{model_type}.json", extra, tmp_path / "hub")
     assert f"its config.json names model_type '{model_type}', which is not a model family this trainer builds " \
            f"(supported: {SUPPORTED})" in message, message
-    assert "dense" not in message
+    assert "dense" not in message and "qwen3_next" in SUPPORTED
 
 
-@pytest.mark.parametrize("config, model_type, model_args", [("qwen3_next.json", "qwen3_next", QWEN3_NEXT)])
-@pytest.mark.parametrize("ep", ["1", "8"])
-def test_a_dry_run_of_an_unsupported_family_exits_2_with_that_sentence(config, model_type, model_args, ep, tmp_path,
-                                                                      capsys):
-    """slime's own model file for it (its own spec, gated attention, ...) gets the same sentence, not a
-    complaint about one of its flags; the dry run stops before its estimates."""
-    hf = _checkpoint(tmp_path, config, UNSUPPORTED)
+def test_qwen3_next_model_file_agrees_and_plans(tmp_path, capsys):
+    """slime's scripts/models/qwen3-next-80B-A3B.sh (its own spec, --attention-output-gate, --use-gated-attention,
+    --apply-layernorm-1p, --rotary-percent 0.25, --kv-channels 256, the gated shared expert) against Qwen3-Next's
+    published config.json: every flag agrees, and the dry run plans it on 4 x 8 GPUs with EP 8; the built-in
+    engine, which does not serve its Gated DeltaNet layers, is refused in one sentence."""
+    hf = _checkpoint(tmp_path, "qwen3_next.json", UNSUPPORTED)
     argv = ["--hf-checkpoint", str(hf), "--prompt-data", "/data/not-here.jsonl", "--rollout-batch-size", "16",
-            "--num-rollout", "1", "--rm-type", "math", "--rollout-backend", "sglang", "--actor-num-nodes", "2",
-            "--actor-num-gpus-per-node", "8", "--expert-model-parallel-size", ep, "--dry-run", "--cluster", "4x8",
-            *model_args.split()]
-    assert train_main(argv) == 2
-    captured = capsys.readouterr()
-    err = captured.err.strip().splitlines()[-1]
-    assert err == (f"slime-rl train: error: --hf-checkpoint {hf}: its config.json names model_type '{model_type}', "
-                   f"which is not a model family this trainer builds (supported: {SUPPORTED})"), err
-    assert "estimates" not in captured.out
+            "--num-rollout", "1", "--rm-type", "math", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8",
+            "--expert-model-parallel-size", "8", "--rollout-num-gpus", "16", "--dry-run", "--cluster", "4x8",
+            *QWEN3_NEXT.split()]
+    rc, captured = train_main([*argv, "--rollout-backend", "sglang"]), capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "qwen3_next" in captured.out and "512 experts, top-10, in 48 layers" in captured.out, captured.out
+    assert train_main([*argv, "--rollout-backend", "embedded"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"slime-rl train: error: --rollout-backend embedded: --hf-checkpoint {hf} is model_type "
+                   "'qwen3_next', whose Gated DeltaNet (linear attention) layers the built-in engine does not serve; "
+                   "use --rollout-backend sglang"), err
+
+
+@pytest.mark.parametrize("change, claim, truth", [
+    (("--apply-layernorm-1p", None), "no --apply-layernorm-1p (Megatron-LM's norms scale by w)",
+     "model_type 'qwen3_next', whose RMSNorms store w and scale by 1 + w"),
+    (("--attention-output-gate", None), "no --attention-output-gate (Megatron-LM builds no output gate)",
+     "whose attention's output is scaled by sigmoid of a gate"),
+    (("--rotary-percent", "0.5"), "--rotary-percent 0.5", "partial_rotary_factor 0.25"),
+    (("--kv-channels", "128"), "--kv-channels 128", "head_dim 256"),
+    (("--moe-shared-expert-gate", None), "no --moe-shared-expert-gate (Megatron-LM adds the shared expert's output "
+     "ungated)",
+     "whose shared expert is scaled by sigmoid(shared_expert_gate)"),
+])
+def test_qwen3_next_model_file_that_differs_is_named(change, claim, truth, tmp_path):
+    """Each Qwen3-Next flag compared with what config.json (and the family) says: zero-centred norms, the attention's
+    output gate, partial_rotary_factor 0.25, head_dim 256, the shared expert's sigmoid gate; slime's own file as
+    written passes the same check, and --apply-layernorm-1p on a family without zero-centred norms is named; LoRA,
+    not built for its Gated DeltaNet layers, is refused in one sentence, as is a TP x CP that splits its key heads."""
+    tokens = QWEN3_NEXT.split() + ["--rollout-backend", "sglang"]  # the built-in engine does not serve it
+    _check(tmp_path, "qwen3_next.json", tokens, UNSUPPORTED)
+    flag, value = change
+    if value is None:  # leave the switch out
+        tokens = [t for t in tokens if t != flag]
+    else:
+        tokens = _replace(tokens, flag, value)
+    message = _refused(tmp_path, "qwen3_next.json", tokens, UNSUPPORTED)
+    assert f"{claim}: " in message and truth in message, message
+    lora = _refused(tmp_path, "qwen3_next.json", QWEN3_NEXT.split() + ["--rollout-backend", "sglang", "--lora-rank",
+                                                                         "8"], UNSUPPORTED)
+    assert lora == ("--lora-rank: LoRA on Gated DeltaNet (linear attention) models (qwen3_next) is not built yet; "
+                    "train it whole (drop the --lora-* flags)"), lora
+    heads = _refused(tmp_path, "qwen3_next.json", QWEN3_NEXT.split() + [
+        "--rollout-backend", "sglang", "--context-parallel-size", "32", "--actor-num-gpus-per-node", "32"], UNSUPPORTED)
+    assert heads.startswith("--tensor-model-parallel-size 1 x --context-parallel-size 32 = 32 must divide "
+                            "linear_num_key_heads 16 of "), heads
+    message = _refused(tmp_path, "glm4_5_air.json", GLM4_5_AIR.split() + ["--apply-layernorm-1p"], UNSUPPORTED)
+    assert "--apply-layernorm-1p: " in message and "whose RMSNorms scale by w" in message, message
 
 
 def test_glm4_5_air_model_file_agrees_and_plans(tmp_path, capsys):

@@ -88,6 +88,39 @@ def test_param_count_glm_z1_9b_by_hand():
     assert model_shape(hf_config("glm_z1_9b.json")).params == total
 
 
+def test_param_count_qwen3_next_80b_a3b_by_hand():
+    """Qwen3-Next-80B-A3B's published config.json, counted by hand: 48 layers, every fourth (full_attention_interval
+    4) full attention: q_proj 2048 x (16 heads x 256 x 2: each head's query and output gate), k and v 2048 x 2 x 256,
+    o_proj 4096 x 2048, q/k norms 256 each; the other 36 Gated DeltaNet: in_proj_qkvz 2048 x (2 x 16 x 128 + 2 x 32 x
+    128), in_proj_ba 2048 x 64, conv1d (2 x 2048 + 4096) x 4, dt_bias and A_log 32 each, out_proj 4096 x 2048, the
+    gated norm 128; every layer two norms and an MoE block of 512 experts of 3 x 2048 x 512, the router 512 x 2048,
+    the shared expert 3 x 2048 x 512 and its gate 2048; the final norm, untied embedding and LM head 151936 x 2048:
+    79.67e9, the "80B" of its name."""
+    h, vocab, q, kv, kd, vd, nv = 2048, 151936, 16 * 256, 2 * 256, 16 * 128, 32 * 128, 32
+    full = h * 2 * q + 2 * h * kv + q * h + 2 * 256 + 2 * h
+    linear = h * (2 * kd + 2 * vd) + h * 2 * nv + (2 * kd + vd) * 4 + 2 * nv + vd * h + 128 + 2 * h
+    moe = 512 * 3 * h * 512 + 512 * h + 3 * h * 512 + h
+    total = 12 * full + 36 * linear + 48 * moe + h + 2 * vocab * h
+    assert total == 79_674_391_296
+    shape = model_shape(hf_config("qwen3_next_80b_a3b.json"))
+    assert shape.params == total and shape.linear_layers == tuple(i for i in range(48) if (i + 1) % 4)
+
+
+def test_activation_bytes_of_a_gated_delta_net_layer_by_hand():
+    """One Gated DeltaNet layer of Qwen3-Next-80B-A3B per token (module docstring's rows), TP 2 without sequence
+    parallelism: norms 8h whole; convolution 4(2kd + vd), q/k 4kd + 4 nv dk, v/g/beta 2vd + 6nv, gated norm 8vd,
+    halved; its MoE block as any (top-10 experts, the router's logits, the shared expert)."""
+    shape = model_shape(hf_config("qwen3_next_80b_a3b.json"))
+    h, kd, vd, nv, dk = 2048, 2048, 4096, 32, 128
+    mixer = 4 * (2 * kd + vd) + 4 * kd + 4 * nv * dk + 2 * vd + 6 * nv + 8 * vd
+    moe = 8 * 10 * 512 / 2 + 4 * 512 + 8 * 512 / 2
+    assert activation_bytes_per_token(shape, TrainerLayout(tp=2), layer=0) == 8 * h + mixer / 2 + moe
+    # layer 3 is full attention: q (16 x 256), k/v (2 x 256), the output gate's rows, q/k norms
+    q, kv = 4096, 512
+    attention = 2 * (q + 2 * kv) + 2 * q + 4 * 16 + 2 * (q + kv) + 2 * q
+    assert activation_bytes_per_token(shape, TrainerLayout(tp=2), layer=3) == 8 * h + attention / 2 + moe
+
+
 def test_param_count_of_the_tiny_glm4_is_its_weights(tiny_glm4):
     """The tiny GLM-4 folder (tools/make_tiny_model.py --arch glm4): the estimate from its config.json equals the
     elements of its model.safetensors, and of transformers' model loaded from it."""

@@ -49,7 +49,10 @@ FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0},
               # minimax_m2: what SGLang reads (q/k norms over all heads, sigmoid + bias), 4 experts of
               # intermediate_size 6, 2 channels of each head rotated
               "minimax_m2": {"use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
-                             "use_routing_bias": True, "num_local_experts": 4, "rotary_dim": 2}}
+                             "use_routing_bias": True, "num_local_experts": 4, "rotary_dim": 2},
+              # qwen3_next: a Gated DeltaNet layer then a gated-attention one, small linear-attention widths
+              "qwen3_next": {"num_hidden_layers": 2, "full_attention_interval": 2, "linear_num_key_heads": 2,
+                             "linear_num_value_heads": 4, "linear_key_head_dim": 2, "linear_value_head_dim": 3}}
 
 
 def _family_cfg(cfg: dict) -> dict:
@@ -117,9 +120,13 @@ def test_round_trip_every_param_bit_exact(model_type, tp):
               "q_norm": (3,), "k_norm": (3,), "gate_proj": (6, 8), "up_proj": (6, 8), "down_proj": (8, 6),
               "embed_tokens": (10, 8), "lm_head": (10, 8),
               "w1": (6, 8), "w3": (6, 8), "w2": (8, 6)}  # MiniMax-M2's names of an expert's gate, up, down
-    for pm in arch.family.param_maps(arch.num_layers, tied=False, num_experts=arch.num_experts):
-        hf = [torch.randn(shapes.get(n.split(".")[-2], (8,))[: (1 if n.endswith("bias") else 2)],
-                          generator=g) for n in pm.hf]
+    hybrid = arch.family.gated_delta_net  # its layers differ by kind: the arch's own maps and shapes
+    sized = hf_shapes(arch) if hybrid else {}
+    maps = arch.param_maps() if hybrid else arch.family.param_maps(arch.num_layers, tied=False,
+                                                                   num_experts=arch.num_experts)
+    for pm in maps:
+        hf = [torch.randn(sized[n] if n in sized else shapes.get(n.split(".")[-2], (8,))[
+            : (1 if n.endswith("bias") else 2)], generator=g) for n in pm.hf]
         shards = [hf_to_mcore_shard(pm, hf, arch, r, tp) for r in range(tp)]
         if pm.layout is Layout.VOCAB:
             assert sum(s.shape[0] for s in shards) == arch.padded_vocab_size

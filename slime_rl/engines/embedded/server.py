@@ -84,6 +84,19 @@ def _hf_config(model_path: str, auto_config: Any) -> Any:
     return auto_config.from_pretrained(model_path)
 
 
+def refuse_unserved_family(model_type: str) -> None:
+    """ValueError, one sentence, for a family whose layers the engine's batching cannot run: Qwen3-Next's Gated
+    DeltaNet layers keep a convolution and a recurrent state per sequence, which the engine's left-padded
+    DynamicCache batches (batch.py: key/value tensors merged, split and trimmed by position) do not hold."""
+    from slime_rl.config.families import FAMILIES
+
+    family = FAMILIES.get(model_type)
+    if family is not None and family.gated_delta_net:
+        raise ValueError(f"model_type {model_type!r}: the built-in engine does not serve its Gated DeltaNet "
+                         "(linear attention) layers, whose recurrent state its left-padded key/value cache batches "
+                         "do not hold; use --rollout-backend sglang")
+
+
 class EmbeddedServer:
     """Loads the model, starts the scheduler and serves HTTP (call `start()` or `serve_forever()`)."""
 
@@ -101,6 +114,7 @@ class EmbeddedServer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.vision: VisionInputs | None = None
         hf = _hf_config(cfg.model_path, AutoConfig)
+        refuse_unserved_family(getattr(hf, "model_type", ""))
         if is_vision_config(hf):  # Qwen2.5-VL: the image-text class holds the vision tower
             from transformers import AutoModelForImageTextToText
             self.model = AutoModelForImageTextToText.from_pretrained(cfg.model_path, dtype=dtype).to(cfg.device).eval()

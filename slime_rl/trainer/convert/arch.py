@@ -81,6 +81,18 @@ class ModelArch:
     # multi-token-prediction layers the checkpoint holds after the decoder (num_nextn_predict_layers):
     # their tensors are read past and not trained
     mtp_layers: int = 0
+    # hybrid linear attention (Family.gated_delta_net, Qwen3-Next): per layer whether it is a GatedDeltaNet (HF
+    # layer_types "linear_attention"); its key/value head counts and widths and its convolution's width; the full
+    # attention's sigmoid output gate (megatron's attention_output_gate); RMSNorms that scale by 1 + w
+    # (layernorm_zero_centered_gamma)
+    linear_layers: tuple[bool, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    attention_output_gate: bool = False
+    zero_centered_norms: bool = False
     # layers of each pipeline stage when the split is uneven (--decoder-first/last-pipeline-num-layers,
     # config/pipeline.py); () for the even split
     pipeline_layers: tuple[int, ...] = ()
@@ -99,6 +111,9 @@ class ModelArch:
         per_stage = self.num_layers // pp_size
         return pp_rank * per_stage, per_stage
 
+    def is_linear_layer(self, i: int) -> bool:
+        return bool(self.linear_layers) and self.linear_layers[i]
+
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.num_experts) and (not self.moe_layers or self.moe_layers[i])
 
@@ -109,12 +124,13 @@ class ModelArch:
     def layer_maps(self, i: int) -> tuple[ParamMap, ...]:
         """The registry entries of global layer i (its MLP dense or MoE; q/k norms and MLA's query
         projections as the config says)."""
-        return self.family.layer_maps(self.is_moe_layer(i), self.qk_layernorm, self.q_lora_rank > 0)
+        return self.family.layer_maps(self.is_moe_layer(i), self.qk_layernorm, self.q_lora_rank > 0,
+                                      self.is_linear_layer(i))
 
     def param_maps(self) -> list[ParamMap]:
         """Every tensor of the model as one rank would hold it (Family.param_maps for this config)."""
         return self.family.param_maps(self.num_layers, self.tie_word_embeddings, self.num_experts, self.moe_layers,
-                                      self.qk_layernorm, self.q_lora_rank > 0)
+                                      self.qk_layernorm, self.q_lora_rank > 0, self.linear_layers)
 
     @property
     def mla(self) -> bool:
@@ -165,8 +181,9 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         if not mrope:
             raise ValueError(f"{where}: a {family.model_type} config needs rope_parameters.mrope_section "
                              "(or rope_scaling.mrope_section)")
-    if family.moe:  # hub configs write mlp_only_layers: null as often as []
-        cfg = {**cfg, "mlp_only_layers": cfg.get("mlp_only_layers") or []}
+    if family.moe:  # hub configs write mlp_only_layers: null as often as []; norm_topk_prob: the family's default
+        cfg = {**cfg, "mlp_only_layers": cfg.get("mlp_only_layers") or [],
+               "norm_topk_prob": family.config_value(cfg, "norm_topk_prob", False)}
     for key, allowed in family.required_config.items():
         value = cfg.get(key, family.config_defaults.get(key, allowed))
         if value != allowed:
@@ -194,6 +211,8 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         moe = _moe_fields(cfg, where, int(cfg["num_hidden_layers"]), family.shared_expert)
     qk_norm = family.qk_layernorm if family.qk_norm_key is None else bool(family.config_value(cfg, family.qk_norm_key))
     mla = _mla_fields(cfg, family, where) if family.mla else {}
+    linear = _linear_attention_fields(cfg, family, where, int(cfg["num_hidden_layers"]), tp_size) \
+        if family.gated_delta_net else {}
     return ModelArch(
         model_type=family.model_type,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -218,6 +237,8 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         qk_norm_whole=family.qk_norm_whole,
         mtp_layers=_mtp_layers(cfg, family),
         **mla,
+        **linear,
+        zero_centered_norms=family.zero_centered_norms,
         **(_yarn_fields(cfg, where) if family.mla else {}),
         mrope_section=tuple(int(x) for x in mrope) if mrope else None,
         vision=vision,
@@ -246,6 +267,36 @@ def _moe_fields(cfg: dict[str, Any], where: str, num_layers: int = 0, shared_exp
                              f"(the shared expert's width), got {shared!r}")
         out["moe_shared_expert_ffn_hidden_size"] = shared
     return out
+
+
+def _linear_attention_fields(cfg: dict[str, Any], family: Family, where: str, num_layers: int,
+                             tp_size: int) -> dict[str, Any]:
+    """ModelArch's hybrid fields from a Qwen3-Next config.json: the layer kinds from layer_types (transformers 5
+    writes it) or else full_attention_interval (the hub's file: layer i is full attention when (i + 1) is a multiple
+    of it, transformers' reading), the GatedDeltaNet's heads and widths (transformers' defaults where the file leaves
+    them out), and the full attention's output gate. TP splits the key heads (and with them their value heads)."""
+    value = family.config_value
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = value(cfg, "full_attention_interval")
+        if not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"{where}: full_attention_interval={interval!r} must be an integer >= 1")
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"{where}: layer_types={types!r} must name 'linear_attention' or 'full_attention' for each "
+                         f"of the {num_layers} layers")
+    out = {k: int(value(cfg, k)) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                           "linear_value_head_dim", "linear_conv_kernel_dim")}
+    bad = [k for k, v in out.items() if v <= 0]
+    if bad:
+        raise ValueError(f"{where}: {bad} must be positive integers (Gated DeltaNet)")
+    keys, values = out["linear_num_key_heads"], out["linear_num_value_heads"]
+    if values % keys:
+        raise ValueError(f"{where}: linear_num_value_heads={values} must be a multiple of linear_num_key_heads={keys}")
+    if keys % tp_size:
+        raise ValueError(f"{where}: linear_num_key_heads={keys} is not divisible by --tensor-model-parallel-size "
+                         f"{tp_size}; each TP rank must own whole Gated DeltaNet key heads")
+    return {**out, "linear_layers": tuple(t == "linear_attention" for t in types), "attention_output_gate": True}
 
 
 def _mla_fields(cfg: dict[str, Any], family: Family, where: str) -> dict[str, int]:
@@ -450,7 +501,16 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             "kv_down": arch.kv_lora_rank + arch.qk_rope_head_dim,
             "q_up": arch.num_attention_heads * (arch.qk_nope_head_dim + arch.qk_rope_head_dim),
             "kv_up": arch.num_attention_heads * (arch.qk_nope_head_dim + arch.v_head_dim),
-            "o_in": arch.num_attention_heads * arch.v_head_dim}
+            "o_in": arch.num_attention_heads * arch.v_head_dim,
+            "q_gate": 2 * arch.num_attention_heads * arch.kv_channels,
+            "gdn_qkvz": 2 * arch.linear_num_key_heads * arch.linear_key_head_dim
+            + 2 * arch.linear_num_value_heads * arch.linear_value_head_dim,
+            "gdn_ba": 2 * arch.linear_num_value_heads,
+            "gdn_conv": 2 * arch.linear_num_key_heads * arch.linear_key_head_dim
+            + arch.linear_num_value_heads * arch.linear_value_head_dim,
+            "gdn_heads": arch.linear_num_value_heads, "gdn_vhead": arch.linear_value_head_dim,
+            "gdn_v": arch.linear_num_value_heads * arch.linear_value_head_dim,
+            "conv_kernel": arch.linear_conv_kernel_dim}
     out: dict[str, tuple[int, ...]] = {pm.hf[0]: pm.shapes[0] for pm in arch.vision_params}  # concrete sizes
     for pm in arch.param_maps():
         assert len(pm.shapes) == len(pm.hf), f"registry entry {pm.mcore}: one shape per HF name"

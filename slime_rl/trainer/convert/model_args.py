@@ -11,7 +11,8 @@ whole MODEL_ARGS (--num-layers, --hidden-size and --num-attention-heads given: w
 needs to build a model) and only where slime's model files rely on Megatron-LM's default by leaving
 the flag out (tied embeddings, no q/k/v bias, no q/k norm, one key/value head per query head, a
 dense MLP, no shared expert, softmax after the top-k, head width hidden / heads, norm epsilon
-1e-05, no norms after attention and the MLP, the two halves of each head rotating) or slime's own
+1e-05, no norms after attention and the MLP, the two halves of each head rotating, norms that scale by w, no
+output gate on attention) or slime's own
 config.json check compares the default (rotary base 10000, slime/backends/megatron_utils/arguments.py).
 Switches every slime model file gives (--swiglu, --disable-bias-linear, the position embedding,
 --normalization) are compared only when given.
@@ -31,9 +32,6 @@ from slime_rl.trainer.convert.arch import ModelArch
 WHOLE = ("--num-layers", "--hidden-size", "--num-attention-heads")
 # the switches no family here has: flag -> what the family lacks
 _NO_FAMILY_HAS = {
-    "--apply-layernorm-1p": "zero-centred norm weights (1 + w)",
-    "--attention-output-gate": "output gate on attention",
-    "--use-gated-attention": "gated attention",
     "--use-rope-scaling": "RoPE scaling (no rope_scaling: default RoPE)",
     "--moe-router-enable-expert-bias": "expert bias in its routers (e_score_correction_bias)",
 }
@@ -168,6 +166,9 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
          "of the key's)" if arch.qk_norm_whole else "with q_norm / k_norm (an RMSNorm of each query and key head)")
         if arch.qk_layernorm else "without q/k norm")
     switch("--qk-layernorm", arch.qk_layernorm, qk_norm, "Megatron-LM builds no q/k norm")
+    centred = f"model_type {mt}, " + ("whose RMSNorms store w and scale by 1 + w" if arch.zero_centered_norms
+                                      else "whose RMSNorms scale by w")
+    switch("--apply-layernorm-1p", arch.zero_centered_norms, centred, "Megatron-LM's norms scale by w")
     post = f"model_type {mt}, " + ("with a norm of the attention's and of the MLP's output before each residual add "
                                    "(post_self_attn_layernorm, post_mlp_layernorm)" if arch.post_norms else
                                    "without norms after attention and the MLP")
@@ -204,6 +205,11 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
         "--multi-latent-attention)" if arch.mla else "which rotates the two halves of each head's rotary channels")
     switch("--rotary-interleaved", arch.rotary_interleaved, pairs, "Megatron-LM rotates the two halves of each head")
     _compare_mla(given, text, arch, whole, out, compare)
+    gate = f"model_type {mt}, " + ("whose attention's output is scaled by sigmoid of a gate q_proj computes with "
+                                   "each head's query" if arch.attention_output_gate else "without an output gate on "
+                                   "attention")
+    switch("--attention-output-gate", arch.attention_output_gate, gate, "Megatron-LM builds no output gate")
+    switch("--use-gated-attention", arch.attention_output_gate, gate, "", read_absent=False)  # slime's spec reads it
     for flag, what in _NO_FAMILY_HAS.items():
         if flag == "--moe-router-enable-expert-bias" and arch.moe_expert_bias:
             continue

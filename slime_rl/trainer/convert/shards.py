@@ -12,6 +12,15 @@ fc1 is [gate; up] *per rank*: MLP splits its local output in two halves (act(fir
 so rank r holds [gate_r; up_r] and the concatenation of shards is NOT [gate; up]. GLM-4's HF
 checkpoint holds the two as one tensor (`gate_up_proj`, [gate; up], chunked in two by its forward):
 Layout.FC1_FUSED, the same shards from the halves of that one tensor.
+
+Qwen3-Next's gated attention (Layout.QKV_GATED, megatron's attention_output_gate): per query group megatron holds
+[q(heads of the group); gate(heads of the group); k; v] (Attention.get_query_key_value_tensors), HF's q_proj per head
+[q_h; gate_h]. The GatedDeltaNet's in_proj (Layout.GDN_IN_PROJ) is split by megatron into the sections [q; k; v; z;
+b; a] of this rank's heads (GatedDeltaNet.in_proj_split_sections, each section's heads in order), while HF's
+in_proj_qkvz holds per key head [q_h; k_h; v (its value heads); z (its value heads)] and in_proj_ba per key head
+[b (its value heads); a (its value heads)]; value head j belongs to key head j // (value heads / key heads) in both
+(megatron repeats each key head that many times, repeat_interleave). The conv1d's channels (Layout.GDN_CONV) are
+HF's [q; k; v] (all heads of each), megatron's the same sections of this rank's heads.
 """
 
 from __future__ import annotations
@@ -42,6 +51,74 @@ def _unfuse_qkv(fused: Tensor, arch: ModelArch) -> tuple[Tensor, Tensor, Tensor]
             v.reshape(groups * d, *rest))
 
 
+def _gated_qkv_sections(q_gate: Tensor, k: Tensor, v: Tensor, arch: ModelArch) -> Tensor:
+    """HF q_proj (per head [q; gate]), k_proj, v_proj -> megatron's per group [q; gate; k; v], all groups."""
+    groups, d = arch.num_query_groups, arch.kv_channels
+    per = arch.num_attention_heads // groups
+    rest = q_gate.shape[1:]
+    qg = q_gate.reshape(groups, per, 2, d, *rest)
+    fused = torch.cat([qg[:, :, 0].reshape(groups, per * d, *rest), qg[:, :, 1].reshape(groups, per * d, *rest),
+                       k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], dim=1)
+    return fused.reshape(groups * (2 * per + 2) * d, *rest)
+
+
+def _gated_qkv_unfuse(fused: Tensor, arch: ModelArch) -> tuple[Tensor, Tensor, Tensor]:
+    groups, d = arch.num_query_groups, arch.kv_channels
+    per = arch.num_attention_heads // groups
+    rest = fused.shape[1:]
+    q, gate, k, v = torch.split(fused.reshape(groups, (2 * per + 2) * d, *rest), [per * d, per * d, d, d], dim=1)
+    q_gate = torch.stack([q.reshape(groups, per, d, *rest), gate.reshape(groups, per, d, *rest)], dim=2)
+    return (q_gate.reshape(groups * per * 2 * d, *rest), k.reshape(groups * d, *rest), v.reshape(groups * d, *rest))
+
+
+def _gdn_dims(arch: ModelArch) -> tuple[int, int, int, int]:
+    """(key heads, value heads per key head, key head width, value head width) of the GatedDeltaNet."""
+    keys = arch.linear_num_key_heads
+    return keys, arch.linear_num_value_heads // keys, arch.linear_key_head_dim, arch.linear_value_head_dim
+
+
+def _gdn_in_proj_sections(qkvz: Tensor, ba: Tensor, arch: ModelArch) -> list[Tensor]:
+    """HF in_proj_qkvz / in_proj_ba (per key head) -> the sections [q, k, v, z, b, a], each over all heads in order."""
+    keys, r, dk, dv = _gdn_dims(arch)
+    rest = qkvz.shape[1:]
+    q, k, v, z = torch.split(qkvz.reshape(keys, 2 * dk + 2 * r * dv, *rest), [dk, dk, r * dv, r * dv], dim=1)
+    b, a = torch.split(ba.reshape(keys, 2 * r, *rest), [r, r], dim=1)
+    return [t.reshape(-1, *rest) for t in (q, k, v, z, b, a)]
+
+
+def _gdn_in_proj_hf(sections: list[Tensor], arch: ModelArch) -> tuple[Tensor, Tensor]:
+    """The sections [q, k, v, z, b, a] (all heads) -> HF in_proj_qkvz, in_proj_ba (per key head)."""
+    keys, r, dk, dv = _gdn_dims(arch)
+    q, k, v, z, b, a = sections
+    rest = q.shape[1:]
+    qkvz = torch.cat([q.reshape(keys, dk, *rest), k.reshape(keys, dk, *rest), v.reshape(keys, r * dv, *rest),
+                      z.reshape(keys, r * dv, *rest)], dim=1)
+    ba = torch.cat([b.reshape(keys, r, *rest), a.reshape(keys, r, *rest)], dim=1)
+    return qkvz.reshape(-1, *rest), ba.reshape(-1, *rest)
+
+
+def _gdn_conv_sizes(arch: ModelArch) -> list[int]:
+    key = arch.linear_num_key_heads * arch.linear_key_head_dim
+    return [key, key, arch.linear_num_value_heads * arch.linear_value_head_dim]
+
+
+def _split_sections(sections: list[Tensor], tp_rank: int, tp_size: int) -> Tensor:
+    """Each section split on dim 0 over TP; this rank's parts, concatenated in section order."""
+    return torch.cat([t.chunk(tp_size, dim=0)[tp_rank] for t in sections])
+
+
+def _gather_sections(shards: list[Tensor], sizes: list[int]) -> list[Tensor]:
+    """The shards of _split_sections (rank order) -> the whole sections, given their full sizes."""
+    tp = len(shards)
+    parts = [torch.split(s, [n // tp for n in sizes]) for s in shards]
+    return [torch.cat([p[i] for p in parts]) for i in range(len(sizes))]
+
+
+def _gdn_in_proj_sizes(arch: ModelArch) -> list[int]:
+    keys, r, dk, dv = _gdn_dims(arch)
+    return [keys * dk, keys * dk, keys * r * dv, keys * r * dv, keys * r, keys * r]
+
+
 def hf_to_mcore_shard(pm: ParamMap, hf: list[Tensor], arch: ModelArch, tp_rank: int,
                       tp_size: int) -> Tensor:
     """Full HF tensors (in `pm.hf` order) -> the Megatron tensor held by TP rank `tp_rank`."""
@@ -68,6 +145,12 @@ def hf_to_mcore_shard(pm: ParamMap, hf: list[Tensor], arch: ModelArch, tp_rank: 
             return hf[0]
         gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in halves)
         return torch.cat([gate, up])
+    if pm.layout is Layout.QKV_GATED:
+        return _gated_qkv_sections(*hf, arch).chunk(tp_size, dim=0)[tp_rank]
+    if pm.layout is Layout.GDN_IN_PROJ:
+        return _split_sections(_gdn_in_proj_sections(*hf, arch), tp_rank, tp_size)
+    if pm.layout is Layout.GDN_CONV:
+        return _split_sections(list(torch.split(hf[0], _gdn_conv_sizes(arch))), tp_rank, tp_size)
     raise AssertionError(pm.layout)
 
 
@@ -100,6 +183,13 @@ def mcore_shards_to_hf(pm: ParamMap, shards: list[Tensor], arch: ModelArch) -> l
             return [(pm.hf[0], shards[0])]
         halves = [s.chunk(2, dim=0) for s in shards]
         return [(pm.hf[0], torch.cat([h[0] for h in halves] + [h[1] for h in halves]))]
+    if pm.layout is Layout.QKV_GATED:
+        return list(zip(pm.hf, _gated_qkv_unfuse(_cat(shards), arch), strict=True))
+    if pm.layout is Layout.GDN_IN_PROJ:
+        return list(zip(pm.hf, _gdn_in_proj_hf(_gather_sections(shards, _gdn_in_proj_sizes(arch)), arch),
+                        strict=True))
+    if pm.layout is Layout.GDN_CONV:
+        return [(pm.hf[0], torch.cat(_gather_sections(shards, _gdn_conv_sizes(arch))))]
     raise AssertionError(pm.layout)
 
 
@@ -114,12 +204,35 @@ def mcore_param_to_hf_views(pm: ParamMap, param: Tensor, arch: ModelArch) -> lis
     """TP=1 only: [(hf_name, view of `param`, HF shape)]. The view holds the HF tensor's elements in
     row-major order but may keep a finer shape: a QKV split with more than one query group is a
     (groups, rows, ...) strided view, whose reshape to the HF shape would be a copy. Weight sync
-    copies it into its bucket as is (one strided copy) and announces the HF shape."""
+    copies it into its bucket as is (one strided copy) and announces the HF shape.
+
+    The one HF tensor no view can give is the GatedDeltaNet's in_proj_qkvz, whose rows per key head
+    interleave four sections of unequal widths: it comes as a copy (`COPIED_AT_TP1`)."""
+    rest = tuple(param.shape[1:])
+    if pm.layout is Layout.QKV_GATED:
+        groups, d = arch.num_query_groups, arch.kv_channels
+        per = arch.num_attention_heads // groups
+        q_gate, k, v = torch.split(param.view(groups, 2 * per + 2, d, *rest), [2 * per, 1, 1], dim=1)
+        # [groups, (queries, gates), per, d] -> per head: its query rows, then its gate rows
+        q_gate = q_gate.unflatten(1, (2, per)).transpose(1, 2)
+        return [(pm.hf[0], q_gate, (groups * per * 2 * d, *rest)), (pm.hf[1], k, (groups * d, *rest)),
+                (pm.hf[2], v, (groups * d, *rest))]
+    if pm.layout is Layout.GDN_CONV:  # one rank's [q; k; v] is HF's
+        return [(pm.hf[0], param, tuple(param.shape))]
+    if pm.layout is Layout.GDN_IN_PROJ:
+        keys, r, _, _ = _gdn_dims(arch)
+        qkvz_rows = sum(_gdn_in_proj_sizes(arch)[:4])
+        ba = param[qkvz_rows:].view(2, keys, r, *rest).transpose(0, 1)  # per key head: its b, then its a
+        ((_, qkvz),) = [(n, t) for n, t in mcore_shards_to_hf(pm, [param], arch) if n == pm.hf[0]]
+        return [(pm.hf[0], qkvz, tuple(qkvz.shape)), (pm.hf[1], ba, (keys * 2 * r, *rest))]
     if pm.layout is not Layout.QKV:
         return [(n, t, tuple(t.shape)) for n, t in mcore_shards_to_hf(pm, [param], arch)]
     groups, d = arch.num_query_groups, arch.kv_channels
     q_per_group = arch.num_attention_heads // groups
-    rest = tuple(param.shape[1:])
     per_group = param.view(groups, (q_per_group + 2) * d, *rest)
     parts = torch.split(per_group, [q_per_group * d, d, d], dim=1)
     return [(n, t, (t.shape[0] * t.shape[1], *rest)) for n, t in zip(pm.hf, parts, strict=True)]
+
+
+# (layout, HF name index) whose TP=1 weight-sync source is a copy of the parameter, not a view of it
+COPIED_AT_TP1 = frozenset({(Layout.GDN_IN_PROJ, 0)})

@@ -1,0 +1,82 @@
+"""Qwen3-Next (qwen3_next) scenarios, run like trainer_scenarios.py (`python -m tests.trainer.trainer_scenarios NAME
+...` finds them here), on the tiny checkpoint ckpts["qwen3_next"].
+
+Each layout records, on the fixed batch at temperature 1, the log-probs of its DP shard, a forward-backward's stats,
+the full gradient in HF names (gathered over TP), the grad norm, each layer's attention class and global number, the
+model config's hybrid fields, the HF tensors weight sync would send and, at TP=2, --save-hf's folder and a model-only
+--save loaded back.
+"""
+
+from __future__ import annotations
+
+from tests.trainer.parallel_scenarios import _equiv_worker, record_export, record_layouts
+from tests.trainer.trainer_ref import make_batch, select
+from tests.trainer.trainer_scenarios import weights
+
+# name: (tp, pp, cp); DP is what is left of the world
+QWEN3_NEXT_LAYOUTS = {"base": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2)}
+# megatron's MoE layers under TP need sequence parallelism, which needs packed micro-batches
+QWEN3_NEXT_KW = {"tp2": {"sequence_parallel": True}}
+QWEN3_NEXT_RUN_LAYOUTS = {"base": ("padded", "packed"), "tp2": ("packed",), "pp2": ("padded", "packed"),
+                          "cp2": ("padded", "packed")}
+
+
+def run_qwen3_next(rank: int, world: int, port: int, ckpt: str, name: str, res: dict) -> None:
+    tp, pp, cp = QWEN3_NEXT_LAYOUTS[name]
+    batch = make_batch()
+    w = _equiv_worker(rank, world, port, ckpt, tp, pp, cp, False, **QWEN3_NEXT_KW.get(name, {}))
+    n = len(batch["tokens"]) // w.dp_size
+    ids = list(range(w.dp_rank * n, (w.dp_rank + 1) * n))
+    res[f"{name}/ids"] = ids
+    res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.cp_rank, w.dp_rank)
+    c = w.gpt.config
+    res[f"{name}/config"] = (c.experimental_attention_variant, c.linear_attention_freq, c.attention_output_gate,
+                             c.layernorm_zero_centered_gamma, w.gpt.rotary_pos_emb.inv_freq.numel() * 2)
+    res[f"{name}/sequence_parallel"] = c.sequence_parallel
+    res[f"{name}/attention_classes"] = [type(layer.self_attention).__name__ for layer in w.gpt.decoder.layers]
+    res[f"{name}/layer_numbers"] = [layer.layer_number for layer in w.gpt.decoder.layers]  # global, from 1
+    res[f"{name}/weights"] = weights(w)
+    res[f"{name}/sources"] = {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()}
+    if name == "tp2":  # --save-hf's gather (hf_export.py): global rank 0 writes the folder, reads it back
+        record_export(w, rank, f"qwen3_next_{port}", name, res)
+        record_checkpoint_round_trip(w, port, name, res)
+    record_layouts(w, select(batch, ids), QWEN3_NEXT_RUN_LAYOUTS[name], name, res)
+    w.shutdown()
+
+
+def record_checkpoint_round_trip(w, port: int, name: str, res: dict) -> None:
+    """`{name}/reloaded`: the HF tensors after a model-only --save (megatron's sharded_state_dict: GatedDeltaNet's
+    in_proj and conv1d split into their q/k/v/z/b/a sections per TP rank), every parameter zeroed, and the load."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from slime_rl.trainer import checkpoint as ck
+
+    root = Path(tempfile.gettempdir(), f"slime_rl_qwen3_next_{port}_ckpt")
+    path = ck.save_checkpoint(root, 1, [w.model], save_rng=False)
+    with torch.no_grad():
+        for p in w.gpt.parameters():
+            p.zero_()
+    res[f"{name}/zeroed"] = float(sum(float(t.abs().sum()) for _, t in w.iter_hf_weights()))
+    ck.load_checkpoint(path, [w.model], w.optimizer, load_optim=False, load_rng=False)
+    res[f"{name}/reloaded"] = weights(w)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root)
+
+
+def _qwen3_next(*names: str):
+    def scenario(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+        res: dict = {}
+        for k, name in enumerate(names):
+            run_qwen3_next(rank, world, port + 10 * k, ckpts["qwen3_next"], name, res)
+        return res
+
+    return scenario
+
+
+SCENARIOS = {"qwen3_next_1": _qwen3_next("base"), "qwen3_next_tp2": _qwen3_next("tp2", "pp2", "cp2")}
