@@ -9,7 +9,7 @@ sources) and, with more than one rank, --save-hf's folder.
 
 from __future__ import annotations
 
-from tests.trainer.parallel_scenarios import _equiv_worker, record_export, record_layouts
+from tests.trainer.parallel_scenarios import _equiv_worker, dp_shard, record_export, record_layouts
 from tests.trainer.trainer_ref import make_batch, select
 from tests.trainer.trainer_scenarios import weights
 
@@ -24,10 +24,7 @@ def run_glm4(rank: int, world: int, port: int, ckpt: str, name: str, res: dict) 
     tp, pp, cp = GLM4_LAYOUTS[name]
     batch = make_batch()
     w = _equiv_worker(rank, world, port, ckpt, tp, pp, cp, False, **GLM4_KW.get(name, {}))
-    n = len(batch["tokens"]) // w.dp_size
-    ids = list(range(w.dp_rank * n, (w.dp_rank + 1) * n))
-    res[f"{name}/ids"] = ids
-    res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.cp_rank, w.dp_rank)
+    ids = dp_shard(w, batch, name, res)
     res[f"{name}/config"] = (w.gpt.config.sequence_parallel, w.gpt.config.rotary_interleaved,
                              w.gpt.config.kv_channels, w.gpt.rotary_pos_emb.inv_freq.numel() * 2)
     layers = list(w.gpt.decoder.layers)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
-from tests.trainer.parallel_scenarios import record_export, record_layouts
+from tests.trainer.parallel_scenarios import dp_shard, record_export, record_layouts
 from tests.trainer.trainer_ref import make_batch, select
 from tests.trainer.trainer_scenarios import weights
 
@@ -41,10 +41,7 @@ def run_minimax(rank: int, world: int, port: int, ckpt: str, name: str, res: dic
                       OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.0, lr_decay_style="constant"),
                       ModelConfig(hf_checkpoint=ckpt), AlgoConfig(), train_iters=10,
                       trainer=TrainerConfig(**MINIMAX_KW.get(name, {})))
-    n = len(batch["tokens"]) // w.dp_size
-    ids = list(range(w.dp_rank * n, (w.dp_rank + 1) * n))
-    res[f"{name}/ids"] = ids
-    res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.ep_rank, w.dp_rank)
+    ids = dp_shard(w, batch, name, res, w.info.ep_rank)
     config = w.gpt.config
     res[f"{name}/config"] = (config.sequence_parallel, config.qk_layernorm, config.moe_router_score_function,
                              config.moe_router_enable_expert_bias, config.moe_router_topk_scaling_factor,

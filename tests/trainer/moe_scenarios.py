@@ -11,7 +11,7 @@ the aux loss, so its gradient can be compared with HF's own (float64, no aux los
 from __future__ import annotations
 
 from slime_rl.config.groups import AlgoConfig, BatchConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainerConfig
-from tests.trainer.parallel_scenarios import record_export, record_layouts
+from tests.trainer.parallel_scenarios import dp_shard, record_export, record_layouts
 from tests.trainer.trainer_ref import make_batch, select
 from tests.trainer.trainer_scenarios import weights
 
@@ -43,11 +43,7 @@ def run_moe(rank: int, world: int, port: int, ckpt: str, name: str, res: dict, a
     tp, pp, ep = MOE_LAYOUTS[name]
     batch = make_batch()
     w = _worker(rank, world, port, ckpt, tp, pp, ep, aux, MOE_CP.get(name, 1), MOE_ETP.get(name), **kw)
-    n = len(batch["tokens"]) // w.dp_size
-    ids = list(range(w.dp_rank * n, (w.dp_rank + 1) * n))
-    shard = select(batch, ids)
-    res[f"{name}/ids"] = ids
-    res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.ep_rank, w.dp_rank)
+    shard = select(batch, dp_shard(w, batch, name, res, w.info.ep_rank))
     res[f"{name}/cp_etp"] = (w.info.cp_rank, w.info.etp_size)
     res[f"{name}/weights"] = weights(w)
     res[f"{name}/metadata"] = w.hf_weight_metadata()

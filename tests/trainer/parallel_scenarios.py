@@ -150,6 +150,16 @@ def _equiv_worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int,
                          AlgoConfig(), train_iters=10, trainer=TrainerConfig(**kw))
 
 
+def dp_shard(w, batch: dict, name: str, res: dict, group_rank: int | None = None) -> list[int]:
+    """This DP rank's samples of `batch` (contiguous, in order), recorded under `{name}/ids` with the rank's
+    (tp, pp, `group_rank`, dp) coordinates (`group_rank`: the CP or EP rank a scenario checks; CP's by default)."""
+    n = len(batch["tokens"]) // w.dp_size
+    ids = list(range(w.dp_rank * n, (w.dp_rank + 1) * n))
+    res[f"{name}/ids"] = ids
+    res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.cp_rank if group_rank is None else group_rank, w.dp_rank)
+    return ids
+
+
 def record_export(w, rank: int, tag: str, name: str, res: dict) -> None:
     """`{name}/exported` on global rank 0: the folder --save-hf's gather (hf_export.py) writes from every rank,
     read back (a temporary folder named by `tag`, removed after)."""
@@ -182,11 +192,7 @@ def run_equiv(rank: int, world: int, port: int, ckpt: str, name: str, res: dict,
     batch = make_batch()
     w = _equiv_worker(rank, world, port, ckpt, tp, pp, cp, bf16, **EQUIV_KW.get(name, {}))
     layouts = EQUIV_LAYOUTS.get(name, ("padded", "packed"))
-    n = len(batch["tokens"]) // w.dp_size
-    ids = list(range(w.dp_rank * n, (w.dp_rank + 1) * n))
-    shard = select(batch, ids)
-    res[f"{name}/ids"] = ids
-    res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.cp_rank, w.dp_rank)
+    shard = select(batch, dp_shard(w, batch, name, res))
     res["device"], res["params_dtype"] = w.info.device.type, str(w.gpt.config.params_dtype)
     record_layouts(w, shard, layouts, name, res)
     w.shutdown()

@@ -9,7 +9,7 @@ model config's hybrid fields, the HF tensors weight sync would send and, at TP=2
 
 from __future__ import annotations
 
-from tests.trainer.parallel_scenarios import _equiv_worker, record_export, record_layouts
+from tests.trainer.parallel_scenarios import _equiv_worker, dp_shard, record_export, record_layouts
 from tests.trainer.trainer_ref import make_batch, select
 from tests.trainer.trainer_scenarios import weights
 
@@ -25,10 +25,7 @@ def run_qwen3_next(rank: int, world: int, port: int, ckpt: str, name: str, res: 
     tp, pp, cp = QWEN3_NEXT_LAYOUTS[name]
     batch = make_batch()
     w = _equiv_worker(rank, world, port, ckpt, tp, pp, cp, False, **QWEN3_NEXT_KW.get(name, {}))
-    n = len(batch["tokens"]) // w.dp_size
-    ids = list(range(w.dp_rank * n, (w.dp_rank + 1) * n))
-    res[f"{name}/ids"] = ids
-    res[f"{name}/ranks"] = (w.tp_rank, w.pp_rank, w.info.cp_rank, w.dp_rank)
+    ids = dp_shard(w, batch, name, res)
     c = w.gpt.config
     res[f"{name}/config"] = (c.experimental_attention_variant, c.linear_attention_freq, c.attention_output_gate,
                              c.layernorm_zero_centered_gamma, w.gpt.rotary_pos_emb.inv_freq.numel() * 2)

@@ -142,7 +142,7 @@ def test_glm4_moe_registry_is_transformers(change):
 
 @pytest.mark.parametrize("change,message", [
     ({"norm_topk_prob": False}, "norm_topk_prob=False is not supported for model_type 'glm4_moe'"),
-    ({"attention_bias": None}, r"attention_bias absent \(transformers' default False\)"),
+    ({"attention_bias": None}, r"attention_bias absent \(read as False\)"),
     ({"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}, "only configs where that is 2"),
     ({"n_group": 3}, "n_group=3 must divide n_routed_experts=8"),
     ({"topk_group": 2}, r"topk_group=2 must be in \[1, n_group=1\]"),
