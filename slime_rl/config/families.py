@@ -581,7 +581,8 @@ FAMILIES: dict[str, Family] = {
         model_type="qwen3_5", global_params=_language_model(_GLOBAL),
         layer_params=_language_model((_NORMS[0], *_GATED_ATTENTION, _NORMS[1], *_MLP)),
         qkv_bias=False, qk_layernorm=True, default_tied=False,
-        required_config={**_SWIGLU, "attention_bias": False},
+        # attn_output_gate: SGLang gates the full attention only where it is true or absent; transformers always does
+        required_config={**_SWIGLU, "attention_bias": False, "attn_output_gate": True},
         # transformers' Qwen3_5TextConfig defaults, for a config.json that leaves a key out
         config_defaults={"attention_bias": False, "partial_rotary_factor": 0.25, "head_dim": 256,
                          "num_key_value_heads": 4, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,

@@ -93,6 +93,15 @@ def test_qwen3_5_hub_configs():
         assert (arch.kv_channels, arch.rotary_percent, arch.num_experts) == (256, 0.25, 0)
 
 
+def test_qwen3_5_ungated_attention_refused():
+    """A text_config whose attn_output_gate is false (SGLang would run the full attention ungated, transformers
+    gated) is refused naming the field."""
+    from slime_rl.trainer.convert import arch_from_hf_config
+
+    with pytest.raises(ValueError, match="attn_output_gate=False is not supported for model_type 'qwen3_5'"):
+        arch_from_hf_config({"model_type": "qwen3_5", "text_config": {**TEXT, "attn_output_gate": False}})
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_qwen3_5_in_proj_layout_by_hand(tp):
     """in_proj on each TP rank, built here from megatron's split table: [q; k; v; z; b; a] of the rank's key heads (and
