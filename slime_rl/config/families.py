@@ -591,6 +591,7 @@ FAMILIES: dict[str, Family] = {
         gated_delta_net=True, full_attention_params=_language_model(_GATED_ATTENTION),
         linear_attention_params=_language_model(_GDN_SPLIT), zero_centered_norms=True,
         text_config=True, hf_passthrough=("model.visual.", "mtp."),
+        slime_spec=("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
     ),
 }
 
