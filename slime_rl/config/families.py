@@ -68,6 +68,16 @@ per key head); megatron's in_proj holds, on each TP rank, that rank's heads' [q;
 and its conv1d that rank's [q; k; v] channels where HF's holds all q, then all k, then all v (Layout.GDN_CONV). Its
 RMSNorms store w and scale by 1 + w (`Family.zero_centered_norms`: megatron's layernorm_zero_centered_gamma), except
 the GatedDeltaNet's gated output norm, which scales by w as HF's Qwen3NextRMSNormGated does.
+
+Qwen3.5 (`qwen3_5`: Qwen3.5-9B, 27B) is Qwen3-Next's hybrid text decoder with a dense SwiGLU MLP in every layer, inside
+a vision-language checkpoint (Qwen3_5ForConditionalGeneration): config.json nests the decoder's fields in text_config
+(`Family.text_config`), the decoder's tensors sit under `model.language_model.` (lm_head at the top), and the
+GatedDeltaNet's input projection is four HF tensors: in_proj_qkv ([all q; all k; all v], the conv1d's channel order,
+not grouped per key head), in_proj_z, in_proj_b, in_proj_a (Layout.GDN_IN_PROJ_SPLIT). The trainer builds the text
+decoder only, with 1-D RoPE (text-only positions make the interleaved mrope of its rope_parameters the same rotation);
+the vision tower `model.visual.*` and the multi-token-prediction head `mtp.*` (`Family.hf_passthrough`) are never
+loaded, trained or sent (the engine keeps its own copy), and --save-hf / tools/convert_megatron_to_hf.py copy them
+unchanged from the HF folder the model came from (trainer/hf_export.py).
 """
 
 from __future__ import annotations
