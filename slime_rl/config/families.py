@@ -623,6 +623,14 @@ FAMILIES["kimi_k2"] = dataclasses.replace(FAMILIES["deepseek_v3"], model_type="k
                                           transformers_model_type="deepseek_v3")
 
 
+# model types close to a built family that are not built, and why (preflight adds it to its refusal)
+NOT_BUILT: dict[str, str] = {
+    "qwen3_5_moe": "Qwen3.5-35B-A3B / Qwen3.6-35B-A3B's checkpoints hold each layer's routed experts as two fused "
+                   "tensors (mlp.experts.gate_up_proj [experts, 2 x width, hidden], mlp.experts.down_proj), which no "
+                   "layout here splits over expert parallelism yet; the dense qwen3_5 (Qwen3.5-9B / 27B) is built",
+}
+
+
 def transformers_config(cfg: dict[str, Any]) -> Any:
     """transformers' config object of a config.json dict, through the family's transformers_model_type when
     transformers does not know the file's model_type (Kimi-K2)."""
