@@ -627,7 +627,8 @@ FAMILIES["kimi_k2"] = dataclasses.replace(FAMILIES["deepseek_v3"], model_type="k
 NOT_BUILT: dict[str, str] = {
     "qwen3_5_moe": "Qwen3.5-35B-A3B / Qwen3.6-35B-A3B's checkpoints hold each layer's routed experts as two fused "
                    "tensors (mlp.experts.gate_up_proj [experts, 2 x width, hidden], mlp.experts.down_proj), which no "
-                   "layout here splits over expert parallelism yet; the dense qwen3_5 (Qwen3.5-9B / 27B) is built",
+                   "layout here splits over expert parallelism yet; qwen3_5 (Qwen3.5-9B / 27B, without experts) is "
+                   "built",
 }
 
 

@@ -394,8 +394,8 @@ def test_an_unsupported_family_is_refused_naming_its_model_type(model, model_typ
            f"(supported: {SUPPORTED})" in message, message
     assert "qwen3_next" in SUPPORTED and "qwen3_5" in SUPPORTED
     # why, where the model type is near a built one (config/families.py NOT_BUILT)
-    assert message.endswith("which no layout here splits over expert parallelism yet; the dense qwen3_5 (Qwen3.5-9B "
-                            "/ 27B) is built"), message
+    assert message.endswith("which no layout here splits over expert parallelism yet; qwen3_5 (Qwen3.5-9B / 27B, "
+                            "without experts) is built"), message
 
 
 def test_qwen3_next_model_file_agrees_and_plans(tmp_path, capsys):
