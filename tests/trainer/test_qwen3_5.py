@@ -194,3 +194,21 @@ def test_qwen3_5_export_needs_the_source_safetensors(tmp_path):
     from tests.trainer.test_qwen3_next import BASE
 
     assert passthrough_names(arch_from_hf_config(BASE), tmp_path) == []  # a family that holds all its tensors
+
+
+def test_qwen3_5_rows_with_images_are_refused(tiny_qwen3_5, tmp_path):
+    """The trainer builds Qwen3.5's text decoder only: a prompt row with an image (which SGLang would see through the
+    checkpoint's vision tower) is refused in one sentence naming the model type, before any image is read."""
+    import types
+
+    from transformers import AutoTokenizer
+
+    from slime_rl.data.readers import DataError
+    from slime_rl.data.vl import VisionRows
+
+    cfg = types.SimpleNamespace(prompt_data=str(tmp_path / "d.jsonl"), image_key="images", min_pixels=None,
+                                max_pixels=None)
+    rows = VisionRows(cfg, AutoTokenizer.from_pretrained(tiny_qwen3_5), tmp_path, None)
+    with pytest.raises(DataError, match=r"^.*d\.jsonl: rows have images \('images', --image-key\) but model_type "
+                                        r"'qwen3_5' is trained here as a text model .*; give text-only rows$"):
+        rows.images_of({"images": ["a.png"]}, "<image> how many?")
