@@ -220,6 +220,7 @@ def check_model_features(cfg: Config) -> None:
     """The checkpoint's config.json against the flags: its model family first (one this trainer
     builds), then slime's MODEL_ARGS, then the flags that need (or do not work with) a
     vision-language or a mixture-of-experts checkpoint."""
+    from slime_rl.config.families import NOT_BUILT
     from slime_rl.trainer.convert import FAMILIES, arch_from_hf_config, read_hf_config
 
     try:
@@ -230,7 +231,8 @@ def check_model_features(cfg: Config) -> None:
     if model_type not in FAMILIES:  # before any check that reads the model's features from its family
         named = f"model_type {model_type!r}" if model_type else "no model_type"
         raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: its config.json names {named}, which is not "
-                          f"a model family this trainer builds (supported: {', '.join(sorted(FAMILIES))})")
+                          f"a model family this trainer builds (supported: {', '.join(sorted(FAMILIES))})"
+                          + (f": {NOT_BUILT[model_type]}" if model_type in NOT_BUILT else ""))
     if FAMILIES[model_type].gated_delta_net and cfg.engine.backend == "embedded":  # engines/embedded/server.py
         raise ConfigError(f"--rollout-backend embedded: --hf-checkpoint {cfg.model.hf_checkpoint} is model_type "
                           f"{model_type!r}, whose Gated DeltaNet (linear attention) layers the built-in engine does "

@@ -57,6 +57,15 @@ def tiny_qwen3_next(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5(tmp_path_factory) -> Path:
+    """Tiny Qwen3.5 (Qwen3_5ForConditionalGeneration): tiny_qwen3_next's hybrid decoder (4 layers, every second full
+    attention) with a dense SwiGLU MLP of width 128, in_proj_qkv / _z / _b / _a, under model.language_model.; a
+    1-block vision tower under model.visual.; untied."""
+    out = tmp_path_factory.mktemp("tiny_qwen3_5")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen3_5", seed=29)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory) -> Path:
     """Tiny Qwen3-MoE: 8 experts of width 32, top-2 renormalised, vocab 64, hidden 64, 2 layers, GQA 4/2."""
     out = tmp_path_factory.mktemp("tiny_qwen3_moe")

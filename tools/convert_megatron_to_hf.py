@@ -13,7 +13,10 @@ The architecture comes from an HF config: --hf-config-dir, else the copy saved i
 (<iter>/hf/). OUT gets config.json, model.safetensors (or model-0000i-of-0000N.safetensors +
 model.safetensors.index.json above --max-shard-size), and the tokenizer / generation config files
 of that folder. Vocab padding is removed. The tensors come from the trainer's own
-`hf_io.iter_hf_weights` (the registry's maps), so export and weight sync cannot disagree.
+`hf_io.iter_hf_weights` (the registry's maps), so export and weight sync cannot disagree. Tensors the trainer does
+not hold (Qwen3.5's vision tower `model.visual.*` and `mtp.*`: `Family.hf_passthrough`) are copied unchanged from
+that folder's safetensors, so for such a family --hf-config-dir must be the original HF folder with its weights
+(refused in one sentence otherwise).
 
 A LoRA run's checkpoint (--lora-rank) holds the frozen base and the adapters: --merge-lora writes the merged
 model (W + B A alpha / r, as weight sync sends it) and the adapters as PEFT's folder in OUT/lora_adapter/.

@@ -3,7 +3,8 @@
     python tools/make_tiny_model.py --out DIR [--arch ARCH] [--seed N]
         [--vocab-size V]
 
-ARCH: qwen2 (default), llama, glm4, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v3, kimi_k2, qwen3_next, qwen2_5_vl.
+ARCH: qwen2 (default), llama, glm4, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v3, kimi_k2, qwen3_next, qwen3_5,
+qwen2_5_vl.
 The folder has config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a ChatML chat template),
 generation_config.json. Same seed -> same bytes of weights and the same
 tokenizer. The tokenizer uses Qwen2's pre-tokenizer (NFC, Qwen2's split regex, ByteLevel without
@@ -69,6 +70,12 @@ convolution; every layer an MoE block of 8 experts, top-2 renormalised, plus a s
 sigmoid gate. Its RMSNorms are zero-centred (stored w, applied as 1 + w): drawn as 0.1 x N(0, 1); the linear
 attention's gated output norm (applied as w) and its dt_bias are drawn around 1 and A_log as transformers does.
 
+`--arch qwen3_5` writes a Qwen3_5ForConditionalGeneration (as Qwen3.5-9B / 27B): qwen3_next's hybrid decoder (4
+layers, every second full attention, the same Gated DeltaNet widths, zero-centred norms) with a dense SwiGLU MLP in
+every layer and the GatedDeltaNet's in_proj as four tensors (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a); the
+decoder under model.language_model., its fields in config.json's text_config, beside a 1-block vision tower (hidden
+16) under model.visual. that the trainer does not train. No vision tokens in the tokenizer: a text-only checkpoint.
+
 `--arch qwen2_5_vl` writes a Qwen2_5_VLForConditionalGeneration (a 2-block vision tower, hidden 32,
 patch 14, merge 2, one window block and one full-attention block, over the same tiny decoder), the
 vision special tokens (<|vision_start|>, <|image_pad|>, ...) in the tokenizer, a chat template that
@@ -100,7 +107,7 @@ CHAT_TEMPLATE = (
     "{% endif %}"
 )
 ARCHS = ("qwen2", "llama", "glm4", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "kimi_k2",
-         "minimax_m2", "qwen3_next", "qwen2_5_vl")
+         "minimax_m2", "qwen3_next", "qwen3_5", "qwen2_5_vl")
 # families transformers runs under another model_type (config/families.py transformers_model_type): the tiny
 # model is built as that one and its config.json then names the family's own model_type
 BUILT_AS = {"kimi_k2": "deepseek_v3"}
@@ -241,6 +248,17 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
                                shared_expert_intermediate_size=args.shared_expert_intermediate_size,
                                decoder_sparse_step=1, mlp_only_layers=list(args.mlp_only_layers or []),
                                router_aux_loss_coef=0.001, output_router_logits=False, **common)
+    if arch == "qwen3_5":
+        from transformers import Qwen3_5Config
+        text = {k: v for k, v in common.items() if k != "rope_theta"}
+        text.update(tie_word_embeddings=False, attention_bias=False, head_dim=args.hidden_size // args.num_heads,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                     "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+                    full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                    linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4)
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=16, spatial_merge_size=2,
+                      temporal_patch_size=2, out_hidden_size=args.hidden_size, num_position_embeddings=64)
+        return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32")
     if arch == "qwen2_5_vl":
         return build_vl_config(common, args)
     raise SystemExit(f"--arch {arch}: unsupported ({', '.join(ARCHS)})")
@@ -278,15 +296,15 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     """embed_std: the word embeddings and LM head drawn with this std instead of initializer_range's 0.02 (a
     trained model's scale: with frozen 0.02-std ones the tiny model's logits stay within about +-1.3, which LoRA,
     training only the adapters, cannot widen; the LoRA quickstart's untied llama takes 0.3).
-    num_layers: 3 for qwen2_moe and glm4_moe, 4 for qwen3_next, 2 otherwise; mlp_only_layers (MoE archs): [1] for
-    qwen2_moe, none for qwen3_moe; glm4_moe's dense layers are the first len(mlp_only_layers) (default
+    num_layers: 3 for qwen2_moe and glm4_moe, 4 for qwen3_next and qwen3_5, 2 otherwise; mlp_only_layers (MoE
+    archs): [1] for qwen2_moe, none for qwen3_moe; glm4_moe's dense layers are the first len(mlp_only_layers) (default
     [0]: first_k_dense_replace 1)."""
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     family_type, arch = arch, BUILT_AS.get(arch, arch)  # the model_type config.json names; the one built
     first_dense = arch in ("glm4_moe", "deepseek_v3", "glm4_moe_lite")  # first_k_dense_replace
     if num_layers is None:
-        num_layers = 3 if arch == "qwen2_moe" or first_dense else 4 if arch == "qwen3_next" else 2
+        num_layers = 3 if arch == "qwen2_moe" or first_dense else 4 if arch in ("qwen3_next", "qwen3_5") else 2
     if mlp_only_layers is None:
         mlp_only_layers = [1] if arch == "qwen2_moe" else [0] if first_dense else []
     if first_dense and mlp_only_layers != list(range(len(mlp_only_layers))):
@@ -314,13 +332,17 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     if vl:  # not an AutoModelForCausalLM: the image-text-to-text class holds the vision tower too
         from transformers import Qwen2_5_VLForConditionalGeneration
         model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    elif arch == "qwen3_5":  # the hub's class: the decoder under model.language_model., the tower under model.visual.
+        from transformers import Qwen3_5ForConditionalGeneration
+        model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        zero_centred = arch == "qwen3_next"  # Qwen3NextRMSNorm: stored w, applied as 1 + w
+        zero_centred = arch in ("qwen3_next", "qwen3_5")  # Qwen3NextRMSNorm, Qwen3_5RMSNorm: stored w, applied as 1 + w
         for name, p in model.named_parameters():
-            if zero_centred and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            if zero_centred and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight") \
+                    and not name.startswith("model.visual."):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("linear_attn.dt_bias"):  # per head, so that a head mapped wrongly shows
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
@@ -388,8 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="default 64 (128 for qwen2_5_vl)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=None,
-                   help="default 3 for qwen2_moe, glm4_moe, deepseek_v3 and glm4_moe_lite, 4 for qwen3_next, 2 "
-                        "otherwise")
+                   help="default 3 for qwen2_moe, glm4_moe, deepseek_v3 and glm4_moe_lite, 4 for qwen3_next and "
+                        "qwen3_5, 2 otherwise")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--num-experts", type=int, default=8, help="MoE archs: routed experts per layer")

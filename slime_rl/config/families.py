@@ -68,6 +68,16 @@ per key head); megatron's in_proj holds, on each TP rank, that rank's heads' [q;
 and its conv1d that rank's [q; k; v] channels where HF's holds all q, then all k, then all v (Layout.GDN_CONV). Its
 RMSNorms store w and scale by 1 + w (`Family.zero_centered_norms`: megatron's layernorm_zero_centered_gamma), except
 the GatedDeltaNet's gated output norm, which scales by w as HF's Qwen3NextRMSNormGated does.
+
+Qwen3.5 (`qwen3_5`: Qwen3.5-9B, 27B) is Qwen3-Next's hybrid text decoder with a dense SwiGLU MLP in every layer, inside
+a vision-language checkpoint (Qwen3_5ForConditionalGeneration): config.json nests the decoder's fields in text_config
+(`Family.text_config`), the decoder's tensors sit under `model.language_model.` (lm_head at the top), and the
+GatedDeltaNet's input projection is four HF tensors: in_proj_qkv ([all q; all k; all v], the conv1d's channel order,
+not grouped per key head), in_proj_z, in_proj_b, in_proj_a (Layout.GDN_IN_PROJ_SPLIT). The trainer builds the text
+decoder only, with 1-D RoPE (text-only positions make the interleaved mrope of its rope_parameters the same rotation);
+the vision tower `model.visual.*` and the multi-token-prediction head `mtp.*` (`Family.hf_passthrough`) are never
+loaded, trained or sent (the engine keeps its own copy), and --save-hf / tools/convert_megatron_to_hf.py copy them
+unchanged from the HF folder the model came from (trainer/hf_export.py).
 """
 
 from __future__ import annotations
@@ -111,6 +121,10 @@ class Layout(Enum):
     GDN_IN_PROJ = "gdn_in_proj"
     # GatedDeltaNet's conv1d [channels, 1, kernel]: HF's [q; k; v] channels -> each TP rank's [q_r; k_r; v_r]
     GDN_CONV = "gdn_conv"
+    # Qwen3.5's GatedDeltaNet in_proj from four HF tensors: in_proj_qkv ([all q; all k; all v], not grouped per key
+    # head), in_proj_z, in_proj_b, in_proj_a (each over all value heads in order) -> each TP rank's heads'
+    # [q; k; v; z; b; a]
+    GDN_IN_PROJ_SPLIT = "gdn_in_proj_split"
 
 
 @dataclass(frozen=True)
@@ -207,6 +221,13 @@ class Family:
     linear_attention_params: tuple[ParamMap, ...] = ()
     # the decoder's RMSNorms store w and scale by 1 + w (megatron's layernorm_zero_centered_gamma)
     zero_centered_norms: bool = False
+    # the decoder's config.json fields sit in text_config (Qwen3.5's vision-language config.json) while the trainer
+    # builds the text decoder only (not `vision`: no vision tower in the trainer, 1-D positions)
+    text_config: bool = False
+    # name prefixes of checkpoint tensors the trainer neither loads nor trains nor sends (Qwen3.5's vision tower
+    # `model.visual.`, its multi-token-prediction head `mtp.`): the engine keeps its own copy, and --save-hf /
+    # tools/convert_megatron_to_hf.py copy them unchanged from the HF folder the model came from
+    hf_passthrough: tuple[str, ...] = ()
 
     def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
         """config.json's value of `key`, or transformers' default for this family when the file leaves it
@@ -405,6 +426,24 @@ _GDN = (
     ParamMap(_A + "out_proj.weight", (_N + "out_proj.weight",), Layout.ROW, (("hidden", "gdn_v"),)),
 )
 
+
+
+def _language_model(maps: tuple[ParamMap, ...]) -> tuple[ParamMap, ...]:
+    """The same entries under a vision-language checkpoint's decoder names (model.X -> model.language_model.X;
+    lm_head stays at the top, as Qwen3_5ForConditionalGeneration saves it)."""
+    def rename(h: str) -> str:
+        return "model.language_model." + h[len("model."):] if h.startswith("model.") else h
+    return tuple(dataclasses.replace(p, hf=tuple(rename(h) for h in p.hf)) for p in maps)
+
+
+# Qwen3.5's GatedDeltaNet: Qwen3-Next's, its input projection four HF tensors (Layout.GDN_IN_PROJ_SPLIT)
+_GDN_SPLIT = (
+    ParamMap(_A + "in_proj.weight", tuple(_N + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")),
+             Layout.GDN_IN_PROJ_SPLIT, (("gdn_conv", "hidden"), ("gdn_v", "hidden"), ("gdn_heads", "hidden"),
+                                        ("gdn_heads", "hidden"))),
+    *_GDN[1:],
+)
+
 FAMILIES: dict[str, Family] = {
     "qwen2": Family(
         model_type="qwen2", global_params=_GLOBAL, hf_rmsnorm="Qwen2RMSNorm",
@@ -544,6 +583,26 @@ FAMILIES: dict[str, Family] = {
         zero_centered_norms=True,
         slime_spec=("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"),
     ),
+    # Qwen3.5-9B / 27B (Qwen3_5ForConditionalGeneration): the text decoder is Qwen3-Next's hybrid (Gated DeltaNet
+    # layers, every full_attention_interval-th layer gated full attention with q/k norms, a quarter of each head
+    # rotated, zero-centred norms) with a dense SwiGLU MLP in every layer and the GatedDeltaNet's in_proj as four
+    # tensors; its fields in config.json's text_config, its tensors under model.language_model.
+    "qwen3_5": Family(
+        model_type="qwen3_5", global_params=_language_model(_GLOBAL),
+        layer_params=_language_model((_NORMS[0], *_GATED_ATTENTION, _NORMS[1], *_MLP)),
+        qkv_bias=False, qk_layernorm=True, default_tied=False,
+        # attn_output_gate: SGLang gates the full attention only where it is true or absent; transformers always does
+        required_config={**_SWIGLU, "attention_bias": False, "attn_output_gate": True},
+        # transformers' Qwen3_5TextConfig defaults, for a config.json that leaves a key out
+        config_defaults={"attention_bias": False, "partial_rotary_factor": 0.25, "head_dim": 256,
+                         "num_key_value_heads": 4, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+                         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                         "linear_num_value_heads": 32, "rms_norm_eps": 1e-6},
+        gated_delta_net=True, full_attention_params=_language_model(_GATED_ATTENTION),
+        linear_attention_params=_language_model(_GDN_SPLIT), zero_centered_norms=True,
+        text_config=True, hf_passthrough=("model.visual.", "mtp."),
+        slime_spec=("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
+    ),
 }
 
 
@@ -562,6 +621,15 @@ FAMILIES["glm4_moe_lite"] = dataclasses.replace(
 # Kimi-K2 (Instruct, Thinking): DeepSeek-V3's architecture under its own model_type (384 experts, one group)
 FAMILIES["kimi_k2"] = dataclasses.replace(FAMILIES["deepseek_v3"], model_type="kimi_k2",
                                           transformers_model_type="deepseek_v3")
+
+
+# model types close to a built family that are not built, and why (preflight adds it to its refusal)
+NOT_BUILT: dict[str, str] = {
+    "qwen3_5_moe": "Qwen3.5-35B-A3B / Qwen3.6-35B-A3B's checkpoints hold each layer's routed experts as two fused "
+                   "tensors (mlp.experts.gate_up_proj [experts, 2 x width, hidden], mlp.experts.down_proj), which no "
+                   "layout here splits over expert parallelism yet; qwen3_5 (Qwen3.5-9B / 27B, without experts) is "
+                   "built",
+}
 
 
 def transformers_config(cfg: dict[str, Any]) -> Any:

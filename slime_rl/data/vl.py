@@ -73,6 +73,8 @@ class VisionRows:
             refs = []
         elif not isinstance(refs, list):
             refs = [refs]
+        if refs:
+            _refuse_text_only_family(self.cfg.prompt_data, key, getattr(self.tokenizer, "name_or_path", ""))
         n_tags = _count_placeholders(raw)
         if n_tags != len(refs):
             raise ValueError(f"the prompt has {n_tags} {IMAGE_PLACEHOLDER} placeholder(s) but the row has "
@@ -105,3 +107,22 @@ class VisionRows:
             raise ValueError(f"the prompt tokenizes to {found} {IMAGE_PAD} ids, expected {sum(counts)} "
                              f"(grids {[g for _, g in images]}); does the prompt text itself contain {IMAGE_PAD}?")
         return ids
+
+
+def _refuse_text_only_family(prompt_data: str, image_key: str | None, checkpoint: str) -> None:
+    """DataError when the checkpoint is a vision-language model whose text decoder alone is trained here (Qwen3.5,
+    `Family.text_config`): its folder carries an image processor and SGLang would see the images through its vision
+    tower, while the trainer's forward would have no features of them. (A text model's folder has no image
+    processor: `VisionRows.spec` says so.)"""
+    import json
+
+    from slime_rl.config.families import FAMILIES
+
+    config = Path(checkpoint) / "config.json" if checkpoint else None
+    if config is None or not config.is_file():
+        return
+    model_type = json.loads(config.read_text()).get("model_type", "")
+    family = FAMILIES.get(model_type)
+    if family is not None and family.text_config:
+        raise DataError(f"{prompt_data}: rows have images ('{image_key}', --image-key) but model_type {model_type!r} "
+                        "is trained here as a text model (its vision tower is not built); give text-only rows")

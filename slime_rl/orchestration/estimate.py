@@ -248,7 +248,9 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         raise ValueError(f"{where}: model_type {model_type!r} cannot be estimated; supported: {list(FAMILIES)}")
     # what the family implies beyond config.json's sizes (its biases, norms, experts, vision tower)
     family = FAMILIES[model_type]
-    cfg = {**config, **(config.get("text_config") or {})} if family.vision else config
+    # Qwen3.5 (Family.text_config): the text decoder only, which is what the trainer holds and weight sync sends (its
+    # vision tower stays the engine's)
+    cfg = {**config, **(config.get("text_config") or {})} if family.vision or family.text_config else config
     hidden, heads = _need(cfg, "hidden_size", where), _need(cfg, "num_attention_heads", where)
     layers = _need(cfg, "num_hidden_layers", where)
     attention_bias = bool(family.config_value(cfg, "attention_bias", False))
@@ -269,7 +271,7 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
     if family.gated_delta_net:  # Qwen3-Next: which layers are Gated DeltaNet (convert/arch.py reads it the same way)
         from slime_rl.trainer.convert.arch import arch_from_hf_config
 
-        arch = arch_from_hf_config(cfg, where=where)
+        arch = arch_from_hf_config(config, where=where)  # the file as it is (Qwen3.5: text_config's model_type)
         linear = {"output_gate": arch.attention_output_gate,
                   "linear_layers": tuple(i for i in range(layers) if arch.is_linear_layer(i)),
                   "lin_key_heads": arch.linear_num_key_heads, "lin_value_heads": arch.linear_num_value_heads,

@@ -9,6 +9,11 @@ embedding is emitted once, by stage 0 (the last stage's copy is not).
 The folder is written atomically like the checkpoints: into `<out>.tmp/`, renamed to `<out>/` when
 complete (an existing `<out>/` is swapped out and deleted), so a crash never leaves a folder that
 looks like a finished model.
+
+A family's checkpoint tensors the trainer does not hold (`Family.hf_passthrough`: Qwen3.5's vision tower
+`model.visual.*` and multi-token-prediction head `mtp.*`) are copied into the folder unchanged (their stored dtype)
+from the HF folder the model came from, so that the folder loads as the whole model it was (transformers'
+Qwen3_5ForConditionalGeneration); that folder must then hold the safetensors, not only config.json.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from slime_rl.config.families import FAMILIES
 from slime_rl.trainer.checkpoint_layout import copy_hf_metadata
 from slime_rl.trainer.convert import ModelArch
 from slime_rl.trainer.hf_io import hf_weight_metadata, iter_hf_weights
@@ -156,6 +162,24 @@ def _swap_in(tmp: Path, out: Path) -> None:
         shutil.rmtree(old)
 
 
+def passthrough_names(arch: ModelArch, hf_dir: str | Path) -> list[str]:
+    """The tensors of `hf_dir`'s safetensors that the export copies through unchanged (`Family.hf_passthrough`;
+    none for most families). Raises ValueError when the family has such tensors and `hf_dir` holds no safetensors."""
+    from slime_rl.trainer.hf_files import safetensors_index
+
+    family = FAMILIES.get(arch.model_type)
+    prefixes = family.hf_passthrough if family is not None else ()
+    if not prefixes:
+        return []
+    try:
+        names = safetensors_index(hf_dir)
+    except FileNotFoundError as e:
+        raise ValueError(f"{hf_dir}: model_type {arch.model_type!r} exports its {', '.join(p + '*' for p in prefixes)} "
+                         "tensors, which the trainer does not hold, from the HF folder the model came from, and "
+                         "this one has no safetensors (pass that folder)") from e
+    return sorted(n for n in names if n.startswith(prefixes))
+
+
 def save_hf_folder(model: torch.nn.Module, arch: ModelArch, out: str | Path, hf_dir: str | Path, *,
                    dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9,
                    progress: bool = False) -> Path:
@@ -165,6 +189,7 @@ def save_hf_folder(model: torch.nn.Module, arch: ModelArch, out: str | Path, hf_
     model's). Returns `out`."""
     out = Path(out)
     tmp = out.with_name(out.name + TMP_SUFFIX)
+    through = passthrough_names(arch, hf_dir)  # on every rank: a refusal stops them all
     writer = None
     if dist.get_rank() == 0:
         writer = ShardWriter(_fresh_tmp(out), max_shard_bytes)
@@ -177,6 +202,10 @@ def save_hf_folder(model: torch.nn.Module, arch: ModelArch, out: str | Path, hf_
             writer.add(name, t.to(written))
             bar.update(1)
     if writer is not None:
+        from slime_rl.trainer.hf_files import read_hf_tensors
+
+        for name, t in read_hf_tensors(hf_dir, through).items():  # unchanged, in their stored dtype
+            writer.add(name, t)
         writer.close()
         assert written is not None
         _finish_folder(tmp, hf_dir, written)

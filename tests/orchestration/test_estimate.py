@@ -106,6 +106,27 @@ def test_param_count_qwen3_next_80b_a3b_by_hand():
     assert shape.params == total and shape.linear_layers == tuple(i for i in range(48) if (i + 1) % 4)
 
 
+@pytest.mark.parametrize("name,h,heads,ffn,layers,nv,want", [
+    ("qwen3_5_9b.json", 4096, 16, 12288, 32, 32, 8_953_803_264),
+    ("qwen3_5_27b.json", 5120, 24, 17408, 64, 48, 26_895_998_464)])
+def test_param_count_qwen3_5_text_decoder_by_hand(name, h, heads, ffn, layers, nv, want):
+    """Qwen3.5-9B / 27B's text decoder (what the trainer holds; the vision tower stays the engine's), from the
+    config.json's text_config, counted by hand: every fourth layer full attention (q_proj h x heads x 256 x 2, k and v
+    h x 4 x 256, o_proj, q/k norms 256 each), the others Gated DeltaNet (in_proj_qkv h x (2 x 16 x 128 + nv x 128),
+    in_proj_z h x nv x 128, in_proj_b and in_proj_a h x nv, conv1d (2 x 2048 + nv x 128) x 4, dt_bias and A_log nv
+    each, out_proj, the gated norm 128), every layer two norms and a dense SwiGLU MLP 3 x h x ffn; the final norm,
+    untied embedding and LM head 248320 x h: 8.95e9 and 26.9e9 (the 9B / 27B of the names count the vision tower
+    too)."""
+    vocab, q, kv, kd, vd = 248320, heads * 256, 4 * 256, 16 * 128, nv * 128
+    full = h * 2 * q + 2 * h * kv + q * h + 2 * 256 + 2 * h
+    linear = h * (2 * kd + vd) + h * vd + 2 * h * nv + (2 * kd + vd) * 4 + 2 * nv + vd * h + 128 + 2 * h
+    total = layers // 4 * full + layers * 3 // 4 * linear + layers * 3 * h * ffn + h + 2 * vocab * h
+    assert total == want
+    shape = model_shape(hf_config(name))
+    assert shape.params == total and shape.linear_layers == tuple(i for i in range(layers) if (i + 1) % 4)
+    assert shape.experts == 0
+
+
 def test_activation_bytes_of_a_gated_delta_net_layer_by_hand():
     """One Gated DeltaNet layer of Qwen3-Next-80B-A3B per token (module docstring's rows), TP 2 without sequence
     parallelism: norms 8h whole; convolution 4(2kd + vd), q/k 4kd + 4 nv dk, v/g/beta 2vd + 6nv, gated norm 8vd,

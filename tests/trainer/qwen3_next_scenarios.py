@@ -4,7 +4,7 @@
 Each layout records, on the fixed batch at temperature 1, the log-probs of its DP shard, a forward-backward's stats,
 the full gradient in HF names (gathered over TP), the grad norm, each layer's attention class and global number, the
 model config's hybrid fields, the HF tensors weight sync would send and, at TP=2, --save-hf's folder and a model-only
---save loaded back.
+--save loaded back (qwen3_next only). The qwen3_5 scenarios run the same on ckpts["qwen3_5"].
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ QWEN3_NEXT_RUN_LAYOUTS = {"base": ("padded", "packed"), "tp2": ("packed",), "pp2
                           "cp2": ("padded", "packed")}
 
 
-def run_qwen3_next(rank: int, world: int, port: int, ckpt: str, name: str, res: dict) -> None:
+def run_qwen3_next(rank: int, world: int, port: int, ckpt: str, name: str, res: dict, family: str = "qwen3_next",
+                   round_trip: bool = True) -> None:
     tp, pp, cp = QWEN3_NEXT_LAYOUTS[name]
     batch = make_batch()
     w = _equiv_worker(rank, world, port, ckpt, tp, pp, cp, False, **QWEN3_NEXT_KW.get(name, {}))
@@ -35,8 +36,9 @@ def run_qwen3_next(rank: int, world: int, port: int, ckpt: str, name: str, res: 
     res[f"{name}/weights"] = weights(w)
     res[f"{name}/sources"] = {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()}
     if name == "tp2":  # --save-hf's gather (hf_export.py): global rank 0 writes the folder, reads it back
-        record_export(w, rank, f"qwen3_next_{port}", name, res)
-        record_checkpoint_round_trip(w, port, name, res)
+        record_export(w, rank, f"{family}_{port}", name, res)
+        if round_trip:
+            record_checkpoint_round_trip(w, port, name, res)
     record_layouts(w, select(batch, ids), QWEN3_NEXT_RUN_LAYOUTS[name], name, res)
     w.shutdown()
 
@@ -66,14 +68,20 @@ def record_checkpoint_round_trip(w, port: int, name: str, res: dict) -> None:
         shutil.rmtree(root)
 
 
-def _qwen3_next(*names: str):
+def _qwen3_next(*names: str, family: str = "qwen3_next"):
     def scenario(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
         res: dict = {}
         for k, name in enumerate(names):
-            run_qwen3_next(rank, world, port + 10 * k, ckpts["qwen3_next"], name, res)
+            # qwen3_5's GatedDeltaNet is the same megatron module: its checkpoint round trip is qwen3_next's
+            run_qwen3_next(rank, world, port + 10 * k, ckpts[family], name, res, family,
+                           round_trip=family == "qwen3_next")
         return res
 
     return scenario
 
 
-SCENARIOS = {"qwen3_next_1": _qwen3_next("base"), "qwen3_next_tp2": _qwen3_next("tp2", "pp2", "cp2")}
+# qwen3_5 (Qwen3.5-9B / 27B): the same hybrid decoder with a dense MLP and in_proj as four HF tensors, under the
+# vision-language checkpoint's names (tiny checkpoint ckpts["qwen3_5"])
+SCENARIOS = {"qwen3_next_1": _qwen3_next("base"), "qwen3_next_tp2": _qwen3_next("tp2", "pp2", "cp2"),
+             "qwen3_5_1": _qwen3_next("base", family="qwen3_5"),
+             "qwen3_5_tp2": _qwen3_next("tp2", "pp2", family="qwen3_5")}

@@ -52,7 +52,13 @@ FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0},
                              "use_routing_bias": True, "num_local_experts": 4, "rotary_dim": 2},
               # qwen3_next: a Gated DeltaNet layer then a gated-attention one, small linear-attention widths
               "qwen3_next": {"num_hidden_layers": 2, "full_attention_interval": 2, "linear_num_key_heads": 2,
-                             "linear_num_value_heads": 4, "linear_key_head_dim": 2, "linear_value_head_dim": 3}}
+                             "linear_num_value_heads": 4, "linear_key_head_dim": 2, "linear_value_head_dim": 3},
+              # qwen3_5: qwen3_next's layers with a dense MLP (transformers reads them from text_config)
+              "qwen3_5": {"num_hidden_layers": 2, "full_attention_interval": 2, "linear_num_key_heads": 2,
+                          "linear_num_value_heads": 4, "linear_key_head_dim": 2, "linear_value_head_dim": 3}}
+# Qwen3.5's vision tower, small (its checkpoint holds one; the trainer does not)
+QWEN3_5_VISION = {"depth": 1, "hidden_size": 4, "intermediate_size": 4, "num_heads": 1, "out_hidden_size": 8,
+                  "num_position_embeddings": 4}
 
 
 def _family_cfg(cfg: dict) -> dict:
@@ -161,8 +167,14 @@ def test_hf_shapes_are_those_of_the_transformers_model(model_type, tied, tmp_pat
     cfg = CFG | {"model_type": model_type, "tie_word_embeddings": tied, "head_dim": 3, "num_hidden_layers": 2,
                  "attention_bias": False, "mlp_bias": False, "use_sliding_window": False}
     cfg = _family_cfg(cfg)
-    hf_cfg = transformers_config(copy.deepcopy(cfg))  # transformers writes into rope_parameters
-    model = AutoModelForCausalLM.from_config(hf_cfg)
+    if FAMILIES[model_type].text_config:  # Qwen3.5: the vision-language class, the decoder's fields in text_config
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=copy.deepcopy(cfg),
+                                                              vision_config=QWEN3_5_VISION, tie_word_embeddings=tied))
+    else:
+        hf_cfg = transformers_config(copy.deepcopy(cfg))  # transformers writes into rope_parameters
+        model = AutoModelForCausalLM.from_config(hf_cfg)
     if FAMILIES[model_type].moe:
         model.save_pretrained(tmp_path)
         with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
@@ -171,7 +183,8 @@ def test_hf_shapes_are_those_of_the_transformers_model(model_type, tied, tmp_pat
     else:
         state = model.state_dict()
     want = {n: tuple(t.shape) for n, t in state.items() if not (tied and n == "lm_head.weight")}
-    want = {n: s for n, s in want.items() if not n.endswith("rotary_emb.inv_freq")}
+    want = {n: s for n, s in want.items()
+            if not n.endswith("rotary_emb.inv_freq") and not n.startswith("model.visual.")}  # not the trainer's
     assert hf_shapes(arch_from_hf_config(cfg)) == want
 
 

@@ -174,9 +174,11 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     family = get_family(cfg.get("model_type", ""), where)
     vision = vision_arch(cfg, where) if family.vision else None
     mrope = None
-    if family.vision:
-        # transformers 5 nests the decoder's fields in text_config; hub configs keep them at the top
+    if family.vision or family.text_config:
+        # transformers 5 nests the decoder's fields in text_config; hub configs keep them at the top (Qwen3.5's
+        # nest them too)
         cfg = {**cfg, **(cfg.get("text_config") or {})}
+    if family.vision:
         mrope = _rope_params(cfg).get("mrope_section")
         if not mrope:
             raise ValueError(f"{where}: a {family.model_type} config needs rope_parameters.mrope_section "

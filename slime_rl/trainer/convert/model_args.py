@@ -87,7 +87,7 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
     """Each flag of `given` (MODEL_ARGS, flag -> value) that describes another model than `arch`
     (built from the config.json `hf`), in the order of a model file."""
     fam, mt = arch.family, repr(arch.model_type)
-    text = {**hf, **(hf.get("text_config") or {})} if fam.vision else hf
+    text = {**hf, **(hf.get("text_config") or {})} if fam.vision or fam.text_config else hf
     whole = all(f in given for f in WHOLE)
     out: list[Mismatch] = []
 

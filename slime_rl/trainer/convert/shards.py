@@ -20,7 +20,9 @@ b; a] of this rank's heads (GatedDeltaNet.in_proj_split_sections, each section's
 in_proj_qkvz holds per key head [q_h; k_h; v (its value heads); z (its value heads)] and in_proj_ba per key head
 [b (its value heads); a (its value heads)]; value head j belongs to key head j // (value heads / key heads) in both
 (megatron repeats each key head that many times, repeat_interleave). The conv1d's channels (Layout.GDN_CONV) are
-HF's [q; k; v] (all heads of each), megatron's the same sections of this rank's heads.
+HF's [q; k; v] (all heads of each), megatron's the same sections of this rank's heads. Qwen3.5's in_proj
+(Layout.GDN_IN_PROJ_SPLIT) is four HF tensors already in section order: in_proj_qkv [all q; all k; all v] (the conv1d's
+channel order), in_proj_z, in_proj_b, in_proj_a, each over all value heads in order.
 """
 
 from __future__ import annotations
@@ -119,6 +121,17 @@ def _gdn_in_proj_sizes(arch: ModelArch) -> list[int]:
     return [keys * dk, keys * dk, keys * r * dv, keys * r * dv, keys * r, keys * r]
 
 
+def _gdn_split_sizes(arch: ModelArch) -> list[int]:
+    """The rows of Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a."""
+    q, k, v, z, b, a = _gdn_in_proj_sizes(arch)
+    return [q + k + v, z, b, a]
+
+
+def _gdn_split_sections(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, arch: ModelArch) -> list[Tensor]:
+    """Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a -> the sections [q, k, v, z, b, a] (all heads)."""
+    return [*torch.split(qkv, _gdn_conv_sizes(arch)), z, b, a]
+
+
 def hf_to_mcore_shard(pm: ParamMap, hf: list[Tensor], arch: ModelArch, tp_rank: int,
                       tp_size: int) -> Tensor:
     """Full HF tensors (in `pm.hf` order) -> the Megatron tensor held by TP rank `tp_rank`."""
@@ -149,6 +162,8 @@ def hf_to_mcore_shard(pm: ParamMap, hf: list[Tensor], arch: ModelArch, tp_rank: 
         return _gated_qkv_sections(*hf, arch).chunk(tp_size, dim=0)[tp_rank]
     if pm.layout is Layout.GDN_IN_PROJ:
         return _split_sections(_gdn_in_proj_sections(*hf, arch), tp_rank, tp_size)
+    if pm.layout is Layout.GDN_IN_PROJ_SPLIT:
+        return _split_sections(_gdn_split_sections(*hf, arch), tp_rank, tp_size)
     if pm.layout is Layout.GDN_CONV:
         return _split_sections(list(torch.split(hf[0], _gdn_conv_sizes(arch))), tp_rank, tp_size)
     raise AssertionError(pm.layout)
@@ -188,6 +203,11 @@ def mcore_shards_to_hf(pm: ParamMap, shards: list[Tensor], arch: ModelArch) -> l
     if pm.layout is Layout.GDN_IN_PROJ:
         return list(zip(pm.hf, _gdn_in_proj_hf(_gather_sections(shards, _gdn_in_proj_sizes(arch)), arch),
                         strict=True))
+    if pm.layout is Layout.GDN_IN_PROJ_SPLIT:
+        if len(shards) == 1:  # one rank's [q; k; v; z; b; a] is HF's four tensors one after the other
+            return [(n, t) for n, t in zip(pm.hf, torch.split(shards[0], _gdn_split_sizes(arch)), strict=True)]
+        q, k, v, z, b, a = _gather_sections(shards, _gdn_in_proj_sizes(arch))
+        return list(zip(pm.hf, (torch.cat([q, k, v]), z, b, a), strict=True))
     if pm.layout is Layout.GDN_CONV:
         return [(pm.hf[0], torch.cat(_gather_sections(shards, _gdn_conv_sizes(arch))))]
     raise AssertionError(pm.layout)
