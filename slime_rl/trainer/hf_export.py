@@ -204,7 +204,9 @@ def save_hf_folder(model: torch.nn.Module, arch: ModelArch, out: str | Path, hf_
     if writer is not None:
         from slime_rl.trainer.hf_files import read_hf_tensors
 
-        for name, t in read_hf_tensors(hf_dir, through).items():  # unchanged, in their stored dtype
+        # unchanged, in their stored dtype; a family without such tensors reads nothing (its hf_dir may hold
+        # config.json alone, as a Megatron checkpoint's iter_*/hf/ does)
+        for name, t in (read_hf_tensors(hf_dir, through) if through else {}).items():
             writer.add(name, t)
         writer.close()
         assert written is not None
