@@ -187,12 +187,18 @@ def test_one_rank_qwen3_next_equals_hf(qwen3_next_scenario, qwen3_next_ref, tiny
     every tensor; the weights out and weight sync's sources are the checkpoint's tensors."""
     (one,) = qwen3_next_scenario("qwen3_next_1", 1)
     assert one["base/attention_classes"] == ["GatedDeltaNet", "SelfAttention"] * 2
-    assert one["base/config"] == ("gated_delta_net", [1, 0, 1, 0], True, True, 4)  # 4 of 16 channels rotate
+    check_one_rank(one, qwen3_next_ref, load_file(tiny_qwen3_next / "model.safetensors"))
+
+
+def check_one_rank(one: dict, ref: dict, stored: dict) -> None:
+    """One rank's run ("base") of a Gated DeltaNet tiny model (layers linear, full, linear, full; 4 of each head's 16
+    channels rotated): padded and packed log-probs, gradient and loss equal HF's float64 `ref`; its weights out and
+    weight-sync sources are `stored` bit for bit."""
+    assert one["base/config"] == ("gated_delta_net", [1, 0, 1, 0], True, True, 4)
     for layout in ("padded", "packed"):
-        assert _max_diff(one[f"base/{layout}/logp"], qwen3_next_ref["logp"]) < LOGP_TOL, layout
-        _assert_grads_close(one[f"base/{layout}/grad"], qwen3_next_ref["grad"])
-        assert abs(one[f"base/{layout}/stats"]["loss"] - qwen3_next_ref["loss"]) < 1e-6
-    stored = load_file(tiny_qwen3_next / "model.safetensors")
+        assert _max_diff(one[f"base/{layout}/logp"], ref["logp"]) < LOGP_TOL, layout
+        _assert_grads_close(one[f"base/{layout}/grad"], ref["grad"])
+        assert abs(one[f"base/{layout}/stats"]["loss"] - ref["loss"]) < 1e-6
     for key in ("base/weights", "base/sources"):
         assert set(one[key]) == set(stored)
         for name, t in stored.items():
