@@ -392,5 +392,14 @@ class Cluster:
         for k, parts in enumerate(self.engine_parts):
             for n, part in enumerate(parts, start=1):
                 attempt(f"engine {k} node part {n} stop", lambda e=part: ray.get(e.stop.remote()))
+        # every actor's process ends here, not at Ray's shutdown: Ray ends the job's workers with SIGTERM,
+        # whose handler raises SystemExit in whatever Python code runs at that moment (a weakref callback
+        # prints "Exception ignored ... Traceback" into the driver's log); ray.kill exits at once, silently
+        actors = [a for group in (self.trainers, self.critics) if group is not None for a in group.actors]
+        actors += [a for a in (self.router, *self.engines, *(p for parts in self.engine_parts for p in parts),
+                               self.rollout_manager, self.buffer)
+                   if a is not None]
+        for actor in actors:
+            attempt("actor exit", lambda a=actor: ray.kill(a))
         if self.pg is not None:
             attempt("placement group removal", lambda: remove_placement_group(self.pg))
