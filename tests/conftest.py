@@ -130,16 +130,30 @@ RAY_TEST_CPUS = 8
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_session(tmp_path_factory):
     """One local Ray instance for every test of this pytest process that asks for it (started by the first,
     stopped when the session ends): a Ray start is 4-5 s on 2 cores. The driver's log_to_driver=True, as
-    `train` starts it, so actors' lines ("[router] ...", "[engine 0] ...") reach the test's output."""
+    `train` starts it, so actors' lines ("[router] ...", "[engine 0] ...") reach the test's output. Its
+    workers start as forks of a warm interpreter on CPU machines (tests/ray_zygote.py)."""
     import ray
 
+    from slime_rl.engines.launch import ENGINE_PYTHON_ENV
+    from tests import ray_zygote
+
+    zygote = None
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_TEST_CPUS, include_dashboard=False, log_to_driver=True)
+        zygote = ray_zygote.start(str(tmp_path_factory.mktemp("ray_zygote"))) if ray_zygote.enabled() else None
+        runtime_env = {} if zygote is None else {"py_executable": zygote[1]}
+        ray.init(num_cpus=RAY_TEST_CPUS, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
+        if zygote is not None:  # its imports ran while Ray started
+            ray_zygote.wait_ready(zygote[0])
+            os.environ[ENGINE_PYTHON_ENV] = zygote[1]  # the built-in engines' processes too
     yield
     ray.shutdown()
+    if zygote is not None:
+        os.environ.pop(ENGINE_PYTHON_ENV, None)
+        zygote[0].kill()
+        zygote[0].wait()
 
 
 @pytest.fixture(autouse=True)

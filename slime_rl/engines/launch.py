@@ -13,6 +13,8 @@ that sets them. Nothing here starts a process: the orchestration layer runs the 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -89,10 +91,21 @@ def check_engine_config(engine: EngineConfig) -> EngineConfig:
     return dataclasses.replace(engine, sglang_args=sglang, router_args=router)
 
 
-def embedded_command(cfg: ServerConfig, python: str = sys.executable) -> list[str]:
+# the command that runs the built-in engine's Python, as shell words: a wrapper around the interpreter
+# (`numactl --cpunodebind=1 python`, `py-spy record -o engine.svg -- python`); unset: the driver's interpreter
+ENGINE_PYTHON_ENV = "SLIME_RL_ENGINE_PYTHON"
+
+
+def engine_python() -> list[str]:
+    """$SLIME_RL_ENGINE_PYTHON split as shell words, else [sys.executable]."""
+    return shlex.split(os.environ.get(ENGINE_PYTHON_ENV, "")) or [sys.executable]
+
+
+def embedded_command(cfg: ServerConfig, python: str | None = None) -> list[str]:
     """argv of the built-in engine (`python -m slime_rl.engines.embedded --config-json ...`): its whole
-    ServerConfig, read back by the engine's one parser (config/builtin_engine.py)."""
-    return [python, "-m", "slime_rl.engines.embedded", *to_argv(cfg)]
+    ServerConfig, read back by the engine's one parser (config/builtin_engine.py). `python`: the interpreter,
+    else engine_python()."""
+    return [*([python] if python else engine_python()), "-m", "slime_rl.engines.embedded", *to_argv(cfg)]
 
 
 def sglang_command(model_path: str | Path, host: str, port: int, tp_size: int = 1, nccl_port: int | None = None,

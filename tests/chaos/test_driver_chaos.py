@@ -26,6 +26,7 @@ from slime_rl.engines.client import EngineClient
 from slime_rl.train import RunFailed, preflight, train
 from tests.e2e.test_fault import KEY, argv
 from tests.loop_checks import digit_data_fixture
+from tests.ray_zygote import worker_pid
 
 digit_data = digit_data_fixture(16, seed=11)
 BUCKET = 1024  # --update-weight-buffer-size: the tiny model's 314 KB go in about 300 buckets
@@ -64,29 +65,30 @@ def test_engine_killed_during_the_weight_broadcast_is_restarted_and_synced_again
         cluster.generate(0)
         cluster.train(0)
         pid = ray.get(cluster.engines[0].pid.remote())
+        engine = worker_pid(pid)  # the process that serves (tests/ray_zygote.py: pid may be its stand-in)
         port = int(cluster.engine_urls[0].rsplit(":", 1)[1])
         # unarmed sync: the engine receives at least the broadcast's bytes (so the count shows the broadcast)
-        before = received(pid, port)
+        before = received(engine, port)
         metrics = cluster.sync_weights(version="1")
         total = metrics["weight_sync/bytes"]
-        assert received(pid, port) - before >= total > 100 * BUCKET
+        assert received(engine, port) - before >= total > 100 * BUCKET
         print(f"an unarmed sync: {total:.0f} bytes in {metrics['time/sync_end'] - metrics['time/sync_start']:.2f}s")
         # armed: kill -9 once the engine has received 4 buckets of this sync. The engine is looked at
         # while frozen (SIGSTOP), so the kill lands where the count was taken; frozen, it cannot answer
         # the bucket requests, and the trainer sends a bucket only after the one before was answered
         seen: dict = {}
-        start = received(pid, port)
+        start = received(engine, port)
 
         def kill_mid_broadcast():
             end = time.time() + 60
             while time.time() < end:
-                os.kill(pid, signal.SIGSTOP)
-                got = received(pid, port) - start
+                os.kill(engine, signal.SIGSTOP)
+                got = received(engine, port) - start
                 if got >= 4 * BUCKET:
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(engine, signal.SIGKILL)
                     seen["read_before_kill"] = got
                     return
-                os.kill(pid, signal.SIGCONT)
+                os.kill(engine, signal.SIGCONT)
                 time.sleep(0.005)
         killer = threading.Thread(target=kill_mid_broadcast, daemon=True)
         killer.start()

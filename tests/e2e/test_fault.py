@@ -26,6 +26,7 @@ from slime_rl.config import build_config
 from slime_rl.engines.client import EngineClient
 from slime_rl.train import RunFailed, preflight, train
 from tests.loop_checks import digit_data_fixture
+from tests.ray_zygote import worker_pid
 
 KEY = "fault-test-secret"
 PROMPTS, N = 8, 4
@@ -128,7 +129,7 @@ def test_killed_and_hung_engines_lose_no_sample_and_come_back_with_the_weights(
         hung_pid = ray.get(cluster.engines[0].pid.remote())
         pending = cluster.generate_async(1)
         wait_running(cluster.engine_urls[0])
-        os.kill(hung_pid, signal.SIGSTOP)
+        os.kill(worker_pid(hung_pid), signal.SIGSTOP)  # the serving process (tests/ray_zygote.py)
         m1 = cluster.wait(pending)
         ids, _ = dumped_ids(run, 1)
         assert ids == list(range(PROMPTS * N, 2 * PROMPTS * N))
