@@ -147,13 +147,27 @@ def ray_session(tmp_path_factory):
         ray.init(num_cpus=RAY_TEST_CPUS, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
         if zygote is not None:  # its imports ran while Ray started
             ray_zygote.wait_ready(zygote[0])
-            os.environ[ENGINE_PYTHON_ENV] = zygote[1]  # the built-in engines' processes too
+            os.environ[ENGINE_PYTHON_ENV] = zygote[1]  # the built-in engines' processes too (_engine_python)
+            ray_zygote.CURRENT = zygote[1]
     yield
     ray.shutdown()
     if zygote is not None:
         os.environ.pop(ENGINE_PYTHON_ENV, None)
+        ray_zygote.CURRENT = None
         zygote[0].kill()
         zygote[0].wait()
+
+
+@pytest.fixture(autouse=True)
+def _engine_python(request, monkeypatch):
+    """The warm engine start (SLIME_RL_ENGINE_PYTHON, set by ray_session) only for the tests that run on the
+    session's Ray: any other test builds and reads engine commands, or starts a driver of its own whose
+    processes it follows, as a user's environment would have them."""
+    if "ray_session" not in request.fixturenames:
+        from slime_rl.engines.launch import ENGINE_PYTHON_ENV
+
+        monkeypatch.delenv(ENGINE_PYTHON_ENV, raising=False)
+    yield
 
 
 @pytest.fixture(autouse=True)

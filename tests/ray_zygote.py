@@ -39,6 +39,7 @@ PRELOAD = ("torch", "transformers", "transformers.models.auto.tokenization_auto"
            "slime_rl.observability.debug_data", "slime_rl.data", "slime_rl.engines.embedded.server",
            "slime_rl.engines.embedded.cli")
 _HEADER = struct.Struct("!I")
+CURRENT: str | None = None  # the client command of the suite's running zygote (set by ray_session)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -303,3 +304,14 @@ def worker_pid(pid: int) -> int:
         with open(os.fsdecode(cmd[4]) + ".pids/" + str(pid)) as f:
             return int(f.read())
     return pid
+
+
+def job_env() -> dict[str, str]:
+    """The environment for a driver in a subprocess that joins the session's Ray (RAY_ADDRESS): Ray's job
+    config variable naming the zygote's client as its workers' interpreter, as the session's own job has it.
+    Empty when no zygote runs."""
+    if CURRENT is None:
+        return {}
+    import json
+
+    return {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": {"py_executable": CURRENT}})}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import ray_zygote
 from tests.procs import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +76,7 @@ def test_gpu_e2e_smoke(ray_session, tmp_path):
     import json
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "RAY_AUTH_MODE": "disabled",
-           "RAY_ADDRESS": session_address()}
+           "RAY_ADDRESS": session_address(), **ray_zygote.job_env()}
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_e2e.py"), "--smoke", "--out", str(tmp_path / "run"),
            "--modes", "fully_async", "--json", str(tmp_path / "raw.json")]
     proc = run_python(cmd, env)
@@ -97,7 +98,7 @@ def test_moe_gpu_smoke(ray_session, tmp_path):
     import json
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "RAY_AUTH_MODE": "disabled",
-           "RAY_ADDRESS": session_address()}
+           "RAY_ADDRESS": session_address(), **ray_zygote.job_env()}
     out = tmp_path / "moe.json"
     cmd = [sys.executable, str(ROOT / "bench" / "moe_gpu.py"), "--tiny", "--out", str(out)]
     proc = run_python(cmd, env)
