@@ -14,6 +14,7 @@ import time
 import psutil
 import pytest
 
+from slime_rl.engines.launch import ENGINE_PYTHON_ENV
 from tests.e2e.test_fault import argv
 from tests.loop_checks import digit_data_fixture
 from tests.procs import ROOT
@@ -65,7 +66,9 @@ def test_a_killed_driver_leaves_no_process_behind(how, save_on_signal, ray_sessi
         extra = ["--save", str(ckpt), "--save-interval", "1", "--deterministic-rollout"]
     else:
         extra = []
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # its own Ray, and its engine started by itself (not from the suite's warm interpreter, tests/ray_zygote.py):
+    # every process of the run is in the driver's tree
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", ENGINE_PYTHON_ENV)}
     env |= {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = (tmp_path / "driver.log").open("w")
     driver = subprocess.Popen([sys.executable, "-m", "slime_rl.train",
