@@ -232,10 +232,10 @@ def serve(sock_path: str, preload: Sequence[str] = PRELOAD) -> None:
             for fd in fds:
                 os.close(fd)
             children[pid] = conn
-            conn.sendall(f"{pid}\n".encode())
             client_pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-            with open(os.path.join(pids, str(client_pid)), "w") as f:  # for worker_pid()
+            with open(os.path.join(pids, str(client_pid)), "w") as f:  # for worker_pid(), before the client goes on
                 f.write(str(pid))
+            conn.sendall(f"{pid}\n".encode())
         while children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
