@@ -162,8 +162,7 @@ def ray_session(tmp_path_factory):
 def _engine_python(request, monkeypatch):
     """The warm engine start (SLIME_RL_ENGINE_PYTHON, set by ray_session) only for the tests that run on the
     session's Ray: any other test builds and reads engine commands, or starts drivers of its own, as a user's
-    environment would have them (tests/e2e/test_driver_exit.py, on the session's Ray for its fixtures, leaves
-    the variable out of its driver's environment itself: it follows every process of the run in its tree)."""
+    environment would have them."""
     if "ray_session" not in request.fixturenames:
         from slime_rl.engines.launch import ENGINE_PYTHON_ENV
 

@@ -128,6 +128,9 @@ def _run_worker(conn: socket.socket, request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    # its own process group, as Ray's workers have (the zygote's is the test session's): Ray's raylet ends a
+    # worker's whole group when it stops, and with the zygote's group that took pytest and its Ray with it
+    os.setpgid(0, 0)
     os.setpriority(os.PRIO_PROCESS, 0, request["nice"])
     os.sched_setaffinity(0, request["cpus"])
     os.umask(request["umask"])

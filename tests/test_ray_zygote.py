@@ -23,6 +23,7 @@ print("env", os.environ["ZYGOTE_PROBE"])
 print("preloaded", "colorsys" in sys.modules)  # imported by the zygote, never by this script
 print("fd", os.read(int(os.environ["PROBE_FD"]), 5).decode())
 print("nice", os.getpriority(os.PRIO_PROCESS, 0))
+print("own process group", os.getpgid(0) == os.getpid())
 print("pid", os.getpid())
 sys.stdout.flush()
 if sys.argv[1] == "sleep":
@@ -62,7 +63,7 @@ def test_runs_as_its_own_interpreter_would(zygote, tmp_path):
     lines = out.splitlines()
     # niceness as the client's (launch starts it at nice 7; the zygote runs at this process's)
     assert lines[:-1] == ["argv ['exit', '3']", f"cwd {tmp_path}", "env here", "preloaded True", "fd hello",
-                          f"nice {os.getpriority(os.PRIO_PROCESS, 0) + 7}"]
+                          f"nice {os.getpriority(os.PRIO_PROCESS, 0) + 7}", "own process group True"]
     assert lines[-1] != f"pid {proc.pid}"  # a fork of the zygote did the work, not the client
     assert ray_zygote.worker_pid(os.getpid()) == os.getpid()  # any other process is itself
 
@@ -82,7 +83,7 @@ def test_module_form(zygote, tmp_path):
 
 def running(proc: subprocess.Popen) -> int:
     """The worker's pid once it has printed its lines (worker_pid, checked against what it printed)."""
-    lines = [proc.stdout.readline() for _ in range(7)]
+    lines = [proc.stdout.readline() for _ in range(8)]
     worker = ray_zygote.worker_pid(proc.pid)
     assert lines[-1].strip() == f"pid {worker}" and worker != proc.pid, lines
     return worker

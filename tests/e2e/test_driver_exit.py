@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from slime_rl.engines.launch import ENGINE_PYTHON_ENV
+from tests import ray_zygote
 from tests.e2e.test_fault import argv
 from tests.loop_checks import digit_data_fixture
 from tests.procs import ROOT
@@ -23,12 +23,22 @@ digit_data = digit_data_fixture(16, seed=7)
 
 
 def tree(pid: int) -> dict[int, tuple[float, str]]:
-    """{pid: (start time, command line)} of the live descendants of `pid`."""
-    out = {}
-    for p in psutil.Process(pid).children(recursive=True):
+    """{pid: (start time, command line)} of the live descendants of `pid`, following each client of the
+    suite's warm interpreter (tests/ray_zygote.py) to the forked process that does its work, and on to that
+    process's own children (an engine actor's server): a killed client takes its worker with it."""
+    out: dict[int, tuple[float, str]] = {}
+    todo = psutil.Process(pid).children(recursive=True)
+    while todo:
+        p = todo.pop()
         try:
-            out[p.pid] = (p.create_time(), " ".join(p.cmdline())[:120])
-        except psutil.Error:
+            if p.pid in out:
+                continue
+            out[p.pid] = (p.create_time(), " ".join(p.cmdline()))
+            worker = ray_zygote.worker_pid(p.pid)
+            if worker != p.pid:
+                todo.append(psutil.Process(worker))
+                todo += psutil.Process(worker).children(recursive=True)
+        except (psutil.Error, OSError):
             pass
     return out
 
@@ -66,10 +76,11 @@ def test_a_killed_driver_leaves_no_process_behind(how, save_on_signal, ray_sessi
         extra = ["--save", str(ckpt), "--save-interval", "1", "--deterministic-rollout"]
     else:
         extra = []
-    # its own Ray, and its engine started by itself (not from the suite's warm interpreter, tests/ray_zygote.py):
-    # every process of the run is in the driver's tree
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", ENGINE_PYTHON_ENV)}
-    env |= {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # its own Ray; its workers and engine start from the suite's warm interpreter where one runs (Ray's job
+    # config variable and SLIME_RL_ENGINE_PYTHON, as a user's launcher could set them): their clients are in the
+    # driver's tree, and `tree` follows each to its worker
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **ray_zygote.job_env()}
     log = (tmp_path / "driver.log").open("w")
     driver = subprocess.Popen([sys.executable, "-m", "slime_rl.train",
                                *argv(tiny_qwen2, digit_data, run, steps=1000), *extra],
