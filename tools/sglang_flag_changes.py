@@ -226,7 +226,12 @@ def main(argv: list[str]) -> int:
     if len(a.sources) < 2:
         p.error("give at least two versions, oldest first")
     with tempfile.TemporaryDirectory() as work:
-        versions = [read_version(Path(s).resolve(), Path(work)) for s in a.sources]
+        read: dict[Path, dict] = {}  # a source given twice is read once (each read starts SGLang's parser)
+        sources = [Path(s).resolve() for s in a.sources]
+        for source in sources:
+            if source not in read:
+                read[source] = read_version(source, Path(work))
+        versions = [read[source] for source in sources]
     versions.sort(key=lambda v: _key(v["version"]))
     result = diff(versions)
     Path(a.out).write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
