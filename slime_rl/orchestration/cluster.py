@@ -70,6 +70,7 @@ def colocated_visible_devices(plan: PlacementPlan, ranks: list[tuple[str, str | 
 # many times per step), and a weight sync that failed with an engine dead is retried after the restart
 MAX_ROLLOUT_RESTARTS = 3
 MAX_SYNC_RETRIES = 2
+ACTOR_EXIT_GRACE_S = 10.0  # Cluster.shutdown: how long an actor may take to exit before it is killed
 
 
 class Cluster:
@@ -394,12 +395,21 @@ class Cluster:
                 attempt(f"engine {k} node part {n} stop", lambda e=part: ray.get(e.stop.remote()))
         # every actor's process ends here, not at Ray's shutdown: Ray ends the job's workers with SIGTERM,
         # whose handler raises SystemExit in whatever Python code runs at that moment (a weakref callback
-        # prints "Exception ignored ... Traceback" into the driver's log); ray.kill exits at once, silently
+        # prints "Exception ignored ... Traceback" into the driver's log). Each actor is asked to exit as an
+        # actor does (__ray_terminate__: after the calls queued before it; its atexit handlers run, so what
+        # they flush is written); one still there after ACTOR_EXIT_GRACE_S (a call that does not return) is
+        # killed (ray.kill: at once, silently)
         actors = [a for group in (self.trainers, self.critics) if group is not None for a in group.actors]
         actors += [a for a in (self.router, *self.engines, *(p for parts in self.engine_parts for p in parts),
                                self.rollout_manager, self.buffer)
                    if a is not None]
+        exits = []
         for actor in actors:
-            attempt("actor exit", lambda a=actor: ray.kill(a))
+            attempt("actor exit", lambda a=actor: exits.append((a, a.__ray_terminate__.remote())))
+        if exits:
+            _, pending = ray.wait([ref for _, ref in exits], num_returns=len(exits), timeout=ACTOR_EXIT_GRACE_S)
+            for actor, ref in exits:
+                if ref in pending:
+                    attempt("actor kill", lambda a=actor: ray.kill(a))
         if self.pg is not None:
             attempt("placement group removal", lambda: remove_placement_group(self.pg))
