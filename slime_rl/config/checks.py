@@ -90,6 +90,32 @@ def _check_fully_async(a: argparse.Namespace) -> None:
         _check(not given, f"--fully-async with {flag}: {why}")
 
 
+def _check_weight_transport(a: argparse.Namespace) -> None:
+    """--update-weight-transport disk and --update-weight-mode delta: what they need (weight_sync/disk.py)."""
+    if a.update_weight_transport != "disk":
+        _check(a.update_weight_mode == "full", f"--update-weight-mode {a.update_weight_mode} goes through files: add "
+               "--update-weight-transport disk and --update-weight-disk-dir (a broadcast sends every weight)")
+        for flag, given in (("--update-weight-disk-dir", a.update_weight_disk_dir),
+                            ("--update-weight-local-checkpoint-dir", a.update_weight_local_checkpoint_dir),
+                            ("--update-weight-disk-keep-files", a.update_weight_disk_keep_files)):
+            _check(not given, f"{flag} is for --update-weight-transport disk, and the transport is "
+                              f"{a.update_weight_transport}: add --update-weight-transport disk or drop {flag}")
+        return
+    _check(a.update_weight_disk_dir is not None, "--update-weight-transport disk needs --update-weight-disk-dir: a "
+           "folder the trainer and every engine host share")
+    _check(not a.colocate, "--update-weight-transport disk with --colocate: colocated engines get the weights in "
+           "place (CUDA IPC), not through files; drop one")
+    if a.update_weight_mode == "delta":
+        _check(a.update_weight_local_checkpoint_dir is not None, "--update-weight-mode delta needs "
+               "--update-weight-local-checkpoint-dir: the folder on each engine host that the deltas are applied to")
+        _check(not a.update_weight_disk_keep_files, "--update-weight-disk-keep-files is for full mode: delta mode "
+               "keeps every version (a host rebuilds its checkpoint from the chain)")
+    if a.update_weight_local_checkpoint_dir is not None:
+        _check(not _same_path(a.update_weight_local_checkpoint_dir, a.update_weight_disk_dir),
+               "--update-weight-local-checkpoint-dir must not be --update-weight-disk-dir: the versions are "
+               "written to one and applied to the other")
+
+
 def _check_colocate(a: argparse.Namespace, parallel: ParallelConfig) -> None:
     """--colocate: what the colocated loop supports (docs/colocate.md)."""
     _check(a.rollout_num_gpus <= parallel.world_size,

@@ -190,6 +190,32 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
         Flag('--update-weight-buffer-size', 'weight_sync.update_weight_buffer_size', default=512 * 1024**2,
              type=_positive_int,
              help='bytes per weight-sync bucket'),
+        Flag('--update-weight-transport', 'weight_sync.update_weight_transport', default='nccl',
+             choices=('nccl', 'disk'),
+             help='how weights reach the engines after an update: nccl, a torch.distributed broadcast (NCCL on '
+                  'GPUs, gloo on CPU; CUDA IPC with --colocate); disk, files in --update-weight-disk-dir that '
+                  "every engine loads through SGLang's /update_weights_from_disk (engines that share a "
+                  "filesystem with the trainer but no collective; slime's disk transport)"),
+        Flag('--update-weight-mode', 'weight_sync.update_weight_mode', default='full', choices=('full', 'delta'),
+             help="full: every weight every sync; delta (disk transport only): only the bytes changed since the "
+                  "last sync, zstd-compressed, applied by each engine host to its copy in "
+                  '--update-weight-local-checkpoint-dir (docs/weight_sync.md)'),
+        Flag('--update-weight-disk-dir', 'weight_sync.update_weight_disk_dir',
+             help='folder for --update-weight-transport disk, on a filesystem the trainer and every engine host '
+                  'share: one folder per sync (emptied when the run starts)'),
+        Flag('--update-weight-local-checkpoint-dir', 'weight_sync.update_weight_local_checkpoint_dir',
+             help="a folder on each engine host (the same path on each) holding the engine's full checkpoint: "
+                  'with --update-weight-mode delta the versions are applied to it (required); in full mode each '
+                  'version is copied there before the engine loads it'),
+        Flag('--update-weight-delta-encoding', 'weight_sync.update_weight_delta_encoding', default='xor',
+             choices=('xor', 'overwrite'),
+             help="xor: new bytes XOR old ones (smallest; applied exactly once); overwrite: the changed bytes' "
+                  'positions and values (larger; applying it again changes nothing)'),
+        Flag('--update-weight-delta-checksum', 'weight_sync.update_weight_delta_checksum', default='xxh3-128',
+             choices=('xxh3-128', 'blake3', 'adler32'),
+             help="each changed tensor's checksum, checked after the engine host applied its delta"),
+        Flag('--update-weight-disk-keep-files', 'weight_sync.update_weight_disk_keep_files', action='store_true',
+             help="full mode: keep every sync's folder (by default a folder goes once every engine has the next)"),
         Flag('--use-fault-tolerance', 'fault.use_fault_tolerance', action="store_true",
              help="health-check the engines; a dead or hung engine's requests go to the others, and it is "
                   'restarted in its placement and given the current weights before the next rollout'),

@@ -148,6 +148,13 @@ class EngineConfig:
 class WeightSyncConfig:
     update_weight_buffer_size: int = default_of("--update-weight-buffer-size")
     update_weights_interval: int = default_of("--update-weights-interval")  # steps between weight syncs
+    update_weight_transport: str = default_of("--update-weight-transport")  # nccl (broadcast / IPC) or disk
+    update_weight_mode: str = default_of("--update-weight-mode")
+    update_weight_disk_dir: str | None = default_of("--update-weight-disk-dir")
+    update_weight_local_checkpoint_dir: str | None = default_of("--update-weight-local-checkpoint-dir")
+    update_weight_delta_encoding: str = default_of("--update-weight-delta-encoding")
+    update_weight_delta_checksum: str = default_of("--update-weight-delta-checksum")
+    update_weight_disk_keep_files: bool = default_of("--update-weight-disk-keep-files")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from slime_rl.config.checks import (
     _check_flags,
     _check_fully_async,
     _check_path_template,
+    _check_weight_transport,
     _require,
     _same_path,
 )
@@ -124,6 +125,7 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
     if a.rollout_function_path == SLIME_FULLY_ASYNC_ROLLOUT:  # slime's examples/fully_async
         a.fully_async = True
     _check_fully_async(a)
+    _check_weight_transport(a)
     rollout = _group(a, "rollout", num_rollout=num_rollout, sample_seed=seed if a.deterministic_rollout else None)
     samples = rollout.samples_per_rollout
     gbs = a.global_batch_size or samples

@@ -32,8 +32,10 @@ def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last:
         return (first, last)  # type: ignore[return-value]
     if rest < middle or rest % middle:
         what = f"{given} leave" if given else "are"
+        hint = "" if given else (f"; Megatron-LM refuses this split too; {FIRST_FLAG} or {LAST_FLAG} gives the first "
+                                 "or last stage its own count")
         raise ValueError(f"num_hidden_layers={num_layers}: {rest} layers {what} for {middle} pipeline stage(s), "
-                         f"which must share them evenly (--pipeline-model-parallel-size {pp})")
+                         f"which must share them evenly (--pipeline-model-parallel-size {pp}){hint}")
     each = rest // middle
     return tuple([first if first is not None else each] + [each] * (pp - 2)
                  + [last if last is not None else each])

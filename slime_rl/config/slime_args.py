@@ -49,8 +49,8 @@ SLIME_ONLY_FLAGS: dict[str, str] = {
     "--custom-megatron-before-log-prob-hook-path": "the trainer exposes no Megatron hooks",
     "--custom-megatron-before-train-step-hook-path": "the trainer exposes no Megatron hooks",
     "--custom-model-provider-path": "the model is built from the --hf-checkpoint architecture",
-    "--custom-update-weight-post-write-path": "weights go to the engines by broadcast or CUDA IPC, never through "
-    "files",
+    "--custom-update-weight-post-write-path": "no publishing step for a filesystem without read-after-write "
+    "consistency: --update-weight-transport disk writes plain files that the engines' hosts read as they are",
     # slime's own training modes and transports (slime 624b824's scripts/ and examples/)
     "--enable-mtp-training": "multi-token-prediction layers are not built: the trainer builds the decoder of "
     "config.json without MTP heads (MiMo's and DeepSeek's MTP layers are dropped)",
@@ -61,13 +61,6 @@ SLIME_ONLY_FLAGS: dict[str, str] = {
     "--loss-mask-type": "multi-turn loss masks come from a custom generate function (each sample's loss_mask), "
     "not from a chat-template rule",
     "--prefill-num-servers": "prefill/decode disaggregation is not supported: every engine prefills and decodes",
-    "--update-weight-mode": "weights reach the engines by a full broadcast (or CUDA IPC with --colocate) after "
-    "every update; delta and disk transports are not built",
-    "--update-weight-transport": "weights go by broadcast or CUDA IPC (see --update-weight-mode)",
-    "--update-weight-delta-checksum": "delta weight sync is not built (see --update-weight-mode)",
-    "--update-weight-delta-encoding": "delta weight sync is not built (see --update-weight-mode)",
-    "--update-weight-disk-dir": "weights never go through files (see --update-weight-mode)",
-    "--update-weight-local-checkpoint-dir": "weights never go through files (see --update-weight-mode)",
 }
 
 

@@ -38,6 +38,7 @@ from slime_rl.engines.payloads import (
     pause_generation_payload,
     unload_lora_adapter_payload,
     update_weight_version_payload,
+    update_weights_from_disk_payload,
     update_weights_from_distributed_payload,
     update_weights_from_tensor_payload,
 )
@@ -132,6 +133,12 @@ class _Endpoints:
     def update_weights_from_tensor(self, serialized_named_tensors: Sequence[str], **kwargs: Any) -> Any:
         return self._call("POST", "/update_weights_from_tensor",
                           update_weights_from_tensor_payload(serialized_named_tensors, **kwargs))
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                 flush_cache: bool = True) -> Any:
+        """POST /update_weights_from_disk: load every weight of the HF checkpoint folder `model_path`."""
+        return self._call("POST", "/update_weights_from_disk",
+                          update_weights_from_disk_payload(model_path, weight_version, flush_cache))
 
     def begin_weight_update(self, selector: str = "all") -> Any:
         """POST /begin_weight_update: SGLang 0.5.23 refuses weight updates outside this session."""

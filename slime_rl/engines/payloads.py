@@ -133,6 +133,15 @@ def update_weights_from_tensor_payload(serialized_named_tensors: Sequence[str], 
                        "weight_version": weight_version})
 
 
+def update_weights_from_disk_payload(model_path: str, weight_version: str | None = None, flush_cache: bool = True,
+                                     abort_all_requests: bool = False, load_format: str | None = None
+                                     ) -> dict[str, Any]:
+    """UpdateWeightFromDiskReqInput: an HF checkpoint folder the engine loads every weight from (no
+    weight-update session needed: SGLang 0.5.23's loader restores and post-processes the weights itself)."""
+    return _drop_none({"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache,
+                       "abort_all_requests": abort_all_requests, "load_format": load_format})
+
+
 def memory_occupation_payload(tags: list[str] | None = None) -> dict[str, Any]:
     """Release/ResumeMemoryOccupationReqInput; tags among "weights", "kv_cache", "cuda_graph"
     (SGLang's memory-saver tags; None = all three)."""

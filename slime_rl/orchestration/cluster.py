@@ -119,7 +119,7 @@ class Cluster:
             self.engines.append(parts[0])
             self.engine_parts.append(parts[1:])
             urls.append(f"http://{host}:{port}")
-            targets.append(EngineTarget(urls[-1], slot.rank_offset, self.api_key))
+            targets.append(EngineTarget(urls[-1], slot.rank_offset, self.api_key, pullers=tuple(parts)))
             env = engine_env(self.cfg, self.api_key)
             # an engine over several nodes: its TP ranks meet at a port of node part 0; parts 1.. serve no HTTP
             dist_init = f"{host}:{ray.get(parts[0].spare_port.remote())}" if slot.nodes > 1 else None
@@ -365,7 +365,8 @@ class Cluster:
             print(f"[slime_rl] restarting engine {k} ({dead[k]}) at {url}", flush=True)
             cmd = engine_command(self.cfg, slot, host, port, self.api_key, self.plan.use_gpu)
             restarts.append(actor.restart.remote(cmd, url))
-            self.targets[k] = EngineTarget(url, slot.rank_offset, self.api_key)
+            self.targets[k] = EngineTarget(url, slot.rank_offset, self.api_key,
+                                           pullers=(actor, *self.engine_parts[k]))
             self.engine_urls[k] = url
             self._revived[k] = url
         ray.get(restarts)

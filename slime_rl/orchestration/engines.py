@@ -277,6 +277,13 @@ class EngineActor:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
+    def pull_weights(self, root: str, version: int, local_dir: str | None, hf_checkpoint: str) -> str:
+        """--update-weight-transport disk, on this engine's host: bring its checkpoint to `version`
+        (weight_sync/disk.pull) and return the folder its engine loads."""
+        from slime_rl.weight_sync.disk import pull
+
+        return pull(root, version, local_dir, hf_checkpoint)
+
     def spare_port(self) -> int:
         """Another free port on this node (an engine's --dist-init-addr, a node part's --port), checked free
         like `pick_port`'s; a port `pick_port(hold=True)` holds stays held."""

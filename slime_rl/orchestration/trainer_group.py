@@ -26,6 +26,7 @@ from slime_rl.trainer.debug_data import TrainDataDump  # plain Python, no megatr
 from slime_rl.weight_sync.adapter import AdapterSender
 from slime_rl.weight_sync.broadcast import GROUP_NAME, EngineTarget, WeightBroadcaster, in_stage_order
 from slime_rl.weight_sync.colocated import ColocatedUpdater, EngineShare, PipelineStages
+from slime_rl.weight_sync.disk import DiskUpdater
 
 POLICY, CRITIC = "policy", "critic"
 ROLES = (POLICY, CRITIC)
@@ -192,6 +193,15 @@ class RankActor:
 
     def _connect_engines(self, targets: list[EngineTarget], master_addr: str, master_port: int,
                          world_size: int) -> None:
+        if self.cfg.weight_sync.update_weight_transport == "disk":  # files, no group (weight_sync/disk.py)
+            if isinstance(self.broadcaster, DiskUpdater):  # after an engine restart: the same versions go on
+                self.broadcaster.set_engines(targets)
+            else:
+                self.broadcaster = DiskUpdater(targets, self.cfg.weight_sync, self.worker.is_weight_source,
+                                               self.rank == 0, self.worker.pp_rank, self.worker.pp_size,
+                                               self.cfg.model.hf_checkpoint)
+            self._connect_adapters(targets)
+            return
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         name = f"{GROUP_NAME}_pp{self.worker.pp_rank}"
         if self.broadcaster is not None:  # re-join after an engine restart: a fresh group, a fresh name
@@ -268,6 +278,8 @@ class RankActor:
                 metrics = in_stage_order(self.worker.pp_rank, self.worker.pp_size, dist.barrier,
                                          lambda: self.broadcaster.sync(self.worker.iter_hf_sources(skip_frozen=skip),
                                                                        version, own_session=False))
+                if isinstance(self.broadcaster, DiskUpdater) and self.rank == 0:  # every stage has written
+                    metrics = (metrics or {}) | self.broadcaster.publish(version)
             failed = False
             return metrics or {}
         finally:
@@ -368,8 +380,12 @@ class RankGroup:
         # --lora-sync adapter (global rank 0): the adapters' tensor bytes and the seconds their loads took
         adapter = {k: r[k] for r in results for k in ("weight_sync/adapter_bytes", "perf/weight_sync_adapter_s")
                    if k in r}
+        # --update-weight-transport disk (global rank 0): the engine hosts' pulls and the engines' loads, after the
+        # stages wrote their parts (the send)
+        disk = {f"perf/weight_sync_{k[len('weight_sync/'):-len('_seconds')]}_s": r[k] for r in results
+                for k in ("weight_sync/pull_seconds", "weight_sync/load_seconds") if k in r}
         return {"weight_sync/bytes": total, "perf/weight_sync_GBps": total / seconds / 1e9,
-                "perf/weight_sync_send_s": slowest["weight_sync/seconds"], **phases, **adapter}
+                "perf/weight_sync_send_s": slowest["weight_sync/seconds"], **phases, **adapter, **disk}
 
     def save_hf(self, path: str) -> str:
         """--save-hf: every rank takes part (gathers), rank 0 writes the folder."""

@@ -33,6 +33,7 @@ class EngineTarget:
     url: str
     rank_offset: int
     api_key: str | None = None
+    pullers: tuple = ()  # the Ray actors of the engine's hosts (--update-weight-transport disk: each pulls)
 
 
 # SGLang 0.5.23's DeepSeek loader (deepseek_common/deepseek_weight_loader.py) fuses a layer's q_a_proj and

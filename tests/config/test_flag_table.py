@@ -63,6 +63,13 @@ COMPANIONS = {
     # the adapters' settings need adapters
     "--lora-alpha": ["--lora-rank", "8"], "--lora-dropout": ["--lora-rank", "8"],
     "--lora-target-modules": ["--lora-rank", "8"],
+    # the file transport needs its folder; delta mode also the engine hosts' folder
+    "--update-weight-transport": ["--update-weight-disk-dir", "/shared/sync"],
+    "--update-weight-mode": ["--update-weight-transport", "disk", "--update-weight-disk-dir", "/shared/sync",
+                             "--update-weight-local-checkpoint-dir", "/nvme/ckpt"],
+    "--update-weight-disk-dir": ["--update-weight-transport", "disk"],
+    "--update-weight-local-checkpoint-dir": ["--update-weight-transport", "disk", "--update-weight-disk-dir", "/s"],
+    "--update-weight-disk-keep-files": ["--update-weight-transport", "disk", "--update-weight-disk-dir", "/s"],
 }
 OPTIONAL_PACKAGES = {"--use-wandb": "wandb", "--use-tensorboard": "tensorboard", "--use-swanlab": "swanlab"}
 

@@ -30,6 +30,8 @@ def test_counts_by_hand(layers, pp, first, last, want):
     (4, 2, 1, 1, "must add up to num_hidden_layers=4"),
     (9, 3, 2, None, "7 layers --decoder-first-pipeline-num-layers 2 leave for 2 pipeline stage(s)"),
     (10, 4, None, None, "10 layers are for 4 pipeline stage(s)"),
+    (47, 2, None, None, "47 layers are for 2 pipeline stage(s), which must share them evenly "
+                        "(--pipeline-model-parallel-size 2); Megatron-LM refuses this split too"),
     (4, 1, 2, None, "--decoder-first-pipeline-num-layers needs --pipeline-model-parallel-size > 1"),
     (4, 2, 0, None, "a stage needs at least 1 layer"),
     (4, 3, 3, None, "1 layers --decoder-first-pipeline-num-layers 3 leave for 2 pipeline stage(s)"),

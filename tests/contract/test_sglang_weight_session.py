@@ -210,6 +210,8 @@ def _builders() -> dict:
         "UpdateWeightsFromTensorReqInput": payloads.update_weights_from_tensor_payload(
             ["AAAA"], "direct", False, True, "3"),
         "DestroyWeightsUpdateGroupReqInput": payloads.destroy_weights_update_group_payload("g"),
+        "UpdateWeightFromDiskReqInput": payloads.update_weights_from_disk_payload(
+            "/shared/run/v00000002", "2", flush_cache=False, abort_all_requests=True, load_format="safetensors"),
         "BeginWeightUpdateReqInput": payloads.begin_weight_update_payload("target"),
         "EndWeightUpdateReqInput": payloads.end_weight_update_payload(),
         "ReleaseMemoryOccupationReqInput": payloads.memory_occupation_payload(MEMORY_TAGS),

@@ -146,6 +146,41 @@ def test_engine_weights_equal_trainer_after_sync(ray_session, tiny_qwen2, digit_
 
 
 @pytest.mark.slow
+def test_delta_weights_through_files_reach_the_engine(ray_session, tiny_qwen2, digit_data, tmp_path):
+    """slime's disk delta transport (its examples/delta_weight_sync), at PP=2: each stage's source writes its
+    part of a version; the engine's host applies version 1 to a checkpoint it builds from --hf-checkpoint, then
+    version 2 to that; after each sync the engine holds every tensor of the trainer, bit for bit."""
+    from slime_rl.orchestration.cluster import Cluster
+
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2)
+                       + ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                          "--update-weight-transport", "disk", "--update-weight-mode", "delta",
+                          "--update-weight-disk-dir", str(shared), "--update-weight-local-checkpoint-dir", str(local),
+                          "--custom-rm-path", "tests.plugins.example_reward:index_reward"])
+    cluster = Cluster(*preflight(cfg), api_key="test-secret")
+    try:
+        # a schedule of 2 iterations left every weight of the second step as it was (no byte changed); of 4, both
+        # steps move them
+        cluster.start(train_iters=4)
+        for step in (0, 1):
+            cluster.generate(step)
+            cluster.train(step)
+            metrics = cluster.sync_weights(version=str(step + 1))
+            assert metrics["weight_sync/bytes"] > 0 and metrics["perf/weight_sync_load_s"] > 0, metrics
+            compare_engine_weights(cluster, "test-secret", str(step + 1))
+        versions = sorted(p.name for p in shared.iterdir())
+        last = shared / versions[-1]
+        assert len(versions) == 2 and sorted(p.name for p in last.iterdir()) == [
+            "delta-pp000.safetensors", "delta-pp001.safetensors", "index-pp000.json", "index-pp001.json", "index.json"]
+        index = json.loads((last / "index.json").read_text())
+        assert (index["mode"], index["encoding"], index["checksum"]) == ("delta", "xor", "xxh3-128")
+        assert json.loads((local / "slime_rl_weights_version.json").read_text())["version"] == int(last.name[1:])
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.slow
 def test_async_overlaps_rollout_with_training_and_syncs_between(ray_session, tiny_qwen2, digit_data, tmp_path):
     """--async, scored by an EasyR1-style reward file called per sample."""
     cfg = build_config(argv(tiny_qwen2, digit_data, tmp_path / "run", steps=3) + ["--async"]

@@ -51,7 +51,7 @@ DEPRECATED = {"/get_model_info": "/model_info", "/get_server_info": "/server_inf
 # the calls that change the weights or their group: one at a time (route: session.call_lock)
 WEIGHT_UPDATE_CALLS = frozenset({"/init_weights_update_group", "/destroy_weights_update_group",
                                  "/update_weights_from_distributed", "/update_weights_from_tensor",
-                                 "/begin_weight_update", "/end_weight_update"})
+                                 "/update_weights_from_disk", "/begin_weight_update", "/end_weight_update"})
 # SGLang's LoRA endpoints (adapters.py): one at a time with the calls above, outside any session
 LORA_CALLS = frozenset({"/load_lora_adapter_from_tensors", "/load_lora_adapter", "/unload_lora_adapter"})
 
@@ -338,7 +338,7 @@ class EmbeddedServer:
         # the calls of WEIGHT_UPDATE_CALLS (handle queues them on the loop first)
         ops = {"/init_weights_update_group": w.init_group, "/destroy_weights_update_group": w.destroy_group,
                "/update_weights_from_distributed": w.update_from_distributed,
-               "/update_weights_from_tensor": w.update_from_tensor,
+               "/update_weights_from_tensor": w.update_from_tensor, "/update_weights_from_disk": w.update_from_disk,
                "/begin_weight_update": self.session.begin, "/end_weight_update": self.session.end}
         if path in ops:
             with self.session.call_lock:  # SGLang: one weight-update call at a time, for the whole call
@@ -347,6 +347,8 @@ class EmbeddedServer:
                     return 400, {"success": False, "message": refused}
                 ok, message = ops[path](body)
                 self.session.note_result(path, ok)
+            if path == "/update_weights_from_disk":  # UpdateWeightFromDiskReqOutput's fields
+                return (200 if ok else 400), {"success": ok, "message": message, "num_paused_requests": 0}
             return (200 if ok else 400), {"success": ok, "message": message}
         return 404, {"detail": "Not Found"}
 

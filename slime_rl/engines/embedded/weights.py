@@ -214,6 +214,43 @@ class WeightSync:
         del received  # drop the mapped IPC / shared-memory storages now
         return self._loaded(names, version)
 
+    def update_from_disk(self, body: dict) -> tuple[bool, str]:
+        """SGLang's /update_weights_from_disk: every tensor of the HF checkpoint folder `model_path` (its
+        *.safetensors files) into the model, cast to the parameters' dtype; no session needed. Nothing is
+        loaded when a tensor does not fit (SGLang loads and rolls back; the outcome is the same)."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        folder = Path(_field(body, "model_path", str))
+        version = _field(body, "weight_version", str, None)
+        load_format = body.get("load_format")
+        if load_format not in (None, "auto", "safetensors"):
+            raise RequestError(f"load_format: {load_format!r} is not supported by the embedded engine's "
+                               "/update_weights_from_disk (auto, safetensors)")
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+        if not files:
+            return False, f"Failed to get weights iterator: no *.safetensors files in {folder}."
+        received: list[tuple[str, torch.Tensor]] = []
+        for f in files:
+            received += load_file(str(f)).items()
+        problems = [p for p in (self._check(name, t) for name, t in received) if p]
+        if problems:
+            return False, "Failed to update weights: " + "; ".join(problems)
+        if body.get("abort_all_requests"):
+            self.engine.abort(abort_all=True)
+        with self.engine.weights_exclusive(), torch.no_grad():
+            self.engine.wait_weights()
+            for name, t in received:
+                self.params[name].copy_(t)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if version is not None:
+                self.weight_version = version
+        self._loaded([n for n, _ in received], version)
+        return True, "Succeeded to update model weights." + (
+            f" Weight version updated to {version}." if version is not None else "")
+
     def forget_plans(self) -> None:
         """Drop the cached bucket plans (their views): a memory release may give parameters new storage."""
         self._plans.clear()
