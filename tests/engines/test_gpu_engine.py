@@ -96,7 +96,10 @@ def test_cuda_graph_decode_matches_eager_decode(tiny_qwen2):
                 lp = [[x for x, _, _ in o["meta_info"]["output_token_logprobs"]] for o in (got, want)]
                 torch.testing.assert_close(torch.tensor(lp[0]), torch.tensor(lp[1]), atol=1e-4, rtol=0)
     assert any(a["output_ids"] != b["output_ids"] for a, b in zip(runs["graph"], runs["graph_updated"], strict=True))
-    assert "graph_replays" not in stats["eager"]  # --disable-cuda-graph: the dynamic path
+    # --disable-cuda-graph: no graph captured or replayed. Under deterministic inference (start_server's default)
+    # the decode runs on the slot cache, eagerly (server.decodes_on_slots: its flash decode attention needs it)
+    e = stats["eager"]
+    assert e["graph_captures"] == 0 == e["graph_replays"] and e["static_eager_steps"] > 0, e
     g = stats["graph"]
     assert g["graph_captures"] >= 2 and g["graph_replays"] > 0 and g["static_eager_steps"] == 0, g
     assert g["overlapped_steps"] > 0 and stats["graph_serial"]["overlapped_steps"] == 0
