@@ -108,7 +108,7 @@ def client(sock_path: str, argv: list[str]) -> None:
     os._exit(code)
 
 
-def _run_worker(conn: socket.socket, request: dict, fds: list[int]) -> None:
+def _run_worker(conn: socket.socket, request: dict, fds: list[int], zygote: int) -> None:
     """In the forked child: the client's streams, environment, working directory, niceness, CPU affinity and
     umask, then the worker script as __main__ (what `python default_worker.py ...` runs)."""
     import fcntl
@@ -131,6 +131,12 @@ def _run_worker(conn: socket.socket, request: dict, fds: list[int]) -> None:
     # its own process group, as Ray's workers have (the zygote's is the test session's): Ray's raylet ends a
     # worker's whole group when it stops, and with the zygote's group that took pytest and its Ray with it
     os.setpgid(0, 0)
+    # and it does not outlive the zygote (killed with its test session, kill -9 included): the kernel ends it
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != zygote:  # the zygote went before prctl took effect
+        os._exit(1)
     os.setpriority(os.PRIO_PROCESS, 0, request["nice"])
     os.sched_setaffinity(0, request["cpus"])
     os.umask(request["umask"])
@@ -201,7 +207,7 @@ def serve(sock_path: str, preload: Sequence[str] = PRELOAD) -> None:
     # its own objects (not Megatron's and the engine's modules too: seconds of the loop's rollout otherwise)
     gc.collect()
     gc.freeze()
-    parent = os.getppid()
+    parent, zygote = os.getppid(), os.getpid()
     pids = sock_path + ".pids"
     os.makedirs(pids, exist_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -231,7 +237,7 @@ def serve(sock_path: str, preload: Sequence[str] = PRELOAD) -> None:
                 for other in children.values():
                     other.close()
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                _run_worker(conn, request, fds)
+                _run_worker(conn, request, fds, zygote)
             for fd in fds:
                 os.close(fd)
             children[pid] = conn

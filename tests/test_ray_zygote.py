@@ -93,8 +93,10 @@ def wait_gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # ended, not reaped yet (by init, if orphaned)
+                    return True
+        except FileNotFoundError:
             return True
         time.sleep(0.05)
     return False
@@ -149,3 +151,18 @@ def test_engine_python_wraps_the_engine_command(monkeypatch):
     monkeypatch.setenv(ENGINE_PYTHON_ENV, "numactl --cpunodebind=1 '/opt/my python/bin/python'")
     assert embedded_command(cfg) == ["numactl", "--cpunodebind=1", "/opt/my python/bin/python", *plain[1:]]
     assert embedded_command(cfg, python="/usr/bin/python3")[0] == "/usr/bin/python3"  # an explicit one wins
+
+
+def test_a_killed_zygote_takes_its_workers(tmp_path):
+    """kill -9 of the zygote (its test session killed): its workers end too (PR_SET_PDEATHSIG)."""
+    proc, python = ray_zygote.start(str(tmp_path), preload=("colorsys",))
+    ray_zygote.wait_ready(proc)
+    client, _ = launch(python.split(), tmp_path, "sleep", "0")
+    worker = running(client)
+    proc.kill()
+    proc.wait()
+    try:
+        assert wait_gone(worker), f"worker {worker} outlived its zygote"
+    finally:
+        client.kill()
+        client.wait()
