@@ -202,7 +202,7 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
                   '--update-weight-local-checkpoint-dir (docs/weight_sync.md)'),
         Flag('--update-weight-disk-dir', 'weight_sync.update_weight_disk_dir',
              help='folder for --update-weight-transport disk, on a filesystem the trainer and every engine host '
-                  'share: one folder per sync (emptied when the run starts)'),
+                  'share: one folder per sync, v<N> (those of an earlier run are removed when the run starts)'),
         Flag('--update-weight-local-checkpoint-dir', 'weight_sync.update_weight_local_checkpoint_dir',
              help="a folder on each engine host (the same path on each) holding the engine's full checkpoint: "
                   'with --update-weight-mode delta the versions are applied to it (required); in full mode each '

@@ -152,9 +152,9 @@ class DiskWriter:
     """The trainer's side, on a stage's source rank: writes its stage's part of each version."""
 
     def __init__(self, root: str, mode: str, encoding: str, checksum_algorithm: str, hf_checkpoint: str,
-                 stage: int) -> None:
+                 stage: int, file_bytes: int = 512 * 1024**2) -> None:
         self.root, self.mode, self.encoding, self.checksum = Path(root), mode, encoding, checksum_algorithm
-        self.hf_checkpoint, self.stage = Path(hf_checkpoint), stage
+        self.hf_checkpoint, self.stage, self.file_bytes = Path(hf_checkpoint), stage, file_bytes
         self._snapshot: dict[str, np.ndarray] | None = None  # delta: each tensor's bytes at the last version
         self._base: dict[str, torch.Tensor] | None = None  # delta: --hf-checkpoint, until the first version
 
@@ -164,18 +164,39 @@ class DiskWriter:
         out = version_dir(self.root, version)
         out.mkdir(parents=True, exist_ok=True)
         if self.mode == "full":
-            from safetensors.torch import save_file
-
-            tensors = {n: t.detach().to("cpu").contiguous() for n, t in _materialize(items)}
-            path = out / f"model-pp{self.stage:03d}.safetensors"
-            save_file(tensors, str(path), metadata={"format": "pt"})
-            part = {n: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "file": path.name}
-                    for n, t in tensors.items()}
-            written = path.stat().st_size
+            part, written = self._write_full(items, out)
         else:
             part, written = self._write_delta(items, out)
         _write_json(out / f"index-pp{self.stage:03d}.json", part)
         return {"weight_sync/bytes": float(written), "weight_sync/seconds": time.perf_counter() - start}
+
+    def _write_full(self, items: Iterable[tuple], out: Path) -> tuple[dict, int]:
+        """The stage's tensors in files of about `file_bytes` each (a stage's weights are never all in host
+        memory at once); each tensor a copy (a view into a fused parameter shares its storage, which
+        safetensors refuses)."""
+        from safetensors.torch import save_file
+
+        part: dict[str, dict] = {}
+        written, chunk, size, k = 0, {}, 0, 0
+
+        def flush() -> int:
+            nonlocal chunk, size, k
+            k += 1
+            path = out / f"model-pp{self.stage:03d}-{k:05d}.safetensors"
+            save_file(chunk, str(path), metadata={"format": "pt"})
+            for n, t in chunk.items():
+                part[n] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "file": path.name}
+            chunk, size = {}, 0
+            return path.stat().st_size
+
+        for name, t in _materialize(items):
+            chunk[name] = t.detach().to("cpu", copy=True).contiguous()
+            size += chunk[name].numel() * chunk[name].element_size()
+            if size >= self.file_bytes:
+                written += flush()
+        if chunk:
+            written += flush()
+        return part, written
 
     def _write_delta(self, items: Iterable[tuple], out: Path) -> tuple[dict, int]:
         from safetensors.numpy import save_file
@@ -243,7 +264,7 @@ def full_folder(root: str, version: int, hf_checkpoint: str) -> Path:
 def remove_versions_before(root: str, version: int) -> None:
     """Full mode: the folders of the versions before `version` (every engine has loaded `version`)."""
     for d in Path(root).glob("v*"):
-        if d.is_dir() and d.name[1:].isdigit() and int(d.name[1:]) < version:
+        if d.is_dir() and len(d.name) == 9 and d.name[1:].isdigit() and int(d.name[1:]) < version:
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -364,16 +385,17 @@ class DiskUpdater:
         self.root = cfg.update_weight_disk_dir
         self.mode = cfg.update_weight_mode
         self.writer = DiskWriter(self.root, self.mode, cfg.update_weight_delta_encoding,
-                                 cfg.update_weight_delta_checksum, hf_checkpoint, stage) if is_source else None
+                                 cfg.update_weight_delta_checksum, hf_checkpoint, stage,
+                                 cfg.update_weight_buffer_size) if is_source else None
         self.version = 0  # the number of the last version written (every rank counts alike)
         self._pool = ThreadPoolExecutor(max_workers=4) if is_rank0 else None
         self._clients: list = []
         self.engines: list = []
         self.set_engines(engines)
         self.run = uuid.uuid4().hex  # names this run's versions (a local checkpoint of another run is rebuilt)
-        if is_rank0:  # a folder of an earlier run: its versions are based on other weights
-            shutil.rmtree(self.root, ignore_errors=True)
+        if is_rank0:  # the versions of an earlier run are based on other weights (only version folders go)
             Path(self.root).mkdir(parents=True, exist_ok=True)
+            remove_versions_before(self.root, 10**8)
 
     def set_engines(self, engines: Sequence[Any]) -> None:
         """The engines (EngineTarget: url, key, the Ray actors of its hosts); again after a restart."""

@@ -148,6 +148,23 @@ def test_another_runs_checkpoint_is_rebuilt_and_a_damaged_delta_is_named(tmp_pat
         disk.pull(str(root), 2, str(tmp_path / "host3"), str(ckpt))
 
 
+def test_full_mode_writes_views_of_one_storage_in_files_of_the_size_asked(tmp_path):
+    """Tensors that are views into one fused parameter (the trainer's QKV split) are written as copies, in
+    files of about `file_bytes` each."""
+    ckpt, _ = _checkpoint(tmp_path)
+    fused = torch.arange(96, dtype=torch.float32).reshape(12, 8)
+    items = [("q.weight", fused[:4]), ("k.weight", fused[4:8]), ("v.weight", fused[8:], (4, 8))]
+    writer = disk.DiskWriter(str(tmp_path / "shared"), "full", "xor", "xxh3-128", str(ckpt), 0, file_bytes=200)
+    writer.write(items, 1)
+    folder = disk.version_dir(tmp_path / "shared", 1)
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert files == ["model-pp000-00001.safetensors", "model-pp000-00002.safetensors"]  # q and k, then v
+    got = {}
+    for f in files:
+        got |= load_file(str(folder / f))
+    assert all(torch.equal(got[n], fused[4 * i:4 * i + 4]) for i, n in enumerate(["q.weight", "k.weight", "v.weight"]))
+
+
 def test_full_mode_folders_load_as_checkpoints(tmp_path):
     ckpt, w0 = _checkpoint(tmp_path)
     root = tmp_path / "shared"
