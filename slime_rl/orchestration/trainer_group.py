@@ -81,6 +81,12 @@ def _set_cpu_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+def _pull_on_hosts(target: EngineTarget, args: tuple) -> list[str]:
+    """--update-weight-transport disk: each host of the engine `target` pulls the version (EngineActor.pull_weights,
+    weight_sync/disk.pull), all at once; the folders they hold it in."""
+    return ray.get([p.pull_weights.remote(*args) for p in target.pullers])
+
+
 @ray.remote
 class RankActor:
     """One Megatron rank of a trainer group: the policy's (trainer.worker.TrainerWorker, plus its part
@@ -279,7 +285,7 @@ class RankActor:
                                          lambda: self.broadcaster.sync(self.worker.iter_hf_sources(skip_frozen=skip),
                                                                        version, own_session=False))
                 if isinstance(self.broadcaster, DiskUpdater) and self.rank == 0:  # every stage has written
-                    metrics = (metrics or {}) | self.broadcaster.publish(version)
+                    metrics = (metrics or {}) | self.broadcaster.publish(version, _pull_on_hosts)
             failed = False
             return metrics or {}
         finally:

@@ -33,7 +33,7 @@ import shutil
 import time
 import uuid
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -430,11 +430,10 @@ class DiskUpdater:
             return {}
         return self.writer.write(named_weights, self.version)
 
-    def publish(self, weight_version: str) -> dict[str, float]:
+    def publish(self, weight_version: str, pull_on_hosts: Callable[[Any, tuple], list[str]]) -> dict[str, float]:
         """Global rank 0, after every stage wrote: complete the version, have every host of every engine pull
-        it, and every engine load it. Returns the pull and load seconds."""
-        import ray
-
+        it (`pull_on_hosts(target, pull's arguments)`: the folder its engine loads, from each host's actor;
+        the orchestration's, which holds them), and every engine load it. Returns the pull and load seconds."""
         from slime_rl.weight_sync.broadcast import check_ok
 
         start = time.perf_counter()
@@ -444,9 +443,8 @@ class DiskUpdater:
         if self.mode == "full":
             full_folder(self.root, self.version, self.hf_checkpoint)
         local = cfg.update_weight_local_checkpoint_dir
-        pulls = [[p.pull_weights.remote(self.root, self.version, local, self.hf_checkpoint) for p in e.pullers]
-                 for e in self.engines]
-        folders = [ray.get(p)[0] if p else pull(self.root, self.version, local, self.hf_checkpoint) for p in pulls]
+        args = (self.root, self.version, local, self.hf_checkpoint)
+        folders = [pull_on_hosts(e, args)[0] if e.pullers else pull(*args) for e in self.engines]
         pulled = time.perf_counter()
         futures = [self._pool.submit(c.update_weights_from_disk, folder, weight_version)
                    for c, folder in zip(self._clients, folders, strict=True)]
