@@ -17,8 +17,11 @@ guessing). `--dtype` is the dtype of the saved weights and of `config.dtype`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -48,9 +51,33 @@ def load_gguf(gguf: Path) -> tuple[torch.nn.Module, object]:
     if not gguf.is_file():
         raise SystemExit(f"--gguf {gguf}: no such file")
     kwargs = {"gguf_file": gguf.name}
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+    with _one_reader_per_file():
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _one_reader_per_file() -> Iterator[None]:
+    """transformers 5.x reads the GGUF file three times (the config, the weights, the tokenizer), each a
+    `gguf.GGUFReader` that parses every metadata field in Python (~4 s for SmolLM2's 49k-token vocabulary on
+    2 cores); within this block each file is parsed once and its reader shared (transformers only reads it)."""
+    import gguf as gguf_lib
+
+    real = gguf_lib.GGUFReader
+    readers: dict[tuple, object] = {}
+
+    def shared(path, *args, **kwargs):
+        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real(path, *args, **kwargs)
+        return readers[key]
+
+    gguf_lib.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf_lib.GGUFReader = real
 
 
 def plain_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
