@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from slime_rl.weight_sync.broadcast import EngineControl, check_ok
+
 FORMAT = "slime_rl.disk_weights/1"
 ENCODINGS = ("xor", "overwrite")
 CHECKSUMS = ("xxh3-128", "blake3", "adler32")
@@ -370,7 +372,7 @@ def _apply_version(local: Path, folder: Path) -> None:
 # ---- the trainer's updater
 
 
-class DiskUpdater:
+class DiskUpdater(EngineControl):
     """One per trainer rank in place of the broadcaster (`--update-weight-transport disk`). Every rank runs
     `sync()` (the TP gathers are collective); a stage's source writes its part of the version; then global
     rank 0 `publish()`es it: the index, each engine host's pull (its Ray actor), each engine's
@@ -407,15 +409,7 @@ class DiskUpdater:
         self._clients = [KeepAliveEngineClient(e.url, api_key=e.api_key) for e in self.engines] if self.is_rank0 \
             else []
 
-    def pause_engines(self) -> None:
-        for c in self._clients:
-            c.pause_generation()
-
-    def continue_engines(self) -> None:
-        for c in self._clients:
-            c.continue_generation()
-
-    def begin_update(self) -> None:  # no session for a load from disk
+    def begin_update(self) -> None:  # no session for a load from disk (pause / continue: EngineControl's)
         pass
 
     def end_update(self, quiet: bool = False) -> None:
@@ -434,7 +428,6 @@ class DiskUpdater:
         """Global rank 0, after every stage wrote: complete the version, have every host of every engine pull
         it (`pull_on_hosts(target, pull's arguments)`: the folder its engine loads, from each host's actor;
         the orchestration's, which holds them), and every engine load it. Returns the pull and load seconds."""
-        from slime_rl.weight_sync.broadcast import check_ok
 
         start = time.perf_counter()
         cfg = self.cfg
@@ -459,7 +452,4 @@ class DiskUpdater:
         self.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-        for c in self._clients:
-            c.close()
+        self._close_clients()
