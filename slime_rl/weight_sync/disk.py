@@ -238,8 +238,8 @@ def _base_bytes(base: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int,
 
 def finish_version(root: str, version: int, weight_version: str, mode: str, encoding: str,
                    checksum_algorithm: str, stages: int, run: str) -> dict:
-    """Global rank 0, after every stage wrote its part: the version's index.json (it completes the folder);
-    for full mode, also the checkpoint's config and tokenizer files and the safetensors index."""
+    """Global rank 0, after every stage wrote its part: the version's index.json (it completes the folder;
+    full mode's HF files come next, `full_folder`)."""
     out = version_dir(root, version)
     tensors: dict[str, dict] = {}
     for k in range(stages):
