@@ -28,7 +28,6 @@ compression, tensors: {name: {dtype, shape, checksum, changed_bytes, file}}}.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 import uuid
@@ -39,7 +38,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
+from slime_rl.engines.dist_group import dtype_name
+from slime_rl.trainer.checkpoint_layout import copy_hf_metadata, write_atomic
+from slime_rl.trainer.hf_files import read_hf_tensors, safetensors_index
 from slime_rl.weight_sync.broadcast import EngineControl, check_ok
 
 FORMAT = "slime_rl.disk_weights/1"
@@ -47,8 +50,6 @@ ENCODINGS = ("xor", "overwrite")
 CHECKSUMS = ("xxh3-128", "blake3", "adler32")
 INDEX = "index.json"
 LOCAL_STATE = "slime_rl_weights_version.json"  # in a local checkpoint: the last version applied to it
-# files of --hf-checkpoint that a full version folder or a local checkpoint carries besides the weights
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def checksum(algorithm: str, data: bytes | memoryview | np.ndarray) -> str:
@@ -117,30 +118,8 @@ def version_dir(root: str | Path, version: int) -> Path:
     return Path(root) / f"v{version:08d}"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _copy_side_files(src: Path, dst: Path) -> None:
-    """config.json, tokenizer and generation files of a checkpoint folder (not its weights, not its index)."""
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name != "model.safetensors.index.json":
-            shutil.copy2(f, dst / f.name)
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
 def _materialize(items: Iterable[tuple]) -> Iterable[tuple[str, torch.Tensor]]:
@@ -158,7 +137,7 @@ class DiskWriter:
         self.root, self.mode, self.encoding, self.checksum = Path(root), mode, encoding, checksum_algorithm
         self.hf_checkpoint, self.stage, self.file_bytes = Path(hf_checkpoint), stage, file_bytes
         self._snapshot: dict[str, np.ndarray] | None = None  # delta: each tensor's bytes at the last version
-        self._base: dict[str, torch.Tensor] | None = None  # delta: --hf-checkpoint, until the first version
+        self._base: dict[str, Path] | None = None  # delta, until the first version: each tensor's --hf-checkpoint file
 
     def write(self, items: Iterable[tuple], version: int) -> dict[str, float]:
         """This stage's tensors of `version`; returns the bytes written and the seconds taken."""
@@ -187,7 +166,7 @@ class DiskWriter:
             path = out / f"model-pp{self.stage:03d}-{k:05d}.safetensors"
             save_file(chunk, str(path), metadata={"format": "pt"})
             for n, t in chunk.items():
-                part[n] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "file": path.name}
+                part[n] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "file": path.name}
             chunk, size = {}, 0
             return path.stat().st_size
 
@@ -205,17 +184,18 @@ class DiskWriter:
 
         if self._snapshot is None:
             self._snapshot = {}
-            self._base = _read_checkpoint(self.hf_checkpoint)
+            self._base = safetensors_index(self.hf_checkpoint)
         payloads: dict[str, np.ndarray] = {}
         part: dict[str, dict] = {}
         path = out / f"delta-pp{self.stage:03d}.safetensors"
         for name, t in _materialize(items):
             new = tensor_bytes(t)
             old = self._snapshot.get(name)
-            if old is None:  # the first version: its base is what the engines started from
-                old = _base_bytes(self._base.get(name), t.dtype, tuple(t.shape))
+            if old is None:  # the first version: its base is what the engines started from (this stage's
+                # tensors of it only, read one at a time)
+                old = _base_bytes(_read_one(self._base, name), t.dtype, tuple(t.shape))
             payload, changed = encode(self.encoding, old, new)
-            entry = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "changed_bytes": changed}
+            entry = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "changed_bytes": changed}
             if changed:
                 payloads[name] = np.frombuffer(payload, dtype=np.uint8)
                 entry |= {"checksum": checksum(self.checksum, new), "file": path.name}
@@ -225,6 +205,14 @@ class DiskWriter:
         if payloads:
             save_file(payloads, str(path))
         return part, sum(p.size for p in payloads.values())
+
+
+def _read_one(where: dict[str, Path], name: str) -> torch.Tensor | None:
+    """The tensor `name` of a checkpoint (`where`: hf_files.safetensors_index's map), None if it has none."""
+    if name not in where:
+        return None
+    with safe_open(where[name], framework="pt") as f:
+        return f.get_tensor(name)
 
 
 def _base_bytes(base: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -256,7 +244,7 @@ def full_folder(root: str, version: int, hf_checkpoint: str) -> Path:
     """Global rank 0, full mode: make the version folder loadable as an HF checkpoint (its config and
     tokenizer files, and model.safetensors.index.json naming each tensor's file)."""
     out = version_dir(root, version)
-    _copy_side_files(Path(hf_checkpoint), out)
+    copy_hf_metadata(hf_checkpoint, out)
     index = json.loads((out / INDEX).read_text())
     _write_json(out / "model.safetensors.index.json",
                 {"metadata": {}, "weight_map": {n: e["file"] for n, e in index["tensors"].items()}})
@@ -328,14 +316,14 @@ def _build_local(local: Path, hf_checkpoint: Path, index: dict) -> None:
     local.mkdir(parents=True, exist_ok=True)
     for f in local.glob("*.safetensors"):
         f.unlink()
-    base = _read_checkpoint(hf_checkpoint)
+    base = read_hf_tensors(hf_checkpoint)
     tensors = {}
     for name, e in index["tensors"].items():
         dtype, shape = getattr(torch, e["dtype"]), tuple(e["shape"])
         t = base.get(name)
         tensors[name] = (t.to(dtype).contiguous() if t is not None and tuple(t.shape) == shape
                          else torch.zeros(shape, dtype=dtype))
-    _copy_side_files(hf_checkpoint, local)
+    copy_hf_metadata(hf_checkpoint, local)
     save_file(tensors, str(local / "model.safetensors"), metadata={"format": "pt"})
 
 
