@@ -40,7 +40,8 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 # the built-in --rm-type names, in the help's order; each is a RewardSpec in rewards/builtin.py REWARDS
 # (which refuses to import unless it names these), plus remote_rm (needs --rm-url)
-REWARD_TYPES = ("digit", "math", "format", "dapo", "f1", "math_format", "reasoning_gym", "deepscaler", "gpqa")
+REWARD_TYPES = ("digit", "math", "format", "dapo", "f1", "math_format", "reasoning_gym", "deepscaler", "gpqa",
+                "ifbench")
 
 
 def _positive_int(text: str) -> int:

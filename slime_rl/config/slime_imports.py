@@ -73,7 +73,7 @@ MODULES: dict[str, StandIn] = {
          "remote_rm": f"{_REWARDS}:remote_rm", "grade_answer_verl": f"{_REWARDS}:grade_answer_verl",
          "extract_boxed_answer": f"{_REWARDS}:extract_answer", "compute_score_dapo": f"{_REWARDS}:compute_score",
          "get_deepscaler_rule_based_reward": f"{_REWARDS}:get_deepscaler_rule_based_reward"},
-        "the rule rewards are --rm-type's (slime_rl.rewards.builtin), gpqa among them; ifbench has none"),
+        "the rule rewards are --rm-type's (slime_rl.rewards.builtin), gpqa and ifbench among them"),
     "slime.rollout.rm_hub.math_utils": StandIn(
         {"extract_answer": f"{_REWARDS}:extract_answer", "grade_answer_verl": f"{_REWARDS}:grade_answer_verl"},
         "the math grader is slime_rl.rewards.math_grader (is_equivalent, last_boxed)"),

@@ -12,6 +12,7 @@ dict whose "score" is the reward (its other numeric keys are logged as metrics).
 | `reasoning_gym` | reasoning-gym's own `score_answer` for the row's task (see `rewards.reasoning_gym`); logs `acc` |
 | `deepscaler` | slime's `deepscaler` rule: 1 when the `\boxed{}` answer after `</think>` equals the label, else 0 |
 | `gpqa` | slime's multiple-choice rule: 1 when the answer picks the correct option (`rewards.multiple_choice`) |
+| `ifbench` | IFBench's strict check: 1 when the response follows every instruction of its row (`rewards.ifbench`) |
 
 Each is one `RewardSpec` in `REWARDS` (its function and what it needs of a row's label); adding one
 touches this file and `config.flags.REWARD_TYPES` (the flag's help).
@@ -31,6 +32,9 @@ from typing import Any
 
 from slime_rl.config.flags import REWARD_TYPES
 from slime_rl.data import Sample
+from slime_rl.rewards.ifbench import check_rows as check_ifbench_rows
+from slime_rl.rewards.ifbench import ifbench_reward
+from slime_rl.rewards.ifbench import require as require_ifbench
 from slime_rl.rewards.labels import LabelCheck, digit_label_problem, f1_label_problem, math_label_problem
 from slime_rl.rewards.math_grader import answer_region, is_equivalent, last_boxed
 from slime_rl.rewards.multiple_choice import gpqa_reward
@@ -160,11 +164,14 @@ class RewardSpec:
       reward reads no label or checks its labels itself.
     - `rows_check`: every row at once, `(metadata_rows, labels)`, raising ValueError with the reason
       (reasoning_gym: each row names a task of the installed reasoning-gym, and has a label).
+    - `needs`: raises (an ImportError naming what to install) when a library the reward calls is not
+      importable; called when the run's reward is built, before any actor starts (ifbench).
     """
 
     fn: Callable[[Sample], float | dict[str, float]]
     label_check: LabelCheck | None = None
     rows_check: Callable[[list[dict[str, Any]], list[Any]], None] | None = None
+    needs: Callable[[], None] | None = None
 
 
 # in --rm-type's help order (config.flags.REWARD_TYPES names them, checked below)
@@ -178,6 +185,7 @@ REWARDS: dict[str, RewardSpec] = {
     "reasoning_gym": RewardSpec(reasoning_gym_reward, rows_check=check_reasoning_gym_labels),
     "deepscaler": RewardSpec(deepscaler_reward, math_label_problem),
     "gpqa": RewardSpec(gpqa_reward),
+    "ifbench": RewardSpec(ifbench_reward, rows_check=check_ifbench_rows, needs=require_ifbench),
 }
 if tuple(REWARDS) != REWARD_TYPES:  # the flag's help and its choices come from config's list
     raise ImportError(f"rewards.builtin.REWARDS {tuple(REWARDS)} and config.flags.REWARD_TYPES {REWARD_TYPES} "

@@ -70,7 +70,7 @@ from slime_rl.config.dotted_path import choose_form, json_kwargs, load_by_path
 from slime_rl.config.flags_from_slime import SLIME_OPD_REWARD
 from slime_rl.data import Sample
 from slime_rl.data.slime_compat import slime_sample_class, to_slime
-from slime_rl.rewards.builtin import BUILTIN
+from slime_rl.rewards.builtin import BUILTIN, REWARDS
 from slime_rl.rewards.remote import RemoteRewardModel
 from slime_rl.rewards.teacher import fetch_teacher_logprobs
 
@@ -367,9 +367,8 @@ def _zero_reward(sample: Sample) -> float:
     return 0.0
 
 
-# slime's reward types that are not built here, and why
-NOT_BUILT = {"ifbench": "slime's IFBench scorer is not built here (slime clones allenai/IFBench and its "
-                        "requirements at run time); score that set with --custom-rm-path"}
+# slime's reward types that are not built here, and why (none today; a name here is refused with its reason)
+NOT_BUILT: dict[str, str] = {}
 
 
 def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str | None = None,
@@ -419,6 +418,12 @@ def make_reward_fn(rm_type: str | None, custom_rm_path: str | None, rm_url: str 
 
     def resolve(name: Any, where: str) -> tuple[Callable, str]:
         if name in BUILTIN:
+            needs = REWARDS[name].needs
+            if needs is not None:
+                try:
+                    needs()
+                except ImportError as exc:
+                    raise RewardError(f"{where} {name!r}: {exc}") from exc
             return BUILTIN[name], BUILTIN_KEY
         if name == "remote_rm":
             if remote is None:

@@ -16,7 +16,7 @@ installed; docs/migration.md's table says what differs). slime's signatures, thi
 - `async_rm(args, sample)`, `batched_async_rm(args, samples)`, `remote_rm(args, sample)`: slime's
   dispatch: the sample's or `args.custom_rm_path` (called slime's way), else the rule of
   `metadata["rm_type"]` or `args.rm_type` (a `boxed_` prefix scores the boxed answer), which is this
-  project's `--rm-type` of that name (slime's `random` and `gpqa` too; `ifbench` has none).
+  project's `--rm-type` of that name (slime's `random`, `gpqa` and `ifbench` too).
 """
 
 from __future__ import annotations

@@ -53,13 +53,26 @@ def test_slimes_multi_task_file_gives_each_set_its_settings(tmp_path):
     assert [ev.settings[n]["rm_type"] for n, _ in ev.datasets] == ["deepscaler", "gpqa", "ifbench"]
 
 
-def test_a_reward_type_not_built_here_is_named_with_its_set(tmp_path, tiny_qwen2):
-    """gpqa is built (rewards/multiple_choice.py); ifbench is not, and says why."""
+def test_ifbench_without_its_package_is_named_with_its_set_and_listed_for_another_cluster(tmp_path, tiny_qwen2,
+                                                                                          monkeypatch):
+    """gpqa is built (rewards/multiple_choice.py); ifbench needs IFBench's package (rewards/ifbench.py): here,
+    where it is not importable, the run refuses naming the set and what to install; planned for another cluster
+    (--cluster), the set is listed as not checked here and the plan is made."""
+    import sys
+
+    from slime_rl.rewards import ifbench
+
+    ifbench.registry.cache_clear()
+    monkeypatch.setitem(sys.modules, "ifbench", None)  # as on a machine without it
     argv = _argv(tmp_path, MULTI_TASK)
     argv[argv.index("--hf-checkpoint") + 1] = str(tiny_qwen2)
-    with pytest.raises(RewardError, match=r"--eval-config dataset ifbench: .*'ifbench': slime's IFBench scorer is "
-                                          r"not built here"):
+    with pytest.raises(RewardError, match=r"--eval-config dataset ifbench: --rm-type 'ifbench': --rm-type ifbench "
+                                          r"needs IFBench's instruction checks, the `ifbench` package"):
         preflight(build_config(argv + ["--dry-run"]))
+    _, plan = preflight(build_config(argv + ["--dry-run", "--cluster", "1x8"]))
+    (note,) = [n for n in plan.notes if "ifbench" in n]
+    assert note.startswith("not checked here (--cluster): --eval-config dataset ifbench: ") and \
+        "(module 'ifbench' is not importable here; its functions load on the cluster)" in note
 
 
 def test_mapping_form_stop_strings_and_the_flags_underneath(tmp_path):

@@ -128,7 +128,7 @@ def test_f1_by_hand():
 def test_digit_unchanged_and_builtin_names():
     assert digit_reward(sample(" 7 3", label="7")) == 1.0 and digit_reward(sample("3 7", label="7")) == 0.0
     assert set(BUILTIN) == {"digit", "math", "dapo", "format", "f1", "math_format", "reasoning_gym", "deepscaler",
-                            "gpqa"}
+                            "gpqa", "ifbench"}
 
 
 # slime's rm_hub/deepscaler.py, rule by rule: the solution after the last </think> (else after the

@@ -153,8 +153,8 @@ def test_a_user_module_importing_every_mapped_path_loads_and_works(fresh, tmp_pa
     group_args = argparse.Namespace(**vars(args) | {"custom_rm_path": f"{path}:group_rm"})
     assert mod.run(mod.batched_async_rm(group_args, [SlimeSample(response="ab"), SlimeSample(response="c")])) == [
         2.0, 1.0]
-    with pytest.raises(NotImplementedError, match="ifbench"):
-        mod.run(mod.async_rm(argparse.Namespace(**vars(args) | {"rm_type": "ifbench"}), sample))
+    with pytest.raises(NotImplementedError, match="Rule-based RM for nope is not implemented"):
+        mod.run(mod.async_rm(argparse.Namespace(**vars(args) | {"rm_type": "nope"}), sample))
     gpqa = argparse.Namespace(**vars(args) | {"rm_type": "gpqa"})  # --rm-type gpqa's rule: the picked letter
     assert mod.run(mod.async_rm(gpqa, SlimeSample(response="The answer is C", label="C"))) == 1.0
     assert mod.get_async_loop() is mod.get_async_loop()
