@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -61,23 +62,39 @@ def load_gguf(gguf: Path) -> tuple[torch.nn.Module, object]:
 def _one_reader_per_file() -> Iterator[None]:
     """transformers 5.x reads the GGUF file three times (the config, the weights, the tokenizer), each a
     `gguf.GGUFReader` that parses every metadata field in Python (~4 s for SmolLM2's 49k-token vocabulary on
-    2 cores); within this block each file is parsed once and its reader shared (transformers only reads it)."""
+    2 cores); within this block each file is parsed once and its reader shared (transformers only reads it).
+    Two more pure computations are made once within it: the metadata-only read (`load_gguf_checkpoint` without
+    tensors: the config's and the tokenizer's, each a walk over every field), handed out as a deep copy per call
+    since the callers edit it, and gguf's tensor-name table per (architecture, layers), which transformers builds
+    again for each of the model's ~400 modules when it maps the weights' names."""
     import gguf as gguf_lib
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-    real = gguf_lib.GGUFReader
+    real_reader, real_names, real_load = gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map, hf_gguf.load_gguf_checkpoint
     readers: dict[tuple, object] = {}
+    metadata: dict[str, dict] = {}
 
     def shared(path, *args, **kwargs):
         key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
         if key not in readers:
-            readers[key] = real(path, *args, **kwargs)
+            readers[key] = real_reader(path, *args, **kwargs)
         return readers[key]
 
-    gguf_lib.GGUFReader = shared
+    def load(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return real_load(path, return_tensors, *args, **kwargs)
+        key = os.path.realpath(path)
+        if key not in metadata:
+            metadata[key] = real_load(path, False)
+        return copy.deepcopy(metadata[key])
+
+    gguf_lib.GGUFReader, hf_gguf.load_gguf_checkpoint = shared, load
+    gguf_lib.get_tensor_name_map = functools.cache(real_names)
     try:
         yield
     finally:
-        gguf_lib.GGUFReader = real
+        gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = (real_reader, real_names,
+                                                                                           real_load)
 
 
 def plain_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
