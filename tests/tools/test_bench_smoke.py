@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_smoke(script: str, tmp_path: Path) -> tuple[str, dict]:
+    """The script's --smoke run; its ratio line and its JSON. A test that takes `ray_session` has the built-in
+    engines the script starts forked from the session's warm interpreter (SLIME_RL_ENGINE_PYTHON, which the
+    scripts launch engines with, as the product does)."""
     import json
 
     out = tmp_path / "result.json"
@@ -27,7 +30,7 @@ def run_smoke(script: str, tmp_path: Path) -> tuple[str, dict]:
     return lines[-1], json.loads(out.read_text())
 
 
-def test_weight_sync_smoke(tmp_path):
+def test_weight_sync_smoke(ray_session, tmp_path):
     last, result = run_smoke("weight_sync.py", tmp_path)
     assert re.fullmatch(r"ratio \(raw / full\) tiny=\d+\.\d{3}", last), last
     (r,) = result
@@ -44,15 +47,16 @@ def test_train_mfu_smoke(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["engine_throughput.py"])
-def test_engine_throughput_smoke(tmp_path, script):
+def test_engine_throughput_smoke(ray_session, tmp_path, script):
     last, result = run_smoke(script, tmp_path)
     assert re.fullmatch(r"ratio \(engine / HF generate tokens/s\) \d+\.\d\d", last), last
     assert result["engine_tokens_per_s"] > 0 and result["hf_tokens_per_s"] > 0
     # the overlap scheduler is on by default, and its steps were overlapped
     assert result["overlap"] is True and result["engine_overlapped_steps"] > 0
-    for b in (2, 4):  # the smoke mode's decode batches
-        assert result[f"decode_step_s_b{b}"] > 0 and result[f"roofline_step_s_b{b}"] > 0
-        assert result[f"step_over_roofline_b{b}"] == result[f"decode_step_s_b{b}"] / result[f"roofline_step_s_b{b}"]
+    b = 4  # the smoke mode's decode batch (its main run's)
+    assert result[f"decode_step_s_b{b}"] > 0 and result[f"roofline_step_s_b{b}"] > 0
+    assert result[f"step_over_roofline_b{b}"] == result[f"decode_step_s_b{b}"] / result[f"roofline_step_s_b{b}"]
+    assert not any(k.endswith("_b2") for k in result)
     # bytes a step reads, by hand for the tiny shape (bench/common.py): 2 layers, hidden 64, MLP 128,
     # vocab 64 tied, 2 KV heads of 16 dims; fp32; contexts of 8 prompt + 8 / 2 decode tokens
     params = 64 * 64 + 2 * (2 * 64 + (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128) + 64
@@ -116,7 +120,7 @@ def test_moe_gpu_smoke(ray_session, tmp_path):
 
 
 @pytest.mark.slow
-def test_profile_engine_smoke(tmp_path):
+def test_profile_engine_smoke(ray_session, tmp_path):
     """bench/profile_engine.py on CPU: the phase table, from the scheduler thread's profiler too."""
     last, result = run_smoke("profile_engine.py", tmp_path)
     assert last.startswith("over HTTP (engine process, one /generate per group): 64 tokens"), last
