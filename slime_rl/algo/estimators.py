@@ -114,11 +114,12 @@ class GSPO(GRPO):
 
     def policy_loss(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                     algo: AlgoConfig) -> tuple[Tensor, Tensor, ClipFractions]:
-        # eps_clip_c (dual clip) is not applied to GSPO
-        pg, clipped = gspo_loss(logp, old_logp, advantages, mask, algo.eps_clip, algo.eps_clip_high)
+        pg, clipped = gspo_loss(logp, old_logp, advantages, mask, algo.eps_clip, algo.eps_clip_high,
+                                algo.eps_clip_c)
         # clip bounds of the sequence ratio s_i, on every token of sample i
         log_s = gspo_seq_log_ratio(logp.detach(), old_logp, mask).unsqueeze(1).expand_as(logp)
-        frac = clip_fractions(log_s, torch.zeros_like(log_s), advantages, algo.eps_clip, algo.eps_clip_high)
+        frac = clip_fractions(log_s, torch.zeros_like(log_s), advantages, algo.eps_clip, algo.eps_clip_high,
+                              algo.eps_clip_c)
         return pg, clipped, frac
 
 

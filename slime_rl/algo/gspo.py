@@ -4,8 +4,11 @@ s_i = (pi(y_i | x) / pi_old(y_i | x)) ^ (1 / |y_i|) = exp(mean over the sample's
 (logp - old_logp)). The per-token form (the paper's GSPO-token) is
 s_{i,t} = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})], i.e. exp(sg[log s_i] + logp_t - sg[logp_t]):
 its value is s_i on every token of sample i and its gradient is s_i * grad logp_t. With one
-advantage per sample and seq-mean-token-mean aggregation this has the gradient of the paper's
-sequence-level objective, and it lets GSPO reuse the per-token loss and aggregation path.
+advantage per sample this has the value and the gradient of the sequence-level objective (s_i on every
+token, its gradient s_i / |y_i| * sum_t grad logp_t spread over the |y_i| tokens) under any aggregation
+over tokens, and it lets GSPO reuse the per-token loss and aggregation path. So EasyR1's two loss types,
+`gspo` (the sequence-level ratio on each token) and `gspo_token` (this form), are one loss here with GRPO's
+advantages, the only ones EasyR1 pairs them with (tests/algo/test_cispo_sapo.py checks both forms).
 Needs the whole response of a sample on one rank (context parallel: gather the sums first).
 
 The log of the token ratio is clamped at GSPO_LOG_RATIO_MAX = 10 from above before exp, as verl's
@@ -42,13 +45,15 @@ def gspo_token_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
 
 
 def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, eps_clip: float,
-              eps_clip_high: float) -> tuple[Tensor, Tensor]:
+              eps_clip_high: float, eps_clip_c: float | None = None) -> tuple[Tensor, Tensor]:
     """GSPO clipped surrogate, per token: -min(s_{i,t} * A_i, clip(s_{i,t}, 1 - eps, 1 + eps_high) * A_i).
 
     logp, old_logp, mask: [B, T]; advantages: [B, T] (the sample's scalar broadcast) or [B].
-    The paper's clip ranges are tiny (3e-4 / 4e-4): s_i is a per-token geometric mean. Returns
-    (loss [B, T], clipped [B, T] float: 1 where the clipped branch was taken -- the same for every
-    token of a sample). Aggregate with seq-mean-token-mean (`aggregate`), as the paper does.
+    The paper's clip ranges are tiny (3e-4 / 4e-4): s_i is a per-token geometric mean. With eps_clip_c = c
+    (PPO's dual clip, --eps-clip-c), a negative advantage's loss is capped at -c * A, as EasyR1 applies it to
+    its gspo / gspo_token losses (verl's GSPO has no dual clip: leave it None). Returns (loss [B, T], clipped
+    [B, T] float: 1 where the clipped branch was taken -- the same for every token of a sample). Aggregate
+    with seq-mean-token-mean (`aggregate`), as the paper does.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logp)
@@ -56,4 +61,6 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
+    if eps_clip_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -eps_clip_c * advantages), loss)
     return loss, (clipped < unclipped).float()

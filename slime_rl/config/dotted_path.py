@@ -24,6 +24,19 @@ class PluginLoadError(ValueError):
     """The function a flag names could not be found or imported; the message names the flag."""
 
 
+# libraries the functions of other trainers' recipes import, and the extra of this package that installs them
+# (EasyR1's examples/reward_function/math.py imports mathruler, which needs pylatexenc)
+EXTRA_OF = {"mathruler": "easyr1", "pylatexenc": "easyr1", "verifiers": "agent", "textarena": "agent",
+            "openai": "agent", "reasoning_gym": "real"}
+
+
+def _install_hint(exc: BaseException) -> str:
+    """' (pip install ...)' when `exc` is a missing library one of this package's extras installs, else ''."""
+    name = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    extra = EXTRA_OF.get((name or "").split(".")[0])
+    return f" (pip install 'slime-rl[{extra}]' installs it)" if extra else ""
+
+
 def _load_file_module(file: str, flag: str, spec_text: str, error: type[Exception]) -> Any:
     path = Path(file).resolve()
     if not path.is_file():
@@ -39,7 +52,8 @@ def _load_file_module(file: str, flag: str, spec_text: str, error: type[Exceptio
         spec.loader.exec_module(module)
     except Exception as exc:  # the user's module raised while importing; say which file
         del sys.modules[name]
-        raise error(f"{flag} {spec_text!r}: importing {file} failed: {type(exc).__name__}: {exc}") from exc
+        raise error(f"{flag} {spec_text!r}: importing {file} failed: {type(exc).__name__}: {exc}"
+                    f"{_install_hint(exc)}") from exc
     return module
 
 
@@ -57,7 +71,7 @@ def load_by_path(path: str, flag: str, error: type[Exception] = PluginLoadError)
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            err = error(f"{flag} {path!r}: cannot import module {module_name!r}: {exc}")
+            err = error(f"{flag} {path!r}: cannot import module {module_name!r}: {exc}{_install_hint(exc)}")
             missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
             # the named module itself (or a package above it) is not on this machine's path, as opposed to a
             # module it imports: a dry run for another cluster says so instead of refusing (absent_module)

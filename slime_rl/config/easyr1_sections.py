@@ -62,8 +62,10 @@ def map_data(ctx: EasyR1Context) -> None:
     na("data.filter_overlong_prompts_workers", "data loading parallelism")
 
 
-# EasyR1's worker.actor.loss_type values that are one of our estimators (with adv_estimator grpo)
-_LOSS_TYPES = {"gspo": "gspo", "cispo": "cispo", "sapo": "sapo"}
+# EasyR1's worker.actor.loss_type values that are one of our estimators (with adv_estimator grpo). gspo (the
+# sequence-level ratio on each token) and gspo_token (its token form) have the same value and gradient with one
+# advantage per sample, as GRPO gives (algo/gspo.py): both are --advantage-estimator gspo
+_LOSS_TYPES = {"gspo": "gspo", "gspo_token": "gspo", "cispo": "cispo", "sapo": "sapo"}
 
 
 def map_algorithm(ctx: EasyR1Context) -> None:

@@ -35,10 +35,10 @@ def map_actor(ctx: EasyR1Context) -> None:
     to("worker.actor.clip_ratio_low", "eps_clip", float)
     to("worker.actor.clip_ratio_high", "eps_clip_high", float)
     loss_type = str(ctx.get("worker.actor.loss_type", "default"))
-    if loss_type == "default":
+    if loss_type in ("default", "gspo", "gspo_token"):  # EasyR1 caps these three losses with the dual clip
         to("worker.actor.clip_ratio_dual", "eps_clip_c", float)
-    else:  # EasyR1 applies the dual clip in its default (PPO) loss only
-        na("worker.actor.clip_ratio_dual", f"the dual clip is PPO's; loss_type {loss_type} does not take it")
+    else:  # cispo and sapo take no PPO minimum for it to cap
+        na("worker.actor.clip_ratio_dual", f"the dual clip caps PPO's minimum; loss_type {loss_type} has none")
     if loss_type == "sapo":
         to("worker.actor.tau_positive", "sapo_tau_pos", float)
         to("worker.actor.tau_negative", "sapo_tau_neg", float)

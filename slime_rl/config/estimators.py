@@ -24,8 +24,8 @@ class EstimatorSpec:
     critic: needs a value model (PPO's GAE); the --critic-* flags are accepted only then.
     kl_in_rewards: folds --kl-coef * KL(old || ref) into per-token rewards (else --kl-coef is refused).
     sequence_ratio: the policy loss clips a sequence-level ratio (GSPO) instead of per-token ratios.
-    dual_clip: the policy loss is PPO's clipped minimum, which --eps-clip-c's dual clip caps (GSPO, CISPO and
-      SAPO have no such minimum: the flag is refused with them).
+    dual_clip: the policy loss is PPO's clipped minimum, which --eps-clip-c's dual clip caps (PPO's and GSPO's;
+      CISPO and SAPO have no such minimum: the flag is refused with them).
     loss_agg_mode: the aggregation the method's paper uses, when it is not --loss-agg-mode's default
       (token-mean); `load.py` warns when the run aggregates otherwise (the default is not changed, so
       no existing recipe's numbers move).
@@ -51,8 +51,9 @@ ESTIMATOR_SPECS: dict[str, EstimatorSpec] = {s.name: s for s in (
     EstimatorSpec("reinforce_plus_plus", "trainer", kl_in_rewards=True),
     # the group-mean baseline on the rollout side, the whitening over the batch on the trainer side
     EstimatorSpec("reinforce_plus_plus_baseline", "trainer"),
-    # GRPO's advantages with a sequence-level ratio; the paper (and verl) average per sequence first
-    EstimatorSpec("gspo", "rollout", sequence_ratio=True, dual_clip=False, loss_agg_mode="seq-mean-token-mean"),
+    # GRPO's advantages with a sequence-level ratio; the paper (and verl) average per sequence first. Its loss is
+    # PPO's clipped minimum on that ratio, which --eps-clip-c caps as EasyR1 does (verl's GSPO: no dual clip)
+    EstimatorSpec("gspo", "rollout", sequence_ratio=True, loss_agg_mode="seq-mean-token-mean"),
     # GRPO's advantages with MiniMax-M1's clipped IS-weight loss (algo/cispo.py); the paper averages over
     # all tokens (token-mean, the default)
     EstimatorSpec("cispo", "rollout", dual_clip=False),

@@ -102,3 +102,54 @@ def test_sapo_estimator_and_its_flags(tmp_path):
     assert (algo.sapo_tau_pos, algo.sapo_tau_neg) == (1.0, 2.0)
     with pytest.raises(ConfigError, match="--sapo-tau-pos .*must be > 0"):
         build_config(argv + ["--sapo-tau-pos", "0"])
+
+
+def _easyr1_gspo(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low: float,
+                 high: float, dual: float, token_form: bool, mode: str) -> torch.Tensor:
+    """EasyR1's compute_policy_loss for loss_type gspo / gspo_token (hiyouga/EasyR1 b44b311,
+    verl/trainer/core_algos.py), written out in float64: the masked mean of logp - old per sequence, on every token
+    (gspo: with its gradient; gspo_token: detached, plus logp - sg[logp]); ratio exp(clamp(., -20, 20)); the clipped
+    ratio exp(clamp(., log(1 - low), log(1 + high))); -A * ratio against -A * clipped (max), then for A < 0 the dual
+    cap -A * dual (min); averaged over all valid tokens ("token") or per sequence then over sequences ("seq")."""
+    kl = logp - old
+    seq = (kl * mask).sum(-1) / mask.sum(-1)
+    log_r = (seq.detach().unsqueeze(-1) + logp - logp.detach()) if token_form else seq.unsqueeze(-1) * mask
+    ratio = torch.exp(torch.clamp(log_r, -20.0, 20.0))
+    clipped = torch.exp(torch.clamp(log_r, math.log(1.0 - low), math.log(1.0 + high)))
+    higher = torch.maximum(-adv * ratio, -adv * clipped)
+    final = torch.where(adv < 0, torch.minimum(higher, -adv * dual), higher)
+    if mode == "token":
+        return (final * mask).sum() / mask.sum()
+    return ((final * mask).sum(-1) / mask.sum(-1)).mean()
+
+
+@pytest.mark.parametrize("token_form", [False, True], ids=["gspo", "gspo_token"])
+@pytest.mark.parametrize("mode, ours", [("token", "token-mean"), ("seq", "seq-mean-token-mean")])
+def test_gspo_equals_easyr1s_gspo_and_gspo_token_with_the_dual_clip(token_form, mode, ours):
+    """--advantage-estimator gspo --eps-clip-c 3 has EasyR1's gspo and gspo_token loss and gradient with one
+    advantage per sample (GRPO's): rows inside the clip range, clipped above and below, and a negative-advantage
+    row whose ratio passes 3 (the dual cap)."""
+    from slime_rl.algo.aggregate import aggregate
+
+    g = torch.Generator().manual_seed(7)
+    B, T = 6, 7
+    old = -torch.rand(B, T, generator=g, dtype=F64) * 2
+    shift = torch.tensor([0.0, 0.1, -0.3, 1.5, 0.002, -0.001], dtype=F64).unsqueeze(1)  # row 3: ratio e^1.5 > 3
+    logp0 = old + shift + 0.05 * torch.randn(B, T, generator=g, dtype=F64)
+    mask = (torch.rand(B, T, generator=g) > 0.25).to(F64)
+    mask[:, 0] = 1.0
+    adv = torch.tensor([1.0, -0.7, 0.4, -1.2, 0.9, -0.3], dtype=F64).unsqueeze(1).expand(B, T)
+    low, high, dual = 0.2, 0.28, 3.0
+
+    ref_logp = logp0.clone().requires_grad_(True)
+    ref = _easyr1_gspo(ref_logp, old, adv, mask, low, high, dual, token_form, mode)
+    ref.backward()
+    logp = logp0.clone().requires_grad_(True)
+    algo = AlgoConfig(advantage_estimator="gspo", eps_clip=low, eps_clip_high=high, eps_clip_c=dual)
+    pg, _, frac = estimator_for(algo).policy_loss(logp, old, adv, mask, algo)
+    got = aggregate(pg, mask, ours)
+    got.backward()
+    assert got.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-15)
+    assert torch.allclose(logp.grad, ref_logp.grad, rtol=1e-10, atol=1e-15)
+    assert frac.dual[3].bool().all() and frac.dual.sum() == frac.dual[3].sum()  # only row 3 is capped
+    assert logp.grad[3].abs().max() == 0  # the cap is a constant: no gradient through that row

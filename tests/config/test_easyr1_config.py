@@ -194,15 +194,18 @@ def test_num_rollout_on_the_command_line_wins_over_the_files_epochs(tmp_path):
     assert cfg.data.num_epoch == 1
 
 
-@pytest.mark.parametrize("loss_type", ["gspo", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["gspo", "gspo_token", "cispo", "sapo"])
 def test_easyr1_loss_types_with_grpo_are_our_estimators(tmp_path, loss_type):
-    """EasyR1's worker.actor.loss_type gspo / cispo / sapo (its core_algos.compute_policy_loss) with
-    adv_estimator grpo: --advantage-estimator of that name; clip_ratio_low/high stay the clip bounds
-    (CISPO's weight bounds), the dual clip is dropped (EasyR1 applies it in its default loss only), SAPO
-    takes tau_positive / tau_negative."""
+    """EasyR1's worker.actor.loss_type gspo / gspo_token / cispo / sapo (its core_algos.compute_policy_loss) with
+    adv_estimator grpo: --advantage-estimator of that name (gspo_token: gspo, the same loss with one advantage
+    per sample, tests/algo/test_cispo_sapo.py); clip_ratio_low/high stay the clip bounds (CISPO's weight bounds);
+    the dual clip caps gspo and gspo_token as EasyR1's code applies it (its default 3.0 when the file leaves it
+    out) and is dropped for cispo and sapo, which take no PPO minimum; SAPO takes tau_positive / tau_negative."""
     edit = {"worker.actor.loss_type": loss_type, "worker.actor.tau_positive": 0.5, "worker.actor.tau_negative": 2.0}
     cfg = build_config(["--config", str(write_config(tmp_path, edit=edit))], check_paths=False)
-    assert cfg.algo.advantage_estimator == loss_type and cfg.algo.eps_clip_c is None
+    gspo = loss_type.startswith("gspo")
+    assert cfg.algo.advantage_estimator == ("gspo" if gspo else loss_type)
+    assert cfg.algo.eps_clip_c == (3.0 if gspo else None)
     assert (cfg.algo.eps_clip, cfg.algo.eps_clip_high) == (0.2, 0.3)  # the fixture's clip ratios
     want = (0.5, 2.0) if loss_type == "sapo" else (1.0, 1.05)  # the taus are SAPO's only
     assert (cfg.algo.sapo_tau_pos, cfg.algo.sapo_tau_neg) == want

@@ -67,6 +67,24 @@ def test_easyr1_batch_file_scores_a_group_per_call():
     assert group[2].reward_metrics == {"format": 0.0, "accuracy": 1.0}
 
 
+def test_easyr1_file_graded_with_mathruler(monkeypatch):
+    """An EasyR1 reward file that grades with mathruler (the `easyr1` extra) loads and scores: \\frac{1}{2}
+    equals the label 0.5 by mathruler's grader; without mathruler the load names the extra that installs it."""
+    path = f"{EASYR1 / 'mathruler_reward.py'}:compute_score"
+    fn = make_reward_fn(None, path)
+    group = [sample("<think>a</think> \\boxed{\\frac{1}{2}}", label="0.5"), sample("\\boxed{2}", label="0.5")]
+    assert score(fn, group) == pytest.approx([1.0, 0.0])
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mathruler", None)
+    monkeypatch.setitem(sys.modules, "mathruler.grader", None)
+    for name in [n for n in sys.modules if n.startswith("slime_rl_user_mathruler_reward")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(RewardError, match=r"importing .*mathruler_reward.py failed: ModuleNotFoundError: .*mathruler"
+                                          r".*\(pip install 'slime-rl\[easyr1\]' installs it\)"):
+        make_reward_fn(None, path)
+
+
 def test_easyr1_reward_kwargs():
     fn = make_reward_fn(None, f"{EASYR1 / 'math_reward.py'}:compute_score", rm_kwargs='{"format_weight": 0.5}')
     assert score(fn, [sample("\\boxed{3}"), sample("<think>a</think>\\boxed{2}")]) == pytest.approx([0.5, 0.5])
