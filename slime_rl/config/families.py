@@ -78,6 +78,19 @@ decoder only, with 1-D RoPE (text-only positions make the interleaved mrope of i
 the vision tower `model.visual.*` and the multi-token-prediction head `mtp.*` (`Family.hf_passthrough`) are never
 loaded, trained or sent (the engine keeps its own copy), and --save-hf / tools/convert_megatron_to_hf.py copy them
 unchanged from the HF folder the model came from (trainer/hf_export.py).
+
+Qwen3.5-MoE (`qwen3_5_moe`: Qwen3.5-35B-A3B, Qwen3.6-35B-A3B; Qwen3_5MoeForConditionalGeneration) is Qwen3.5's text
+decoder with Qwen3-Next's MoE block in every layer (transformers' Qwen3_5MoeDecoderLayer and SGLang's read neither
+mlp_only_layers nor decoder_sparse_step): softmax top-k renormalised (transformers always renormalises; SGLang reads
+norm_topk_prob, true when absent: required true) and the sigmoid-gated shared expert; its config.json has no
+intermediate_size (no dense MLP), which arch.py takes as one expert's width, as slime's model file does. Its published
+checkpoints store a layer's routed experts fused (`Family.fused_experts`): `mlp.experts.gate_up_proj` [experts,
+2 x moe_ffn, hidden], each expert's gate rows then its up rows (transformers' forward chunks them so), and
+`mlp.experts.down_proj` [experts, hidden, moe_ffn]. The registry keeps one entry per expert under the names
+transformers' save_pretrained writes and SGLang's loader takes one expert at a time (`mlp.experts.{e}.gate_proj.weight`
+/ `up_proj` / `down_proj`): weight sync sends those, trainer/hf_files.py reads them as slices of the fused tensors
+(each EP rank its own experts' rows only) or as they are, and --save-hf writes the fused layout back
+(trainer/fused_experts.py).
 """
 
 from __future__ import annotations
