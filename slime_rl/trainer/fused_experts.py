@@ -75,19 +75,18 @@ def fuse(tensors: Iterable[tuple[str, torch.Tensor]], num_experts: int) -> Itera
     """(name, tensor) in the registry's per-expert names -> the same with each layer's experts stacked into the
     fused tensors, each yielded once all `num_experts` experts of it have come (the trainer yields a layer's experts
     of one kind together, so at most one layer's are held); other names pass through in order."""
-    pending: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
     for name, t in tensors:
         src = fused_source(name)
         if src is None:
             yield name, t
             continue
         fused, e, part = src
-        parts = pending.setdefault(fused, {}).setdefault(e, {})
-        parts[part] = t
-        experts = pending[fused]
+        parts = pending.setdefault(fused, {})
+        parts[(e, part)] = t
         want = ("down",) if part == "down" else ("gate", "up")
-        if len(experts) == num_experts and all(all(p in experts[k] for p in want) for k in experts):
+        if len(parts) == num_experts * len(want):
             del pending[fused]
-            yield fused, torch.stack([torch.cat([experts[k][p] for p in want]) for k in range(num_experts)])
+            yield fused, torch.stack([torch.cat([parts[(k, p)] for p in want]) for k in range(num_experts)])
     if pending:
         raise ValueError(f"experts missing from {sorted(pending)[:3]}: each fused tensor needs all {num_experts}")
