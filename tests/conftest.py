@@ -66,6 +66,15 @@ def tiny_qwen3_5(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_moe(tmp_path_factory) -> Path:
+    """Tiny Qwen3.5-MoE (Qwen3_5MoeForConditionalGeneration): tiny_qwen3_5's hybrid decoder and vision tower with an
+    MoE block in every layer (8 experts of width 32, top-2 renormalised, a gated shared expert of width 48); each
+    layer's experts stored fused (mlp.experts.gate_up_proj / down_proj), as the published checkpoints are."""
+    out = tmp_path_factory.mktemp("tiny_qwen3_5_moe")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen3_5_moe", seed=31)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory) -> Path:
     """Tiny Qwen3-MoE: 8 experts of width 32, top-2 renormalised, vocab 64, hidden 64, 2 layers, GQA 4/2."""
     out = tmp_path_factory.mktemp("tiny_qwen3_moe")

@@ -16,7 +16,8 @@ of that folder. Vocab padding is removed. The tensors come from the trainer's ow
 `hf_io.iter_hf_weights` (the registry's maps), so export and weight sync cannot disagree. Tensors the trainer does
 not hold (Qwen3.5's vision tower `model.visual.*` and `mtp.*`: `Family.hf_passthrough`) are copied unchanged from
 that folder's safetensors, so for such a family --hf-config-dir must be the original HF folder with its weights
-(refused in one sentence otherwise).
+(refused in one sentence otherwise). Qwen3.5-MoE's routed experts are written as its published checkpoints hold them,
+each layer's fused into mlp.experts.gate_up_proj / down_proj (`Family.fused_experts`).
 
 A LoRA run's checkpoint (--lora-rank) holds the frozen base and the adapters: --merge-lora writes the merged
 model (W + B A alpha / r, as weight sync sends it) and the adapters as PEFT's folder in OUT/lora_adapter/.

@@ -4,7 +4,7 @@
         [--vocab-size V]
 
 ARCH: qwen2 (default), llama, glm4, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v3, kimi_k2, qwen3_next, qwen3_5,
-qwen2_5_vl.
+qwen3_5_moe, qwen2_5_vl.
 The folder has config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a ChatML chat template),
 generation_config.json. Same seed -> same bytes of weights and the same
 tokenizer. The tokenizer uses Qwen2's pre-tokenizer (NFC, Qwen2's split regex, ByteLevel without
@@ -76,6 +76,13 @@ every layer and the GatedDeltaNet's in_proj as four tensors (in_proj_qkv, in_pro
 decoder under model.language_model., its fields in config.json's text_config, beside a 1-block vision tower (hidden
 16) under model.visual. that the trainer does not train. No vision tokens in the tokenizer: a text-only checkpoint.
 
+`--arch qwen3_5_moe` writes a Qwen3_5MoeForConditionalGeneration (as Qwen3.5-35B-A3B / Qwen3.6-35B-A3B): qwen3_5's
+decoder and vision tower with qwen3_next's MoE block in every layer (8 experts, top-2 renormalised, a shared expert of
+width 48 with its sigmoid gate). Its model.safetensors holds transformers' parameters under their own names, as the
+published checkpoints do: each layer's routed experts as two tensors, mlp.experts.gate_up_proj [experts, 2 x width,
+hidden] and mlp.experts.down_proj [experts, hidden, width] (transformers' save_pretrained would write them one
+expert at a time, experts.{e}.gate_proj / up_proj / down_proj).
+
 `--arch qwen2_5_vl` writes a Qwen2_5_VLForConditionalGeneration (a 2-block vision tower, hidden 32,
 patch 14, merge 2, one window block and one full-attention block, over the same tiny decoder), the
 vision special tokens (<|vision_start|>, <|image_pad|>, ...) in the tokenizer, a chat template that
@@ -107,10 +114,11 @@ CHAT_TEMPLATE = (
     "{% endif %}"
 )
 ARCHS = ("qwen2", "llama", "glm4", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "kimi_k2",
-         "minimax_m2", "qwen3_next", "qwen3_5", "qwen2_5_vl")
+         "minimax_m2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen2_5_vl")
 # families transformers runs under another model_type (config/families.py transformers_model_type): the tiny
 # model is built as that one and its config.json then names the family's own model_type
 BUILT_AS = {"kimi_k2": "deepseek_v3"}
+HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # Gated DeltaNet and gated attention, zero-centred norms
 VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2.5-VL's template renders an image part as <|vision_start|><|image_pad|><|vision_end|>; the
 # processor then repeats <|image_pad|> once per merged patch. Same rendering here, without tools.
@@ -259,6 +267,21 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
         vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=16, spatial_merge_size=2,
                       temporal_patch_size=2, out_hidden_size=args.hidden_size, num_position_embeddings=64)
         return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32")
+    if arch == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeConfig
+        text = {k: v for k, v in common.items() if k not in ("rope_theta", "intermediate_size")}
+        text.update(tie_word_embeddings=False, attention_bias=False, head_dim=args.hidden_size // args.num_heads,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                     "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+                    full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                    linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+                    num_experts=args.num_experts, num_experts_per_tok=args.moe_topk,
+                    moe_intermediate_size=args.moe_intermediate_size,
+                    shared_expert_intermediate_size=args.shared_expert_intermediate_size,
+                    router_aux_loss_coef=0.001, output_router_logits=False)
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=16, spatial_merge_size=2,
+                      temporal_patch_size=2, out_hidden_size=args.hidden_size, num_position_embeddings=64)
+        return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32")
     if arch == "qwen2_5_vl":
         return build_vl_config(common, args)
     raise SystemExit(f"--arch {arch}: unsupported ({', '.join(ARCHS)})")
@@ -296,15 +319,15 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     """embed_std: the word embeddings and LM head drawn with this std instead of initializer_range's 0.02 (a
     trained model's scale: with frozen 0.02-std ones the tiny model's logits stay within about +-1.3, which LoRA,
     training only the adapters, cannot widen; the LoRA quickstart's untied llama takes 0.3).
-    num_layers: 3 for qwen2_moe and glm4_moe, 4 for qwen3_next and qwen3_5, 2 otherwise; mlp_only_layers (MoE
-    archs): [1] for qwen2_moe, none for qwen3_moe; glm4_moe's dense layers are the first len(mlp_only_layers) (default
-    [0]: first_k_dense_replace 1)."""
+    num_layers: 3 for qwen2_moe and glm4_moe, 4 for qwen3_next, qwen3_5 and qwen3_5_moe, 2 otherwise; mlp_only_layers
+    (MoE archs): [1] for qwen2_moe, none for qwen3_moe; glm4_moe's dense layers are the first len(mlp_only_layers)
+    (default [0]: first_k_dense_replace 1)."""
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     family_type, arch = arch, BUILT_AS.get(arch, arch)  # the model_type config.json names; the one built
     first_dense = arch in ("glm4_moe", "deepseek_v3", "glm4_moe_lite")  # first_k_dense_replace
     if num_layers is None:
-        num_layers = 3 if arch == "qwen2_moe" or first_dense else 4 if arch in ("qwen3_next", "qwen3_5") else 2
+        num_layers = 3 if arch == "qwen2_moe" or first_dense else 4 if arch in HYBRID else 2
     if mlp_only_layers is None:
         mlp_only_layers = [1] if arch == "qwen2_moe" else [0] if first_dense else []
     if first_dense and mlp_only_layers != list(range(len(mlp_only_layers))):
@@ -335,11 +358,14 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     elif arch == "qwen3_5":  # the hub's class: the decoder under model.language_model., the tower under model.visual.
         from transformers import Qwen3_5ForConditionalGeneration
         model = Qwen3_5ForConditionalGeneration(config).to(torch.float32)
+    elif arch == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeForConditionalGeneration
+        model = Qwen3_5MoeForConditionalGeneration(config).to(torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        zero_centred = arch in ("qwen3_next", "qwen3_5")  # Qwen3NextRMSNorm, Qwen3_5RMSNorm: stored w, applied as 1 + w
+        zero_centred = arch in HYBRID  # Qwen3NextRMSNorm, Qwen3_5RMSNorm: stored w, applied as 1 + w
         for name, p in model.named_parameters():
             if zero_centred and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight") \
                     and not name.startswith("model.visual."):
@@ -360,6 +386,10 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
             if name.endswith("e_score_correction_bias"):  # GLM-4.5 / DeepSeek-V3: a bias that changes routing
                 b.copy_(0.05 * torch.randn(b.shape, generator=gen))
     model.save_pretrained(out, safe_serialization=True)
+    if arch == "qwen3_5_moe":  # the published layout: transformers' parameters as they are (module docstring)
+        from safetensors.torch import save_file
+        save_file({n: t.contiguous() for n, t in model.state_dict().items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
     if family_type != arch:  # the family's own model_type in config.json (Kimi-K2: kimi_k2)
         cfg_file = out / "config.json"
         cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "model_type": family_type}, indent=2))
@@ -410,8 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="default 64 (128 for qwen2_5_vl)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=None,
-                   help="default 3 for qwen2_moe, glm4_moe, deepseek_v3 and glm4_moe_lite, 4 for qwen3_next and "
-                        "qwen3_5, 2 otherwise")
+                   help="default 3 for qwen2_moe, glm4_moe, deepseek_v3 and glm4_moe_lite, 4 for qwen3_next, "
+                        "qwen3_5 and qwen3_5_moe, 2 otherwise")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--num-experts", type=int, default=8, help="MoE archs: routed experts per layer")

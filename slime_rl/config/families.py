@@ -78,6 +78,19 @@ decoder only, with 1-D RoPE (text-only positions make the interleaved mrope of i
 the vision tower `model.visual.*` and the multi-token-prediction head `mtp.*` (`Family.hf_passthrough`) are never
 loaded, trained or sent (the engine keeps its own copy), and --save-hf / tools/convert_megatron_to_hf.py copy them
 unchanged from the HF folder the model came from (trainer/hf_export.py).
+
+Qwen3.5-MoE (`qwen3_5_moe`: Qwen3.5-35B-A3B, Qwen3.6-35B-A3B; Qwen3_5MoeForConditionalGeneration) is Qwen3.5's text
+decoder with Qwen3-Next's MoE block in every layer (transformers' Qwen3_5MoeDecoderLayer and SGLang's read neither
+mlp_only_layers nor decoder_sparse_step): softmax top-k renormalised (transformers always renormalises; SGLang reads
+norm_topk_prob, true when absent: required true) and the sigmoid-gated shared expert; its config.json has no
+intermediate_size (no dense MLP), which arch.py takes as one expert's width, as slime's model file does. Its published
+checkpoints store a layer's routed experts fused (`Family.fused_experts`): `mlp.experts.gate_up_proj` [experts,
+2 x moe_ffn, hidden], each expert's gate rows then its up rows (transformers' forward chunks them so), and
+`mlp.experts.down_proj` [experts, hidden, moe_ffn]. The registry keeps one entry per expert under the names
+transformers' save_pretrained writes and SGLang's loader takes one expert at a time (`mlp.experts.{e}.gate_proj.weight`
+/ `up_proj` / `down_proj`): weight sync sends those, trainer/hf_files.py reads them as slices of the fused tensors
+(each EP rank its own experts' rows only) or as they are, and --save-hf writes the fused layout back
+(trainer/fused_experts.py).
 """
 
 from __future__ import annotations
@@ -228,6 +241,12 @@ class Family:
     # `model.visual.`, its multi-token-prediction head `mtp.`): the engine keeps its own copy, and --save-hf /
     # tools/convert_megatron_to_hf.py copy them unchanged from the HF folder the model came from
     hf_passthrough: tuple[str, ...] = ()
+    # the published checkpoints hold each layer's routed experts as two tensors (Qwen3.5-MoE:
+    # `...mlp.experts.gate_up_proj` [experts, 2 x moe_ffn, hidden], each expert's [gate; up] rows, and
+    # `...mlp.experts.down_proj` [experts, hidden, moe_ffn]) where the registry names one expert's (`...mlp.experts.{e}.
+    # gate_proj.weight` / `up_proj` / `down_proj`, the names weight sync sends): trainer/hf_files.py reads either form,
+    # --save-hf / tools/convert_megatron_to_hf.py write the fused one (trainer/fused_experts.py)
+    fused_experts: bool = False
 
     def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
         """config.json's value of `key`, or transformers' default for this family when the file leaves it
@@ -603,6 +622,30 @@ FAMILIES: dict[str, Family] = {
         text_config=True, hf_passthrough=("model.visual.", "mtp."),
         slime_spec=("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
     ),
+    # Qwen3.5-35B-A3B / Qwen3.6-35B-A3B (Qwen3_5MoeForConditionalGeneration): qwen3_5's hybrid text decoder with
+    # qwen3_next's MoE block in every layer (softmax top-k renormalised, a sigmoid-gated shared expert), the routed
+    # experts stored fused in the checkpoint (fused_experts)
+    "qwen3_5_moe": Family(
+        model_type="qwen3_5_moe", global_params=_language_model(_GLOBAL),
+        layer_params=_language_model((_NORMS[0], *_GATED_ATTENTION, _NORMS[1], *_MOE, *_SHARED_EXPERT)),
+        qkv_bias=False, qk_layernorm=True, default_tied=False,
+        # norm_topk_prob: transformers' router always renormalises, SGLang's reads the key (absent: true);
+        # attn_output_gate as qwen3_5's
+        required_config={**_SWIGLU, "attention_bias": False, "attn_output_gate": True, "norm_topk_prob": True},
+        # transformers' Qwen3_5MoeTextConfig defaults, for a config.json that leaves a key out (norm_topk_prob:
+        # SGLang's, from Qwen3NextConfig)
+        config_defaults={"attention_bias": False, "partial_rotary_factor": 0.25, "head_dim": 256,
+                         "num_key_value_heads": 2, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+                         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                         "linear_num_value_heads": 32, "rms_norm_eps": 1e-6, "norm_topk_prob": True,
+                         "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                         "shared_expert_intermediate_size": 512},
+        moe=True, shared_expert=True,
+        gated_delta_net=True, full_attention_params=_language_model(_GATED_ATTENTION),
+        linear_attention_params=_language_model(_GDN_SPLIT), zero_centered_norms=True,
+        text_config=True, hf_passthrough=("model.visual.", "mtp."), fused_experts=True,
+        slime_spec=("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
+    ),
 }
 
 
@@ -624,12 +667,7 @@ FAMILIES["kimi_k2"] = dataclasses.replace(FAMILIES["deepseek_v3"], model_type="k
 
 
 # model types close to a built family that are not built, and why (preflight adds it to its refusal)
-NOT_BUILT: dict[str, str] = {
-    "qwen3_5_moe": "Qwen3.5-35B-A3B / Qwen3.6-35B-A3B's checkpoints hold each layer's routed experts as two fused "
-                   "tensors (mlp.experts.gate_up_proj [experts, 2 x width, hidden], mlp.experts.down_proj), which no "
-                   "layout here splits over expert parallelism yet; qwen3_5 (Qwen3.5-9B / 27B, without experts) is "
-                   "built",
-}
+NOT_BUILT: dict[str, str] = {}
 
 
 def transformers_config(cfg: dict[str, Any]) -> Any:

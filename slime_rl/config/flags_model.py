@@ -125,8 +125,8 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     _switch('--qk-layernorm', "the family's q/k norm (qwen3, qwen3_moe have it; glm4_moe where use_qk_norm; "
             "minimax_m2's spans all heads' channels, as slime's MiniMax-M2 spec function builds it)"
             + _ABSENT.format(default="no q/k norm")),
-    _switch('--apply-layernorm-1p', "the family's zero-centred norm weights, applied as 1 + w (qwen3_next and "
-            "qwen3_5 have them)" + _ABSENT.format(default="norms that scale by w")),
+    _switch('--apply-layernorm-1p', "the family's zero-centred norm weights, applied as 1 + w (qwen3_next, "
+            "qwen3_5 and qwen3_5_moe have them)" + _ABSENT.format(default="norms that scale by w")),
     _switch('--post-self-attn-layernorm', "the family's norm of the attention's output before its residual add "
             "(glm4 has it: post_self_attn_layernorm)" + _ABSENT.format(default="no norm after attention")),
     _switch('--post-mlp-layernorm', "the family's norm of the MLP's output before its residual add (glm4 has it: "
@@ -164,16 +164,17 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
            type=_positive_int),
     _shape('--qk-pos-emb-head-dim', _MLA.format(what="rotary query/key width: qk_rope_head_dim"), type=_positive_int),
     _shape('--v-head-dim', _MLA.format(what="value width: v_head_dim"), type=_positive_int),
-    _switch('--attention-output-gate', "the family's sigmoid output gate on attention (qwen3_next and qwen3_5 "
-            "have it: q_proj holds each head's query and gate)" + _ABSENT.format(default="no output gate")),
+    _switch('--attention-output-gate', "the family's sigmoid output gate on attention (qwen3_next, qwen3_5 "
+            "and qwen3_5_moe have it: q_proj holds each head's query and gate)"
+            + _ABSENT.format(default="no output gate")),
     _switch('--use-gated-attention', "the family's gated attention (slime's name for Qwen3-Next's output gate, read "
-            "by its spec; qwen3_next and qwen3_5 have it)"),
+            "by its spec; qwen3_next, qwen3_5 and qwen3_5_moe have it)"),
     Flag('--spec', derived=MODEL_ARGS_FIELD, nargs='*', metavar='MODULE FUNCTION',
          help="local, or slime's spec function of the family config.json names (glm4: slime_plugins.models.glm4 "
               "get_glm_spec; minimax_m2: slime_plugins.models.minimax_m2 get_minimax_m2_layer_spec; qwen3_next: "
-              "slime_plugins.models.qwen3_next get_qwen3_next_spec; qwen3_5: slime_plugins.models.qwen3_5 "
-              "get_qwen3_5_spec): the trainer builds megatron-core's local layer spec of that family "
-              "(config/families.py), the same model; slime's other spec functions "
+              "slime_plugins.models.qwen3_next get_qwen3_next_spec; qwen3_5 and qwen3_5_moe: "
+              "slime_plugins.models.qwen3_5 get_qwen3_5_spec): the trainer builds megatron-core's local layer spec "
+              "of that family (config/families.py), the same model; slime's other spec functions "
               "(slime_plugins.models.*) build families not supported here"),
     Flag('--mtp-num-layers', derived=MODEL_ARGS_FIELD, type=_nonneg_int,
          help='0 only: the trainer builds no multi-token-prediction layers (num_nextn_predict_layers)'),

@@ -256,12 +256,16 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
     attention_bias = bool(family.config_value(cfg, "attention_bias", False))
     # hub configs say num_experts (DeepSeek-style: n_routed_experts); transformers 5 writes num_local_experts
     experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or family.config_value(cfg, "num_local_experts")
-                  or 0) if family.moe else 0
+                  or family.config_value(cfg, "num_experts") or 0) if family.moe else 0
     moe_layers: tuple[int, ...] = ()
     shared_ffn = 0
     if experts and family.deepseek_moe:  # the first first_k_dense_replace layers dense; n_shared_experts
         moe_layers = tuple(range(int(family.config_value(cfg, "first_k_dense_replace", 0)), layers))
         shared_ffn = int(family.config_value(cfg, "n_shared_experts", 0)) * int(cfg.get("moe_intermediate_size") or 0)
+    elif experts and not family.dense_layer_params and family.text_config:
+        # Qwen3.5-MoE: every layer an MoE block (its transformers and SGLang classes read no mlp_only_layers)
+        moe_layers = tuple(range(layers))
+        shared_ffn = int(family.config_value(cfg, "shared_expert_intermediate_size") or 0)
     elif experts:
         step, dense = int(cfg.get("decoder_sparse_step", 1)), set(cfg.get("mlp_only_layers") or ())
         moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
@@ -290,7 +294,10 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
                              temporal_patch=int(vc["temporal_patch_size"]), merge=int(vc["spatial_merge_size"]),
                              out_hidden=int(vc["out_hidden_size"]))
     return ModelShape(
-        model_type=model_type, layers=layers, hidden=hidden, ffn=_need(cfg, "intermediate_size", where),
+        model_type=model_type, layers=layers, hidden=hidden,
+        # no dense MLP in any layer (Qwen3.5-MoE's config has no intermediate_size): none to count
+        ffn=0 if experts and len(moe_layers) == layers and "intermediate_size" not in cfg
+        else _need(cfg, "intermediate_size", where),
         heads=heads, kv_heads=heads if mla else int(family.config_value(cfg, "num_key_value_heads") or heads),
         head_dim=(mla["qk_nope"] + mla["qk_rope"] if mla
                   else int(family.config_value(cfg, "head_dim") or hidden // heads)),
@@ -303,7 +310,7 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         mlp_bias=bool(cfg.get("mlp_bias", False)),  # only Llama's config has the key
         qk_norm=(family.qk_layernorm if family.qk_norm_key is None
                  else bool(family.config_value(cfg, family.qk_norm_key))),
-        experts=experts, expert_ffn=int(cfg.get(family.moe_ffn_key) or 0) if experts else 0,
+        experts=experts, expert_ffn=int(family.config_value(cfg, family.moe_ffn_key) or 0) if experts else 0,
         top_k=int(family.config_value(cfg, "num_experts_per_tok") or 0) if experts else 0, moe_layers=moe_layers,
         vision=vision,
         shared_ffn=shared_ffn, shared_gate=family.shared_expert_gate, post_norms=family.post_norms,

@@ -13,7 +13,9 @@ looks like a finished model.
 A family's checkpoint tensors the trainer does not hold (`Family.hf_passthrough`: Qwen3.5's vision tower
 `model.visual.*` and multi-token-prediction head `mtp.*`) are copied into the folder unchanged (their stored dtype)
 from the HF folder the model came from, so that the folder loads as the whole model it was (transformers'
-Qwen3_5ForConditionalGeneration); that folder must then hold the safetensors, not only config.json.
+Qwen3_5ForConditionalGeneration); that folder must then hold the safetensors, not only config.json. A family whose
+published checkpoints hold each layer's routed experts fused (`Family.fused_experts`: Qwen3.5-MoE) is written so, the
+experts the trainer yields one by one stacked into `mlp.experts.gate_up_proj` / `down_proj` (trainer/fused_experts.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tqdm import tqdm
 from slime_rl.config.families import FAMILIES
 from slime_rl.trainer.checkpoint_layout import copy_hf_metadata
 from slime_rl.trainer.convert import ModelArch
+from slime_rl.trainer.fused_experts import fuse
 from slime_rl.trainer.hf_io import hf_weight_metadata, iter_hf_weights
 from slime_rl.trainer.mcore import mpu
 from slime_rl.trainer.model import unwrap
@@ -42,7 +45,12 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 
 def hf_tensor_count(arch: ModelArch) -> int:
-    """How many tensors the HF state dict of the model has (a tied model has no lm_head)."""
+    """How many tensors of the trainer's the HF folder has (a tied model has no lm_head; fused experts two a layer)."""
+    if arch.family.fused_experts:
+        from slime_rl.trainer.convert import hf_shapes
+        from slime_rl.trainer.fused_experts import fused_shapes
+
+        return len(fused_shapes(hf_shapes(arch)))
     return sum(len(pm.hf) for pm in arch.param_maps())
 
 
@@ -180,6 +188,12 @@ def passthrough_names(arch: ModelArch, hf_dir: str | Path) -> list[str]:
     return sorted(n for n in names if n.startswith(prefixes))
 
 
+def _counted(tensors: Iterator[tuple[str, torch.Tensor]], bar: tqdm) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in tensors:
+        bar.update(1)
+        yield name, t
+
+
 def save_hf_folder(model: torch.nn.Module, arch: ModelArch, out: str | Path, hf_dir: str | Path, *,
                    dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9,
                    progress: bool = False) -> Path:
@@ -194,13 +208,17 @@ def save_hf_folder(model: torch.nn.Module, arch: ModelArch, out: str | Path, hf_
     if dist.get_rank() == 0:
         writer = ShardWriter(_fresh_tmp(out), max_shard_bytes)
     written = None
-    with tqdm(total=hf_tensor_count(arch), desc="megatron->hf", unit="tensor", file=sys.stderr,
+    with tqdm(total=sum(len(pm.hf) for pm in arch.param_maps()), desc="megatron->hf", unit="tensor", file=sys.stderr,
               disable=not progress or writer is None) as bar:
-        for name, t in gather_hf_weights(model, arch):
+        tensors = gather_hf_weights(model, arch)
+        if arch.family.fused_experts and writer is not None:  # each layer's experts stacked, the published layout
+            tensors = fuse(_counted(tensors, bar), arch.num_experts)
+        for name, t in tensors:
             assert writer is not None
             written = dtype or t.dtype
             writer.add(name, t.to(written))
-            bar.update(1)
+            if not arch.family.fused_experts:
+                bar.update(1)
     if writer is not None:
         from slime_rl.trainer.hf_files import read_hf_tensors
 

@@ -1,6 +1,11 @@
 """The HF checkpoint's safetensors files, read without Megatron: which file holds a tensor, whether
 config.json and the weights agree (headers only), and reading tensors to CPU. Kept apart from
-hf_io.py so the converters check their input before paying for the megatron import."""
+hf_io.py so the converters check their input before paying for the megatron import.
+
+A family whose published checkpoints store a layer's routed experts fused (`Family.fused_experts`, Qwen3.5-MoE:
+`mlp.experts.gate_up_proj` / `down_proj`, trainer/fused_experts.py) is read under the registry's per-expert names
+either way: a name the files lack is sliced out of its fused tensor (only that expert's rows read), and the shape
+check takes whichever form the files hold."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from slime_rl.trainer.convert import ModelArch, hf_shapes
+from slime_rl.trainer.fused_experts import expert_slice, fused_shapes, fused_source, is_fused_name
 
 
 def safetensors_index(checkpoint_dir: str | Path) -> dict[str, Path]:
@@ -34,6 +40,8 @@ def check_hf_weights(checkpoint_dir: str | Path, arch: ModelArch) -> None:
     another model must fail here, not deep inside a reshape."""
     where = safetensors_index(checkpoint_dir)
     want = hf_shapes(arch)
+    if arch.family.fused_experts and any(is_fused_name(n) for n in where):  # the published layout
+        want = fused_shapes(want)
     missing = [n for n in want if n not in where]
     stored: dict[str, tuple[int, ...]] = {}
     by_file: dict[Path, list[str]] = {}
@@ -52,20 +60,35 @@ def check_hf_weights(checkpoint_dir: str | Path, arch: ModelArch) -> None:
                          + (" ..." if len(wrong) > 5 else ""))
 
 
-def read_hf_tensors(checkpoint_dir: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """The named tensors (all when None) from the checkpoint, on CPU, in their stored dtype."""
-    where = safetensors_index(checkpoint_dir)
+def read_hf_tensors(checkpoint_dir: str | Path, names: list[str] | None = None,
+                    missing_ok: bool = False) -> dict[str, torch.Tensor]:
+    """The named tensors (all the files hold when None) from the checkpoint, on CPU, in their stored dtype; an
+    expert's tensor the files hold fused is sliced out of it. `missing_ok`: a name the checkpoint has not is left
+    out, else KeyError."""
+    return read_indexed(safetensors_index(checkpoint_dir), names, missing_ok, where_name=checkpoint_dir)
+
+
+def read_indexed(where: dict[str, Path], names: list[str] | None = None, missing_ok: bool = False,
+                 where_name: str | Path = "") -> dict[str, torch.Tensor]:
+    """`read_hf_tensors` of a checkpoint's `safetensors_index`."""
     names = list(where) if names is None else names
-    missing = [n for n in names if n not in where]
-    if missing:
-        raise KeyError(f"--hf-checkpoint {checkpoint_dir}: tensors missing from the safetensors: "
+    # per file: (name asked for, stored name, expert index or None, part of the fused tensor)
+    by_file: dict[Path, list[tuple[str, str, int | None, str]]] = {}
+    missing = []
+    for n in names:
+        src = None if n in where else fused_source(n)
+        if n in where:
+            by_file.setdefault(where[n], []).append((n, n, None, ""))
+        elif src is not None and src[0] in where:
+            by_file.setdefault(where[src[0]], []).append((n, src[0], src[1], src[2]))
+        else:
+            missing.append(n)
+    if missing and not missing_ok:
+        raise KeyError(f"--hf-checkpoint {where_name}: tensors missing from the safetensors: "
                        f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
     out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for n in names:
-        by_file.setdefault(where[n], []).append(n)
-    for file, file_names in by_file.items():
+    for file, items in by_file.items():
         with safe_open(file, framework="pt") as f:
-            for n in file_names:
-                out[n] = f.get_tensor(n)
+            for n, stored, e, part in items:
+                out[n] = f.get_tensor(n) if e is None else expert_slice(f.get_slice(stored), e, part).contiguous()
     return out

@@ -38,11 +38,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from slime_rl.engines.dist_group import dtype_name
 from slime_rl.trainer.checkpoint_layout import copy_hf_metadata, write_atomic
-from slime_rl.trainer.hf_files import read_hf_tensors, safetensors_index
+from slime_rl.trainer.hf_files import read_hf_tensors, read_indexed, safetensors_index
 from slime_rl.weight_sync.broadcast import EngineControl, check_ok
 
 FORMAT = "slime_rl.disk_weights/1"
@@ -208,11 +207,9 @@ class DiskWriter:
 
 
 def _read_one(where: dict[str, Path], name: str) -> torch.Tensor | None:
-    """The tensor `name` of a checkpoint (`where`: hf_files.safetensors_index's map), None if it has none."""
-    if name not in where:
-        return None
-    with safe_open(where[name], framework="pt") as f:
-        return f.get_tensor(name)
+    """The tensor `name` of a checkpoint (`where`: hf_files.safetensors_index's map), None if it has none (an expert's
+    tensor of a checkpoint that stores them fused: its slice, hf_files.read_indexed)."""
+    return read_indexed(where, [name], missing_ok=True).get(name)
 
 
 def _base_bytes(base: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -316,7 +313,7 @@ def _build_local(local: Path, hf_checkpoint: Path, index: dict) -> None:
     local.mkdir(parents=True, exist_ok=True)
     for f in local.glob("*.safetensors"):
         f.unlink()
-    base = read_hf_tensors(hf_checkpoint)
+    base = read_hf_tensors(hf_checkpoint, list(index["tensors"]), missing_ok=True)
     tensors = {}
     for name, e in index["tensors"].items():
         dtype, shape = getattr(torch, e["dtype"]), tuple(e["shape"])

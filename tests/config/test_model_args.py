@@ -382,7 +382,7 @@ def test_every_flag_of_slimes_model_files_is_read(tmp_path):
 
 
 # ---- model families this trainer does not build: one sentence naming model_type, before any other check
-@pytest.mark.parametrize("model, model_type", [("Qwen3.5-35B-A3B", "qwen3_5_moe")])
+@pytest.mark.parametrize("model, model_type", [("GLM-5", "glm_moe_dsa")])
 @pytest.mark.parametrize("extra", [[], ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8",
                                         "--expert-model-parallel-size", "16", "--rollout-batch-size", "16"]],
                          ids=["no-EP", "EP16"])
@@ -392,10 +392,8 @@ def test_an_unsupported_family_is_refused_naming_its_model_type(model, model_typ
     message = _refused(tmp_path, f"{model_type}.json", extra, tmp_path / "hub")
     assert f"its config.json names model_type '{model_type}', which is not a model family this trainer builds " \
            f"(supported: {SUPPORTED})" in message, message
-    assert "qwen3_next" in SUPPORTED and "qwen3_5" in SUPPORTED
-    # why, where the model type is near a built one (config/families.py NOT_BUILT)
-    assert message.endswith("which no layout here splits over expert parallelism yet; qwen3_5 (Qwen3.5-9B / 27B, "
-                            "without experts) is built"), message
+    assert "qwen3_next" in SUPPORTED and "qwen3_5" in SUPPORTED and "qwen3_5_moe" in SUPPORTED
+    assert message.endswith(f"(supported: {SUPPORTED})"), message  # no reason: not near a built family (NOT_BUILT)
 
 
 def test_qwen3_next_model_file_agrees_and_plans(tmp_path, capsys):
@@ -451,6 +449,47 @@ def test_qwen3_5_model_file_agrees_and_plans(tmp_path, capsys):
                                    "model_type 'qwen3_5', whose RMSNorms store w and scale by 1 + w")):
         message = _refused(tmp_path, "config.json", changed, MIGRATION / "Qwen3.5-27B")
         assert f"{claim}: " in message and truth in message, message
+
+
+# scripts/models/qwen3.5-35B-A3B.sh (slime's qwen3_5 spec, gated and linear attention, an MoE block with a gated
+# shared expert in each of the 40 layers; --ffn-hidden-size one expert's width, as config.json has no dense width)
+QWEN3_5_35B_A3B = """--spec slime_plugins.models.qwen3_5 get_qwen3_5_spec --disable-bias-linear --qk-layernorm
+--group-query-attention --num-attention-heads 16 --num-query-groups 2 --kv-channels 256 --num-layers 40
+--hidden-size 2048 --ffn-hidden-size 512 --use-gated-attention --normalization RMSNorm --apply-layernorm-1p
+--position-embedding-type rope --norm-epsilon 1e-6 --rotary-percent 0.25 --swiglu --untie-embeddings-and-output-weights
+--vocab-size 248320 --rotary-base 10000000 --moe-ffn-hidden-size 512 --moe-shared-expert-intermediate-size 512
+--moe-router-score-function softmax --moe-token-dispatcher-type alltoall --moe-router-topk 8 --moe-layer-freq
+[""" + ",".join(["1"] * 40) + """] --num-experts 256 --moe-grouped-gemm --moe-router-dtype fp32 --moe-aux-loss-coeff 0
+--attention-output-gate --moe-shared-expert-gate"""
+
+
+def test_qwen3_5_moe_model_file_agrees_and_plans(tmp_path, capsys):
+    """slime's scripts/models/qwen3.5-35B-A3B.sh against Qwen3.5-35B-A3B's config.json (text_config, no
+    intermediate_size): every flag agrees and the dry run plans it on 2 x 8 GPUs with EP 8; a flag that differs
+    (--moe-router-topk, --num-experts) is named against text_config's value; slime's vision-language provider
+    (slime_plugins.models.qwen3_5_vl, geo3k's) is refused in one sentence saying the vision tower is not built."""
+    hf = _checkpoint(tmp_path, "config.json", MIGRATION / "Qwen3.5-35B-A3B")
+    argv = ["--hf-checkpoint", str(hf), "--prompt-data", "/data/not-here.jsonl", "--rollout-batch-size", "16",
+            "--num-rollout", "1", "--rm-type", "math", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8",
+            "--expert-model-parallel-size", "8", "--rollout-num-gpus", "16", "--dry-run", "--cluster", "4x8",
+            "--rollout-backend", "sglang", *QWEN3_5_35B_A3B.split()]
+    rc, captured = train_main(argv), capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "qwen3_5_moe, 34.661 B parameters" in captured.out, captured.out
+    tokens = QWEN3_5_35B_A3B.split() + ["--rollout-backend", "sglang"]
+    for changed, claim, truth in ((_replace(tokens, "--moe-router-topk", "4"), "--moe-router-topk 4",
+                                   "num_experts_per_tok 8"),
+                                  (_replace(tokens, "--num-experts", "128"), "--num-experts 128", "num_experts 256")):
+        message = _refused(tmp_path, "config.json", changed, MIGRATION / "Qwen3.5-35B-A3B")
+        assert f"{claim}: " in message and truth in message, message
+    vl = _replace(_replace(tokens, "--spec", "slime_plugins.models.qwen3_5_vl"), "slime_plugins.models.qwen3_5_vl",
+                  "get_qwen3_5_vl_model_provider")
+    message = _refused(tmp_path, "config.json", vl, MIGRATION / "Qwen3.5-35B-A3B")
+    assert message.endswith("'s config.json says model_type 'qwen3_5_moe', whose text decoder alone the trainer "
+                            "builds (its vision tower stays the engine's, and prompt rows with images are refused), "
+                            "while that model provider trains the vision tower on image prompts; for text-only "
+                            "prompts give --spec slime_plugins.models.qwen3_5 get_qwen3_5_spec"), message
+    assert message.startswith("--spec slime_plugins.models.qwen3_5_vl get_qwen3_5_vl_model_provider: "), message
 
 
 @pytest.mark.parametrize("change, claim, truth", [

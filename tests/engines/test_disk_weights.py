@@ -251,3 +251,28 @@ def test_disk_combinations_that_cannot_work_are_refused_naming_the_flags(extra, 
 
     with pytest.raises(ConfigError, match=message):
         build_config(CONFIG + extra, check_paths=False)
+
+
+def test_the_first_delta_of_a_fused_experts_checkpoint_is_based_on_each_experts_slice(tmp_path):
+    """A checkpoint that stores a layer's experts fused (Qwen3.5-MoE: mlp.experts.gate_up_proj [experts, 2 x width,
+    hidden], each expert's gate rows then its up rows; mlp.experts.down_proj [experts, hidden, width]) while the
+    trainer sends them per expert: the first version's base of expert e's gate / up / down is that slice, so an
+    expert the step left alone changes no byte, and a host builds its checkpoint from the same slices."""
+    ckpt = tmp_path / "hf"
+    ckpt.mkdir()
+    g = torch.Generator().manual_seed(0)
+    head = "model.language_model.layers.0.mlp.experts."
+    gate_up, down = torch.randn(2, 6, 4, generator=g).bfloat16(), torch.randn(2, 4, 3, generator=g).bfloat16()
+    save_file({head + "gate_up_proj": gate_up, head + "down_proj": down}, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "toy"}))
+    sent = {f"{head}{e}.{kind}_proj.weight": t for e in range(2)
+            for kind, t in (("gate", gate_up[e, :3]), ("up", gate_up[e, 3:]), ("down", down[e]))}
+    sent[head + "1.up_proj.weight"] = sent[head + "1.up_proj.weight"] + 1.0  # the one tensor the step moved
+    root = tmp_path / "shared"
+    _publish(root, ckpt, [sent])
+    index = json.loads((root / "v00000001" / "index.json").read_text())
+    assert {n for n, e in index["tensors"].items() if e["changed_bytes"]} == {head + "1.up_proj.weight"}
+    host = tmp_path / "host"
+    disk.pull(str(root), 1, str(host), str(ckpt))
+    got = load_file(str(host / "model.safetensors"))
+    assert set(got) == set(sent) and all(torch.equal(got[n], t) for n, t in sent.items())

@@ -127,6 +127,25 @@ def test_param_count_qwen3_5_text_decoder_by_hand(name, h, heads, ffn, layers, n
     assert shape.experts == 0
 
 
+def test_param_count_qwen3_5_moe_35b_a3b_text_decoder_by_hand():
+    """Qwen3.5-35B-A3B's text decoder (its config.json as published: text_config without intermediate_size, no dense
+    MLP anywhere) counted by hand: every fourth of its 40 layers full attention (q_proj 2048 x 16 x 256 x 2, k and v
+    2048 x 2 x 256, o_proj, q/k norms 256 each), the others Gated DeltaNet (16 key heads and 32 value heads of 128),
+    every layer two norms, the router 256 x 2048, 256 experts 3 x 2048 x 512, the shared expert 3 x 2048 x 512 and its
+    gate 2048; the final norm, untied embedding and LM head 248320 x 2048: 34.66e9, 256 experts in all 40 layers."""
+    h, heads, layers, nv, experts, width, vocab = 2048, 16, 40, 32, 256, 512, 248320
+    q, kv, kd, vd = heads * 256, 2 * 256, 16 * 128, nv * 128
+    full = h * 2 * q + 2 * h * kv + q * h + 2 * 256 + 2 * h
+    linear = h * (2 * kd + vd) + h * vd + 2 * h * nv + (2 * kd + vd) * 4 + 2 * nv + vd * h + 128 + 2 * h
+    moe = experts * h + experts * 3 * h * width + 3 * h * width + h
+    total = layers // 4 * full + layers * 3 // 4 * linear + layers * moe + h + 2 * vocab * h
+    assert total == 34_660_610_688
+    shape = model_shape(hf_config("qwen3_5_35b_a3b.json"))
+    assert shape.params == total and shape.linear_layers == tuple(i for i in range(layers) if (i + 1) % 4)
+    assert (shape.experts, shape.top_k, shape.expert_ffn, shape.shared_ffn, shape.moe_layers) == (
+        256, 8, 512, 512, tuple(range(layers)))
+
+
 def test_activation_bytes_of_a_gated_delta_net_layer_by_hand():
     """One Gated DeltaNet layer of Qwen3-Next-80B-A3B per token (module docstring's rows), TP 2 without sequence
     parallelism: norms 8h whole; convolution 4(2kd + vd), q/k 4kd + 4 nv dk, v/g/beta 2vd + 6nv, gated norm 8vd,

@@ -138,12 +138,14 @@ EQUIV_LAYOUTS = {"tp2cp2sp": ("packed",)}
 EQUIV_KW = {"tp2cp2sp": {"sequence_parallel": True}}
 
 
-def _equiv_worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int, cp: int, bf16: bool, **kw):
+def _equiv_worker(rank: int, world: int, port: int, ckpt: str, tp: int, pp: int, cp: int, bf16: bool, ep: int = 1,
+                  **kw):
     from slime_rl.trainer.worker import TrainerWorker
 
     return TrainerWorker(rank, world, "127.0.0.1", port,
                          ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                        actor_num_gpus_per_node=world, context_parallel_size=cp),
+                                        actor_num_gpus_per_node=world, context_parallel_size=cp,
+                                        expert_model_parallel_size=ep),
                          BatchConfig(micro_batch_size=2, global_batch_size=4),
                          OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.0, lr_decay_style="constant"),
                          ModelConfig(hf_checkpoint=ckpt, bf16=bf16),

@@ -55,7 +55,10 @@ FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0},
                              "linear_num_value_heads": 4, "linear_key_head_dim": 2, "linear_value_head_dim": 3},
               # qwen3_5: qwen3_next's layers with a dense MLP (transformers reads them from text_config)
               "qwen3_5": {"num_hidden_layers": 2, "full_attention_interval": 2, "linear_num_key_heads": 2,
-                          "linear_num_value_heads": 4, "linear_key_head_dim": 2, "linear_value_head_dim": 3}}
+                          "linear_num_value_heads": 4, "linear_key_head_dim": 2, "linear_value_head_dim": 3},
+              # qwen3_5_moe: qwen3_5's layers with qwen3_next's MoE block (CFG's experts and shared expert)
+              "qwen3_5_moe": {"num_hidden_layers": 2, "full_attention_interval": 2, "linear_num_key_heads": 2,
+                              "linear_num_value_heads": 4, "linear_key_head_dim": 2, "linear_value_head_dim": 3}}
 # Qwen3.5's vision tower, small (its checkpoint holds one; the trainer does not)
 QWEN3_5_VISION = {"depth": 1, "hidden_size": 4, "intermediate_size": 4, "num_heads": 1, "out_hidden_size": 8,
                   "num_position_embeddings": 4}
@@ -168,10 +171,15 @@ def test_hf_shapes_are_those_of_the_transformers_model(model_type, tied, tmp_pat
                  "attention_bias": False, "mlp_bias": False, "use_sliding_window": False}
     cfg = _family_cfg(cfg)
     if FAMILIES[model_type].text_config:  # Qwen3.5: the vision-language class, the decoder's fields in text_config
-        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+        import transformers
 
-        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=copy.deepcopy(cfg),
-                                                              vision_config=QWEN3_5_VISION, tie_word_embeddings=tied))
+        kind = "Qwen3_5Moe" if FAMILIES[model_type].moe else "Qwen3_5"
+        # text_config without the top-level model_type: transformers' own (qwen3_5_moe_text, whose save_pretrained
+        # writes the experts one by one; under "qwen3_5_moe" it would write its fused parameters as they are)
+        text = {k: v for k, v in copy.deepcopy(cfg).items() if k != "model_type"}
+        config = getattr(transformers, f"{kind}Config")(text_config=text, vision_config=QWEN3_5_VISION,
+                                                        tie_word_embeddings=tied)
+        model = getattr(transformers, f"{kind}ForConditionalGeneration")(config)
     else:
         hf_cfg = transformers_config(copy.deepcopy(cfg))  # transformers writes into rope_parameters
         model = AutoModelForCausalLM.from_config(hf_cfg)

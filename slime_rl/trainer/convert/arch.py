@@ -210,6 +210,14 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     elif family.model_type == "minimax_m2":
         moe = _minimax_moe_fields(cfg, family, where, int(cfg["num_hidden_layers"]))
     elif family.moe:
+        if not family.dense_layer_params:
+            # every layer an MoE block (Qwen3.5-MoE: transformers' Qwen3_5MoeDecoderLayer and SGLang's read neither
+            # mlp_only_layers nor decoder_sparse_step); the MoE keys the file leaves out take transformers' defaults,
+            # and the dense width megatron never builds is one expert's (slime's --ffn-hidden-size for the 35B-A3B)
+            keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+            cfg = {**cfg, **{k: family.config_value(cfg, k) for k in keys}, "mlp_only_layers": [],
+                   "decoder_sparse_step": 1}
+            cfg["intermediate_size"] = cfg.get("intermediate_size") or cfg["moe_intermediate_size"]
         moe = _moe_fields(cfg, where, int(cfg["num_hidden_layers"]), family.shared_expert)
     qk_norm = family.qk_layernorm if family.qk_norm_key is None else bool(family.config_value(cfg, family.qk_norm_key))
     mla = _mla_fields(cfg, family, where) if family.mla else {}

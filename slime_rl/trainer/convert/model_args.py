@@ -41,6 +41,9 @@ _NO_FAMILY_HAS = {
 class Mismatch:
     claim: str  # what MODEL_ARGS says, in its flags: "--num-layers 36", "no --qk-layernorm (...)"
     truth: str  # what config.json says, with its key: "num_hidden_layers 28"
+    # the flags may well be for this checkpoint, but ask for what the trainer does not build (slime's vision-language
+    # model provider of a family whose text decoder alone is built): no "another model?" question after it
+    other_model: bool = True
 
 
 def fmt(value: Any) -> str:
@@ -216,7 +219,13 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
         if has(flag):
             out.append(Mismatch(flag, f"model_type {mt}, which has no {what}"))
     spec = given.get("--spec")
-    if spec is not None and spec not in ([], ["local"]) and (not fam.slime_spec or spec != list(fam.slime_spec)):
+    if fam.text_config and fam.slime_spec and spec and spec[0] == fam.slime_spec[0] + "_vl":
+        # slime's Qwen3.5 vision-language provider (slime_plugins.models.qwen3_5_vl: geo3k's image prompts)
+        out.append(Mismatch(f"--spec {' '.join(spec)}", f"model_type {mt}, whose text decoder alone the trainer "
+                            "builds (its vision tower stays the engine's, and prompt rows with images are refused), "
+                            "while that model provider trains the vision tower on image prompts; for text-only "
+                            f"prompts give --spec {' '.join(fam.slime_spec)}", other_model=False))
+    elif spec is not None and spec not in ([], ["local"]) and (not fam.slime_spec or spec != list(fam.slime_spec)):
         out.append(Mismatch(f"--spec {' '.join(spec)}", f"model_type {mt}, which the trainer builds with "
                             "megatron-core's local layer spec (config/families.py); a spec function is not loaded"))
     if given.get("--mtp-num-layers"):
@@ -357,4 +366,5 @@ def model_args_error(given: dict[str, Any], hf: dict[str, Any], arch: ModelArch,
     first, *more = mismatches
     return (f"{first.claim}: --hf-checkpoint {checkpoint}'s config.json says {first.truth}"
             + "".join(f"; {m.claim}: it says {m.truth}" for m in more)
-            + "; slime's MODEL_ARGS must describe that checkpoint (is the models/*.sh for another model?)")
+            + ("; slime's MODEL_ARGS must describe that checkpoint (is the models/*.sh for another model?)"
+               if any(m.other_model for m in mismatches) else ""))
