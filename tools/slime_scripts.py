@@ -55,6 +55,9 @@ HF_CONFIGS = REPO / "tests" / "migration" / "hf_configs"
 EVAL_CONFIGS = REPO / "tests" / "migration" / "eval_configs"
 # the --custom-config-path files they name (slime's mismatch helper's mis.yaml), by file name
 CUSTOM_CONFIGS = REPO / "tests" / "migration" / "custom_configs"
+# the --sglang-config files a script writes itself (a heredoc into a mktemp file) before it starts: the file's text
+# as the script writes it, by the script's file name (SGLANG_CONFIGS / <script stem>.yaml)
+SGLANG_CONFIGS = REPO / "tests" / "migration" / "sglang_configs"
 # where slime's docker image keeps the repository: the unpacked tree is written back as this path
 SLIME_ROOT = "/root/slime"
 # the environment a user of these scripts sets
@@ -503,7 +506,7 @@ def hf_config(name: str) -> dict[str, Any]:
 def dry_run_argv(record: dict[str, Any], workdir: Path) -> list[str]:
     """The script's argv with paths substituted: each --hf-checkpoint a folder holding its model's config.json,
     the checkpoint flags temporary paths, an --eval-config or --custom-config-path the corpus's copy of that file
-    (EVAL_CONFIGS, CUSTOM_CONFIGS); then
+    (EVAL_CONFIGS, CUSTOM_CONFIGS), an --sglang-config the file the script writes (SGLANG_CONFIGS); then
     `--dry-run --cluster NODESxGPUS`."""
     argv = list(record["argv"])
     for i, tok in enumerate(argv[:-1]):
@@ -520,6 +523,10 @@ def dry_run_argv(record: dict[str, Any], workdir: Path) -> list[str]:
             argv[i + 1] = str(EVAL_CONFIGS / Path(argv[i + 1]).name)
         elif tok == "--custom-config-path" and (CUSTOM_CONFIGS / Path(argv[i + 1]).name).is_file():
             argv[i + 1] = str(CUSTOM_CONFIGS / Path(argv[i + 1]).name)
+        elif tok == "--sglang-config":
+            written = SGLANG_CONFIGS / (Path(record["script"]).stem.removeprefix("run-") + ".yaml")
+            if written.is_file():
+                argv[i + 1] = str(written)
     return [*argv, "--dry-run", "--cluster", record["gpus"]["cluster"]]
 
 

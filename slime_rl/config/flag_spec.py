@@ -22,7 +22,7 @@ from slime_rl.config.gpus import GpuMemory, parse_gpu
 SGLANG_PREFIX = "--sglang-"
 ROUTER_PREFIX = "--router-"
 # --sglang-* flags that are ours (slime's names), not SGLang ServerArgs to pass through
-OWN_SGLANG_FLAGS = ("--sglang-server-concurrency", "--sglang-router-port")
+OWN_SGLANG_FLAGS = ("--sglang-server-concurrency", "--sglang-router-port", "--sglang-config")
 # SGLang ServerArgs the built-in engine reads too (its CLI takes the same names), so --sglang-<name>
 # also works with --rollout-backend embedded: the ServerConfig fields that name one
 EMBEDDED_SGLANG_ARGS = SGLANG_ARGS

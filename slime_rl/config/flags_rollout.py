@@ -187,6 +187,14 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
                   'VALUE` passes its flag --<name> through'),
         Flag('--sglang-router-port', 'engine.router_port', type=_positive_int,
              help='port of the router of --use-sglang-router (default: a free one)'),
+        Flag('--prefill-num-servers', 'engine.prefill_num_servers', type=_positive_int,
+             help="slime's prefill/decode disaggregation (SGLang engines): the first N engines prefill, the others "
+                  "decode; sglang-router runs in its PD mode in front of them and each request's KV cache moves "
+                  'from its prefill engine to its decode engine (--sglang-disaggregation-transfer-backend)'),
+        Flag('--sglang-config', 'engine.sglang_config',
+             help="slime's YAML of server groups (sglang: [{name, server_groups: [{worker_type: regular | prefill | "
+                  "decode, num_gpus, num_gpus_per_engine, overrides: {ServerArgs field: value}}]}]): the engines' "
+                  'roles and per-group SGLang settings; one model, the trained one (docs/migration.md)'),
         Flag('--update-weight-buffer-size', 'weight_sync.update_weight_buffer_size', default=512 * 1024**2,
              type=_positive_int,
              help='bytes per weight-sync bucket'),

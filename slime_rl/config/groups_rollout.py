@@ -13,6 +13,7 @@ from typing import Any
 
 from slime_rl.config.flags import default_of
 from slime_rl.config.seeds import run_seed
+from slime_rl.config.server_groups import ServerGroup, engine_roles
 
 
 @dataclass(frozen=True)
@@ -138,10 +139,25 @@ class EngineConfig:
     router_args: dict[str, Any] = field(default_factory=dict)
     # engines on the trainer's devices (placement, weight sync, memory)
     colocate: bool = default_of("--colocate")
+    # slime's prefill/decode split (config/server_groups.py): the flags as given, and the engines' groups in engine
+    # order (empty: every engine regular)
+    prefill_num_servers: int | None = default_of("--prefill-num-servers")
+    sglang_config: str | None = default_of("--sglang-config")
+    server_groups: tuple[ServerGroup, ...] = ()
 
     @property
     def num_engines(self) -> int:
         return self.num_gpus // self.num_gpus_per_engine
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill/decode disaggregation: some engines prefill, the others decode (SGLang's PD, the router's PD
+        mode in front of them)."""
+        return any(g.worker_type != "regular" for g in self.server_groups)
+
+    def role(self, engine_id: int) -> tuple[str, dict[str, Any]]:
+        """(regular | prefill | decode, the SGLang overrides of its server group) of engine `engine_id`."""
+        return engine_roles(self.server_groups, self.num_engines)[engine_id]
 
 
 @dataclass(frozen=True)

@@ -367,7 +367,65 @@ def _engine_config(a: argparse.Namespace, sglang: dict[str, Any], router: dict[s
     """The engines of the run. Train-only (--load-debug-rollout-data): none (0 devices, nothing colocated),
     so the placement, --dry-run and the cluster plan and start no engine; the flags were checked all the same."""
     engine: EngineConfig = _group(a, "engine", num_gpus=a.rollout_num_gpus, sglang_args=sglang, router_args=router)
-    return dataclasses.replace(engine, num_gpus=0, colocate=False) if train_only else engine
+    if train_only:
+        return dataclasses.replace(engine, num_gpus=0, colocate=False)
+    groups = _server_groups(a, engine, sglang)
+    if any(g.worker_type != "regular" for g in groups):  # PD: sglang-router's PD mode pairs the engines
+        engine = dataclasses.replace(engine, use_router=True)
+    return dataclasses.replace(engine, server_groups=groups)
+
+
+def _modern_overrides(path: str | None, i: int, group: Any) -> Any:
+    """A server group's overrides under the installed SGLang's names, as the --sglang-* flags are (slime's files
+    name SGLang 0.5.15's: cuda_graph_max_bs, ...), each rename said once in a note naming the file and group."""
+    from slime_rl.config.sglang_changes import modernize
+
+    if not group.overrides:
+        return group
+    where = f"--sglang-config {path}: server group {i} ({group.worker_type}) overrides"
+    try:
+        overrides, notes = modernize(group.overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    for note in notes:
+        warnings.warn(f"{where}: {note}", ConfigNote, stacklevel=2)
+    return dataclasses.replace(group, overrides=overrides)
+
+
+def _server_groups(a: argparse.Namespace, engine: EngineConfig, sglang: dict[str, Any]) -> tuple:
+    """slime's --prefill-num-servers / --sglang-config as the engines' groups (config/server_groups.py), checked
+    against the other flags; () when neither is given."""
+    from slime_rl.config.server_groups import ServerGroupError, from_prefill_num_servers, read_sglang_config
+
+    owned = sorted(k for k in sglang if k in ("disaggregation_mode", "disaggregation_bootstrap_port"))
+    _check(not owned, f"{', '.join('--sglang-' + k.replace('_', '-') for k in owned)}: set per engine from "
+           "--prefill-num-servers or --sglang-config's worker_type (a prefill engine gets a free bootstrap port)")
+    if a.prefill_num_servers is None and a.sglang_config is None:
+        return ()
+    flag = "--prefill-num-servers" if a.sglang_config is None else "--sglang-config"
+    _check(a.prefill_num_servers is None or a.sglang_config is None, "--prefill-num-servers and --sglang-config "
+           "exclude each other (as in slime): give the prefill/decode split as server groups in the file")
+    try:
+        groups = (from_prefill_num_servers(a.prefill_num_servers, engine.num_engines) if flag == "--prefill-num-servers"
+                  else read_sglang_config(a.sglang_config, a.hf_checkpoint, engine.num_gpus,
+                                          engine.num_gpus_per_engine))
+    except ServerGroupError as exc:
+        raise ConfigError(str(exc)) from None
+    groups = tuple(_modern_overrides(a.sglang_config, i, g) for i, g in enumerate(groups))
+    if any(g.worker_type != "regular" for g in groups):
+        _check(a.rollout_backend == "sglang", f"{flag}: prefill/decode disaggregation moves each request's KV cache "
+               "from a prefill engine to a decode engine inside SGLang (--sglang-disaggregation-transfer-backend); "
+               "the built-in engine has no such transfer: give --rollout-backend sglang")
+        _check(not a.use_fault_tolerance, f"{flag} with --use-fault-tolerance: a restarted engine is not put back "
+               "into the router's prefill/decode pairs (not built); drop --use-fault-tolerance")
+        for g in groups:
+            bad = sorted(k for k in g.overrides if k in ("disaggregation_mode", "disaggregation_bootstrap_port"))
+            _check(not bad, f"--sglang-config {a.sglang_config}: a {g.worker_type} group's overrides set {bad}, which "
+                   "its worker_type sets")
+    elif a.rollout_backend != "sglang":
+        _check(not any(g.overrides for g in groups), f"{flag}: its groups' overrides are SGLang's server settings; "
+               "give --rollout-backend sglang")
+    return groups
 
 
 def _image_key(a: argparse.Namespace) -> str:

@@ -60,7 +60,6 @@ SLIME_ONLY_FLAGS: dict[str, str] = {
     "--fp8-recipe": "FP8 training needs TransformerEngine (see --fp8-format)",
     "--loss-mask-type": "multi-turn loss masks come from a custom generate function (each sample's loss_mask), "
     "not from a chat-template rule",
-    "--prefill-num-servers": "prefill/decode disaggregation is not supported: every engine prefills and decodes",
 }
 
 

@@ -52,6 +52,9 @@ ROUTER_OWNED = {
     "host": "the head node's address",
     "port": "--sglang-router-port",
     "worker_urls": "the engines of this run",
+    "pd_disaggregation": "--prefill-num-servers / --sglang-config",
+    "prefill": "the prefill engines of --prefill-num-servers / --sglang-config",
+    "decode": "the decode engines of --prefill-num-servers / --sglang-config",
     "api_key": "a secret drawn per run",
 }
 
@@ -88,7 +91,17 @@ def check_engine_config(engine: EngineConfig) -> EngineConfig:
         sglang = check_passthrough(sglang, sglang_server_table(), "sglang-", SGLANG_OWNED)
     if router:
         router = check_passthrough(router, router_table(), "router-", ROUTER_OWNED)
-    return dataclasses.replace(engine, sglang_args=sglang, router_args=router)
+    groups = []
+    for i, group in enumerate(engine.server_groups):  # --sglang-config's overrides: SGLang fields, as --sglang-*
+        overrides = group.overrides
+        if overrides:
+            try:
+                overrides = check_passthrough(overrides, sglang_server_table(), "sglang-", SGLANG_OWNED)
+            except PassthroughError as exc:
+                raise PassthroughError(f"--sglang-config {engine.sglang_config}: server group {i} "
+                                       f"({group.worker_type}) overrides: {exc}") from None
+        groups.append(dataclasses.replace(group, overrides=overrides))
+    return dataclasses.replace(engine, sglang_args=sglang, router_args=router, server_groups=tuple(groups))
 
 
 # the command that runs the built-in engine's Python, as shell words: a wrapper around the interpreter
@@ -134,13 +147,25 @@ def sglang_command(model_path: str | Path, host: str, port: int, tp_size: int = 
 
 
 def router_command(host: str, port: int, worker_urls: Sequence[str], api_key: str | None = None,
-                   extra: Mapping[str, Any] | None = None, python: str = sys.executable) -> list[str]:
-    """argv of sglang-router (`python -m sglang_router.launch_router ...`) in front of `worker_urls`.
-    `api_key` is what the router sends to the workers on its own calls (health, flush); clients'
-    Authorization headers are forwarded with their requests."""
+                   extra: Mapping[str, Any] | None = None, python: str = sys.executable,
+                   prefill: Sequence[tuple[str, int]] = (), decode: Sequence[str] = ()) -> list[str]:
+    """argv of sglang-router (`python -m sglang_router.launch_router ...`) in front of `worker_urls`, or with
+    `prefill` ((URL, bootstrap port) of each prefill engine) and `decode` (URLs) in its PD mode
+    (`--pd-disaggregation --prefill URL PORT ... --decode URL ...`), which pairs a prefill and a decode engine
+    for each request. `api_key` is what the router sends to the workers on its own calls (health, flush);
+    clients' Authorization headers are forwarded with their requests."""
     passthrough = router_extra_args(extra)
-    argv = [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-            "--worker-urls", *worker_urls]
+    argv = [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port)]
+    if prefill or decode:
+        if not (prefill and decode):
+            raise ValueError("the router's PD mode needs prefill and decode engines")
+        argv += ["--pd-disaggregation"]
+        for url, bootstrap in prefill:
+            argv += ["--prefill", url, str(bootstrap)]
+        for url in decode:
+            argv += ["--decode", url]
+    else:
+        argv += ["--worker-urls", *worker_urls]
     if api_key:
         argv += ["--api-key", api_key]
     return argv + passthrough

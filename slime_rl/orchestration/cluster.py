@@ -80,6 +80,7 @@ class Cluster:
         self.engines: list = []  # each engine's actor (of its node part 0, which serves HTTP)
         self.engine_parts: list[list] = []  # each engine's actors of its node parts 1.. (an engine over nodes)
         self.engine_urls: list[str] = []
+        self.bootstrap_ports: dict[int, int] = {}  # prefill engine id -> its bootstrap port
         self._released = False  # --colocate: the engines' memory is released since the last sync
         self.router = None  # --use-sglang-router: the RouterActor, and router_url its address
         self.router_url: str | None = None
@@ -123,17 +124,22 @@ class Cluster:
             env = engine_env(self.cfg, self.api_key)
             # an engine over several nodes: its TP ranks meet at a port of node part 0; parts 1.. serve no HTTP
             dist_init = f"{host}:{ray.get(parts[0].spare_port.remote())}" if slot.nodes > 1 else None
+            # a prefill engine (--prefill-num-servers, --sglang-config): its decode partners fetch the KV cache
+            # through a bootstrap server on its first node
+            bootstrap = None
+            if self.cfg.engine.role(slot.engine_id)[0] == "prefill":
+                bootstrap = self.bootstrap_ports[slot.engine_id] = ray.get(parts[0].spare_port.remote())
             for k, actor in enumerate(parts):
                 part_env = env | ({"CUDA_VISIBLE_DEVICES": visible[slot.engine_id, k]}
                                   if (slot.engine_id, k) in visible else {})
                 if k == 0:
                     cmd = engine_command(self.cfg, slot, host, port, self.api_key, self.plan.use_gpu,
-                                         dist_init_addr=dist_init)
+                                         dist_init_addr=dist_init, bootstrap_port=bootstrap)
                     started.append(actor.start.remote(cmd, urls[-1], env=part_env))
                 else:
                     part_host, part_port = ray.get([actor.node_ip.remote(), actor.spare_port.remote()])
                     cmd = engine_command(self.cfg, slot, part_host, part_port, self.api_key, self.plan.use_gpu,
-                                         node_rank=k, dist_init_addr=dist_init)
+                                         node_rank=k, dist_init_addr=dist_init, bootstrap_port=bootstrap)
                     started.append(actor.start_part.remote(cmd, env=part_env))
         # the rollout side (its imports, tokenizer, prompt data, reward function) and the trainer ranks
         # (Megatron) build while the engines load; the router, started once they are healthy, is
@@ -155,7 +161,8 @@ class Cluster:
         if self.cfg.engine.use_router and not self.train_only:
             from slime_rl.orchestration.router import start_router
 
-            self.router, self.router_url = start_router(self.cfg, urls, self.api_key)
+            self.router, self.router_url = start_router(self.cfg, urls, self.api_key,
+                                                        bootstrap_ports=self.bootstrap_ports)
             ray.get(self.rollout_manager.use_router.remote(self.router_url))
         self.targets = targets
         if self.train_only:  # --load-debug-rollout-data: the plan holds no engine, the trainer sends no weights

@@ -110,14 +110,17 @@ def engines_back_up_weights(cfg: Config) -> bool:
 
 
 def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key: str | None, use_gpu: bool,
-                   nccl_port: int | None = None, node_rank: int = 0, dist_init_addr: str | None = None) -> list[str]:
+                   nccl_port: int | None = None, node_rank: int = 0, dist_init_addr: str | None = None,
+                   bootstrap_port: int | None = None) -> list[str]:
     """The launch command of one engine: what the actor runs and what --dry-run prints. The built-in
     engine gets its key through `engine_env` instead (argv is world-readable); SGLang only through
     --api-key. `nccl_port` None: SGLang picks its own on its node, checked free and below the
     kernel's ephemeral range (so no outgoing connection takes it before it binds): port + 1 was
     neither checked nor safe from the ephemeral range. An engine over several nodes (`slot.nodes` > 1):
     the command of its node part `node_rank`, all parts meeting at `dist_init_addr` (node rank 0's
-    host:port); `host` and `port` are that part's own."""
+    host:port); `host` and `port` are that part's own. A prefill or decode engine (--prefill-num-servers,
+    --sglang-config) gets its --disaggregation-mode and its server group's overrides; a prefill engine the
+    `bootstrap_port` its decode partners fetch the KV cache through."""
     seed = engine_seed(run_seed(cfg.model.seed, cfg.rollout.seed), slot.engine_id)
     # --deterministic-rollout seeds every request; SGLang honours sampling_seed only with this switch
     deterministic = cfg.rollout.sample_seed is not None
@@ -131,6 +134,14 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
             extra.setdefault(name, value)
         if engines_back_up_weights(cfg):
             extra["enable_weights_cpu_backup"] = True
+        role, overrides = cfg.engine.role(slot.engine_id)
+        extra |= overrides  # its server group's settings, on top of the --sglang-* flags (as slime applies them)
+        if role != "regular":
+            extra["disaggregation_mode"] = role
+        if role == "prefill":
+            if bootstrap_port is None:
+                raise ValueError(f"engine {slot.engine_id} prefills: it needs a bootstrap port")
+            extra["disaggregation_bootstrap_port"] = bootstrap_port
         # base GPU 0: the actor holds exactly the engine's devices (Ray sets CUDA_VISIBLE_DEVICES to them)
         return sglang_command(model_path=cfg.model.hf_checkpoint, host=host, port=port,
                               tp_size=slot.num_gpus, nccl_port=nccl_port,

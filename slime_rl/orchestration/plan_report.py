@@ -333,11 +333,14 @@ def engine_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] |
                           + (["HEAD_IP"] if cfg.engine.use_router else []))
         lines.append(f"engines by hand (set {KEY_VAR} to one secret and {hosts} to the nodes' addresses; the "
                      "job starts them itself):")
-    urls = []
+    urls, bootstrap_ports = [], {}
     for slot in plan.engines:
         parts = engine_devices(plan, devices, slot) if devices else [None] * slot.nodes
         port = 30000 + 10 * slot.engine_id
         dist_init = None
+        role = cfg.engine.role(slot.engine_id)[0]
+        if role == "prefill":  # its KV cache's bootstrap server, on its first node
+            bootstrap_ports[slot.engine_id] = port + 8
         for k, where in enumerate(parts):
             host_var = f"NODE{where.node}_IP" if where else "ENGINE_HOST"  # no devices: a CPU plan, one node
             host = _MARK.format(host_var)
@@ -346,20 +349,22 @@ def engine_lines(cfg: Config, plan: PlacementPlan, devices: tuple[Device, ...] |
                 urls.append(f"http://{host}:{port}")
                 dist_init = f"{host}:{port + 5}" if slot.nodes > 1 else None
             cmd = engine_command(cfg, slot, host=host, port=port, api_key=key, use_gpu=plan.use_gpu, node_rank=k,
-                                 dist_init_addr=dist_init)
+                                 dist_init_addr=dist_init, bootstrap_port=bootstrap_ports.get(slot.engine_id))
             if cfg.plan.cluster is not None:
                 cmd[0] = "python"  # the interpreter of the cluster's nodes, not this machine's path
             env = engine_env(cfg, key)
             if plan.use_gpu and where is not None:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, where.gpus))
-            name = f"engine {slot.engine_id}" + (f" node rank {k}" if slot.nodes > 1 else "")
+            name = (f"engine {slot.engine_id}" + (f" ({role})" if role != "regular" else "")
+                    + (f" node rank {k}" if slot.nodes > 1 else ""))
             lines.append(f"{name}: {_shell(cmd, env, variables)}")
     if cfg.engine.use_router and plan.engines:
         from slime_rl.orchestration.router import router_launch_command
 
         head = _MARK.format("HEAD_IP")
         variables[head] = "HEAD_IP"
-        cmd = router_launch_command(cfg, head, cfg.engine.router_port or 30999, urls, key)
+        cmd = router_launch_command(cfg, head, cfg.engine.router_port or 30999, urls, key,
+                                    bootstrap_ports=bootstrap_ports)
         if cfg.plan.cluster is not None:
             cmd[0] = "python"
         lines.append(f"router: {_shell(cmd, {}, variables)}")

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import httpx
 import ray
@@ -26,13 +26,22 @@ from slime_rl.orchestration.engines import free_port, terminate
 
 
 def router_launch_command(cfg: Config, host: str, port: int, worker_urls: Sequence[str],
-                          api_key: str | None, prometheus_port: int | None = None) -> list[str]:
+                          api_key: str | None, prometheus_port: int | None = None,
+                          bootstrap_ports: Mapping[int, int] | None = None) -> list[str]:
     """The router's argv: what the actor runs and what --dry-run prints. `prometheus_port`: used when
-    `--router-prometheus-port` is not given (the router's default, 29000, collides between runs)."""
+    `--router-prometheus-port` is not given (the router's default, 29000, collides between runs). With
+    prefill/decode engines (config/server_groups.py) the router runs in its PD mode: engine i's URL is
+    `worker_urls[i]`, a prefill engine's bootstrap port `bootstrap_ports[i]`."""
     extra = dict(cfg.engine.router_args)
     if prometheus_port is not None:
         extra.setdefault("prometheus_port", prometheus_port)
-    return router_command(host, port, worker_urls, api_key=api_key, extra=extra)
+    if not cfg.engine.disaggregated:
+        return router_command(host, port, worker_urls, api_key=api_key, extra=extra)
+    roles = [cfg.engine.role(i)[0] for i in range(len(worker_urls))]
+    prefill = [(url, (bootstrap_ports or {})[i]) for i, (url, r) in enumerate(zip(worker_urls, roles, strict=True))
+               if r == "prefill"]
+    decode = [url for url, r in zip(worker_urls, roles, strict=True) if r == "decode"]
+    return router_command(host, port, worker_urls, api_key=api_key, extra=extra, prefill=prefill, decode=decode)
 
 
 def wait_workers(url: str, worker_urls: Sequence[str], timeout: float, api_key: str | None = None,
@@ -93,16 +102,17 @@ class RouterActor:
         return None if self.process is None else terminate(self.process)
 
 
-def start_router(cfg: Config, engine_urls: Sequence[str], api_key: str | None,
-                 timeout: float = 120.0) -> tuple[ray.actor.ActorHandle, str]:
-    """Start the router on this (the head) node in front of `engine_urls`; returns (actor, URL) once
-    it routes to every engine."""
+def start_router(cfg: Config, engine_urls: Sequence[str], api_key: str | None, timeout: float = 120.0,
+                 bootstrap_ports: Mapping[int, int] | None = None) -> tuple[ray.actor.ActorHandle, str]:
+    """Start the router on this (the head) node in front of `engine_urls` (in its PD mode for prefill/decode
+    engines, with the prefill engines' `bootstrap_ports`); returns (actor, URL) once it routes to every engine."""
     here = ray.get_runtime_context().get_node_id()
     actor = RouterActor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
     host, (port, prom) = ray.get([actor.node_ip.remote(), actor.pick_ports.remote()])
     port = cfg.engine.router_port or port
     url = f"http://{host}:{port}"
-    cmd = router_launch_command(cfg, host, port, engine_urls, api_key, prometheus_port=prom)
+    cmd = router_launch_command(cfg, host, port, engine_urls, api_key, prometheus_port=prom,
+                                bootstrap_ports=bootstrap_ports)
     try:
         ray.get(actor.start.remote(cmd, url, list(engine_urls), api_key, timeout))
     except BaseException:

@@ -70,6 +70,9 @@ COMPANIONS = {
     "--update-weight-disk-dir": ["--update-weight-transport", "disk"],
     "--update-weight-local-checkpoint-dir": ["--update-weight-transport", "disk", "--update-weight-disk-dir", "/s"],
     "--update-weight-disk-keep-files": ["--update-weight-transport", "disk", "--update-weight-disk-dir", "/s"],
+    # prefill/decode engines are SGLang's, and need a decode engine beside the prefill ones
+    "--prefill-num-servers": ["--rollout-backend", "sglang", "--rollout-num-gpus", "3"],
+    "--sglang-config": ["--rollout-backend", "sglang", "--rollout-num-gpus", "2"],
 }
 OPTIONAL_PACKAGES = {"--use-wandb": "wandb", "--use-tensorboard": "tensorboard", "--use-swanlab": "swanlab"}
 
@@ -82,6 +85,11 @@ def _value(f: Flag, tmp: Path) -> list[str]:
         return VALUES[f.name]
     if f.name in ("--load", "--critic-load", "--ref-load", "--opd-teacher-load"):
         return [str(tmp)]
+    if f.name == "--sglang-config":  # slime's server groups: one prefill and one decode engine
+        groups = tmp / "groups.yaml"
+        groups.write_text("sglang: [{name: actor, server_groups: [{worker_type: prefill, num_gpus: 1}, "
+                          "{worker_type: decode, num_gpus: 1}]}]\n")
+        return [str(groups)]
     if f.choices is not None:
         return [next(str(c) for c in f.choices if c != f.default)]
     if f.type is None:
