@@ -79,8 +79,8 @@ def test_the_helpers_settings_map_to_flags(settings, want, tmp_path):
     ({"use_tis": True, "tis_upper_bound": 2.0}, ("--tis-clip", "3.0"),
      "the mismatch helper's settings give --tis-clip 2.0; the command line gives 3.0: give one"),
     ({"use_tis": True, "tis_upper_bound": 2.0, "not_a_setting": 1}, (), "unknown key 'not_a_setting'"),
-    ({"use_tis": True, "tis_upper_bound": 2.0, "prefill_num_servers": 2}, (),
-     "--prefill-num-servers is slime's and has no counterpart here"),
+    ({"use_tis": True, "tis_upper_bound": 2.0, "loss_mask_type": "qwen"}, (),
+     "--loss-mask-type is slime's and has no counterpart here"),
 ])
 def test_bad_settings_are_refused_naming_the_file_and_key(settings, extra, message, tmp_path):
     with pytest.raises(ConfigError) as info:
