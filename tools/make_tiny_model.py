@@ -292,13 +292,16 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                     num_kv_heads: int = 2, num_experts: int = 8, moe_topk: int = 2,
                     moe_intermediate_size: int = 32, shared_expert_intermediate_size: int = 48,
                     mlp_only_layers: list[int] | None = None, q_lora_rank: int = 24,
-                    embed_std: float | None = None) -> Path:
+                    embed_std: float | None = None, mtp_layers: int = 0) -> Path:
     """embed_std: the word embeddings and LM head drawn with this std instead of initializer_range's 0.02 (a
     trained model's scale: with frozen 0.02-std ones the tiny model's logits stay within about +-1.3, which LoRA,
     training only the adapters, cannot widen; the LoRA quickstart's untied llama takes 0.3).
     num_layers: 3 for qwen2_moe and glm4_moe, 4 for qwen3_next and qwen3_5, 2 otherwise; mlp_only_layers (MoE
     archs): [1] for qwen2_moe, none for qwen3_moe; glm4_moe's dense layers are the first len(mlp_only_layers) (default
-    [0]: first_k_dense_replace 1)."""
+    [0]: first_k_dense_replace 1). mtp_layers (deepseek_v3, glm4_moe_lite, kimi_k2): multi-token-prediction layers
+    after the decoder, as DeepSeek-V3's and GLM-4.7-Flash's checkpoints hold them (transformers builds none): HF's
+    layer num_layers + k is an MoE decoder layer plus enorm, hnorm, eh_proj [hidden, 2 x hidden] and shared_head.norm,
+    and config.json says num_nextn_predict_layers."""
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     family_type, arch = arch, BUILT_AS.get(arch, arch)  # the model_type config.json names; the one built
@@ -312,6 +315,10 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                          "(first_k_dense_replace)")
     if any(not 0 <= i < num_layers for i in mlp_only_layers):
         raise SystemExit(f"--mlp-only-layers {mlp_only_layers}: layer indices must be in [0, {num_layers})")
+    if mtp_layers and arch not in ("deepseek_v3", "glm4_moe_lite"):
+        raise SystemExit(f"--mtp-layers {mtp_layers}: only deepseek_v3, glm4_moe_lite and kimi_k2 checkpoints hold "
+                         "multi-token-prediction layers here")
+    decoder_layers, num_layers = num_layers, num_layers + mtp_layers  # the MTP layers' decoder layers built too
     args = argparse.Namespace(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, num_experts=num_experts, moe_topk=moe_topk,
                               moe_intermediate_size=moe_intermediate_size,
@@ -363,6 +370,8 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     if family_type != arch:  # the family's own model_type in config.json (Kimi-K2: kimi_k2)
         cfg_file = out / "config.json"
         cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "model_type": family_type}, indent=2))
+    if mtp_layers:
+        _add_mtp_tensors(out, decoder_layers, mtp_layers, hidden_size, gen)
 
     template = VL_CHAT_TEMPLATE if vl else CHAT_TEMPLATE
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -381,6 +390,29 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     if vl:
         save_image_processor(out)
     return out
+
+
+def _add_mtp_tensors(out: Path, decoder_layers: int, mtp_layers: int, hidden: int, gen: torch.Generator) -> None:
+    """The last `mtp_layers` decoder layers transformers built become multi-token-prediction layers: their own
+    tensors added under HF's names (model.layers.{num_layers + k}.enorm / hnorm / eh_proj / shared_head.norm, as
+    DeepSeek-V3's checkpoint and SGLang's NextN loader name them), config.json's num_hidden_layers the decoder's and
+    num_nextn_predict_layers theirs."""
+    from safetensors.torch import load_file, save_file
+
+    file = out / "model.safetensors"
+    tensors = load_file(file)
+    for k in range(mtp_layers):
+        p = f"model.layers.{decoder_layers + k}."
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[p + norm + ".weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+        tensors[p + "eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=gen)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    cfg_file = out / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.update(num_hidden_layers=decoder_layers, num_nextn_predict_layers=mtp_layers)
+    if cfg.get("mlp_layer_types"):  # GLM-4.7-Flash: one entry per decoder layer
+        cfg["mlp_layer_types"] = cfg["mlp_layer_types"][:decoder_layers]
+    cfg_file.write_text(json.dumps(cfg, indent=2))
 
 
 def save_image_processor(out: Path) -> None:
@@ -424,6 +456,9 @@ def main(argv: list[str] | None = None) -> None:
                         "for glm4_moe and deepseek_v3, whose dense layers come first)")
     p.add_argument("--q-lora-rank", type=int, default=24,
                    help="deepseek_v3: the query's low rank (0: one query projection, as Moonlight)")
+    p.add_argument("--mtp-layers", type=int, default=0,
+                   help="deepseek_v3, glm4_moe_lite, kimi_k2: multi-token-prediction layers after the decoder "
+                        "(num_nextn_predict_layers), under HF's names")
     p.add_argument("--embed-std", type=float, default=None,
                    help="the word embeddings' and LM head's std (default: initializer_range, 0.02); the LoRA "
                         "quickstart's model takes 0.3, a trained model's scale, as they do not train")
@@ -432,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     dense = None if a.mlp_only_layers is None else [int(x) for x in a.mlp_only_layers.split(",") if x.strip()]
     out = make_tiny_model(a.out, a.arch, a.seed, vocab, a.hidden_size, a.num_layers, a.num_heads,
                           a.num_kv_heads, a.num_experts, a.moe_topk, a.moe_intermediate_size,
-                          a.shared_expert_intermediate_size, dense, a.q_lora_rank, a.embed_std)
+                          a.shared_expert_intermediate_size, dense, a.q_lora_rank, a.embed_std, a.mtp_layers)
     print(f"wrote {out}")
 
 

@@ -101,7 +101,9 @@ DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "moe_ffn", "shar
         # heads x key head width + 2 x value heads x value head width (in_proj_qkvz), gdn_ba = 2 x value heads,
         # gdn_conv = 2 x key width + value width (the convolved q, k, v channels), gdn_heads = value heads,
         # gdn_vhead = one value head's width, gdn_v = value heads x its width, conv_kernel = the convolution's width
-        "q_gate", "gdn_qkvz", "gdn_ba", "gdn_conv", "gdn_heads", "gdn_vhead", "gdn_v", "conv_kernel")
+        "q_gate", "gdn_qkvz", "gdn_ba", "gdn_conv", "gdn_heads", "gdn_vhead", "gdn_v", "conv_kernel",
+        # a multi-token-prediction layer's eh_proj input: the next token's embedding and the hidden state, concatenated
+        "hidden2")
 
 
 class Layout(Enum):
@@ -228,6 +230,22 @@ class Family:
     # `model.visual.`, its multi-token-prediction head `mtp.`): the engine keeps its own copy, and --save-hf /
     # tools/convert_megatron_to_hf.py copy them unchanged from the HF folder the model came from
     hf_passthrough: tuple[str, ...] = ()
+    # DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), which the trainer builds under
+    # --mtp-num-layers: HF's layer num_hidden_layers + k holds enorm, hnorm, eh_proj, shared_head.norm and a whole
+    # decoder layer (`mtp_maps`); False: --mtp-num-layers is refused for the family
+    mtp: bool = False
+
+    def mtp_maps(self, num_layers: int, k: int, layer: tuple[ParamMap, ...]) -> list[ParamMap]:
+        """The entries of multi-token-prediction layer k (megatron's `mtp.layers.{k}.`, HF's layer num_layers + k):
+        its own four tensors, then `layer` (the decoder layer entries it holds: an MoE family's MoE layer) under
+        `mtp.layers.{k}.mtp_model_layer.`; expert entries keep their "{e}" (`ParamMap.expand_experts`)."""
+        if not self.mtp:
+            raise ValueError(f"model_type {self.model_type!r}: no multi-token-prediction layers in this family")
+        i = num_layers + k
+        own = [dataclasses.replace(p, mcore=p.mcore.replace("{k}", str(k)),
+                                   hf=tuple(h.replace("{i}", str(i)) for h in p.hf)) for p in _MTP_OWN]
+        return own + [dataclasses.replace(p.at_layer(i), mcore=f"mtp.layers.{k}.mtp_model_layer." + p.mcore[len(_L):])
+                      for p in layer]
 
     def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
         """config.json's value of `key`, or transformers' default for this family when the file leaves it
@@ -427,6 +445,17 @@ _GDN = (
 )
 
 
+# DeepSeek-V3's multi-token-prediction layer k (megatron-core's MultiTokenPredictionLayer under the local spec): the
+# norms of the next token's embedding (enorm) and of the decoder's last hidden state (hnorm), the projection of the two
+# concatenated ([embedding; hidden], 2 x hidden wide) back to hidden, a column-parallel linear (eh_proj), and the norm
+# before the shared output layer (megatron's final_layernorm, HF's shared_head.norm); HF's layer num_layers + k
+_MTP_OWN = (
+    ParamMap("mtp.layers.{k}.enorm.weight", (_H + "enorm.weight",), Layout.REPLICATED, _VEC),
+    ParamMap("mtp.layers.{k}.hnorm.weight", (_H + "hnorm.weight",), Layout.REPLICATED, _VEC),
+    ParamMap("mtp.layers.{k}.eh_proj.weight", (_H + "eh_proj.weight",), Layout.COLUMN, (("hidden", "hidden2"),)),
+    ParamMap("mtp.layers.{k}.final_layernorm.weight", (_H + "shared_head.norm.weight",), Layout.REPLICATED, _VEC),
+)
+
 
 def _language_model(maps: tuple[ParamMap, ...]) -> tuple[ParamMap, ...]:
     """The same entries under a vision-language checkpoint's decoder names (model.X -> model.language_model.X;
@@ -541,7 +570,7 @@ FAMILIES: dict[str, Family] = {
                          "v_head_dim": 128, "attention_bias": False},
         moe=True,
         dense_layer_params=(_NORMS[0], *_MLA, _NORMS[1], *_MLP),
-        shared_expert=True, shared_expert_gate=False, deepseek_moe=True, mla=True,
+        shared_expert=True, shared_expert_gate=False, deepseek_moe=True, mla=True, mtp=True,
     ),
     # MiniMax-M2 / M2.1 / M2.5 (230B-A10B): GQA without biases, q/k norms over all heads' channels, the first
     # rotary_dim channels of each head rotated, every layer 256 routed experts (no shared expert) chosen by sigmoid

@@ -219,11 +219,8 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
     if spec is not None and spec not in ([], ["local"]) and (not fam.slime_spec or spec != list(fam.slime_spec)):
         out.append(Mismatch(f"--spec {' '.join(spec)}", f"model_type {mt}, which the trainer builds with "
                             "megatron-core's local layer spec (config/families.py); a spec function is not loaded"))
-    if given.get("--mtp-num-layers"):
-        nextn = text.get("num_nextn_predict_layers")
-        out.append(Mismatch(f"--mtp-num-layers {given['--mtp-num-layers']}",
-                            (f"num_nextn_predict_layers {nextn}" if nextn else "no num_nextn_predict_layers")
-                            + ": the trainer builds no multi-token-prediction layers"))
+    # --mtp-num-layers builds the MTP layers (TrainerConfig.mtp_num_layers): preflight checks it against config.json
+    # (convert/arch.py with_mtp), whether MODEL_ARGS or the run's own flags give it
     _compare_moe(given, text, arch, whole, out, compare)
     return out
 
