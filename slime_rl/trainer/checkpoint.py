@@ -61,7 +61,7 @@ from slime_rl.trainer.model import unwrap
 
 logger = logging.getLogger(__name__)
 
-_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "vision_model.")  # vision_model: VL (vision.py)
+_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "vision_model.", "mtp.")  # vision_model: VL (vision.py)
 OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
 
 

@@ -1,0 +1,88 @@
+"""Multi-token-prediction scenarios (tests/trainer/test_mtp.py), run like trainer_scenarios.py
+(`python -m tests.trainer.trainer_scenarios NAME ...` finds them here).
+
+"mtp1" (one rank) records, on tiny GLM-4.7-Flash with one MTP layer and the fixed batch (micro-batch size 2: two
+micro-batches), a forward-backward with --enable-mtp-training (packed and padded micro-batches: its stats with the
+MTP loss, the HF-named grads), the same without any MTP flag and with --mtp-num-layers alone, one train step of
+each (the weights after), the weights weight sync sends, the --save-hf folder and a Megatron checkpoint read back
+by fresh workers. "mtp_tp2pp2" (two ranks) records the MTP forward-backward at TP=2 (with sequence parallel, which megatron's MoE
+layers need under TP), then at PP=2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from tests.trainer.trainer_ref import make_batch
+from tests.trainer.trainer_scenarios import make_worker, weights
+
+FACTOR = 0.5  # --mtp-loss-scaling-factor (slime's default 0.2 would do; any value the test can tell apart)
+MTP = {"mtp_num_layers": 1, "enable_mtp_training": True, "mtp_loss_scaling_factor": FACTOR}
+
+
+def _fb(w, batch: dict, res: dict, key: str) -> None:
+    """Log-probs, a forward-backward's stats and the HF-named grads of the trained parameters (DP is 1 here: the
+    grad buffers hold whole grads; frozen MTP layers have none)."""
+    from slime_rl.trainer.hf_io import iter_hf_tensors
+
+    logp = w.compute_logprobs(batch)
+    res[f"{key}/logp"] = logp
+    res[f"{key}/stats"] = w.forward_backward(batch, logp)
+    res[f"{key}/grad"] = {n: t.clone() for n, t in iter_hf_tensors(w.gpt, w.arch, lambda p: p.main_grad.detach(),
+                                                                   skip_frozen=True)}
+
+
+def scenario_mtp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    batch, res, ckpt = make_batch(), {}, ckpts["glm4_moe_lite_mtp"]
+    tmp = Path(tempfile.mkdtemp(prefix="slime_rl_mtp_"))
+    w = make_worker(rank, world, port, ckpt, **MTP)
+    port += 1
+    res["sent"] = [n for n, _, _ in w.hf_weight_metadata()]
+    res["initial"] = weights(w)
+    _fb(w, batch, res, "train/packed")
+    w.micro = dataclasses.replace(w.micro, pack_sequences=False)
+    _fb(w, batch, res, "train/padded")
+    w.micro = dataclasses.replace(w.micro, pack_sequences=True)
+    res["train/metrics"] = w.train_step(batch)
+    res["train/after"] = weights(w)
+    w.save_hf(str(tmp / "hf"))
+    res["exported"] = {k: v.clone() for f in sorted((tmp / "hf").glob("*.safetensors"))
+                       for k, v in load_file(f).items()}
+    w.save_checkpoint(str(tmp / "ckpt"), 1, {})
+    w.shutdown()
+    # the exported folder as a checkpoint of its own, and the Megatron checkpoint resumed
+    w = make_worker(rank, world, port, str(tmp / "hf"), **MTP)
+    port += 1
+    res["reloaded_hf"] = weights(w)
+    w.shutdown()
+    w = make_worker(rank, world, port, ckpt, **MTP)
+    port += 1
+    w.load_latest_checkpoint(str(tmp / "ckpt"))
+    res["resumed"] = weights(w)
+    w.shutdown()
+    for key, kw in (("none", {}), ("frozen", {"mtp_num_layers": 1})):
+        w = make_worker(rank, world, port, ckpt, **kw)
+        port += 1
+        res[f"{key}/sent"] = [n for n, _, _ in w.hf_weight_metadata()]
+        _fb(w, batch, res, f"{key}/packed")
+        res[f"{key}/metrics"] = w.train_step(batch)
+        res[f"{key}/after"] = weights(w)
+        w.shutdown()
+    return res
+
+
+def scenario_mtp_tp2pp2(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    batch, res = make_batch(), {}
+    for key, kw in (("tp2", {"tp": 2, "sequence_parallel": True}), ("pp2", {"pp": 2})):  # MoE under TP needs SP
+        w = make_worker(rank, world, port, ckpts["glm4_moe_lite_mtp"], **kw, **MTP)
+        port += 1
+        _fb(w, batch, res, key)
+        w.shutdown()
+    return res
+
+
+SCENARIOS = {"mtp1": scenario_mtp1, "mtp_tp2pp2": scenario_mtp_tp2pp2}
