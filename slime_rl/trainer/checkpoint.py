@@ -61,7 +61,8 @@ from slime_rl.trainer.model import unwrap
 
 logger = logging.getLogger(__name__)
 
-_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "vision_model.", "mtp.")  # vision_model: VL (vision.py)
+# vision_model: VL (vision.py); mtp: the multi-token-prediction block (model.py)
+_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "vision_model.", "mtp.")
 OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
 
 

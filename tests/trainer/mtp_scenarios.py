@@ -5,8 +5,8 @@
 micro-batches), a forward-backward with --enable-mtp-training (packed and padded micro-batches: its stats with the
 MTP loss, the HF-named grads), the same without any MTP flag and with --mtp-num-layers alone, one train step of
 each (the weights after), the weights weight sync sends, the --save-hf folder and a Megatron checkpoint read back
-by fresh workers. "mtp_tp2pp2" (two ranks) records the MTP forward-backward at TP=2 (with sequence parallel, which megatron's MoE
-layers need under TP), then at PP=2.
+by fresh workers. "mtp_tp2pp2" (two ranks) records the MTP forward-backward at TP=2 (with sequence parallel, which
+megatron's MoE layers need under TP), then at PP=2.
 """
 
 from __future__ import annotations
