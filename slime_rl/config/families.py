@@ -645,7 +645,7 @@ FAMILIES["glm4_moe_lite"] = dataclasses.replace(
     config_defaults={"first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
                      "routed_scaling_factor": 1.8, "norm_topk_prob": True, "rope_interleave": True,
                      "q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
-                     "v_head_dim": 256, "attention_bias": False})
+                     "v_head_dim": 256, "attention_bias": False, "rms_norm_eps": 1e-5})
 
 # Kimi-K2 (Instruct, Thinking): DeepSeek-V3's architecture under its own model_type (384 experts, one group)
 FAMILIES["kimi_k2"] = dataclasses.replace(FAMILIES["deepseek_v3"], model_type="kimi_k2",

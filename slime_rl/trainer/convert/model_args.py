@@ -150,8 +150,10 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
         compare("--swiglu", "silu", "hidden_act", text.get("hidden_act", "silu"), claim="--swiglu (SiLU)")
     qkv = (f"attention_bias {fmt(text['attention_bias'])}" if "attention_bias" in text else f"model_type {mt}") + \
         (": q/k/v projections with bias" if fam.qkv_bias else ": q/k/v projections without bias")
-    switch("--add-qkv-bias", fam.qkv_bias, qkv, "with --disable-bias-linear Megatron-LM builds q/k/v without bias",
-           read_absent=whole and has("--disable-bias-linear"))
+    if not (arch.mla and has("--multi-latent-attention")):  # Megatron-LM's MLA projections never take a bias,
+        # whatever --add-qkv-bias says (slime's glm4.7-30B-A3B.sh gives it): the same model
+        switch("--add-qkv-bias", fam.qkv_bias, qkv, "with --disable-bias-linear Megatron-LM builds q/k/v without "
+               "bias", read_absent=whole and has("--disable-bias-linear"))
     # ---- norms
     if "--normalization" in given:
         compare("--normalization", given["--normalization"], "", "RMSNorm", truth=f"model_type {mt}, whose norms "
