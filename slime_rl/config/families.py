@@ -39,7 +39,14 @@ DeepSeek-V3 (`deepseek_v3`) adds multi-latent attention (`Family.mla`) to GLM-4.
 MLASelfAttention under the local spec, the query one projection or a low-rank pair with its norm
 (q_lora_rank), keys and values expanded per head from a latent with its norm, interleaved RoPE (or YaRN) on
 the rotary channels. Its projections are Layout.COLUMN (split on the output rows) or, for the down
-projections, whole on every TP rank (trainer/mcore.py's DuplicatedLinear says why).
+projections, whole on every TP rank (trainer/mcore.py's DuplicatedLinear says why). Its multi-token-prediction
+layers (`Family.mtp`; glm4_moe_lite and kimi_k2 share them), built under --mtp-num-layers: HF's layer
+num_hidden_layers + k holds enorm, hnorm, eh_proj ([hidden, 2 x hidden], applied to [norm(embedding of the next
+token); norm(hidden state)]), shared_head.norm and a whole MoE decoder layer; megatron's MultiTokenPredictionLayer
+names them mtp.layers.{k}.enorm / hnorm / eh_proj (Layout.COLUMN) / final_layernorm and mtp_model_layer.<the
+decoder layer's names> (`Family.mtp_maps`). The layer's embed_tokens / shared_head.head copies, which DeepSeek-V3's
+checkpoint holds and SGLang's draft model never loads (it shares the target's), are not the trainer's: --save-hf copies
+them from the HF folder.
 
 GLM-4 dense (`glm4`: GLM-4-9B-0414, GLM-Z1-9B-0414) is Qwen2's layer with two more norms (`Family.post_norms`): an
 RMSNorm on the attention's output and one on the MLP's, each before its residual add (HF's
