@@ -48,6 +48,12 @@ decoder layer's names> (`Family.mtp_maps`). The layer's embed_tokens / shared_he
 checkpoint holds and SGLang's draft model never loads (it shares the target's), are not the trainer's: --save-hf copies
 them from the HF folder.
 
+MiMo-7B (`mimo`: MiMo-7B-Base, -SFT, -RL) is Qwen2's decoder (q/k/v biases, untied) run by transformers' Qwen2 classes
+(`Family.transformers_model_type`), with multi-token-prediction layers under its own names (`Family.mtp_own`,
+`Family.mtp_layer_prefix`): model.mtp_layers.{k}.token_layernorm (enorm), hidden_layernorm (hnorm), input_proj and
+final_layernorm, and a Qwen2 decoder layer; its input_proj applies to [hidden state; embedding], megatron's eh_proj to
+[embedding; hidden state] (Layout.COLUMN_HALVES_SWAPPED), as SGLang's MiMoMTP and slime's mimo converter have it.
+
 GLM-4 dense (`glm4`: GLM-4-9B-0414, GLM-Z1-9B-0414) is Qwen2's layer with two more norms (`Family.post_norms`): an
 RMSNorm on the attention's output and one on the MLP's, each before its residual add (HF's
 `post_self_attn_layernorm` / `post_mlp_layernorm`; Megatron: the same names on each TransformerLayer,
@@ -134,6 +140,9 @@ class Layout(Enum):
     # head), in_proj_z, in_proj_b, in_proj_a (each over all value heads in order) -> each TP rank's heads'
     # [q; k; v; z; b; a]
     GDN_IN_PROJ_SPLIT = "gdn_in_proj_split"
+    # MiMo's multi-token-prediction input_proj [hidden, 2 x hidden] applies to [hidden state; embedding], megatron's
+    # eh_proj to [embedding; hidden state]: the two column halves swapped, then split on dim 0 as COLUMN
+    COLUMN_HALVES_SWAPPED = "column_halves_swapped"
 
 
 @dataclass(frozen=True)
@@ -241,6 +250,10 @@ class Family:
     # --mtp-num-layers: HF's layer num_hidden_layers + k holds enorm, hnorm, eh_proj, shared_head.norm and a whole
     # decoder layer (`mtp_maps`); False: --mtp-num-layers is refused for the family
     mtp: bool = False
+    # an MTP layer's own four entries ("{k}": the MTP layer, "{i}": HF's layer index num_hidden_layers + k) and the
+    # HF prefix of its decoder layer's tensors; () / "": DeepSeek-V3's (`_MTP_OWN`, model.layers.{i}.)
+    mtp_own: tuple[ParamMap, ...] = ()
+    mtp_layer_prefix: str = ""
 
     def mtp_maps(self, num_layers: int, k: int, layer: tuple[ParamMap, ...]) -> list[ParamMap]:
         """The entries of multi-token-prediction layer k (megatron's `mtp.layers.{k}.`, HF's layer num_layers + k):
@@ -250,9 +263,11 @@ class Family:
             raise ValueError(f"model_type {self.model_type!r}: no multi-token-prediction layers in this family")
         i = num_layers + k
         own = [dataclasses.replace(p, mcore=p.mcore.replace("{k}", str(k)),
-                                   hf=tuple(h.replace("{i}", str(i)) for h in p.hf)) for p in _MTP_OWN]
-        return own + [dataclasses.replace(p.at_layer(i), mcore=f"mtp.layers.{k}.mtp_model_layer." + p.mcore[len(_L):])
-                      for p in layer]
+                                   hf=tuple(h.replace("{i}", str(i)).replace("{k}", str(k)) for h in p.hf))
+               for p in self.mtp_own or _MTP_OWN]
+        prefix = self.mtp_layer_prefix.replace("{k}", str(k)) if self.mtp_layer_prefix else f"model.layers.{i}."
+        return own + [dataclasses.replace(p, mcore=f"mtp.layers.{k}.mtp_model_layer." + p.mcore[len(_L):],
+                                          hf=tuple(prefix + h[len(_H):] for h in p.hf)) for p in layer]
 
     def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
         """config.json's value of `key`, or transformers' default for this family when the file leaves it
@@ -653,6 +668,19 @@ FAMILIES["glm4_moe_lite"] = dataclasses.replace(
                      "routed_scaling_factor": 1.8, "norm_topk_prob": True, "rope_interleave": True,
                      "q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
                      "v_head_dim": 256, "attention_bias": False, "rms_norm_eps": 1e-5})
+
+# MiMo-7B (Base, SFT, RL): Qwen2's decoder plus multi-token-prediction layers under its own names (SGLang's MiMoMTP,
+# EAGLE's draft: model.mtp_layers.{k}. token_layernorm, hidden_layernorm, input_proj over [hidden; embedding],
+# final_layernorm, and a Qwen2 decoder layer); transformers has no mimo classes: Qwen2's run it
+_M = "model.mtp_layers.{k}."
+FAMILIES["mimo"] = dataclasses.replace(
+    FAMILIES["qwen2"], model_type="mimo", transformers_model_type="qwen2", mtp=True, mtp_layer_prefix=_M,
+    mtp_own=(ParamMap("mtp.layers.{k}.enorm.weight", (_M + "token_layernorm.weight",), Layout.REPLICATED, _VEC),
+             ParamMap("mtp.layers.{k}.hnorm.weight", (_M + "hidden_layernorm.weight",), Layout.REPLICATED, _VEC),
+             ParamMap("mtp.layers.{k}.eh_proj.weight", (_M + "input_proj.weight",), Layout.COLUMN_HALVES_SWAPPED,
+                      (("hidden", "hidden2"),)),
+             ParamMap("mtp.layers.{k}.final_layernorm.weight", (_M + "final_layernorm.weight",), Layout.REPLICATED,
+                      _VEC)))
 
 # Kimi-K2 (Instruct, Thinking): DeepSeek-V3's architecture under its own model_type (384 experts, one group)
 FAMILIES["kimi_k2"] = dataclasses.replace(FAMILIES["deepseek_v3"], model_type="kimi_k2",

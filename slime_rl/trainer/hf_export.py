@@ -186,7 +186,9 @@ def passthrough_names(arch: ModelArch, hf_dir: str | Path) -> list[str]:
                          "this one has no safetensors (pass that folder)") from e
     if arch.mtp_layers:
         held = set(hf_shapes(arch))
-        prefixes += tuple(f"model.layers.{arch.num_layers + k}." for k in range(arch.mtp_layers))
+        mtp = family.mtp_layer_prefix if family is not None else ""
+        prefixes += tuple(mtp.replace("{k}", str(k)) if mtp else f"model.layers.{arch.num_layers + k}."
+                          for k in range(arch.mtp_layers))
         return sorted(n for n in names if n.startswith(prefixes) and n not in held)
     return sorted(n for n in names if n.startswith(prefixes))
 

@@ -77,3 +77,42 @@ def test_sglang_draft_model_loads_the_mtp_layer_we_send(tiny_glm4_moe_lite_mtp):
     assert set(calls_by_target(target)) == set(target_names)
     fused = sum(1 for c in target.calls if "fused_qkv_a_proj_with_mqa" in c[0])
     assert len(target.calls) + fused == sum(1 for n in sent if not n.startswith(mtp))
+
+
+def test_sglang_mimo_draft_loads_the_mtp_layer_we_send(tiny_mimo_mtp):
+    """MiMo-7B (models/mimo_mtp.py MiMoMTP, the EAGLE draft; models/mimo.py MiMoForCausalLM, the target): the draft
+    maps model.mtp_layers.{k}.token_layernorm / hidden_layernorm / input_proj / final_layernorm onto its own modules
+    and the rest of the layer onto its Qwen2 decoder layer (model.mtp_block.*, q/k/v and gate/up stacked), and takes
+    the decoder's embedding and lm_head too (shared with the target's); the target skips every mtp_layers name. The
+    input_proj we send is MiMo's [hidden; embedding] order again (tests/trainer/test_mtp.py checks its values)."""
+    mimo = pytest.importorskip("sglang.srt.models.mimo")
+    mimo_mtp = pytest.importorskip("sglang.srt.models.mimo_mtp")
+    from slime_rl.trainer.convert import hf_shapes, load_arch, with_mtp
+
+    arch = with_mtp(load_arch(tiny_mimo_mtp), 1)
+    sent = hf_shapes(arch)
+    mtp = "model.mtp_layers.0."
+    tensors = [(name, torch.zeros(shape)) for name, shape in sent.items()]
+    config = types.SimpleNamespace(tie_word_embeddings=False, num_hidden_layers=arch.num_layers,
+                                   num_nextn_predict_layers=1)
+    layer = ("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias", "self_attn.o_proj.weight",
+             "mlp.gate_up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+             "post_attention_layernorm.weight")
+    own = ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight")
+    draft_names = [f"model.{n}" for n in own] + [f"model.mtp_block.{n}" for n in layer] + [
+        "model.embed_tokens.weight", "lm_head.weight"]
+    draft = recording_probe(mimo_mtp.MiMoMTP, config, draft_names, arch.num_layers)
+    draft.load_weights(tensors)
+    by_target = calls_by_target(draft)
+    assert set(by_target) == set(draft_names)
+    h = arch.hidden_size
+    assert [c[0] for c in by_target["model.input_proj.weight"]] == [(h, 2 * h)]
+    assert sorted(c[1][0] for c in by_target["model.mtp_block.self_attn.qkv_proj.weight"]) == ["k", "q", "v"]
+    assert len(draft.calls) == sum(1 for n in sent if n.startswith(mtp)) + 2  # + the embedding and lm_head
+
+    target_names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"] + [
+        f"model.layers.{i}.{n}" for i in range(arch.num_layers) for n in layer]
+    target = recording_probe(mimo.MiMoForCausalLM, config, target_names, arch.num_layers)
+    target.load_weights(tensors)
+    assert set(calls_by_target(target)) == set(target_names)
+    assert not any(c[0].startswith("model.mtp") for c in target.calls)

@@ -85,4 +85,22 @@ def scenario_mtp_tp2pp2(rank: int, world: int, port: int, ckpts: dict[str, str])
     return res
 
 
-SCENARIOS = {"mtp1": scenario_mtp1, "mtp_tp2pp2": scenario_mtp_tp2pp2}
+def scenario_mimo1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
+    """MiMo (Qwen2's decoder, MiMo's MTP names): a forward-backward, the sent names, the checkpoint's tensors as
+    loaded and sent, and --save-hf after a step."""
+    batch, res = make_batch(), {}
+    w = make_worker(rank, world, port, ckpts["mimo_mtp"], **MTP)
+    res["sent"] = [n for n, _, _ in w.hf_weight_metadata()]
+    res["initial"] = {n: src.reshape(shape).clone() for n, src, shape in w.iter_hf_sources()}
+    res["exported_initial"] = load_file(Path(ckpts["mimo_mtp"]) / "model.safetensors")
+    _fb(w, batch, res, "train/packed")
+    w.train_step(batch)
+    res["after"] = weights(w)
+    out = Path(tempfile.mkdtemp(prefix="slime_rl_mimo_")) / "hf"
+    w.save_hf(str(out))
+    res["exported"] = {k: v.clone() for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    w.shutdown()
+    return res
+
+
+SCENARIOS = {"mtp1": scenario_mtp1, "mtp_tp2pp2": scenario_mtp_tp2pp2, "mimo1": scenario_mimo1}

@@ -32,29 +32,47 @@ GROUPS = ([0, 1], [2, 3])  # micro-batch size 2 over the 4 samples, in order
 
 
 @pytest.fixture(scope="module")
-def mtp_run(tiny_glm4_moe_lite_mtp, tmp_path_factory):
-    return scenario_runner(tmp_path_factory.mktemp("mtp_scenarios"), {"glm4_moe_lite_mtp": tiny_glm4_moe_lite_mtp})
+def mtp_run(tiny_glm4_moe_lite_mtp, tiny_mimo_mtp, tmp_path_factory):
+    return scenario_runner(tmp_path_factory.mktemp("mtp_scenarios"), {"glm4_moe_lite_mtp": tiny_glm4_moe_lite_mtp,
+                                                                       "mimo_mtp": tiny_mimo_mtp})
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-@pytest.fixture(scope="module")
-def mtp_ref(tiny_glm4_moe_lite_mtp, tmp_path_factory):
-    """(loss, grads by HF name) of the formula in the module docstring, in float64."""
-    from safetensors.torch import load_file
+# MiMo-7B (mimo): the MTP layer under model.mtp_layers.0., its own four tensors under MiMo's names, its input_proj
+# applied to [hidden state; embedding] (SGLang's MiMoMultiTokenPredictorLayer), its decoder layer Qwen2's
+MIMO_PREFIX = "model.mtp_layers.0."
+MIMO_OWN = tuple(MIMO_PREFIX + n for n in ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight",
+                                           "final_layernorm.weight"))
 
-    folder = tiny_glm4_moe_lite_mtp
-    base = hf_model(folder)  # the 4 decoder layers (the MTP layer's tensors are not transformers')
-    # the MTP layer's decoder layer: transformers' layer 4 of the same config with one more (MoE) layer
-    full = tmp_path_factory.mktemp("mtp_ref") / "ckpt"
-    shutil.copytree(folder, full)
-    cfg = json.loads((full / "config.json").read_text())
-    cfg.update(num_hidden_layers=5, mlp_layer_types=cfg["mlp_layer_types"] + ["sparse"])
-    (full / "config.json").write_text(json.dumps(cfg))
-    layer = hf_model(full).model.layers[4]
-    own = {k: v.double().requires_grad_() for k, v in load_file(folder / "model.safetensors").items() if k in OWN}
+
+def _reference(folder, tmp, prefix: str, own_names: tuple[str, ...], hidden_first: bool):
+    """(loss, grads by HF name) of the formula in the module docstring, in float64. transformers builds the decoder
+    (`base`) and, as layer num_hidden_layers of the same config with one more layer, the MTP layer's decoder layer;
+    `hidden_first`: the projection's input is [hidden state; embedding] (MiMo) rather than [embedding; hidden state]."""
+    from safetensors.torch import load_file, save_file
+
+    from slime_rl.config.families import FAMILIES
+
+    cfg = json.loads((folder / "config.json").read_text())
+    n_layers, family = cfg["num_hidden_layers"], FAMILIES[cfg["model_type"]]
+    cfg["model_type"] = family.transformers_model_type or cfg["model_type"]  # MiMo runs as Qwen2
+    stored = load_file(folder / "model.safetensors")
+    for name, layers in (("base", n_layers), ("full", n_layers + 1)):
+        (tmp / name).mkdir()
+        shutil.copy(folder / "tokenizer.json", tmp / name)
+        # one more entry per layer list (GLM-4.7-Flash's mlp_layer_types, Qwen2's layer_types): the MTP layer's kind
+        extra = {k: cfg[k][:n_layers] + cfg[k][-1:] * (layers - n_layers) for k in ("mlp_layer_types", "layer_types")
+                 if isinstance(cfg.get(k), list)}
+        (tmp / name / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers, **extra}))
+        # the MTP layer's decoder tensors as HF's layer num_hidden_layers (MiMo's are under model.mtp_layers.0.)
+        tensors = {(f"model.layers.{n_layers}." + k[len(prefix):] if k.startswith(prefix) else k): v
+                   for k, v in stored.items() if k not in own_names}
+        save_file(tensors, str(tmp / name / "model.safetensors"), metadata={"format": "pt"})
+    base, layer = hf_model(tmp / "base"), hf_model(tmp / "full").model.layers[n_layers]
+    own = {k: stored[k].double().requires_grad_() for k in own_names}
     eps = base.config.rms_norm_eps
     batch = make_batch()
     per_mb = []
@@ -66,8 +84,9 @@ def mtp_ref(tiny_glm4_moe_lite_mtp, tmp_path_factory):
             with torch.no_grad():
                 h = base.model(t[None]).last_hidden_state[0]  # [n, H], after the final norm
                 e = base.model.embed_tokens(t[1:])  # emb(t_{i+1}) for i < n - 1
-            enorm, hnorm, eh_proj, head_norm = (own[k] for k in OWN)
-            x = torch.cat([_rms(e, enorm, eps), _rms(h[:-1], hnorm, eps)], -1) @ eh_proj.T
+            enorm, hnorm, eh_proj, head_norm = (own[k] for k in own_names)
+            parts = [_rms(e, enorm, eps), _rms(h[:-1], hnorm, eps)]
+            x = torch.cat(parts[::-1] if hidden_first else parts, -1) @ eh_proj.T
             pos = torch.arange(n - 1)[None]
             causal = torch.full((n - 1, n - 1), float("-inf"), dtype=torch.float64).triu(1)[None, None]
             y = layer(x[None], attention_mask=causal, position_ids=pos,
@@ -81,16 +100,21 @@ def mtp_ref(tiny_glm4_moe_lite_mtp, tmp_path_factory):
     loss = sum(per_mb) / len(per_mb)
     (FACTOR * loss).backward()
     grads = {k: v.grad for k, v in own.items()}
-    grads |= _per_expert({MTP_PREFIX + k: (p.grad if p.grad is not None else torch.zeros_like(p))
+    grads |= _per_expert({prefix + k: (p.grad if p.grad is not None else torch.zeros_like(p))
                           for k, p in layer.named_parameters()})
     return float(loss.detach()), grads
 
 
-def _assert_mtp_matches(stats: dict, grads: dict, ref) -> None:
+@pytest.fixture(scope="module")
+def mtp_ref(tiny_glm4_moe_lite_mtp, tmp_path_factory):
+    return _reference(tiny_glm4_moe_lite_mtp, tmp_path_factory.mktemp("mtp_ref"), MTP_PREFIX, OWN, False)
+
+
+def _assert_mtp_matches(stats: dict, grads: dict, ref, prefix: str = MTP_PREFIX) -> None:
     loss, want = ref
     assert abs(stats["mtp/mtp_loss"] - loss) < 1e-5 * loss, (stats["mtp/mtp_loss"], loss)
     assert stats["mtp/mtp_1_loss"] == stats["mtp/mtp_loss"]
-    got = {k: v for k, v in grads.items() if k.startswith(MTP_PREFIX)}
+    got = {k: v for k, v in grads.items() if k.startswith(prefix)}
     assert set(got) == set(want)
     for name, w in want.items():
         g = got[name].double()
@@ -178,3 +202,20 @@ def test_mtp_num_layers_is_refused_without_mtp_layers(tiny_glm4_moe_lite, tiny_g
         "--mtp-num-layers 1: model_type 'qwen2' has no multi-token-prediction layers the trainer builds")
     assert refused(tiny_glm4_moe_lite_mtp, "--enable-mtp-training") == (
         "--enable-mtp-training needs --mtp-num-layers N (the multi-token-prediction layers to build and train)")
+
+
+def test_mimo_mtp_layer_trains_and_exports_under_mimos_names(mtp_run, tiny_mimo_mtp, tmp_path_factory):
+    """MiMo-7B (mimo: Qwen2's decoder and model.mtp_layers.*): the MTP loss and the MTP layer's gradients equal the
+    reference with MiMo's input order ([hidden state; embedding]: megatron's eh_proj holds input_proj's halves swapped),
+    weight sync sends the layer under MiMo's names, and --save-hf writes them bit for bit as the trainer holds them."""
+    ref = _reference(tiny_mimo_mtp, tmp_path_factory.mktemp("mimo_ref"), MIMO_PREFIX, MIMO_OWN, True)
+    res = mtp_run("mimo1", 1)[0]
+    _assert_mtp_matches(res["train/packed/stats"], res["train/packed/grad"], ref, MIMO_PREFIX)
+    assert set(MIMO_OWN) <= set(res["sent"]) and all(k.startswith(("model.layers.", "model.mtp_layers.0.")) or
+                                                     k in ("model.embed_tokens.weight", "model.norm.weight",
+                                                           "lm_head.weight") for k in res["sent"])
+    for name, t in res["initial"].items():  # loaded and sent back unchanged (input_proj's swap undone)
+        assert torch.equal(res["exported_initial"][name], t), name
+    assert set(res["after"]) == set(res["exported"])
+    for name, t in res["after"].items():
+        assert torch.equal(res["exported"][name], t), name

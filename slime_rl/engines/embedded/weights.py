@@ -61,8 +61,8 @@ class WeightSync:
         # MoE: one name per expert (and MiniMax-M2's block_sparse_moe names of its router and bias)
         self.params.update(expert_aliases(self.params, model.config))
         # a checkpoint with multi-token-prediction layers (num_nextn_predict_layers): their tensors (HF's layers from
-        # num_hidden_layers on) are the speculative draft model's, which SGLang's target model skips and its draft
-        # loads; this engine has no draft, so it takes and drops them (None: no such layers)
+        # num_hidden_layers on, MiMo's model.mtp_layers.*) are the speculative draft model's, which SGLang's target
+        # model skips and its draft loads; this engine has no draft, so it takes and drops them (None: no such layers)
         nextn = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
         self._draft_from = int(model.config.num_hidden_layers) if nextn > 0 else None
         # (aliases and tied names count twice: a generous bound on what one update can announce)
@@ -328,8 +328,8 @@ class WeightSync:
         """`received` less the tensors of the multi-token-prediction layers (the draft model's; see __init__)."""
         if self._draft_from is None:
             return received
-        return [(n, t) for n, t in received if not (n.startswith("model.layers.")
-                                                    and int(n.split(".")[2]) >= self._draft_from)]
+        return [(n, t) for n, t in received if not n.startswith("model.mtp_layers.")  # MiMo's names
+                and not (n.startswith("model.layers.") and int(n.split(".")[2]) >= self._draft_from)]
 
     def _check(self, name: str, t: torch.Tensor) -> str | None:
         if self.memory is not None and self.memory.weights_released:

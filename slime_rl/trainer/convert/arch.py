@@ -376,12 +376,12 @@ def with_mtp(arch: ModelArch, num_layers: int | None, where: str = "config.json"
     key = "num_mtp_modules" if arch.model_type == "minimax_m2" else "num_nextn_predict_layers"
     if not arch.family.mtp:
         raise ValueError(f"--mtp-num-layers {num_layers}: model_type {arch.model_type!r} has no multi-token-prediction "
-                         "layers the trainer builds (DeepSeek-V3's: deepseek_v3, glm4_moe_lite, kimi_k2)")
+                         "layers the trainer builds (deepseek_v3, glm4_moe_lite, kimi_k2, mimo)")
     if num_layers > arch.mtp_layers:
         raise ValueError(f"--mtp-num-layers {num_layers}: {where} has {key} {arch.mtp_layers}, so the checkpoint holds "
                          f"{'no' if not arch.mtp_layers else f'only {arch.mtp_layers}'} multi-token-prediction "
                          f"layer(s) to build (a checkpoint with them has {key} >= {num_layers} and their tensors "
-                         f"model.layers.{arch.num_layers}.*)")
+                         f"{arch.family.mtp_layer_prefix.replace('{k}', '0') or f'model.layers.{arch.num_layers}.'}*)")
     return dataclasses.replace(arch, mtp_built=num_layers)
 
 
