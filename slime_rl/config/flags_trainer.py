@@ -88,7 +88,8 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
              help="slime's: train the --mtp-num-layers multi-token-prediction layers (DeepSeek-V3's, which SGLang's "
                   "EAGLE speculative decoding drafts with): each training forward adds megatron-core's MTP loss "
                   "(cross-entropy of token i+2 from the hidden state of token i and the embedding of token i+1, over "
-                  "the response tokens the loss mask keeps, averaged per micro-batch) times "
+                  "the response tokens the loss mask keeps, averaged per micro-batch (under context parallelism "
+                  "over each rank's own positions, then over the ranks, as megatron-core does)) times "
                   "--mtp-loss-scaling-factor; its gradient reaches the MTP layers only (the decoder, the embedding "
                   "and the output layer are detached from it); train/mtp_loss logs it, and weight sync sends the MTP "
                   "layers to the engines' draft models"),

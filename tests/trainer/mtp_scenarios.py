@@ -6,7 +6,7 @@ micro-batches), a forward-backward with --enable-mtp-training (packed and padded
 MTP loss, the HF-named grads), the same without any MTP flag and with --mtp-num-layers alone, one train step of
 each (the weights after), the weights weight sync sends, the --save-hf folder and a Megatron checkpoint read back
 by fresh workers. "mtp_tp2pp2" (two ranks) records the MTP forward-backward at TP=2 (with sequence parallel, which
-megatron's MoE layers need under TP), then at PP=2.
+megatron's MoE layers need under TP), at PP=2 and at CP=2.
 """
 
 from __future__ import annotations
@@ -25,13 +25,16 @@ MTP = {"mtp_num_layers": 1, "enable_mtp_training": True, "mtp_loss_scaling_facto
 
 
 def _fb(w, batch: dict, res: dict, key: str) -> None:
-    """Log-probs, a forward-backward's stats and the HF-named grads of the trained parameters (DP is 1 here: the
-    grad buffers hold whole grads; frozen MTP layers have none)."""
+    """Log-probs, a forward-backward's stats and the HF-named grads of the trained parameters (frozen MTP layers have
+    none; under CP the distributed optimizer's shards gathered whole, as trainer_scenarios.hf_grads does)."""
     from slime_rl.trainer.hf_io import iter_hf_tensors
+    from tests.trainer.trainer_scenarios import _gather_dp_grad_shards
 
     logp = w.compute_logprobs(batch)
     res[f"{key}/logp"] = logp
     res[f"{key}/stats"] = w.forward_backward(batch, logp)
+    if w.dp_size * w.info.cp_size > 1:
+        _gather_dp_grad_shards(w)
     res[f"{key}/grad"] = {n: t.clone() for n, t in iter_hf_tensors(w.gpt, w.arch, lambda p: p.main_grad.detach(),
                                                                    skip_frozen=True)}
 
@@ -75,10 +78,32 @@ def scenario_mtp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> di
     return res
 
 
+def _cp2_worker(rank: int, world: int, port: int, ckpt: str):
+    from slime_rl.config.groups import (
+        AlgoConfig,
+        BatchConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelConfig,
+        TrainerConfig,
+    )
+    from slime_rl.trainer.worker import TrainerWorker
+
+    return TrainerWorker(rank, world, "127.0.0.1", port,
+                         ParallelConfig(context_parallel_size=2, actor_num_gpus_per_node=world),
+                         BatchConfig(micro_batch_size=2, global_batch_size=4),
+                         OptimizerConfig(lr=1e-3, clip_grad=1.0, weight_decay=0.0, lr_decay_style="constant"),
+                         ModelConfig(hf_checkpoint=ckpt), AlgoConfig(), train_iters=10, trainer=TrainerConfig(**MTP))
+
+
 def scenario_mtp_tp2pp2(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
-    batch, res = make_batch(), {}
-    for key, kw in (("tp2", {"tp": 2, "sequence_parallel": True}), ("pp2", {"pp": 2})):  # MoE under TP needs SP
-        w = make_worker(rank, world, port, ckpts["glm4_moe_lite_mtp"], **kw, **MTP)
+    batch, res, ckpt = make_batch(), {}, ckpts["glm4_moe_lite_mtp"]
+    for key in ("tp2", "pp2", "cp2"):
+        if key == "cp2":  # each sample split over the two ranks in megatron's 2 x CP chunks
+            w = _cp2_worker(rank, world, port, ckpt)
+        else:  # megatron's MoE layers under TP need sequence parallel
+            w = make_worker(rank, world, port, ckpt, **({"tp": 2, "sequence_parallel": True} if key == "tp2"
+                                                        else {"pp": 2}), **MTP)
         port += 1
         _fb(w, batch, res, key)
         w.shutdown()

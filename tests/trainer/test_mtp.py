@@ -48,10 +48,20 @@ MIMO_OWN = tuple(MIMO_PREFIX + n for n in ("token_layernorm.weight", "hidden_lay
                                            "final_layernorm.weight"))
 
 
-def _reference(folder, tmp, prefix: str, own_names: tuple[str, ...], hidden_first: bool):
+def _cp_owner(n: int, cp: int) -> torch.Tensor:
+    """The context-parallel rank that holds each of a sample's n positions: the sample padded to a multiple of 2 x cp
+    and cut in 2 x cp chunks, rank r holding chunks r and 2 x cp - 1 - r (megatron's load-balanced split)."""
+    chunk = -(-n // (2 * cp))
+    owner = [min(k, 2 * cp - 1 - k) for k in range(2 * cp) for _ in range(chunk)]
+    return torch.tensor(owner[:n])
+
+
+def _reference(folder, tmp, prefix: str, own_names: tuple[str, ...], hidden_first: bool, cp: int = 1):
     """(loss, grads by HF name) of the formula in the module docstring, in float64. transformers builds the decoder
     (`base`) and, as layer num_hidden_layers of the same config with one more layer, the MTP layer's decoder layer;
-    `hidden_first`: the projection's input is [hidden state; embedding] (MiMo) rather than [embedding; hidden state]."""
+    `hidden_first`: the projection's input is [hidden state; embedding] (MiMo) rather than [embedding; hidden state].
+    cp > 1: megatron-core's MTP loss under context parallelism, where each rank averages over the counted tokens of its
+    own positions and the ranks' averages are averaged (the gradient: summed over CP, divided by CP, as DDP does)."""
     from safetensors.torch import load_file, save_file
 
     from slime_rl.config.families import FAMILIES
@@ -77,7 +87,7 @@ def _reference(folder, tmp, prefix: str, own_names: tuple[str, ...], hidden_firs
     batch = make_batch()
     per_mb = []
     for ids in GROUPS:
-        num = den = torch.zeros((), dtype=torch.float64)
+        num, den = torch.zeros(cp, dtype=torch.float64), torch.zeros(cp, dtype=torch.float64)
         for i in ids:
             t = torch.tensor(batch["tokens"][i])
             n, r = len(t), batch["response_lengths"][i]
@@ -95,8 +105,9 @@ def _reference(folder, tmp, prefix: str, own_names: tuple[str, ...], hidden_firs
             ce = torch.nn.functional.cross_entropy(logits[:n - 2], t[2:], reduction="none")  # position i -> t_{i+2}
             mask = torch.zeros(n, dtype=torch.float64)
             mask[n - r:] = torch.tensor(LOSS_MASKS[i], dtype=torch.float64)
-            num, den = num + (ce * mask[2:]).sum(), den + mask[2:].sum()
-        per_mb.append(num / den)
+            owner = torch.nn.functional.one_hot(_cp_owner(n, cp)[:n - 2], cp).double()  # [positions, cp]
+            num, den = num + (ce * mask[2:]) @ owner, den + mask[2:] @ owner
+        per_mb.append((num / den.clamp(min=1)).mean())
     loss = sum(per_mb) / len(per_mb)
     (FACTOR * loss).backward()
     grads = {k: v.grad for k, v in own.items()}
@@ -108,6 +119,11 @@ def _reference(folder, tmp, prefix: str, own_names: tuple[str, ...], hidden_firs
 @pytest.fixture(scope="module")
 def mtp_ref(tiny_glm4_moe_lite_mtp, tmp_path_factory):
     return _reference(tiny_glm4_moe_lite_mtp, tmp_path_factory.mktemp("mtp_ref"), MTP_PREFIX, OWN, False)
+
+
+@pytest.fixture(scope="module")
+def mtp_ref_cp2(tiny_glm4_moe_lite_mtp, tmp_path_factory):
+    return _reference(tiny_glm4_moe_lite_mtp, tmp_path_factory.mktemp("mtp_ref_cp2"), MTP_PREFIX, OWN, False, cp=2)
 
 
 def _assert_mtp_matches(stats: dict, grads: dict, ref, prefix: str = MTP_PREFIX) -> None:
@@ -167,19 +183,24 @@ def test_mtp_layers_round_trip_through_save_hf_and_checkpoints(mtp_run, tiny_glm
         assert torch.equal(res["resumed"][name], t), name
 
 
-def test_mtp_under_tp2_and_pp2_equals_one_rank(mtp_run, mtp_ref):
-    """TP=2 (eh_proj and the layer split over the ranks) and PP=2 (the MTP layer on the last stage with its own copy
-    of the embedding): the same MTP loss and gradients as the reference."""
+def test_mtp_under_tp2_pp2_and_cp2_equals_one_rank(mtp_run, mtp_ref, mtp_ref_cp2):
+    """TP=2 (eh_proj and the layer split over the ranks), PP=2 (the MTP layer on the last stage with its own copy
+    of the embedding) and CP=2 (each sample's tokens over two ranks: megatron rolls the tokens and the mask across
+    them): the same MTP loss and gradients as the reference; under CP megatron-core's weighting (each rank's mean over
+    the counted tokens of its positions, averaged over the ranks: slime's too), which the reference writes out."""
     ranks = mtp_run("mtp_tp2pp2", 2)
-    for key in ("tp2", "pp2"):
+    for key in ("tp2", "pp2", "cp2"):
         grads = {k: v for r in ranks for k, v in r[f"{key}/grad"].items()}
-        _assert_mtp_matches(ranks[-1][f"{key}/stats"], grads, mtp_ref)
+        _assert_mtp_matches(ranks[-1][f"{key}/stats"], grads, mtp_ref if key != "cp2" else mtp_ref_cp2)
         assert ranks[0][f"{key}/stats"] == ranks[-1][f"{key}/stats"]
+        if key == "cp2":  # the CP ranks' grad buffers hold the same (DP x CP-reduced) gradients
+            for name, g in ranks[0]["cp2/grad"].items():
+                assert torch.equal(ranks[1]["cp2/grad"][name], g), name
 
 
 def test_mtp_num_layers_is_refused_without_mtp_layers(tiny_glm4_moe_lite, tiny_glm4_moe_lite_mtp, tiny_qwen2, tmp_path):
     """--mtp-num-layers against config.json: a checkpoint without MTP layers (num_nextn_predict_layers 0), more layers
-    than it holds, a family without them; --enable-mtp-training without --mtp-num-layers."""
+    than it holds, a family without them; --enable-mtp-training without --mtp-num-layers; MTP layers with LoRA."""
     from slime_rl.config import ConfigError, build_config
     from slime_rl.train import check_model_features
 
@@ -202,6 +223,8 @@ def test_mtp_num_layers_is_refused_without_mtp_layers(tiny_glm4_moe_lite, tiny_g
         "--mtp-num-layers 1: model_type 'qwen2' has no multi-token-prediction layers the trainer builds")
     assert refused(tiny_glm4_moe_lite_mtp, "--enable-mtp-training") == (
         "--enable-mtp-training needs --mtp-num-layers N (the multi-token-prediction layers to build and train)")
+    assert refused(tiny_glm4_moe_lite_mtp, "--mtp-num-layers", "1", "--lora-rank", "4").startswith(
+        "--mtp-num-layers with --lora-rank / --lora-load: LoRA adapts the decoder's linears")
 
 
 def test_mimo_mtp_layer_trains_and_exports_under_mimos_names(mtp_run, tiny_mimo_mtp, tmp_path_factory):
