@@ -172,7 +172,8 @@ class WeightSync:
     def _commit(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], keep: list[torch.Tensor],
                 version: str | None, names: list[str]) -> tuple[bool, str]:
         with self.engine.weights_exclusive(), torch.no_grad():
-            self._load(dsts, srcs, keep)
+            if dsts:  # none: a bucket of the draft model's tensors alone (_drop_draft)
+                self._load(dsts, srcs, keep)
             if version is not None:
                 self.weight_version = version
         return self._loaded(names, version)
@@ -212,7 +213,8 @@ class WeightSync:
             self.engine.abort(abort_all=True)
         with self.engine.weights_exclusive(), torch.no_grad():
             self.engine.wait_weights()
-            torch._foreach_copy_([self.params[n] for n, _ in received], [t for _, t in received])
+            if received:  # none: the draft model's tensors alone (_drop_draft)
+                torch._foreach_copy_([self.params[n] for n, _ in received], [t for _, t in received])
             if self.device.type == "cuda":  # the sender's memory must not be read after we answer
                 torch.cuda.synchronize(self.device)
             if version is not None:
