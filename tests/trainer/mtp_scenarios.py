@@ -5,8 +5,9 @@
 micro-batches), a forward-backward with --enable-mtp-training (packed and padded micro-batches: its stats with the
 MTP loss, the HF-named grads), the same without any MTP flag and with --mtp-num-layers alone, one train step of
 each (the weights after), the weights weight sync sends, the --save-hf folder and a Megatron checkpoint read back
-by fresh workers. "mtp_tp2pp2" (two ranks) records the MTP forward-backward at TP=2 (with sequence parallel, which
-megatron's MoE layers need under TP), at PP=2 and at CP=2.
+by fresh workers, and a checkpoint without MTP layers loaded under --mtp-num-layers. "mtp_tp2pp2" (two ranks)
+records the MTP forward-backward at TP=2 (with sequence parallel, which megatron's MoE layers need under TP), at PP=2
+and at CP=2. "mimo1" (one rank): MiMo's.
 """
 
 from __future__ import annotations
@@ -74,7 +75,14 @@ def scenario_mtp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> di
         _fb(w, batch, res, f"{key}/packed")
         res[f"{key}/metrics"] = w.train_step(batch)
         res[f"{key}/after"] = weights(w)
+        if key == "none":
+            w.save_checkpoint(str(tmp / "ckpt_none"), 1, {})
         w.shutdown()
+    # a checkpoint without MTP layers (a --ref-load or --load converted without them) under --mtp-num-layers
+    w = make_worker(rank, world, port, ckpt, **MTP)
+    w.load_latest_checkpoint(str(tmp / "ckpt_none"))
+    res["mtp_from_plain"] = weights(w)
+    w.shutdown()
     return res
 
 

@@ -169,7 +169,8 @@ def test_mtp_loss_and_grads_are_deepseek_v3s_formula(mtp_run, mtp_ref):
 
 def test_mtp_layers_round_trip_through_save_hf_and_checkpoints(mtp_run, tiny_glm4_moe_lite_mtp):
     """--save-hf writes the trained MTP layer under the checkpoint's names, bit for bit what the trainer holds (and
-    sends), and a trainer built from that folder holds it again bit for bit; a Megatron checkpoint resumes it."""
+    sends), and a trainer built from that folder holds it again bit for bit; a Megatron checkpoint resumes it, and one
+    without MTP layers loads the rest."""
     from safetensors import safe_open
 
     res = mtp_run("mtp1", 1)[0]
@@ -181,6 +182,11 @@ def test_mtp_layers_round_trip_through_save_hf_and_checkpoints(mtp_run, tiny_glm
         assert torch.equal(exported[name], t), name
         assert torch.equal(res["reloaded_hf"][name], t), name
         assert torch.equal(res["resumed"][name], t), name
+    # a checkpoint without MTP layers (slime's --ref-load converted without them): the rest loaded, the MTP layer the
+    # HF checkpoint's
+    for name, t in res["mtp_from_plain"].items():
+        want = res["initial"][name] if name.startswith(MTP_PREFIX) else res["none/after"][name]
+        assert torch.equal(t, want), name
 
 
 def test_mtp_under_tp2_pp2_and_cp2_equals_one_rank(mtp_run, mtp_ref, mtp_ref_cp2):
