@@ -6,8 +6,8 @@ micro-batches), a forward-backward with --enable-mtp-training (packed and padded
 MTP loss, the HF-named grads), the same without any MTP flag and with --mtp-num-layers alone, one train step of
 each (the weights after), the weights weight sync sends, the --save-hf folder and a Megatron checkpoint read back
 by fresh workers, and a checkpoint without MTP layers loaded under --mtp-num-layers. "mtp_tp2pp2" (two ranks)
-records the MTP forward-backward at TP=2 (with sequence parallel, which megatron's MoE layers need under TP), at PP=2
-and at CP=2. "mimo1" (one rank): MiMo's.
+records the MTP forward-backward at TP=2 (with sequence parallel, which megatron's MoE layers need under TP, and full
+recompute, megatron's checkpointed MTP forward), at PP=2 and at CP=2. "mimo1" (one rank): MiMo's.
 """
 
 from __future__ import annotations
@@ -109,9 +109,10 @@ def scenario_mtp_tp2pp2(rank: int, world: int, port: int, ckpts: dict[str, str])
     for key in ("tp2", "pp2", "cp2"):
         if key == "cp2":  # each sample split over the two ranks in megatron's 2 x CP chunks
             w = _cp2_worker(rank, world, port, ckpt)
-        else:  # megatron's MoE layers under TP need sequence parallel
-            w = make_worker(rank, world, port, ckpt, **({"tp": 2, "sequence_parallel": True} if key == "tp2"
-                                                        else {"pp": 2}), **MTP)
+        else:  # megatron's MoE layers under TP need sequence parallel; TP=2 recomputes too, as slime's GLM script
+            tp2 = {"tp": 2, "sequence_parallel": True, "recompute_granularity": "full", "recompute_method": "uniform",
+                   "recompute_num_layers": 1}
+            w = make_worker(rank, world, port, ckpt, **(tp2 if key == "tp2" else {"pp": 2}), **MTP)
         port += 1
         _fb(w, batch, res, key)
         w.shutdown()

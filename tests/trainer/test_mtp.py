@@ -190,10 +190,11 @@ def test_mtp_layers_round_trip_through_save_hf_and_checkpoints(mtp_run, tiny_glm
 
 
 def test_mtp_under_tp2_pp2_and_cp2_equals_one_rank(mtp_run, mtp_ref, mtp_ref_cp2):
-    """TP=2 (eh_proj and the layer split over the ranks), PP=2 (the MTP layer on the last stage with its own copy
-    of the embedding) and CP=2 (each sample's tokens over two ranks: megatron rolls the tokens and the mask across
-    them): the same MTP loss and gradients as the reference; under CP megatron-core's weighting (each rank's mean over
-    the counted tokens of its positions, averaged over the ranks: slime's too), which the reference writes out."""
+    """TP=2 (eh_proj and the layer split over the ranks; with full activation recompute), PP=2 (the MTP layer on the
+    last stage with its own copy of the embedding) and CP=2 (each sample's tokens over two ranks: megatron rolls the
+    tokens and the mask across them): the same MTP loss and gradients as the reference; under CP megatron-core's
+    weighting (each rank's mean over the counted tokens of its positions, averaged over the ranks: slime's too), which
+    the reference writes out."""
     ranks = mtp_run("mtp_tp2pp2", 2)
     for key in ("tp2", "pp2", "cp2"):
         grads = {k: v for r in ranks for k, v in r[f"{key}/grad"].items()}
