@@ -714,7 +714,8 @@ def test_multi_latent_attention_on_a_model_without_it_is_named(tmp_path):
 # scripts/models/glm4.7-30B-A3B.sh, as bash expands it
 GLM47_FLASH = """--moe-layer-freq [0]*1+[1]*46 --num-experts 64 --moe-shared-expert-intermediate-size 1536
 --moe-router-topk 4 --moe-grouped-gemm --moe-permute-fusion --moe-ffn-hidden-size 1536
---moe-router-score-function sigmoid --moe-router-pre-softmax --moe-router-enable-expert-bias --moe-router-bias-update-rate 0
+--moe-router-score-function sigmoid --moe-router-pre-softmax --moe-router-enable-expert-bias
+--moe-router-bias-update-rate 0
 --moe-router-load-balancing-type seq_aux_loss --moe-router-topk-scaling-factor 1.8 --moe-aux-loss-coeff 0
 --moe-router-dtype fp32 --make-vocab-size-divisible-by 64 --num-layers 47 --hidden-size 2048 --ffn-hidden-size 10240
 --num-attention-heads 20 --disable-bias-linear --add-qkv-bias --swiglu --untie-embeddings-and-output-weights
