@@ -221,7 +221,7 @@ def check_model_features(cfg: Config) -> None:
     builds), then slime's MODEL_ARGS, then the flags that need (or do not work with) a
     vision-language or a mixture-of-experts checkpoint."""
     from slime_rl.config.families import NOT_BUILT
-    from slime_rl.trainer.convert import FAMILIES, arch_from_hf_config, read_hf_config
+    from slime_rl.trainer.convert import FAMILIES, arch_from_hf_config, read_hf_config, with_mtp
 
     try:
         hf = read_hf_config(cfg.model.hf_checkpoint)
@@ -247,17 +247,23 @@ def check_model_features(cfg: Config) -> None:
         raise ConfigError(f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "
                           f"{cfg.model.hf_checkpoint}: {exc}") from exc
     check_model_args(cfg, hf, arch)
-    if arch.mtp_layers:
+    try:  # --mtp-num-layers against the checkpoint's MTP layers (a sentence naming the flag and config.json's key)
+        arch = with_mtp(arch, cfg.trainer.mtp_num_layers, where=f"{cfg.model.hf_checkpoint}/config.json")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if arch.mtp_layers > (arch.mtp_built if cfg.trainer.enable_mtp_training else 0):
         import warnings
 
         from slime_rl.config.checks import ConfigNote
 
         key = "num_mtp_modules" if model_type == "minimax_m2" else "num_nextn_predict_layers"
+        what = ("built and frozen (--mtp-num-layers without --enable-mtp-training): weight sync sends them as loaded"
+                if arch.mtp_built else "not built (no --mtp-num-layers): weight sync leaves the engines' copy as "
+                "loaded")
         warnings.warn(f"--hf-checkpoint {cfg.model.hf_checkpoint}: its {arch.mtp_layers} multi-token-prediction "
                       f"layer(s) ({key}; tensors model.layers.{arch.num_layers}.*) are not "
-                      "trained: the trainer builds the decoder, weight sync leaves the engines' copy as loaded (an "
-                      "engine's MTP speculative decoding then drafts with the initial weights: correct tokens, a "
-                      "lower acceptance rate as the policy moves)", ConfigNote, stacklevel=2)
+                      f"trained: {what} (an engine's MTP speculative decoding then drafts with the initial weights: "
+                      "correct tokens, a lower acceptance rate as the policy moves)", ConfigNote, stacklevel=2)
     vision = FAMILIES[model_type].vision
     if cfg.model.freeze_vision_tower and not vision:
         raise ConfigError(f"--freeze-vision-tower needs a vision-language checkpoint; --hf-checkpoint "

@@ -127,6 +127,23 @@ def tiny_glm4_moe_lite(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm4_moe_lite_mtp(tmp_path_factory) -> Path:
+    """tiny_glm4_moe_lite with one multi-token-prediction layer after its 4 decoder layers (num_nextn_predict_layers
+    1): HF's model.layers.4.* holds an MoE decoder layer plus enorm, hnorm, eh_proj and shared_head.norm."""
+    out = tmp_path_factory.mktemp("tiny_glm4_moe_lite_mtp")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="glm4_moe_lite", seed=23, num_layers=4,
+                                                         mtp_layers=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_mimo_mtp(tmp_path_factory) -> Path:
+    """Tiny MiMo-7B (mimo): tiny_qwen2's decoder untied, with one multi-token-prediction layer under MiMo's names
+    (model.mtp_layers.0.*: token_layernorm, hidden_layernorm, input_proj, final_layernorm and a Qwen2 layer)."""
+    out = tmp_path_factory.mktemp("tiny_mimo_mtp")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="mimo", seed=29, mtp_layers=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """Tiny Llama (untied embeddings, no bias), vocab 64, hidden 64, 2 layers, GQA 4/2."""
     out = tmp_path_factory.mktemp("tiny_llama")

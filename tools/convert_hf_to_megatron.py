@@ -42,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=1,
                    help="pad the vocab to a multiple of this x TP (the trainer's pad_vocab_multiple; "
                         "the run that loads the checkpoint must pad to the same size)")
+    p.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="the checkpoint's multi-token-prediction layers to convert too (at most config.json's "
+                        "num_nextn_predict_layers), as slime's converter takes them; the trainer's --mtp-num-layers "
+                        "needs a checkpoint that holds them")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: bf16 if the safetensors are bf16, else fp32 (fp16 is upcast, losslessly)")
     return p.parse_args(argv)
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> Path:
         with tqdm(total=3, desc="hf->megatron", unit="stage", disable=rank != 0, file=sys.stderr) as bar:
             arch, gpt = build_from_checkpoint(hf, bf16=bf16, tp_size=tp, pp_size=pp,
                                               moe=MoEOptions(expert_model_parallel_size=ep),
-                                              pad_vocab_multiple=args.make_vocab_size_divisible_by)
+                                              pad_vocab_multiple=args.make_vocab_size_divisible_by,
+                                              mtp_num_layers=args.mtp_num_layers)
             bar.update(1)
             # strict both ways: every parameter written, every registry tensor present, shapes checked
             hf_io.load_hf_weights(gpt, hf, arch)

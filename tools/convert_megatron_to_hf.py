@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from slime_rl.trainer.convert import load_arch
+from slime_rl.trainer.convert import load_arch, with_mtp
 from slime_rl.trainer.launch_env import check_expert_parallel, launcher_env
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -135,6 +135,12 @@ def main(argv: list[str] | None = None) -> Path:
                              f"at TP={tp}: the config does not belong to this checkpoint, or choose a TP "
                              f"that divides {emb[0]}")
         arch = dataclasses.replace(arch, padded_vocab_size=emb[0])
+        # the multi-token-prediction layers the checkpoint holds (a run under --mtp-num-layers saved them)
+        mtp = len({k.split(".")[2] for k in shapes if k.startswith("mtp.layers.")})
+        try:
+            arch = with_mtp(arch, mtp, where=f"{hf}/config.json")
+        except ValueError as e:
+            raise SystemExit(f"{ckpt}: its {mtp} multi-token-prediction layer(s): {e}") from e
         ckpt_bf16 = checkpoint.checkpoint_model_dtype(ckpt) == torch.bfloat16
         gpt = build_gpt_model(arch, bf16=ckpt_bf16, tp_size=tp, pp_size=pp,
                               moe=MoEOptions(expert_model_parallel_size=ep))

@@ -4,7 +4,7 @@
         [--vocab-size V]
 
 ARCH: qwen2 (default), llama, glm4, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v3, kimi_k2, qwen3_next, qwen3_5,
-qwen3_5_moe, qwen2_5_vl.
+qwen3_5_moe, qwen2_5_vl, mimo.
 The folder has config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a ChatML chat template),
 generation_config.json. Same seed -> same bytes of weights and the same
 tokenizer. The tokenizer uses Qwen2's pre-tokenizer (NFC, Qwen2's split regex, ByteLevel without
@@ -53,6 +53,9 @@ and first_k_dense_replace (SGLang).
 
 `--arch kimi_k2` writes the deepseek_v3 model under Kimi-K2's model_type (`kimi_k2`; its architecture is
 DeepseekV3ForCausalLM, which transformers has no model_type of its own for).
+
+`--arch mimo` writes the qwen2 model untied under MiMo-7B's model_type (`mimo`, which transformers has no classes
+for); with `--mtp-layers N` its multi-token-prediction layers under MiMo's names (model.mtp_layers.{k}.*).
 
 `--arch minimax_m2` writes a MiniMaxM2ForCausalLM (as MiniMax-M2.5): GQA without biases, q/k RMSNorms over all
 heads' channels together (q_norm [heads x head_dim], k_norm [kv heads x head_dim]), the first rotary_dim 8 of
@@ -114,10 +117,10 @@ CHAT_TEMPLATE = (
     "{% endif %}"
 )
 ARCHS = ("qwen2", "llama", "glm4", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "kimi_k2",
-         "minimax_m2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen2_5_vl")
+         "minimax_m2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "mimo")
 # families transformers runs under another model_type (config/families.py transformers_model_type): the tiny
 # model is built as that one and its config.json then names the family's own model_type
-BUILT_AS = {"kimi_k2": "deepseek_v3"}
+BUILT_AS = {"kimi_k2": "deepseek_v3", "mimo": "qwen2"}
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # Gated DeltaNet and gated attention, zero-centred norms
 VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2.5-VL's template renders an image part as <|vision_start|><|image_pad|><|vision_end|>; the
@@ -315,13 +318,16 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                     num_kv_heads: int = 2, num_experts: int = 8, moe_topk: int = 2,
                     moe_intermediate_size: int = 32, shared_expert_intermediate_size: int = 48,
                     mlp_only_layers: list[int] | None = None, q_lora_rank: int = 24,
-                    embed_std: float | None = None) -> Path:
+                    embed_std: float | None = None, mtp_layers: int = 0) -> Path:
     """embed_std: the word embeddings and LM head drawn with this std instead of initializer_range's 0.02 (a
     trained model's scale: with frozen 0.02-std ones the tiny model's logits stay within about +-1.3, which LoRA,
     training only the adapters, cannot widen; the LoRA quickstart's untied llama takes 0.3).
     num_layers: 3 for qwen2_moe and glm4_moe, 4 for qwen3_next, qwen3_5 and qwen3_5_moe, 2 otherwise; mlp_only_layers
     (MoE archs): [1] for qwen2_moe, none for qwen3_moe; glm4_moe's dense layers are the first len(mlp_only_layers)
-    (default [0]: first_k_dense_replace 1)."""
+    (default [0]: first_k_dense_replace 1). mtp_layers (deepseek_v3, glm4_moe_lite, kimi_k2): multi-token-prediction
+    layers after the decoder, as DeepSeek-V3's and GLM-4.7-Flash's checkpoints hold them (transformers builds none):
+    HF's layer num_layers + k is an MoE decoder layer plus enorm, hnorm, eh_proj [hidden, 2 x hidden] and
+    shared_head.norm, and config.json says num_nextn_predict_layers."""
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     family_type, arch = arch, BUILT_AS.get(arch, arch)  # the model_type config.json names; the one built
@@ -335,6 +341,10 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                          "(first_k_dense_replace)")
     if any(not 0 <= i < num_layers for i in mlp_only_layers):
         raise SystemExit(f"--mlp-only-layers {mlp_only_layers}: layer indices must be in [0, {num_layers})")
+    if mtp_layers and arch not in ("deepseek_v3", "glm4_moe_lite") and family_type != "mimo":
+        raise SystemExit(f"--mtp-layers {mtp_layers}: only deepseek_v3, glm4_moe_lite, kimi_k2 and mimo checkpoints "
+                         "hold multi-token-prediction layers here")
+    decoder_layers, num_layers = num_layers, num_layers + mtp_layers  # the MTP layers' decoder layers built too
     args = argparse.Namespace(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, num_experts=num_experts, moe_topk=moe_topk,
                               moe_intermediate_size=moe_intermediate_size,
@@ -350,6 +360,8 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
         tok = train_tokenizer(vocab_size, seed)
     eos_id, pad_id = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     config = build_config(arch, vocab_size, eos_id, pad_id, args)
+    if family_type == "mimo":  # MiMo-7B: Qwen2's layers (q/k/v biases), untied embeddings
+        config.tie_word_embeddings = False
 
     torch.manual_seed(seed)
     if vl:  # not an AutoModelForCausalLM: the image-text-to-text class holds the vision tower too
@@ -392,7 +404,12 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                   metadata={"format": "pt"})
     if family_type != arch:  # the family's own model_type in config.json (Kimi-K2: kimi_k2)
         cfg_file = out / "config.json"
-        cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "model_type": family_type}, indent=2))
+        cfg = {**json.loads(cfg_file.read_text()), "model_type": family_type}
+        if family_type == "mimo":  # MiMo-7B's own class name (SGLang's MiMoForCausalLM)
+            cfg["architectures"] = ["MiMoForCausalLM"]
+        cfg_file.write_text(json.dumps(cfg, indent=2))
+    if mtp_layers:
+        _add_mtp_tensors(out, decoder_layers, mtp_layers, hidden_size, gen, mimo=family_type == "mimo")
 
     template = VL_CHAT_TEMPLATE if vl else CHAT_TEMPLATE
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -411,6 +428,36 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     if vl:
         save_image_processor(out)
     return out
+
+
+def _add_mtp_tensors(out: Path, decoder_layers: int, mtp_layers: int, hidden: int, gen: torch.Generator,
+                     mimo: bool = False) -> None:
+    """The last `mtp_layers` decoder layers transformers built become multi-token-prediction layers: their own
+    tensors added under HF's names (model.layers.{num_layers + k}.enorm / hnorm / eh_proj / shared_head.norm, as
+    DeepSeek-V3's checkpoint and SGLang's NextN loader name them; MiMo's: the layer renamed model.mtp_layers.{k}.,
+    with token_layernorm / hidden_layernorm / input_proj / final_layernorm), config.json's num_hidden_layers the
+    decoder's and num_nextn_predict_layers theirs."""
+    from safetensors.torch import load_file, save_file
+
+    file = out / "model.safetensors"
+    tensors = load_file(file)
+    for k in range(mtp_layers):
+        p = f"model.layers.{decoder_layers + k}."
+        own = ("enorm", "hnorm", "shared_head.norm", "eh_proj")
+        if mimo:
+            tensors = {(f"model.mtp_layers.{k}." + n[len(p):] if n.startswith(p) else n): t for n, t in tensors.items()}
+            p, own = f"model.mtp_layers.{k}.", ("token_layernorm", "hidden_layernorm", "final_layernorm", "input_proj")
+        for norm in own[:3]:
+            tensors[p + norm + ".weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+        tensors[p + own[3] + ".weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=gen)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    cfg_file = out / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.update(num_hidden_layers=decoder_layers, num_nextn_predict_layers=mtp_layers)
+    for key in ("mlp_layer_types", "layer_types"):  # one entry per decoder layer (GLM-4.7-Flash's, Qwen2's)
+        if isinstance(cfg.get(key), list):
+            cfg[key] = cfg[key][:decoder_layers]
+    cfg_file.write_text(json.dumps(cfg, indent=2))
 
 
 def save_image_processor(out: Path) -> None:
@@ -454,6 +501,9 @@ def main(argv: list[str] | None = None) -> None:
                         "for glm4_moe and deepseek_v3, whose dense layers come first)")
     p.add_argument("--q-lora-rank", type=int, default=24,
                    help="deepseek_v3: the query's low rank (0: one query projection, as Moonlight)")
+    p.add_argument("--mtp-layers", type=int, default=0,
+                   help="deepseek_v3, glm4_moe_lite, kimi_k2, mimo: multi-token-prediction layers after the decoder "
+                        "(num_nextn_predict_layers), under HF's names")
     p.add_argument("--embed-std", type=float, default=None,
                    help="the word embeddings' and LM head's std (default: initializer_range, 0.02); the LoRA "
                         "quickstart's model takes 0.3, a trained model's scale, as they do not train")
@@ -462,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
     dense = None if a.mlp_only_layers is None else [int(x) for x in a.mlp_only_layers.split(",") if x.strip()]
     out = make_tiny_model(a.out, a.arch, a.seed, vocab, a.hidden_size, a.num_layers, a.num_heads,
                           a.num_kv_heads, a.num_experts, a.moe_topk, a.moe_intermediate_size,
-                          a.shared_expert_intermediate_size, dense, a.q_lora_rank, a.embed_std)
+                          a.shared_expert_intermediate_size, dense, a.q_lora_rank, a.embed_std, a.mtp_layers)
     print(f"wrote {out}")
 
 

@@ -39,7 +39,20 @@ DeepSeek-V3 (`deepseek_v3`) adds multi-latent attention (`Family.mla`) to GLM-4.
 MLASelfAttention under the local spec, the query one projection or a low-rank pair with its norm
 (q_lora_rank), keys and values expanded per head from a latent with its norm, interleaved RoPE (or YaRN) on
 the rotary channels. Its projections are Layout.COLUMN (split on the output rows) or, for the down
-projections, whole on every TP rank (trainer/mcore.py's DuplicatedLinear says why).
+projections, whole on every TP rank (trainer/mcore.py's DuplicatedLinear says why). Its multi-token-prediction
+layers (`Family.mtp`; glm4_moe_lite and kimi_k2 share them), built under --mtp-num-layers: HF's layer
+num_hidden_layers + k holds enorm, hnorm, eh_proj ([hidden, 2 x hidden], applied to [norm(embedding of the next
+token); norm(hidden state)]), shared_head.norm and a whole MoE decoder layer; megatron's MultiTokenPredictionLayer
+names them mtp.layers.{k}.enorm / hnorm / eh_proj (Layout.COLUMN) / final_layernorm and mtp_model_layer.<the
+decoder layer's names> (`Family.mtp_maps`). The layer's embed_tokens / shared_head.head copies, which DeepSeek-V3's
+checkpoint holds and SGLang's draft model never loads (it shares the target's), are not the trainer's: --save-hf copies
+them from the HF folder.
+
+MiMo-7B (`mimo`: MiMo-7B-Base, -SFT, -RL) is Qwen2's decoder (q/k/v biases, untied) run by transformers' Qwen2 classes
+(`Family.transformers_model_type`), with multi-token-prediction layers under its own names (`Family.mtp_own`,
+`Family.mtp_layer_prefix`): model.mtp_layers.{k}.token_layernorm (enorm), hidden_layernorm (hnorm), input_proj and
+final_layernorm, and a Qwen2 decoder layer; its input_proj applies to [hidden state; embedding], megatron's eh_proj to
+[embedding; hidden state] (Layout.COLUMN_HALVES_SWAPPED), as SGLang's MiMoMTP and slime's mimo converter have it.
 
 GLM-4 dense (`glm4`: GLM-4-9B-0414, GLM-Z1-9B-0414) is Qwen2's layer with two more norms (`Family.post_norms`): an
 RMSNorm on the attention's output and one on the MLP's, each before its residual add (HF's
@@ -114,7 +127,9 @@ DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "moe_ffn", "shar
         # heads x key head width + 2 x value heads x value head width (in_proj_qkvz), gdn_ba = 2 x value heads,
         # gdn_conv = 2 x key width + value width (the convolved q, k, v channels), gdn_heads = value heads,
         # gdn_vhead = one value head's width, gdn_v = value heads x its width, conv_kernel = the convolution's width
-        "q_gate", "gdn_qkvz", "gdn_ba", "gdn_conv", "gdn_heads", "gdn_vhead", "gdn_v", "conv_kernel")
+        "q_gate", "gdn_qkvz", "gdn_ba", "gdn_conv", "gdn_heads", "gdn_vhead", "gdn_v", "conv_kernel",
+        # a multi-token-prediction layer's eh_proj input: the next token's embedding and the hidden state, concatenated
+        "hidden2")
 
 
 class Layout(Enum):
@@ -138,6 +153,9 @@ class Layout(Enum):
     # head), in_proj_z, in_proj_b, in_proj_a (each over all value heads in order) -> each TP rank's heads'
     # [q; k; v; z; b; a]
     GDN_IN_PROJ_SPLIT = "gdn_in_proj_split"
+    # MiMo's multi-token-prediction input_proj [hidden, 2 x hidden] applies to [hidden state; embedding], megatron's
+    # eh_proj to [embedding; hidden state]: the two column halves swapped, then split on dim 0 as COLUMN
+    COLUMN_HALVES_SWAPPED = "column_halves_swapped"
 
 
 @dataclass(frozen=True)
@@ -247,6 +265,28 @@ class Family:
     # gate_proj.weight` / `up_proj` / `down_proj`, the names weight sync sends): trainer/hf_files.py reads either form,
     # --save-hf / tools/convert_megatron_to_hf.py write the fused one (trainer/fused_experts.py)
     fused_experts: bool = False
+    # DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), which the trainer builds under
+    # --mtp-num-layers: HF's layer num_hidden_layers + k holds enorm, hnorm, eh_proj, shared_head.norm and a whole
+    # decoder layer (`mtp_maps`); False: --mtp-num-layers is refused for the family
+    mtp: bool = False
+    # an MTP layer's own four entries ("{k}": the MTP layer, "{i}": HF's layer index num_hidden_layers + k) and the
+    # HF prefix of its decoder layer's tensors; () / "": DeepSeek-V3's (`_MTP_OWN`, model.layers.{i}.)
+    mtp_own: tuple[ParamMap, ...] = ()
+    mtp_layer_prefix: str = ""
+
+    def mtp_maps(self, num_layers: int, k: int, layer: tuple[ParamMap, ...]) -> list[ParamMap]:
+        """The entries of multi-token-prediction layer k (megatron's `mtp.layers.{k}.`, HF's layer num_layers + k):
+        its own four tensors, then `layer` (the decoder layer entries it holds: an MoE family's MoE layer) under
+        `mtp.layers.{k}.mtp_model_layer.`; expert entries keep their "{e}" (`ParamMap.expand_experts`)."""
+        if not self.mtp:
+            raise ValueError(f"model_type {self.model_type!r}: no multi-token-prediction layers in this family")
+        i = num_layers + k
+        own = [dataclasses.replace(p, mcore=p.mcore.replace("{k}", str(k)),
+                                   hf=tuple(h.replace("{i}", str(i)).replace("{k}", str(k)) for h in p.hf))
+               for p in self.mtp_own or _MTP_OWN]
+        prefix = self.mtp_layer_prefix.replace("{k}", str(k)) if self.mtp_layer_prefix else f"model.layers.{i}."
+        return own + [dataclasses.replace(p, mcore=f"mtp.layers.{k}.mtp_model_layer." + p.mcore[len(_L):],
+                                          hf=tuple(prefix + h[len(_H):] for h in p.hf)) for p in layer]
 
     def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
         """config.json's value of `key`, or transformers' default for this family when the file leaves it
@@ -446,6 +486,17 @@ _GDN = (
 )
 
 
+# DeepSeek-V3's multi-token-prediction layer k (megatron-core's MultiTokenPredictionLayer under the local spec): the
+# norms of the next token's embedding (enorm) and of the decoder's last hidden state (hnorm), the projection of the two
+# concatenated ([embedding; hidden], 2 x hidden wide) back to hidden, a column-parallel linear (eh_proj), and the norm
+# before the shared output layer (megatron's final_layernorm, HF's shared_head.norm); HF's layer num_layers + k
+_MTP_OWN = (
+    ParamMap("mtp.layers.{k}.enorm.weight", (_H + "enorm.weight",), Layout.REPLICATED, _VEC),
+    ParamMap("mtp.layers.{k}.hnorm.weight", (_H + "hnorm.weight",), Layout.REPLICATED, _VEC),
+    ParamMap("mtp.layers.{k}.eh_proj.weight", (_H + "eh_proj.weight",), Layout.COLUMN, (("hidden", "hidden2"),)),
+    ParamMap("mtp.layers.{k}.final_layernorm.weight", (_H + "shared_head.norm.weight",), Layout.REPLICATED, _VEC),
+)
+
 
 def _language_model(maps: tuple[ParamMap, ...]) -> tuple[ParamMap, ...]:
     """The same entries under a vision-language checkpoint's decoder names (model.X -> model.language_model.X;
@@ -560,7 +611,7 @@ FAMILIES: dict[str, Family] = {
                          "v_head_dim": 128, "attention_bias": False},
         moe=True,
         dense_layer_params=(_NORMS[0], *_MLA, _NORMS[1], *_MLP),
-        shared_expert=True, shared_expert_gate=False, deepseek_moe=True, mla=True,
+        shared_expert=True, shared_expert_gate=False, deepseek_moe=True, mla=True, mtp=True,
     ),
     # MiniMax-M2 / M2.1 / M2.5 (230B-A10B): GQA without biases, q/k norms over all heads' channels, the first
     # rotary_dim channels of each head rotated, every layer 256 routed experts (no shared expert) chosen by sigmoid
@@ -659,7 +710,20 @@ FAMILIES["glm4_moe_lite"] = dataclasses.replace(
     config_defaults={"first_k_dense_replace": 1, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
                      "routed_scaling_factor": 1.8, "norm_topk_prob": True, "rope_interleave": True,
                      "q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
-                     "v_head_dim": 256, "attention_bias": False})
+                     "v_head_dim": 256, "attention_bias": False, "rms_norm_eps": 1e-5})
+
+# MiMo-7B (Base, SFT, RL): Qwen2's decoder plus multi-token-prediction layers under its own names (SGLang's MiMoMTP,
+# EAGLE's draft: model.mtp_layers.{k}. token_layernorm, hidden_layernorm, input_proj over [hidden; embedding],
+# final_layernorm, and a Qwen2 decoder layer); transformers has no mimo classes: Qwen2's run it
+_M = "model.mtp_layers.{k}."
+FAMILIES["mimo"] = dataclasses.replace(
+    FAMILIES["qwen2"], model_type="mimo", transformers_model_type="qwen2", mtp=True, mtp_layer_prefix=_M,
+    mtp_own=(ParamMap("mtp.layers.{k}.enorm.weight", (_M + "token_layernorm.weight",), Layout.REPLICATED, _VEC),
+             ParamMap("mtp.layers.{k}.hnorm.weight", (_M + "hidden_layernorm.weight",), Layout.REPLICATED, _VEC),
+             ParamMap("mtp.layers.{k}.eh_proj.weight", (_M + "input_proj.weight",), Layout.COLUMN_HALVES_SWAPPED,
+                      (("hidden", "hidden2"),)),
+             ParamMap("mtp.layers.{k}.final_layernorm.weight", (_M + "final_layernorm.weight",), Layout.REPLICATED,
+                      _VEC)))
 
 # Kimi-K2 (Instruct, Thinking): DeepSeek-V3's architecture under its own model_type (384 experts, one group)
 FAMILIES["kimi_k2"] = dataclasses.replace(FAMILIES["deepseek_v3"], model_type="kimi_k2",

@@ -176,8 +176,13 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
               "slime_plugins.models.qwen3_5 get_qwen3_5_spec): the trainer builds megatron-core's local layer spec "
               "of that family (config/families.py), the same model; slime's other spec functions "
               "(slime_plugins.models.*) build families not supported here"),
-    Flag('--mtp-num-layers', derived=MODEL_ARGS_FIELD, type=_nonneg_int,
-         help='0 only: the trainer builds no multi-token-prediction layers (num_nextn_predict_layers)'),
+    Flag('--mtp-num-layers', 'trainer.mtp_num_layers', derived=MODEL_ARGS_FIELD, type=_nonneg_int,
+         help="the multi-token-prediction layers the trainer builds after the decoder, at most config.json's "
+              "num_nextn_predict_layers (deepseek_v3, glm4_moe_lite, kimi_k2, mimo: megatron-core's MTP block on the "
+              "last pipeline stage, loaded from the checkpoint's model.layers.<num_hidden_layers>.* (MiMo's "
+              "model.mtp_layers.*), saved in "
+              "checkpoints and --save-hf, sent by weight sync); trained only with --enable-mtp-training, else "
+              "frozen (absent or 0: none, and the checkpoint's MTP layers stay the engines' as loaded)"),
     # ---- mixture of experts (the trainer's own MoE flags are in the section above)
     _shape('--num-experts', 'num_experts (0: a dense model, as in Megatron-LM)'
            + _ABSENT.format(default="a dense model"), type=_nonneg_int),

@@ -83,6 +83,20 @@ TRAINER_FLAGS: tuple[Flag, ...] = (
                   "log-probs from the training forward itself) it changes nothing. Implied by "
                   "--use-rollout-routing-replay, as in slime (the engines' routing is then replayed throughout)"),
     ),
+    *section('multi-token prediction (slime names)',
+        Flag('--enable-mtp-training', 'trainer.enable_mtp_training', action="store_true",
+             help="slime's: train the --mtp-num-layers multi-token-prediction layers (DeepSeek-V3's, which SGLang's "
+                  "EAGLE speculative decoding drafts with): each training forward adds megatron-core's MTP loss "
+                  "(cross-entropy of token i+2 from the hidden state of token i and the embedding of token i+1, over "
+                  "the response tokens the loss mask keeps, averaged per micro-batch (under context parallelism "
+                  "over each rank's own positions, then over the ranks, as megatron-core does)) times "
+                  "--mtp-loss-scaling-factor; its gradient reaches the MTP layers only (the decoder, the embedding "
+                  "and the output layer are detached from it); train/mtp_loss logs it, and weight sync sends the MTP "
+                  "layers to the engines' draft models"),
+        Flag('--mtp-loss-scaling-factor', 'trainer.mtp_loss_scaling_factor', default=0.2, type=_nonneg_float,
+             help="slime's: the MTP loss's weight (divided by the number of MTP layers), with --enable-mtp-training "
+                  "(default: 0.2, slime's)"),
+    ),
     *section('batches (Megatron names)',
         Flag('--micro-batch-size', 'batch.micro_batch_size', default=1, type=_positive_int),
         Flag('--global-batch-size', derived='batch.global_batch_size', type=_positive_int,

@@ -89,6 +89,11 @@ class TrainerConfig:
     moe_grouped_gemm: bool = default_of("--moe-grouped-gemm")  # trainer/experts.py GroupedExperts
     use_rollout_routing_replay: bool = default_of("--use-rollout-routing-replay")
     use_routing_replay: bool = default_of("--use-routing-replay")
+    # multi-token prediction: the MTP layers built (trainer/model.py), trained under enable_mtp_training with
+    # their loss times mtp_loss_scaling_factor
+    mtp_num_layers: int | None = default_of("--mtp-num-layers")
+    enable_mtp_training: bool = default_of("--enable-mtp-training")
+    mtp_loss_scaling_factor: float = default_of("--mtp-loss-scaling-factor")
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,12 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         a.fully_async = True
     _check_fully_async(a)
     _check_weight_transport(a)
+    # slime asserts the same: the MTP loss trains layers that --mtp-num-layers builds
+    _check(not a.enable_mtp_training or bool(a.mtp_num_layers),
+           "--enable-mtp-training needs --mtp-num-layers N (the multi-token-prediction layers to build and train)")
+    _check(not (a.mtp_num_layers and (a.lora_rank or a.lora_load)),
+           "--mtp-num-layers with --lora-rank / --lora-load: LoRA adapts the decoder's linears and freezes the rest, "
+           "the multi-token-prediction layers train whole; give one of the two")
     rollout = _group(a, "rollout", num_rollout=num_rollout, sample_seed=seed if a.deterministic_rollout else None)
     samples = rollout.samples_per_rollout
     gbs = a.global_batch_size or samples

@@ -52,9 +52,6 @@ SLIME_ONLY_FLAGS: dict[str, str] = {
     "--custom-update-weight-post-write-path": "no publishing step for a filesystem without read-after-write "
     "consistency: --update-weight-transport disk writes plain files that the engines' hosts read as they are",
     # slime's own training modes and transports (slime 624b824's scripts/ and examples/)
-    "--enable-mtp-training": "multi-token-prediction layers are not built: the trainer builds the decoder of "
-    "config.json without MTP heads (MiMo's and DeepSeek's MTP layers are dropped)",
-    "--mtp-loss-scaling-factor": "multi-token-prediction layers are not built (see --enable-mtp-training)",
     "--fp8-format": "FP8 training needs TransformerEngine, which this trainer does not use: it trains in bf16 "
     "(the engines may still serve an FP8 checkpoint)",
     "--fp8-recipe": "FP8 training needs TransformerEngine (see --fp8-format)",

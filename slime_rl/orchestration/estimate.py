@@ -345,6 +345,7 @@ class TrainerLayout:
     pipeline_layers: tuple[int, ...] = ()
     lora_rank: int = 0  # --lora-rank (0: the whole model trains)
     lora_targets: tuple[str, ...] = ("all-linear",)  # --lora-target-modules
+    mtp_layers: int = 0  # --mtp-num-layers: multi-token-prediction layers on the last stage
 
     def stage_layers(self, num_layers: int, stage: int) -> tuple[int, int]:
         """(first layer, layer count) of pipeline stage `stage`."""
@@ -443,6 +444,19 @@ def _stage_params(shape: ModelShape, lay: TrainerLayout, stage: int) -> tuple[in
     if stage == lay.pp - 1:
         dense += shape.hidden  # final norm
         if not shape.tied or lay.pp > 1:  # the LM head (a copy of the embedding on the last stage when tied)
+            dense += padded_vocab * shape.hidden // t
+        for _ in range(lay.mtp_layers):  # an MTP layer: enorm, hnorm, eh_proj [h, 2h], its final norm, a decoder
+            # layer (an MoE one in an MoE model: DeepSeek-V3's)
+            split, rep = shape.attention_params()
+            dense += split // t + rep + 2 * shape.hidden * shape.hidden // t + 3 * shape.hidden
+            if shape.experts:
+                experts, router = shape.moe_params()
+                shared_split, shared_rep = shape.shared_expert_params()
+                expert += experts // (lay.ep * (lay.etp or t))
+                dense += router + shared_split // t + shared_rep
+            else:
+                dense += shape.dense_mlp_params() // t
+        if lay.mtp_layers and lay.pp > 1:  # the MTP layers' copy of the embedding
             dense += padded_vocab * shape.hidden // t
     return dense, expert
 

@@ -70,7 +70,7 @@ def trainer_layout(cfg: Config, gqa_expanded: bool = False) -> tuple[TrainerLayo
         micro_batches_in_flight=in_flight, recompute_granularity=t.recompute_granularity,
         recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers, gqa_expanded=gqa_expanded,
         optimizer_offload=cfg.optimizer.offload_fraction if cfg.optimizer.cpu_offload else 0.0,
-        pipeline_layers=pipeline_split(cfg), **_lora_layout(cfg))
+        pipeline_layers=pipeline_split(cfg), mtp_layers=t.mtp_num_layers or 0, **_lora_layout(cfg))
     return lay, why
 
 

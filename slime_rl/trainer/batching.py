@@ -44,6 +44,10 @@ class MicroBatch:
     # MoE with the engines' routing (routing_replay.py): ([tokens, layers, k] expert ids, [tokens] bool
     # engine-routed) in the order this rank's routers see the tokens; None without
     routing: tuple[Tensor, Tensor] | None = None
+    # multi-token prediction (micro.MicroBatching.mtp): [b, s] (packed: [1, t]) float, 1 at the positions of the
+    # trained response tokens (loss_mask), the tokens whose MTP prediction counts (steps.model_forward); under
+    # context parallelism this rank's positions
+    mtp_mask: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

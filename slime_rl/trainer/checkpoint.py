@@ -61,7 +61,8 @@ from slime_rl.trainer.model import unwrap
 
 logger = logging.getLogger(__name__)
 
-_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "vision_model.")  # vision_model: VL (vision.py)
+# vision_model: VL (vision.py); mtp: the multi-token-prediction block (model.py)
+_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "vision_model.", "mtp.")
 OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
 
 
@@ -359,6 +360,14 @@ def load_checkpoint(path: str | Path, model_chunks: list[torch.nn.Module] | torc
                        "(the optimizer state, if any, is of other parameters and is not loaded)", where)
         state["model"] = {k: v for k, v in state["model"].items() if k not in adapters}
         do_optim = False
+    mtp = sorted(k for k in state["model"] if k.startswith("mtp."))
+    without_mtp = bool(mtp) and not any(k.startswith("mtp.") for k in checkpoint_model_shapes(where))
+    if without_mtp:  # --mtp-num-layers from a checkpoint without them (a --ref-load converted without MTP layers)
+        logger.warning("%s: no multi-token-prediction layers in the checkpoint; loading the rest, the MTP layers as "
+                       "the HF checkpoint has them (the optimizer state, if any, is of other parameters and is not "
+                       "loaded)", where)
+        state["model"] = {k: v for k, v in state["model"].items() if k not in mtp}
+        do_optim = False
     check_model_matches(where, state["model"])
     if do_optim:
         _ensure_optimizer_state(optimizer)
@@ -370,8 +379,8 @@ def load_checkpoint(path: str | Path, model_chunks: list[torch.nn.Module] | torc
         logger.warning("%s: saved at %s, running at %s: RNG states not restored", where, info.topology, topo)
     loaded = dist_checkpointing.load(state, str(where))
 
-    missing = gpt.load_state_dict(loaded["model"], strict=not base_only).missing_keys
-    if base_only and any(not lora.is_adapter_name(k) for k in missing):
+    missing = gpt.load_state_dict(loaded["model"], strict=not (base_only or without_mtp)).missing_keys
+    if any(not (base_only and lora.is_adapter_name(k)) and not (without_mtp and k.startswith("mtp.")) for k in missing):
         raise ValueError(f"{where}: weights missing from the loaded state: {missing}")
     if do_optim:
         # no_grad: in fp32 the optimizer's main params are views of the (requires_grad) model
@@ -384,7 +393,8 @@ def load_checkpoint(path: str | Path, model_chunks: list[torch.nn.Module] | torc
         with torch.no_grad():
             optimizer.reload_model_params()
     # the schedule belongs with the optimizer state: a finetune from model weights starts it afresh
-    if scheduler is not None and "lr_scheduler" in loaded and load_optim is not False and not base_only:
+    if scheduler is not None and "lr_scheduler" in loaded and load_optim is not False and not (base_only or
+                                                                                                without_mtp):
         scheduler.load_state_dict(loaded["lr_scheduler"])
     if do_rng:
         set_rng_state(loaded["rng_state"])

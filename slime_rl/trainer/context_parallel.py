@@ -79,12 +79,14 @@ def split_micro_batch(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
             pos = torch.arange(padded).unsqueeze(0).expand(tokens.shape[0], padded).contiguous()
         keep = local_positions(padded, cp_size, cp_rank)
         local_index, own = _locate(mb.logit_index, keep, padded)
-        padding = None
+        padding = mtp_mask = None
         if mb.padding is not None:  # the CP pad is padding too (out of the MoE load-balancing loss)
             padding = torch.nn.functional.pad(mb.padding.cpu(), (0, padded - s), value=True)[:, keep].to(device)
+        if mb.mtp_mask is not None:  # the multi-token-prediction targets: none in the CP pad
+            mtp_mask = torch.nn.functional.pad(mb.mtp_mask.cpu(), (0, padded - s))[:, keep].to(device)
         return dataclasses.replace(
             mb, tokens=tokens[:, keep].to(device), position_ids=pos[:, keep].to(device),
-            logit_index=local_index.to(device), cp_own=own.to(device), padding=padding)
+            logit_index=local_index.to(device), cp_own=own.to(device), padding=padding, mtp_mask=mtp_mask)
     cu = psp.cu_seqlens_q.cpu().long()
     lengths = (cu[1:] - cu[:-1]).tolist()
     if any(n % mult for n in lengths):
@@ -93,9 +95,10 @@ def split_micro_batch(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
     local_index, own = _locate(mb.logit_index, keep, int(cu[-1]))
     # packing.py marks each sample's pad to a multiple of 2 * cp (and the row's tail) as padding
     padding = None if mb.padding is None else mb.padding.cpu()[:, keep].to(device)
+    mtp_mask = None if mb.mtp_mask is None else mb.mtp_mask.cpu()[:, keep].to(device)
     return dataclasses.replace(
         mb, tokens=tokens[:, keep].to(device), position_ids=pos[:, keep].to(device),
-        logit_index=local_index.to(device), cp_own=own.to(device), padding=padding)
+        logit_index=local_index.to(device), cp_own=own.to(device), padding=padding, mtp_mask=mtp_mask)
 
 
 class _AllGatherSeq(torch.autograd.Function):

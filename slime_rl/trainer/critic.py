@@ -117,6 +117,7 @@ class CriticWorker(MegatronRank):
     the critic's ParallelConfig and OptimizerConfig, CriticConfig.parallel / .optimizer)."""
 
     takes_lora = False  # the value model trains whole (its head is new); --lora-rank adapts the policy
+    builds_mtp = False  # the MTP layers are the policy's (the value model predicts no tokens)
 
     def _prepare_model(self) -> None:
         gpt = self.gpt

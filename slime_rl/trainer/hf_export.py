@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from slime_rl.config.families import FAMILIES
 from slime_rl.trainer.checkpoint_layout import copy_hf_metadata
-from slime_rl.trainer.convert import ModelArch
+from slime_rl.trainer.convert import ModelArch, hf_shapes
 from slime_rl.trainer.fused_experts import fuse
 from slime_rl.trainer.hf_io import hf_weight_metadata, iter_hf_weights
 from slime_rl.trainer.mcore import mpu
@@ -172,19 +172,32 @@ def _swap_in(tmp: Path, out: Path) -> None:
 
 def passthrough_names(arch: ModelArch, hf_dir: str | Path) -> list[str]:
     """The tensors of `hf_dir`'s safetensors that the export copies through unchanged (`Family.hf_passthrough`;
-    none for most families). Raises ValueError when the family has such tensors and `hf_dir` holds no safetensors."""
+    none for most families), and of a checkpoint with multi-token-prediction layers (num_nextn_predict_layers) the
+    tensors of HF's layers num_layers.. that the trainer does not hold: the layers it does not build
+    (ModelArch.mtp_built below mtp_layers) and a built layer's copies of the embedding and the output layer
+    (DeepSeek-V3's model.layers.61.embed_tokens / shared_head.head, which SGLang's draft model never loads).
+    Raises ValueError when the family has passthrough tensors and `hf_dir` holds no safetensors (the MTP leftovers
+    are then left out)."""
     from slime_rl.trainer.hf_files import safetensors_index
 
     family = FAMILIES.get(arch.model_type)
     prefixes = family.hf_passthrough if family is not None else ()
-    if not prefixes:
+    if not prefixes and not arch.mtp_layers:
         return []
     try:
         names = safetensors_index(hf_dir)
     except FileNotFoundError as e:
+        if not prefixes:
+            return []
         raise ValueError(f"{hf_dir}: model_type {arch.model_type!r} exports its {', '.join(p + '*' for p in prefixes)} "
                          "tensors, which the trainer does not hold, from the HF folder the model came from, and "
                          "this one has no safetensors (pass that folder)") from e
+    if arch.mtp_layers:
+        held = set(hf_shapes(arch))
+        mtp = family.mtp_layer_prefix if family is not None else ""
+        prefixes += tuple(mtp.replace("{k}", str(k)) if mtp else f"model.layers.{arch.num_layers + k}."
+                          for k in range(arch.mtp_layers))
+        return sorted(n for n in names if n.startswith(prefixes) and n not in held)
     return sorted(n for n in names if n.startswith(prefixes))
 
 

@@ -114,6 +114,15 @@ def stage_param_maps(arch: ModelArch, pp_rank: int = 0, pp_size: int = 1, ep_ran
             glob = p.at_layer(first_layer + i).expand_experts(local_experts, ep_rank * local_experts)
             out += [(lo.mcore, gl, True) for lo, gl in zip(local, glob, strict=True)]
     if last:
+        # the multi-token-prediction layers (ModelArch.mtp_built) follow the decoder on the last stage; with PP that
+        # stage keeps its own copy of the word embeddings for them (megatron all-reduces the copies' grads, as for
+        # a tied output layer): loaded, never emitted
+        for p in arch.mtp_maps():
+            out += [(lo.mcore, gl, True) for lo, gl in zip(p.expand_experts(local_experts, 0),
+                                                           p.expand_experts(local_experts, ep_rank * local_experts),
+                                                           strict=True)]
+        if arch.mtp_built and pp_size > 1:
+            out += [(embedding[0].mcore, embedding[0], False)]
         out += [(p.mcore, p, True) for p in tail]
         if tied and pp_size > 1:
             out += [("output_layer.weight", embedding[0], False)]

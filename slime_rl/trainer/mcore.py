@@ -73,6 +73,12 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer.multi_token_prediction import (
+    MTPLossLoggingHelper,
+    MultiTokenPredictionBlockSubmodules,
+    get_mtp_layer_spec_for_backend,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
@@ -187,6 +193,8 @@ __all__ = [
     "set_tensor_model_parallel_attributes", "make_sharded_tensors_for_checkpoint",
     "ModuleSpec", "ColumnParallelLinear", "RowParallelLinear", "GatedDeltaNet", "GatedDeltaNetSubmodules",
     "gated_delta_net_common", "gated_delta_net_module", "torch_chunk_gated_delta_rule",
+    "LocalSpecProvider", "MTPLossLoggingHelper", "MultiTokenPredictionBlockSubmodules",
+    "get_mtp_layer_spec_for_backend",
 ]
 
 def on_rank_thread[F: Callable[..., Any]](method: F) -> F:

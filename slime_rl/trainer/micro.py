@@ -40,6 +40,9 @@ class MicroBatching:
     # MoE: (num_layers, top_k, num_experts, sp_size, sp_rank) to carry the engines' routing of a batch
     # that has it (routing_replay.py); None for dense models
     routing: tuple[int, int, int, int, int] | None = None
+    # multi-token-prediction training: each micro-batch carries its mtp_mask (token positions of the trained
+    # response tokens, set before the CP split)
+    mtp: bool = False
 
     def __post_init__(self) -> None:
         if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:
@@ -91,17 +94,33 @@ class MicroBatching:
                 else None
             ids, mask = micro_batch_routing(batch, use, layers, topk, experts, mb.num_tokens, starts, sp, sp_rank)
             mb.routing = (ids.to(self.device), (mask & (not dummy)).to(self.device))
+        if self.mtp:
+            mb.mtp_mask = token_loss_mask(mb)
         if self.cp_size > 1:
             mb = split_micro_batch(mb, self.cp_size, self.cp_rank)
         if dummy:  # runs forward/backward like the others but adds exactly 0 to loss and grads
             mb.sample_ids = []
             mb.loss_mask.zero_()
+            if mb.mtp_mask is not None:
+                mb.mtp_mask.zero_()
             for v in mb.per_token.values():
                 v.zero_()
         return mb
 
     def micro_batches(self, batch: dict, groups: list[list[int]], per_token: dict | None = None) -> list[MicroBatch]:
         return [self.build(batch, g, per_token) for g in groups]
+
+
+def token_loss_mask(mb: MicroBatch) -> torch.Tensor:
+    """[b, s] (packed [1, t]) float: the loss mask at the positions of the response tokens (response token j of
+    row i sits one after the logits that predict it, mb.logit_index[i, j] + 1), 0 elsewhere."""
+    mask = torch.zeros(mb.tokens.shape, dtype=torch.float32, device=mb.tokens.device)
+    real = mb.valid > 0
+    rows = torch.arange(mb.logit_index.shape[0], device=mb.tokens.device).unsqueeze(1).expand_as(mb.logit_index)
+    if mb.packed_seq_params is not None:  # logit_index points into the one packed row
+        rows = torch.zeros_like(rows)
+    mask[rows[real], mb.logit_index[real] + 1] = mb.loss_mask[real].float()
+    return mask
 
 
 def collect_per_sample(store: list[dict], key: str, n: int, response_lengths: Sequence[int],

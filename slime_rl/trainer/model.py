@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from slime_rl.config.pipeline import stage_layer_counts
 from slime_rl.trainer import packed_rope
 from slime_rl.trainer.attention import SDPACoreAttention
-from slime_rl.trainer.convert import ModelArch, load_arch
+from slime_rl.trainer.convert import ModelArch, load_arch, with_mtp
 from slime_rl.trainer.gated_delta_net import GatedDeltaNetOutNorm
 from slime_rl.trainer.gated_delta_net import install as install_gated_delta_net
 from slime_rl.trainer.mcore import (
@@ -28,13 +28,16 @@ from slime_rl.trainer.mcore import (
     GPTModel,
     IdentityOp,
     LocalMLASelfAttention,
+    LocalSpecProvider,
     MLATransformerConfig,
     ModuleSpec,
+    MultiTokenPredictionBlockSubmodules,
     RowParallelLinear,
     TransformerBlockSubmodules,
     TransformerConfig,
     get_gpt_layer_local_spec,
     get_moe_metrics_tracker,
+    get_mtp_layer_spec_for_backend,
     mpu,
 )
 from slime_rl.trainer.norm import TrainerRMSNorm
@@ -141,11 +144,13 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
                        use_cpu_initialization: bool, sequence_parallel: bool = False,
                        recompute_granularity: str | None = None, recompute_method: str | None = None,
                        recompute_num_layers: int | None = None, context_parallel_size: int = 1,
-                       moe: MoEOptions | None = None, deterministic_mode: bool = False):
+                       moe: MoEOptions | None = None, deterministic_mode: bool = False,
+                       mtp_loss_scaling_factor: float = 0.2):
     """megatron TransformerConfig equal in function to the HF model (dropout off: RL log-probs
     of the trainer must equal the engine's). `sequence_parallel` needs tp_size > 1 (megatron
     asserts it); recompute_* are megatron's activation-recomputation knobs, passed through;
-    `moe`: the MoE options of a mixture-of-experts arch (moe_config_kwargs)."""
+    `moe`: the MoE options of a mixture-of-experts arch (moe_config_kwargs); the multi-token-prediction
+    layers (arch.mtp_built) with their loss's factor (--mtp-loss-scaling-factor) and detached heads (below)."""
     if sequence_parallel and tp_size == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -180,8 +185,16 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
                       linear_key_head_dim=arch.linear_key_head_dim, linear_value_head_dim=arch.linear_value_head_dim,
                       linear_num_key_heads=arch.linear_num_key_heads,
                       linear_num_value_heads=arch.linear_num_value_heads)
+    mtp = {}
+    if arch.mtp_built:
+        # mtp_detach_heads: the MTP loss trains the MTP layers alone, as slime's Megatron does (its patch detaches the
+        # embedding, the decoder's hidden state and the output weight): the decoder, the embedding and the output
+        # layer get no gradient from it
+        mtp = dict(mtp_num_layers=arch.mtp_built, mtp_loss_scaling_factor=mtp_loss_scaling_factor,
+                   mtp_detach_heads=True)
     return config_class(
         **uneven,
+        **mtp,
         **mla,
         **hybrid,
         # Qwen3-Next: the full attention's sigmoid output gate, RMSNorms that scale by 1 + w
@@ -240,12 +253,14 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
                     sequence_parallel: bool = False, recompute_granularity: str | None = None,
                     recompute_method: str | None = None, recompute_num_layers: int | None = None,
                     context_parallel_size: int = 1, fp32_lm_head: bool = False, moe: MoEOptions | None = None,
-                    deterministic_mode: bool = False):
+                    deterministic_mode: bool = False, mtp_loss_scaling_factor: float = 0.2):
     """A GPTModel for this rank (parallel state must be initialized). Its logits are vocab-parallel
     ([b, s, padded_vocab / tp]); its parameters are uninitialized until `hf_io.load_hf_weights`.
     pre_process / post_process default to whether this rank is the first / last pipeline stage;
     with PP, megatron gives each stage its consecutive layers (named from 0 locally): num_layers / pp, or
-    arch.pipeline_layers' counts (--decoder-first/last-pipeline-num-layers)."""
+    arch.pipeline_layers' counts (--decoder-first/last-pipeline-num-layers). The multi-token-prediction layers
+    (arch.mtp_built) are megatron's MultiTokenPredictionBlock on the last stage (`_mtp_block_spec`), run only by
+    the forwards that train them (MTPGPTModel)."""
     packed_rope.install()  # packed THD RoPE without per-sample host syncs (see packed_rope.py)
 
     first_layer, here = arch.stage_layers(mpu.get_pipeline_model_parallel_rank() if pp_size > 1 else 0, pp_size)
@@ -259,7 +274,8 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
                                 recompute_granularity=recompute_granularity,
                                 recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
                                 context_parallel_size=context_parallel_size, moe=moe,
-                                deterministic_mode=deterministic_mode)
+                                deterministic_mode=deterministic_mode,
+                                mtp_loss_scaling_factor=mtp_loss_scaling_factor)
     spec = _layer_spec(arch, arch.num_experts or None, grouped=bool(moe and moe.moe_grouped_gemm))
     # every norm ours (engine rounding; SP-capable): trainer/norm.py
     spec = _norm_block_spec(spec, arch, here)
@@ -270,7 +286,11 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
         spec = _hybrid_block_spec(spec, arch, first_layer)
     if arch.mrope_section is not None:  # vision-language: 3-D positions (trainer/vision.py)
         config.mrope_section = list(arch.mrope_section)
-    model = GPTModel(
+    mtp = {}
+    if arch.mtp_built and post_process:
+        mtp["mtp_block_spec"] = _mtp_block_spec(arch, grouped=bool(moe and moe.moe_grouped_gemm))
+    model = (MTPGPTModel if arch.mtp_built else GPTModel)(
+        **mtp,
         config=config,
         transformer_layer_spec=spec,
         vocab_size=arch.padded_vocab_size,
@@ -297,6 +317,38 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+class MTPGPTModel(GPTModel):
+    """megatron's GPTModel with multi-token-prediction layers that run only in the forwards that train them:
+    `mtp_train` True (steps.model_forward sets it per forward, with the loss_mask of the tokens whose MTP
+    prediction counts). Otherwise (forward-only log-probs, --mtp-num-layers without --enable-mtp-training) the
+    model is the decoder alone, as slime's Megatron skips its MTP block without mtp_labels: megatron-core 0.19
+    would run it in every forward and take a loss over all tokens."""
+
+    mtp_train = False
+
+    def _postprocess(self, *args, mtp_in_postprocess=None, **kwargs):  # noqa: ANN001 - megatron's signature
+        if self.mtp_train:
+            return super()._postprocess(*args, mtp_in_postprocess=mtp_in_postprocess, **kwargs)
+        n = self.config.mtp_num_layers
+        self.config.mtp_num_layers = None  # megatron reads it here to split the hidden states and take the loss
+        try:
+            return super()._postprocess(*args, mtp_in_postprocess=False, **kwargs)
+        finally:
+            self.config.mtp_num_layers = n
+
+
+def _mtp_block_spec(arch: ModelArch, grouped: bool = False) -> MultiTokenPredictionBlockSubmodules:
+    """megatron's multi-token-prediction block under the local spec: each layer's enorm, hnorm and final norm ours
+    (trainer/norm.py), eh_proj a column-parallel linear, and the decoder layer an MoE layer of this model (a dense
+    one for a dense model): DeepSeek-V3's MTP layer, as HF's checkpoint and SGLang's draft model hold it."""
+    layer = _layer_spec(arch, arch.num_experts or None, grouped=grouped)
+    layer = _norm_block_spec(layer, arch, 1).layer_specs[0]
+    spec = get_mtp_layer_spec_for_backend(layer, LocalSpecProvider())
+    spec = dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, enorm=TrainerRMSNorm, hnorm=TrainerRMSNorm, layer_norm=TrainerRMSNorm))
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[spec] * arch.mtp_built)
 
 
 def fp32_output_layer(layer: torch.nn.Module) -> None:
@@ -385,11 +437,13 @@ def _hybrid_block_spec(block, arch: ModelArch, first: int):
 
 def build_from_checkpoint(hf_checkpoint: str | Path, *, bf16: bool = False, tp_size: int = 1,
                           pp_size: int = 1, pad_vocab_multiple: int = 1, decoder_first: int | None = None,
-                          decoder_last: int | None = None, **model_kwargs):
+                          decoder_last: int | None = None, mtp_num_layers: int | None = None, **model_kwargs):
     """(arch, model) for an HF folder; weights are not loaded yet. `decoder_first` / `decoder_last`:
-    --decoder-first/last-pipeline-num-layers (config/pipeline.py; None: the even split); model_kwargs go to
-    `build_gpt_model` (sequence_parallel, recompute_*)."""
+    --decoder-first/last-pipeline-num-layers (config/pipeline.py; None: the even split); `mtp_num_layers`:
+    --mtp-num-layers (convert/arch.py with_mtp); model_kwargs go to `build_gpt_model` (sequence_parallel,
+    recompute_*)."""
     arch = load_arch(hf_checkpoint, tp_size, pad_vocab_multiple)
+    arch = with_mtp(arch, mtp_num_layers, where=f"{hf_checkpoint}/config.json")
     arch = with_pipeline_split(arch, pp_size, decoder_first, decoder_last)
     return arch, build_gpt_model(arch, bf16=bf16, tp_size=tp_size, pp_size=pp_size, **model_kwargs)
 

@@ -64,6 +64,8 @@ class MegatronRank:
 
     # --lora-rank / --lora-load adapt this group's model (the policy's); PPO's critic trains whole
     takes_lora = True
+    # --mtp-num-layers builds the multi-token-prediction layers in this group's model (the policy's; not the critic's)
+    builds_mtp = True
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
                  parallel: ParallelConfig, batch: BatchConfig, optim: OptimizerConfig, model: ModelConfig,
@@ -108,8 +110,14 @@ class MegatronRank:
             recompute_num_layers=trainer.recompute_num_layers, context_parallel_size=cp,
             deterministic_mode=trainer.deterministic_mode,
             fp32_lm_head=model.fp32_lm_head,
-            moe=moe)
+            moe=moe, mtp_num_layers=trainer.mtp_num_layers if self.builds_mtp else None,
+            mtp_loss_scaling_factor=trainer.mtp_loss_scaling_factor)
         hf_io.load_hf_weights(self.gpt, model.hf_checkpoint, self.arch)
+        # the MTP layers train only under --enable-mtp-training (their loss is the only one that reaches them); else
+        # they stay the checkpoint's, frozen
+        self.mtp_train = bool(self.arch.mtp_built and trainer.enable_mtp_training)
+        if self.arch.mtp_built and not self.mtp_train and hasattr(self.gpt, "mtp"):
+            self.gpt.mtp.requires_grad_(False)
         self.lora: list[lora.Adapter] = []
         self.lora_spec = lora_spec(model) if self.takes_lora else None
         if self.lora_spec is not None:
@@ -139,7 +147,8 @@ class MegatronRank:
         self.micro = MicroBatching(self.info.device, batch.micro_batch_size, trainer.pack_sequences,
                                    trainer.use_dynamic_batch_size, trainer.max_tokens_per_gpu,
                                    pad_multiple=tp if sequence_parallel else 1,
-                                   cp_size=cp, cp_rank=self.info.cp_rank, vision=vision, routing=routing)
+                                   cp_size=cp, cp_rank=self.info.cp_rank, vision=vision, routing=routing,
+                                   mtp=self.mtp_train)
         self._prepare_model()
         config = self.gpt.config
         if pp > 1 and self.info.device.type == "cpu":
@@ -331,6 +340,13 @@ def moe_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
     """An MoE model's load-balancing losses (megatron's, unscaled by the coefficient), mean over mini-batches."""
     return {f"train/moe_{key[len('moe/'):]}": sum(st[key] for st in stats) / len(stats)
             for key in stats[0] if key.startswith("moe/")}
+
+
+def mtp_metrics(stats: list[dict[str, float]]) -> dict[str, float]:
+    """The multi-token-prediction losses (train/mtp_loss: their sum over the MTP layers, train/mtp_<k>_loss each, as
+    slime logs them; unscaled by --mtp-loss-scaling-factor), mean over mini-batches; {} without MTP training."""
+    return {f"train/{key[len('mtp/'):]}": sum(st[key] for st in stats) / len(stats)
+            for key in stats[0] if key.startswith("mtp/")}
 
 
 def megatron_optimizer_config(optim: OptimizerConfig, bf16: bool, params_dtype: torch.dtype,

@@ -92,10 +92,12 @@ class EngineRouting(RouterReplay):
 
 
 def attach(gpt: torch.nn.Module, replay: bool) -> list[EngineRouting]:
-    """An EngineRouting on every TopKRouter of this rank's model chunk."""
+    """An EngineRouting on every TopKRouter of this rank's decoder (a multi-token-prediction layer's router is not
+    the engine's decoder's: the engines return no routing for it)."""
     out = []
+    mtp = set(gpt.mtp.modules()) if hasattr(gpt, "mtp") else set()
     for mod in gpt.modules():
-        if isinstance(mod, TopKRouter):
+        if isinstance(mod, TopKRouter) and mod not in mtp:
             if getattr(mod.config, "moe_router_fusion", False):
                 raise ValueError("routing replay: --moe-router-fusion bypasses megatron's replay hook")
             if mod.layer_number is None:

@@ -35,12 +35,17 @@ from slime_rl.trainer.vision import decoder_input
 __all__ = ["STAT_KEYS", "LossScale", "forward_only_step", "model_forward", "policy_loss_step"]
 
 
-def model_forward(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
+def model_forward(model: torch.nn.Module, mb: MicroBatch, mtp: bool = False) -> Tensor:
     """Vocab-parallel logits [b, s, V_pad / tp] ([1, t, ...] when packed; float32) on the last
     stage, the hidden states on the others. attention_mask=None: attention is causal by itself
     (SDPACoreAttention); padding is on the right, and packed samples are split by cu_seqlens.
     Vision-language micro-batches carry 3-D positions, and the first stage builds its decoder input
-    with the image features (vision.py)."""
+    with the image features (vision.py). `mtp`: the multi-token-prediction layers run and add their loss
+    (model.MTPGPTModel; megatron-core's process_mtp_loss): position i's MTP head predicts token i + 2, counted
+    where mb.mtp_mask is 1 at i + 2 (a trained response token), the loss averaged over those tokens of the
+    micro-batch, times --mtp-loss-scaling-factor / the MTP layers, its gradient injected into the backward by
+    megatron's MTPLossAutoScaler (1 / num_microbatches, then DDP's 1 / dp: the mean over micro-batches and DP ranks,
+    as in slime)."""
     extra = {}
     if mb.vision is not None:
         gpt = unwrap(model)
@@ -54,6 +59,10 @@ def model_forward(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
     routers = getattr(gpt, "engine_routing", None)
     if routers:  # MoE: the engines' routing of this micro-batch, or none (routing_replay.py)
         set_targets(routers, mb.routing)
+    if hasattr(gpt, "mtp_train"):  # a model with MTP layers: they run in this forward or not
+        gpt.mtp_train = mtp and mb.mtp_mask is not None
+        if gpt.mtp_train:
+            extra["loss_mask"] = mb.mtp_mask
     return model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
                  packed_seq_params=mb.packed_seq_params, **extra)
 
@@ -106,7 +115,7 @@ class LossScale:
 
 
 def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale, fused_old: bool = False,
-                     keep_logp: bool = False) -> Callable:
+                     keep_logp: bool = False, mtp: bool = False) -> Callable:
     """forward_step_func for one training micro-batch (see the module docstring for the scale).
 
     The per-token objective is objective.policy_objective (pg loss of the configured kind, TIS,
@@ -118,11 +127,12 @@ def policy_loss_step(algo: AlgoConfig, vocab_size: int, scale: LossScale, fused_
     keep_logp: the micro-batch's output also holds "sample_ids" (mb.sample_ids) and "logp", this
     forward's log-probs detached ([b, T]; the fused path's old log-probs), which the schedule keeps
     in its store on the last pipeline stage (--save-debug-train-data: micro.rows_by_sample).
+    mtp: the multi-token-prediction loss is added (--enable-mtp-training: model_forward).
     """
 
     def step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         mb = next(data_iterator)
-        output = model_forward(model, mb)
+        output = model_forward(model, mb, mtp=mtp)
 
         def loss_func(output_tensor: Tensor):
             logits = response_logits(output_tensor, mb)  # [b, T, V_local]

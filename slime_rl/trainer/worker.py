@@ -25,7 +25,7 @@ from slime_rl.trainer import checkpoint, hf_export, hf_io, lora
 from slime_rl.trainer.batching import validate_batch
 from slime_rl.trainer.debug_data import FUSED, SEPARATE, TrainDataDump, train_data, writes_train_data
 from slime_rl.trainer.loss_agg import GlobalCounts, local_counts, token_weights
-from slime_rl.trainer.mcore import on_rank_thread
+from slime_rl.trainer.mcore import MTPLossLoggingHelper, mpu, on_rank_thread
 from slime_rl.trainer.micro import collect_per_sample, rows_by_sample
 from slime_rl.trainer.model import moe_aux_losses
 from slime_rl.trainer.objective import (
@@ -41,7 +41,7 @@ from slime_rl.trainer.objective import (
     train_metrics,
 )
 from slime_rl.trainer.parallel import broadcast_from_last_stage, dp_group, tp_group
-from slime_rl.trainer.rank import MegatronRank, moe_metrics
+from slime_rl.trainer.rank import MegatronRank, moe_metrics, mtp_metrics
 from slime_rl.trainer.routing_replay import BATCH_KEY as ROUTING_KEY
 from slime_rl.trainer.routing_replay import sample_routing
 from slime_rl.trainer.steps import STAT_KEYS, LossScale, forward_only_step, policy_loss_step
@@ -234,7 +234,7 @@ class TrainerWorker(MegatronRank):
         self.optimizer.zero_grad()
         keep = fused_old_out is not None and old_logprobs is None
         store = self._run(policy_loss_step(self.algo, self.arch.vocab_size, scale, fused_old=old_logprobs is None,
-                                           keep_logp=keep), mbs, forward_only=False)
+                                           keep_logp=keep, mtp=self.mtp_train), mbs, forward_only=False)
         if keep and store:  # the last pipeline stage: every micro-batch's detached log-probs, back per sample
             fused_old_out.extend(rows_by_sample(store, "logp", batch["response_lengths"]))
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float32, device=self.info.device)
@@ -245,7 +245,25 @@ class TrainerWorker(MegatronRank):
         # an MoE model's load-balancing losses (megatron's tracker: mean over layers and
         # micro-batches, averaged over DP; identical on every rank)
         out.update(moe_aux_losses(self.gpt.config, len(mbs)))
+        if self.mtp_train:
+            out.update(self._mtp_losses(len(mbs)))
         return out
+
+    def _mtp_losses(self, num_microbatches: int) -> dict[str, float]:
+        """The multi-token-prediction losses of the mini-batch just run, as slime logs them: each MTP layer's loss
+        (megatron's tracker: per micro-batch the mean over its counted tokens) averaged over the micro-batches and the
+        DP x CP ranks, and their sum; the tracker is cleared. Identical on every rank (every rank calls it)."""
+        values = torch.zeros(self.arch.mtp_built, dtype=torch.float64, device=self.info.device)
+        tracker = MTPLossLoggingHelper.tracker
+        if "loss_values" in tracker:  # the last pipeline stage, which holds the MTP layers
+            values.copy_(tracker["loss_values"].double() / num_microbatches)
+            MTPLossLoggingHelper.clean_metrics_in_tracker()
+        broadcast_from_last_stage(values)
+        group = mpu.get_data_parallel_group(with_context_parallel=True)
+        dist.all_reduce(values, group=group)
+        values /= dist.get_world_size(group)
+        out = {f"mtp/mtp_{k + 1}_loss": float(v) for k, v in enumerate(values.tolist())}
+        return {"mtp/mtp_loss": float(values.sum()), **out}
 
     def _reference_logprobs(self, batch: dict) -> list | None:
         """The reference model's log-probs of the batch (a forward under the reference weights) when
@@ -342,7 +360,7 @@ class TrainerWorker(MegatronRank):
                              "perf/train_optimizer_s": opt_s}
         self._save_train_data(dump, batch, inputs.old, inputs.advantages, SEPARATE)
         return (train_metrics(self.algo, inputs.sums, stats, norms, lr, have_ref=inputs.ref is not None)
-                | moe_metrics(stats) | self._routing_agreement())
+                | moe_metrics(stats) | mtp_metrics(stats) | self._routing_agreement())
 
     @property
     def writes_train_data(self) -> bool:
@@ -395,7 +413,8 @@ class TrainerWorker(MegatronRank):
                              "perf/train_optimizer_s": t3 - t2}
         self._save_train_data(dump, batch, old, None, FUSED)
         return (train_metrics(self.algo, fused_step_sums(batch_sums, stats), [stats], [grad_norm], lr,
-                              have_ref=ref is not None) | moe_metrics([stats]) | self._routing_agreement())
+                              have_ref=ref is not None) | moe_metrics([stats]) | mtp_metrics([stats])
+                | self._routing_agreement())
 
     # ---- weights out
     @on_rank_thread

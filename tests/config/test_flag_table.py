@@ -36,6 +36,7 @@ COMPANIONS = {
     "--tensor-model-parallel-size": ["--actor-num-gpus-per-node", "2"],
     "--pipeline-model-parallel-size": ["--actor-num-gpus-per-node", "2"],
     "--context-parallel-size": ["--actor-num-gpus-per-node", "2"],
+    "--enable-mtp-training": ["--mtp-num-layers", "1"],  # the MTP layers it trains
     "--sequence-parallel": ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
     "--use-dynamic-batch-size": ["--max-tokens-per-gpu", "64"],
     "--save-interval": ["--save", "ckpt"], "--keep-last": ["--save", "ckpt"],

@@ -748,3 +748,28 @@ def test_deepseek_v3_model_file_that_differs_is_named(change, claim, truth, tmp_
 def test_multi_latent_attention_on_a_model_without_it_is_named(tmp_path):
     message = _refused(tmp_path, "glm4_5_air.json", GLM4_5_AIR.split() + ["--multi-latent-attention"], UNSUPPORTED)
     assert "--multi-latent-attention: " in message and "which has no multi-latent attention" in message, message
+
+
+# scripts/models/glm4.7-30B-A3B.sh, as bash expands it
+GLM47_FLASH = """--moe-layer-freq [0]*1+[1]*46 --num-experts 64 --moe-shared-expert-intermediate-size 1536
+--moe-router-topk 4 --moe-grouped-gemm --moe-permute-fusion --moe-ffn-hidden-size 1536
+--moe-router-score-function sigmoid --moe-router-pre-softmax --moe-router-enable-expert-bias
+--moe-router-bias-update-rate 0
+--moe-router-load-balancing-type seq_aux_loss --moe-router-topk-scaling-factor 1.8 --moe-aux-loss-coeff 0
+--moe-router-dtype fp32 --make-vocab-size-divisible-by 64 --num-layers 47 --hidden-size 2048 --ffn-hidden-size 10240
+--num-attention-heads 20 --disable-bias-linear --add-qkv-bias --swiglu --untie-embeddings-and-output-weights
+--position-embedding-type rope --no-position-embedding --normalization RMSNorm --qk-layernorm --multi-latent-attention
+--q-lora-rank 768 --kv-lora-rank 512 --qk-head-dim 192 --v-head-dim 256 --kv-channels 192 --qk-pos-emb-head-dim 64
+--vocab-size 154880 --rotary-base 1000000 --no-rope-fusion"""
+
+
+def test_glm4_7_flash_model_file_agrees_with_its_mtp_layer(tmp_path):
+    """slime's scripts/models/glm4.7-30B-A3B.sh against GLM-4.7-Flash's config.json: every flag agrees (its
+    --add-qkv-bias too: Megatron-LM's multi-latent attention takes no bias, as config.json says; no --norm-epsilon:
+    Megatron-LM's 1e-05 is transformers' default rms_norm_eps for glm4_moe_lite), and the run script's MTP flags
+    (--mtp-num-layers 1 --enable-mtp-training --mtp-loss-scaling-factor 0.2) build its one MTP layer
+    (num_nextn_predict_layers 1)."""
+    cfg = _check(tmp_path, "config.json", [*GLM47_FLASH.split(), "--mtp-num-layers", "1", "--enable-mtp-training",
+                                           "--mtp-loss-scaling-factor", "0.2"], MIGRATION / "GLM-4.7-Flash")
+    assert (cfg.trainer.mtp_num_layers, cfg.trainer.enable_mtp_training, cfg.trainer.mtp_loss_scaling_factor) == (
+        1, True, 0.2)

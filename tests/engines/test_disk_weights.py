@@ -276,3 +276,19 @@ def test_the_first_delta_of_a_fused_experts_checkpoint_is_based_on_each_experts_
     disk.pull(str(root), 1, str(host), str(ckpt))
     got = load_file(str(host / "model.safetensors"))
     assert set(got) == set(sent) and all(torch.equal(got[n], t) for n, t in sent.items())
+
+
+def test_the_builtin_engine_takes_and_drops_the_draft_models_tensors(tiny_glm4_moe_lite_mtp):
+    """A checkpoint with a multi-token-prediction layer (num_nextn_predict_layers 1): its tensors model.layers.4.*
+    belong to SGLang's speculative draft model, which the target model skips and the draft loads
+    (tests/contract/test_sglang_mtp_weights.py); the built-in engine has no draft, so an update that holds them (weight
+    sync under --mtp-num-layers) succeeds and loads the rest."""
+    from tests.engines.engine_testlib import start_server
+
+    server = start_server(tiny_glm4_moe_lite_mtp)
+    try:
+        assert not any(n.startswith("model.layers.4.") for n in server.weights.params)
+        code, body = server.route("POST", "/update_weights_from_disk", {"model_path": str(tiny_glm4_moe_lite_mtp)})
+        assert code == 200 and body["success"] is True, body
+    finally:
+        server.shutdown()

@@ -387,3 +387,20 @@ def test_activation_bytes_of_minimax_m2_whole_qk_norms_by_hand():
     assert activation_bytes_per_token(shape, TrainerLayout(tp=2)) == 512 + 192 + 16 + (256 + 128 + 16 + 2048) / 2
     per_head = model_shape({**cfg, "model_type": "qwen3_moe", "moe_intermediate_size": 128})
     assert activation_bytes_per_token(per_head, TrainerLayout(tp=2)) == 512 + 16 + (256 + 128 + 16 + 192 + 2048) / 2
+
+
+def test_mtp_layers_on_the_last_stage():
+    """--mtp-num-layers 1 on GLM-4.7-Flash: the one GPU's parameters grow by one MoE decoder layer as transformers
+    builds it (counted on the meta device) plus the MTP layer's own eh_proj [h, 2h] and three norms."""
+    from transformers import AutoModelForCausalLM
+
+    from slime_rl.config.families import transformers_config
+
+    cfg = hf_config("glm4_7_flash.json")
+    shape, h = model_shape(cfg), cfg["hidden_size"]
+    with torch.device("meta"):  # one dense layer and one MoE layer: layer 1 is an MTP layer's decoder layer
+        model = AutoModelForCausalLM.from_config(transformers_config({**cfg, "num_hidden_layers": 2,
+                                                                      "mlp_layer_types": ["dense", "sparse"]}))
+    moe_layer = sum(p.numel() for p in model.model.layers[1].parameters())
+    grown = estimate_memory(shape, TrainerLayout(mtp_layers=1)).params - estimate_memory(shape, TrainerLayout()).params
+    assert grown == moe_layer + 2 * h * h + 3 * h

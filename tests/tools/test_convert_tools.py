@@ -109,6 +109,24 @@ def test_round_trip_glm4_tp2_pp2_to_tp1(tiny_glm4, tmp_path):
 
 
 @pytest.mark.slow
+def test_round_trip_mimo_mtp_layer_tp2_to_tp1(tiny_mimo_mtp, tmp_path):
+    """MiMo with its multi-token-prediction layer: HF -> Megatron (TP=2, --mtp-num-layers 1: input_proj's swapped
+    halves split over the ranks) -> HF at TP=1 (the checkpoint's MTP layer found by its keys), every tensor bit for
+    bit; converted without --mtp-num-layers, the export copies the MTP layer unchanged from the HF folder the model came
+    from (--hf-config-dir; the checkpoint's own iter_*/hf/ holds no safetensors to copy it from)."""
+    mcore, out = tmp_path / "mcore", tmp_path / "hf"
+    run_tool("convert_hf_to_megatron", ["--hf-checkpoint", str(tiny_mimo_mtp), "--save", str(mcore), "--tp", "2",
+                                        "--mtp-num-layers", "1"], world=2)
+    run_tool("convert_megatron_to_hf", ["--load", str(mcore), "--save", str(out)])
+    _assert_same_hf(tiny_mimo_mtp, out)
+    plain, out2 = tmp_path / "plain", tmp_path / "hf2"
+    run_tool("convert_hf_to_megatron", ["--hf-checkpoint", str(tiny_mimo_mtp), "--save", str(plain)])
+    run_tool("convert_megatron_to_hf", ["--load", str(plain), "--save", str(out2), "--hf-config-dir",
+                                        str(tiny_mimo_mtp)])
+    _assert_same_hf(tiny_mimo_mtp, out2)
+
+
+@pytest.mark.slow
 def test_tp2pp2_checkpoint_loads_at_tp1_like_a_direct_conversion(tiny_qwen2, qwen2_tp2pp2, tmp_path):
     """The TP=2, PP=2 conversion loaded by a TP=1 trainer gives the weights and log-probs of a
     conversion made directly at TP=1 (same padded vocab, 96) and of the HF folder itself."""

@@ -223,6 +223,7 @@ def main() -> None:
         lora_scenarios,
         minimax_m2_scenarios,
         moe_scenarios,
+        mtp_scenarios,
         parallel_scenarios,
         qwen3_next_scenarios,
         ref_load_scenarios,
@@ -235,7 +236,7 @@ def main() -> None:
                                    **ref_load_scenarios.SCENARIOS, **moe_scenarios.SCENARIOS,
                                    **routing_replay_scenarios.SCENARIOS, **lora_scenarios.SCENARIOS,
                                    **glm4_scenarios.SCENARIOS, **minimax_m2_scenarios.SCENARIOS,
-                                   **qwen3_next_scenarios.SCENARIOS}[name]
+                                   **qwen3_next_scenarios.SCENARIOS, **mtp_scenarios.SCENARIOS}[name]
     res = func(int(rank), int(world), int(port), json.loads(ckpt_json))
     res = {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in res.items()}
     torch.save(_to_cpu(res), Path(out) / f"{name}_rank{rank}.pt")

@@ -60,6 +60,11 @@ class WeightSync:
         self.params.update((n, b) for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias"))
         # MoE: one name per expert (and MiniMax-M2's block_sparse_moe names of its router and bias)
         self.params.update(expert_aliases(self.params, model.config))
+        # a checkpoint with multi-token-prediction layers (num_nextn_predict_layers): their tensors (HF's layers from
+        # num_hidden_layers on, MiMo's model.mtp_layers.*) are the speculative draft model's, which SGLang's target
+        # model skips and its draft loads; this engine has no draft, so it takes and drops them (None: no such layers)
+        nextn = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
+        self._draft_from = int(model.config.num_hidden_layers) if nextn > 0 else None
         # (aliases and tied names count twice: a generous bound on what one update can announce)
         self._held_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.groups: dict[str, object] = {}
@@ -144,14 +149,15 @@ class WeightSync:
                     t = torch.empty(shape, dtype=dtype, device=self.device)
                     dist_group.broadcast(group, t, src=0)
                     received.append((name, t))
-        problems = [self._check(name, t) for name, t in received]
+        kept = self._drop_draft(received)
+        problems = [self._check(name, t) for name, t in kept]
         problems = [p for p in problems if p]
         if problems:
             return False, "Failed to update parameter online: " + "; ".join(problems)
-        if load_format == "flattened_bucket" and len(set(torch_dtypes)) == 1 and received:
+        if load_format == "flattened_bucket" and len(set(torch_dtypes)) == 1 and kept and len(kept) == len(received):
             self._remember(body, [self.params[n] for n in names], torch_dtypes[0])
-        return self._commit([self.params[n] for n, _ in received], [t for _, t in received],
-                            [t for _, t in received], version, names)
+        return self._commit([self.params[n] for n, _ in kept], [t for _, t in kept],
+                            [t for _, t in received], version, [n for n, _ in kept])
 
     def _target_group(self, group_name: str, body: dict) -> tuple[object | None, str]:
         """The named group (or None and SGLang's message), after `abort_all_requests` if asked."""
@@ -166,7 +172,8 @@ class WeightSync:
     def _commit(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], keep: list[torch.Tensor],
                 version: str | None, names: list[str]) -> tuple[bool, str]:
         with self.engine.weights_exclusive(), torch.no_grad():
-            self._load(dsts, srcs, keep)
+            if dsts:  # none: a bucket of the draft model's tensors alone (_drop_draft)
+                self._load(dsts, srcs, keep)
             if version is not None:
                 self.weight_version = version
         return self._loaded(names, version)
@@ -196,22 +203,24 @@ class WeightSync:
             received = deserialize_named_tensors(entries[0])
         except UnsafePayloadError as e:
             raise RequestError(str(e)) from e
+        whole, received = received, self._drop_draft(received)
         problems = [p for p in (self._check(name, t) for name, t in received) if p]
         if not problems and self.device.type == "cpu":
-            problems = _differing_entries(entries, received)
+            problems = _differing_entries(entries, whole)
         if problems:
             return False, "Failed to update parameter online: " + "; ".join(problems)
         if body.get("abort_all_requests"):
             self.engine.abort(abort_all=True)
         with self.engine.weights_exclusive(), torch.no_grad():
             self.engine.wait_weights()
-            torch._foreach_copy_([self.params[n] for n, _ in received], [t for _, t in received])
+            if received:  # none: the draft model's tensors alone (_drop_draft)
+                torch._foreach_copy_([self.params[n] for n, _ in received], [t for _, t in received])
             if self.device.type == "cuda":  # the sender's memory must not be read after we answer
                 torch.cuda.synchronize(self.device)
             if version is not None:
                 self.weight_version = version
         names = [n for n, _ in received]
-        del received  # drop the mapped IPC / shared-memory storages now
+        del received, whole  # drop the mapped IPC / shared-memory storages now
         return self._loaded(names, version)
 
     def update_from_disk(self, body: dict) -> tuple[bool, str]:
@@ -234,6 +243,7 @@ class WeightSync:
         received: list[tuple[str, torch.Tensor]] = []
         for f in files:
             received += load_file(str(f)).items()
+        received = self._drop_draft(received)
         problems = [p for p in (self._check(name, t) for name, t in received) if p]
         if problems:
             return False, "Failed to update weights: " + "; ".join(problems)
@@ -315,6 +325,13 @@ class WeightSync:
             parts = flat.view(dtypes[0]).split([(b - a) // dtypes[0].itemsize for _, _, _, a, b in spans])
             return [(name, p.view(shape)) for (name, _, shape, _, _), p in zip(spans, parts, strict=True)]
         return [(name, flat[a:b].view(dtype).reshape(shape)) for name, dtype, shape, a, b in spans]
+
+    def _drop_draft(self, received: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """`received` less the tensors of the multi-token-prediction layers (the draft model's; see __init__)."""
+        if self._draft_from is None:
+            return received
+        return [(n, t) for n, t in received if not n.startswith("model.mtp_layers.")  # MiMo's names
+                and not (n.startswith("model.layers.") and int(n.split(".")[2]) >= self._draft_from)]
 
     def _check(self, name: str, t: torch.Tensor) -> str | None:
         if self.memory is not None and self.memory.weights_released:

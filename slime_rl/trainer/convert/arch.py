@@ -7,6 +7,7 @@ flags) build nothing: preflight compares them with this (model_args.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,9 +79,10 @@ class ModelArch:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
-    # multi-token-prediction layers the checkpoint holds after the decoder (num_nextn_predict_layers):
-    # their tensors are read past and not trained
+    # multi-token-prediction layers the checkpoint holds after the decoder (num_nextn_predict_layers), and how many
+    # of them the trainer builds (--mtp-num-layers, `with_mtp`; 0: their tensors are read past, never sent)
     mtp_layers: int = 0
+    mtp_built: int = 0
     # hybrid linear attention (Family.gated_delta_net, Qwen3-Next): per layer whether it is a GatedDeltaNet (HF
     # layer_types "linear_attention"); its key/value head counts and widths and its convolution's width; the full
     # attention's sigmoid output gate (megatron's attention_output_gate); RMSNorms that scale by 1 + w
@@ -128,9 +130,22 @@ class ModelArch:
                                       self.is_linear_layer(i))
 
     def param_maps(self) -> list[ParamMap]:
-        """Every tensor of the model as one rank would hold it (Family.param_maps for this config)."""
-        return self.family.param_maps(self.num_layers, self.tie_word_embeddings, self.num_experts, self.moe_layers,
+        """Every tensor of the model as one rank would hold it (Family.param_maps for this config), the built
+        multi-token-prediction layers (`mtp_maps`, experts expanded) between the decoder and the final norm."""
+        maps = self.family.param_maps(self.num_layers, self.tie_word_embeddings, self.num_experts, self.moe_layers,
                                       self.qk_layernorm, self.q_lora_rank > 0, self.linear_layers)
+        if not self.mtp_built:
+            return maps
+        tail = sum(1 for p in self.family.global_params if not p.mcore.startswith("embedding.")
+                   and not (p.untied_only and self.tie_word_embeddings))
+        mtp = [e for p in self.mtp_maps() for e in p.expand_experts(self.num_experts)]
+        return maps[:len(maps) - tail] + mtp + maps[len(maps) - tail:]
+
+    def mtp_maps(self) -> list[ParamMap]:
+        """The entries of the built multi-token-prediction layers (Family.mtp_maps; expert entries unexpanded):
+        each holds the decoder layer of an MoE layer (a dense one in a dense family), as HF's and SGLang's do."""
+        layer = self.family.layer_maps(bool(self.num_experts), self.qk_layernorm, self.q_lora_rank > 0)
+        return [p for k in range(self.mtp_built) for p in self.family.mtp_maps(self.num_layers, k, layer)]
 
     @property
     def mla(self) -> bool:
@@ -361,6 +376,23 @@ def _mtp_layers(cfg: dict[str, Any], family: Family) -> int:
     return int(cfg.get("num_nextn_predict_layers") or 0)
 
 
+def with_mtp(arch: ModelArch, num_layers: int | None, where: str = "config.json") -> ModelArch:
+    """The arch with `num_layers` multi-token-prediction layers built (--mtp-num-layers; None or 0: none). ValueError
+    naming the flag and config.json's key when the family has none or the checkpoint holds fewer."""
+    if not num_layers:
+        return arch
+    key = "num_mtp_modules" if arch.model_type == "minimax_m2" else "num_nextn_predict_layers"
+    if not arch.family.mtp:
+        raise ValueError(f"--mtp-num-layers {num_layers}: model_type {arch.model_type!r} has no multi-token-prediction "
+                         "layers the trainer builds (deepseek_v3, glm4_moe_lite, kimi_k2, mimo)")
+    if num_layers > arch.mtp_layers:
+        raise ValueError(f"--mtp-num-layers {num_layers}: {where} has {key} {arch.mtp_layers}, so the checkpoint holds "
+                         f"{'no' if not arch.mtp_layers else f'only {arch.mtp_layers}'} multi-token-prediction "
+                         f"layer(s) to build (a checkpoint with them has {key} >= {num_layers} and their tensors "
+                         f"{arch.family.mtp_layer_prefix.replace('{k}', '0') or f'model.layers.{arch.num_layers}.'}*)")
+    return dataclasses.replace(arch, mtp_built=num_layers)
+
+
 def _minimax_rotary_percent(cfg: dict[str, Any], family: Family, where: str) -> float:
     """MiniMax-M2 rotates the first rotary_dim channels of each head: SGLang reads rotary_dim (absent: the whole
     head), transformers rotary_dim / head_dim unless rope_parameters gives partial_rotary_factor; a file where the
@@ -520,7 +552,7 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             + arch.linear_num_value_heads * arch.linear_value_head_dim,
             "gdn_heads": arch.linear_num_value_heads, "gdn_vhead": arch.linear_value_head_dim,
             "gdn_v": arch.linear_num_value_heads * arch.linear_value_head_dim,
-            "conv_kernel": arch.linear_conv_kernel_dim}
+            "conv_kernel": arch.linear_conv_kernel_dim, "hidden2": 2 * arch.hidden_size}
     out: dict[str, tuple[int, ...]] = {pm.hf[0]: pm.shapes[0] for pm in arch.vision_params}  # concrete sizes
     for pm in arch.param_maps():
         assert len(pm.shapes) == len(pm.hf), f"registry entry {pm.mcore}: one shape per HF name"

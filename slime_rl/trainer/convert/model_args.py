@@ -153,8 +153,10 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
         compare("--swiglu", "silu", "hidden_act", text.get("hidden_act", "silu"), claim="--swiglu (SiLU)")
     qkv = (f"attention_bias {fmt(text['attention_bias'])}" if "attention_bias" in text else f"model_type {mt}") + \
         (": q/k/v projections with bias" if fam.qkv_bias else ": q/k/v projections without bias")
-    switch("--add-qkv-bias", fam.qkv_bias, qkv, "with --disable-bias-linear Megatron-LM builds q/k/v without bias",
-           read_absent=whole and has("--disable-bias-linear"))
+    if not (arch.mla and has("--multi-latent-attention")):  # Megatron-LM's MLA projections never take a bias,
+        # whatever --add-qkv-bias says (slime's glm4.7-30B-A3B.sh gives it): the same model
+        switch("--add-qkv-bias", fam.qkv_bias, qkv, "with --disable-bias-linear Megatron-LM builds q/k/v without "
+               "bias", read_absent=whole and has("--disable-bias-linear"))
     # ---- norms
     if "--normalization" in given:
         compare("--normalization", given["--normalization"], "", "RMSNorm", truth=f"model_type {mt}, whose norms "
@@ -228,11 +230,8 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
     elif spec is not None and spec not in ([], ["local"]) and (not fam.slime_spec or spec != list(fam.slime_spec)):
         out.append(Mismatch(f"--spec {' '.join(spec)}", f"model_type {mt}, which the trainer builds with "
                             "megatron-core's local layer spec (config/families.py); a spec function is not loaded"))
-    if given.get("--mtp-num-layers"):
-        nextn = text.get("num_nextn_predict_layers")
-        out.append(Mismatch(f"--mtp-num-layers {given['--mtp-num-layers']}",
-                            (f"num_nextn_predict_layers {nextn}" if nextn else "no num_nextn_predict_layers")
-                            + ": the trainer builds no multi-token-prediction layers"))
+    # --mtp-num-layers builds the MTP layers (TrainerConfig.mtp_num_layers): preflight checks it against config.json
+    # (convert/arch.py with_mtp), whether MODEL_ARGS or the run's own flags give it
     _compare_moe(given, text, arch, whole, out, compare)
     return out
 

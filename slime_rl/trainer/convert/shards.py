@@ -142,6 +142,8 @@ def hf_to_mcore_shard(pm: ParamMap, hf: list[Tensor], arch: ModelArch, tp_rank: 
         return hf[0].chunk(tp_size, dim=1)[tp_rank]
     if pm.layout is Layout.COLUMN:
         return hf[0].chunk(tp_size, dim=0)[tp_rank]
+    if pm.layout is Layout.COLUMN_HALVES_SWAPPED:
+        return _swap_halves(hf[0]).chunk(tp_size, dim=0)[tp_rank]
     if pm.layout is Layout.VOCAB:
         full = hf[0]
         if full.shape[0] != arch.vocab_size:
@@ -169,6 +171,12 @@ def hf_to_mcore_shard(pm: ParamMap, hf: list[Tensor], arch: ModelArch, tp_rank: 
     raise AssertionError(pm.layout)
 
 
+def _swap_halves(t: Tensor) -> Tensor:
+    """[rows, (a; b)] -> [rows, (b; a)] (a copy): MiMo's MTP input_proj <-> megatron's eh_proj, either way."""
+    first, second = t.chunk(2, dim=1)
+    return torch.cat([second, first], dim=1)
+
+
 def _cat(tensors: list[Tensor], dim: int = 0) -> Tensor:
     # one shard (TP=1): the tensor itself, not a copy. Weight sync copies every tensor into its
     # bucket anyway, and an extra allocation + copy per tensor was most of the sync's host time.
@@ -186,6 +194,8 @@ def mcore_shards_to_hf(pm: ParamMap, shards: list[Tensor], arch: ModelArch) -> l
         return [(pm.hf[0], _cat(shards, dim=1))]
     if pm.layout is Layout.COLUMN:
         return [(pm.hf[0], _cat(shards))]
+    if pm.layout is Layout.COLUMN_HALVES_SWAPPED:
+        return [(pm.hf[0], _swap_halves(_cat(shards)))]
     if pm.layout is Layout.VOCAB:
         return [(pm.hf[0], _cat(shards)[: arch.vocab_size])]
     if pm.layout is Layout.QKV:
@@ -255,4 +265,4 @@ def mcore_param_to_hf_views(pm: ParamMap, param: Tensor, arch: ModelArch) -> lis
 
 
 # (layout, HF name index) whose TP=1 weight-sync source is a copy of the parameter, not a view of it
-COPIED_AT_TP1 = frozenset({(Layout.GDN_IN_PROJ, 0)})
+COPIED_AT_TP1 = frozenset({(Layout.GDN_IN_PROJ, 0), (Layout.COLUMN_HALVES_SWAPPED, 0)})
