@@ -222,6 +222,7 @@ def check_model_features(cfg: Config) -> None:
     vision-language or a mixture-of-experts checkpoint."""
     from slime_rl.config.families import NOT_BUILT
     from slime_rl.trainer.convert import FAMILIES, arch_from_hf_config, read_hf_config
+    from slime_rl.trainer.convert.arch import check_dsa_stages
 
     try:
         hf = read_hf_config(cfg.model.hf_checkpoint)
@@ -233,6 +234,10 @@ def check_model_features(cfg: Config) -> None:
         raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: its config.json names {named}, which is not "
                           f"a model family this trainer builds (supported: {', '.join(sorted(FAMILIES))})"
                           + (f": {NOT_BUILT[model_type]}" if model_type in NOT_BUILT else ""))
+    if FAMILIES[model_type].dsa and cfg.engine.backend == "embedded":  # engines/embedded/server.py
+        raise ConfigError(f"--rollout-backend embedded: --hf-checkpoint {cfg.model.hf_checkpoint} is model_type "
+                          f"{model_type!r}, whose sparse attention (its indexer's key cache beside the key/value "
+                          "cache) the built-in engine does not serve; use --rollout-backend sglang")
     if FAMILIES[model_type].gated_delta_net and cfg.engine.backend == "embedded":  # engines/embedded/server.py
         raise ConfigError(f"--rollout-backend embedded: --hf-checkpoint {cfg.model.hf_checkpoint} is model_type "
                           f"{model_type!r}, whose Gated DeltaNet (linear attention) layers the built-in engine does "
@@ -246,6 +251,17 @@ def check_model_features(cfg: Config) -> None:
     except ValueError as exc:
         raise ConfigError(f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "
                           f"{cfg.model.hf_checkpoint}: {exc}") from exc
+    if arch.dsa_indexer_layers:  # sparse attention (trainer/dsa.py): no context parallelism, stages start on indexers
+        if cfg.parallel.context_parallel_size > 1:
+            raise ConfigError(f"--context-parallel-size {cfg.parallel.context_parallel_size}: {model_type}'s sparse "
+                              "attention (its indexer's choice of keys) under context parallelism is not built; train "
+                              "it with --context-parallel-size 1")
+        counts = cfg.parallel.stage_layers(arch.num_layers)
+        try:
+            check_dsa_stages(arch.dsa_indexer_layers, [sum(counts[:r]) for r in range(len(counts))])
+        except ValueError as exc:
+            raise ConfigError(f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "
+                              f"{cfg.model.hf_checkpoint}: {exc}") from exc
     check_model_args(cfg, hf, arch)
     if arch.mtp_layers:
         import warnings
