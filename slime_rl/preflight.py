@@ -251,11 +251,7 @@ def check_model_features(cfg: Config) -> None:
     except ValueError as exc:
         raise ConfigError(f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "
                           f"{cfg.model.hf_checkpoint}: {exc}") from exc
-    if arch.dsa_indexer_layers:  # sparse attention (trainer/dsa.py): no context parallelism, stages start on indexers
-        if cfg.parallel.context_parallel_size > 1:
-            raise ConfigError(f"--context-parallel-size {cfg.parallel.context_parallel_size}: {model_type}'s sparse "
-                              "attention (its indexer's choice of keys) under context parallelism is not built; train "
-                              "it with --context-parallel-size 1")
+    if arch.dsa_indexer_layers:  # sparse attention (trainer/dsa.py): each pipeline stage starts on an indexer
         counts = cfg.parallel.stage_layers(arch.num_layers)
         try:
             check_dsa_stages(arch.dsa_indexer_layers, [sum(counts[:r]) for r in range(len(counts))])

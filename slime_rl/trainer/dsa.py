@@ -21,8 +21,10 @@ Computed in float32 (the indexer's weights cast, as transformers computes its sc
 (packed THD: by cu_seqlens; padded BSHD: by row), with an explicit [tokens, tokens] mask: the CPU path. SGLang's
 indexer rotates q and k by a Hadamard transform (scaled to be orthonormal) before its FP8 cache; an orthonormal
 rotation of both leaves q . k unchanged, so the scores here are the same without it. Under sequence parallelism the
-indexer's inputs (this rank's tokens) are gathered over the TP group first. Context parallelism is not built here
-(model.transformer_config refuses it).
+indexer's inputs (this rank's tokens) are gathered over the TP group first. Under context parallelism
+(context_parallel.py's layout: each CP rank two chunks of every sample) the keys, the values and the indexer's
+inputs are gathered over the CP group, and each rank's queries choose among the whole sample's keys by global
+position, as SDPACoreAttention's context-parallel path attends.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from slime_rl.trainer.attention import SDPACoreAttention
+from slime_rl.trainer.context_parallel import all_gather_seq, local_positions
 from slime_rl.trainer.mcore import gather_from_sequence_parallel_region
 
 # the indexer key's LayerNorm epsilon (transformers' GlmMoeDsaIndexer and SGLang's Indexer: fixed, not in config.json)
@@ -91,52 +94,37 @@ class DSACoreAttention(SDPACoreAttention):
 
     # ---------------------------------------------------------------------------------------------- selection
 
-    def _positions(self, t: int, packed_seq_params, device) -> tuple[list[int], Tensor]:
-        """(sample bounds, each token's position in its sample) of a THD pack of t tokens."""
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
-        if bounds[-1] < t:  # pack padding: a sample of its own, never read
-            bounds.append(t)
-        pos = torch.cat([torch.arange(e - s, device=device) for s, e in zip(bounds[:-1], bounds[1:], strict=True)])
-        return bounds, pos
-
     def _cos_sin(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         r = self.rope_dim
         inv_freq = 1.0 / (self.rotary_base ** (torch.arange(0, r, 2, dtype=torch.float32, device=pos.device) / r))
         freqs = pos.to(torch.float32)[:, None] * inv_freq[None, :]
         return freqs.cos(), freqs.sin()
 
-    @torch.no_grad()
-    def _select(self, x: Tensor, qr: Tensor, pos: Tensor, bounds: list[int]) -> list[Tensor]:
-        """Per sample, the [n, n] mask of the keys each query attends to. x [t, hidden], qr [t, q_lora]."""
-        ix = self.indexer
-        t, heads, dim, r = x.shape[0], self.index_heads, self.index_head_dim, self.rope_dim
-        x, qr = x.float(), qr.float()
-        q = F.linear(qr, ix.wq_b.weight.float()).view(t, heads, dim)
-        k = F.layer_norm(F.linear(x, ix.wk.weight.float()), (dim,), ix.k_norm.weight.float(), ix.k_norm.bias.float(),
-                         K_NORM_EPS)
+    def _rope(self, z: Tensor, pos: Tensor) -> Tensor:
         cos, sin = self._cos_sin(pos)
-        q = torch.cat([_rotate_interleaved(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-        k = torch.cat([_rotate_interleaved(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        w = F.linear(x, ix.weights_proj.weight.float()) * heads ** -0.5  # [t, heads]
-        masks = []
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            n = end - start
-            if n == 0:
-                masks.append(torch.zeros(0, 0, dtype=torch.bool, device=x.device))
-                continue
-            sl = slice(start, end)
-            scores = F.relu(torch.einsum("thd,sd->ths", q[sl], k[sl]) * dim ** -0.5)  # [n, heads, n]
-            index = torch.einsum("th,ths->ts", w[sl], scores)
-            causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-            index = index.masked_fill(~causal, float("-inf"))
-            top = index.topk(min(self.topk, n), dim=-1).indices
-            chosen = torch.zeros(n, n, dtype=torch.bool, device=x.device).scatter_(1, top, True)
-            masks.append(chosen & causal)
-        return masks
+        return torch.cat([_rotate_interleaved(z[..., :self.rope_dim], cos, sin), z[..., self.rope_dim:]], dim=-1)
 
-    def _masks(self, x: Tensor, qr: Tensor, bounds: list[int], pos: Tensor, packed_seq_params) -> list[Tensor]:
-        """This layer's masks: its indexer's, or (a shared layer) its source layer's of this micro-batch."""
-        holder = packed_seq_params if packed_seq_params is not None else None
+    @torch.no_grad()
+    def _choose(self, xq: Tensor, qrq: Tensor, pq: Tensor, xk: Tensor, pk: Tensor) -> Tensor:
+        """One sample: the [queries, keys] mask of the keys each query attends to, from the queries' layer input xq,
+        query latent qrq and positions pq, and the keys' layer input xk and positions pk (positions in the sample)."""
+        ix, heads, dim = self.indexer, self.index_heads, self.index_head_dim
+        q = self._rope(F.linear(qrq.float(), ix.wq_b.weight.float()).view(-1, heads, dim), pq)
+        k = F.layer_norm(F.linear(xk.float(), ix.wk.weight.float()), (dim,), ix.k_norm.weight.float(),
+                         ix.k_norm.bias.float(), K_NORM_EPS)
+        k = self._rope(k, pk)
+        w = F.linear(xq.float(), ix.weights_proj.weight.float()) * heads ** -0.5  # [queries, heads]
+        scores = F.relu(torch.einsum("thd,sd->ths", q, k) * dim ** -0.5)  # [queries, heads, keys]
+        index = torch.einsum("th,ths->ts", w, scores)
+        causal = pk[None, :] <= pq[:, None]
+        index = index.masked_fill(~causal, float("-inf"))
+        top = index.topk(min(self.topk, k.shape[0]), dim=-1).indices
+        return torch.zeros_like(causal).scatter_(1, top, True) & causal
+
+    def _masks(self, samples: list[tuple], packed_seq_params) -> list[Tensor]:
+        """This layer's masks, one per sample: its indexer's, or (a shared layer) its source layer's of this
+        micro-batch. `samples`: per sample (xq, qrq, pq, xk, pk) as `_choose` takes them."""
+        holder = packed_seq_params
         if self.indexer is None:
             store = getattr(holder, _HOLDER, None) if holder is not None else getattr(self, "_source_module", None)
             masks = store.get(self.source) if isinstance(store, dict) else getattr(store, "_last_masks", None)
@@ -145,9 +133,7 @@ class DSACoreAttention(SDPACoreAttention):
                                    "which did not run before it in this forward (a pipeline stage must start on a "
                                    "layer with its own indexer)")
             return masks
-        if self.sequence_parallel:  # this rank's tokens -> all tokens (the indexer sees the whole sequence)
-            x, qr = (gather_from_sequence_parallel_region(v.detach()) for v in (x, qr))
-        masks = self._select(x.detach().reshape(-1, x.shape[-1]), qr.detach().reshape(-1, qr.shape[-1]), pos, bounds)
+        masks = [self._choose(*sample) for sample in samples]
         if holder is not None:
             store = getattr(holder, _HOLDER, None)
             if store is None:
@@ -157,41 +143,71 @@ class DSACoreAttention(SDPACoreAttention):
         self._last_masks = masks
         return masks
 
+    def _indexer_inputs(self, x: Tensor, qr: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """(x, qr) of this rank's tokens, detached and whole over the TP group (sequence parallelism), and under
+        context parallelism both gathered over the CP group (rank-ordered, as the keys are); None without it."""
+        if self.indexer is None:
+            return x, qr, None, None
+        x, qr = x.detach(), qr.detach()
+        if self.sequence_parallel:  # this rank's tokens -> the TP group's (the indexer sees every token)
+            x, qr = (gather_from_sequence_parallel_region(v) for v in (x, qr))
+        if self.cp_group is None:
+            return x, qr, None, None
+        with torch.no_grad():
+            return x, qr, all_gather_seq(x, self.cp_group), all_gather_seq(qr, self.cp_group)
+
     # ------------------------------------------------------------------------------------------------ forward
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias: Tensor | None = None, packed_seq_params=None,
                 x: Tensor | None = None, qr: Tensor | None = None) -> Tensor:
         assert attention_bias is None, "attention bias is not supported by DSACoreAttention"
-        assert self.cp_group is None, "sparse attention under context parallelism is not built"
+        cp, dev = self.cp_size if self.cp_group is not None else 1, query.device
+        rank = self.cp_group.rank() if cp > 1 else 0
+        x, qr, xg, _ = self._indexer_inputs(x, qr)
+        if cp > 1:  # keys and values of the whole sequence, in rank order (backward: summed onto their owners)
+            kg, vg = (all_gather_seq(z, self.cp_group) for z in (key, value))
         if packed_seq_params is not None:
             assert packed_seq_params.qkv_format == "thd", f"qkv_format {packed_seq_params.qkv_format!r}"
-            t = query.shape[0]  # q [t, np, hn], k [t, np, hn], v [t, np, hv]
-            bounds, pos = self._positions(t, packed_seq_params, query.device)
-            masks = self._masks(x, qr, bounds, pos, packed_seq_params)
-            outs = []
-            for (start, end), mask in zip(zip(bounds[:-1], bounds[1:], strict=True), masks, strict=True):
-                if end == start:
+            t = query.shape[0]  # q [t, np, hn], k [t, np, hn], v [t, np, hv]; x [t, 1, h], qr [t, q_lora]
+            x, qr = x.reshape(t, -1), qr.reshape(t, -1)
+            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            if cp == 1 and bounds[-1] < t:  # pack padding: a sample of its own, never read
+                bounds.append(t)
+            rows, samples = [], []
+            for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+                n = end - start
+                if n == 0:
                     continue
-                q, k, v = (z[start:end].transpose(0, 1)[None] for z in (query, key, value))
-                outs.append(self._sdpa(q, k, v, mask)[0].transpose(0, 1))
-            out = torch.cat(outs, dim=0)
+                if cp == 1:
+                    sl, pq = slice(start, end), torch.arange(n, device=dev)
+                    rows.append((query[sl], key[sl], value[sl]))
+                    samples.append((x[sl], qr[sl], pq, x[sl], pq))
+                    continue
+                sl = slice(start // cp, end // cp)  # the sample's local slice (its two chunks)
+                pq = local_positions(n, cp, rank).to(dev)
+                pk = torch.cat([local_positions(n, cp, j) for j in range(cp)]).to(dev)
+                ks, vs = (z.view(cp, t, *z.shape[1:])[:, sl].reshape(-1, *z.shape[1:]) for z in (kg, vg))
+                rows.append((query[sl], ks, vs))
+                if self.indexer is not None:
+                    xk = xg.reshape(cp, t, -1)[:, sl].reshape(-1, x.shape[-1])
+                    samples.append((x[sl], qr[sl], pq, xk, pk))
+            masks = self._masks(samples, packed_seq_params)
+            out = torch.cat([self._sdpa(*(z.transpose(0, 1)[None] for z in row), mask)[0].transpose(0, 1)
+                             for row, mask in zip(rows, masks, strict=True)], dim=0)
             return out.reshape(out.shape[0], -1)
-        # padded rows: q [s, b, np, hn]; each row a sample from position 0 (its padding after it, never read)
+        # padded rows: q [s, b, np, hn] (this CP rank's chunks of each row); each row a sample from position 0, its
+        # padding after it (never read); x [s, b, h], qr [s, b, q_lora]
+        assert not self.sequence_parallel, "sequence parallelism needs packed micro-batches"
         s, b = query.shape[:2]
-        bounds = [i * s for i in range(b + 1)]
-        pos = torch.arange(s, device=query.device).repeat(b)
-        # x [s, b, h], qr [s, b, q_lora] (sequence-parallel: this rank's rows) -> row-major tokens
-        masks = self._masks(_rows_first(x, self.sequence_parallel), _rows_first(qr, self.sequence_parallel),
-                            bounds, pos, None)
-        q, k, v = (z.permute(1, 2, 0, 3) for z in (query, key, value))  # [b, h, s, d]
+        pq = local_positions(s * cp, cp, rank).to(dev) if cp > 1 else torch.arange(s, device=dev)
+        pk = torch.cat([local_positions(s * cp, cp, j) for j in range(cp)]).to(dev) if cp > 1 else pq
+        keys, values, xk = (kg, vg, xg) if cp > 1 else (key, value, x)
+        samples = [(x[:, r], qr[:, r], pq, xk[:, r], pk) for r in range(b)] if self.indexer is not None else []
+        masks = self._masks(samples, None)
+        q, k, v = (z.permute(1, 2, 0, 3) for z in (query, keys, values))  # [b, h, s, d]
         out = self._sdpa(q, k, v, torch.stack(masks)[:, None])  # [b, np, s, hv]
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim)
-
-
-def _rows_first(z: Tensor, sequence_parallel: bool) -> Tensor:
-    assert not sequence_parallel, "sequence parallelism needs packed micro-batches"
-    return z.transpose(0, 1).reshape(-1, z.shape[-1])
 
 
 def link_shared_layers(model: torch.nn.Module) -> None:

@@ -182,10 +182,6 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
                       linear_key_head_dim=arch.linear_key_head_dim, linear_value_head_dim=arch.linear_value_head_dim,
                       linear_num_key_heads=arch.linear_num_key_heads,
                       linear_num_value_heads=arch.linear_num_value_heads)
-    if arch.dsa_index_topk and context_parallel_size > 1:
-        raise ValueError(f"{arch.model_type}: sparse attention (its indexer, trainer/dsa.py) under "
-                         f"--context-parallel-size {context_parallel_size} is not built; train it with "
-                         "--context-parallel-size 1")
     config = config_class(
         **uneven,
         **mla,

@@ -21,9 +21,9 @@ MOE_LAYOUTS = {  # name: (tp, pp, ep); DP is what is left of the world, ETP = TP
     "cp2ep2": (1, 1, 2), "ep2tp2etp1": (2, 1, 2), "ep2ag": (1, 1, 2),
     "ep2tp2ag": (2, 1, 2),
     # world 2 with the experts whole on every rank: TP=2 (sequence parallel), PP=2
-    "tp2": (2, 1, 1), "pp2": (1, 2, 1),
+    "tp2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 1),
 }
-MOE_CP = {"cp2ep2": 2}  # --context-parallel-size where not 1
+MOE_CP = {"cp2ep2": 2, "cp2": 2}  # --context-parallel-size where not 1
 MOE_ETP = {"ep2tp2etp1": 1}  # --expert-tensor-parallel-size where not the TP size
 
 
@@ -135,10 +135,10 @@ SCENARIOS.update({"qwen2_moe1": _qwen2_moe("base", noaux=True), "qwen2_moe_ep2":
                   "yarn1": _qwen2_moe("base", noaux=True, key="yarn"),
                   "glm4_moe_lite1": _qwen2_moe("base", noaux=True, key="glm4_moe_lite"),
                   "yarn_cp2ep2": _qwen2_moe("cp2ep2", key="yarn"), "yarn_ep2tp2": _qwen2_moe("ep2tp2", key="yarn"),
-                  # GLM-5 (glm_moe_dsa): sparse attention over deepseek_v3's layout; TP=2, PP=2 and EP=2 in one
+                  # GLM-5 (glm_moe_dsa): sparse attention over deepseek_v3's layout; TP=2, PP=2, EP=2 and CP=2 in one
                   # 2-rank launch
                   "glm_moe_dsa1": _qwen2_moe("base", noaux=True, key="glm_moe_dsa"),
-                  "glm_moe_dsa_2ranks": _qwen2_moe("tp2", "pp2", "ep2", key="glm_moe_dsa")})
+                  "glm_moe_dsa_2ranks": _qwen2_moe("tp2", "pp2", "ep2", "cp2", key="glm_moe_dsa")})
 
 
 def scenario_glm4_moe_bf16(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:

@@ -146,21 +146,15 @@ def test_glm_moe_dsa_configs_refused_naming_the_field(change, message):
         arch_from_hf_config(cfg, where="ckpt/config.json")
 
 
-def test_pipeline_stages_start_on_an_indexer_layer_and_no_context_parallel():
+def test_pipeline_stages_start_on_an_indexer_layer():
     """A shared layer's top-k comes from an earlier layer of its own stage (as slime's GLM-5 provider requires), so a
-    split whose stage starts on a shared layer is refused naming the flags; context parallelism is refused too."""
-    from slime_rl.trainer.convert import arch_from_hf_config
+    split whose stage starts on a shared layer is refused naming the flags."""
     from slime_rl.trainer.convert.arch import check_dsa_stages as check_stages
-    from slime_rl.trainer.model import transformer_config
 
     check_stages((True, True, True, False), [0, 2])
     with pytest.raises(ValueError, match=r"stages start at layers \[0, 3\], and layer\(s\) \[3\] reuse .*"
                                          r"--decoder-first-pipeline-num-layers .* one of \[0, 1, 2\]"):
         check_stages((True, True, True, False), [0, 3])
-    arch = arch_from_hf_config(BASE)
-    with pytest.raises(ValueError, match="sparse attention .* under --context-parallel-size 2 is not built"):
-        transformer_config(arch, bf16=False, tp_size=1, pp_size=1, use_cpu_initialization=True,
-                           context_parallel_size=2)
 
 
 def test_sparsity_changes_the_model(tiny_glm_moe_dsa, tmp_path):
@@ -198,15 +192,17 @@ def test_one_rank_glm_moe_dsa_equals_hf(dsa_scenario, tiny_glm_moe_dsa):
 
 
 @pytest.mark.slow
-def test_glm_moe_dsa_tp2_pp2_ep2_equal_one_rank(dsa_scenario, tiny_glm_moe_dsa):
+def test_glm_moe_dsa_tp2_pp2_ep2_cp2_equal_one_rank(dsa_scenario, tiny_glm_moe_dsa):
     """TP=2 (sequence parallel: the indexer's inputs gathered, each rank its heads of the same chosen keys), PP=2
-    (layer 3 shares layer 2's choice on the second stage) and EP=2, in one 2-rank launch: one rank's log-probs,
+    (layer 3 shares layer 2's choice on the second stage), EP=2 and CP=2 (each rank's queries choose among the whole
+    sample's keys by global position), in one 2-rank launch: one rank's log-probs,
     gradient, grad norm and aux loss; the weights out and --save-hf's folder are the checkpoint's tensors, bit for
     bit."""
     (one,) = dsa_scenario("glm_moe_dsa1", 1)
     ranks = dsa_scenario("glm_moe_dsa_2ranks", 2)
     want = load_file(tiny_glm_moe_dsa / "model.safetensors")
-    for name, layouts in (("tp2", ("packed",)), ("pp2", ("padded", "packed")), ("ep2", ("padded", "packed"))):
+    for name, layouts in (("tp2", ("packed",)), ("pp2", ("padded", "packed")), ("ep2", ("padded", "packed")),
+                          ("cp2", ("padded", "packed"))):
         assert_layout_covered(ranks, name, 2)
         for layout in layouts:
             diffs = _diffs(one, ranks, name, layout)
