@@ -41,6 +41,16 @@ MLASelfAttention under the local spec, the query one projection or a low-rank pa
 the rotary channels. Its projections are Layout.COLUMN (split on the output rows) or, for the down
 projections, whole on every TP rank (trainer/mcore.py's DuplicatedLinear says why).
 
+GLM-5 / GLM-5.1 / GLM-5.2 (`glm_moe_dsa`, 744B-A40B; GlmMoeDsaForCausalLM) is DeepSeek-V3's layout (GLM's defaults:
+one expert group, scaling 2.5, 3 dense layers) with DeepSeek Sparse Attention (`Family.dsa`): in each layer a lightning
+indexer (HF `self_attn.indexer.wq_b / wk / k_norm (weight, bias) / weights_proj`, SGLang's Indexer under the same
+names: `Family.indexer_params`, whole on every TP rank, never trained) scores every earlier key of the sample for each
+query, and the MLA attends only to the index_topk best (trainer/dsa.py). GLM-5.2 shares indexers across layers
+(index_topk_freq / index_skip_topk_offset, or index_topk_pattern, or transformers' indexer_types list): a "shared"
+layer has no indexer tensors and reuses the last full layer's choice (ModelArch.dsa_indexer_layers). Interleaved RoPE
+in the attention and in the indexer: transformers always interleaves both; SGLang reads rope_interleave (absent:
+interleaved) and indexer_rope_interleave (absent: the two halves), which the family requires true.
+
 GLM-4 dense (`glm4`: GLM-4-9B-0414, GLM-Z1-9B-0414) is Qwen2's layer with two more norms (`Family.post_norms`): an
 RMSNorm on the attention's output and one on the MLP's, each before its residual add (HF's
 `post_self_attn_layernorm` / `post_mlp_layernorm`; Megatron: the same names on each TransformerLayer,

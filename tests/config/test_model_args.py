@@ -766,7 +766,8 @@ def test_glm5_model_files_agree_and_plan(model, base, tmp_path, capsys):
     on 8 x 8 GPUs with EP 16 (the sparse attention's indexer has no Megatron flag: it comes from config.json)."""
     tokens, sglang = GLM5.format(base=base).split(), ["--rollout-backend", "sglang"]
     shutil.copy(MIGRATION / model / "config.json", tmp_path / "glm5.json")
-    _check(tmp_path, "glm5.json", tokens + sglang, tmp_path)  # slime's GLM-5 spec function accepted for the family
+    # slime's GLM-5 spec function accepted for the family, and its --freeze-indexer (always so here)
+    _check(tmp_path, "glm5.json", tokens + sglang + ["--freeze-indexer"], tmp_path)
     message = _refused(tmp_path, "glm5.json", tokens[3:] + ["--spec", "slime_plugins.models.glm4", "get_glm_spec"]
                        + sglang, tmp_path)
     assert message.startswith("--spec slime_plugins.models.glm4 get_glm_spec: "), message
