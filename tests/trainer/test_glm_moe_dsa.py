@@ -157,28 +157,52 @@ def test_pipeline_stages_start_on_an_indexer_layer():
         check_stages((True, True, True, False), [0, 3])
 
 
-def test_sparsity_changes_the_model(tiny_glm_moe_dsa, tmp_path):
-    """With index_topk 4 the tiny model's log-probs differ from those of dense attention (index_topk past every
-    row's length) by 20x the equality tolerance below at least: the equality checks the choice of keys."""
-    import shutil
+@pytest.fixture(scope="module")
+def hf_ref(tiny_glm_moe_dsa):
+    """transformers' float64 model of the tiny checkpoint and its log-probs, loss and gradient on the test batch."""
+    model, batch = hf_model(tiny_glm_moe_dsa), make_batch()
+    loss, grad = hf_policy_grad(model, batch)
+    return {"model": model, "logp": hf_logprobs(model, batch), "loss": loss, "grad": _per_expert(grad)}
 
-    dense = tmp_path / "dense"
-    shutil.copytree(tiny_glm_moe_dsa, dense)
-    cfg = json.loads((dense / "config.json").read_text())
-    (dense / "config.json").write_text(json.dumps({**cfg, "index_topk": 64}))
-    batch = make_batch()
-    sparse, full = hf_logprobs(hf_model(tiny_glm_moe_dsa), batch), hf_logprobs(hf_model(dense), batch)
-    assert max(abs(a - b) for p, y in zip(sparse, full, strict=True) for a, b in zip(p, y, strict=True)) > 20 * LOGP_TOL
+
+def test_sparsity_changes_the_model(hf_ref):
+    """With index_topk 4 the tiny model's log-probs differ from those of dense attention (every indexer's index_topk
+    past every row's length) by 20x the equality tolerance below at least: the equality checks the choice of keys."""
+    indexers = [layer.self_attn.indexer for layer in hf_ref["model"].model.layers if layer.self_attn.indexer]
+    assert len(indexers) == 3 and {ix.index_topk for ix in indexers} == {4}
+    try:
+        for ix in indexers:
+            ix.index_topk = 64
+        dense = hf_logprobs(hf_ref["model"], make_batch())
+    finally:
+        for ix in indexers:
+            ix.index_topk = 4
+    diff = max(abs(a - b) for p, y in zip(hf_ref["logp"], dense, strict=True) for a, b in zip(p, y, strict=True))
+    assert diff > 20 * LOGP_TOL
+
+
+def test_hadamard_rotation_leaves_the_indexer_scores(hf_ref):
+    """SGLang's indexer rotates its queries and keys by a Hadamard transform scaled by 1 / sqrt(width) before its FP8
+    cache (dsa_indexer.rotate_activation), transformers' and the trainer's do not: an orthonormal rotation of both
+    leaves every product q . k, so the scores and the choice of keys are the same (here with Sylvester's matrix in
+    torch, as fast_hadamard_transform computes it)."""
+    d = 8
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 3, d, generator=g, dtype=torch.float64), torch.randn(7, d, generator=g, dtype=torch.float64)
+    rot = h / d ** 0.5
+    assert torch.allclose(rot @ rot.T, torch.eye(d, dtype=torch.float64))
+    torch.testing.assert_close(torch.einsum("thd,sd->ths", q @ rot, k @ rot), torch.einsum("thd,sd->ths", q, k))
 
 
 @pytest.mark.slow
-def test_one_rank_glm_moe_dsa_equals_hf(dsa_scenario, tiny_glm_moe_dsa):
+def test_one_rank_glm_moe_dsa_equals_hf(dsa_scenario, hf_ref):
     """Sparse MLA (the indexer's choice of 4 keys per query, shared by layer 3) with the sigmoid-routed experts:
     transformers' float64 log-probs (padded and packed micro-batches) and, without the aux loss, its gradient of every
     tensor; the indexer gets none (transformers' runs under no_grad) and is frozen."""
-    model, batch = hf_model(tiny_glm_moe_dsa), make_batch()
-    loss, grad = hf_policy_grad(model, batch)
-    ref_logp, ref_grad = hf_logprobs(model, batch), _per_expert(grad)
+    loss, ref_logp, ref_grad = hf_ref["loss"], hf_ref["logp"], hf_ref["grad"]
     assert not [n for n in ref_grad if ".indexer." in n]
     (one,) = dsa_scenario("glm_moe_dsa1", 1)
     for layout in ("padded", "packed"):
