@@ -233,3 +233,14 @@ def test_glm_moe_dsa_tp2_pp2_ep2_cp2_equal_one_rank(dsa_scenario, tiny_glm_moe_d
             for k, tol in TOL.items():
                 assert diffs[k] <= tol, f"{name} {layout}: max {k} diff {diffs[k]:.3g} > {tol}"
         _assert_weights_out(ranks, name, want)
+
+
+def test_builtin_engine_refuses_sparse_attention_in_one_sentence():
+    """transformers' GlmMoeDsa keeps its indexer's keys in a cache layer of their own, which the built-in engine's
+    left-padded key/value batches do not hold: refused at engine start (preflight refuses it before, naming the
+    flag: tests/config/test_model_args.py), naming the backend that serves it."""
+    from slime_rl.engines.embedded.server import refuse_unserved_family
+
+    with pytest.raises(ValueError, match=r"^model_type 'glm_moe_dsa': the built-in engine does not serve its sparse "
+                                         r"attention, .*; use --rollout-backend sglang$"):
+        refuse_unserved_family("glm_moe_dsa")
