@@ -18,7 +18,10 @@ them with the first sync only (as a frozen vision tower). Megatron's own DSAtten
 loss against the attention's scores; slime does not, nor does this.
 
 Computed in float32 (the indexer's weights cast, as transformers computes its scores in float32), one sample at a time
-(packed THD: by cu_seqlens; padded BSHD: by row), with an explicit [tokens, tokens] mask: the CPU path. SGLang's
+(packed THD: by cu_seqlens; padded BSHD: by row), with an explicit [tokens, tokens] mask: the CPU path, whose memory
+grows with the square of a sample's length (the indexer's scores are taken a block of queries at a time, the mask and
+SDPA's scores are not); long-context training on GPUs wants sparse kernels (slime's GLM-5 provider uses tilelang's
+indexer and sparse MLA), which this path does not use. SGLang's
 indexer rotates q and k by a Hadamard transform (scaled to be orthonormal) before its FP8 cache; an orthonormal
 rotation of both leaves q . k unchanged, so the scores here are the same without it. Under sequence parallelism the
 indexer's inputs (this rank's tokens) are gathered over the TP group first. Under context parallelism
@@ -114,8 +117,11 @@ class DSACoreAttention(SDPACoreAttention):
                          ix.k_norm.bias.float(), K_NORM_EPS)
         k = self._rope(k, pk)
         w = F.linear(xq.float(), ix.weights_proj.weight.float()) * heads ** -0.5  # [queries, heads]
-        scores = F.relu(torch.einsum("thd,sd->ths", q, k) * dim ** -0.5)  # [queries, heads, keys]
-        index = torch.einsum("th,ths->ts", w, scores)
+        # [queries, heads, keys] scores a block of queries at a time (at most ~2^28 floats)
+        block = max(1, (1 << 28) // (heads * k.shape[0]))
+        index = torch.cat([torch.einsum("th,ths->ts", w[i:i + block],
+                                        F.relu(torch.einsum("thd,sd->ths", q[i:i + block], k) * dim ** -0.5))
+                           for i in range(0, q.shape[0], block)])
         causal = pk[None, :] <= pq[:, None]
         index = index.masked_fill(~causal, float("-inf"))
         top = index.topk(min(self.topk, k.shape[0]), dim=-1).indices
