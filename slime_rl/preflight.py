@@ -258,6 +258,16 @@ def check_model_features(cfg: Config) -> None:
         except ValueError as exc:
             raise ConfigError(f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "
                               f"{cfg.model.hf_checkpoint}: {exc}") from exc
+        t = cfg.trainer
+        if (not all(arch.dsa_indexer_layers) and cfg.parallel.pipeline_model_parallel_size > 1
+                and t.recompute_granularity and not t.pack_sequences):
+            # a shared layer's recomputed forward reads its source layer's choice from the micro-batch's
+            # PackedSeqParams; padded micro-batches have none, and 1F1B runs a later micro-batch's forward between
+            raise ConfigError(f"--no-pack-sequences with --recompute-granularity {t.recompute_granularity} and "
+                              f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "
+                              f"{model_type}'s layers that share an earlier layer's top-k keys (indexer_types "
+                              "'shared') find it on the packed micro-batch only when recomputed under pipeline "
+                              "parallelism; drop --no-pack-sequences (or the recompute)")
     check_model_args(cfg, hf, arch)
     if arch.mtp_layers:
         import warnings

@@ -43,7 +43,9 @@ from slime_rl.trainer.mcore import gather_from_sequence_parallel_region
 # the indexer key's LayerNorm epsilon (transformers' GlmMoeDsaIndexer and SGLang's Indexer: fixed, not in config.json)
 K_NORM_EPS = 1e-6
 # where a shared layer finds its source layer's selection: an attribute of the micro-batch's PackedSeqParams (the same
-# object in a recomputed forward, another in the next micro-batch), or of the source module for padded batches
+# object in a recomputed forward, another in the next micro-batch), or of the source module for padded batches (the last
+# forward's: preflight refuses padded micro-batches with activation recompute under pipeline parallelism, where 1F1B
+# runs a later micro-batch's forward before an earlier one's recomputed backward)
 _HOLDER = "_slime_rl_dsa_topk"
 
 

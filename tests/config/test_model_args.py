@@ -781,6 +781,13 @@ def test_glm5_model_files_agree_and_plan(model, base, tmp_path, capsys):
         message = _refused(tmp_path, "glm5.json", tokens + sglang + two + ["--pipeline-model-parallel-size", "2"],
                            tmp_path)
         assert "stages start at layers [0, 39], and layer(s) [39] reuse an earlier layer's top-k" in message, message
+        pp = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "38"]
+        _check(tmp_path, "glm5.json", tokens + sglang + two + pp, tmp_path)  # stages start on layers 0 and 38
+        message = _refused(tmp_path, "glm5.json", tokens + sglang + two + pp + [
+            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+            "--no-pack-sequences"], tmp_path)
+        assert "--no-pack-sequences with --recompute-granularity full and --pipeline-model-parallel-size 2: " \
+               "glm_moe_dsa's layers that share" in message, message
     argv = ["--hf-checkpoint", str(tmp_path / "glm5"), "--prompt-data", "/data/not-here.jsonl",
             "--rollout-batch-size", "16", "--num-rollout", "1", "--rm-type", "math", "--rollout-backend", "sglang",
             "--actor-num-nodes", "4", "--actor-num-gpus-per-node", "8", "--expert-model-parallel-size", "16",
