@@ -218,15 +218,16 @@ def test_one_rank_glm_moe_dsa_equals_hf(dsa_scenario, hf_ref):
 @pytest.mark.slow
 def test_glm_moe_dsa_tp2_pp2_ep2_cp2_equal_one_rank(dsa_scenario, tiny_glm_moe_dsa):
     """TP=2 (sequence parallel: the indexer's inputs gathered, each rank its heads of the same chosen keys), PP=2
-    (layer 3 shares layer 2's choice on the second stage), EP=2 and CP=2 (each rank's queries choose among the whole
-    sample's keys by global position), in one 2-rank launch: one rank's log-probs,
+    (layer 3 shares layer 2's choice on the second stage; also with every layer recomputed in the backward, where
+    layer 3 finds the choice on the micro-batch's PackedSeqParams), EP=2 and CP=2 (each rank's queries choose among
+    the whole sample's keys by global position), in one 2-rank launch: one rank's log-probs,
     gradient, grad norm and aux loss; the weights out and --save-hf's folder are the checkpoint's tensors, bit for
     bit."""
     (one,) = dsa_scenario("glm_moe_dsa1", 1)
     ranks = dsa_scenario("glm_moe_dsa_2ranks", 2)
     want = load_file(tiny_glm_moe_dsa / "model.safetensors")
     for name, layouts in (("tp2", ("packed",)), ("pp2", ("padded", "packed")), ("ep2", ("padded", "packed")),
-                          ("cp2", ("padded", "packed"))):
+                          ("cp2", ("padded", "packed")), ("pp2rc", ("packed",))):
         assert_layout_covered(ranks, name, 2)
         for layout in layouts:
             diffs = _diffs(one, ranks, name, layout)
