@@ -222,6 +222,7 @@ def check_model_features(cfg: Config) -> None:
     vision-language or a mixture-of-experts checkpoint."""
     from slime_rl.config.families import NOT_BUILT
     from slime_rl.trainer.convert import FAMILIES, arch_from_hf_config, read_hf_config, with_mtp
+    from slime_rl.trainer.convert.arch import check_dsa_stages
 
     try:
         hf = read_hf_config(cfg.model.hf_checkpoint)
@@ -233,6 +234,10 @@ def check_model_features(cfg: Config) -> None:
         raise ConfigError(f"--hf-checkpoint {cfg.model.hf_checkpoint}: its config.json names {named}, which is not "
                           f"a model family this trainer builds (supported: {', '.join(sorted(FAMILIES))})"
                           + (f": {NOT_BUILT[model_type]}" if model_type in NOT_BUILT else ""))
+    if FAMILIES[model_type].dsa and cfg.engine.backend == "embedded":  # engines/embedded/server.py
+        raise ConfigError(f"--rollout-backend embedded: --hf-checkpoint {cfg.model.hf_checkpoint} is model_type "
+                          f"{model_type!r}, whose sparse attention (its indexer's key cache beside the key/value "
+                          "cache) the built-in engine does not serve; use --rollout-backend sglang")
     if FAMILIES[model_type].gated_delta_net and cfg.engine.backend == "embedded":  # engines/embedded/server.py
         raise ConfigError(f"--rollout-backend embedded: --hf-checkpoint {cfg.model.hf_checkpoint} is model_type "
                           f"{model_type!r}, whose Gated DeltaNet (linear attention) layers the built-in engine does "
@@ -246,6 +251,23 @@ def check_model_features(cfg: Config) -> None:
     except ValueError as exc:
         raise ConfigError(f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "
                           f"{cfg.model.hf_checkpoint}: {exc}") from exc
+    if arch.dsa_indexer_layers:  # sparse attention (trainer/dsa.py): each pipeline stage starts on an indexer
+        counts = cfg.parallel.stage_layers(arch.num_layers)
+        try:
+            check_dsa_stages(arch.dsa_indexer_layers, [sum(counts[:r]) for r in range(len(counts))])
+        except ValueError as exc:
+            raise ConfigError(f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "
+                              f"{cfg.model.hf_checkpoint}: {exc}") from exc
+        t = cfg.trainer
+        if (not all(arch.dsa_indexer_layers) and cfg.parallel.pipeline_model_parallel_size > 1
+                and t.recompute_granularity and not t.pack_sequences):
+            # a shared layer's recomputed forward reads its source layer's choice from the micro-batch's
+            # PackedSeqParams; padded micro-batches have none, and 1F1B runs a later micro-batch's forward between
+            raise ConfigError(f"--no-pack-sequences with --recompute-granularity {t.recompute_granularity} and "
+                              f"--pipeline-model-parallel-size {cfg.parallel.pipeline_model_parallel_size}: "
+                              f"{model_type}'s layers that share an earlier layer's top-k keys (indexer_types "
+                              "'shared') find it on the packed micro-batch only when recomputed under pipeline "
+                              "parallelism; drop --no-pack-sequences (or the recompute)")
     check_model_args(cfg, hf, arch)
     try:  # --mtp-num-layers against the checkpoint's MTP layers (a sentence naming the flag and config.json's key)
         arch = with_mtp(arch, cfg.trainer.mtp_num_layers, where=f"{cfg.model.hf_checkpoint}/config.json")

@@ -144,6 +144,14 @@ def tiny_mimo_mtp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm_moe_dsa(tmp_path_factory) -> Path:
+    """Tiny GLM-5 / GLM-5.2 (glm_moe_dsa): tiny_glm4_moe_lite's widths with sparse attention (each query's 4 keys
+    chosen by an 8-head indexer; layers 0-2 their own indexer, layer 3 shares layer 2's)."""
+    out = tmp_path_factory.mktemp("tiny_glm_moe_dsa")
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="glm_moe_dsa", seed=23)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """Tiny Llama (untied embeddings, no bias), vocab 64, hidden 64, 2 layers, GQA 4/2."""
     out = tmp_path_factory.mktemp("tiny_llama")

@@ -4,7 +4,7 @@
         [--vocab-size V]
 
 ARCH: qwen2 (default), llama, glm4, qwen3_moe, qwen2_moe, glm4_moe, deepseek_v3, kimi_k2, qwen3_next, qwen3_5,
-qwen3_5_moe, qwen2_5_vl, mimo.
+qwen3_5_moe, qwen2_5_vl, mimo, glm_moe_dsa.
 The folder has config.json, model.safetensors, tokenizer.json + tokenizer_config.json (with a ChatML chat template),
 generation_config.json. Same seed -> same bytes of weights and the same
 tokenizer. The tokenizer uses Qwen2's pre-tokenizer (NFC, Qwen2's split regex, ByteLevel without
@@ -50,6 +50,15 @@ channels and 10 value channels per head, so that no width equals another.
 `--arch glm4_moe_lite` writes a Glm4MoeLiteForCausalLM (as GLM-4.7-Flash): deepseek_v3's model (its attention
 and MoE widths, one group, scaling 1.8) with its dense layers named twice, as mlp_layer_types (transformers)
 and first_k_dense_replace (SGLang).
+
+`--arch glm_moe_dsa` writes a GlmMoeDsaForCausalLM (as GLM-5 / GLM-5.2): deepseek_v3's multi-latent attention
+widths and glm4_moe_lite's MoE layout (one group, scaling 2.5, the first layer dense) with DeepSeek Sparse
+Attention: every query attends to the 4 keys (index_topk) a lightning indexer of 8 heads of width 8 scores highest,
+the first 3 layers running their own indexer and the fourth reusing the third's choice (GLM-5.2's index_topk_freq 2
+with index_skip_topk_offset 3; config.json says it as indexer_types too, as transformers writes it), so each
+pipeline stage of two starts on a layer with its own indexer. The indexer's projections are drawn with std 0.3 (a
+decisive choice, far from ties), its key norm around 1 with a small bias; config.json says indexer_rope_interleave
+and rope_interleave (SGLang's readings; transformers always interleaves).
 
 `--arch kimi_k2` writes the deepseek_v3 model under Kimi-K2's model_type (`kimi_k2`; its architecture is
 DeepseekV3ForCausalLM, which transformers has no model_type of its own for).
@@ -117,7 +126,7 @@ CHAT_TEMPLATE = (
     "{% endif %}"
 )
 ARCHS = ("qwen2", "llama", "glm4", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "kimi_k2",
-         "minimax_m2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "mimo")
+         "glm_moe_dsa", "minimax_m2", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen2_5_vl", "mimo")
 # families transformers runs under another model_type (config/families.py transformers_model_type): the tiny
 # model is built as that one and its config.json then names the family's own model_type
 BUILT_AS = {"kimi_k2": "deepseek_v3", "mimo": "qwen2"}
@@ -235,6 +244,19 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
                                 mlp_layer_types=["dense"] * dense + ["sparse"] * (args.num_layers - dense), **common)
         cfg.first_k_dense_replace = dense  # SGLang's name of the same (transformers' class has no such field)
         return cfg
+    if arch == "glm_moe_dsa":
+        from transformers import GlmMoeDsaConfig
+        common = {k: v for k, v in common.items() if k not in ("rope_theta", "num_key_value_heads")}
+        dense = len(args.mlp_only_layers or [])
+        return GlmMoeDsaConfig(tie_word_embeddings=False, attention_bias=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                               q_lora_rank=args.q_lora_rank or 24, kv_lora_rank=16, qk_nope_head_dim=8,
+                               qk_rope_head_dim=4, v_head_dim=10, num_key_value_heads=args.num_heads,
+                               n_routed_experts=args.num_experts, num_experts_per_tok=args.moe_topk,
+                               moe_intermediate_size=args.moe_intermediate_size, n_shared_experts=1,
+                               norm_topk_prob=True, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+                               first_k_dense_replace=dense, index_topk=4, index_n_heads=8, index_head_dim=8,
+                               index_topk_freq=2, index_skip_topk_offset=3, **common)
     if arch == "minimax_m2":
         from transformers import MiniMaxM2Config
         head_dim = args.hidden_size // args.num_heads
@@ -331,7 +353,9 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     family_type, arch = arch, BUILT_AS.get(arch, arch)  # the model_type config.json names; the one built
-    first_dense = arch in ("glm4_moe", "deepseek_v3", "glm4_moe_lite")  # first_k_dense_replace
+    first_dense = arch in ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "glm_moe_dsa")  # first_k_dense_replace
+    if arch == "glm_moe_dsa" and num_layers is None:
+        num_layers = 4
     if num_layers is None:
         num_layers = 3 if arch == "qwen2_moe" or first_dense else 4 if arch in HYBRID else 2
     if mlp_only_layers is None:
@@ -392,6 +416,8 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("mlp.shared_expert_gate.weight"):  # Qwen2-MoE: a gate that varies by token
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif ".indexer." in name and name.endswith(("wq_b.weight", "wk.weight", "weights_proj.weight")):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))  # GLM-5's indexer: a decisive choice of keys
             elif embed_std is not None and name.endswith(("embed_tokens.weight", "lm_head.weight")):
                 p.copy_(embed_std * torch.randn(p.shape, generator=gen))
         for name, b in model.named_buffers():
@@ -402,6 +428,11 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
         from safetensors.torch import save_file
         save_file({n: t.contiguous() for n, t in model.state_dict().items()}, str(out / "model.safetensors"),
                   metadata={"format": "pt"})
+    if arch == "glm_moe_dsa":  # SGLang's readings of the rotary layout, and GLM-5.2's indexer schedule as it says it
+        cfg_file = out / "config.json"
+        cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "rope_interleave": True,
+                                        "indexer_rope_interleave": True, "index_topk_freq": 2,
+                                        "index_skip_topk_offset": 3}, indent=2))
     if family_type != arch:  # the family's own model_type in config.json (Kimi-K2: kimi_k2)
         cfg_file = out / "config.json"
         cfg = {**json.loads(cfg_file.read_text()), "model_type": family_type}
@@ -487,8 +518,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="default 64 (128 for qwen2_5_vl)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=None,
-                   help="default 3 for qwen2_moe, glm4_moe, deepseek_v3 and glm4_moe_lite, 4 for qwen3_next, "
-                        "qwen3_5 and qwen3_5_moe, 2 otherwise")
+                   help="default 3 for qwen2_moe, glm4_moe, deepseek_v3 and glm4_moe_lite, 4 for glm_moe_dsa, "
+                        "qwen3_next, qwen3_5 and qwen3_5_moe, 2 otherwise")
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--num-experts", type=int, default=8, help="MoE archs: routed experts per layer")

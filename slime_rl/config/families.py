@@ -54,6 +54,16 @@ MiMo-7B (`mimo`: MiMo-7B-Base, -SFT, -RL) is Qwen2's decoder (q/k/v biases, unti
 final_layernorm, and a Qwen2 decoder layer; its input_proj applies to [hidden state; embedding], megatron's eh_proj to
 [embedding; hidden state] (Layout.COLUMN_HALVES_SWAPPED), as SGLang's MiMoMTP and slime's mimo converter have it.
 
+GLM-5 / GLM-5.1 / GLM-5.2 (`glm_moe_dsa`, 744B-A40B; GlmMoeDsaForCausalLM) is DeepSeek-V3's layout (GLM's defaults:
+one expert group, scaling 2.5, 3 dense layers) with DeepSeek Sparse Attention (`Family.dsa`): in each layer a lightning
+indexer (HF `self_attn.indexer.wq_b / wk / k_norm (weight, bias) / weights_proj`, SGLang's Indexer under the same
+names: `Family.indexer_params`, whole on every TP rank, never trained) scores every earlier key of the sample for each
+query, and the MLA attends only to the index_topk best (trainer/dsa.py). GLM-5.2 shares indexers across layers
+(index_topk_freq / index_skip_topk_offset, or index_topk_pattern, or transformers' indexer_types list): a "shared"
+layer has no indexer tensors and reuses the last full layer's choice (ModelArch.dsa_indexer_layers). Interleaved RoPE
+in the attention and in the indexer: transformers always interleaves both; SGLang reads rope_interleave (absent:
+interleaved) and indexer_rope_interleave (absent: the two halves), which the family requires true.
+
 GLM-4 dense (`glm4`: GLM-4-9B-0414, GLM-Z1-9B-0414) is Qwen2's layer with two more norms (`Family.post_norms`): an
 RMSNorm on the attention's output and one on the MLP's, each before its residual add (HF's
 `post_self_attn_layernorm` / `post_mlp_layernorm`; Megatron: the same names on each TransformerLayer,
@@ -129,7 +139,10 @@ DIMS = ("vocab", "hidden", "ffn", "q", "kv", "head", "experts", "moe_ffn", "shar
         # gdn_vhead = one value head's width, gdn_v = value heads x its width, conv_kernel = the convolution's width
         "q_gate", "gdn_qkvz", "gdn_ba", "gdn_conv", "gdn_heads", "gdn_vhead", "gdn_v", "conv_kernel",
         # a multi-token-prediction layer's eh_proj input: the next token's embedding and the hidden state, concatenated
-        "hidden2")
+        "hidden2",
+        # DeepSeek Sparse Attention's lightning indexer (glm_moe_dsa): idx_q = index_n_heads x index_head_dim (wq_b's
+        # rows), idx_head = index_head_dim (wk's rows, k_norm's width), idx_heads = index_n_heads (weights_proj's rows)
+        "idx_q", "idx_head", "idx_heads")
 
 
 class Layout(Enum):
@@ -265,6 +278,12 @@ class Family:
     # gate_proj.weight` / `up_proj` / `down_proj`, the names weight sync sends): trainer/hf_files.py reads either form,
     # --save-hf / tools/convert_megatron_to_hf.py write the fused one (trainer/fused_experts.py)
     fused_experts: bool = False
+    # DeepSeek Sparse Attention (GLM-5's glm_moe_dsa): multi-latent attention whose every query attends only to the
+    # index_topk keys a lightning indexer scores highest; the indexer's tensors (`indexer_params`) sit in the layers
+    # that run their own indexer (transformers' indexer_types "full"), the others ("shared") reuse the top-k of the
+    # last full layer before them (trainer/dsa.py)
+    dsa: bool = False
+    indexer_params: tuple[ParamMap, ...] = ()
     # DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), which the trainer builds under
     # --mtp-num-layers: HF's layer num_hidden_layers + k holds enorm, hnorm, eh_proj, shared_head.norm and a whole
     # decoder layer (`mtp_maps`); False: --mtp-num-layers is refused for the family
@@ -302,12 +321,14 @@ class Family:
                                                                   "qk_rope_head_dim", "v_head_dim")}}
 
     def layer_maps(self, moe_layer: bool = True, qk_norm: bool | None = None,
-                   q_lora: bool | None = None, linear: bool = False) -> tuple[ParamMap, ...]:
+                   q_lora: bool | None = None, linear: bool = False, indexer: bool = False) -> tuple[ParamMap, ...]:
         """The entries of one layer: an MoE family's dense layers (moe_layer=False) have a dense MLP;
         qk_norm=False drops the q/k norms of a family whose config switches them (qk_norm_key); for
         multi-latent attention q_lora says whether the query goes through its low-rank pair (q_lora_rank)
         or one projection (q_lora_rank null); linear=True: a hybrid family's linear-attention layer (its
-        GatedDeltaNet's entries where the full attention's are, right after the input norm)."""
+        GatedDeltaNet's entries where the full attention's are, right after the input norm); indexer=True: a DSA
+        layer that runs its own lightning indexer (its entries right after the attention's output projection, where
+        HF's module order puts self_attn.indexer)."""
         if self.moe and not moe_layer:
             if not self.dense_layer_params:
                 raise ValueError(f"model_type {self.model_type!r}: no dense layers in this family")
@@ -324,22 +345,30 @@ class Family:
                 raise ValueError(f"model_type {self.model_type!r}: no linear-attention layers in this family")
             rest = tuple(p for p in maps if p not in self.full_attention_params)
             maps = (rest[0], *self.linear_attention_params, *rest[1:])
+        if indexer:
+            if not self.dsa:
+                raise ValueError(f"model_type {self.model_type!r}: no sparse-attention indexer in this family")
+            at = 1 + next(k for k, p in enumerate(maps) if p.mcore.endswith("self_attention.linear_proj.weight"))
+            maps = (*maps[:at], *self.indexer_params, *maps[at:])
         return maps
 
     def param_maps(self, num_layers: int, tied: bool, num_experts: int = 0,
                    moe_layers: tuple[bool, ...] = (), qk_norm: bool | None = None,
-                   q_lora: bool | None = None, linear_layers: tuple[bool, ...] = ()) -> list[ParamMap]:
+                   q_lora: bool | None = None, linear_layers: tuple[bool, ...] = (),
+                   indexer_layers: tuple[bool, ...] = ()) -> list[ParamMap]:
         """Every parameter of the model, embedding first, in layer order, output layer last (an
         MoE family's experts in expert order, as if one rank held them all). `moe_layers`: per
         layer whether its MLP is an MoE block (empty: every layer's is, for an MoE family);
         `qk_norm`: the config's q/k norm switch (qk_norm_key); `q_lora`: MLA's query low-rank pair;
-        `linear_layers`: per layer whether it is linear attention (empty: none is)."""
+        `linear_layers`: per layer whether it is linear attention (empty: none is); `indexer_layers`: per layer
+        whether it runs its own sparse-attention indexer (empty: none does)."""
         first = [p for p in self.global_params if p.mcore.startswith("embedding.")]
         last = [p for p in self.global_params if not p.mcore.startswith("embedding.")]
         maps = list(first)
         for i in range(num_layers):
             layer = self.layer_maps(moe_layers[i] if moe_layers else True, qk_norm, q_lora,
-                                    bool(linear_layers) and linear_layers[i])
+                                    bool(linear_layers) and linear_layers[i],
+                                    bool(indexer_layers) and indexer_layers[i])
             maps += [e for p in layer for e in p.at_layer(i).expand_experts(num_experts)]
         maps += last
         return [p for p in maps if not (p.untied_only and tied)]
@@ -466,6 +495,21 @@ _MLA = (
     ParamMap(_A + "linear_kv_up_proj.weight", (_H + "self_attn.kv_b_proj.weight",), Layout.COLUMN,
              (("kv_up", "kv_lora"),)),
     ParamMap(_A + "linear_proj.weight", (_H + "self_attn.o_proj.weight",), Layout.ROW, (("hidden", "o_in"),)),
+)
+
+# DeepSeek Sparse Attention's lightning indexer (GLM-5: HF's self_attn.indexer, SGLang's Indexer under the same names):
+# the query projection from the query latent (wq_b), one key from the hidden state (wk) and its LayerNorm (weight and
+# bias), the per-head weights (weights_proj). Whole on every TP rank (each rank chooses the same keys for its heads),
+# and never trained (trainer/dsa.py says why)
+_I = _H + "self_attn.indexer."
+_IDX = _A + "core_attention.indexer."
+_INDEXER = (
+    ParamMap(_IDX + "wq_b.weight", (_I + "wq_b.weight",), Layout.REPLICATED, (("idx_q", "q_lora"),)),
+    ParamMap(_IDX + "wk.weight", (_I + "wk.weight",), Layout.REPLICATED, (("idx_head", "hidden"),)),
+    ParamMap(_IDX + "k_norm.weight", (_I + "k_norm.weight",), Layout.REPLICATED, (("idx_head",),)),
+    ParamMap(_IDX + "k_norm.bias", (_I + "k_norm.bias",), Layout.REPLICATED, (("idx_head",),)),
+    ParamMap(_IDX + "weights_proj.weight", (_I + "weights_proj.weight",), Layout.REPLICATED,
+             (("idx_heads", "hidden"),)),
 )
 
 # Qwen3-Next: full attention with a sigmoid output gate (q_proj's rows per head: query, then gate), and
@@ -724,6 +768,25 @@ FAMILIES["mimo"] = dataclasses.replace(
                       (("hidden", "hidden2"),)),
              ParamMap("mtp.layers.{k}.final_layernorm.weight", (_M + "final_layernorm.weight",), Layout.REPLICATED,
                       _VEC)))
+
+# GLM-5 / GLM-5.1 / GLM-5.2 (744B-A40B; GlmMoeDsaForCausalLM): DeepSeek-V3's multi-latent attention and MoE layout
+# with DeepSeek Sparse Attention: a lightning indexer per layer, or shared across layers (GLM-5.2's index_topk_freq /
+# index_skip_topk_offset, transformers' indexer_types), picks each query's index_topk keys and the attention reads only
+# those (trainer/dsa.py). Interleaved RoPE in the attention and in the indexer: transformers' GlmMoeDsa always
+# interleaves both, SGLang reads rope_interleave (absent: interleaved) and indexer_rope_interleave (absent: the two
+# halves), so the file must say the indexer's
+FAMILIES["glm_moe_dsa"] = dataclasses.replace(
+    FAMILIES["deepseek_v3"], model_type="glm_moe_dsa", hf_rmsnorm="GlmMoeDsaRMSNorm",
+    required_config={**FAMILIES["deepseek_v3"].required_config, "indexer_rope_interleave": True},
+    # transformers' GlmMoeDsaConfig defaults, for a config.json that leaves a key out (rope_interleave and
+    # indexer_rope_interleave: SGLang's reading of an absent key, the only reader of either)
+    config_defaults={"first_k_dense_replace": 3, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                     "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rope_interleave": True,
+                     "indexer_rope_interleave": False, "q_lora_rank": 2048, "kv_lora_rank": 512,
+                     "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256, "attention_bias": False,
+                     "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32, "rms_norm_eps": 1e-5,
+                     "max_position_embeddings": 202752},
+    dsa=True, indexer_params=_INDEXER, slime_spec=("slime_plugins.models.glm5.glm5", "get_glm5_spec"))
 
 # Kimi-K2 (Instruct, Thinking): DeepSeek-V3's architecture under its own model_type (384 experts, one group)
 FAMILIES["kimi_k2"] = dataclasses.replace(FAMILIES["deepseek_v3"], model_type="kimi_k2",

@@ -233,6 +233,8 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     _no_effect_switch('--no-masked-softmax-fusion', 'always so here: core attention is torch SDPA '
                       '(trainer/attention.py), no fused masked softmax'),
     _no_effect_switch('--enable-experimental', "Megatron-LM's experimental features; the trainer builds none"),
+    _no_effect_switch('--freeze-indexer', "slime's switch that freezes GLM-5's sparse-attention indexer; here it is "
+                      'always frozen (trainer/dsa.py: no gradient reaches it, it only chooses keys)'),
     _no_effect('--seq-length', "Megatron-LM's training sequence length (its pretraining data loader's); here each "
                'sample is its prompt + response, bounded by --rollout-max-response-len and the context',
                type=_positive_int),

@@ -148,6 +148,12 @@ class ModelShape:
     lin_value_dim: int = 0
     lin_conv: int = 0
     fused_gate_up: bool = False  # GLM-4: the MLP's gate and up are one HF linear (gate_up_proj), which LoRA leaves
+    # DeepSeek Sparse Attention (GLM-5): the layers with their own lightning indexer (whole on every TP rank: wq_b
+    # [index heads x index width, q_lora], wk [index width, h], its LayerNorm's weight and bias, weights_proj
+    # [index heads, h]; frozen, so counted as parameters without gradients or optimizer state being told apart)
+    indexer_layers: tuple[int, ...] = ()
+    index_heads: int = 0
+    index_head_dim: int = 0
 
     @property
     def q(self) -> int:
@@ -182,9 +188,18 @@ class ModelShape:
         split = h * (2 * kd + 2 * vd) + h * 2 * nv + (2 * kd + vd) * self.lin_conv + 2 * nv + vd * h
         return split, 2 * h + self.lin_value_dim
 
+    def indexer_params(self) -> int:
+        """Parameters of one sparse-attention indexer (whole on every TP rank)."""
+        d = self.index_head_dim
+        return self.q_lora * self.index_heads * d + self.hidden * d + 2 * d + self.hidden * self.index_heads
+
     def mixer_params(self, layer: int) -> tuple[int, int]:
-        """(TP-split, replicated) parameters of layer `layer`'s attention (or Gated DeltaNet) and its norms."""
-        return self.linear_attention_params() if layer in self.linear_layers else self.attention_params()
+        """(TP-split, replicated) parameters of layer `layer`'s attention (or Gated DeltaNet) and its norms, with its
+        sparse-attention indexer where it has one."""
+        if layer in self.linear_layers:
+            return self.linear_attention_params()
+        split, rep = self.attention_params()
+        return split, rep + (self.indexer_params() if layer in self.indexer_layers else 0)
 
     def dense_mlp_params(self) -> int:
         h, f = self.hidden, self.ffn
@@ -281,6 +296,13 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
                   "lin_key_heads": arch.linear_num_key_heads, "lin_value_heads": arch.linear_num_value_heads,
                   "lin_key_dim": arch.linear_key_head_dim, "lin_value_dim": arch.linear_value_head_dim,
                   "lin_conv": arch.linear_conv_kernel_dim}
+    dsa: dict[str, Any] = {}
+    if family.dsa:  # GLM-5: which layers hold an indexer (convert/arch.py reads indexer_types and its schedule keys)
+        from slime_rl.trainer.convert.arch import arch_from_hf_config
+
+        arch = arch_from_hf_config(config, where=where)
+        dsa = {"indexer_layers": tuple(i for i in range(layers) if arch.has_indexer(i)),
+               "index_heads": arch.dsa_index_heads, "index_head_dim": arch.dsa_index_head_dim}
     mla: dict[str, int] = {}
     if family.mla:  # the widths as config.json gives them (Family.mla_dims), under ModelShape's names
         dims = family.mla_dims(cfg)
@@ -315,7 +337,7 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         vision=vision,
         shared_ffn=shared_ffn, shared_gate=family.shared_expert_gate, post_norms=family.post_norms,
         qk_norm_whole=family.qk_norm_whole,
-        fused_gate_up=any(pm.layout is Layout.FC1_FUSED for pm in family.layer_params), **mla, **linear)
+        fused_gate_up=any(pm.layout is Layout.FC1_FUSED for pm in family.layer_params), **mla, **linear, **dsa)
 
 
 # ---------------------------------------------------------------------------------------- memory

@@ -18,6 +18,8 @@ from slime_rl.config.pipeline import stage_layer_counts
 from slime_rl.trainer import packed_rope
 from slime_rl.trainer.attention import SDPACoreAttention
 from slime_rl.trainer.convert import ModelArch, load_arch, with_mtp
+from slime_rl.trainer.convert.arch import check_dsa_stages
+from slime_rl.trainer.dsa import DSACoreAttention, link_shared_layers
 from slime_rl.trainer.gated_delta_net import GatedDeltaNetOutNorm
 from slime_rl.trainer.gated_delta_net import install as install_gated_delta_net
 from slime_rl.trainer.mcore import (
@@ -192,7 +194,7 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
         # layer get no gradient from it
         mtp = dict(mtp_num_layers=arch.mtp_built, mtp_loss_scaling_factor=mtp_loss_scaling_factor,
                    mtp_detach_heads=True)
-    return config_class(
+    config = config_class(
         **uneven,
         **mtp,
         **mla,
@@ -246,6 +248,10 @@ def transformer_config(arch: ModelArch, *, bf16: bool, tp_size: int, pp_size: in
         # MoE token dispatcher even without experts
         **{"moe_token_dispatcher_type": "alltoall", **moe_kwargs},
     )
+    if arch.dsa_index_topk:  # DeepSeek Sparse Attention's settings, read by trainer/dsa.py's core attention
+        config.slime_rl_dsa = {"index_topk": arch.dsa_index_topk, "index_heads": arch.dsa_index_heads,
+                               "index_head_dim": arch.dsa_index_head_dim, "indexer_layers": arch.dsa_indexer_layers}
+    return config
 
 
 def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp_size: int = 1,
@@ -264,6 +270,8 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
     packed_rope.install()  # packed THD RoPE without per-sample host syncs (see packed_rope.py)
 
     first_layer, here = arch.stage_layers(mpu.get_pipeline_model_parallel_rank() if pp_size > 1 else 0, pp_size)
+    if arch.dsa_indexer_layers and pp_size > 1:  # a shared indexer layer's source on the same stage
+        check_dsa_stages(arch.dsa_indexer_layers, [arch.stage_layers(r, pp_size)[0] for r in range(pp_size)])
     if pre_process is None:
         pre_process = mpu.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
@@ -305,6 +313,8 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
     )
     if arch.vision is not None and pre_process:
         attach_vision_tower(model, arch)
+    if arch.dsa_indexer_layers:
+        link_shared_layers(model)
     if bf16 and post_process and fp32_lm_head:
         fp32_output_layer(model.output_layer)
         # the fp32 output layer's GEMMs on tensor cores (TF32) rather than the fp32 pipes (~6x slower; they
@@ -372,7 +382,8 @@ def _layer_spec(arch: ModelArch, num_experts: int | None, grouped: bool = False)
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
                                     qk_layernorm=arch.qk_layernorm and not arch.qk_norm_whole,
                                     multi_latent_attention=arch.mla)
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    spec.submodules.self_attention.submodules.core_attention = DSACoreAttention if arch.dsa_index_topk \
+        else SDPACoreAttention  # sparse attention (glm_moe_dsa): MLA's keys chosen by an indexer (trainer/dsa.py)
     if arch.qk_norm_whole:  # MiniMax-M2: q/k norms over all heads' channels (trainer/whole_qk_norm.py)
         spec.submodules.self_attention.module = WholeQKNormSelfAttention
     if grouped and num_experts:  # the MoE layer's builder (a partial of MoELayer) with GroupedExperts for experts

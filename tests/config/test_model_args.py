@@ -382,7 +382,7 @@ def test_every_flag_of_slimes_model_files_is_read(tmp_path):
 
 
 # ---- model families this trainer does not build: one sentence naming model_type, before any other check
-@pytest.mark.parametrize("model, model_type", [("GLM-5", "glm_moe_dsa")])
+@pytest.mark.parametrize("model, model_type", [("MiMo-7B-RL", "mimo")])
 @pytest.mark.parametrize("extra", [[], ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8",
                                         "--expert-model-parallel-size", "16", "--rollout-batch-size", "16"]],
                          ids=["no-EP", "EP16"])
@@ -743,6 +743,59 @@ def test_deepseek_v3_model_file_that_differs_is_named(change, claim, truth, tmp_
     tokens = _replace(tokens, change[0], change[1]) if change[0] in tokens else tokens + list(change)
     message = _refused(tmp_path, "deepseek_v3.json", tokens, UNSUPPORTED)
     assert f"{claim}: " in message and truth in message, message
+
+
+# scripts/models/glm5-744B-A40B.sh and glm5.2-744B-A40B.sh as bash expands them (the same MODEL_ARGS but the rotary
+# base; --moe-layer-freq is Megatron's Python expression of 3 dense and 75 MoE layers)
+GLM5 = """--spec slime_plugins.models.glm5.glm5 get_glm5_spec --moe-layer-freq [0]*3+[1]*75 --num-experts 256
+--moe-shared-expert-intermediate-size 2048 --moe-router-topk 8 --moe-grouped-gemm --moe-permute-fusion
+--moe-ffn-hidden-size 2048 --moe-router-score-function sigmoid --moe-router-pre-softmax --moe-router-enable-expert-bias
+--moe-router-bias-update-rate 0 --moe-router-load-balancing-type seq_aux_loss --moe-router-topk-scaling-factor 2.5
+--moe-aux-loss-coeff 0 --moe-router-dtype fp32 --make-vocab-size-divisible-by 16 --num-layers 78 --hidden-size 6144
+--ffn-hidden-size 12288 --num-attention-heads 64 --disable-bias-linear --swiglu --untie-embeddings-and-output-weights
+--position-embedding-type rope --no-position-embedding --normalization RMSNorm --qk-layernorm --multi-latent-attention
+--q-lora-rank 2048 --kv-lora-rank 512 --qk-head-dim 192 --v-head-dim 256 --kv-channels 192 --qk-pos-emb-head-dim 64
+--vocab-size 154880 --rotary-base {base} --enable-experimental --allgather-cp"""
+
+
+@pytest.mark.parametrize("model, base", [("GLM-5", 1000000), ("GLM-5.2-FP8", 8000000)])
+def test_glm5_model_files_agree_and_plan(model, base, tmp_path, capsys):
+    """slime's GLM-5 and GLM-5.2 MODEL_ARGS (slime's own spec for the family, multi-latent attention of ranks 2048 /
+    512 and head widths 192 + 64 and 256, the 3 dense layers, 256 experts top-8 with one shared, scaling 2.5, the
+    expert bias) against the config.json of tests/migration/hf_configs: every flag agrees, and the dry run plans it
+    on 8 x 8 GPUs with EP 16 (the sparse attention's indexer has no Megatron flag: it comes from config.json)."""
+    tokens, sglang = GLM5.format(base=base).split(), ["--rollout-backend", "sglang"]
+    shutil.copy(MIGRATION / model / "config.json", tmp_path / "glm5.json")
+    # slime's GLM-5 spec function accepted for the family, and its --freeze-indexer (always so here)
+    _check(tmp_path, "glm5.json", tokens + sglang + ["--freeze-indexer"], tmp_path)
+    message = _refused(tmp_path, "glm5.json", tokens[3:] + ["--spec", "slime_plugins.models.glm4", "get_glm_spec"]
+                       + sglang, tmp_path)
+    assert message.startswith("--spec slime_plugins.models.glm4 get_glm_spec: "), message
+    message = _refused(tmp_path, "glm5.json", _replace(tokens, "--rotary-base", str(base * 2)) + sglang, tmp_path)
+    assert f"--rotary-base {base * 2}: " in message and f"rope_theta {base}" in message, message
+    message = _refused(tmp_path, "glm5.json", tokens + ["--rollout-backend", "embedded"], tmp_path)
+    assert "whose sparse attention (its indexer's key cache beside the key/value cache) the built-in engine does " \
+           "not serve; use --rollout-backend sglang" in message, message
+    two = ["--actor-num-gpus-per-node", "2"]
+    if model == "GLM-5.2-FP8":  # 39 + 39 layers: the second stage would start on a layer sharing layer 38's top-k
+        message = _refused(tmp_path, "glm5.json", tokens + sglang + two + ["--pipeline-model-parallel-size", "2"],
+                           tmp_path)
+        assert "stages start at layers [0, 39], and layer(s) [39] reuse an earlier layer's top-k" in message, message
+        pp = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "38"]
+        _check(tmp_path, "glm5.json", tokens + sglang + two + pp, tmp_path)  # stages start on layers 0 and 38
+        message = _refused(tmp_path, "glm5.json", tokens + sglang + two + pp + [
+            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+            "--no-pack-sequences"], tmp_path)
+        assert "--no-pack-sequences with --recompute-granularity full and --pipeline-model-parallel-size 2: " \
+               "glm_moe_dsa's layers that share" in message, message
+    argv = ["--hf-checkpoint", str(tmp_path / "glm5"), "--prompt-data", "/data/not-here.jsonl",
+            "--rollout-batch-size", "16", "--num-rollout", "1", "--rm-type", "math", "--rollout-backend", "sglang",
+            "--actor-num-nodes", "4", "--actor-num-gpus-per-node", "8", "--expert-model-parallel-size", "16",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--rollout-num-gpus", "32", "--dry-run",
+            "--cluster", "8x8", *tokens]
+    rc, captured = train_main(argv), capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "glm_moe_dsa" in captured.out and "256 experts, top-8, in 75 layers" in captured.out, captured.out
 
 
 def test_multi_latent_attention_on_a_model_without_it_is_named(tmp_path):

@@ -20,8 +20,10 @@ MOE_LAYOUTS = {  # name: (tp, pp, ep); DP is what is left of the world, ETP = TP
     "base": (1, 1, 1), "ep2": (1, 1, 2), "ep2tp2": (2, 1, 2), "ep2pp2": (1, 2, 2),
     "cp2ep2": (1, 1, 2), "ep2tp2etp1": (2, 1, 2), "ep2ag": (1, 1, 2),
     "ep2tp2ag": (2, 1, 2),
+    # world 2 with the experts whole on every rank: TP=2 (sequence parallel), PP=2
+    "tp2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 1), "pp2rc": (1, 2, 1),
 }
-MOE_CP = {"cp2ep2": 2}  # --context-parallel-size where not 1
+MOE_CP = {"cp2ep2": 2, "cp2": 2}  # --context-parallel-size where not 1
 MOE_ETP = {"ep2tp2etp1": 1}  # --expert-tensor-parallel-size where not the TP size
 
 
@@ -64,11 +66,15 @@ def scenario_moe1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> di
 
 
 # megatron's MoELayer refuses to train with TP > 1 without sequence parallelism (packed batches only)
-MOE_KW = {"ep2tp2": {"sequence_parallel": True}, "ep2tp2etp1": {"sequence_parallel": True},
+MOE_KW = {"ep2tp2": {"sequence_parallel": True}, "tp2": {"sequence_parallel": True},
+          # PP=2 with every layer's forward recomputed in the backward
+          "pp2rc": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+          "ep2tp2etp1": {"sequence_parallel": True},
           # megatron's allgather dispatcher: every EP rank gathers all tokens and keeps its experts' share
           "ep2ag": {"moe_token_dispatcher_type": "allgather"},
           "ep2tp2ag": {"moe_token_dispatcher_type": "allgather", "sequence_parallel": True}}
-MOE_RUN_LAYOUTS = {"ep2tp2": ("packed",), "ep2tp2etp1": ("packed",), "ep2tp2ag": ("packed",)}
+MOE_RUN_LAYOUTS = {"ep2tp2": ("packed",), "tp2": ("packed",), "pp2rc": ("packed",), "ep2tp2etp1": ("packed",),
+                   "ep2tp2ag": ("packed",)}
 
 
 def _layouts(*names: str):
@@ -131,7 +137,11 @@ SCENARIOS.update({"qwen2_moe1": _qwen2_moe("base", noaux=True), "qwen2_moe_ep2":
                   # DeepSeek-V3's YaRN on the rotary channels
                   "yarn1": _qwen2_moe("base", noaux=True, key="yarn"),
                   "glm4_moe_lite1": _qwen2_moe("base", noaux=True, key="glm4_moe_lite"),
-                  "yarn_cp2ep2": _qwen2_moe("cp2ep2", key="yarn"), "yarn_ep2tp2": _qwen2_moe("ep2tp2", key="yarn")})
+                  "yarn_cp2ep2": _qwen2_moe("cp2ep2", key="yarn"), "yarn_ep2tp2": _qwen2_moe("ep2tp2", key="yarn"),
+                  # GLM-5 (glm_moe_dsa): sparse attention over deepseek_v3's layout; TP=2, PP=2, EP=2, CP=2 and PP=2
+                  # with recompute in one 2-rank launch
+                  "glm_moe_dsa1": _qwen2_moe("base", noaux=True, key="glm_moe_dsa"),
+                  "glm_moe_dsa_2ranks": _qwen2_moe("tp2", "pp2", "ep2", "cp2", "pp2rc", key="glm_moe_dsa")})
 
 
 def scenario_glm4_moe_bf16(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:

@@ -46,6 +46,11 @@ FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0},
               # glm4_moe_lite: deepseek_v3's, every layer sparse by both of its fields (`_family_cfg`)
               "glm4_moe_lite": {"num_key_value_heads": 4, "first_k_dense_replace": 0, "q_lora_rank": 6,
                                 "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3},
+              # glm_moe_dsa: glm4_moe_lite's with sparse attention's indexer (2 heads of width 4, top-2 keys)
+              "glm_moe_dsa": {"num_key_value_heads": 4, "first_k_dense_replace": 0, "q_lora_rank": 6,
+                              "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3,
+                              "index_topk": 2, "index_n_heads": 2, "index_head_dim": 4,
+                              "indexer_rope_interleave": True},
               # minimax_m2: what SGLang reads (q/k norms over all heads, sigmoid + bias), 4 experts of
               # intermediate_size 6, 2 channels of each head rotated
               "minimax_m2": {"use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
@@ -129,7 +134,7 @@ def test_round_trip_every_param_bit_exact(model_type, tp):
               "q_norm": (3,), "k_norm": (3,), "gate_proj": (6, 8), "up_proj": (6, 8), "down_proj": (8, 6),
               "embed_tokens": (10, 8), "lm_head": (10, 8),
               "w1": (6, 8), "w3": (6, 8), "w2": (8, 6)}  # MiniMax-M2's names of an expert's gate, up, down
-    hybrid = arch.family.gated_delta_net  # its layers differ by kind: the arch's own maps and shapes
+    hybrid = arch.family.gated_delta_net or arch.family.dsa  # layers differ by kind: the arch's own maps and shapes
     sized = hf_shapes(arch) if hybrid else {}
     maps = arch.param_maps() if hybrid else arch.family.param_maps(arch.num_layers, tied=False,
                                                                    num_experts=arch.num_experts)

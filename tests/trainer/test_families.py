@@ -41,6 +41,6 @@ def test_named_rmsnorm_is_the_stock_forward(model_type):
 def test_engine_moe_types_are_the_moe_families():
     from slime_rl.engines.embedded.experts import MOE_MODEL_TYPES
 
-    assert set(MOE_MODEL_TYPES) == {"qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "kimi_k2",
-                                    "glm4_moe_lite", "minimax_m2", "qwen3_next", "qwen3_5_moe"}  # MoE families
+    assert set(MOE_MODEL_TYPES) == {"qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "kimi_k2",  # MoE families
+                                    "glm4_moe_lite", "glm_moe_dsa", "minimax_m2", "qwen3_next", "qwen3_5_moe"}
     assert set(MOE_MODEL_TYPES) == {t for t, f in FAMILIES.items() if f.moe}

@@ -109,7 +109,8 @@ def hf_policy_grad(model, batch: dict, mode: str = "token-mean",
         else:
             raise ValueError(mode)
     total.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    # a parameter no gradient reaches has none (GLM-5's indexer: it only chooses keys, under torch.no_grad)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     if getattr(model.config, "tie_word_embeddings", False):
         grads.pop("lm_head.weight", None)  # same tensor as the embedding in HF's state dict
     return float(total.detach()), grads

@@ -76,7 +76,8 @@ def hf_grads(w) -> dict[str, torch.Tensor]:
 
     if w.dp_size * w.info.cp_size > 1:
         _gather_dp_grad_shards(w)
-    return {n: t.clone() for n, t in iter_hf_tensors(w.gpt, w.arch, lambda p: p.main_grad.detach())}
+    # frozen parameters (GLM-5's sparse-attention indexer) have no gradient
+    return {n: t.clone() for n, t in iter_hf_tensors(w.gpt, w.arch, lambda p: p.main_grad.detach(), skip_frozen=True)}
 
 
 def scenario_tp1(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:

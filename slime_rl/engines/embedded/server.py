@@ -87,10 +87,15 @@ def _hf_config(model_path: str, auto_config: Any) -> Any:
 def refuse_unserved_family(model_type: str) -> None:
     """ValueError, one sentence, for a family whose layers the engine's batching cannot run: Qwen3-Next's Gated
     DeltaNet layers keep a convolution and a recurrent state per sequence, which the engine's left-padded
-    DynamicCache batches (batch.py: key/value tensors merged, split and trimmed by position) do not hold."""
+    DynamicCache batches (batch.py: key/value tensors merged, split and trimmed by position) do not hold; GLM-5's
+    sparse attention keeps its indexer's keys in a cache of its own beside them."""
     from slime_rl.config.families import FAMILIES
 
     family = FAMILIES.get(model_type)
+    if family is not None and family.dsa:
+        raise ValueError(f"model_type {model_type!r}: the built-in engine does not serve its sparse attention, whose "
+                         "indexer keeps a key cache beside the key/value cache that its left-padded batches do not "
+                         "hold; use --rollout-backend sglang")
     if family is not None and family.gated_delta_net:
         raise ValueError(f"model_type {model_type!r}: the built-in engine does not serve its Gated DeltaNet "
                          "(linear attention) layers, whose recurrent state its left-padded key/value cache batches "

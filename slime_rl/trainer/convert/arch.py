@@ -95,6 +95,13 @@ class ModelArch:
     linear_conv_kernel_dim: int = 0
     attention_output_gate: bool = False
     zero_centered_norms: bool = False
+    # DeepSeek Sparse Attention (Family.dsa, glm_moe_dsa; 0: none): the keys each query attends to (index_topk), the
+    # lightning indexer's heads and head width, and per layer whether it runs its own indexer (transformers'
+    # indexer_types "full") or reuses the top-k of the last one before it ("shared")
+    dsa_index_topk: int = 0
+    dsa_index_heads: int = 0
+    dsa_index_head_dim: int = 0
+    dsa_indexer_layers: tuple[bool, ...] = ()
     # layers of each pipeline stage when the split is uneven (--decoder-first/last-pipeline-num-layers,
     # config/pipeline.py); () for the even split
     pipeline_layers: tuple[int, ...] = ()
@@ -113,6 +120,9 @@ class ModelArch:
         per_stage = self.num_layers // pp_size
         return pp_rank * per_stage, per_stage
 
+    def has_indexer(self, i: int) -> bool:
+        return bool(self.dsa_indexer_layers) and self.dsa_indexer_layers[i]
+
     def is_linear_layer(self, i: int) -> bool:
         return bool(self.linear_layers) and self.linear_layers[i]
 
@@ -127,13 +137,14 @@ class ModelArch:
         """The registry entries of global layer i (its MLP dense or MoE; q/k norms and MLA's query
         projections as the config says)."""
         return self.family.layer_maps(self.is_moe_layer(i), self.qk_layernorm, self.q_lora_rank > 0,
-                                      self.is_linear_layer(i))
+                                      self.is_linear_layer(i), self.has_indexer(i))
 
     def param_maps(self) -> list[ParamMap]:
         """Every tensor of the model as one rank would hold it (Family.param_maps for this config), the built
         multi-token-prediction layers (`mtp_maps`, experts expanded) between the decoder and the final norm."""
         maps = self.family.param_maps(self.num_layers, self.tie_word_embeddings, self.num_experts, self.moe_layers,
-                                      self.qk_layernorm, self.q_lora_rank > 0, self.linear_layers)
+                                      self.qk_layernorm, self.q_lora_rank > 0, self.linear_layers,
+                                      self.dsa_indexer_layers)
         if not self.mtp_built:
             return maps
         tail = sum(1 for p in self.family.global_params if not p.mcore.startswith("embedding.")
@@ -238,6 +249,7 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     mla = _mla_fields(cfg, family, where) if family.mla else {}
     linear = _linear_attention_fields(cfg, family, where, int(cfg["num_hidden_layers"]), tp_size) \
         if family.gated_delta_net else {}
+    dsa = _dsa_fields(cfg, family, where, int(cfg["num_hidden_layers"]), mla) if family.dsa else {}
     return ModelArch(
         model_type=family.model_type,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -263,6 +275,7 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         mtp_layers=_mtp_layers(cfg, family),
         **mla,
         **linear,
+        **dsa,
         zero_centered_norms=family.zero_centered_norms,
         **(_yarn_fields(cfg, where) if family.mla else {}),
         mrope_section=tuple(int(x) for x in mrope) if mrope else None,
@@ -336,6 +349,75 @@ def _mla_fields(cfg: dict[str, Any], family: Family, where: str) -> dict[str, in
     if out["qk_rope_head_dim"] % 2:
         raise ValueError(f"{where}: qk_rope_head_dim={out['qk_rope_head_dim']} must be even (rotary pairs)")
     return out
+
+
+def dsa_indexer_types(cfg: dict[str, Any], num_layers: int, where: str = "config.json") -> list[str]:
+    """Per layer "full" (runs its own indexer) or "shared" (reuses the top-k of the last full layer before it), read
+    as transformers' GlmMoeDsaConfig and SGLang's dsa_layer_skips_topk read it: indexer_types, else
+    index_topk_pattern ("F"/"S" per layer), else index_topk_freq (default 1) and index_skip_topk_offset (default 2):
+    layer i is full where max(i - offset + 1, 0) is a multiple of the frequency."""
+    types = cfg.get("indexer_types")
+    if types is None and cfg.get("index_topk_pattern") is not None:
+        pattern = cfg["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+    if types is None:
+        freq, offset = cfg.get("index_topk_freq") or 1, cfg.get("index_skip_topk_offset")
+        offset = 2 if offset is None else offset
+        if not isinstance(freq, int) or freq < 1 or not isinstance(offset, int) or offset < 1:
+            raise ValueError(f"{where}: index_topk_freq={freq!r} and index_skip_topk_offset={offset!r} must be "
+                             "positive integers")
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+    types = list(types)
+    if len(types) != num_layers or set(types) - {"full", "shared"}:
+        raise ValueError(f"{where}: indexer_types={types!r} must name 'full' or 'shared' for each of the {num_layers} "
+                         "layers")
+    if types[0] != "full":
+        raise ValueError(f"{where}: indexer_types starts with {types[0]!r}: the first layer has no indexer before it "
+                         "to share")
+    return types
+
+
+def _dsa_fields(cfg: dict[str, Any], family: Family, where: str, num_layers: int, mla: dict[str, int]) -> dict:
+    """ModelArch's DeepSeek Sparse Attention fields (transformers' GlmMoeDsaConfig defaults for a key the file leaves
+    out). The indexer's query comes from the query latent (q_lora_rank > 0), its first qk_rope_head_dim channels
+    rotate with the attention's default RoPE (no YaRN: transformers' indexer would scale the rotation by YaRN's
+    attention factor)."""
+    out = {"dsa_index_topk": int(family.config_value(cfg, "index_topk", 0)),
+           "dsa_index_heads": int(family.config_value(cfg, "index_n_heads", 0)),
+           "dsa_index_head_dim": int(family.config_value(cfg, "index_head_dim", 0))}
+    for key, value in zip(("index_topk", "index_n_heads", "index_head_dim"), out.values(), strict=True):
+        if value <= 0:
+            raise ValueError(f"{where}: {key}={value} must be a positive integer (sparse attention's indexer)")
+    if not mla["q_lora_rank"]:
+        raise ValueError(f"{where}: q_lora_rank must be set for sparse attention (its indexer reads the query latent)")
+    if out["dsa_index_head_dim"] < mla["qk_rope_head_dim"]:
+        raise ValueError(f"{where}: index_head_dim={out['dsa_index_head_dim']} is narrower than qk_rope_head_dim="
+                         f"{mla['qk_rope_head_dim']} (the indexer rotates its first qk_rope_head_dim channels)")
+    params = _rope_params(cfg)
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        raise ValueError(f"{where}: rope_type {params.get('rope_type', params.get('type'))!r} is not supported for "
+                         f"model_type {family.model_type!r} (only 'default' RoPE with sparse attention)")
+    dense = cfg.get("mlp_layer_types")
+    if dense is not None:  # transformers builds from mlp_layer_types, SGLang from first_k_dense_replace
+        first = family.config_value(cfg, "first_k_dense_replace", 0)
+        if list(dense) != ["dense"] * first + ["sparse"] * (num_layers - first):
+            raise ValueError(f"{where}: mlp_layer_types {list(dense)} (what transformers builds) and "
+                             f"first_k_dense_replace={first} (what SGLang builds) give different dense layers; make "
+                             "them agree")
+    types = dsa_indexer_types(cfg, num_layers, where)
+    return {**out, "dsa_indexer_layers": tuple(t == "full" for t in types)}
+
+
+def check_dsa_stages(indexer_layers: tuple[bool, ...], stage_starts: list[int]) -> None:
+    """A pipeline stage must start on a layer with its own indexer (a shared layer's source would be on another
+    stage); ValueError naming the flags otherwise."""
+    bad = [i for i in stage_starts if not indexer_layers[i]]
+    if bad:
+        full = [i for i, f in enumerate(indexer_layers) if f]
+        raise ValueError(f"sparse attention: pipeline stages start at layers {stage_starts}, and layer(s) {bad} reuse "
+                         "an earlier layer's top-k (indexer_types 'shared'), which another stage computes; split the "
+                         "layers with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers (or "
+                         f"another --pipeline-model-parallel-size) so that every stage starts on one of {full}")
 
 
 def _yarn_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
@@ -552,7 +634,9 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
             + arch.linear_num_value_heads * arch.linear_value_head_dim,
             "gdn_heads": arch.linear_num_value_heads, "gdn_vhead": arch.linear_value_head_dim,
             "gdn_v": arch.linear_num_value_heads * arch.linear_value_head_dim,
-            "conv_kernel": arch.linear_conv_kernel_dim, "hidden2": 2 * arch.hidden_size}
+            "conv_kernel": arch.linear_conv_kernel_dim, "hidden2": 2 * arch.hidden_size,
+            "idx_q": arch.dsa_index_heads * arch.dsa_index_head_dim, "idx_head": arch.dsa_index_head_dim,
+            "idx_heads": arch.dsa_index_heads}
     out: dict[str, tuple[int, ...]] = {pm.hf[0]: pm.shapes[0] for pm in arch.vision_params}  # concrete sizes
     for pm in arch.param_maps():
         assert len(pm.shapes) == len(pm.hf), f"registry entry {pm.mcore}: one shape per HF name"
