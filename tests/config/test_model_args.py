@@ -382,13 +382,15 @@ def test_every_flag_of_slimes_model_files_is_read(tmp_path):
 
 
 # ---- model families this trainer does not build: one sentence naming model_type, before any other check
-@pytest.mark.parametrize("model, model_type", [("MiMo-7B-RL", "mimo")])
+# (every family of slime's scripts is built now: DeepSeek-V3.2-Exp's model_type, deepseek_v32, on DeepSeek-R1's sizes)
+@pytest.mark.parametrize("model, model_type", [("DeepSeek-R1", "deepseek_v32")])
 @pytest.mark.parametrize("extra", [[], ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8",
                                         "--expert-model-parallel-size", "16", "--rollout-batch-size", "16"]],
                          ids=["no-EP", "EP16"])
 def test_an_unsupported_family_is_refused_naming_its_model_type(model, model_type, extra, tmp_path):
     (tmp_path / "hub").mkdir()
-    shutil.copy(MIGRATION / model / "config.json", tmp_path / "hub" / f"{model_type}.json")
+    cfg = json.loads((MIGRATION / model / "config.json").read_text())
+    (tmp_path / "hub" / f"{model_type}.json").write_text(json.dumps({**cfg, "model_type": model_type}))
     message = _refused(tmp_path, f"{model_type}.json", extra, tmp_path / "hub")
     assert f"its config.json names model_type '{model_type}', which is not a model family this trainer builds " \
            f"(supported: {SUPPORTED})" in message, message
