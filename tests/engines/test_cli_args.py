@@ -171,11 +171,15 @@ def test_router_args_parse_with_the_routers_own_parser():
     router_args.RouterArgs.add_cli_args(p, use_router_prefix=False)
     live = table_from_parser(p, "router", [])
     args = {"policy": "round_robin", "disable_retries": "yes", "request_id_headers": ["x-a", "x-b"],
-            "prefill": [["http://p:1", "9000"], ["http://p:2"]], "max_payload_size": 1024}
+            "max_payload_size": 1024}
     argv = render(check_passthrough(args, live, "router-", ROUTER_OWNED), live)
     ns = p.parse_args(argv)
     assert ns.policy == "round_robin" and ns.disable_retries is True and ns.request_id_headers == ["x-a", "x-b"]
-    assert ns.prefill == [["http://p:1", "9000"], ["http://p:2"]] and int(ns.max_payload_size) == 1024
+    assert int(ns.max_payload_size) == 1024
+    # the PD mode's engines are the run's (--prefill-num-servers / --sglang-config), not a pass-through
+    with pytest.raises(PassthroughError, match=r"--router-prefill: --prefill is set by slime_rl itself \(the prefill "
+                                               r"engines of --prefill-num-servers / --sglang-config\)"):
+        check_passthrough({"prefill": [["http://p:1", "9000"]]}, live, "router-", ROUTER_OWNED)
 
 
 def _argv(tiny_qwen2, tmp_path, *extra):
