@@ -79,9 +79,10 @@ def _qwen3_next(*names: str, family: str = "qwen3_next"):
     def scenario(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
         res: dict = {}
         for k, name in enumerate(names):
-            # qwen3_5's GatedDeltaNet is the same megatron module: its checkpoint round trip is qwen3_next's
+            # qwen3_5's GatedDeltaNet is the same megatron module as qwen3_next's; its round trip checks its vision
+            # tower's (qwen3_5_moe's is the same)
             run_qwen3_next(rank, world, port + 10 * k, ckpts[family], name, res, family,
-                           round_trip=family == "qwen3_next", batch_file=ckpts.get(f"{family}_batch"))
+                           round_trip=family in ("qwen3_next", "qwen3_5"), batch_file=ckpts.get(f"{family}_batch"))
         return res
 
     return scenario

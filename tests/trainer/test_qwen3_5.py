@@ -166,8 +166,8 @@ def test_qwen3_5_tp2_pp2_equal_one_rank(qwen3_5_scenario, tiny_qwen3_5):
     """TP=2 (packed, sequence parallel; each rank one Gated DeltaNet key head and its two value heads, one query group,
     the whole vision tower) and PP=2 (padded and packed; each stage a Gated DeltaNet and a gated attention layer, the
     tower on the first, the 3-D positions on both) on the batch with images: one rank's log-probs, gradient, grad norm
-    and loss; every TP rank's weights out and --save-hf's folder are the whole checkpoint, vision tower included, bit
-    for bit."""
+    and loss; every TP rank's weights out, --save-hf's folder and a model-only --save loaded back into zeroed
+    parameters are the whole checkpoint, vision tower included, bit for bit."""
     (one,) = qwen3_5_scenario("qwen3_5_1", 1)
     ranks = qwen3_5_scenario("qwen3_5_tp2", 2)
     assert sorted(r["tp2/ranks"][0] for r in ranks) == [0, 1]
@@ -184,12 +184,13 @@ def test_qwen3_5_tp2_pp2_equal_one_rank(qwen3_5_scenario, tiny_qwen3_5):
                 assert diffs[key] <= tol, f"{name} {layout}: max {key} diff {diffs[key]:.3g} > {tol}"
     want = load_file(tiny_qwen3_5 / "model.safetensors")
     (exported,) = [r["tp2/exported"] for r in ranks if "tp2/exported" in r]
+    assert all(r["tp2/zeroed"] == 0 for r in ranks)
     for r in ranks:
-        assert set(r["tp2/weights"]) == set(want)
+        assert set(r["tp2/weights"]) == set(r["tp2/reloaded"]) == set(want)
     assert set(exported) == set(want)
     for n, t in want.items():
         assert torch.equal(exported[n], t), n
-        assert all(torch.equal(r["tp2/weights"][n], t) for r in ranks), n
+        assert all(torch.equal(r["tp2/weights"][n], t) and torch.equal(r["tp2/reloaded"][n], t) for r in ranks), n
 
 
 def test_qwen3_5_without_vision_config_is_its_text_decoder(tmp_path):
