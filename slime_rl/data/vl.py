@@ -60,7 +60,8 @@ class VisionRows:
                                     "use a vision-language checkpoint")
             pad_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
             if pad_id is None or pad_id == self.tokenizer.unk_token_id:
-                raise DataError(f"the tokenizer has no {IMAGE_PAD} token; images need a Qwen2.5-VL tokenizer")
+                raise DataError(f"the tokenizer has no {IMAGE_PAD} token; images need a vision-language tokenizer "
+                                "(Qwen2.5-VL, Qwen3.5)")
             self.image_pad_id = pad_id
             self._spec = VisionSpec.from_image_processor(self._processor, self.cfg.min_pixels, self.cfg.max_pixels)
         return self._spec
