@@ -286,7 +286,7 @@ def check_model_features(cfg: Config) -> None:
                       f"layer(s) ({key}; tensors model.layers.{arch.num_layers}.*) are not "
                       f"trained: {what} (an engine's MTP speculative decoding then drafts with the initial weights: "
                       "correct tokens, a lower acceptance rate as the policy moves)", ConfigNote, stacklevel=2)
-    vision = FAMILIES[model_type].vision
+    vision = arch.vision is not None  # a vision tower built (Qwen3.5: where config.json has a vision_config)
     if cfg.model.freeze_vision_tower and not vision:
         raise ConfigError(f"--freeze-vision-tower needs a vision-language checkpoint; --hf-checkpoint "
                           f"{cfg.model.hf_checkpoint} is model_type {model_type!r}")

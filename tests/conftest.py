@@ -59,10 +59,11 @@ def tiny_qwen3_next(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_5(tmp_path_factory) -> Path:
     """Tiny Qwen3.5 (Qwen3_5ForConditionalGeneration): tiny_qwen3_next's hybrid decoder (4 layers, every second full
-    attention) with a dense SwiGLU MLP of width 128, in_proj_qkv / _z / _b / _a, under model.language_model.; a
-    1-block vision tower under model.visual.; untied."""
+    attention; heads of width 32) with a dense SwiGLU MLP of width 128, in_proj_qkv / _z / _b / _a, under
+    model.language_model.; a 1-block vision tower under model.visual.; untied; vocabulary 128 with the vision tokens
+    (ids 121 and up) and Qwen3.5's image processor."""
     out = tmp_path_factory.mktemp("tiny_qwen3_5")
-    return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen3_5", seed=29)
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen3_5", seed=29, vocab_size=128)
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +72,7 @@ def tiny_qwen3_5_moe(tmp_path_factory) -> Path:
     MoE block in every layer (8 experts of width 32, top-2 renormalised, a gated shared expert of width 48); each
     layer's experts stored fused (mlp.experts.gate_up_proj / down_proj), as the published checkpoints are."""
     out = tmp_path_factory.mktemp("tiny_qwen3_5_moe")
-    return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen3_5_moe", seed=31)
+    return _load_tool("make_tiny_model").make_tiny_model(out, arch="qwen3_5_moe", seed=31, vocab_size=128)
 
 
 @pytest.fixture(scope="session")

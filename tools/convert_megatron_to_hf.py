@@ -14,7 +14,8 @@ The architecture comes from an HF config: --hf-config-dir, else the copy saved i
 model.safetensors.index.json above --max-shard-size), and the tokenizer / generation config files
 of that folder. Vocab padding is removed. The tensors come from the trainer's own
 `hf_io.iter_hf_weights` (the registry's maps), so export and weight sync cannot disagree. Tensors the trainer does
-not hold (Qwen3.5's vision tower `model.visual.*` and `mtp.*`: `Family.hf_passthrough`) are copied unchanged from
+not hold (Qwen3.5's `mtp.*`: `Family.hf_passthrough`; its vision tower only where config.json has no vision_config)
+are copied unchanged from
 that folder's safetensors, so for such a family --hf-config-dir must be the original HF folder with its weights
 (refused in one sentence otherwise). Qwen3.5-MoE's routed experts are written as its published checkpoints hold them,
 each layer's fused into mlp.experts.gate_up_proj / down_proj (`Family.fused_experts`).

@@ -86,7 +86,11 @@ attention's gated output norm (applied as w) and its dt_bias are drawn around 1 
 layers, every second full attention, the same Gated DeltaNet widths, zero-centred norms) with a dense SwiGLU MLP in
 every layer and the GatedDeltaNet's in_proj as four tensors (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a); the
 decoder under model.language_model., its fields in config.json's text_config, beside a 1-block vision tower (hidden
-16) under model.visual. that the trainer does not train. No vision tokens in the tokenizer: a text-only checkpoint.
+16, patch 16, merge 2, an 8 x 8 learned position table) under model.visual., as the published checkpoints lay it out.
+Heads of width 32 (a quarter rotated: 4 rotary frequencies) with mrope sections [2, 1, 1], so that the interleaved
+3-D rotary gives each of time, height and width at least one frequency (and differs from consecutive sections). As
+qwen2_5_vl: vocabulary 128 with the vision special tokens, the chat template rendering image parts, and
+preprocessor_config.json (Qwen3.5's processor: patch 16, merge 2, mean and std 0.5).
 
 `--arch qwen3_5_moe` writes a Qwen3_5MoeForConditionalGeneration (as Qwen3.5-35B-A3B / Qwen3.6-35B-A3B): qwen3_5's
 decoder and vision tower with qwen3_next's MoE block in every layer (8 experts, top-2 renormalised, a shared expert of
@@ -130,6 +134,7 @@ ARCHS = ("qwen2", "llama", "glm4", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepse
 # families transformers runs under another model_type (config/families.py transformers_model_type): the tiny
 # model is built as that one and its config.json then names the family's own model_type
 BUILT_AS = {"kimi_k2": "deepseek_v3", "mimo": "qwen2"}
+VL_ARCHS = ("qwen2_5_vl", "qwen3_5", "qwen3_5_moe")  # vision special tokens, image processor, vocabulary 128
 HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # Gated DeltaNet and gated attention, zero-centred norms
 VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2.5-VL's template renders an image part as <|vision_start|><|image_pad|><|vision_end|>; the
@@ -284,20 +289,21 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
     if arch == "qwen3_5":
         from transformers import Qwen3_5Config
         text = {k: v for k, v in common.items() if k != "rope_theta"}
-        text.update(tie_word_embeddings=False, attention_bias=False, head_dim=args.hidden_size // args.num_heads,
+        text.update(tie_word_embeddings=False, attention_bias=False, head_dim=32,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                                     "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
                     full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=8,
                     linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4)
         vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=16, spatial_merge_size=2,
                       temporal_patch_size=2, out_hidden_size=args.hidden_size, num_position_embeddings=64)
-        return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32")
+        return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32",
+                             **_vl_token_fields(args))
     if arch == "qwen3_5_moe":
         from transformers import Qwen3_5MoeConfig
         text = {k: v for k, v in common.items() if k not in ("rope_theta", "intermediate_size")}
-        text.update(tie_word_embeddings=False, attention_bias=False, head_dim=args.hidden_size // args.num_heads,
+        text.update(tie_word_embeddings=False, attention_bias=False, head_dim=32,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                                     "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
                     full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=8,
                     linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
                     num_experts=args.num_experts, num_experts_per_tok=args.moe_topk,
@@ -306,10 +312,17 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, args: arg
                     router_aux_loss_coef=0.001, output_router_logits=False)
         vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=16, spatial_merge_size=2,
                       temporal_patch_size=2, out_hidden_size=args.hidden_size, num_position_embeddings=64)
-        return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32")
+        return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, dtype="float32",
+                                **_vl_token_fields(args))
     if arch == "qwen2_5_vl":
         return build_vl_config(common, args)
     raise SystemExit(f"--arch {arch}: unsupported ({', '.join(ARCHS)})")
+
+
+def _vl_token_fields(args: argparse.Namespace) -> dict:
+    ids = args.vl_token_ids
+    return {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"]}
 
 
 def build_vl_config(common: dict, args: argparse.Namespace):
@@ -376,7 +389,7 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
                               mlp_only_layers=mlp_only_layers, q_lora_rank=q_lora_rank)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    vl = arch == "qwen2_5_vl"
+    vl = arch in VL_ARCHS
     if vl:
         tok = train_tokenizer(vocab_size, seed, SPECIALS + VL_SPECIALS, vl_counting.corpus_lines(seed))
         args.vl_token_ids = {t: tok.token_to_id(t) for t in VL_SPECIALS}
@@ -388,7 +401,7 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
         config.tie_word_embeddings = False
 
     torch.manual_seed(seed)
-    if vl:  # not an AutoModelForCausalLM: the image-text-to-text class holds the vision tower too
+    if arch == "qwen2_5_vl":  # not an AutoModelForCausalLM: the image-text-to-text class holds the vision tower too
         from transformers import Qwen2_5_VLForConditionalGeneration
         model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     elif arch == "qwen3_5":  # the hub's class: the decoder under model.language_model., the tower under model.visual.
@@ -457,7 +470,7 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", seed: int = 0, vocab_s
     GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, temperature=1.0,
                      top_p=1.0).save_pretrained(out)
     if vl:
-        save_image_processor(out)
+        save_image_processor(out, patch=16 if arch != "qwen2_5_vl" else 14)
     return out
 
 
@@ -491,16 +504,19 @@ def _add_mtp_tensors(out: Path, decoder_layers: int, mtp_layers: int, hidden: in
     cfg_file.write_text(json.dumps(cfg, indent=2))
 
 
-def save_image_processor(out: Path) -> None:
-    """preprocessor_config.json for Qwen2.5-VL's image processor (patch 14, merge 2, CLIP mean/std).
+def save_image_processor(out: Path, patch: int = 14) -> None:
+    """preprocessor_config.json for Qwen2.5-VL's image processor (patch 14, merge 2, CLIP mean/std) or Qwen3.5's
+    (patch 16, merge 2, mean and std 0.5 per channel).
 
     min/max pixels are kept small (4 to 64 merged patches) so a tiny model sees short prompts; the
     data flags --min-pixels/--max-pixels override them per run.
     """
     from transformers import Qwen2VLImageProcessorPil
 
-    proc = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28, patch_size=14,
-                                    temporal_patch_size=2, merge_size=2)
+    side = 2 * patch
+    half = {} if patch == 14 else {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+    proc = Qwen2VLImageProcessorPil(min_pixels=4 * side * side, max_pixels=64 * side * side, patch_size=patch,
+                                    temporal_patch_size=2, merge_size=2, **half)
     proc.save_pretrained(out)
     cfg_path = out / "preprocessor_config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -515,7 +531,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--arch", choices=ARCHS, default="qwen2")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=None, help="default 64 (128 for qwen2_5_vl)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="default 64 (128 for qwen2_5_vl, qwen3_5 and qwen3_5_moe)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=None,
                    help="default 3 for qwen2_moe, glm4_moe, deepseek_v3 and glm4_moe_lite, 4 for glm_moe_dsa, "
@@ -539,7 +556,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="the word embeddings' and LM head's std (default: initializer_range, 0.02); the LoRA "
                         "quickstart's model takes 0.3, a trained model's scale, as they do not train")
     a = p.parse_args(argv)
-    vocab = a.vocab_size or (128 if a.arch == "qwen2_5_vl" else 64)
+    vocab = a.vocab_size or (128 if a.arch in VL_ARCHS else 64)
     dense = None if a.mlp_only_layers is None else [int(x) for x in a.mlp_only_layers.split(",") if x.strip()]
     out = make_tiny_model(a.out, a.arch, a.seed, vocab, a.hidden_size, a.num_layers, a.num_heads,
                           a.num_kv_heads, a.num_experts, a.moe_topk, a.moe_intermediate_size,

@@ -96,11 +96,18 @@ Qwen3.5 (`qwen3_5`: Qwen3.5-9B, 27B) is Qwen3-Next's hybrid text decoder with a 
 a vision-language checkpoint (Qwen3_5ForConditionalGeneration): config.json nests the decoder's fields in text_config
 (`Family.text_config`), the decoder's tensors sit under `model.language_model.` (lm_head at the top), and the
 GatedDeltaNet's input projection is four HF tensors: in_proj_qkv ([all q; all k; all v], the conv1d's channel order,
-not grouped per key head), in_proj_z, in_proj_b, in_proj_a (Layout.GDN_IN_PROJ_SPLIT). The trainer builds the text
-decoder only, with 1-D RoPE (text-only positions make the interleaved mrope of its rope_parameters the same rotation);
-the vision tower `model.visual.*` and the multi-token-prediction head `mtp.*` (`Family.hf_passthrough`) are never
-loaded, trained or sent (the engine keeps its own copy), and --save-hf / tools/convert_megatron_to_hf.py copy them
-unchanged from the HF folder the model came from (trainer/hf_export.py).
+not grouped per key head), in_proj_z, in_proj_b, in_proj_a (Layout.GDN_IN_PROJ_SPLIT). It is a vision-language family
+(`vision`) as Qwen2.5-VL is: the trainer runs transformers' vision tower (Qwen3_5VisionModel, Qwen3_5MoeVisionModel for
+qwen3_5_moe; from config.json's vision_config) on the first pipeline stage, trained, its merged features at the
+prompt's image pads, and its checkpoint names are `model.visual.*` (`vision_prefix`): loaded, saved, exported and sent
+under them. The decoder's positions are 3-D (Qwen2.5-VL's rule for still images, transformers' get_rope_index), their
+mrope sections interleaved over the rotary frequencies (`mrope_interleaved`: transformers' Qwen3_5TextRotaryEmbedding;
+sections 11, 11, 10 of the 32 rotary frequencies of a quarter of each 256-wide head where rope_parameters gives none).
+A config.json without vision_config builds the text decoder alone with 1-D RoPE (text positions make both one
+rotation), and then the tower is copied through like `mtp.*`, the multi-token-prediction head, which the trainer never
+loads, trains or sends (`Family.hf_passthrough`: the engine keeps its copy; --save-hf / tools/convert_megatron_to_hf.py
+copy it unchanged from the HF folder the model came from, trainer/hf_export.py). slime's vision-language model
+provider (`slime_vl_spec`, slime_plugins.models.qwen3_5_vl) builds the same model (and trains the tower).
 
 Qwen3.5-MoE (`qwen3_5_moe`: Qwen3.5-35B-A3B, Qwen3.6-35B-A3B; Qwen3_5MoeForConditionalGeneration) is Qwen3.5's text
 decoder with Qwen3-Next's MoE block in every layer (transformers' Qwen3_5MoeDecoderLayer and SGLang's read neither
@@ -214,6 +221,14 @@ class Family:
     # vision-language: the language fields may sit in config.json's text_config, positions are
     # 3-D mRoPE and an HF vision tower feeds the first stage (convert/vision.py)
     vision: bool = False
+    # where the checkpoint holds the vision tower's tensors (Qwen2.5-VL's `visual.`, Qwen3.5's `model.visual.`)
+    vision_prefix: str = "visual."
+    # the mRoPE sections interleave over the rotary frequencies (Qwen3.5: frequency j is the height's when
+    # j % 3 == 1 and j < 3 x sections[1], the width's when j % 3 == 2 and j < 3 x sections[2], else the time's;
+    # transformers' Qwen3_5TextRotaryEmbedding) rather than following each other (Qwen2.5-VL: megatron's
+    # MultimodalRotaryEmbedding); `mrope_default`: the sections where rope_parameters gives none
+    mrope_interleaved: bool = False
+    mrope_default: tuple[int, ...] = ()
     # mixture of experts: a layer's MLP is megatron's MoELayer (router + routed experts)
     moe: bool = False
     # an MoE family's layers whose MLP is dense (mlp_only_layers / decoder_sparse_step in config.json)
@@ -251,6 +266,9 @@ class Family:
     # slime's Megatron-LM spec function of this family (--spec MODULE FUNCTION), which builds the same model as
     # the local spec here does (flags_model.py accepts it for this family)
     slime_spec: tuple[str, ...] = ()
+    # slime's model provider of the vision-language model (--spec MODULE FUNCTION: Qwen3.5's qwen3_5_vl, the text
+    # decoder of slime_spec with the HF vision tower trained on image prompts): the model the trainer builds too
+    slime_vl_spec: tuple[str, ...] = ()
     # the q/k norms normalize each token's query over all heads' channels together (and its key over all key
     # heads'), not each head alone (MiniMax-M2's qk_norm_type per_layer): weights [heads x head_dim], [kv heads x
     # head_dim], which trainer/whole_qk_norm.py applies to the gathered heads under tensor parallelism
@@ -265,11 +283,11 @@ class Family:
     linear_attention_params: tuple[ParamMap, ...] = ()
     # the decoder's RMSNorms store w and scale by 1 + w (megatron's layernorm_zero_centered_gamma)
     zero_centered_norms: bool = False
-    # the decoder's config.json fields sit in text_config (Qwen3.5's vision-language config.json) while the trainer
-    # builds the text decoder only (not `vision`: no vision tower in the trainer, 1-D positions)
+    # the decoder's config.json fields sit in text_config (Qwen3.5's vision-language config.json); with `vision`, a
+    # config.json without vision_config builds the text decoder alone (1-D positions)
     text_config: bool = False
-    # name prefixes of checkpoint tensors the trainer neither loads nor trains nor sends (Qwen3.5's vision tower
-    # `model.visual.`, its multi-token-prediction head `mtp.`): the engine keeps its own copy, and --save-hf /
+    # name prefixes of checkpoint tensors the trainer neither loads nor trains nor sends (Qwen3.5's
+    # multi-token-prediction head `mtp.`): the engine keeps its own copy, and --save-hf /
     # tools/convert_megatron_to_hf.py copy them unchanged from the HF folder the model came from
     hf_passthrough: tuple[str, ...] = ()
     # the published checkpoints hold each layer's routed experts as two tensors (Qwen3.5-MoE:
@@ -558,6 +576,13 @@ _GDN_SPLIT = (
     *_GDN[1:],
 )
 
+# Qwen3.5's vision tower (transformers' Qwen3_5VisionModel / Qwen3_5MoeVisionModel under model.visual.) and its
+# interleaved 3-D rotary positions (transformers' default sections 11, 11, 10 of the 32 rotary frequencies); slime's
+# vision-language provider besides the text spec (slime_plugins.models.qwen3_5_vl)
+_QWEN3_5_VISION: dict[str, Any] = {
+    "vision": True, "vision_prefix": "model.visual.", "mrope_interleaved": True, "mrope_default": (11, 11, 10),
+    "slime_vl_spec": ("slime_plugins.models.qwen3_5_vl", "get_qwen3_5_vl_model_provider")}
+
 FAMILIES: dict[str, Family] = {
     "qwen2": Family(
         model_type="qwen2", global_params=_GLOBAL, hf_rmsnorm="Qwen2RMSNorm",
@@ -714,7 +739,7 @@ FAMILIES: dict[str, Family] = {
                          "linear_num_value_heads": 32, "rms_norm_eps": 1e-6},
         gated_delta_net=True, full_attention_params=_language_model(_GATED_ATTENTION),
         linear_attention_params=_language_model(_GDN_SPLIT), zero_centered_norms=True,
-        text_config=True, hf_passthrough=("model.visual.", "mtp."),
+        text_config=True, hf_passthrough=("mtp.",), **_QWEN3_5_VISION,
         slime_spec=("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
     ),
     # Qwen3.5-35B-A3B / Qwen3.6-35B-A3B (Qwen3_5MoeForConditionalGeneration): qwen3_5's hybrid text decoder with
@@ -738,7 +763,7 @@ FAMILIES: dict[str, Family] = {
         moe=True, shared_expert=True,
         gated_delta_net=True, full_attention_params=_language_model(_GATED_ATTENTION),
         linear_attention_params=_language_model(_GDN_SPLIT), zero_centered_norms=True,
-        text_config=True, hf_passthrough=("model.visual.", "mtp."), fused_experts=True,
+        text_config=True, hf_passthrough=("mtp.",), fused_experts=True, **_QWEN3_5_VISION,
         slime_spec=("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
     ),
 }

@@ -134,7 +134,8 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
     # ---- positions
     Flag('--position-embedding-type', derived=MODEL_ARGS_FIELD,
          choices=('learned_absolute', 'rope', 'yarn', 'mrope', 'relative', 'none'),
-         help=_TO + "the family's positions: rope (mrope for qwen2_5_vl)"),
+         help=_TO + "the family's positions: rope (mrope for qwen2_5_vl; qwen3_5 and qwen3_5_moe: either, as "
+         "slime's model files say rope and its qwen3_5_vl provider builds mrope)"),
     _switch('--use-rotary-position-embeddings', "the family's positions (Megatron-LM: --position-embedding-type "
             "rope)"),
     _switch('--no-position-embedding', 'no learned absolute position embedding (true of every family here: they '
@@ -173,8 +174,10 @@ MODEL_FLAGS: tuple[Flag, ...] = section(
          help="local, or slime's spec function of the family config.json names (glm4: slime_plugins.models.glm4 "
               "get_glm_spec; minimax_m2: slime_plugins.models.minimax_m2 get_minimax_m2_layer_spec; qwen3_next: "
               "slime_plugins.models.qwen3_next get_qwen3_next_spec; qwen3_5 and qwen3_5_moe: "
-              "slime_plugins.models.qwen3_5 get_qwen3_5_spec): the trainer builds megatron-core's local layer spec "
-              "of that family (config/families.py), the same model; slime's other spec functions "
+              "slime_plugins.models.qwen3_5 get_qwen3_5_spec, or its vision-language provider "
+              "slime_plugins.models.qwen3_5_vl get_qwen3_5_vl_model_provider where config.json has a vision_config): "
+              "the trainer builds megatron-core's local layer spec of that family (config/families.py, with the "
+              "vision tower where it has one), the same model; slime's other spec functions "
               "(slime_plugins.models.*) build families not supported here"),
     Flag('--mtp-num-layers', 'trainer.mtp_num_layers', derived=MODEL_ARGS_FIELD, type=_nonneg_int,
          help="the multi-token-prediction layers the trainer builds after the decoder, at most config.json's "

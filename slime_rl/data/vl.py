@@ -1,4 +1,4 @@
-"""Vision-language rows of a prompt dataset: EasyR1's problem/answer/images layout for Qwen2.5-VL.
+"""Vision-language rows of a prompt dataset: EasyR1's problem/answer/images layout for Qwen2.5-VL and Qwen3.5.
 
 `PromptDataset` hands each row to `VisionRows`, which
 1. reads the row's `--image-key` column (one reference or a list; see `images.image_bytes` for the
@@ -60,7 +60,8 @@ class VisionRows:
                                     "use a vision-language checkpoint")
             pad_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
             if pad_id is None or pad_id == self.tokenizer.unk_token_id:
-                raise DataError(f"the tokenizer has no {IMAGE_PAD} token; images need a Qwen2.5-VL tokenizer")
+                raise DataError(f"the tokenizer has no {IMAGE_PAD} token; images need a vision-language tokenizer "
+                                "(Qwen2.5-VL, Qwen3.5)")
             self.image_pad_id = pad_id
             self._spec = VisionSpec.from_image_processor(self._processor, self.cfg.min_pixels, self.cfg.max_pixels)
         return self._spec
@@ -110,10 +111,9 @@ class VisionRows:
 
 
 def _refuse_text_only_family(prompt_data: str, image_key: str | None, checkpoint: str) -> None:
-    """DataError when the checkpoint is a vision-language model whose text decoder alone is trained here (Qwen3.5,
-    `Family.text_config`): its folder carries an image processor and SGLang would see the images through its vision
-    tower, while the trainer's forward would have no features of them. (A text model's folder has no image
-    processor: `VisionRows.spec` says so.)"""
+    """DataError when the checkpoint is of a vision-language family (Qwen3.5, `Family.text_config`) whose config.json
+    has no vision_config: the trainer builds its text decoder alone then, so its forward would have no features of the
+    images. (A text model's folder has no image processor: `VisionRows.spec` says so.)"""
     import json
 
     from slime_rl.config.families import FAMILIES
@@ -121,8 +121,9 @@ def _refuse_text_only_family(prompt_data: str, image_key: str | None, checkpoint
     config = Path(checkpoint) / "config.json" if checkpoint else None
     if config is None or not config.is_file():
         return
-    model_type = json.loads(config.read_text()).get("model_type", "")
-    family = FAMILIES.get(model_type)
-    if family is not None and family.text_config:
-        raise DataError(f"{prompt_data}: rows have images ('{image_key}', --image-key) but model_type {model_type!r} "
-                        "is trained here as a text model (its vision tower is not built); give text-only rows")
+    cfg = json.loads(config.read_text())
+    family = FAMILIES.get(cfg.get("model_type", ""))
+    if family is not None and family.text_config and "vision_config" not in cfg:
+        raise DataError(f"{prompt_data}: rows have images ('{image_key}', --image-key) but {checkpoint}'s config.json "
+                        f"(model_type {cfg['model_type']!r}) has no vision_config: the trainer builds its text decoder "
+                        "alone; give text-only rows or a checkpoint with its vision tower")

@@ -83,7 +83,9 @@ _VISION_DEFAULTS = {"depth": 32, "hidden_size": 3584, "intermediate_size": 3420,
 @dataclass(frozen=True)
 class VisionShape:
     """Qwen2.5-VL's vision tower: patch embedding (Conv3d, no bias), `depth` blocks (two RMSNorms,
-    fused qkv and proj with biases, SwiGLU with biases) and the patch merger (RMSNorm, two linears)."""
+    fused qkv and proj with biases, SwiGLU with biases) and the patch merger (RMSNorm, two linears).
+    Qwen3.5's (`position_table` > 0: its learned position embeddings' rows): the Conv3d with a bias, LayerNorms
+    (weight and bias), a GELU MLP of two linears with biases, the merger's norm a LayerNorm."""
 
     depth: int
     hidden: int
@@ -93,13 +95,18 @@ class VisionShape:
     temporal_patch: int
     merge: int
     out_hidden: int
+    position_table: int = 0
 
     @property
     def params(self) -> int:
         h, f = self.hidden, self.ffn
         patch = self.in_channels * self.temporal_patch * self.patch**2 * h
-        block = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * (h * f + f) + (f * h + h)
         m = h * self.merge**2
+        if self.position_table:  # Qwen3.5
+            block = 4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+            merger = 2 * h + (m * m + m) + (m * self.out_hidden + self.out_hidden)
+            return patch + h + self.position_table * h + self.depth * block + merger
+        block = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * (h * f + f) + (f * h + h)
         merger = h + (m * m + m) + (m * self.out_hidden + self.out_hidden)
         return patch + self.depth * block + merger
 
@@ -263,8 +270,7 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         raise ValueError(f"{where}: model_type {model_type!r} cannot be estimated; supported: {list(FAMILIES)}")
     # what the family implies beyond config.json's sizes (its biases, norms, experts, vision tower)
     family = FAMILIES[model_type]
-    # Qwen3.5 (Family.text_config): the text decoder only, which is what the trainer holds and weight sync sends (its
-    # vision tower stays the engine's)
+    # Qwen3.5 (Family.text_config): the decoder's fields in text_config
     cfg = {**config, **(config.get("text_config") or {})} if family.vision or family.text_config else config
     hidden, heads = _need(cfg, "hidden_size", where), _need(cfg, "num_attention_heads", where)
     layers = _need(cfg, "num_hidden_layers", where)
@@ -309,12 +315,18 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
         mla = {"q_lora": dims["q_lora_rank"], "kv_lora": dims["kv_lora_rank"], "qk_nope": dims["qk_nope_head_dim"],
                "qk_rope": dims["qk_rope_head_dim"], "v_head": dims["v_head_dim"]}
     vision = None
-    if family.vision:
-        vc = {**_VISION_DEFAULTS, **(config.get("vision_config") or {})}
+    # Qwen3.5 (text_config): the tower where config.json has a vision_config (the trainer builds it then)
+    if family.vision and not (family.text_config and "vision_config" not in config):
+        # Qwen3.5: transformers' Qwen3_5VisionConfig defaults for what the file leaves out
+        defaults = ({**_VISION_DEFAULTS, "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "patch_size": 16,
+                     "num_position_embeddings": 2304, "out_hidden_size": 3584} if family.text_config
+                    else _VISION_DEFAULTS)
+        vc = {**defaults, **(config.get("vision_config") or {})}
         vision = VisionShape(depth=int(vc["depth"]), hidden=int(vc["hidden_size"]), ffn=int(vc["intermediate_size"]),
                              in_channels=int(vc.get("in_chans", vc["in_channels"])), patch=int(vc["patch_size"]),
                              temporal_patch=int(vc["temporal_patch_size"]), merge=int(vc["spatial_merge_size"]),
-                             out_hidden=int(vc["out_hidden_size"]))
+                             out_hidden=int(vc["out_hidden_size"]),
+                             position_table=int(vc["num_position_embeddings"]) if family.text_config else 0)
     return ModelShape(
         model_type=model_type, layers=layers, hidden=hidden,
         # no dense MLP in any layer (Qwen3.5-MoE's config has no intermediate_size): none to count

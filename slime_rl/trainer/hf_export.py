@@ -10,8 +10,9 @@ The folder is written atomically like the checkpoints: into `<out>.tmp/`, rename
 complete (an existing `<out>/` is swapped out and deleted), so a crash never leaves a folder that
 looks like a finished model.
 
-A family's checkpoint tensors the trainer does not hold (`Family.hf_passthrough`: Qwen3.5's vision tower
-`model.visual.*` and multi-token-prediction head `mtp.*`) are copied into the folder unchanged (their stored dtype)
+A family's checkpoint tensors the trainer does not hold (`Family.hf_passthrough`: Qwen3.5's multi-token-prediction
+head `mtp.*`; its vision tower `model.visual.*` only where config.json has no vision_config, so the trainer built the
+text decoder alone) are copied into the folder unchanged (their stored dtype)
 from the HF folder the model came from, so that the folder loads as the whole model it was (transformers'
 Qwen3_5ForConditionalGeneration); that folder must then hold the safetensors, not only config.json. A family whose
 published checkpoints hold each layer's routed experts fused (`Family.fused_experts`: Qwen3.5-MoE) is written so, the
@@ -182,6 +183,8 @@ def passthrough_names(arch: ModelArch, hf_dir: str | Path) -> list[str]:
 
     family = FAMILIES.get(arch.model_type)
     prefixes = family.hf_passthrough if family is not None else ()
+    if family is not None and family.vision and family.text_config and arch.vision is None:
+        prefixes += (family.vision_prefix,)  # Qwen3.5 without vision_config: the tower not built
     if not prefixes and not arch.mtp_layers:
         return []
     try:

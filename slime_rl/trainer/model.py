@@ -44,7 +44,7 @@ from slime_rl.trainer.mcore import (
 )
 from slime_rl.trainer.norm import TrainerRMSNorm
 from slime_rl.trainer.post_norms import PostNormTransformerLayer
-from slime_rl.trainer.vision import attach_vision_tower
+from slime_rl.trainer.vision import InterleavedMultimodalRotaryEmbedding, attach_vision_tower
 from slime_rl.trainer.whole_qk_norm import WholeQKNormSelfAttention
 
 
@@ -311,6 +311,10 @@ def build_gpt_model(arch: ModelArch, *, bf16: bool = False, tp_size: int = 1, pp
         rotary_base=arch.rotary_base,
         rotary_percent=arch.rotary_percent,
     )
+    if arch.mrope_interleaved:  # Qwen3.5: interleaved sections, which megatron's MultimodalRotaryEmbedding lacks
+        model.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
+            arch.kv_channels, arch.rotary_percent, arch.rotary_base,
+            device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
     if arch.vision is not None and pre_process:
         attach_vision_tower(model, arch)
     if arch.dsa_indexer_layers:

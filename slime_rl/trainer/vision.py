@@ -1,4 +1,4 @@
-"""Qwen2.5-VL in the Megatron trainer: the language decoder is megatron-core's GPTModel with mRoPE,
+"""Qwen2.5-VL and Qwen3.5 in the Megatron trainer: the language decoder is megatron-core's GPTModel with mRoPE,
 the vision tower is the HF module (convert/vision.py) attached to the first stage.
 
 Why the HF tower and not a Megatron one: it is the engine's exact module (the built-in engine runs
@@ -11,7 +11,9 @@ is all-reduced over TP by megatron's column-parallel layers, so no extra reducti
 Per micro-batch (`VisionBatching.attach`):
 - positions become Qwen2.5-VL's 3-D mRoPE positions ([3, b, s], or [3, 1, t] packed), computed per
   sample from its tokens and image grids (data/mrope.py), on every pipeline stage (each layer
-  rotates q/k); megatron's `MultimodalRotaryEmbedding` turns them into per-token frequencies;
+  rotates q/k); megatron's `MultimodalRotaryEmbedding` turns them into per-token frequencies (Qwen3.5:
+  `InterleavedMultimodalRotaryEmbedding`, its sections interleaved). Qwen3.5's rule for the positions is
+  Qwen2.5-VL's for still images (transformers' Qwen3_5Model.get_rope_index);
 - the first stage gets pixel_values (the checkpoint's image processor on the sample's PNG data
   URLs, as the engine does) and a mask of the prompt's <|image_pad|> positions: a pad id sampled
   in a response is text, as in the engine.
@@ -50,11 +52,34 @@ def attach_vision_tower(gpt: torch.nn.Module, arch: ModelArch) -> None:
     written in before the sequence-parallel scatter (GPTModel scatters when the embedding does not)."""
     assert arch.vision is not None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    gpt.vision_model = vision_module(arch.vision.config, device=device)
+    gpt.vision_model = vision_module(arch.vision.config, device=device, model_type=arch.vision.model_type)
     emb = gpt.embedding
     emb.scatter_to_sequence_parallel = False
     emb.reduce_scatter_embeddings = False
     emb.word_embeddings.reduce_scatter_embeddings = False
+
+
+class InterleavedMultimodalRotaryEmbedding(torch.nn.Module):
+    """Qwen3.5's 3-D rotary frequencies (transformers' Qwen3_5TextRotaryEmbedding): rotary frequency j of a token
+    takes its height position when j % 3 == 1 and j < 3 x sections[1], its width position when j % 3 == 2 and
+    j < 3 x sections[2], else its time position; the halves of the rotary channels repeat the frequencies (megatron's
+    non-interleaved pairs). megatron-core 0.19's MultimodalRotaryEmbedding gives each axis a consecutive block of
+    frequencies instead (Qwen2.5-VL), so the trainer replaces the GPTModel's with this one; same call and output
+    ([s, b, 1, rotary dim] from positions [3, b, s])."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float, rotary_base: float, device: Any = None) -> None:
+        super().__init__()
+        dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
+        self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+    def forward(self, position_ids: Tensor, mrope_section: list[int], cp_group: Any = None) -> Tensor:
+        seq = position_ids.to(device=self.inv_freq.device, dtype=torch.float32)  # [3, b, s]
+        freqs = seq[..., None] * self.inv_freq  # [3, b, s, dim / 2]
+        mixed = freqs[0].clone()
+        for axis in (1, 2):
+            mixed[..., axis:3 * mrope_section[axis]:3] = freqs[axis, ..., axis:3 * mrope_section[axis]:3]
+        emb = torch.cat((mixed, mixed), dim=-1)  # [b, s, dim]
+        return emb[..., None, :].transpose(0, 1).contiguous()  # [s, b, 1, dim]
 
 
 def float_buffers(module: torch.nn.Module) -> dict[str, Tensor]:

@@ -467,17 +467,19 @@ QWEN3_5_35B_A3B = """--spec slime_plugins.models.qwen3_5 get_qwen3_5_spec --disa
 
 def test_qwen3_5_moe_model_file_agrees_and_plans(tmp_path, capsys):
     """slime's scripts/models/qwen3.5-35B-A3B.sh against Qwen3.5-35B-A3B's config.json (text_config, no
-    intermediate_size): every flag agrees and the dry run plans it on 2 x 8 GPUs with EP 8; a flag that differs
+    intermediate_size, the vision tower's vision_config): every flag agrees and the dry run plans it on 2 x 8 GPUs with
+    EP 8, the 34.661 B of the text decoder plus the 0.447 B of the vision tower; a flag that differs
     (--moe-router-topk, --num-experts) is named against text_config's value; slime's vision-language provider
-    (slime_plugins.models.qwen3_5_vl, geo3k's) is refused in one sentence saying the vision tower is not built."""
+    (slime_plugins.models.qwen3_5_vl, geo3k's) is the model the trainer builds, while for a config.json without
+    vision_config (the text decoder alone) it is refused in one sentence saying so."""
     hf = _checkpoint(tmp_path, "config.json", MIGRATION / "Qwen3.5-35B-A3B")
     argv = ["--hf-checkpoint", str(hf), "--prompt-data", "/data/not-here.jsonl", "--rollout-batch-size", "16",
             "--num-rollout", "1", "--rm-type", "math", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8",
             "--expert-model-parallel-size", "8", "--rollout-num-gpus", "16", "--dry-run", "--cluster", "4x8",
-            "--rollout-backend", "sglang", *QWEN3_5_35B_A3B.split()]
-    rc, captured = train_main(argv), capsys.readouterr()
+            "--rollout-backend", "sglang"]
+    rc, captured = train_main(argv + QWEN3_5_35B_A3B.split()), capsys.readouterr()
     assert rc == 0, captured.err
-    assert "qwen3_5_moe, 34.661 B parameters" in captured.out, captured.out
+    assert "qwen3_5_moe, 35.107 B parameters" in captured.out, captured.out
     tokens = QWEN3_5_35B_A3B.split() + ["--rollout-backend", "sglang"]
     for changed, claim, truth in ((_replace(tokens, "--moe-router-topk", "4"), "--moe-router-topk 4",
                                    "num_experts_per_tok 8"),
@@ -486,12 +488,14 @@ def test_qwen3_5_moe_model_file_agrees_and_plans(tmp_path, capsys):
         assert f"{claim}: " in message and truth in message, message
     vl = _replace(_replace(tokens, "--spec", "slime_plugins.models.qwen3_5_vl"), "slime_plugins.models.qwen3_5_vl",
                   "get_qwen3_5_vl_model_provider")
-    message = _refused(tmp_path, "config.json", vl, MIGRATION / "Qwen3.5-35B-A3B")
-    assert message.endswith("'s config.json says model_type 'qwen3_5_moe', whose text decoder alone the trainer "
-                            "builds (its vision tower stays the engine's, and prompt rows with images are refused), "
-                            "while that model provider trains the vision tower on image prompts; for text-only "
-                            "prompts give --spec slime_plugins.models.qwen3_5 get_qwen3_5_spec"), message
+    rc, captured = train_main(argv + vl[:-2]), capsys.readouterr()
+    assert rc == 0 and "qwen3_5_moe, 35.107 B parameters" in captured.out, captured.err
+    message = _refused(tmp_path, "config.json", vl, MIGRATION / "Qwen3.6-35B-A3B")  # no vision_config in this file
     assert message.startswith("--spec slime_plugins.models.qwen3_5_vl get_qwen3_5_vl_model_provider: "), message
+    assert message.endswith("'s config.json says model_type 'qwen3_5_moe' without vision_config, whose text "
+                            "decoder alone the trainer builds, while that model provider trains the vision tower "
+                            "on image prompts; for text-only prompts give --spec slime_plugins.models.qwen3_5 "
+                            "get_qwen3_5_spec"), message
 
 
 @pytest.mark.parametrize("change, claim, truth", [

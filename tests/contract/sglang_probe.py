@@ -45,3 +45,18 @@ def calls_by_target(probe: torch.nn.Module) -> dict[str, list[tuple]]:
     for param, shape, args, kwargs in probe.calls:
         out.setdefault(param, []).append((shape, args, kwargs))
     return out
+
+
+def sglang_qwen3_vision_names(depth: int) -> list[str]:
+    """SGLang 0.5.23's vision tower parameters of Qwen3.5 (models/qwen3_vl.py's Qwen3VLMoeVisionModel, the `visual`
+    of Qwen3_5(Moe)ForConditionalGeneration) with `depth` blocks and no DeepStack mergers, written out from its
+    modules: the Conv3d patch embedding and the position table, per block two LayerNorms, VisionAttention's qkv_proj
+    and proj and the MLP's linear_fc1 / fc2 (all with biases), the merger's LayerNorm and two linears."""
+    wb = (".weight", ".bias")
+    names = [f"visual.patch_embed.proj{x}" for x in wb] + ["visual.pos_embed.weight"]
+    for i in range(depth):
+        for module in ("norm1", "norm2", "attn.qkv_proj", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2"):
+            names += [f"visual.blocks.{i}.{module}{x}" for x in wb]
+    for module in ("norm", "linear_fc1", "linear_fc2"):
+        names += [f"visual.merger.{module}{x}" for x in wb]
+    return names

@@ -9,7 +9,8 @@ fused `mlp.experts.gate_up_proj` / `down_proj` (no `.weight`) switch it to its f
 `experts.w13_weight` (shards w1, w3) and `experts.w2_weight` (w2) with that expert id. The trainer sends the per-expert
 names, never a fused one, so the per-expert path is the one taken. Its loader skips a name it has no parameter for with
 only a log line, so the test checks that every name lands once, in the parameter, shard and expert it belongs to, with
-the shape SGLang's module has for it (TP 1, EP 1, shared-expert fusion off as on CUDA without aiter)."""
+the shape SGLang's module has for it (TP 1, EP 1, shared-expert fusion off as on CUDA without aiter); the vision tower's
+`model.visual.*` as for qwen3_5 (`visual.*`, `attn.qkv_proj`), whole."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import types
 import pytest
 import torch
 
-from tests.contract.sglang_probe import calls_by_target, recording_probe
+from tests.contract.sglang_probe import calls_by_target, recording_probe, sglang_qwen3_vision_names
 
 qwen3_5 = pytest.importorskip("sglang.srt.models.qwen3_5",
                               reason="sglang 0.5.23 is not importable here (pip install --no-deps sglang)")
@@ -49,9 +50,10 @@ def test_sglang_maps_every_qwen3_5_moe_name_we_send(tiny_qwen3_5_moe):
     arch = load_arch(tiny_qwen3_5_moe)
     assert arch.linear_layers == (True, False, True, False) and not arch.tie_word_embeddings
     sent = hf_shapes(arch)  # every name weight sync sends, with its shape, in its order
-    assert not any(n.startswith("model.visual.") or n.endswith(("experts.gate_up_proj", "experts.down_proj"))
-                   for n in sent)
-    names = _sglang_param_names(arch.linear_layers)
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in sent)
+    visual = [n for n in sent if n.startswith("model.visual.")]
+    assert len(visual) == len(arch.vision.params) == 21
+    names = _sglang_param_names(arch.linear_layers) + sglang_qwen3_vision_names(depth=1)
     probe = recording_probe(qwen3_5.Qwen3_5MoeForConditionalGeneration,
                             types.SimpleNamespace(tie_word_embeddings=False, num_experts=arch.num_experts,
                                                   encoder_only=False), names, arch.num_layers)
@@ -61,6 +63,9 @@ def test_sglang_maps_every_qwen3_5_moe_name_we_send(tiny_qwen3_5_moe):
     assert len(probe.calls) == len(sent)  # one load per tensor sent: none skipped
     by_target = calls_by_target(probe)
     assert set(by_target) == set(names)
+    for n in visual:  # SGLang's name of the tower's tensor: visual.*, the attention's fused projection qkv_proj
+        target = "visual." + n[len("model.visual."):].replace(".attn.qkv.", ".attn.qkv_proj.")
+        assert by_target[target] == [(sent[n], (), {})], n
     h, d, heads, groups = arch.hidden_size, arch.kv_channels, arch.num_attention_heads, arch.num_query_groups
     key_dim = arch.linear_num_key_heads * arch.linear_key_head_dim
     value_dim, v_heads = arch.linear_num_value_heads * arch.linear_value_head_dim, arch.linear_num_value_heads

@@ -6,10 +6,11 @@ full-attention layer's names (its decoder layer holds qkv_proj, o_proj, q_norm a
 `qkv_proj` (q_proj whole, its per-head query and gate rows as the checkpoint holds them) and gate/up into the dense
 MLP's `gate_up_proj`, and loads the Gated DeltaNet's split tensors into its merged ones: `in_proj_qkv` into
 `in_proj_qkvz` with shard ids (0, 1, 2), `in_proj_z` as shard 3, `in_proj_b` / `in_proj_a` into `in_proj_ba` as 0 / 1.
-The trainer sends no `model.visual.*` (the engine keeps its vision tower). Its loader skips a name it has no parameter
-for with only a log line, so the test checks that every name lands once, in the parameter and shard it belongs to, with
-the shape SGLang's module has for it (TP 1), and that SGLang's packed loader cuts in_proj_qkv into the q, k and v the
-trainer means."""
+The trainer sends the vision tower too, under the checkpoint's `model.visual.*`: the loader names it `visual.*` and
+its attention's `attn.qkv` `attn.qkv_proj` (VisionAttention), each tensor whole (TP 1). Its loader skips a name it has
+no parameter for with only a log line, so the test checks that every name lands once, in the parameter and shard it
+belongs to, with the shape SGLang's module has for it (TP 1), and that SGLang's packed loader cuts in_proj_qkv into
+the q, k and v the trainer means."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import types
 import pytest
 import torch
 
-from tests.contract.sglang_probe import calls_by_target, recording_probe
+from tests.contract.sglang_probe import calls_by_target, recording_probe, sglang_qwen3_vision_names
 
 qwen3_5 = pytest.importorskip("sglang.srt.models.qwen3_5",
                               reason="sglang 0.5.23 is not importable here (pip install --no-deps sglang)")
@@ -48,8 +49,9 @@ def test_sglang_maps_every_qwen3_5_name_we_send(tiny_qwen3_5):
     arch = load_arch(tiny_qwen3_5)
     assert arch.linear_layers == (True, False, True, False) and not arch.tie_word_embeddings
     sent = hf_shapes(arch)  # every name weight sync sends, with its shape, in its order
-    assert not any(n.startswith("model.visual.") for n in sent)
-    names = _sglang_param_names(arch.linear_layers)
+    visual = [n for n in sent if n.startswith("model.visual.")]
+    assert len(visual) == len(arch.vision.params) == 21
+    names = _sglang_param_names(arch.linear_layers) + sglang_qwen3_vision_names(depth=1)
     probe = recording_probe(qwen3_5.Qwen3_5ForConditionalGeneration,
                             types.SimpleNamespace(tie_word_embeddings=False), names, arch.num_layers)
     probe.pooler = None  # set by its __init__ for a joint-head checkpoint only
@@ -57,6 +59,9 @@ def test_sglang_maps_every_qwen3_5_name_we_send(tiny_qwen3_5):
     assert len(probe.calls) == len(sent)  # one load per tensor sent: none skipped
     by_target = calls_by_target(probe)
     assert set(by_target) == set(names)
+    for n in visual:  # SGLang's name of the tower's tensor: visual.*, the attention's fused projection qkv_proj
+        target = "visual." + n[len("model.visual."):].replace(".attn.qkv.", ".attn.qkv_proj.")
+        assert by_target[target] == [(sent[n], (), {})], n
     h, d, heads, groups = arch.hidden_size, arch.kv_channels, arch.num_attention_heads, arch.num_query_groups
     key_dim = arch.linear_num_key_heads * arch.linear_key_head_dim
     value_dim, v_heads = arch.linear_num_value_heads * arch.linear_value_head_dim, arch.linear_num_value_heads

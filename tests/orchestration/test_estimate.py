@@ -110,7 +110,7 @@ def test_param_count_qwen3_next_80b_a3b_by_hand():
     ("qwen3_5_9b.json", 4096, 16, 12288, 32, 32, 8_953_803_264),
     ("qwen3_5_27b.json", 5120, 24, 17408, 64, 48, 26_895_998_464)])
 def test_param_count_qwen3_5_text_decoder_by_hand(name, h, heads, ffn, layers, nv, want):
-    """Qwen3.5-9B / 27B's text decoder (what the trainer holds; the vision tower stays the engine's), from the
+    """Qwen3.5-9B / 27B's text decoder (these files have no vision_config: the trainer builds it alone), from the
     config.json's text_config, counted by hand: every fourth layer full attention (q_proj h x heads x 256 x 2, k and v
     h x 4 x 256, o_proj, q/k norms 256 each), the others Gated DeltaNet (in_proj_qkv h x (2 x 16 x 128 + nv x 128),
     in_proj_z h x nv x 128, in_proj_b and in_proj_a h x nv, conv1d (2 x 2048 + nv x 128) x 4, dt_bias and A_log nv

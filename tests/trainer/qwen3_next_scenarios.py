@@ -5,10 +5,14 @@ Each layout records, on the fixed batch at temperature 1, the log-probs of its D
 the full gradient in HF names (gathered over TP), the grad norm, each layer's attention class and global number, the
 model config's hybrid fields, the HF tensors weight sync would send and, at TP=2, --save-hf's folder and a model-only
 --save loaded back (qwen3_next only). The qwen3_5 scenarios run the same on ckpts["qwen3_5"], the qwen3_5_moe ones on
-ckpts["qwen3_5_moe"] (its experts fused in the checkpoint), with EP=2 besides (--save-hf's folder at TP=2 and EP=2).
+ckpts["qwen3_5_moe"] (its experts fused in the checkpoint), with EP=2 besides (--save-hf's folder at TP=2 and EP=2);
+ckpts["<family>_batch"], where given, is a saved batch with images (tests/trainer/qwen3_5_vl_ref.py) in place of
+make_batch's.
 """
 
 from __future__ import annotations
+
+import torch
 
 from tests.trainer.parallel_scenarios import _equiv_worker, dp_shard, record_export, record_layouts
 from tests.trainer.trainer_ref import make_batch, select
@@ -24,9 +28,9 @@ QWEN3_NEXT_RUN_LAYOUTS = {"base": ("padded", "packed"), "tp2": ("packed",), "pp2
 
 
 def run_qwen3_next(rank: int, world: int, port: int, ckpt: str, name: str, res: dict, family: str = "qwen3_next",
-                   round_trip: bool = True) -> None:
+                   round_trip: bool = True, batch_file: str | None = None) -> None:
     tp, pp, cp = QWEN3_NEXT_LAYOUTS[name]
-    batch = make_batch()
+    batch = torch.load(batch_file, weights_only=False) if batch_file else make_batch()
     ep = QWEN3_NEXT_EP.get(name, 1)
     w = _equiv_worker(rank, world, port, ckpt, tp, pp, cp, False, ep, **QWEN3_NEXT_KW.get(name, {}))
     ids = dp_shard(w, batch, name, res, w.info.ep_rank if ep > 1 else None)
@@ -75,9 +79,10 @@ def _qwen3_next(*names: str, family: str = "qwen3_next"):
     def scenario(rank: int, world: int, port: int, ckpts: dict[str, str]) -> dict:
         res: dict = {}
         for k, name in enumerate(names):
-            # qwen3_5's GatedDeltaNet is the same megatron module: its checkpoint round trip is qwen3_next's
+            # qwen3_5's GatedDeltaNet is the same megatron module as qwen3_next's; its round trip checks its vision
+            # tower's (qwen3_5_moe's is the same)
             run_qwen3_next(rank, world, port + 10 * k, ckpts[family], name, res, family,
-                           round_trip=family == "qwen3_next")
+                           round_trip=family in ("qwen3_next", "qwen3_5"), batch_file=ckpts.get(f"{family}_batch"))
         return res
 
     return scenario

@@ -64,7 +64,7 @@ FAMILY_CFG = {"glm4_moe": {"attention_bias": True, "first_k_dense_replace": 0},
               # qwen3_5_moe: qwen3_5's layers with qwen3_next's MoE block (CFG's experts and shared expert)
               "qwen3_5_moe": {"num_hidden_layers": 2, "full_attention_interval": 2, "linear_num_key_heads": 2,
                               "linear_num_value_heads": 4, "linear_key_head_dim": 2, "linear_value_head_dim": 3}}
-# Qwen3.5's vision tower, small (its checkpoint holds one; the trainer does not)
+# Qwen3.5's vision tower, small (its checkpoint holds one; CFG has no vision_config, so the arch is the text decoder)
 QWEN3_5_VISION = {"depth": 1, "hidden_size": 4, "intermediate_size": 4, "num_heads": 1, "out_hidden_size": 8,
                   "num_position_embeddings": 4}
 

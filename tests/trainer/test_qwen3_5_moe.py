@@ -2,14 +2,16 @@
 (Gated DeltaNet and gated full attention, zero-centred norms, names under model.language_model.) with qwen3_next's MoE
 block in every layer (softmax top-k renormalised, a sigmoid-gated shared expert); the published checkpoints store a
 layer's routed experts fused, `mlp.experts.gate_up_proj` [experts, 2 x width, hidden] and `mlp.experts.down_proj`
-[experts, hidden, width], which the trainer reads per expert and --save-hf writes back fused.
+[experts, hidden, width], which the trainer reads per expert and --save-hf writes back fused; transformers' vision tower
+(model.visual.*) on the first stage, trained, with interleaved 3-D rotary positions, as for qwen3_5.
 
 Expected values: tensor names and shapes from transformers' own model built from text_config, in both the fused form
 (its parameters, as the hub stores them) and the per-expert form (what its save_pretrained writes); which rows of the
 fused tensor are an expert's gate and up from transformers' save_pretrained, which splits them itself; log-probs, the
-loss and every gradient from transformers' Qwen3_5MoeForCausalLM (the same checkpoint's text decoder) in float64 with
-test_trainer_megatron.py's tolerances; TP=2, PP=2 and EP=2 against one rank with test_trainer_parallel.py's; the weights
-out, weight sync's sources and --save-hf's folder (fused, vision tower included) against the checkpoint, bit for bit.
+loss and every gradient from transformers' Qwen3_5MoeForConditionalGeneration in float64 on a batch with images and a
+text-only row (tests/trainer/qwen3_5_vl_ref.py) with test_trainer_megatron.py's tolerances; TP=2, PP=2 and EP=2 against
+one rank with test_trainer_parallel.py's; the weights out, weight sync's sources and --save-hf's folder (fused, vision
+tower included) against the checkpoint, bit for bit.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.trainer.parallel_scenarios import equiv_diffs
+from tests.trainer.qwen3_5_vl_ref import hf_inputs, hf_vl_model, vl_batch
 from tests.trainer.test_moe import _per_expert
 from tests.trainer.test_qwen3_next import EQUIV_TOL, check_one_rank
-from tests.trainer.trainer_ref import hf_logprobs, hf_model, hf_policy_grad, make_batch
+from tests.trainer.trainer_ref import hf_logprobs, hf_policy_grad
 from tests.trainer.trainer_scenarios import scenario_runner
 
 VISUAL = "model.visual."
@@ -54,33 +57,41 @@ def _hf_folders(tmp_path, text: dict) -> tuple:
 
 
 @pytest.fixture(scope="session")
-def qwen3_5_moe_scenario(tiny_qwen3_5_moe, tmp_path_factory):
-    return scenario_runner(tmp_path_factory.mktemp("qwen3_5_moe_scenarios"), {"qwen3_5_moe": tiny_qwen3_5_moe})
+def qwen3_5_moe_batch(tiny_qwen3_5_moe, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3_5_moe_rows")
+    batch = vl_batch(tiny_qwen3_5_moe, folder)
+    torch.save(batch, folder / "batch.pt")
+    return batch, folder / "batch.pt"
 
 
 @pytest.fixture(scope="session")
-def qwen3_5_moe_ref(tiny_qwen3_5_moe):
-    model, batch = hf_model(tiny_qwen3_5_moe), make_batch()  # Qwen3_5MoeForCausalLM: the checkpoint's text decoder
-    assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
-    loss, grad = hf_policy_grad(model, batch)
-    # its parameter names are the decoder's own (model.layers...), its experts fused; weight sync's are per expert,
-    # under model.language_model.
-    grad = {(n if n == "lm_head.weight" else "model.language_model." + n[len("model."):]): g
-            for n, g in _per_expert(grad).items()}
-    return {"logp": hf_logprobs(model, batch), "loss": loss, "grad": grad}
+def qwen3_5_moe_scenario(tiny_qwen3_5_moe, qwen3_5_moe_batch, tmp_path_factory):
+    return scenario_runner(tmp_path_factory.mktemp("qwen3_5_moe_scenarios"),
+                           {"qwen3_5_moe": tiny_qwen3_5_moe, "qwen3_5_moe_batch": qwen3_5_moe_batch[1]})
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_ref(tiny_qwen3_5_moe, qwen3_5_moe_batch):
+    model, batch = hf_vl_model(tiny_qwen3_5_moe), qwen3_5_moe_batch[0]
+    assert type(model).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    inputs = hf_inputs(model, tiny_qwen3_5_moe, batch)
+    loss, grad = hf_policy_grad(model, batch, inputs=inputs)
+    # its parameter names are the checkpoint's, its experts fused; weight sync's are per expert
+    return {"logp": hf_logprobs(model, batch, inputs=inputs), "loss": loss, "grad": _per_expert(grad)}
 
 
 def _stored_per_expert(folder) -> dict[str, torch.Tensor]:
-    """The checkpoint's decoder tensors, its fused experts cut per expert as transformers' forward reads them."""
-    return _per_expert({n: t for n, t in load_file(folder / "model.safetensors").items() if not n.startswith(VISUAL)})
+    """The checkpoint's tensors (vision tower included), its fused experts cut per expert as transformers' forward
+    reads them."""
+    return _per_expert(load_file(folder / "model.safetensors"))
 
 
 @pytest.mark.parametrize("change", [{}, {"full_attention_interval": 4, "num_experts_per_tok": 1}])
 def test_qwen3_5_moe_registry_is_transformers(change, tmp_path):
     """ModelArch and the registry against transformers' model of the same text_config: every decoder tensor's name
     and shape, per expert as its save_pretrained writes them and fused as its parameters are (the published layout),
-    nothing else but the vision tower; every layer an MoE block with the shared expert, renormalised top-k, the
-    layer kinds transformers' layer_types."""
+    and the vision tower's (model.visual.*), nothing else; every layer an MoE block with the shared expert,
+    renormalised top-k, the layer kinds transformers' layer_types."""
     from slime_rl.trainer.convert import arch_from_hf_config, hf_shapes
     from slime_rl.trainer.fused_experts import fused_shapes
     from slime_rl.trainer.hf_files import check_hf_weights
@@ -94,11 +105,12 @@ def test_qwen3_5_moe_registry_is_transformers(change, tmp_path):
     assert (arch.num_experts, arch.moe_topk, arch.moe_ffn_hidden_size, arch.moe_shared_expert_ffn_hidden_size) == (
         text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size, text.shared_expert_intermediate_size)
     assert (arch.attention_output_gate, arch.zero_centered_norms, arch.rotary_percent) == (True, True, 0.25)
-    assert (arch.mrope_section, arch.vision, arch.tie_word_embeddings) == (None, None, False)
+    assert (arch.mrope_section, arch.mrope_interleaved, arch.vision.model_type, arch.tie_word_embeddings) == (
+        (1, 1, 0), True, "qwen3_5_moe", False)
     for folder, want in ((split, hf_shapes(arch)), (fused, fused_shapes(hf_shapes(arch)))):
         stored = {n: tuple(t.shape) for n, t in load_file(folder / "model.safetensors").items()}
-        assert any(n.startswith(VISUAL) for n in stored)
-        assert want == {n: s for n, s in stored.items() if not n.startswith(VISUAL)}, folder.name
+        assert any(n.startswith(VISUAL) for n in want)
+        assert want == stored, folder.name
         check_hf_weights(folder, arch)  # either form passes the header check
 
 
@@ -157,29 +169,30 @@ def test_fused_experts_read_per_expert_and_written_back(tmp_path):
         read_hf_tensors(fused, [e + "nothing.weight"])
     stored = load_file(fused / "model.safetensors")
     back = dict(fuse(((n, got[n]) for n in names), arch.num_experts))
-    assert set(back) == {n for n in stored if not n.startswith(VISUAL)}
+    assert set(back) == set(stored)
     for n, t in back.items():
         assert torch.equal(t, stored[n]), n
 
 
 @pytest.mark.slow
 def test_one_rank_qwen3_5_moe_equals_hf(qwen3_5_moe_scenario, qwen3_5_moe_ref, tiny_qwen3_5_moe):
-    """The trainer's Qwen3.5-MoE text decoder (GatedDeltaNet in layers 0 and 2, gated attention in 1 and 3,
-    zero-centred norms, every layer's routed experts and gated shared expert), padded and packed: HF's float64
-    log-probs, loss and gradient of every decoder tensor (each expert's); the weights out and weight sync's sources
-    are the checkpoint's decoder tensors, the fused experts cut per expert."""
+    """The trainer's Qwen3.5-MoE (GatedDeltaNet in layers 0 and 2, gated attention in 1 and 3, zero-centred norms,
+    every layer's routed experts and gated shared expert; the vision tower and interleaved 3-D positions) on rows with
+    images and a text-only row, padded and packed: HF's float64 log-probs, loss and gradient of every tensor (each
+    expert's, the tower's); the weights out and weight sync's sources are the checkpoint's tensors, the fused experts
+    cut per expert."""
     (one,) = qwen3_5_moe_scenario("qwen3_5_moe_1", 1)
     assert one["base/attention_classes"] == ["GatedDeltaNet", "SelfAttention"] * 2
-    check_one_rank(one, qwen3_5_moe_ref, _stored_per_expert(tiny_qwen3_5_moe))
+    check_one_rank(one, qwen3_5_moe_ref, _stored_per_expert(tiny_qwen3_5_moe), rotary=8)
 
 
 @pytest.mark.slow
 def test_qwen3_5_moe_tp2_pp2_ep2_equal_one_rank(qwen3_5_moe_scenario, tiny_qwen3_5_moe):
     """TP=2 (packed, sequence parallel), PP=2 (each stage a Gated DeltaNet and a gated attention layer) and EP=2 (each
-    rank reads its 4 experts' slices of the fused tensors), padded and packed where run: one rank's log-probs,
-    gradient, grad norm and loss; every rank's weights out are the checkpoint's decoder tensors per expert, and
-    --save-hf's folder at TP=2 and at EP=2 is the checkpoint itself, experts fused and vision tower copied, bit for
-    bit."""
+    rank reads its 4 experts' slices of the fused tensors), padded and packed where run, on the batch with images:
+    one rank's log-probs, gradient, grad norm and loss; every rank's weights out are the checkpoint's tensors per
+    expert, and --save-hf's folder at TP=2 and at EP=2 is the checkpoint itself, experts fused and vision tower
+    included, bit for bit."""
     (one,) = qwen3_5_moe_scenario("qwen3_5_moe_1", 1)
     ranks = qwen3_5_moe_scenario("qwen3_5_moe_tp2", 2)
     assert sorted(r["tp2/ranks"][0] for r in ranks) == [0, 1] and all(r["tp2/sequence_parallel"] for r in ranks)

@@ -190,11 +190,11 @@ def test_one_rank_qwen3_next_equals_hf(qwen3_next_scenario, qwen3_next_ref, tiny
     check_one_rank(one, qwen3_next_ref, load_file(tiny_qwen3_next / "model.safetensors"))
 
 
-def check_one_rank(one: dict, ref: dict, stored: dict) -> None:
-    """One rank's run ("base") of a Gated DeltaNet tiny model (layers linear, full, linear, full; 4 of each head's 16
-    channels rotated): padded and packed log-probs, gradient and loss equal HF's float64 `ref`; its weights out and
-    weight-sync sources are `stored` bit for bit."""
-    assert one["base/config"] == ("gated_delta_net", [1, 0, 1, 0], True, True, 4)
+def check_one_rank(one: dict, ref: dict, stored: dict, rotary: int = 4) -> None:
+    """One rank's run ("base") of a Gated DeltaNet tiny model (layers linear, full, linear, full; `rotary` of each
+    head's channels rotated: 4 of 16, Qwen3.5's 8 of 32): padded and packed log-probs, gradient and loss equal HF's
+    float64 `ref`; its weights out and weight-sync sources are `stored` bit for bit."""
+    assert one["base/config"] == ("gated_delta_net", [1, 0, 1, 0], True, True, rotary)
     for layout in ("padded", "packed"):
         assert _max_diff(one[f"base/{layout}/logp"], ref["logp"]) < LOGP_TOL, layout
         _assert_grads_close(one[f"base/{layout}/grad"], ref["grad"])

@@ -7,6 +7,7 @@ cannot also be in the expected values.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,19 +45,22 @@ def hf_model(ckpt: str | Path):
     return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, experts_implementation="eager").double()
 
 
-def _response_logits(model, batch: dict, i: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _response_logits(model, batch: dict, i: int, temperature: float,
+                     inputs: Callable[[int], dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     toks = torch.tensor([batch["tokens"][i]])
     r = batch["response_lengths"][i]
-    logits = model(toks).logits[0].double() / temperature  # [L, V]
+    logits = model(toks, **(inputs(i) if inputs else {})).logits[0].double() / temperature  # [L, V]
     n = toks.shape[1]
     return logits[n - r - 1 : n - 1], toks[0, n - r :]
 
 
-def hf_logprobs(model, batch: dict, temperature: float = 1.0) -> list[torch.Tensor]:
+def hf_logprobs(model, batch: dict, temperature: float = 1.0,
+                inputs: Callable[[int], dict] | None = None) -> list[torch.Tensor]:
+    """`inputs(i)`: the model's further keyword inputs for sample i (a vision-language model's pixels)."""
     out = []
     with torch.no_grad():
         for i in range(len(batch["tokens"])):
-            logits, targets = _response_logits(model, batch, i, temperature)
+            logits, targets = _response_logits(model, batch, i, temperature, inputs)
             out.append(torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0])
     return out
 
@@ -76,8 +80,9 @@ def masked_token_mean(values: list[torch.Tensor], batch: dict) -> float:
     return num / sum(sum(m) for m in batch["loss_masks"])
 
 
-def hf_policy_grad(model, batch: dict, mode: str = "token-mean",
-                   max_len: int | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+def hf_policy_grad(model, batch: dict, mode: str = "token-mean", max_len: int | None = None,
+                   inputs: Callable[[int], dict] | None = None,
+                   drop_missing: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     """(loss, grads by HF name) of the PPO loss at ratio 1 (old = current policy), aggregated by
     `mode`, written out by hand per mode (independent of slime_rl.trainer.loss_agg):
       token-mean:              L = -sum_i sum_t m_it A_i r_it / sum_i n_i
@@ -93,7 +98,7 @@ def hf_policy_grad(model, batch: dict, mode: str = "token-mean",
     for i in range(len(batch["tokens"])):
         if n[i] == 0:
             continue
-        logits, targets = _response_logits(model, batch, i, 1.0)
+        logits, targets = _response_logits(model, batch, i, 1.0, inputs)
         logp = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
         mask = torch.tensor(batch["loss_masks"][i], dtype=torch.float64)
         ratio = torch.exp(logp - logp.detach())
@@ -109,8 +114,10 @@ def hf_policy_grad(model, batch: dict, mode: str = "token-mean",
         else:
             raise ValueError(mode)
     total.backward()
-    # a parameter no gradient reaches has none (GLM-5's indexer: it only chooses keys, under torch.no_grad)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    # a parameter no gradient reaches: zeros (Qwen3.5's vision tower on a text-only batch), or with drop_missing
+    # none at all (GLM-5's indexer: it only chooses keys, under torch.no_grad, and the trainer reports none for it)
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+             for n, p in model.named_parameters() if p.grad is not None or not drop_missing}
     if getattr(model.config, "tie_word_embeddings", False):
         grads.pop("lm_head.weight", None)  # same tensor as the embedding in HF's state dict
     return float(total.detach()), grads

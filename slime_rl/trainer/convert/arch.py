@@ -37,6 +37,9 @@ class ModelArch:
     # vision-language models: the (t, h, w) split of the rotary channels, and the vision tower
     mrope_section: tuple[int, ...] | None = None
     vision: VisionArch | None = None
+    # the sections interleave over the rotary frequencies (Qwen3.5, Family.mrope_interleaved; trainer/vision.py's
+    # InterleavedMultimodalRotaryEmbedding) rather than following each other (Qwen2.5-VL)
+    mrope_interleaved: bool = False
     # mixture of experts (Family.moe): routed experts per layer (0: dense), experts per token, one
     # expert's width, and whether the top-k probabilities are renormalised to sum to 1 (HF's
     # norm_topk_prob: softmax over all experts, top-k, divide by their sum)
@@ -198,14 +201,16 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     """Derive the Megatron architecture; `pad_vocab_multiple` pads the vocab to a multiple of
     pad_vocab_multiple * tp_size (Megatron's --make-vocab-size-divisible-by)."""
     family = get_family(cfg.get("model_type", ""), where)
-    vision = vision_arch(cfg, where) if family.vision else None
+    # Qwen3.5 (text_config): a config.json without vision_config is the text decoder alone
+    built_vision = family.vision and not (family.text_config and "vision_config" not in cfg)
+    vision = vision_arch(cfg, where, family.vision_prefix) if built_vision else None
     mrope = None
     if family.vision or family.text_config:
         # transformers 5 nests the decoder's fields in text_config; hub configs keep them at the top (Qwen3.5's
         # nest them too)
         cfg = {**cfg, **(cfg.get("text_config") or {})}
-    if family.vision:
-        mrope = _rope_params(cfg).get("mrope_section")
+    if built_vision:
+        mrope = _rope_params(cfg).get("mrope_section") or family.mrope_default
         if not mrope:
             raise ValueError(f"{where}: a {family.model_type} config needs rope_parameters.mrope_section "
                              "(or rope_scaling.mrope_section)")
@@ -279,6 +284,7 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
         zero_centered_norms=family.zero_centered_norms,
         **(_yarn_fields(cfg, where) if family.mla else {}),
         mrope_section=tuple(int(x) for x in mrope) if mrope else None,
+        mrope_interleaved=bool(mrope) and family.mrope_interleaved,
         vision=vision,
         **moe,
     )

@@ -182,7 +182,9 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
     # ---- positions
     position = "rope" if has("--use-rotary-position-embeddings") else given.get("--position-embedding-type")
     want = "mrope" if fam.vision else "rope"
-    if position is not None and position != want:
+    # Qwen3.5: slime's model files say rope and its vision-language provider builds mrope itself; text positions make
+    # the two one rotation
+    if position is not None and position != want and not (fam.text_config and position == "rope"):
         claim = ("--use-rotary-position-embeddings (rope)" if has("--use-rotary-position-embeddings")
                  else f"--position-embedding-type {position}")
         out.append(Mismatch(claim, f"model_type {mt}, whose positions are "
@@ -221,12 +223,14 @@ def compare_model_args(given: dict[str, Any], hf: dict[str, Any], arch: ModelArc
         if has(flag):
             out.append(Mismatch(flag, f"model_type {mt}, which has no {what}"))
     spec = given.get("--spec")
-    if fam.text_config and fam.slime_spec and spec and spec[0] == fam.slime_spec[0] + "_vl":
-        # slime's Qwen3.5 vision-language provider (slime_plugins.models.qwen3_5_vl: geo3k's image prompts)
-        out.append(Mismatch(f"--spec {' '.join(spec)}", f"model_type {mt}, whose text decoder alone the trainer "
-                            "builds (its vision tower stays the engine's, and prompt rows with images are refused), "
-                            "while that model provider trains the vision tower on image prompts; for text-only "
-                            f"prompts give --spec {' '.join(fam.slime_spec)}", other_model=False))
+    if fam.slime_vl_spec and spec == list(fam.slime_vl_spec):
+        # slime's Qwen3.5 vision-language provider (slime_plugins.models.qwen3_5_vl: geo3k's image prompts): the
+        # text decoder with the HF vision tower, trained, as the trainer builds it from a config.json with vision_config
+        if arch.vision is None:
+            out.append(Mismatch(f"--spec {' '.join(spec)}", f"model_type {mt} without vision_config, "
+                                "whose text decoder alone the trainer builds, while that model provider trains the "
+                                f"vision tower on image prompts; for text-only prompts give --spec "
+                                f"{' '.join(fam.slime_spec)}", other_model=False))
     elif spec is not None and spec not in ([], ["local"]) and (not fam.slime_spec or spec != list(fam.slime_spec)):
         out.append(Mismatch(f"--spec {' '.join(spec)}", f"model_type {mt}, which the trainer builds with "
                             "megatron-core's local layer spec (config/families.py); a spec function is not loaded"))
