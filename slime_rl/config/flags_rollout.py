@@ -94,7 +94,8 @@ ROLLOUT_FLAGS: tuple[Flag, ...] = (
                   'textarena:GAME (a TextArena single-player game, e.g. textarena:GuessTheNumber-v0) or '
                   'module:factory, factory(sample) -> env with reset() -> str and step(text) -> (observation, '
                   'reward, done), the reward the sum of the step rewards; or verifiers:TASKSET_ID[:CONFIG_JSON], '
-                  "a verifiers 0.4.0 environment run unchanged (its harness, its rubric's reward; CONFIG_JSON: "
+                  "a verifiers 0.4.0 environment run unchanged (TASKSET_ID an installed taskset or a taskset "
+                  "module's .py file; its harness, its rubric's reward; CONFIG_JSON: "
                   "verifiers' [env] block, e.g. verifiers:my_taskset:"
                   '{"agent":{"harness":{"id":"null"}}})'),
         Flag('--agent-max-turns', 'rollout.agent_max_turns', default=16, type=_positive_int,

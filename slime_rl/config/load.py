@@ -212,6 +212,10 @@ def build_config(argv: Sequence[str], check_paths: bool = True) -> Config:
         _check(a.use_tis or value == default, f"{flag} {value} shapes --use-tis's weights, which are off: add "
                "--use-tis or drop it")
     # slime's agent examples score in their generate function (sample.reward), with no reward flag
+    if a.agent_env is not None and a.agent_env.startswith("verifiers:"):  # a taskset file: the same for every process
+        taskset, sep, rest = a.agent_env[len("verifiers:"):].partition(":")
+        if taskset.endswith(".py"):
+            a.agent_env = f"verifiers:{os.path.abspath(taskset)}{sep}{rest}"
     _check(a.agent_env is None or a.custom_generate_function_path is None,
            f"--agent-env {a.agent_env} and --custom-generate-function-path {a.custom_generate_function_path} both "
            "generate the samples: give one")

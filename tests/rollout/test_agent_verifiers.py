@@ -183,3 +183,27 @@ def test_verifiers_specs_are_checked_before_anything_starts(tmp_path, monkeypatc
     monkeypatch.undo()
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)
     refused(SPEC, "--agent-env .*: verifiers is not installed")
+
+
+def test_a_taskset_file_is_imported_under_its_name(tmp_path):
+    """verifiers:path/to/my_taskset.py: the file is the module `my_taskset` (the id verifiers resolves); a missing
+    file, or a module of that name already imported from elsewhere, is named."""
+    import sys
+
+    from slime_rl.rollout.agent.verifiers_env import parse_spec
+
+    f = tmp_path / "my_taskset_for_test.py"
+    f.write_text("MARK = 7\n")
+    try:
+        assert parse_spec(f"verifiers:{f}:{{}}") == ("my_taskset_for_test", {})
+        assert sys.modules["my_taskset_for_test"].MARK == 7
+        assert parse_spec(f"verifiers:{f}")[0] == "my_taskset_for_test"  # once per process
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "my_taskset_for_test.py").write_text("MARK = 8\n")
+        with pytest.raises(ValueError, match="a module named 'my_taskset_for_test' is already imported from"):
+            parse_spec(f"verifiers:{other / 'my_taskset_for_test.py'}")
+    finally:
+        sys.modules.pop("my_taskset_for_test", None)
+    with pytest.raises(ValueError, match=r"--agent-env verifiers:.*nope\.py: no such taskset file"):
+        parse_spec(f"verifiers:{tmp_path / 'nope.py'}")

@@ -7,7 +7,9 @@ its model calls sent by verifiers' own client (`EvalClient`) to the sample's tra
 endpoint (`endpoint.AgentEndpoint`), so the trajectory records them token for token as any agent's; the
 sample's reward is the episode's trace reward (the weighted sum of the task's `@vf.reward`s and judges).
 
-- `TASKSET_ID`: an installed verifiers taskset (a package exporting a `vf.Taskset`, as `vf eval` takes it).
+- `TASKSET_ID`: an installed verifiers taskset (a package exporting a `vf.Taskset`, as `vf eval` takes it), or a
+  taskset module's file (`path/to/my_taskset.py`, not installed): it is imported as the module `my_taskset` in every
+  process that plays episodes, and verifiers resolves that id to it.
 - `CONFIG_JSON`: verifiers' `[env]` block as a JSON object (`EnvConfig` fields: `taskset` knobs, each
   role's `harness`, `runtime`, `max_turns`, `sampling`, ...), e.g.
   `verifiers:textarena:{"taskset":{"game":"Wordle-v0"}}`.
@@ -40,11 +42,14 @@ API_KEY_VAR = "SLIME_RL_VERIFIERS_API_KEY"  # unset: verifiers sends "EMPTY"; th
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """`verifiers:ID[:JSON]` -> (taskset id, the env config's other fields)."""
+    """`verifiers:ID[:JSON]` -> (taskset id, the env config's other fields). An ID that is a `.py` file is imported
+    as the module of its name (sys.modules), the id verifiers then resolves."""
     rest = spec[len(PREFIX):]
     taskset_id, sep, raw = rest.partition(":")
     if not taskset_id:
         raise ValueError(f"{AGENT_ENV_FLAG} {spec}: name a verifiers taskset, verifiers:TASKSET_ID[:CONFIG_JSON]")
+    if taskset_id.endswith(".py"):
+        taskset_id = _import_taskset_file(spec, taskset_id)
     overrides: dict[str, Any] = {}
     if sep:
         try:
@@ -55,6 +60,34 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         if not isinstance(overrides, dict):
             raise ValueError(f"{AGENT_ENV_FLAG} {spec}: the config must be a JSON object (verifiers' [env] block)")
     return taskset_id, overrides
+
+
+def _import_taskset_file(spec: str, file: str) -> str:
+    """Import a taskset module's file as the module of its stem (once per process); its stem, the taskset id."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(file).resolve()
+    name = path.stem
+    if not path.is_file():
+        raise ValueError(f"{AGENT_ENV_FLAG} {spec}: no such taskset file {file!r}")
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        if Path(getattr(loaded, "__file__", "") or "").resolve() != path:
+            raise ValueError(f"{AGENT_ENV_FLAG} {spec}: a module named {name!r} is already imported from "
+                             f"{getattr(loaded, '__file__', None)}; rename the taskset file")
+        return name
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ValueError(f"{AGENT_ENV_FLAG} {spec}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    return name
 
 
 def _import_verifiers(spec: str) -> Any:
