@@ -37,6 +37,21 @@ def _install_hint(exc: BaseException) -> str:
     return f" (pip install 'slime-rl[{extra}]' installs it)" if extra else ""
 
 
+def import_file_as(path: Path, name: str) -> Any:
+    """The Python file `path` imported as the module `name` (registered in sys.modules, removed again when the
+    file raises, whose exception propagates)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def _load_file_module(file: str, flag: str, spec_text: str, error: type[Exception]) -> Any:
     path = Path(file).resolve()
     if not path.is_file():
@@ -44,17 +59,11 @@ def _load_file_module(file: str, flag: str, spec_text: str, error: type[Exceptio
     name = f"slime_rl_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        return import_file_as(path, name)
     except Exception as exc:  # the user's module raised while importing; say which file
-        del sys.modules[name]
         raise error(f"{flag} {spec_text!r}: importing {file} failed: {type(exc).__name__}: {exc}"
                     f"{_install_hint(exc)}") from exc
-    return module
 
 
 def load_by_path(path: str, flag: str, error: type[Exception] = PluginLoadError) -> Callable:

@@ -64,9 +64,10 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 def _import_taskset_file(spec: str, file: str) -> str:
     """Import a taskset module's file as the module of its stem (once per process); its stem, the taskset id."""
-    import importlib.util
     import sys
     from pathlib import Path
+
+    from slime_rl.config.dotted_path import import_file_as
 
     path = Path(file).resolve()
     name = path.stem
@@ -78,14 +79,9 @@ def _import_taskset_file(spec: str, file: str) -> str:
             raise ValueError(f"{AGENT_ENV_FLAG} {spec}: a module named {name!r} is already imported from "
                              f"{getattr(loaded, '__file__', None)}; rename the taskset file")
         return name
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
     try:
-        module_spec.loader.exec_module(module)
+        import_file_as(path, name)
     except Exception as exc:
-        del sys.modules[name]
         raise ValueError(f"{AGENT_ENV_FLAG} {spec}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
     return name
 
