@@ -379,7 +379,7 @@ def _engine_config(a: argparse.Namespace, sglang: dict[str, Any], router: dict[s
     engine: EngineConfig = _group(a, "engine", num_gpus=a.rollout_num_gpus, sglang_args=sglang, router_args=router)
     if train_only:
         return dataclasses.replace(engine, num_gpus=0, colocate=False)
-    groups = _server_groups(a, engine, sglang)
+    groups = _server_groups(a, engine)
     if any(g.worker_type != "regular" for g in groups):  # PD: sglang-router's PD mode pairs the engines
         engine = dataclasses.replace(engine, use_router=True)
     return dataclasses.replace(engine, server_groups=groups)
@@ -402,14 +402,12 @@ def _modern_overrides(path: str | None, i: int, group: Any) -> Any:
     return dataclasses.replace(group, overrides=overrides)
 
 
-def _server_groups(a: argparse.Namespace, engine: EngineConfig, sglang: dict[str, Any]) -> tuple:
+def _server_groups(a: argparse.Namespace, engine: EngineConfig) -> tuple:
     """slime's --prefill-num-servers / --sglang-config as the engines' groups (config/server_groups.py), checked
-    against the other flags; () when neither is given."""
+    against the other flags; () when neither is given. (A --sglang-disaggregation-* flag or override of the modes
+    these set is refused with the other flags the launcher sets: engines/launch.py SGLANG_OWNED.)"""
     from slime_rl.config.server_groups import ServerGroupError, from_prefill_num_servers, read_sglang_config
 
-    owned = sorted(k for k in sglang if k in ("disaggregation_mode", "disaggregation_bootstrap_port"))
-    _check(not owned, f"{', '.join('--sglang-' + k.replace('_', '-') for k in owned)}: set per engine from "
-           "--prefill-num-servers or --sglang-config's worker_type (a prefill engine gets a free bootstrap port)")
     if a.prefill_num_servers is None and a.sglang_config is None:
         return ()
     flag = "--prefill-num-servers" if a.sglang_config is None else "--sglang-config"
@@ -428,10 +426,6 @@ def _server_groups(a: argparse.Namespace, engine: EngineConfig, sglang: dict[str
                "the built-in engine has no such transfer: give --rollout-backend sglang")
         _check(not a.use_fault_tolerance, f"{flag} with --use-fault-tolerance: a restarted engine is not put back "
                "into the router's prefill/decode pairs (not built); drop --use-fault-tolerance")
-        for g in groups:
-            bad = sorted(k for k in g.overrides if k in ("disaggregation_mode", "disaggregation_bootstrap_port"))
-            _check(not bad, f"--sglang-config {a.sglang_config}: a {g.worker_type} group's overrides set {bad}, which "
-                   "its worker_type sets")
     elif a.rollout_backend != "sglang":
         _check(not any(g.overrides for g in groups), f"{flag}: its groups' overrides are SGLang's server settings; "
                "give --rollout-backend sglang")

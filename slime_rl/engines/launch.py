@@ -46,6 +46,8 @@ SGLANG_OWNED = {
     "base_gpu_id": "the engine's GPUs, from the placement",
     "random_seed": "--seed and --rollout-seed, plus the engine's index",
     "api_key": "a secret drawn per run",
+    "disaggregation_mode": "--prefill-num-servers / --sglang-config's worker_type",
+    "disaggregation_bootstrap_port": "a free port on a prefill engine's node",
 }
 # RouterArgs dests the launcher computes
 ROUTER_OWNED = {
@@ -124,10 +126,13 @@ def embedded_command(cfg: ServerConfig, python: str | None = None) -> list[str]:
 def sglang_command(model_path: str | Path, host: str, port: int, tp_size: int = 1, nccl_port: int | None = None,
                    dist_init_addr: str | None = None, base_gpu_id: int = 0, random_seed: int | None = None,
                    api_key: str | None = None, extra: Mapping[str, Any] | None = None,
-                   python: str = sys.executable, nnodes: int = 1, node_rank: int = 0) -> list[str]:
+                   python: str = sys.executable, nnodes: int = 1, node_rank: int = 0,
+                   disaggregation_mode: str | None = None, bootstrap_port: int | None = None) -> list[str]:
     """argv of a real SGLang server (`python -m sglang.launch_server ...`). `nnodes` > 1: one node part of an
     engine over several nodes (`--nnodes --node-rank --dist-init-addr`, the address of node rank 0's part,
-    where the TP ranks meet; only node rank 0 serves HTTP)."""
+    where the TP ranks meet; only node rank 0 serves HTTP). `disaggregation_mode` prefill or decode: a
+    prefill/decode engine (`--disaggregation-mode`; a prefill engine's `bootstrap_port`, where its decode
+    partners fetch the KV cache)."""
     passthrough = sglang_extra_args(extra)  # first: a bad flag fails before anything else is computed
     if nnodes > 1 and dist_init_addr is None:
         raise ValueError("an engine over several nodes needs --dist-init-addr (node rank 0's host:port)")
@@ -143,6 +148,10 @@ def sglang_command(model_path: str | Path, host: str, port: int, tp_size: int = 
         argv += ["--random-seed", str(random_seed)]
     if api_key:
         argv += ["--api-key", api_key]
+    if disaggregation_mode is not None:
+        argv += ["--disaggregation-mode", disaggregation_mode]
+    if bootstrap_port is not None:
+        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
     return argv + passthrough
 
 

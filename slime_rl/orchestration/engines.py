@@ -136,17 +136,15 @@ def engine_command(cfg: Config, slot: EngineSlot, host: str, port: int, api_key:
             extra["enable_weights_cpu_backup"] = True
         role, overrides = cfg.engine.role(slot.engine_id)
         extra |= overrides  # its server group's settings, on top of the --sglang-* flags (as slime applies them)
-        if role != "regular":
-            extra["disaggregation_mode"] = role
-        if role == "prefill":
-            if bootstrap_port is None:
-                raise ValueError(f"engine {slot.engine_id} prefills: it needs a bootstrap port")
-            extra["disaggregation_bootstrap_port"] = bootstrap_port
+        if role == "prefill" and bootstrap_port is None:
+            raise ValueError(f"engine {slot.engine_id} prefills: it needs a bootstrap port")
         # base GPU 0: the actor holds exactly the engine's devices (Ray sets CUDA_VISIBLE_DEVICES to them)
         return sglang_command(model_path=cfg.model.hf_checkpoint, host=host, port=port,
                               tp_size=slot.num_gpus, nccl_port=nccl_port,
                               dist_init_addr=dist_init_addr, base_gpu_id=0, random_seed=seed, api_key=api_key,
-                              extra=extra, nnodes=slot.nodes, node_rank=node_rank)
+                              extra=extra, nnodes=slot.nodes, node_rank=node_rank,
+                              disaggregation_mode=None if role == "regular" else role,
+                              bootstrap_port=bootstrap_port if role == "prefill" else None)
     # the --sglang-* flags the built-in engine shares with SGLang (config/builtin_engine.py SGLANG_ARGS)
     shared = from_sglang_args(cfg.engine.sglang_args)
     # rows decoding together: --sglang-max-running-requests, else as many as the rollout client keeps

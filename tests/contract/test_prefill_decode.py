@@ -129,9 +129,28 @@ def test_glm52_groups_set_each_engines_overrides(tiny_qwen2, tmp_path):
      r"--prefill-num-servers with --use-fault-tolerance: a restarted engine is not put back"),
     (["--rollout-backend", "sglang", "--prefill-num-servers", "1", "--sglang-config", str(GLM52)],
      r"--prefill-num-servers and --sglang-config exclude each other"),
-    (["--rollout-backend", "sglang", "--prefill-num-servers", "1", "--sglang-disaggregation-mode", "prefill"],
-     r"--sglang-disaggregation-mode: set per engine from --prefill-num-servers or --sglang-config"),
 ])
 def test_prefill_decode_refusals(tiny_qwen2, tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
         _cfg(tiny_qwen2, tmp_path, "--rollout-num-gpus", "2", *extra)
+
+
+def test_the_disaggregation_flags_are_the_runs_own(tiny_qwen2, tmp_path):
+    """--sglang-disaggregation-mode / -bootstrap-port, on the command line or in a group's overrides, are refused as
+    every flag the launcher sets is (before any actor starts: preflight's check_engine_config)."""
+    from slime_rl.engines.cli_args import PassthroughError
+
+    cfg = _cfg(tiny_qwen2, tmp_path, "--rollout-num-gpus", "2", "--rollout-backend", "sglang", "--prefill-num-servers",
+               "1", "--sglang-disaggregation-mode", "prefill")
+    with pytest.raises(PassthroughError, match=r"^--sglang-disaggregation-mode: --disaggregation-mode is set by "
+                                               r"slime_rl itself \(--prefill-num-servers / --sglang-config's "
+                                               r"worker_type\)"):
+        check_engine_config(cfg.engine)
+    f = tmp_path / "groups.yaml"
+    f.write_text("sglang: [{name: a, server_groups: [{worker_type: prefill, num_gpus: 1, overrides: "
+                 "{disaggregation_bootstrap_port: 9}}, {worker_type: decode, num_gpus: 1}]}]")
+    cfg = _cfg(tiny_qwen2, tmp_path, "--rollout-num-gpus", "2", "--rollout-backend", "sglang", "--sglang-config",
+               str(f))
+    with pytest.raises(PassthroughError, match=r"server group 0 \(prefill\) overrides: "
+                                               r"--sglang-disaggregation-bootstrap-port: .* is set by slime_rl itself"):
+        check_engine_config(cfg.engine)

@@ -80,7 +80,9 @@ def test_snapshots_name_their_versions_and_hold_known_flags():
                                        ("random_seed", "--rollout-seed"), ("api_key", "secret"),
                                        ("host", "node address"), ("port", "free port"), ("nccl_port", "free port"),
                                        ("dist_init_addr", "first node"), ("nccl_init_addr", "first node"),
-                                       ("base_gpu_id", "placement")])
+                                       ("base_gpu_id", "placement"),
+                                       ("disaggregation_mode", "worker_type"),
+                                       ("disaggregation_bootstrap_port", "free port")])
 def test_flags_we_compute_are_refused_naming_ours(name, ours):
     flag = "--sglang-" + name.replace("_", "-")
     with pytest.raises(PassthroughError, match=rf"^{flag}: --{name.replace('_', '-')} is set by slime_rl itself"
