@@ -173,10 +173,15 @@ def ray_session(tmp_path_factory):
     import ray
 
     from slime_rl.engines.launch import ENGINE_PYTHON_ENV
-    from tests import ray_zygote
+    from tests import nltk_words, ray_zygote
 
     zygote = None
+    nltk_before = os.environ.get("NLTK_DATA")
     if not ray.is_initialized():
+        # an nltk data folder the session's processes search first (tests/nltk_words.py fills it where a test
+        # plays TextArena's word games): Ray's workers and the zygote inherit it from here
+        nltk_words.FOLDER = tmp_path_factory.mktemp("nltk_data")
+        os.environ["NLTK_DATA"] = os.pathsep.join(filter(None, [str(nltk_words.FOLDER), nltk_before]))
         zygote = ray_zygote.start(str(tmp_path_factory.mktemp("ray_zygote"))) if ray_zygote.enabled() else None
         runtime_env = {} if zygote is None else {"py_executable": zygote[1]}
         ray.init(num_cpus=RAY_TEST_CPUS, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
@@ -186,6 +191,12 @@ def ray_session(tmp_path_factory):
             ray_zygote.CURRENT = zygote[1]
     yield
     ray.shutdown()
+    if nltk_words.FOLDER is not None:
+        nltk_words.FOLDER = None
+        if nltk_before is None:
+            os.environ.pop("NLTK_DATA", None)
+        else:
+            os.environ["NLTK_DATA"] = nltk_before
     if zygote is not None:
         os.environ.pop(ENGINE_PYTHON_ENV, None)
         ray_zygote.CURRENT = None

@@ -64,12 +64,12 @@ def test_a_verifiers_environment_trains_two_steps(ray_session, tiny_qwen2, digit
     """--agent-env verifiers:TASKSET: a verifiers 0.4.0 environment, unchanged, through the whole loop (its own
     two-turn Env and rubric, tests/rollout/vf_two_turns.py, given as its file; verifiers' null
     harness in its subprocess runtime): every sample two turns, none failed, the reward its rubric's (0.5 x the
-    words of the last answer), two steps trained. 2 prompts x 2 samples a step: each episode starts verifiers'
-    programs, ~1 s each on 2 cores."""
+    words of the last answer), two steps trained. 1 prompt x 2 samples a step: each turn starts verifiers'
+    chat program, ~1 s on 2 cores."""
     args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
         "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1", "--rollout-max-response-len", "64",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size",
-        "4", "--agent-env", f'verifiers:{TASKSET_FILE}:{{"agent":{{"harness":{{"id":"null"}}}}}}',
+        "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2", "--micro-batch-size",
+        "2", "--agent-env", f'verifiers:{TASKSET_FILE}:{{"agent":{{"harness":{{"id":"null"}}}}}}',
         "--agent-turn-max-tokens", "8", "--dump-rollouts"]
     rows = train(*preflight(build_config(args)))
     assert [r["step"] for r in rows] == [0, 1]
@@ -77,7 +77,82 @@ def test_a_verifiers_environment_trains_two_steps(ray_session, tiny_qwen2, digit
         assert row["rollout/agent_turns_mean"] == 2.0 and row["rollout/agent_failed_frac"] == 0.0
         assert np.isfinite(row["train/loss"]) and np.isfinite(row["train/grad_norm"])
     dumped = [json.loads(x) for x in (tmp_path / "run" / "rollouts" / "step_000000.jsonl").read_text().splitlines()]
-    assert len(dumped) == 4
+    assert len(dumped) == 2
     for d in dumped:  # the rubric's reward: half the number of words of the model's last answer
         assert d["reward"] >= 0.0 and float(2 * d["reward"]).is_integer(), d["reward"]
         assert "again" in d["response"]  # the environment's second user turn sits inside the response
+
+
+@pytest.fixture(scope="module")
+def textarena_words(ray_session):
+    """nltk's `words` corpus and tagger for TextArena's word games, made here (tests/nltk_words.py) in the session's
+    nltk data folder, which the session's Ray workers search first."""
+    import nltk
+
+    from tests import nltk_words
+
+    root = nltk_words.build(nltk_words.FOLDER)
+    if str(root) not in nltk.data.path:  # this process imported nltk before the session set NLTK_DATA
+        nltk.data.path.insert(0, str(root))
+    return root
+
+
+@pytest.mark.slow
+def test_verifiers_own_textarena_taskset_trains_two_steps(textarena_words, tiny_qwen2, digit_data, tmp_path):
+    """--agent-env verifiers:textarena: the taskset verifiers 0.4.0 ships (verifiers.v1.tasksets.textarena: its
+    `TextArenaEnv` steps TextArena's own Hangman-v0 as the user; verifiers' null harness plays), unchanged, two
+    steps of 1 prompt x 2 samples trained (each turn starts verifiers' chat program, ~1 s on 2 cores). Each
+    sample is replayed here by TextArena from its task's seed with the model's replies as the engine sampled
+    them (the response's loss-masked runs, decoded): the prompt is the seeded game's board, the game's feedback
+    after each reply is the environment's text that follows it in the trained tokens, the game ends at the last
+    reply, and its reward is the sample's."""
+    import random
+
+    import textarena as ta
+    import torch
+    from transformers import AutoTokenizer
+    from verifiers.v1.tasksets.textarena.taskset import _latest_feedback
+
+    spec = 'verifiers:textarena:{"taskset":{"game":"Hangman-v0"},"player":{"harness":{"id":"null"}}}'
+    args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
+        "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1", "--rollout-max-response-len", "400",
+        "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2", "--micro-batch-size",
+        "2", "--agent-env", spec, "--agent-turn-max-tokens", "8", "--save-debug-rollout-data",
+        str(tmp_path / "debug" / "rollout_{rollout_id}.pt")]
+    rows = train(*preflight(build_config(args)))
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["rollout/agent_failed_frac"] == 0.0 and row["rollout/agent_turns_mean"] >= 1.0
+        assert np.isfinite(row["train/loss"]) and np.isfinite(row["train/grad_norm"])
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    for step in (0, 1):
+        samples = torch.load(tmp_path / "debug" / f"rollout_{step}.pt", weights_only=False)["samples"]
+        assert len(samples) == 2
+        for s in samples:
+            meta = s["metadata"]
+            runs: list[tuple[int, list[int]]] = []  # (loss mask, ids) of each run of the response
+            for i, m in zip(s["response_ids"], s["loss_mask"], strict=True):
+                if runs and runs[-1][0] == m:
+                    runs[-1][1].append(i)
+                else:
+                    runs.append((m, [i]))
+            replies = [tok.decode(ids, skip_special_tokens=True) for m, ids in runs if m]
+            between = [tok.decode(ids) for m, ids in runs if not m]
+            assert runs[0][0] == 1 and len(replies) == meta["agent_turns"] and len(between) >= len(replies) - 1
+            random.seed(int(meta["verifiers_task"]["name"].rsplit("#", 1)[1]))  # the taskset's seed of the task
+            game = ta.make(env_id="Hangman-v0")
+            game.reset(num_players=1)
+            board = str(game.get_observation()[1])  # the task's prompt: the seeded word's board
+            assert tok.decode(tok.encode(board)) in tok.decode(s["prompt_ids"])
+            for k, reply in enumerate(replies):
+                game.step(reply)
+                if k < len(replies) - 1:
+                    assert not game.state.done, (k, replies)
+                    feedback = _latest_feedback(str(game.get_observation()[1]))
+                    assert tok.decode(tok.encode(feedback)) in between[k], (feedback, between[k])
+            if game.state.done:
+                expected = float((game.state.rewards or {}).get(0, 0.0))
+            else:  # the response's budget ended the episode first
+                assert s["finish_reason"] == "length"
+                expected = 0.0
+            assert s["reward"] == meta["verifiers_rewards"]["game_reward"] == expected, (s["reward"], expected)

@@ -207,3 +207,25 @@ def test_a_taskset_file_is_imported_under_its_name(tmp_path):
         sys.modules.pop("my_taskset_for_test", None)
     with pytest.raises(ValueError, match=r"--agent-env verifiers:.*nope\.py: no such taskset file"):
         parse_spec(f"verifiers:{tmp_path / 'nope.py'}")
+
+
+def test_an_unbounded_taskset_is_loaded_once():
+    """An unbounded taskset (a generator, as verifiers' seeded TextArena games: each load makes the game) is iterated
+    once: task i is the generator's i-th, however the indices come, and a generator that ends is named."""
+    from slime_rl.rollout.agent.verifiers_env import VerifiersAgent
+
+    class Generated:
+        bounded = False
+        loads = 0
+
+        def __iter__(self):
+            Generated.loads += 1
+            return iter(range(100, 110))
+
+    agent = object.__new__(VerifiersAgent)
+    agent.spec, agent.bounded, agent._tasks, agent._stream, agent._seen = "verifiers:gen", False, None, None, []
+    agent.env = SimpleNamespace(taskset=Generated())
+    assert [agent.task(i) for i in (0, 3, 1, 3, 9, 2)] == [100, 103, 101, 103, 109, 102]
+    assert Generated.loads == 1
+    with pytest.raises(ValueError, match=r"verifiers:gen: the taskset ended after 10 task\(s\) .* task 10 was asked"):
+        agent.task(10)

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
 
@@ -137,6 +138,8 @@ class VerifiersAgent:
         self.config = config
         self.bounded = self.env.taskset.bounded
         self._tasks: list[Any] | None = None
+        self._stream: Iterator[Any] | None = None
+        self._seen: list[Any] = []
         # the env's serving resources (its interception server, shared tool servers), held by one task per event
         # loop, and the future that says they are up
         self._serving: dict[asyncio.AbstractEventLoop, tuple[asyncio.Task, asyncio.Future]] = {}
@@ -157,7 +160,15 @@ class VerifiersAgent:
                 if not self._tasks:
                     raise ValueError(f"{AGENT_ENV_FLAG} {self.spec}: the taskset has no task")
             return self._tasks[index % len(self._tasks)]
-        return next(itertools.islice(iter(self.env.taskset), index, None))
+        # an unbounded taskset (a generator, e.g. verifiers' seeded TextArena games) is iterated once: its tasks
+        # are kept as far as the highest index asked (loading it again per sample loads its data each time)
+        if self._stream is None:
+            self._stream, self._seen = iter(self.env.taskset), []
+        self._seen.extend(itertools.islice(self._stream, max(0, index + 1 - len(self._seen))))
+        if index >= len(self._seen):
+            raise ValueError(f"{AGENT_ENV_FLAG} {self.spec}: the taskset ended after {len(self._seen)} task(s) "
+                             f"but says it is unbounded; task {index} was asked")
+        return self._seen[index]
 
     @staticmethod
     def task_index(sample: Sample) -> int:
