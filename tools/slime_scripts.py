@@ -23,8 +23,9 @@ Dry run (`run_script`): the argv with paths substituted (--hf-checkpoint -> a fo
 published config.json of the script's model, tests/migration/hf_configs/<name>/config.json;
 --load/--save/--ref-load/--save-hf -> temporary paths), then `slime_rl.train.main(argv + ['--dry-run',
 '--cluster', NODESxGPUS])` in this process, classified as `plans`, `refused-allowed` (needs
-TransformerEngine, hardware not present, SFT only), `refused-named`, `unnamed` (a flag slime-rl does
-not know) or `traceback`.
+TransformerEngine, hardware not present, SFT only, or a parallel layout of the script's own that
+megatron-core's own checks refuse as well: `megatron_verdicts`), `refused-named`, `unnamed` (a flag
+slime-rl does not know) or `traceback`.
 """
 
 from __future__ import annotations
@@ -540,10 +541,85 @@ ALLOWED = (
     (re.compile(r"\b(ROCm|AMD|HIP|NVFP4|Blackwell|Hopper)\b"), "hardware not present"),
 )
 UNKNOWN_FLAG = "is not a flag of slime-rl train"
+# a refusal of the script's parallel layout (config/pipeline.py, config/checks.py): checked against megatron-core's
+# own code (megatron_rejects) before it is called the script's own error
+LAYOUT_REFUSAL = re.compile(r"pipeline stage\(s\), which must share them evenly|must divide the trainer world size")
+
+# megatron-core 0.19's checks of a parallel layout, run in a fresh interpreter (its process group is one gloo rank
+# standing for the script's world; nothing else of the suite's process is touched): the layers of each pipeline
+# stage (transformer_block.get_num_layers_to_build) and the model-parallel grids
+# (parallel_state.initialize_model_parallel); prints megatron's message, or nothing when megatron accepts the layout
+_MEGATRON_CHECK = """
+import json, sys, torch
+from torch.distributed import HashStore, init_process_group
+from slime_rl.trainer import cpu_compat
+cpu_compat.apply(only=("paged_stash",))
+with cpu_compat.eager_jit_fuser():  # megatron's jit_fuser without torch.compile on CPU, as the trainer imports it
+    from megatron.core import parallel_state
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+for lay in json.loads(sys.argv[1]):
+    said = ""
+    if lay["pp"] > 1 and lay["first"] is None and lay["last"] is None:
+        cfg = TransformerConfig(num_layers=lay["layers"], hidden_size=64, num_attention_heads=4,
+                                pipeline_model_parallel_size=lay["pp"], pipeline_dtype=torch.float32)
+        try:
+            get_num_layers_to_build(cfg, vp_stage=None, pp_rank=0)
+        except AssertionError as exc:
+            said = f"AssertionError: {exc}"
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=lay["tp"], pipeline_model_parallel_size=lay["pp"],
+            context_parallel_size=lay["cp"], expert_model_parallel_size=lay["ep"],
+            expert_tensor_parallel_size=lay["etp"], local_world_size=lay["world"])
+    except RuntimeError as exc:  # the sizes' own check, before any group is made
+        if str(exc).startswith("world_size ("):
+            said = said or f"RuntimeError: {exc}"
+    except Exception:  # a layout megatron takes goes on to make its groups, which one gloo rank cannot hold
+        pass
+    parallel_state.destroy_model_parallel()
+    print(json.dumps(said))
+"""
 
 
-def run_script(record: dict[str, Any]) -> dict[str, Any]:
-    """Dry-run one corpus record through `slime_rl.train.main` in this process: {outcome, reason, output}."""
+def parallel_layout(record: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's parallel layout the script asks for: sizes, its world (the actor's GPUs) and its layers
+    (--num-layers, else its config.json's num_hidden_layers)."""
+    argv = record["argv"]
+
+    def size(flag: str, default: int | None = 1) -> int | None:
+        value = _option(argv, flag)
+        return default if value is None else int(value)
+
+    gpus = record["gpus"]
+    layers = size("--num-layers", None)
+    if layers is None:
+        layers = int(hf_config(model_of(argv))["num_hidden_layers"])
+    tp = size("--tensor-model-parallel-size")
+    return {"tp": tp, "pp": size("--pipeline-model-parallel-size"), "cp": size("--context-parallel-size"),
+            "ep": size("--expert-model-parallel-size"), "etp": size("--expert-tensor-parallel-size", tp),
+            "world": gpus["actor_nodes"] * gpus["actor_gpus_per_node"], "layers": layers,
+            "first": size("--decoder-first-pipeline-num-layers", None),
+            "last": size("--decoder-last-pipeline-num-layers", None)}
+
+
+def megatron_rejects(layouts: Sequence[dict[str, Any]]) -> list[str | None]:
+    """For each layout (parallel_layout's), megatron-core's own message refusing it, or None where megatron-core
+    takes it: one interpreter for all (importing megatron costs seconds)."""
+    if not layouts:
+        return []
+    done = subprocess.run([sys.executable, "-c", _MEGATRON_CHECK, json.dumps(list(layouts))], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    said = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('"')]
+    if done.returncode != 0 or len(said) != len(layouts):
+        raise RuntimeError(f"megatron-core's layout check did not run: {done.stderr.strip()[-2000:]}")
+    return [text or None for text in said]
+
+
+def dry_run(record: dict[str, Any]) -> dict[str, Any]:
+    """Dry-run one corpus record through `slime_rl.train.main` in this process: {outcome, reason, output, and
+    `layout` where the script's parallel layout was refused}."""
     import warnings
 
     from slime_rl import train
@@ -582,7 +658,27 @@ def run_script(record: dict[str, Any]) -> dict[str, Any]:
             return {"outcome": "refused-allowed", "reason": f"{kind}: {reason}", "output": output}
     if record.get("sft"):  # a supervised fine-tuning script (--loss-type sft_loss): not an RL run, whatever stops first
         return {"outcome": "refused-allowed", "reason": f"SFT only (--loss-type sft_loss): {reason}", "output": output}
+    if LAYOUT_REFUSAL.search(reason):  # megatron_verdicts decides
+        return {"outcome": "refused-named", "reason": reason, "output": output, "layout": parallel_layout(record)}
     return {"outcome": "refused-named", "reason": reason, "output": output}
+
+
+def megatron_verdicts(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each refusal of a script's parallel layout (a result with `layout`) that megatron-core's own code refuses as
+    well is the script's own error (slime's trainer cannot start it either): `refused-allowed`, megatron's message
+    in the reason; refused-named where megatron-core takes the layout."""
+    asked = [r for r in results if "layout" in r]
+    for result, said in zip(asked, megatron_rejects([r["layout"] for r in asked]), strict=True):
+        if said:
+            result.update(outcome="refused-allowed", reason=f"the script's own layout, which megatron-core refuses "
+                          f"too ({said}): {result['reason']}")
+    return results
+
+
+def run_script(record: dict[str, Any]) -> dict[str, Any]:
+    """Dry-run one corpus record through `slime_rl.train.main` in this process: {outcome, reason, output}; a
+    refusal of its parallel layout is checked against megatron-core's (megatron_verdicts)."""
+    return megatron_verdicts([dry_run(record)])[0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -667,9 +763,9 @@ def load_corpus(path: Path = CORPUS) -> dict[str, Any]:
 
 def measure(corpus: dict[str, Any]) -> list[dict[str, Any]]:
     """Every script of the corpus dry-run: its record, outcome, reason and flag census."""
+    results = megatron_verdicts([dry_run(record) for record in corpus["scripts"]])
     rows = []
-    for record in corpus["scripts"]:
-        result = run_script(record)
+    for record, result in zip(corpus["scripts"], results, strict=True):
         census = flag_census(record["argv"]) if "argv" in record and not record.get("error") else []
         rows.append({"record": record, **result, "census": census})
     return rows
@@ -709,7 +805,9 @@ def render_table(rows: Sequence[dict[str, Any]], corpus: dict[str, Any], date: s
              "tests/migration/slime_scripts.json). tests/config/test_slime_scripts.py fails when an outcome "
              "below differs from the current one.", "",
              "Outcomes: `plans` (the dry run prints a plan), `refused-allowed` (refused for TransformerEngine, "
-             "hardware not present, or SFT only), `refused-named` (refused with a sentence naming the flag and why; "
+             "hardware not present, SFT only, or a parallel layout of the script's own that megatron-core 0.19's "
+             "own checks refuse as well, run by the tool: slime cannot start such a script either), "
+             "`refused-named` (refused with a sentence naming the flag and why; "
              "the first one is shown), `unnamed` (a flag slime-rl does not know at all), `traceback`, "
              "`not-extracted` (the script fails under bash as written).", "",
              "| script | model | GPUs | outcome | first reason |", "|---|---|---|---|---|"]

@@ -220,3 +220,22 @@ def test_extract_lists_what_it_cannot_extract(tmp_path):
     assert tool.run_script(rec)["outcome"] == "not-extracted"
     rec = tool.extract_script(_tree(tmp_path / "b", "echo nothing to run\n"), "scripts/run-tiny.sh")
     assert rec["error"].startswith("no train command captured (bash exited 0)")
+
+
+def test_megatron_core_judges_the_layouts_refused_as_the_scripts_own(measured):
+    """A script whose parallel layout we refuse counts as allowed only where megatron-core's own code refuses it
+    too (slime's trainer could not start it either): glm4.7-30B-A3B's EP 8 x PP 2 on its 8 GPUs, the delta
+    example's 47 layers over 2 stages without an uneven split. The same check takes each layout once the script
+    is mended (16 GPUs; a last stage of 23 layers) and a script that plans, so it can tell them apart."""
+    delta, glm = (measured[s] for s in ("examples/delta_weight_sync/run-glm4.7-30B-A3B-delta.sh",
+                                        "scripts/run-glm4.7-30B-A3B.sh"))
+    assert delta["outcome"] == glm["outcome"] == "refused-allowed"
+    assert "num_layers=47 should be divisible by config.pipeline_model_parallel_size=2" in delta["reason"]
+    assert "world_size (8) is not divisible by expert_tensor_model_pipeline_parallel size (16)" in glm["reason"]
+    # the layouts as parsed from the argv: the sizes written in the scripts (derived by hand from them)
+    assert glm["layout"] == {"tp": 2, "pp": 2, "cp": 2, "ep": 8, "etp": 1, "world": 8, "layers": 47, "first": None,
+                             "last": 23}
+    assert delta["layout"]["world"] == 16 and delta["layout"]["last"] is None
+    planned = tool.parallel_layout(measured["scripts/run-qwen3-30B-A3B.sh"]["record"])
+    assert tool.megatron_rejects([dict(glm["layout"], world=16), dict(delta["layout"], last=23), planned]) == [
+        None, None, None]
