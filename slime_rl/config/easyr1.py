@@ -12,7 +12,10 @@ key. The command line still wins over the file.
 Counting differences: EasyR1's `worker.actor.global_batch_size` counts prompts, ours samples (x
 `worker.rollout.n`); its `lr_warmup_steps` count rollout steps, our `--lr-warmup-iters` optimizer
 steps (x rollout_batch_size / global_batch_size). EasyR1 places actor and rollout on the same GPUs
-(hybrid engine); here the engines get `nnodes x n_gpus_per_node` devices of their own.
+(hybrid engine): here `--colocate`, the engines on the trainer's `nnodes x n_gpus_per_node` GPUs.
+
+EasyR1's own command line (`config=FILE section.key=value ...`, `split_cli` / `merge_cli`) is read by OmegaConf
+as EasyR1's main reads it, then mapped as a file is.
 
 Each section is one function over an `EasyR1Context` (config/easyr1_context.py: the keys, the values
 derived from them, the rule helpers), run in the order of `SECTION_MAPPERS`: `data`, `algorithm` and
@@ -21,7 +24,8 @@ derived from them, the rule helpers), run in the order of `SECTION_MAPPERS`: `da
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from slime_rl.config.easyr1_context import EasyR1Context, Mapping
@@ -29,7 +33,7 @@ from slime_rl.config.easyr1_sections import map_algorithm, map_data, map_trainer
 from slime_rl.config.easyr1_worker import map_actor, map_critic, map_reward, map_rollout
 
 __all__ = ["DICT_KEYS", "EASYR1_DEFAULTS", "SECTIONS", "SECTION_MAPPERS", "EasyR1Context", "Mapping", "describe",
-           "flatten", "is_easyr1", "map_easyr1"]
+           "flatten", "is_easyr1", "map_easyr1", "merge_cli", "split_cli"]
 
 SECTIONS = ("data", "algorithm", "worker", "trainer")
 # dict-valued keys: a value, not a section to walk into
@@ -102,3 +106,46 @@ def describe(mapping: Mapping, where: str) -> str:
     """The printed mapping: one line per EasyR1 key."""
     return "\n".join([f"[slime_rl] {where}: EasyR1 config, mapped to flags (the command line still wins):",
                       *mapping.lines])
+
+
+# EasyR1's own command line (`python3 -m verl.trainer.main config=examples/config.yaml worker.actor.loss_type=cispo
+# trainer.n_gpus_per_node=8`): OmegaConf's dotted `key=value`, `config=` naming the file the others go over
+CLI_TOKEN = re.compile(r"(?:config|(?:data|algorithm|worker|trainer)(?:\.[A-Za-z_]\w*)+)=", re.ASCII)
+
+
+def split_cli(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """argv -> (its other tokens, EasyR1's own overrides: `config=FILE` and `section.key=value`, in order)."""
+    rest: list[str] = []
+    overrides: list[str] = []
+    for tok in argv:
+        (overrides if CLI_TOKEN.match(tok) else rest).append(tok)
+    return rest, overrides
+
+
+def merge_cli(overrides: Sequence[str], read_file: Callable[[str], Any], error: type[Exception]) -> tuple[dict, str]:
+    """EasyR1's main on its command line (verl/trainer/main.py): the `config=` file, then the other overrides
+    merged over it by OmegaConf (`OmegaConf.from_cli`: a value is parsed as OmegaConf parses it, `True`, `3e-4`,
+    `'{"n":16}'`, `'["console","wandb"]'`). Returns the merged mapping as plain data and how errors name it.
+    `read_file`: how the file is read (the --config reader: duplicate keys are errors)."""
+    try:
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+    except ImportError as exc:
+        raise error(f"{overrides[0]}: EasyR1's command-line overrides are read by OmegaConf, as EasyR1 reads them: "
+                    "pip install 'slime-rl[easyr1]' (or omegaconf)") from exc
+    files = [tok.partition("=")[2] for tok in overrides if tok.startswith("config=")]
+    dotted = [tok for tok in overrides if not tok.startswith("config=")]
+    if len(files) > 1:
+        raise error(f"EasyR1 command line: config= is given {len(files)} times ({', '.join(files)}); give one file")
+    where = (f"EasyR1 command line config={files[0]}" if files else "EasyR1 command line") + (
+        f" with {len(dotted)} override(s)" if dotted else "")
+    base = read_file(files[0]) if files else {}
+    if not isinstance(base, dict) or (base and not is_easyr1(base)):
+        raise error(f"config={files[0]}: not EasyR1's layout (a file whose top level holds {', '.join(SECTIONS)}); "
+                    "a file of this project's flags is --config FILE")
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(base), OmegaConf.from_dotlist(list(dotted)))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise error(f"{where}: {' '.join(str(exc).split())}") from exc
+    return data, where

@@ -177,12 +177,17 @@ def map_trainer(ctx: EasyR1Context) -> None:
         nn, per = int(get("trainer.nnodes", 1)), int(get("trainer.n_gpus_per_node", 8))
         m.set("trainer.nnodes", "actor_num_nodes", nn)
         m.set("trainer.n_gpus_per_node", "actor_num_gpus_per_node", per)
-        m.set("trainer.nnodes x n_gpus_per_node", "rollout_num_gpus", nn * per,
-              "EasyR1's engines use every GPU; here they get their own")
+        if get("worker.hybrid_engine", True):  # EasyR1's default: actor and engines take turns on every GPU
+            m.set("worker.hybrid_engine", "colocate", True, "the engines on the trainer's GPUs, released while it "
+                  "trains" + ("" if "worker.hybrid_engine" in given else " (EasyR1's default)"))
+            m.set("trainer.nnodes x n_gpus_per_node", "rollout_num_gpus", nn * per, "the trainer's GPUs")
+        else:
+            m.set("trainer.nnodes x n_gpus_per_node", "rollout_num_gpus", nn * per,
+                  "without the hybrid engine, the engines get GPUs of their own")
     rule("trainer.nnodes", nodes)
     if "trainer.nnodes" not in ctx.cfg:
         rule("trainer.n_gpus_per_node", nodes)
-    ctx.handled.add("trainer.n_gpus_per_node")
+    ctx.handled.update(("trainer.n_gpus_per_node", "worker.hybrid_engine"))
 
     def critic_warmup(v: Any) -> None:
         if critic:

@@ -19,8 +19,6 @@ def map_actor(ctx: EasyR1Context) -> None:
     and critic, the rest of `worker.ref`): batch sizes, clipping, loss, model and optimizer."""
     m, get, fail, rule, to, na, only = ctx.m, ctx.get, ctx.fail, ctx.rule, ctx.to, ctx.na, ctx.only
     given, n = ctx.given, ctx.n
-    na("worker.hybrid_engine", "placement: the engines get devices of their own (--rollout-num-gpus); --colocate "
-       "shares the trainer's, one device per engine")
     for section in ("worker.actor", "worker.ref", "worker.critic"):
         na(f"{section}.strategy", "training runs in Megatron-core")
     gbs_prompts = int(get("worker.actor.global_batch_size"))

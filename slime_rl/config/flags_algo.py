@@ -29,7 +29,7 @@ ALGO_FLAGS: tuple[Flag, ...] = (
         Flag('--overlong-buffer-len', 'algo.overlong_buffer_len', default=0, type=_nonneg_int,
              help='DAPO overlong shaping: penalty ramps over the last N tokens of --rollout-max-response-len'),
         Flag('--overlong-penalty-factor', 'algo.overlong_penalty_factor', default=1.0, type=_nonneg_float),
-        Flag('--eps-clip', 'algo.eps_clip', default=0.2, type=float, check=(lambda v: 0 < v < 1, "must be in (0, 1)")),
+        Flag('--eps-clip', 'algo.eps_clip', default=0.2, type=float, check=(lambda v: 0 <= v < 1, "must be in [0, 1)")),
         Flag('--eps-clip-high', derived='algo.eps_clip_high', type=float, help='default: --eps-clip'),
         Flag('--loss-agg-mode', 'trainer.loss_agg_mode', default='token-mean', choices=LOSS_AGG_MODES,
              help='token-mean: over all tokens of the global batch (DAPO); seq-mean-*: per sample first'),

@@ -23,7 +23,7 @@ import yaml
 
 from slime_rl.config.builtin_engine import not_taken
 from slime_rl.config.checks import ConfigError, ConfigNote
-from slime_rl.config.easyr1 import describe, is_easyr1, map_easyr1
+from slime_rl.config.easyr1 import describe, is_easyr1, map_easyr1, merge_cli, split_cli
 from slime_rl.config.flags import OWN_SGLANG_FLAGS, ROUTER_PREFIX, SGLANG_PREFIX, build_parser
 from slime_rl.config.sglang_changes import modernize
 from slime_rl.config.slime_args import refuse_slime_only
@@ -171,11 +171,18 @@ def _read_yaml(flag: str, path: str) -> Any:
         raise ConfigError(f"{flag} {path}: not valid YAML: {exc}") from exc
 
 
-def _yaml_overlay(parser: argparse.ArgumentParser, path: str,
-                  backend: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _yaml_overlay(parser: argparse.ArgumentParser, path: str | None, backend: str | None = None,
+                  easyr1_cli: Sequence[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
     """The --config file as flag defaults and --sglang-* pass-through; EasyR1's nested layout is
     mapped first (config/easyr1.py) and the mapping printed. `backend`: --rollout-backend from the
-    command line (the EasyR1 mapping depends on it)."""
+    command line (the EasyR1 mapping depends on it). `easyr1_cli`: EasyR1's own command line instead of a
+    --config file (`config=FILE section.key=value ...`, merged as EasyR1's main merges it)."""
+    if easyr1_cli:
+        data, where = merge_cli(easyr1_cli, lambda file: _read_yaml("config=", file), ConfigError)
+        mapping = map_easyr1(data, where, ConfigError, backend)
+        print(describe(mapping, where), flush=True)
+        items = [(f"{mapping.origin[k]} -> --{k.replace('_', '-')}", k, v) for k, v in mapping.flags.items()]
+        return _flag_values(parser, items, f"{where}: ")
     data = _read_yaml("--config", path)
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: top level must be a mapping of flag names to values")
@@ -248,15 +255,20 @@ def _flag_values(parser: argparse.ArgumentParser, items: list[tuple[Any, Any, An
 def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]]:
     """Parse argv (YAML overlay included); returns the flat namespace and the --sglang-* args."""
     rest, sglang_cli = _split_passthrough(argv)
+    rest, easyr1_cli = split_cli(rest)
     parser = _make_parser()
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     pre.add_argument("--rollout-backend", default=None)
     known, _ = pre.parse_known_args(rest)
+    if known.config and easyr1_cli:
+        raise ConfigError(f"--config {known.config} and EasyR1's command line ({' '.join(easyr1_cli[:2])}"
+                          f"{' ...' if len(easyr1_cli) > 2 else ''}): give one (EasyR1's file as config=FILE with "
+                          "its overrides, or a file of this project's flags as --config FILE)")
     refuse_slime_only([t for t in rest if t.startswith("--")], "", ConfigError)
     sglang: dict[str, Any] = {}
-    if known.config:
-        defaults, sglang = _yaml_overlay(parser, known.config, known.rollout_backend)
+    if known.config or easyr1_cli:
+        defaults, sglang = _yaml_overlay(parser, known.config, known.rollout_backend, easyr1_cli)
         given = {t.partition("=")[0] for t in rest if t.startswith("--")}
         # the two ways to say how long to train exclude each other: the command line's wins over the file's
         for flag, other in (("--num-rollout", "num_epoch"), ("--num-epoch", "num_rollout")):
@@ -267,7 +279,7 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, dict[str, Any]
     sglang = _current_names(sglang) | _current_names(sglang_cli)  # each source alone: the command line wins
     if args.custom_config_path:  # slime sets its keys after parsing: over the command line
         sglang |= _current_names(_custom_config(parser, args))
-    explicit = known.rollout_backend is not None or (known.config is not None and "rollout_backend" in defaults)
+    explicit = known.rollout_backend is not None or (bool(known.config or easyr1_cli) and "rollout_backend" in defaults)
     if not explicit:
         _backend_from_flags(args, sglang)
     return args, sglang

@@ -53,6 +53,7 @@ step failed (`RewardFailures.since`), since then the reward is broken rather tha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -312,6 +313,17 @@ def _named(wrapper: Callable, fn: Callable) -> Callable:
     return wrapper
 
 
+def _bound(fn: Callable, kwargs: dict[str, Any]) -> Callable:
+    """`fn` with `kwargs` bound (functools.partial, as EasyR1 binds `reward_function_kwargs`), named as `fn` and of
+    its module (where EasyR1's REWARD_TYPE is read), its signature the partial's own: the bound parameters are no
+    longer required (functools.wraps would set __wrapped__, and inspect.signature would report `fn`'s)."""
+    bound = functools.partial(fn, **kwargs)
+    for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
+        with contextlib.suppress(AttributeError):
+            setattr(bound, attr, getattr(fn, attr))
+    return bound
+
+
 def load_custom_reward(path: str, *, group_rm: bool = False, args: Any = None,
                        rm_kwargs: str | dict[str, Any] | None = None,
                        reward_key: str = "score") -> tuple[Callable, bool, str]:
@@ -327,7 +339,7 @@ def load_custom_reward(path: str, *, group_rm: bool = False, args: Any = None,
             raise RewardError(f"--custom-rm-kwargs {sorted(kwargs)}: {_name(fn)} does not take them: {exc}") from exc
         except ValueError:  # no signature to check against
             pass
-        fn = functools.wraps(fn)(functools.partial(fn, **kwargs))
+        fn = _bound(fn, kwargs)
     reward_type = getattr(inspect.getmodule(fn) or sys.modules.get(getattr(fn, "__module__", ""), None),
                           "REWARD_TYPE", None)
     if reward_type is not None:  # EasyR1's reward file

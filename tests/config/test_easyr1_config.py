@@ -176,10 +176,12 @@ def test_dry_run_of_the_geo3k_example_with_a_tiny_vl_model(tmp_path, tiny_qwen2_
     train = write_jsonl(make_rows(512, seed=1, image_dir=tmp_path / "img", size=56), tmp_path / "train.jsonl")
     val = write_jsonl(make_rows(4, seed=2, image_dir=tmp_path / "img_val", size=56), tmp_path / "val.jsonl")
     path = write_config(tmp_path, model=str(tiny_qwen2_5_vl), train=str(train), val=str(val))
-    assert main(["--config", str(path), "--dry-run", "--run-dir", str(tmp_path / "run")]) == 0
+    assert main(["--config", str(path), "--dry-run", "--run-dir", str(tmp_path / "run"), "--cluster", "1x8"]) == 0
     out = capsys.readouterr().out
     assert "worker.rollout.tensor_parallel_size -> --rollout-num-gpus-per-engine 2" in out
-    # 8 trainer ranks and 8 devices for 4 engines of 2 (SGLang's command lines, TP 2, memory fraction 0.6)
+    # 8 trainer ranks and, on the same 8 devices (EasyR1's hybrid engine: --colocate), 4 engines of 2 (SGLang's
+    # command lines, TP 2, memory fraction 0.6)
+    assert "worker.hybrid_engine -> --colocate" in out
     engines = [line for line in out.splitlines() if line.startswith("engine ")]
     assert len(engines) == 4 and all("--tp-size 2" in e and "--mem-fraction-static 0.6" in e for e in engines)
 

@@ -67,6 +67,7 @@ def test_easyr1_geo3k_config_trains_two_steps_on_a_tiny_vl_model(ray_session, ti
                         "--max-pixels", "3136", "--num-rollout", "2", "--skip-eval-before-train", "--wandb-mode",
                         "disabled", "--update-weight-buffer-size", "20000"])
     assert cfg.rollout.n_samples_per_prompt == 5 and cfg.algo.use_kl_loss and cfg.algo.eps_clip_high == 0.3
+    assert cfg.engine.colocate  # EasyR1's hybrid engine: the engine on the trainer's device, released while it trains
     rows = train(*preflight(cfg))
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:

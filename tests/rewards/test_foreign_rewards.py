@@ -94,6 +94,22 @@ def test_easyr1_reward_kwargs():
         make_reward_fn(None, f"{EASYR1 / 'math_reward.py'}:compute_score", rm_kwargs="[1]")
 
 
+def test_easyr1_reward_with_required_keyword_arguments():
+    """DAPO's shape (EasyR1's examples/reward_function/dapo.py): compute_score(reward_inputs, max_response_length,
+    overlong_buffer_length, overlong_penalty_factor), the three bound from --custom-rm-kwargs as EasyR1 binds them.
+    By hand, max 10 tokens with a buffer of 4: 5 tokens score no penalty; 8 tokens (8 - 6) / 4 = 0.5 over, so
+    -0.5 x factor 2 = -1; 12 tokens beyond the maximum -1 x 2 = -2; a right answer +1, a wrong one -1."""
+    path = f"{EASYR1 / 'dapo_reward.py'}:compute_score"
+    fn = make_reward_fn(None, path, rm_kwargs='{"max_response_length": 10, "overlong_buffer_length": 4, '
+                                              '"overlong_penalty_factor": 2.0}')
+    group = [sample("Answer: 3", n_tokens=5), sample("x\nAnswer: 3", n_tokens=8), sample("Answer: 4", n_tokens=12)]
+    assert score(fn, group) == pytest.approx([1.0, 1.0 - 1.0, -1.0 - 2.0])
+    with pytest.raises(RewardError, match=r"dapo_reward.py:compute_score'.*fits no supported form"):
+        make_reward_fn(None, path)  # without the three arguments there is no call to make
+    with pytest.raises(RewardError, match="fits no supported form"):
+        make_reward_fn(None, path, rm_kwargs='{"max_response_length": 10}')
+
+
 def test_easyr1_sequential_file_scores_one_sample_per_call():
     fn = make_reward_fn(None, f"{EASYR1 / 'r1v_reward.py'}:compute_score")
     assert not isinstance(fn, GroupReward)
