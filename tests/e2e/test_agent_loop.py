@@ -6,6 +6,7 @@ checked against the engine and the template in tests/rollout/test_agent.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,7 +116,7 @@ def test_verifiers_own_textarena_taskset_trains_two_steps(textarena_words, tiny_
 
     spec = 'verifiers:textarena:{"taskset":{"game":"Hangman-v0"},"player":{"harness":{"id":"null"}}}'
     args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
-        "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1", "--rollout-max-response-len", "400",
+        "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1", "--rollout-max-response-len", "900",
         "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2", "--micro-batch-size",
         "2", "--agent-env", spec, "--agent-turn-max-tokens", "8", "--save-debug-rollout-data",
         str(tmp_path / "debug" / "rollout_{rollout_id}.pt")]
@@ -156,3 +157,95 @@ def test_verifiers_own_textarena_taskset_trains_two_steps(textarena_words, tiny_
                 assert s["finish_reason"] == "length"
                 expected = 0.0
             assert s["reward"] == meta["verifiers_rewards"]["game_reward"] == expected, (s["reward"], expected)
+
+
+@pytest.fixture(scope="module")
+def openenv_echo(tmp_path_factory):
+    """OpenEnv's template environment (`openenv init`'s echo environment), served by OpenEnv's own create_app in
+    a process of its own (tests/rollout/openenv_echo_server.py): its URL."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("openenv", reason="openenv is not installed (the agent extra)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = shutil.which("uv")  # without uv on PATH, `openenv init` does not lock the template's own dependencies
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not uv or Path(p) != Path(uv).parent)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "rollout" / "openenv_echo_server.py"),
+                             str(tmp_path_factory.mktemp("openenv")), str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PATH": path})
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("ready "):
+            break
+    else:
+        raise AssertionError("the OpenEnv server did not start:\n" + "".join(lines[-40:]))
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_verifiers_openenv_taskset_trains_two_steps(openenv_echo, ray_session, tiny_qwen2, digit_data, tmp_path):
+    """--agent-env verifiers:openenv: verifiers' own OpenEnv taskset (verifiers.v1.tasksets.openenv, unchanged)
+    playing OpenEnv's template environment through OpenEnv's client, two steps of 1 prompt x 2 samples trained.
+    The environment echoes each action (the model's reply, stripped, as the `message` of the action schema's one
+    required field) and rewards it 0.1 per character; it is never done, so an episode ends with its response
+    budget. Checked from the trained tokens of every sample: each reply (a loss-masked run, decoded) that an
+    environment turn follows came back in it (`original_message`, `message_length`; as the tiny tokenizer keeps
+    the JSON), and the reward is 0.1 x the characters of those replies. verifiers parses a reply as JSON first
+    (its `parse_action`): a reply that is a bare number makes an action the schema refuses, and OpenEnv's
+    VALIDATION_ERROR fails that episode alone (counted, its loss mask 0): such samples are checked for that."""
+    import torch
+    from transformers import AutoTokenizer
+
+    spec = 'verifiers:openenv:{"taskset":{"base_url":"URL"},"player":{"harness":{"id":"null"}}}'.replace(
+        "URL", openenv_echo)
+    args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
+        "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1", "--rollout-max-response-len", "900",
+        "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2", "--micro-batch-size",
+        "2", "--agent-env", spec, "--agent-turn-max-tokens", "8", "--save-debug-rollout-data",
+        str(tmp_path / "debug" / "rollout_{rollout_id}.pt")]
+    rows = train(*preflight(build_config(args)))
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert np.isfinite(row["train/loss"]) and np.isfinite(row["train/grad_norm"])
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    played = 0
+
+    def kept(text: str) -> str:  # as the tiny tokenizer keeps text (its alphabet has no braces or quotes)
+        return tok.decode(tok.encode(text))
+
+    for step in (0, 1):
+        samples = torch.load(tmp_path / "debug" / f"rollout_{step}.pt", weights_only=False)["samples"]
+        failed = [s for s in samples if s["finish_reason"] == "failed"]
+        assert len(failed) == round(rows[step]["rollout/agent_failed_frac"] * len(samples))
+        for s in failed:
+            assert "VALIDATION_ERROR" in s["metadata"]["agent_error"] and not any(s["loss_mask"]), s["metadata"]
+        for s in samples:
+            if s["finish_reason"] == "failed":
+                continue
+            played += 1
+            runs: list[tuple[int, list[int]]] = []
+            for i, m in zip(s["response_ids"], s["loss_mask"], strict=True):
+                if runs and runs[-1][0] == m:
+                    runs[-1][1].append(i)
+                else:
+                    runs.append((m, [i]))
+            replies = [tok.decode(ids, skip_special_tokens=True).strip() for m, ids in runs if m]
+            between = [tok.decode(ids) for m, ids in runs if not m]
+            assert runs[0][0] == 1 and len(replies) == s["metadata"]["agent_turns"] >= 2
+            stepped = replies[:len(between)]  # verifiers speaks again only after stepping the reply
+            for k, reply in enumerate(stepped[:-1]):  # (the last environment turn may be cut by the budget)
+                assert kept(f'"original_message": {json.dumps(reply)}') in between[k], (reply, between[k])
+                assert kept(f'"message_length": {len(reply)}') in between[k], (reply, between[k])
+            # a last reply that no environment turn follows was stepped too when the budget ended only after it
+            expected = {round(0.1 * sum(len(r) for r in replies[:n]), 9) for n in (len(stepped), len(replies))}
+            assert round(s["reward"], 9) in expected, (s["reward"], expected, replies)
+            assert s["metadata"]["verifiers_rewards"]["openenv_reward"] == s["reward"]
+    assert played >= 1  # (each episode fails alone, rarely: 1 of 8 in the runs measured)
