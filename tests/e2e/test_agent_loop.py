@@ -84,6 +84,29 @@ def test_a_verifiers_environment_trains_two_steps(ray_session, tiny_qwen2, digit
         assert "again" in d["response"]  # the environment's second user turn sits inside the response
 
 
+def train_episodes(spec: str, model, data, tmp_path, response_len: int) -> list[dict]:
+    """Two steps of 1 prompt x 2 episodes of the --agent-env `spec` (8 tokens a turn), the rollouts saved under
+    tmp_path/debug: the metrics rows."""
+    args = argv(model, data, tmp_path / "run", steps=2) + [
+        "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1", "--rollout-max-response-len",
+        str(response_len), "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2",
+        "--micro-batch-size", "2", "--agent-env", spec, "--agent-turn-max-tokens", "8", "--save-debug-rollout-data",
+        str(tmp_path / "debug" / "rollout_{rollout_id}.pt")]
+    return train(*preflight(build_config(args)))
+
+
+def mask_runs(sample: dict) -> list[tuple[int, list[int]]]:
+    """(loss mask, ids) of each run of a debug-dumped sample's response: the model's turns (1) and the
+    environment's (0), in order."""
+    runs: list[tuple[int, list[int]]] = []
+    for i, m in zip(sample["response_ids"], sample["loss_mask"], strict=True):
+        if runs and runs[-1][0] == m:
+            runs[-1][1].append(i)
+        else:
+            runs.append((m, [i]))
+    return runs
+
+
 @pytest.fixture(scope="module")
 def textarena_words(ray_session):
     """nltk's `words` corpus and tagger for TextArena's word games, made here (tests/nltk_words.py) in the session's
@@ -115,12 +138,7 @@ def test_verifiers_own_textarena_taskset_trains_two_steps(textarena_words, tiny_
     from verifiers.v1.tasksets.textarena.taskset import _latest_feedback
 
     spec = 'verifiers:textarena:{"taskset":{"game":"Hangman-v0"},"player":{"harness":{"id":"null"}}}'
-    args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
-        "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1", "--rollout-max-response-len", "900",
-        "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2", "--micro-batch-size",
-        "2", "--agent-env", spec, "--agent-turn-max-tokens", "8", "--save-debug-rollout-data",
-        str(tmp_path / "debug" / "rollout_{rollout_id}.pt")]
-    rows = train(*preflight(build_config(args)))
+    rows = train_episodes(spec, tiny_qwen2, digit_data, tmp_path, response_len=400)
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
         assert row["rollout/agent_failed_frac"] == 0.0 and row["rollout/agent_turns_mean"] >= 1.0
@@ -131,12 +149,7 @@ def test_verifiers_own_textarena_taskset_trains_two_steps(textarena_words, tiny_
         assert len(samples) == 2
         for s in samples:
             meta = s["metadata"]
-            runs: list[tuple[int, list[int]]] = []  # (loss mask, ids) of each run of the response
-            for i, m in zip(s["response_ids"], s["loss_mask"], strict=True):
-                if runs and runs[-1][0] == m:
-                    runs[-1][1].append(i)
-                else:
-                    runs.append((m, [i]))
+            runs = mask_runs(s)
             replies = [tok.decode(ids, skip_special_tokens=True) for m, ids in runs if m]
             between = [tok.decode(ids) for m, ids in runs if not m]
             assert runs[0][0] == 1 and len(replies) == meta["agent_turns"] and len(between) >= len(replies) - 1
@@ -206,12 +219,7 @@ def test_verifiers_openenv_taskset_trains_two_steps(openenv_echo, ray_session, t
 
     spec = 'verifiers:openenv:{"taskset":{"base_url":"URL"},"player":{"harness":{"id":"null"}}}'.replace(
         "URL", openenv_echo)
-    args = argv(tiny_qwen2, digit_data, tmp_path / "run", steps=2) + [
-        "--tensor-model-parallel-size", "1", "--actor-num-gpus-per-node", "1", "--rollout-max-response-len", "900",
-        "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2", "--micro-batch-size",
-        "2", "--agent-env", spec, "--agent-turn-max-tokens", "8", "--save-debug-rollout-data",
-        str(tmp_path / "debug" / "rollout_{rollout_id}.pt")]
-    rows = train(*preflight(build_config(args)))
+    rows = train_episodes(spec, tiny_qwen2, digit_data, tmp_path, response_len=900)
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
         assert np.isfinite(row["train/loss"]) and np.isfinite(row["train/grad_norm"])
@@ -231,12 +239,7 @@ def test_verifiers_openenv_taskset_trains_two_steps(openenv_echo, ray_session, t
             if s["finish_reason"] == "failed":
                 continue
             played += 1
-            runs: list[tuple[int, list[int]]] = []
-            for i, m in zip(s["response_ids"], s["loss_mask"], strict=True):
-                if runs and runs[-1][0] == m:
-                    runs[-1][1].append(i)
-                else:
-                    runs.append((m, [i]))
+            runs = mask_runs(s)
             replies = [tok.decode(ids, skip_special_tokens=True).strip() for m, ids in runs if m]
             between = [tok.decode(ids) for m, ids in runs if not m]
             assert runs[0][0] == 1 and len(replies) == s["metadata"]["agent_turns"] >= 2

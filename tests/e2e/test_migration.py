@@ -3,7 +3,8 @@ custom generate function written exactly as slime documents them, with slime's o
 filter named by slime's module path as its scripts name it (the RolloutManager actor resolves it
 through config/slime_imports.py), train 2 steps; EasyR1's own example config for Qwen2.5-VL geo3k
 (model path and data replaced by a tiny Qwen2.5-VL and local rows; sizes cut to a CPU on the command
-line, which wins over the file) trains 2 steps with its EasyR1-style reward file."""
+line, which wins over the file) trains 2 steps with an EasyR1-style math reward graded by mathruler, as EasyR1's
+examples/reward_function/math.py grades (tests/config/easyr1/mathruler_reward.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from slime_rl.config import build_config
 from slime_rl.data.vl_counting import make_rows, write_jsonl
 from slime_rl.train import preflight, train
 from tests.config.test_easyr1_config import write_config
+from tests.conftest import ROOT
 from tests.loop_checks import digit_data_fixture
 
 digit_data = digit_data_fixture(64, seed=4)
@@ -58,7 +60,9 @@ def test_slime_style_reward_generate_and_filter_train_two_steps(ray_session, tin
 def test_easyr1_geo3k_config_trains_two_steps_on_a_tiny_vl_model(ray_session, tiny_qwen2_5_vl, tmp_path):
     train_rows = write_jsonl(make_rows(16, seed=1, image_dir=tmp_path / "img", size=56), tmp_path / "train.jsonl")
     val_rows = write_jsonl(make_rows(4, seed=2, image_dir=tmp_path / "img_val", size=56), tmp_path / "val.jsonl")
-    path = write_config(tmp_path, model=str(tiny_qwen2_5_vl), train=str(train_rows), val=str(val_rows))
+    reward = f"{ROOT / 'tests' / 'config' / 'easyr1' / 'mathruler_reward.py'}:compute_score"
+    path = write_config(tmp_path, model=str(tiny_qwen2_5_vl), train=str(train_rows), val=str(val_rows),
+                        edit={"worker.reward.reward_function": reward})
     run = tmp_path / "run"
     cfg = build_config(["--config", str(path), "--run-dir", str(run), "--rollout-backend", "embedded",
                         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--rollout-num-gpus-per-engine",
