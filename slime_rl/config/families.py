@@ -325,6 +325,11 @@ class Family:
         return own + [dataclasses.replace(p, mcore=f"mtp.layers.{k}.mtp_model_layer." + p.mcore[len(_L):],
                                           hf=tuple(prefix + h[len(_H):] for h in p.hf)) for p in layer]
 
+    def builds_vision(self, cfg: dict[str, Any]) -> bool:
+        """Whether the trainer builds a vision tower for this config.json: every vision-language family's, except
+        where Qwen3.5's (text_config) has no vision_config: its text decoder alone then."""
+        return self.vision and not (self.text_config and "vision_config" not in cfg)
+
     def config_value(self, cfg: dict[str, Any], key: str, default: Any = None) -> Any:
         """config.json's value of `key`, or transformers' default for this family when the file leaves it
         out (config_defaults), or `default`."""

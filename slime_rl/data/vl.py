@@ -123,7 +123,7 @@ def _refuse_text_only_family(prompt_data: str, image_key: str | None, checkpoint
         return
     cfg = json.loads(config.read_text())
     family = FAMILIES.get(cfg.get("model_type", ""))
-    if family is not None and family.text_config and "vision_config" not in cfg:
+    if family is not None and family.vision and not family.builds_vision(cfg):
         raise DataError(f"{prompt_data}: rows have images ('{image_key}', --image-key) but {checkpoint}'s config.json "
                         f"(model_type {cfg['model_type']!r}) has no vision_config: the trainer builds its text decoder "
                         "alone; give text-only rows or a checkpoint with its vision tower")

@@ -316,7 +316,7 @@ def model_shape(config: dict[str, Any], where: str = "config.json") -> ModelShap
                "qk_rope": dims["qk_rope_head_dim"], "v_head": dims["v_head_dim"]}
     vision = None
     # Qwen3.5 (text_config): the tower where config.json has a vision_config (the trainer builds it then)
-    if family.vision and not (family.text_config and "vision_config" not in config):
+    if family.builds_vision(config):
         # Qwen3.5: transformers' Qwen3_5VisionConfig defaults for what the file leaves out
         defaults = ({**_VISION_DEFAULTS, "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "patch_size": 16,
                      "num_position_embeddings": 2304, "out_hidden_size": 3584} if family.text_config

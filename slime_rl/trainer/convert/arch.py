@@ -201,8 +201,7 @@ def arch_from_hf_config(cfg: dict[str, Any], tp_size: int = 1, pad_vocab_multipl
     """Derive the Megatron architecture; `pad_vocab_multiple` pads the vocab to a multiple of
     pad_vocab_multiple * tp_size (Megatron's --make-vocab-size-divisible-by)."""
     family = get_family(cfg.get("model_type", ""), where)
-    # Qwen3.5 (text_config): a config.json without vision_config is the text decoder alone
-    built_vision = family.vision and not (family.text_config and "vision_config" not in cfg)
+    built_vision = family.builds_vision(cfg)  # (Qwen3.5 without vision_config: the text decoder alone)
     vision = vision_arch(cfg, where, family.vision_prefix) if built_vision else None
     mrope = None
     if family.vision or family.text_config:
