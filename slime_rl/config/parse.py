@@ -179,22 +179,19 @@ def _yaml_overlay(parser: argparse.ArgumentParser, path: str | None, backend: st
     --config file (`config=FILE section.key=value ...`, merged as EasyR1's main merges it)."""
     if easyr1_cli:
         data, where = merge_cli(easyr1_cli, lambda file: _read_yaml("config=", file), ConfigError)
+    else:
+        data, where = _read_yaml("--config", path), f"--config {path}"
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: top level must be a mapping of flag names to values")
+    if easyr1_cli or is_easyr1(data):
         mapping = map_easyr1(data, where, ConfigError, backend)
         print(describe(mapping, where), flush=True)
-        items = [(f"{mapping.origin[k]} -> --{k.replace('_', '-')}", k, v) for k, v in mapping.flags.items()]
-        return _flag_values(parser, items, f"{where}: ")
-    data = _read_yaml("--config", path)
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: top level must be a mapping of flag names to values")
-    if is_easyr1(data):
-        mapping = map_easyr1(data, f"--config {path}", ConfigError, backend)
-        print(describe(mapping, f"--config {path}"), flush=True)
         # (how errors name the key, the flag key, the value)
         items = [(f"{mapping.origin[k]} -> --{k.replace('_', '-')}", k, v) for k, v in mapping.flags.items()]
     else:
-        refuse_slime_only([str(k) for k in data], f"--config {path}: ", ConfigError)
+        refuse_slime_only([str(k) for k in data], f"{where}: ", ConfigError)
         items = [(k, k, v) for k, v in data.items()]
-    return _flag_values(parser, items, f"--config {path}: ")
+    return _flag_values(parser, items, f"{where}: ")
 
 
 def _flag_values(parser: argparse.ArgumentParser, items: list[tuple[Any, Any, Any]],
