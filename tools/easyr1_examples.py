@@ -22,13 +22,10 @@ no local reward file of its reward's API).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import subprocess
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -153,33 +150,32 @@ def local_argv(record: dict[str, Any], workdir: Path) -> tuple[list[str] | None,
     return [*argv, "--run-dir", str(workdir / "run"), "--dry-run", "--cluster", f"{nodes}x{gpus}"], ""
 
 
+def _slime_scripts() -> Any:
+    """tools/slime_scripts.py (tools/ is not a package), for its in-process dry run `run_cli`."""
+    import importlib.util
+
+    name = "tools_slime_scripts"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("slime_scripts.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def run_example(record: dict[str, Any]) -> dict[str, Any]:
     """One corpus record dry-run through `slime_rl.train.main` in this process: {outcome, reason, output}."""
-    from slime_rl import train
-
     if record.get("error"):
         return {"outcome": "not-run", "reason": record["error"], "output": ""}
-    out, err = io.StringIO(), io.StringIO()
     with tempfile.TemporaryDirectory(prefix="easyr1-example-") as tmp:
         argv, why = local_argv(record, Path(tmp))
         if argv is None:
             return {"outcome": "not-run", "reason": why, "output": ""}
-        rc: Any = None
-        trace = None
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                rc = train.main(argv)
-            except SystemExit as exc:
-                rc = exc.code
-            except BaseException:  # noqa: BLE001 - every other exception is the outcome `traceback`
-                trace = traceback.format_exc()
-        output = (out.getvalue() + err.getvalue()).replace(tmp, "<tmp>")
+        rc, output, trace, errors = _slime_scripts().run_cli(argv, tmp)
     if trace is not None:
         return {"outcome": "traceback", "reason": trace.strip().splitlines()[-1], "output": output + trace}
     if rc == 0:
         return {"outcome": "plans", "reason": "", "output": output}
-    errors = [line.removeprefix("slime-rl train: error: ") for line in output.splitlines()
-              if line.startswith("slime-rl train: error: ")]
     return {"outcome": "refused" if rc == 2 and errors else "traceback",
             "reason": errors[-1] if errors else f"exit {rc} without the CLI's error line", "output": output}
 

@@ -617,37 +617,42 @@ def megatron_rejects(layouts: Sequence[dict[str, Any]]) -> list[str | None]:
     return [text or None for text in said]
 
 
-def dry_run(record: dict[str, Any]) -> dict[str, Any]:
-    """Dry-run one corpus record through `slime_rl.train.main` in this process: {outcome, reason, output, and
-    `layout` where the script's parallel layout was refused}."""
+def run_cli(argv: list[str], tmp: str) -> tuple[Any, str, str | None, list[str]]:
+    """`slime_rl.train.main(argv)` in this process, what it prints captured (warnings always shown): (its exit
+    code, stdout + stderr, the traceback of any exception but SystemExit, the CLI's error sentences), the temporary
+    folder `tmp` written as <tmp> so that a table does not change from one run to the next."""
     import warnings
 
     from slime_rl import train
 
+    out, err = io.StringIO(), io.StringIO()
+    rc: Any = None
+    trace = None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        warnings.simplefilter("always")
+        try:
+            rc = train.main(argv)
+        except SystemExit as exc:  # argparse's own exit (--help) or a deliberate one
+            rc = exc.code
+        except BaseException:  # noqa: BLE001 - every other exception is the outcome `traceback`
+            trace = traceback.format_exc().replace(tmp, "<tmp>")
+    output = (out.getvalue() + err.getvalue()).replace(tmp, "<tmp>")
+    errors = [line.removeprefix("slime-rl train: error: ") for line in err.getvalue().replace(tmp, "<tmp>").splitlines()
+              if line.startswith("slime-rl train: error: ")]
+    return rc, output, trace, errors
+
+
+def dry_run(record: dict[str, Any]) -> dict[str, Any]:
+    """Dry-run one corpus record through `slime_rl.train.main` in this process: {outcome, reason, output, and
+    `layout` where the script's parallel layout was refused}."""
     if record.get("error"):
         return {"outcome": "not-extracted", "reason": record["error"], "output": ""}
-    out, err = io.StringIO(), io.StringIO()
     with tempfile.TemporaryDirectory(prefix="slime-script-") as tmp:
-        argv = dry_run_argv(record, Path(tmp))
-        rc: Any = None
-        trace = None
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-            warnings.simplefilter("always")
-            try:
-                rc = train.main(argv)
-            except SystemExit as exc:  # argparse's own exit (--help) or a deliberate one
-                rc = exc.code
-            except BaseException:  # noqa: BLE001 - every other exception is the outcome `traceback`
-                trace = traceback.format_exc()
-    # the run's temporary folder as <tmp>: the table does not change from one run to the next
-    output = (out.getvalue() + err.getvalue()).replace(tmp, "<tmp>")
+        rc, output, trace, errors = run_cli(dry_run_argv(record, Path(tmp)), tmp)
     if trace is not None:
-        trace = trace.replace(tmp, "<tmp>")
         return {"outcome": "traceback", "reason": trace.strip().splitlines()[-1], "output": output + trace}
     if rc == 0:
         return {"outcome": "plans", "reason": "", "output": output}
-    errors = [line.removeprefix("slime-rl train: error: ") for line in err.getvalue().replace(tmp, "<tmp>").splitlines()
-              if line.startswith("slime-rl train: error: ")]
     if rc != 2 or not errors:
         return {"outcome": "traceback", "reason": f"exit {rc} without the CLI's error line", "output": output}
     reason = errors[-1]
